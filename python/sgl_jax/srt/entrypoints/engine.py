@@ -1,0 +1,185 @@
+"""Offline Engine: the same scheduler and detokenizer processes as the server, without HTTP.
+
+    from sgl_jax import Engine
+    with Engine(max_total_tokens=8192) as engine:
+        out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
+
+The TokenizerManager lives on a private asyncio loop in a background thread, so `generate` works from
+plain code and `async_generate` from any event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Union
+
+from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_subprocesses
+from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager, split_batch
+from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.srt.utils import configure_logging, kill_processes
+
+logger = logging.getLogger(__name__)
+
+
+
+async def _anext(agen):
+    return await agen.__anext__()
+
+
+async def _aclose(agen):
+    await agen.aclose()
+
+
+class Engine:
+    """Start the engine processes in-process (no HTTP).
+
+    Args:
+        **kwargs: any `ServerArgs` field (e.g. ``model_path``, ``max_total_tokens``, ``dtype``).
+    Raises:
+        RuntimeError: the scheduler failed to start (its traceback is in the message).
+    """
+
+    def __init__(self, **kwargs):
+        self.server_args = ServerArgs(**kwargs)
+        if not logging.getLogger().handlers:
+            configure_logging(self.server_args.log_level, "Engine")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="sgl-jax-engine")
+        self._thread.start()
+        self._procs = []
+        self._closed = False
+        port_args, self.scheduler_info, self._procs = launch_subprocesses(self.server_args)
+        try:
+            self.tokenizer_manager: TokenizerManager = self._run(self._create_tm(port_args))
+        except BaseException:
+            self.shutdown()
+            raise
+        self._watcher = ChildWatcher(self._procs, self._on_child_death)
+
+    async def _create_tm(self, port_args) -> TokenizerManager:
+        tm = TokenizerManager(self.server_args, port_args, self.scheduler_info)
+        tm.start()
+        return tm
+
+    def _on_child_death(self, name: str, exitcode: int) -> None:
+        logger.error("%s exited unexpectedly with code %s; the engine is unusable", name, exitcode)
+        self._loop.call_soon_threadsafe(self.tokenizer_manager.mark_dead, f"{name} exited with code {exitcode}")
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @staticmethod
+    def _body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+              token_ids_logprob, return_text_in_logprobs, stream, rid) -> Dict[str, Any]:
+        body: Dict[str, Any] = {"sampling_params": sampling_params, "return_logprob": return_logprob,
+                                "return_text_in_logprobs": return_text_in_logprobs, "stream": stream}
+        if prompt is not None:
+            body["text"] = prompt
+        if input_ids is not None:
+            body["input_ids"] = input_ids
+        for k, v in (("logprob_start_len", logprob_start_len), ("top_logprobs_num", top_logprobs_num),
+                     ("token_ids_logprob", token_ids_logprob), ("rid", rid)):
+            if v is not None:
+                body[k] = v
+        return body
+
+    async def _generate_all(self, objs) -> List[dict]:
+        return await asyncio.gather(*(self.tokenizer_manager.generate(o) for o in objs))
+
+    def generate(
+        self,
+        prompt: Optional[Union[str, List[str]]] = None,
+        sampling_params: Optional[Union[dict, List[dict]]] = None,
+        input_ids: Optional[Union[List[int], List[List[int]]]] = None,
+        return_logprob: Union[bool, List[bool]] = False,
+        logprob_start_len: Optional[Union[int, List[int]]] = None,
+        top_logprobs_num: Optional[Union[int, List[int]]] = None,
+        token_ids_logprob: Optional[list] = None,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: Optional[Union[str, List[str]]] = None,
+    ) -> Union[dict, List[dict], Iterator[dict]]:
+        """Generate for one prompt (returns a dict) or a batch (a list of dicts), like SGLang's Engine.
+
+        The dicts are the same as the HTTP /generate responses (``text``, ``output_ids``, ``meta_info``).
+        With ``stream=True`` (single prompt) returns an iterator of such dicts.
+        Raises:
+            RequestError: an invalid request.
+        """
+        obj = split_batch(self._body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                     top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream, rid))
+        if isinstance(obj, list):
+            return self._run(self._generate_all(obj))
+        if stream:
+            return self._stream_sync(obj)
+        return self._run(self.tokenizer_manager.generate(obj))
+
+    def _stream_sync(self, obj) -> Iterator[dict]:
+        agen = self.tokenizer_manager.generate_request(obj)
+        try:
+            while True:
+                try:
+                    yield self._run(_anext(agen))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(_aclose(agen))
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
+                             return_text_in_logprobs=False, stream=False, rid=None
+                             ) -> Union[dict, List[dict], AsyncIterator[dict]]:
+        """Async `generate`, usable from any event loop. With ``stream=True`` returns an async iterator."""
+        obj = split_batch(self._body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                     top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream, rid))
+        if stream and not isinstance(obj, list):
+            return self._stream_async(obj)
+        coro = self._generate_all(obj) if isinstance(obj, list) else self.tokenizer_manager.generate(obj)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    async def _stream_async(self, obj) -> AsyncIterator[dict]:
+        agen = self.tokenizer_manager.generate_request(obj)
+        try:
+            while True:
+                fut = asyncio.run_coroutine_threadsafe(_anext(agen), self._loop)
+                try:
+                    yield await asyncio.wrap_future(fut)
+                except StopAsyncIteration:
+                    return
+        finally:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_aclose(agen), self._loop))
+
+    def get_server_info(self) -> dict:
+        return {"internal_states": [self._run(self.tokenizer_manager.get_internal_state())],
+                **self.server_args.__dict__}
+
+    def flush_cache(self):
+        return self._run(self.tokenizer_manager.flush_cache())
+
+    def shutdown(self) -> None:
+        """Stop the child processes and the background loop. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if getattr(self, "_watcher", None) is not None:
+            self._watcher.stop()
+        kill_processes(self._procs)
+        tm = getattr(self, "tokenizer_manager", None)
+        if tm is not None and self._thread.is_alive():
+            self._run(tm.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass

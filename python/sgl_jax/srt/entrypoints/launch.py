@@ -1,0 +1,102 @@
+"""Start the scheduler and detokenizer processes and wait until the scheduler is ready.
+
+Both are started with the "spawn" method (JAX is not fork-safe). Each child dies with its parent
+(PR_SET_PDEATHSIG); `ChildWatcher` tells the parent when a child dies first.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import threading
+import time
+from typing import Callable, List, Tuple
+
+from sgl_jax.srt.configs.model_config import resolve_model_path
+from sgl_jax.srt.server_args import PortArgs, ServerArgs
+from sgl_jax.srt.utils import kill_processes
+
+logger = logging.getLogger(__name__)
+
+
+def _scheduler_main(*args) -> None:
+    # imported here so that the HTTP process never imports JAX
+    from sgl_jax.srt.managers.scheduler import run_scheduler_process
+
+    run_scheduler_process(*args)
+
+
+def _detokenizer_main(*args) -> None:
+    from sgl_jax.srt.managers.detokenizer_manager import run_detokenizer_process
+
+    run_detokenizer_process(*args)
+
+
+def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, dict, List[mp.Process]]:
+    """Start scheduler + detokenizer; return (port_args, scheduler_info, processes) once the scheduler is ready.
+
+    Raises:
+        RuntimeError: a child failed during start-up (the message carries its traceback).
+    """
+    resolve_model_path(server_args.model_path)  # build the GGUF metadata cache once, before the children
+    port_args = PortArgs.init_new()
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    parent = os.getpid()
+    scheduler = ctx.Process(target=_scheduler_main, args=(server_args, port_args, writer, parent),
+                            name="sgl_jax::scheduler")
+    detokenizer = ctx.Process(target=_detokenizer_main, args=(server_args, port_args, parent),
+                              name="sgl_jax::detokenizer")
+    procs = [scheduler, detokenizer]
+    scheduler.start()
+    detokenizer.start()
+    writer.close()
+    try:
+        info = _wait_ready(reader, procs)
+    except BaseException:
+        kill_processes(procs)
+        raise
+    logger.info("Scheduler ready: %s", {k: info[k] for k in ("max_total_tokens", "max_running_requests",
+                                                             "context_len")})
+    return port_args, info, procs
+
+
+def _wait_ready(reader, procs: List[mp.Process]) -> dict:
+    while True:
+        if reader.poll(0.5):
+            try:
+                msg = reader.recv()
+            except EOFError:
+                msg = {"status": "error", "error": "scheduler exited during start-up"}
+            if msg.get("status") == "ready":
+                return msg
+            raise RuntimeError(f"Scheduler failed to start:\n{msg.get('error')}")
+        for p in procs:
+            if not p.is_alive():
+                raise RuntimeError(f"{p.name} exited during start-up with code {p.exitcode}")
+
+
+class ChildWatcher:
+    """Calls ``on_death(name, exitcode)`` (from a thread) when any child exits before `stop()`."""
+
+    def __init__(self, procs: List[mp.Process], on_death: Callable[[str, int], None]):
+        self.procs = procs
+        self.on_death = on_death
+        self._stopped = False
+        threading.Thread(target=self._run, daemon=True, name="child-watcher").start()
+
+    def _run(self) -> None:
+        sentinels = {p.sentinel: p for p in self.procs}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self._stopped:
+            return
+        p = sentinels[ready[0]]
+        p.join(1.0)
+        time.sleep(0.05)
+        if not self._stopped:
+            self.on_death(p.name, p.exitcode)
+
+    def stop(self) -> None:
+        self._stopped = True

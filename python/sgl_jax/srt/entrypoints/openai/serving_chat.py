@@ -1,0 +1,145 @@
+"""POST /v1/chat/completions: the model's chat template, streaming (SSE, ``[DONE]``) and not, usage."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import List
+
+from fastapi.responses import Response, StreamingResponse
+
+from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest
+from sgl_jax.srt.entrypoints.openai.serving_completions import gather_or_cancel
+from sgl_jax.srt.entrypoints.openai.utils import (
+    SSE_DONE,
+    finish_reason_str,
+    json_response,
+    merge_streams,
+    sampling_params_from,
+    sse,
+    usage,
+)
+from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
+from sgl_jax.srt.sampling.sampling_params import TOP_LOGPROBS_MAX
+
+
+def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> List[int]:
+    """Render the messages with the model's chat template (generation prompt appended) and tokenize.
+
+    Raises:
+        RequestError: no messages, no chat template, unsupported features, or a template error.
+    """
+    if not req.messages:
+        raise RequestError("messages must not be empty")
+    if req.tools:
+        raise RequestError("tools are not supported")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise RequestError("response_format other than text is not supported")
+    tok = tm.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise RequestError("This model has no chat template; use /v1/completions")
+    messages = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            if any(p.type != "text" for p in content):
+                raise RequestError("only text content parts are supported")
+            content = "".join(p.text or "" for p in content)
+        messages.append({"role": m.role, "content": content or ""})
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja2 errors: unsupported roles and the like
+        raise RequestError(f"Chat template error: {e}") from None
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _chat_logprobs(entries, tops, top_n: int) -> dict:
+    def item(e):
+        token = e[2] or ""
+        return {"token": token, "logprob": e[0], "bytes": list(token.encode("utf-8"))}
+
+    content = []
+    for j, e in enumerate(entries):
+        d = item(e)
+        d["top_logprobs"] = [item(t) for t in tops[j]] if top_n > 0 and j < len(tops) else []
+        content.append(d)
+    return {"content": content}
+
+
+async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionRequest) -> Response:
+    input_ids = chat_prompt_ids(tm, req)
+    top_n = req.top_logprobs or 0
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= TOP_LOGPROBS_MAX:
+        raise RequestError(f"top_logprobs must be in [0, {TOP_LOGPROBS_MAX}], got {req.top_logprobs}")
+    if top_n and not req.logprobs:
+        raise RequestError("top_logprobs requires logprobs to be true")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    prepared = [tm.prepare(GenerateReqInput(
+        input_ids=input_ids,
+        sampling_params=sampling_params_from(req, max_tokens, seed_offset=k),
+        return_logprob=req.logprobs,
+        top_logprobs_num=top_n,
+        return_text_in_logprobs=True,
+        stream=req.stream,
+        rid=f"{req.rid}-{k}" if req.rid else None,
+    )) for k in range(req.n)]
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    model = tm.served_model_name
+
+    if not req.stream:
+        results = await gather_or_cancel(tm.generate(p) for p in prepared)
+        choices = []
+        for i, r in enumerate(results):
+            meta = r["meta_info"]
+            choices.append({
+                "index": i,
+                "message": {"role": "assistant", "content": r["text"]},
+                "logprobs": _chat_logprobs(meta.get("output_token_logprobs", []),
+                                           meta.get("output_top_logprobs", []), top_n) if req.logprobs else None,
+                "finish_reason": finish_reason_str(meta["finish_reason"]),
+                "matched_stop": (meta["finish_reason"] or {}).get("matched"),
+            })
+        meta0 = results[0]["meta_info"]
+        return json_response({
+            "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(meta0["prompt_tokens"], sum(r["meta_info"]["completion_tokens"] for r in results),
+                           meta0["cached_tokens"]),
+        })
+
+    def chunk(choices, **extra):
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": choices, **extra})
+
+    async def stream():
+        sent_text = [0] * len(prepared)
+        sent_lp = [0] * len(prepared)
+        completion_tokens = [0] * len(prepared)
+        prompt_tokens = cached = 0
+        for i in range(len(prepared)):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        try:
+            async for i, r in merge_streams([tm.generate_request(p) for p in prepared]):
+                meta = r["meta_info"]
+                delta = r["text"][sent_text[i]:]
+                sent_text[i] = len(r["text"])
+                logprobs = None
+                if req.logprobs:
+                    entries = meta.get("output_token_logprobs", [])
+                    tops = meta.get("output_top_logprobs", [])
+                    logprobs = _chat_logprobs(entries[sent_lp[i]:], tops[sent_lp[i]:], top_n)
+                    sent_lp[i] = len(entries)
+                prompt_tokens, cached = meta["prompt_tokens"], meta["cached_tokens"]
+                completion_tokens[i] = meta["completion_tokens"]
+                fr = finish_reason_str(meta["finish_reason"])
+                if delta or fr or (logprobs and logprobs["content"]):
+                    yield chunk([{"index": i, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+                                  "finish_reason": fr}])
+            if req.stream_options and req.stream_options.include_usage:
+                yield chunk([], usage=usage(prompt_tokens, sum(completion_tokens), cached))
+        except RequestError as e:
+            yield sse({"error": {"message": e.message, "code": e.status_code}})
+        yield SSE_DONE
+
+    return StreamingResponse(stream(), media_type="text/event-stream")

@@ -1,0 +1,115 @@
+"""Helpers shared by the OpenAI endpoints: request -> sampling params, errors, SSE, stream merging."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, List, Optional, Tuple
+
+import orjson
+from fastapi.responses import Response
+
+from sgl_jax.srt.managers.tokenizer_manager import RequestError
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def openai_error(message: str, status_code: int = 400, param: Optional[str] = None) -> Response:
+    """An error in the shape SGLang's OpenAI server returns: {"object": "error", "message", "type", "param", "code"}."""
+    body = {"object": "error", "message": message, "type": _ERROR_TYPES.get(status_code, "Error"),
+            "param": param, "code": status_code}
+    return Response(orjson.dumps(body), status_code=status_code, media_type="application/json")
+
+
+def json_response(obj, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status_code, media_type="application/json")
+
+
+def sse(obj) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def finish_reason_str(fr: Optional[dict]) -> Optional[str]:
+    """SGLang's finish_reason object -> OpenAI's string ("stop", "length", "abort")."""
+    if fr is None:
+        return None
+    return fr.get("type")
+
+
+def sampling_params_from(req, max_tokens: Optional[int], seed_offset: int = 0) -> dict:
+    """Native sampling params from an OpenAI request (completions or chat).
+
+    Raises:
+        RequestError: out-of-range values, naming the OpenAI parameter; unsupported features.
+    """
+    if max_tokens is not None and max_tokens < 0:
+        raise RequestError(f"max_tokens must be non-negative, got {max_tokens}")
+    if req.temperature < 0:
+        raise RequestError(f"temperature must be non-negative, got {req.temperature}")
+    if req.n < 1:
+        raise RequestError(f"n must be at least 1, got {req.n}")
+    if req.logit_bias:
+        raise RequestError("logit_bias is not supported")
+    return {
+        "max_new_tokens": max_tokens,
+        "min_new_tokens": req.min_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "no_stop_trim": req.no_stop_trim,
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "sampling_seed": None if req.seed is None else req.seed + seed_offset,
+    }
+
+
+async def merge_streams(gens: List[AsyncIterator[dict]]) -> AsyncIterator[Tuple[int, dict]]:
+    """Interleave several async generators, yielding (index, item) as items arrive.
+
+    Closing the merged iterator closes every source (which aborts their requests).
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, gen):
+        try:
+            async for item in gen:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except BaseException as e:  # forwarded to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(gens)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for g in gens:
+            await g.aclose()
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

@@ -1,0 +1,211 @@
+"""Ragged paged attention in pure JAX (the CPU path and the reference for kernels).
+
+One call serves a mixed batch of extend (prefill) and decode sequences whose tokens are concatenated in
+``q``; each sequence reads its K/V through its row of a page table. The algorithm is the one a Pallas
+kernel runs (online softmax over KV blocks, as in FlashAttention, Dao et al. 2022), written with
+`lax.fori_loop`s whose trip counts are dynamic: the work follows the real lengths, not padded ones, so
+one compiled program serves every batch of the same padded (T, S) shape.
+
+- decode batches (every sequence has one query token): vectorized over sequences, loop over KV blocks.
+- extend / mixed batches: loop over sequences, then over query blocks, then over the KV blocks up to the
+  causal bound of each query block (no work on fully masked blocks).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+MASK_VALUE = -1e30
+DECODE_KV_BLOCK = 256  # tokens of KV per decode iteration
+EXTEND_Q_BLOCK = 32  # query tokens per extend iteration
+EXTEND_KV_BLOCK = 128  # tokens of KV per extend iteration
+
+
+def write_kv_to_pages(
+    k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, loc: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter new tokens' K/V into their cache slots.
+
+    Args:
+        k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim] cache of one layer (donated by the
+            caller's jit, so the update is in place).
+        k, v: [T, num_kv_heads, head_dim] new keys/values.
+        loc: int32[T] flat slot per token (page * page_size + offset); padding tokens use slot 0, a
+            reserved page that is never read.
+    Returns:
+        The updated (k_pages, v_pages).
+    """
+    shape = k_pages.shape
+    flat = (shape[0] * shape[1],) + shape[2:]
+    k_pages = k_pages.reshape(flat).at[loc].set(k.astype(k_pages.dtype)).reshape(shape)
+    v_pages = v_pages.reshape(flat).at[loc].set(v.astype(v_pages.dtype)).reshape(shape)
+    return k_pages, v_pages
+
+
+def _scores(q, k, sm_scale, soft_cap):
+    """q [..., Q, KVH, G, D] x k [..., C, KVH, D] -> float32 [..., KVH, G, Q, C]."""
+    s = jnp.einsum("...qkgd,...ckd->...kgqc", q, k, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    return s
+
+
+def _online_softmax_step(carry, s, v):
+    """One FlashAttention update. s: [..., KVH, G, Q, C] masked scores; v: [..., C, KVH, D]."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("...kgqc,...ckd->...kgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+
+def _finish(l, acc):
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
+def _pages_per_block(block_tokens: int, page_size: int) -> int:
+    return max(1, block_tokens // page_size)
+
+
+def _decode_attention(q, k_pages, v_pages, kv_lens, page_indices, num_seqs, sm_scale, sliding_window, soft_cap):
+    T, H, D = q.shape
+    S, P = page_indices.shape
+    _, ps, KVH, _ = k_pages.shape
+    G = H // KVH
+    ppb = _pages_per_block(DECODE_KV_BLOCK, ps)
+    bk = ppb * ps
+    live = jnp.arange(S) < num_seqs
+    kv_len = jnp.where(live, kv_lens, 0)
+    rows = jnp.minimum(jnp.arange(S), T - 1)
+    qs = q[rows].reshape(S, 1, KVH, G, D)
+    qpos = kv_len - 1
+    lo = jnp.maximum(qpos - sliding_window + 1, 0) if sliding_window is not None else jnp.zeros_like(qpos)
+    kb_lo = jnp.min(jnp.where(live, lo, jnp.iinfo(jnp.int32).max)) // bk
+    kb_hi = (jnp.max(kv_len) + bk - 1) // bk
+    kb_lo = jnp.minimum(kb_lo, kb_hi)
+
+    def body(kb, carry):
+        cols = jnp.minimum(kb * ppb + jnp.arange(ppb), P - 1)
+        pages = page_indices[:, cols]  # [S, ppb]
+        kblk = k_pages[pages].reshape(S, bk, KVH, D)
+        vblk = v_pages[pages].reshape(S, bk, KVH, D)
+        kpos = kb * bk + jnp.arange(bk)
+        mask = (kpos[None, :] < kv_len[:, None]) & (kpos[None, :] >= lo[:, None])  # [S, bk]
+        s = _scores(qs, kblk, sm_scale, soft_cap)  # [S, KVH, G, 1, bk]
+        s = jnp.where(mask[:, None, None, None, :], s, MASK_VALUE)
+        return _online_softmax_step(carry, s, vblk)
+
+    init = (
+        jnp.full((S, KVH, G, 1), MASK_VALUE, jnp.float32),
+        jnp.zeros((S, KVH, G, 1), jnp.float32),
+        jnp.zeros((S, KVH, G, 1, D), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(kb_lo, kb_hi, body, init)
+    o = _finish(l, acc).reshape(S, H, D).astype(q.dtype)
+    out = jnp.zeros_like(q)
+    dest = jnp.where(live, jnp.arange(S), T)  # one query row per sequence, in order
+    return out.at[dest].set(o, mode="drop")
+
+
+def _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
+                      sliding_window, soft_cap):
+    T, H, D = q.shape
+    S, P = page_indices.shape
+    _, ps, KVH, _ = k_pages.shape
+    G = H // KVH
+    bq = EXTEND_Q_BLOCK
+    ppb = _pages_per_block(EXTEND_KV_BLOCK, ps)
+    bk = ppb * ps
+    q_padded = jnp.concatenate([q, jnp.zeros((bq, H, D), q.dtype)])
+
+    def seq_body(s, out):
+        q_start = cu_q_lens[s]
+        q_len = cu_q_lens[s + 1] - q_start
+        kv_len = kv_lens[s]
+        page_row = page_indices[s]
+
+        def q_body(qb, out):
+            row = qb * bq + jnp.arange(bq)
+            valid = row < q_len
+            qblk = jax.lax.dynamic_slice_in_dim(q_padded, q_start + qb * bq, bq).reshape(bq, KVH, G, D)
+            qpos = kv_len - q_len + row
+            last_pos = kv_len - q_len + jnp.minimum(qb * bq + bq, q_len) - 1
+            kv_hi = jnp.minimum(kv_len, last_pos + 1)
+            lo = jnp.maximum(qpos - sliding_window + 1, 0) if sliding_window is not None else jnp.zeros_like(qpos)
+            kb_lo = lo[0] // bk
+            kb_hi = (kv_hi + bk - 1) // bk
+
+            def kv_body(kb, carry):
+                cols = jnp.minimum(kb * ppb + jnp.arange(ppb), P - 1)
+                pages = page_row[cols]
+                kblk = k_pages[pages].reshape(bk, KVH, D)
+                vblk = v_pages[pages].reshape(bk, KVH, D)
+                kpos = kb * bk + jnp.arange(bk)
+                mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < kv_len) & (kpos[None, :] >= lo[:, None])
+                sc = _scores(qblk, kblk, sm_scale, soft_cap)  # [KVH, G, bq, bk]
+                sc = jnp.where(mask[None, None], sc, MASK_VALUE)
+                return _online_softmax_step(carry, sc, vblk)
+
+            init = (
+                jnp.full((KVH, G, bq), MASK_VALUE, jnp.float32),
+                jnp.zeros((KVH, G, bq), jnp.float32),
+                jnp.zeros((KVH, G, bq, D), jnp.float32),
+            )
+            _, l, acc = jax.lax.fori_loop(kb_lo, jnp.maximum(kb_hi, kb_lo), kv_body, init)
+            o = _finish(l, acc).transpose(2, 0, 1, 3).reshape(bq, H, D).astype(q.dtype)
+            dest = jnp.where(valid, q_start + row, T)
+            return out.at[dest].set(o, mode="drop")
+
+        n_qb = (q_len + bq - 1) // bq
+        return jax.lax.fori_loop(0, n_qb, q_body, out)
+
+    return jax.lax.fori_loop(0, num_seqs, seq_body, jnp.zeros_like(q))
+
+
+@functools.partial(jax.named_call, name="ragged_paged_attention")
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    decode_only: bool = False,
+) -> jax.Array:
+    """Causal attention of a ragged batch of sequences over a paged KV cache.
+
+    Args:
+        q: [T, num_heads, head_dim] queries of all sequences, concatenated in sequence order; rows past
+            ``cu_q_lens[num_seqs]`` are padding.
+        k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim]; already hold this step's K/V.
+        kv_lens: int32[S] tokens of KV per sequence, this step's tokens included.
+        page_indices: int32[S, pages_per_seq] page table; entries past a sequence's pages are ignored.
+        cu_q_lens: int32[S + 1] cumulative query lengths (cu_q_lens[0] = 0).
+        num_seqs: int32 scalar, sequences in use (<= S); the rest is padding.
+        sm_scale: softmax scale, usually head_dim ** -0.5.
+        sliding_window: if set, a query at position p sees keys at positions > p - sliding_window.
+        soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap) (Gemma 2).
+        decode_only: promise that every sequence has exactly one query token, which is row s of q for
+            sequence s; enables the vectorized decode path.
+    Returns:
+        [T, num_heads, head_dim] in q.dtype; padding rows are zero. Query i of sequence s sits at absolute
+        position kv_lens[s] - q_len[s] + i and attends to keys at positions <= it. Softmax runs in float32.
+    """
+    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+    if q.shape[1] % k_pages.shape[2]:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_pages.shape[2]}")
+    if decode_only:
+        return _decode_attention(q, k_pages, v_pages, kv_lens, page_indices, num_seqs, sm_scale,
+                                 sliding_window, soft_cap)
+    return _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
+                             sliding_window, soft_cap)

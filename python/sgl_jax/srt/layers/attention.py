@@ -1,0 +1,41 @@
+"""Attention over the paged KV cache for one layer: write this step's K/V, then ragged paged attention."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+
+from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention, write_kv_to_pages
+from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+LayerKV = Tuple[jax.Array, jax.Array]  # (k_pages, v_pages), each [num_pages, page_size, num_kv_heads, head_dim]
+
+
+def paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv: LayerKV,
+    fb: ForwardBatch,
+    *,
+    sm_scale: float,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+) -> Tuple[jax.Array, LayerKV]:
+    """One layer's attention for a batch.
+
+    Args:
+        q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotary already applied).
+        kv: this layer's cache pages.
+        fb: the step's ForwardBatch (slots to write, page table, lengths).
+    Returns:
+        ([T, num_heads, head_dim] attention output, updated kv).
+    """
+    k_pages, v_pages = write_kv_to_pages(kv[0], kv[1], k, v, fb.out_cache_loc)
+    out = ragged_paged_attention(
+        q, k_pages, v_pages, fb.kv_lens, fb.page_indices, fb.cu_q_lens, fb.num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        decode_only=fb.forward_mode == ForwardMode.DECODE,
+    )
+    return out, (k_pages, v_pages)

@@ -1,0 +1,34 @@
+"""Dense layers with HF-layout weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Linear(nnx.Module):
+    """y = x @ W.T (+ b), with W stored as [out_features, in_features] like `torch.nn.Linear`.
+
+    Keeping HF's layout makes checkpoint loading a copy (no transposes) and XLA contracts over W's
+    second axis without materializing a transpose.
+
+    Args:
+        in_features, out_features: sizes in elements.
+        use_bias: add a [out_features] bias.
+        dtype: parameter and compute dtype.
+        rngs: initializer randomness (normal, std 0.02); real weights are loaded over it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (out_features, in_features), dtype) * 0.02)
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., in_features] -> [..., out_features] in the parameter dtype."""
+        w = self.weight[...]
+        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y

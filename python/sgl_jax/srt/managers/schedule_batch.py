@@ -1,0 +1,274 @@
+"""Req and ScheduleBatch: the scheduler's pure data structures (no ZMQ, no JAX).
+
+A ScheduleBatch turns into a `ModelWorkerBatch` of host numpy arrays padded to a compiled bucket
+(`build_model_worker_batch`); the model runner moves it to device as a `ForwardBatch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, List, Optional
+
+import numpy as np
+
+from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+from sgl_jax.srt.model_executor.forward_batch_info import (
+    ForwardBatch,
+    ForwardMode,
+    ModelWorkerBatch,
+    SamplingMetadata,
+)
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+
+
+# ---------------------------------------------------------------- finish reasons (SGLang's JSON shapes)
+@dataclasses.dataclass
+class FinishReason:
+    """Why a request ended; `to_json` gives SGLang's ``meta_info.finish_reason`` object."""
+
+    type: str  # "stop" | "length" | "abort"
+    matched: object = None  # token id or stop string for "stop"
+    length: Optional[int] = None
+    message: Optional[str] = None
+    status_code: Optional[int] = None
+
+    def to_json(self) -> dict:
+        if self.type == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        out = {"type": "abort", "message": self.message}
+        if self.status_code is not None:
+            out["status_code"] = self.status_code
+        return out
+
+
+def finish_length(n: int) -> FinishReason:
+    return FinishReason("length", length=n)
+
+
+def finish_abort(message: str, status_code: Optional[int] = None) -> FinishReason:
+    return FinishReason("abort", message=message, status_code=status_code)
+
+
+# ---------------------------------------------------------------- request
+class Req:
+    """One generation request inside the scheduler.
+
+    Token bookkeeping: ``origin_input_ids`` (prompt) + ``output_ids`` (generated) = ``fill_ids``.
+    KV bookkeeping: ``req_pool_idx`` (ReqToTokenPool row, None when released), ``kv_allocated_len``
+    (positions with a KV slot) and ``kv_committed_len`` (positions whose K/V are written).
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: List[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: List[int],
+        seed: int,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        token_ids_logprob: Optional[List[int]] = None,
+        stream: bool = False,
+    ):
+        self.rid = rid
+        self.origin_input_ids = list(origin_input_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = set(eos_token_ids)
+        self.seed = seed
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.token_ids_logprob = token_ids_logprob
+        self.stream = stream
+        self.output_ids: List[int] = []
+        self.finished_reason: Optional[FinishReason] = None
+        self.to_abort: Optional[FinishReason] = None
+
+        self.req_pool_idx: Optional[int] = None
+        self.kv_allocated_len = 0
+        self.kv_committed_len = 0
+        self.prefix_len = 0  # cached prefix length at admission
+        self.extend_input_len = 0
+        self.cached_tokens = 0
+
+        self.sent_len = 0  # output tokens already sent to the detokenizer
+        self.input_logprobs_sent = False
+        self.input_token_logprobs: Optional[list] = None
+        self.input_top_logprobs: Optional[list] = None
+        self.input_token_ids_logprobs: Optional[list] = None
+        self.output_token_logprobs: List[tuple] = []
+        self.output_top_logprobs: List[list] = []
+        self.output_token_ids_logprobs: List[list] = []
+
+        self.created_time = time.time()
+        stops = sampling_params.stop or []
+        self.stop_tail_tokens = 4 * max((len(s) for s in stops), default=0) + 2
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def fill_ids(self) -> List[int]:
+        return self.origin_input_ids + self.output_ids
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and not self.input_logprobs_sent
+
+    def check_finished(self, decode_tail: Callable[[List[int]], str]) -> None:
+        """Set ``finished_reason`` after a new output token (SGLang's order: abort, length, token, string).
+
+        Args:
+            decode_tail: decodes a list of token ids to text (for stop-string matching).
+        """
+        if self.finished_reason is not None:
+            return
+        if self.to_abort is not None:
+            self.finished_reason = self.to_abort
+            return
+        sp = self.sampling_params
+        n = len(self.output_ids)
+        if sp.max_new_tokens is not None and n >= sp.max_new_tokens:
+            self.finished_reason = finish_length(n)
+            return
+        if n == 0 or n < sp.min_new_tokens:
+            return
+        last = self.output_ids[-1]
+        if last in sp.stop_token_ids or (not sp.ignore_eos and last in self.eos_token_ids):
+            self.finished_reason = FinishReason("stop", matched=last)
+            return
+        if sp.stop:
+            tail = decode_tail(self.output_ids[-self.stop_tail_tokens:])
+            for s in sp.stop:
+                if s in tail:
+                    self.finished_reason = FinishReason("stop", matched=s)
+                    return
+
+
+# ---------------------------------------------------------------- batch
+class ScheduleBatch:
+    """The requests of one forward step and how to lay them out for the model.
+
+    Args:
+        reqs: requests in batch order.
+        forward_mode: EXTEND (prefill from each request's cached prefix) or DECODE (one token each).
+    """
+
+    def __init__(self, reqs: List[Req], forward_mode: ForwardMode):
+        self.reqs = reqs
+        self.forward_mode = forward_mode
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    # ---- allocation
+    def prepare_for_extend(self, pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator) -> None:
+        """Give every request a pool row (if it has none) and KV slots for its uncached tokens.
+
+        Each request's ``prefix_len`` positions must already hold valid slots in its row.
+        Raises RuntimeError when the pools run out (admission control must prevent that).
+        """
+        for req in self.reqs:
+            if req.req_pool_idx is None:
+                req.req_pool_idx = pool.alloc()
+                if req.req_pool_idx is None:
+                    raise RuntimeError("ReqToTokenPool is full; admission should have prevented this")
+            seqlen = req.seqlen
+            req.extend_input_len = seqlen - req.prefix_len
+            row = pool.req_to_token[req.req_pool_idx]
+            slots = allocator.alloc_token_slots(row, req.prefix_len, seqlen)
+            if slots is None:
+                raise RuntimeError("KV pool is full; admission should have prevented this")
+            pool.write(req.req_pool_idx, req.prefix_len, slots)
+            req.kv_allocated_len = seqlen
+
+    def prepare_for_decode(self, pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator) -> bool:
+        """One KV slot per request for its last sampled token. Returns False (nothing taken) if pages ran out."""
+        need = sum(allocator.pages_needed(r.seqlen - 1, r.seqlen) for r in self.reqs)
+        if need * allocator.page_size > allocator.available_size():
+            return False
+        for req in self.reqs:
+            row = pool.req_to_token[req.req_pool_idx]
+            pos = req.seqlen - 1
+            slots = allocator.alloc_token_slots(row, pos, pos + 1)
+            pool.write(req.req_pool_idx, pos, slots)
+            req.kv_allocated_len = req.seqlen
+        return True
+
+    def filter_finished(self) -> None:
+        self.reqs = [r for r in self.reqs if not r.finished()]
+
+    def merge(self, other: "ScheduleBatch") -> None:
+        self.reqs.extend(other.reqs)
+
+    # ---- layout
+    def build_model_worker_batch(self, buckets: ShapeBuckets, pool: ReqToTokenPool,
+                                 page_size: int) -> ModelWorkerBatch:
+        """Host arrays for the step, padded to the bucket `buckets` picks (see ForwardBatch)."""
+        reqs = self.reqs
+        S = len(reqs)
+        if self.forward_mode == ForwardMode.DECODE:
+            T = S
+            T_pad, S_pad = buckets.decode_shape(S)
+            q_lens = np.ones(S, np.int64)
+            input_ids = np.array([r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs],
+                                 np.int32)
+            positions = np.array([r.seqlen - 1 for r in reqs], np.int32)
+        else:
+            q_lens = np.array([r.extend_input_len for r in reqs], np.int64)
+            T = int(q_lens.sum())
+            T_pad, S_pad = buckets.extend_shape(T, S)
+            input_ids = np.concatenate([np.asarray(r.fill_ids[r.prefix_len:], np.int32) for r in reqs])
+            positions = np.concatenate([np.arange(r.prefix_len, r.seqlen, dtype=np.int32) for r in reqs])
+        rows = np.array([r.req_pool_idx for r in reqs], np.int64)
+        starts = positions.astype(np.int64)
+        out_cache_loc = pool.req_to_token[np.repeat(rows, q_lens), starts]
+        kv_lens = np.array([r.seqlen for r in reqs], np.int32)
+        pages_per_seq = -(-pool.max_context_len // page_size)
+        page_indices = np.zeros((S_pad, pages_per_seq), np.int32)
+        page_indices[:S] = pool.req_to_token[rows][:, ::page_size][:, :pages_per_seq] // page_size
+        cu = np.zeros(S_pad + 1, np.int32)
+        cu[1:S + 1] = np.cumsum(q_lens)
+        cu[S + 1:] = T
+
+        def pad(a, n, dtype=np.int32, value=0):
+            out = np.full(n, value, dtype)
+            out[:len(a)] = a
+            return out
+
+        fb = ForwardBatch(
+            input_ids=pad(input_ids, T_pad),
+            positions=pad(positions, T_pad),
+            out_cache_loc=pad(out_cache_loc, T_pad),
+            cu_q_lens=cu,
+            kv_lens=pad(kv_lens, S_pad),
+            page_indices=page_indices,
+            num_seqs=np.asarray(S, np.int32),
+            logits_indices=pad(cu[1:S + 1] - 1, S_pad),
+            forward_mode=self.forward_mode,
+        )
+        sps = [r.sampling_params for r in reqs]
+        sampling = SamplingMetadata(
+            temperatures=pad([p.temperature for p in sps], S_pad, np.float32),
+            top_ps=pad([p.top_p for p in sps], S_pad, np.float32, 1.0),
+            top_ks=pad([p.top_k for p in sps], S_pad, np.int32, -1),
+            min_ps=pad([p.min_p for p in sps], S_pad, np.float32),
+            seeds=pad([r.seed for r in reqs], S_pad),
+            steps=pad([len(r.output_ids) for r in reqs], S_pad),
+            suppress_eos=pad([len(r.output_ids) < p.min_new_tokens for r, p in zip(reqs, sps)], S_pad, bool,
+                             False),
+        )
+        return ModelWorkerBatch(forward_batch=fb, sampling=sampling, num_tokens=T, num_seqs=S)

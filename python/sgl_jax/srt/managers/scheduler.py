@@ -1,0 +1,329 @@
+"""Scheduler process: owns the model runner and the memory pools, and runs continuous batching.
+
+Loop: receive requests -> pick the next batch (a prefill of newly admitted requests if any fit,
+otherwise one decode step of every running request) -> run it -> append tokens, finish and release
+requests, send progress to the detokenizer. New requests join between decode steps; finished ones leave.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+import traceback
+from typing import List, Optional
+
+import zmq
+
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    TokenizedGenerateReqInput,
+)
+from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort
+from sgl_jax.srt.managers.schedule_policy import PrefillAdder
+from sgl_jax.srt.managers.scheduler_output import process_batch_result, token_out
+from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
+from sgl_jax.srt.mem_cache.common import release_kv_cache
+from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.model_executor.buckets import ShapeBuckets, default_bs_paddings, default_token_paddings
+from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_jax.srt.model_executor.model_runner import ModelRunner, compute_max_total_tokens, setup_jax
+from sgl_jax.srt.utils import configure_logging, set_parent_death_signal
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 1000
+# Test hook: raise inside the scheduler loop at this forward step (checks crash reporting end to end).
+CRASH_AT_STEP_ENV = "SGL_JAX_TEST_CRASH_AT_STEP"
+
+
+def derive_limits(server_args, model_config, platform: str):
+    """(max_running_requests, ShapeBuckets, max_prefill_tokens) from the flags and the model.
+
+    Raises:
+        ValueError: --max-running-requests exceeds the largest --precompile-bs-paddings.
+    """
+    bs = server_args.precompile_bs_paddings
+    max_running = server_args.max_running_requests
+    if max_running is None:
+        max_running = bs[-1] if bs else (64 if platform == "cpu" else 256)
+    if bs is None:
+        bs = default_bs_paddings(max_running)
+    elif max_running > bs[-1]:
+        raise ValueError(f"--max-running-requests ({max_running}) exceeds the largest "
+                         f"--precompile-bs-paddings ({bs[-1]})")
+    tokens = server_args.precompile_token_paddings or default_token_paddings(model_config.context_len)
+    buckets = ShapeBuckets(tuple(tokens), tuple(bs))
+    return max_running, buckets, min(server_args.max_prefill_tokens, buckets.max_tokens)
+
+
+class Scheduler:
+    """Continuous-batching scheduler. See the module docstring for the loop.
+
+    Args:
+        server_args: `ServerArgs`.
+        port_args: `PortArgs` (ZMQ endpoints).
+    """
+
+    def __init__(self, server_args, port_args):
+        from transformers import AutoTokenizer
+
+        self.server_args = server_args
+        platform = setup_jax(server_args)
+        self.model_config = ModelConfig.from_server_args(server_args, platform)
+        mc = self.model_config
+        self.tokenizer = AutoTokenizer.from_pretrained(mc.resolved.hf_dir)
+        self.max_running_requests, self.buckets, self.max_prefill_tokens = derive_limits(
+            server_args, mc, platform)
+        self.context_len = mc.context_len
+        # the largest single prompt one extend can take (no chunked prefill yet)
+        self.max_req_input_len = min(self.context_len - 1, self.buckets.max_tokens)
+        logger.info("Model %s (%s, %s) on %s; context %d tokens", mc.model_path, mc.architecture, mc.dtype,
+                    platform, self.context_len)
+        self.model_runner = ModelRunner(
+            server_args, mc, buckets=self.buckets, max_context_len=self.context_len,
+            max_total_tokens_fn=lambda weight_bytes: compute_max_total_tokens(server_args, mc, weight_bytes,
+                                                                              platform),
+        )
+        self.page_size = server_args.page_size
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len)
+        self.allocator = PagedTokenToKVPoolAllocator(self.model_runner.max_total_tokens, self.page_size)
+        self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator)
+        self.waiting_queue: List[Req] = []
+        self.running_batch = ScheduleBatch([], ForwardMode.DECODE)
+        self.rng = random.Random(server_args.random_seed)
+        self.memory_errors = 0
+        self._idle_checked = False
+
+        ctx = zmq.Context(2)
+        self.recv_from_tokenizer = ctx.socket(zmq.PULL)
+        self.recv_from_tokenizer.bind(port_args.scheduler_input_ipc_name)
+        self.send_to_detokenizer = ctx.socket(zmq.PUSH)
+        self.send_to_detokenizer.connect(port_args.detokenizer_ipc_name)
+        self.send_to_tokenizer = ctx.socket(zmq.PUSH)
+        self.send_to_tokenizer.connect(port_args.tokenizer_ipc_name)
+
+        if not server_args.disable_precompile:
+            self.model_runner.warmup()
+
+    def init_info(self) -> dict:
+        """Facts the TokenizerManager needs (validation limits, pool sizes)."""
+        return {
+            "max_total_tokens": self.allocator.size,
+            "max_running_requests": self.max_running_requests,
+            "max_prefill_tokens": self.max_prefill_tokens,
+            "max_req_input_len": self.max_req_input_len,
+            "context_len": self.context_len,
+            "vocab_size": self.model_config.vocab_size,
+            "token_paddings": list(self.buckets.token_paddings),
+            "bs_paddings": list(self.buckets.bs_paddings),
+        }
+
+    # ------------------------------------------------------------ loop
+    def event_loop(self) -> None:
+        crash_at = int(os.environ.get(CRASH_AT_STEP_ENV, "0"))
+        step = 0
+        while True:
+            self.process_input_requests(self.recv_requests())
+            batch = self.get_next_batch_to_run()
+            if batch is None:
+                self.on_idle()
+                continue
+            step += 1
+            if step == crash_at:
+                raise RuntimeError(f"injected crash at step {step} ({CRASH_AT_STEP_ENV})")
+            self._idle_checked = False
+            out = self.model_runner.forward(
+                batch.build_model_worker_batch(self.buckets, self.req_to_token_pool, self.page_size))
+            process_batch_result(batch, out, self.model_runner.full_logprobs, self.decode_tail)
+            self.stream_and_release(batch)
+
+    def recv_requests(self) -> list:
+        busy = self.waiting_queue or not self.running_batch.is_empty()
+        if not busy and not self.recv_from_tokenizer.poll(IDLE_POLL_MS):
+            return []
+        msgs = []
+        while True:
+            try:
+                msgs.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
+            except zmq.Again:
+                return msgs
+
+    def process_input_requests(self, msgs: list) -> None:
+        for msg in msgs:
+            try:
+                if isinstance(msg, TokenizedGenerateReqInput):
+                    self.handle_generate_request(msg)
+                elif isinstance(msg, AbortReq):
+                    self.handle_abort(msg)
+                elif isinstance(msg, FlushCacheReq):
+                    self.send_to_tokenizer.send_pyobj(self.flush_cache())
+                elif isinstance(msg, GetInternalStateReq):
+                    self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
+                else:
+                    logger.error("Unknown message type %s", type(msg).__name__)
+            except Exception:  # a bad request must not take the scheduler down
+                logger.error("Failed to handle %s:\n%s", type(msg).__name__, traceback.format_exc())
+                rid = getattr(msg, "rid", None)
+                if rid is not None:
+                    self._send_abort(rid, "internal error while handling the request", 500)
+
+    # ------------------------------------------------------------ requests
+    def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
+        n = len(msg.input_ids)
+        if n == 0 or n > self.max_req_input_len:
+            self._send_abort(msg.rid, f"input of {n} tokens is outside [1, {self.max_req_input_len}]", 400)
+            return
+        sp = msg.sampling_params
+        room = self.context_len - n
+        sp.max_new_tokens = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
+        seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.randrange(2**31)
+        req = Req(
+            msg.rid, msg.input_ids, sp, eos_token_ids=self.model_config.eos_token_ids, seed=seed,
+            return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num, token_ids_logprob=msg.token_ids_logprob, stream=msg.stream,
+        )
+        if n + 1 > self.allocator.size:
+            self._send_abort(msg.rid, f"input of {n} tokens does not fit the KV cache "
+                                      f"({self.allocator.size} tokens)", 413)
+            return
+        sp.max_new_tokens = min(sp.max_new_tokens, self.allocator.size - n)
+        self.waiting_queue.append(req)
+
+    def handle_abort(self, msg: AbortReq) -> None:
+        for i, req in enumerate(self.waiting_queue):
+            if req.rid == msg.rid:
+                del self.waiting_queue[i]
+                req.finished_reason = finish_abort(msg.message)
+                self._send([token_out(req, self.server_args.stream_interval)])
+                return
+        for req in self.running_batch.reqs:
+            if req.rid == msg.rid:
+                req.to_abort = finish_abort(msg.message)
+                return
+
+    def _send_abort(self, rid: str, message: str, status_code: Optional[int] = None) -> None:
+        from sgl_jax.srt.managers.io_struct import DecodeConfig, TokenOut
+
+        out = TokenOut(rid=rid, new_token_ids=[], finished_reason=finish_abort(message, status_code).to_json(),
+                       prompt_tokens=0, completion_tokens=0, cached_tokens=0, decode=DecodeConfig())
+        self._send([out])
+
+    def _send(self, outs) -> None:
+        outs = [o for o in outs if o is not None]
+        if outs:
+            self.send_to_detokenizer.send_pyobj(BatchTokenIDOut(outs))
+
+    # ------------------------------------------------------------ batching
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+        batch = self.get_new_batch_prefill()
+        if batch is not None:
+            return batch
+        if self.running_batch.is_empty():
+            return None
+        if not self.running_batch.prepare_for_decode(self.req_to_token_pool, self.allocator):
+            raise RuntimeError("KV pool exhausted during decode; admission reservation is broken")
+        return self.running_batch
+
+    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        if not self.waiting_queue:
+            return None
+        running = self.running_batch.reqs
+        slots = min(self.req_to_token_pool.available_size(), self.max_running_requests - len(running))
+        adder = PrefillAdder(self.buckets, self.allocator, running, self.max_prefill_tokens, slots)
+        for req in self.waiting_queue:
+            req.prefix_len = self.tree_cache.match_prefix(req.fill_ids).length
+            if not adder.add(req):
+                break
+        if not adder.can_run:
+            return None
+        admitted = set(id(r) for r in adder.can_run)
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        batch = ScheduleBatch(adder.can_run, ForwardMode.EXTEND)
+        batch.prepare_for_extend(self.req_to_token_pool, self.allocator)
+        return batch
+
+    def decode_tail(self, req: Req, ids: List[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
+
+    def stream_and_release(self, batch: ScheduleBatch) -> None:
+        """Send progress, release finished requests, and move newly prefilled ones into the running batch."""
+        self._send([token_out(r, self.server_args.stream_interval) for r in batch.reqs])
+        for req in batch.reqs:
+            if req.finished():
+                release_kv_cache(req, self.tree_cache)
+        if batch.forward_mode == ForwardMode.EXTEND:
+            self.running_batch.merge(ScheduleBatch([r for r in batch.reqs if not r.finished()],
+                                                   ForwardMode.DECODE))
+        else:
+            self.running_batch.filter_finished()
+
+    # ------------------------------------------------------------ state
+    def kv_accounting(self) -> dict:
+        total = self.allocator.size
+        free = self.allocator.available_size()
+        cached = self.tree_cache.evictable_size()
+        protected = self.tree_cache.protected_size()
+        return {
+            "kv_tokens_total": total,
+            "kv_tokens_free": free,
+            "kv_tokens_cached": cached + protected,
+            "kv_tokens_in_use": total - free - cached - protected,
+        }
+
+    def internal_state(self) -> dict:
+        state = self.kv_accounting()
+        state.update({
+            "num_running_reqs": len(self.running_batch.reqs),
+            "num_waiting_reqs": len(self.waiting_queue),
+            "req_slots_free": self.req_to_token_pool.available_size(),
+            "memory_errors": self.memory_errors,
+            "num_compiles_after_warmup": self.model_runner.num_compiles_after_warmup,
+            "page_size": self.page_size,
+            **self.init_info(),
+        })
+        return state
+
+    def on_idle(self) -> None:
+        """When nothing runs: check that every KV token and request slot is free or cached."""
+        if self._idle_checked:
+            return
+        self._idle_checked = True
+        acc = self.kv_accounting()
+        slots_ok = self.req_to_token_pool.available_size() == self.req_to_token_pool.size
+        if acc["kv_tokens_in_use"] != 0 or not slots_ok:
+            self.memory_errors += 1
+            logger.error("KV accounting mismatch while idle: %s, free request slots %d of %d", acc,
+                         self.req_to_token_pool.available_size(), self.req_to_token_pool.size)
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        if self.waiting_queue or not self.running_batch.is_empty():
+            return FlushCacheReqOutput(False, "Cannot flush the cache while requests are running or waiting")
+        self.tree_cache.reset()
+        return FlushCacheReqOutput(True, "Cache flushed.")
+
+
+def run_scheduler_process(server_args, port_args, pipe_writer, parent_pid: int) -> None:
+    """Entry point of the scheduler process: build, report readiness over `pipe_writer`, serve forever."""
+    configure_logging(server_args.log_level, "Scheduler")
+    set_parent_death_signal(parent_pid)
+    try:
+        scheduler = Scheduler(server_args, port_args)
+        pipe_writer.send({"status": "ready", **scheduler.init_info()})
+        scheduler.event_loop()
+    except Exception:
+        tb = traceback.format_exc()
+        logger.error("Scheduler process failed:\n%s", tb)
+        try:
+            pipe_writer.send({"status": "error", "error": tb})
+        except Exception:
+            pass
+        sys.exit(1)

@@ -1,0 +1,151 @@
+"""After a step: append sampled tokens, collect logprobs, decide who finished, and build BatchTokenIDOut.
+
+Logprob conventions follow SGLang: ``input_token_logprobs`` start at ``logprob_start_len`` and the very
+first prompt token has logprob None; entry i of a request's output logprobs is the log-probability of
+output token i under the model's (temperature 1) next-token distribution.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import numpy as np
+
+from sgl_jax.srt.managers.io_struct import DecodeConfig, LogprobDelta, TokenOut
+from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
+from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_jax.srt.model_executor.model_runner import StepOutput
+
+
+def top_logprobs(row: np.ndarray, k: int) -> list:
+    """[(logprob, token_id)] of the k most likely tokens of a float32[V] logprob row, best first."""
+    if k <= 0:
+        return []
+    idx = np.argpartition(-row, k - 1)[:k]
+    idx = idx[np.argsort(-row[idx], kind="stable")]
+    return [(float(row[i]), int(i)) for i in idx]
+
+
+def token_ids_logprobs(row: np.ndarray, ids: List[int]) -> list:
+    return [(float(row[i]), int(i)) for i in ids]
+
+
+def input_logprobs(req: Req, hidden: np.ndarray, first_row: int,
+                   full_logprobs: Callable[[np.ndarray], np.ndarray], chunk: int = 128) -> None:
+    """Fill the request's input logprob fields from this extend's hidden states.
+
+    Args:
+        hidden: [T_pad, hidden] final hidden states of the step; row ``first_row + p - prefix_len`` is
+            prompt position p (whose distribution predicts token p + 1).
+        full_logprobs: hidden rows [N, hidden] -> float32[N, V]; called on at most `chunk` rows at a time.
+    Raises:
+        ValueError: a needed position lies in the cached prefix (not computed in this extend).
+    """
+    ids = req.origin_input_ids
+    start = min(max(req.logprob_start_len, 0), len(ids) - 1)
+    want_top = req.top_logprobs_num > 0
+    want_ids = bool(req.token_ids_logprob)
+    token_lps, tops, id_lps = [], [], []
+    if start == 0:
+        token_lps.append((None, ids[0]))
+        tops.append(None)
+        id_lps.append(None)
+    positions = list(range(max(start, 1), len(ids)))
+    if positions and positions[0] - 1 < req.prefix_len:
+        raise ValueError("input logprobs requested inside the cached prefix")
+    for c in range(0, len(positions), chunk):
+        pos = positions[c:c + chunk]
+        rows = full_logprobs(hidden[[first_row + p - 1 - req.prefix_len for p in pos]])
+        for row, p in zip(rows, pos):
+            token_lps.append((float(row[ids[p]]), ids[p]))
+            tops.append(top_logprobs(row, req.top_logprobs_num) if want_top else None)
+            id_lps.append(token_ids_logprobs(row, req.token_ids_logprob) if want_ids else None)
+    req.input_token_logprobs = token_lps
+    req.input_top_logprobs = tops if want_top else None
+    req.input_token_ids_logprobs = id_lps if want_ids else None
+
+
+def _extend_offsets(batch: ScheduleBatch) -> List[int]:
+    offsets, o = [], 0
+    for r in batch.reqs:
+        offsets.append(o)
+        o += r.extend_input_len
+    return offsets
+
+
+def process_batch_result(
+    batch: ScheduleBatch,
+    out: StepOutput,
+    full_logprobs: Callable[[np.ndarray], np.ndarray],
+    decode_tail: Callable[[Req, List[int]], str],
+) -> None:
+    """Apply one step's results to the batch's requests (tokens, logprobs, finish reasons).
+
+    Args:
+        full_logprobs: hidden rows [N, hidden] -> float32[N, V] logprobs (for input-token logprobs).
+        decode_tail: (req, token ids) -> text, for stop strings.
+    """
+    is_extend = batch.forward_mode == ForwardMode.EXTEND
+    need_rows = any(r.return_logprob and (r.top_logprobs_num > 0 or r.token_ids_logprob) for r in batch.reqs)
+    rows = np.asarray(out.logprobs) if need_rows else None
+    hidden = None
+    offsets = _extend_offsets(batch) if is_extend else None
+    for i, req in enumerate(batch.reqs):
+        req.kv_committed_len = req.seqlen
+        if is_extend and req.wants_input_logprobs():
+            if hidden is None:
+                hidden = np.asarray(out.hidden)
+            input_logprobs(req, hidden, offsets[i], full_logprobs)
+        if req.to_abort is not None:
+            req.finished_reason = req.to_abort
+            continue
+        if req.sampling_params.max_new_tokens == 0:
+            req.check_finished(lambda ids, r=req: decode_tail(r, ids))
+            continue
+        token = int(out.next_token_ids[i])
+        req.output_ids.append(token)
+        if req.return_logprob:
+            req.output_token_logprobs.append((float(out.next_token_logprobs[i]), token))
+            if req.top_logprobs_num > 0:
+                req.output_top_logprobs.append(top_logprobs(rows[i], req.top_logprobs_num))
+            if req.token_ids_logprob:
+                req.output_token_ids_logprobs.append(token_ids_logprobs(rows[i], req.token_ids_logprob))
+        req.check_finished(lambda ids, r=req: decode_tail(r, ids))
+
+
+def token_out(req: Req, stream_interval: int) -> Optional[TokenOut]:
+    """The message for the detokenizer about `req`, or None when nothing needs sending yet.
+
+    Streaming requests are sent every ``stream_interval`` new tokens; others only when they finish.
+    """
+    n_new = len(req.output_ids) - req.sent_len
+    finished = req.finished()
+    if not finished and not (req.stream and n_new >= stream_interval):
+        return None
+    delta = None
+    if req.return_logprob:
+        s = req.sent_len
+        delta = LogprobDelta(
+            output_token_logprobs=req.output_token_logprobs[s:],
+            output_top_logprobs=req.output_top_logprobs[s:],
+            output_token_ids_logprobs=req.output_token_ids_logprobs[s:],
+        )
+        if not req.input_logprobs_sent:
+            delta.input_token_logprobs = req.input_token_logprobs
+            delta.input_top_logprobs = req.input_top_logprobs
+            delta.input_token_ids_logprobs = req.input_token_ids_logprobs
+            req.input_logprobs_sent = True
+    sp = req.sampling_params
+    msg = TokenOut(
+        rid=req.rid,
+        new_token_ids=req.output_ids[req.sent_len:],
+        finished_reason=req.finished_reason.to_json() if finished else None,
+        prompt_tokens=len(req.origin_input_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
+        decode=DecodeConfig(sp.skip_special_tokens, sp.spaces_between_special_tokens, list(sp.stop or []),
+                            sp.no_stop_trim),
+        logprobs=delta,
+    )
+    req.sent_len = len(req.output_ids)
+    return msg

@@ -1,0 +1,95 @@
+"""Paged KV slot allocator: a free list of pages; a token's slot is page * page_size + offset (host)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+
+class PagedTokenToKVPoolAllocator:
+    """Hands out KV pages of `page_size` token slots.
+
+    Page 0 is reserved: padding tokens of a bucketed batch write their K/V there and nothing reads it, so
+    usable pages are 1..num_pages and the device buffers hold num_pages + 1 pages.
+
+    Args:
+        num_tokens: usable KV capacity in tokens (rounded down to whole pages).
+        page_size: tokens per page.
+    """
+
+    def __init__(self, num_tokens: int, page_size: int):
+        if num_tokens < page_size:
+            raise ValueError(f"KV pool of {num_tokens} tokens is smaller than one page ({page_size})")
+        self.page_size = page_size
+        self.num_pages = num_tokens // page_size
+        self._free = np.arange(1, self.num_pages + 1, dtype=np.int32)
+        self._is_free = np.ones(self.num_pages + 1, dtype=bool)
+        self._is_free[0] = False
+
+    @property
+    def size(self) -> int:
+        """Usable capacity in tokens."""
+        return self.num_pages * self.page_size
+
+    def available_size(self) -> int:
+        """Free capacity in tokens."""
+        return len(self._free) * self.page_size
+
+    def available_pages(self) -> int:
+        return len(self._free)
+
+    def alloc_pages(self, n: int) -> Optional[np.ndarray]:
+        """n free pages (int32[n]), or None if fewer are free (nothing is taken then)."""
+        if n > len(self._free):
+            return None
+        pages, self._free = self._free[:n], self._free[n:]
+        self._is_free[pages] = False
+        return pages
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        """Return pages to the free list. Raises ValueError on page 0, out-of-range, or double free."""
+        pages = np.asarray(pages, dtype=np.int32)
+        if pages.size == 0:
+            return
+        if pages.min() < 1 or pages.max() > self.num_pages:
+            raise ValueError(f"freeing invalid KV pages {pages[(pages < 1) | (pages > self.num_pages)][:5]}")
+        if len(np.unique(pages)) != len(pages) or self._is_free[pages].any():
+            raise ValueError("KV page freed twice")
+        self._is_free[pages] = True
+        self._free = np.concatenate([self._free, pages])
+
+    def pages_needed(self, have_tokens: int, want_tokens: int) -> int:
+        """New pages to grow a sequence's KV from have_tokens to want_tokens slots."""
+        ps = self.page_size
+        return max(0, math.ceil(want_tokens / ps) - math.ceil(have_tokens / ps))
+
+    def alloc_token_slots(self, row: np.ndarray, have_tokens: int, want_tokens: int) -> Optional[np.ndarray]:
+        """Slots for positions [have_tokens, want_tokens) of one sequence.
+
+        Args:
+            row: the sequence's ReqToTokenPool row (slots of positions < have_tokens are valid); a partly
+                filled last page is continued before new pages are taken.
+        Returns:
+            int32[want_tokens - have_tokens] slots, or None when pages ran out (nothing taken then).
+        """
+        ps = self.page_size
+        new_pages = self.alloc_pages(self.pages_needed(have_tokens, want_tokens))
+        if new_pages is None:
+            return None
+        positions = np.arange(have_tokens, want_tokens, dtype=np.int64)
+        have_pages = math.ceil(have_tokens / ps)
+        page_idx = positions // ps
+        if have_pages > 0:
+            last_page = int(row[(have_pages - 1) * ps]) // ps
+            pages = np.where(page_idx < have_pages, last_page, new_pages[np.maximum(page_idx - have_pages, 0)]
+                             if len(new_pages) else last_page)
+        else:
+            pages = new_pages[page_idx]
+        return (pages * ps + positions % ps).astype(np.int32)
+
+    def pages_of(self, row: np.ndarray, num_tokens: int) -> np.ndarray:
+        """Pages holding positions [0, num_tokens) of a sequence's row (one entry per page)."""
+        ps = self.page_size
+        return (row[0:num_tokens:ps] // ps).astype(np.int32)

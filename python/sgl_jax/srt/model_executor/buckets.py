@@ -1,0 +1,78 @@
+"""Shape buckets: the padded (T tokens, S sequences) shapes compiled at start-up, chosen in one place.
+
+Extend batches are keyed by T only: their S is derived from T (the smallest batch-size padding that
+holds min(T, largest batch-size padding) sequences), because attention work follows the real sequences
+and only the logits/sampling rows grow with S. Decode batches are keyed by S (T == S).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import List, Tuple
+
+from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+
+
+def _smallest_at_least(sorted_values: List[int], n: int) -> int:
+    i = bisect.bisect_left(sorted_values, n)
+    if i == len(sorted_values):
+        raise ValueError(f"{n} exceeds the largest bucket {sorted_values[-1]}")
+    return sorted_values[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeBuckets:
+    """token_paddings: sorted extend token counts; bs_paddings: sorted batch sizes."""
+
+    token_paddings: Tuple[int, ...]
+    bs_paddings: Tuple[int, ...]
+
+    @property
+    def max_tokens(self) -> int:
+        return self.token_paddings[-1]
+
+    @property
+    def max_bs(self) -> int:
+        return self.bs_paddings[-1]
+
+    def extend_bs(self, padded_tokens: int) -> int:
+        return _smallest_at_least(list(self.bs_paddings), min(padded_tokens, self.max_bs))
+
+    def extend_shape(self, num_tokens: int, num_seqs: int) -> Tuple[int, int]:
+        """(T_pad, S_pad) for an extend batch. Raises ValueError when nothing holds it."""
+        for t in self.token_paddings:
+            if t >= num_tokens and self.extend_bs(t) >= num_seqs:
+                return t, self.extend_bs(t)
+        raise ValueError(f"no extend bucket holds {num_tokens} tokens in {num_seqs} sequences")
+
+    def decode_shape(self, num_seqs: int) -> Tuple[int, int]:
+        """(T_pad, S_pad) for a decode batch (one token per sequence)."""
+        s = _smallest_at_least(list(self.bs_paddings), num_seqs)
+        return s, s
+
+    def all_shapes(self) -> List[Tuple[ForwardMode, int, int]]:
+        """Every (mode, T_pad, S_pad) that serving can produce; warm-up compiles exactly these."""
+        shapes = [(ForwardMode.EXTEND, t, self.extend_bs(t)) for t in self.token_paddings]
+        shapes += [(ForwardMode.DECODE, s, s) for s in self.bs_paddings]
+        return shapes
+
+
+def default_token_paddings(max_extend_tokens: int, start: int = 64) -> List[int]:
+    """Powers of two from `start` up to the first one >= max_extend_tokens."""
+    out, t = [], start
+    while True:
+        out.append(t)
+        if t >= max_extend_tokens:
+            return out
+        t *= 2
+
+
+def default_bs_paddings(max_running_requests: int) -> List[int]:
+    """Powers of four from 1, ending with max_running_requests."""
+    out, b = [], 1
+    while b < max_running_requests:
+        out.append(b)
+        b *= 4
+    out.append(max_running_requests)
+    return out

@@ -1,0 +1,99 @@
+"""ForwardBatch: the device-side description of one model step (a registered JAX pytree).
+
+The chain is ScheduleBatch (scheduler, Python objects) -> ModelWorkerBatch (host numpy arrays padded to
+a compiled bucket, built by `schedule_batch`) -> ForwardBatch (the same arrays on device) -> model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import numpy as np
+
+
+class ForwardMode(enum.IntEnum):
+    """EXTEND: prefill / extend of one or more sequences (any query lengths). DECODE: one token each."""
+
+    EXTEND = 1
+    DECODE = 2
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+
+@dataclasses.dataclass
+class ForwardBatch:
+    """Arrays for one forward step, padded to a bucket (T tokens, S sequences).
+
+    input_ids: int32[T]; positions: int32[T] absolute positions; out_cache_loc: int32[T] KV slot per token
+    (padding -> slot 0, a reserved page).
+    cu_q_lens: int32[S + 1]; kv_lens: int32[S]; page_indices: int32[S, pages_per_seq]; num_seqs: int32[]
+    -- the ragged paged attention metadata.
+    logits_indices: int32[S] row of each sequence's last token in the T axis (where next-token logits
+    are taken).
+    forward_mode: static (part of the compiled program's identity).
+    """
+
+    input_ids: jax.Array
+    positions: jax.Array
+    out_cache_loc: jax.Array
+    cu_q_lens: jax.Array
+    kv_lens: jax.Array
+    page_indices: jax.Array
+    num_seqs: jax.Array
+    logits_indices: jax.Array
+    forward_mode: ForwardMode = ForwardMode.EXTEND
+
+
+jax.tree_util.register_dataclass(
+    ForwardBatch,
+    data_fields=["input_ids", "positions", "out_cache_loc", "cu_q_lens", "kv_lens", "page_indices",
+                 "num_seqs", "logits_indices"],
+    meta_fields=["forward_mode"],
+)
+
+
+@dataclasses.dataclass
+class SamplingMetadata:
+    """Per-sequence sampling parameters, arrays of length S (padding rows are greedy).
+
+    temperatures: float32 (0 = greedy); top_ps: float32 in (0, 1]; top_ks: int32 (<= 0: off);
+    min_ps: float32 in [0, 1]; seeds: int32 per-request seed; steps: int32 tokens generated so far (the
+    random stream of a request is fold_in(key(seed), step), so sampling does not depend on the batch);
+    suppress_eos: bool, mask EOS logits (min_new_tokens not reached).
+    """
+
+    temperatures: jax.Array
+    top_ps: jax.Array
+    top_ks: jax.Array
+    min_ps: jax.Array
+    seeds: jax.Array
+    steps: jax.Array
+    suppress_eos: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    SamplingMetadata,
+    data_fields=["temperatures", "top_ps", "top_ks", "min_ps", "seeds", "steps", "suppress_eos"],
+    meta_fields=[],
+)
+
+
+@dataclasses.dataclass
+class ModelWorkerBatch:
+    """Host (numpy) version of ForwardBatch + SamplingMetadata, plus the unpadded sizes.
+
+    num_tokens / num_seqs: real (unpadded) token and sequence counts.
+    """
+
+    forward_batch: ForwardBatch
+    sampling: SamplingMetadata
+    num_tokens: int
+    num_seqs: int
+
+    @property
+    def padded_shape(self) -> tuple:
+        fb = self.forward_batch
+        return (fb.forward_mode, int(np.shape(fb.input_ids)[0]), int(np.shape(fb.kv_lens)[0]))

@@ -1,0 +1,208 @@
+"""ModelRunner: weights and KV buffers on device, the jitted step, warm-up compilation of every bucket.
+
+One step = forward (writing this step's K/V in place: the cache is a donated argument) + next-token
+logits at each sequence's last token + sampling, in a single compiled program per padded shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from typing import List, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from sgl_jax.srt.layers.sampler import sample
+from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+from sgl_jax.srt.model_executor.forward_batch_info import (
+    ForwardBatch,
+    ForwardMode,
+    ModelWorkerBatch,
+    SamplingMetadata,
+)
+from sgl_jax.srt.model_loader.loader import JNP_DTYPES, load_model
+
+logger = logging.getLogger(__name__)
+
+LOGPROB_CHUNK_ROWS = 128  # rows per call when computing full-vocabulary input-token logprobs
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """Result of one step. next_token_ids / next_token_logprobs are host arrays over the real sequences;
+    ``logprobs`` (float32[S_pad, V]) and ``hidden`` (float32[T_pad, hidden]) stay on device until asked."""
+
+    next_token_ids: np.ndarray
+    next_token_logprobs: np.ndarray
+    logprobs: jax.Array
+    hidden: jax.Array
+
+
+def kv_bytes_per_token(model_config) -> int:
+    itemsize = jnp.dtype(JNP_DTYPES[model_config.dtype]).itemsize
+    return 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim * itemsize
+
+
+def _available_memory_bytes(platform: str) -> int:
+    """Device memory limit on TPU/GPU; MemAvailable of the host on CPU."""
+    if platform != "cpu":
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot determine available memory; pass --max-total-tokens")
+
+
+def compute_max_total_tokens(server_args, model_config, weight_bytes: int, platform: str) -> int:
+    """KV pool size in tokens: --max-total-tokens, or what --mem-fraction-static leaves after weights.
+
+    Defaults for the fraction: 0.8 on TPU/GPU (of device memory), 0.2 on CPU (of available host memory).
+    Raises ValueError when the budget holds no KV at all.
+    """
+    if server_args.max_total_tokens is not None:
+        return int(server_args.max_total_tokens)
+    frac = server_args.mem_fraction_static or (0.2 if platform == "cpu" else 0.8)
+    budget = int(_available_memory_bytes(platform) * frac) - (0 if platform == "cpu" else weight_bytes)
+    tokens = budget // kv_bytes_per_token(model_config)
+    if tokens <= 0:
+        raise ValueError("--mem-fraction-static leaves no memory for the KV cache; raise it or pass "
+                         "--max-total-tokens")
+    return int(tokens)
+
+
+class ModelRunner:
+    """Owns the model on device and runs steps.
+
+    Args:
+        server_args: `ServerArgs`.
+        model_config: `ModelConfig`.
+        buckets: the compiled shapes.
+        max_context_len: tokens per sequence (sizes the page table width).
+        max_total_tokens_fn: weight bytes -> KV pool capacity in tokens (rounded down to whole pages;
+            page 0 is added on top as the padding sink).
+    """
+
+    def __init__(self, server_args, model_config, *, buckets: ShapeBuckets, max_context_len: int,
+                 max_total_tokens_fn):
+        self.server_args = server_args
+        self.model_config = model_config
+        self.buckets = buckets
+        self.page_size = server_args.page_size
+        self.graphdef, self.params = load_model(model_config, server_args.load_format, server_args.random_seed)
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
+        self.num_pages = max_total_tokens_fn(weight_bytes) // self.page_size
+        self.max_total_tokens = self.num_pages * self.page_size
+        self.pages_per_seq = math.ceil(max_context_len / self.page_size)
+        dtype = JNP_DTYPES[model_config.dtype]
+        shape = (self.num_pages + 1, self.page_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                          for _ in range(model_config.num_hidden_layers)]
+        logger.info("KV cache: %d tokens in %d pages of %d (%.2f GiB)", self.num_pages * self.page_size,
+                    self.num_pages, self.page_size,
+                    2 * len(self.kv_caches) * np.prod(shape) * jnp.dtype(dtype).itemsize / 2**30)
+        eos = model_config.eos_token_ids or [model_config.vocab_size]  # out of range -> no-op mask
+        self.eos_token_ids = jnp.asarray(eos, jnp.int32)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        self._logprobs = jax.jit(self._logprobs_impl)
+        self._compiled_after_warmup: Optional[int] = None
+        self.num_compiles_after_warmup = 0
+
+    # ---- compiled functions
+    def _step_impl(self, params, kv_caches, fb: ForwardBatch, sampling: SamplingMetadata):
+        model = nnx.merge(self.graphdef, params)
+        hidden, kv_caches = model(fb, kv_caches)
+        logits = model.compute_logits(hidden[fb.logits_indices])
+        next_ids, logprobs = sample(logits, sampling, self.eos_token_ids)
+        next_lp = jnp.take_along_axis(logprobs, next_ids[:, None], axis=-1)[:, 0]
+        return kv_caches, next_ids, next_lp, logprobs, hidden
+
+    def _logprobs_impl(self, params, hidden):
+        model = nnx.merge(self.graphdef, params)
+        return jax.nn.log_softmax(model.compute_logits(hidden), axis=-1)
+
+    # ---- running
+    def forward(self, batch: ModelWorkerBatch) -> StepOutput:
+        """Run one step on device. The KV cache is updated in place."""
+        fb, sampling = jax.device_put((batch.forward_batch, batch.sampling))
+        self.kv_caches, next_ids, next_lp, logprobs, hidden = self._step(self.params, self.kv_caches, fb,
+                                                                         sampling)
+        self._check_no_new_compile(batch)
+        n = batch.num_seqs
+        return StepOutput(np.asarray(next_ids)[:n], np.asarray(next_lp)[:n], logprobs, hidden)
+
+    def full_logprobs(self, hidden_rows: np.ndarray) -> np.ndarray:
+        """float32[N, V] log-softmax of the logits of N hidden states (input-token logprobs).
+
+        Runs in fixed chunks of LOGPROB_CHUNK_ROWS rows so a single compiled program serves any N.
+        """
+        out = []
+        for i in range(0, len(hidden_rows), LOGPROB_CHUNK_ROWS):
+            chunk = hidden_rows[i:i + LOGPROB_CHUNK_ROWS]
+            padded = np.zeros((LOGPROB_CHUNK_ROWS, hidden_rows.shape[1]), hidden_rows.dtype)
+            padded[:len(chunk)] = chunk
+            out.append(np.asarray(self._logprobs(self.params, padded))[:len(chunk)])
+        if not out:
+            return np.zeros((0, self.model_config.vocab_size), np.float32)
+        return np.concatenate(out)
+
+    def _check_no_new_compile(self, batch: ModelWorkerBatch) -> None:
+        if self._compiled_after_warmup is None:
+            return
+        size = self._step._cache_size()
+        if size > self._compiled_after_warmup:
+            self.num_compiles_after_warmup += size - self._compiled_after_warmup
+            self._compiled_after_warmup = size
+            logger.warning("Compiled a new program while serving for shape %s; add it to the precompile "
+                           "paddings", batch.padded_shape)
+
+    # ---- warm-up
+    def dummy_batch(self, mode: ForwardMode, t_pad: int, s_pad: int) -> ModelWorkerBatch:
+        """An all-padding batch of the given padded shape (num_seqs = 0; writes only the padding page)."""
+        z = lambda n, dt=np.int32: np.zeros(n, dt)  # noqa: E731
+        fb = ForwardBatch(
+            input_ids=z(t_pad), positions=z(t_pad), out_cache_loc=z(t_pad), cu_q_lens=z(s_pad + 1),
+            kv_lens=z(s_pad), page_indices=np.zeros((s_pad, self.pages_per_seq), np.int32),
+            num_seqs=np.asarray(0, np.int32), logits_indices=z(s_pad), forward_mode=mode,
+        )
+        sampling = SamplingMetadata(
+            temperatures=z(s_pad, np.float32), top_ps=np.ones(s_pad, np.float32), top_ks=np.full(s_pad, -1, np.int32),
+            min_ps=z(s_pad, np.float32), seeds=z(s_pad), steps=z(s_pad), suppress_eos=z(s_pad, bool),
+        )
+        return ModelWorkerBatch(forward_batch=fb, sampling=sampling, num_tokens=0, num_seqs=0)
+
+    def warmup(self) -> None:
+        """Compile every bucket (and the logprob chunk program) before serving, with a progress bar."""
+        shapes = self.buckets.all_shapes()
+        t0 = time.time()
+        with tqdm(total=len(shapes) + 1, desc="Compiling buckets", unit="shape") as bar:
+            for mode, t_pad, s_pad in shapes:
+                bar.set_postfix_str(f"{mode.name.lower()} T={t_pad} S={s_pad}")
+                self.forward(self.dummy_batch(mode, t_pad, s_pad))
+                bar.update()
+            hidden_dim = self.model_config.hidden_size
+            self.full_logprobs(np.zeros((1, hidden_dim), np.dtype(JNP_DTYPES[self.model_config.dtype])))
+            bar.update()
+        self._compiled_after_warmup = self._step._cache_size()
+        logger.info("Warm-up compiled %d shapes in %.1f s", len(shapes) + 1, time.time() - t0)
+
+
+def setup_jax(server_args) -> str:
+    """Apply --device and the persistent compilation cache; return the JAX platform name."""
+    if server_args.device != "auto":
+        jax.config.update("jax_platforms", server_args.device)
+    if server_args.compilation_cache_dir:
+        os.makedirs(server_args.compilation_cache_dir, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", server_args.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return jax.devices()[0].platform

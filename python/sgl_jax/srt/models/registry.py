@@ -1,0 +1,25 @@
+"""Model classes by the HF ``architectures`` name."""
+
+from __future__ import annotations
+
+from sgl_jax.srt.models.llama import LlamaForCausalLM
+from sgl_jax.srt.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str):
+    """The NNX class for an HF architecture name.
+
+    Raises:
+        ValueError: unknown architecture; the message lists the supported ones.
+    """
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"Model architecture {architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}"
+        ) from None

