@@ -15,6 +15,8 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
+import sys
 import threading
 import time
 
@@ -199,10 +201,16 @@ def launch_server(server_args: ServerArgs) -> None:
         threading.Timer(1.0, finish).start()
 
     watcher = ChildWatcher(procs, on_death)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the previous
+    # handler: make that a clean exit so the children are stopped below and the status is 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     logger.info("Serving %s on http://%s:%d", tm.served_model_name, server_args.host, server_args.port)
     try:
         uvicorn.run(app, host=server_args.host, port=server_args.port, log_level="warning",
                     timeout_keep_alive=5, loop="uvloop")
+    except KeyboardInterrupt:
+        pass
     finally:
         watcher.stop()
         kill_processes(procs)
+        logger.info("Server stopped")

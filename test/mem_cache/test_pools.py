@@ -1,0 +1,82 @@
+"""ReqToTokenPool, the paged allocator, ChunkCache and release_kv_cache, without a model."""
+
+import numpy as np
+import pytest
+
+from sgl_jax.srt.managers.schedule_batch import Req
+from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
+from sgl_jax.srt.mem_cache.common import release_kv_cache
+from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+
+
+def test_req_to_token_pool_alloc_free_and_double_free():
+    pool = ReqToTokenPool(3, 8)
+    got = {pool.alloc(), pool.alloc(), pool.alloc()}
+    assert got == {0, 1, 2} and pool.alloc() is None and pool.available_size() == 0
+    pool.write(1, 2, np.array([7, 8, 9], np.int32))
+    assert pool.req_to_token[1, 2:5].tolist() == [7, 8, 9]
+    pool.free(1)
+    with pytest.raises(ValueError):
+        pool.free(1)
+    assert pool.alloc() == 1
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_allocator_conservation_and_errors(page_size):
+    a = PagedTokenToKVPoolAllocator(64 * page_size, page_size)
+    assert a.size == 64 * page_size and a.available_size() == a.size
+    pages = a.alloc_pages(10)
+    assert 0 not in pages and len(set(pages.tolist())) == 10
+    assert a.available_size() == a.size - 10 * page_size
+    assert a.alloc_pages(55) is None and a.available_pages() == 54  # nothing taken on failure
+    a.free_pages(pages[:4])
+    with pytest.raises(ValueError):
+        a.free_pages(pages[:1])  # double free
+    with pytest.raises(ValueError):
+        a.free_pages(np.array([0]))  # the reserved padding page
+    a.free_pages(pages[4:])
+    assert a.available_size() == a.size
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_alloc_token_slots_continues_the_last_page(page_size):
+    a = PagedTokenToKVPoolAllocator(32 * page_size, page_size)
+    row = np.zeros(64, np.int32)
+    s1 = a.alloc_token_slots(row, 0, 6)
+    row[:6] = s1
+    s2 = a.alloc_token_slots(row, 6, 11)
+    row[6:11] = s2
+    slots = row[:11]
+    assert len(set(slots.tolist())) == 11 and (slots >= page_size).all()
+    # positions within a page are contiguous slots of that page
+    for p in range(11):
+        assert slots[p] // page_size == slots[p - p % page_size] // page_size
+        assert slots[p] % page_size == p % page_size
+    used_pages = a.pages_of(row, 11)
+    assert len(used_pages) == -(-11 // page_size)
+    assert a.available_pages() == 32 - len(used_pages)
+
+
+def _req(n_input, rid="r"):
+    return Req(rid, list(range(n_input)), SamplingParams(max_new_tokens=4), eos_token_ids=[], seed=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_release_kv_cache_frees_everything_once(page_size):
+    pool = ReqToTokenPool(2, 128)
+    a = PagedTokenToKVPoolAllocator(256, page_size)
+    cache = ChunkCache(pool, a)
+    req = _req(37)
+    req.req_pool_idx = pool.alloc()
+    slots = a.alloc_token_slots(pool.req_to_token[req.req_pool_idx], 0, 37)
+    pool.write(req.req_pool_idx, 0, slots)
+    req.kv_allocated_len = 37
+    assert a.available_size() < a.size
+    release_kv_cache(req, cache)
+    assert a.available_size() == a.size and pool.available_size() == 2
+    assert req.req_pool_idx is None
+    release_kv_cache(req, cache)  # idempotent
+    assert a.available_size() == a.size and pool.available_size() == 2
+    assert cache.match_prefix(list(range(37))).length == 0

@@ -1,0 +1,67 @@
+"""ScheduleBatch -> ModelWorkerBatch layout (pure numpy), and the prefill admission policy."""
+
+import numpy as np
+
+from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
+from sgl_jax.srt.managers.schedule_policy import PrefillAdder
+from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+
+
+def _req(ids, max_new=8, temperature=0.0, rid="r"):
+    return Req(rid, ids, SamplingParams(max_new_tokens=max_new, temperature=temperature), eos_token_ids=[2],
+               seed=5)
+
+
+def test_extend_then_decode_layout():
+    pool = ReqToTokenPool(4, 64)
+    alloc = PagedTokenToKVPoolAllocator(256, 4)
+    buckets = ShapeBuckets((16, 64), (1, 4))
+    a, b = _req([10, 11, 12], rid="a"), _req([20, 21, 22, 23, 24], rid="b", temperature=0.7)
+    batch = ScheduleBatch([a, b], ForwardMode.EXTEND)
+    batch.prepare_for_extend(pool, alloc)
+    mwb = batch.build_model_worker_batch(buckets, pool, 4)
+    fb = mwb.forward_batch
+    assert fb.input_ids.shape == (16,) and fb.kv_lens.shape == (4,)  # T bucket 16, S = bs bucket 4
+    assert fb.input_ids[:8].tolist() == [10, 11, 12, 20, 21, 22, 23, 24] and not fb.input_ids[8:].any()
+    assert fb.positions[:8].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    assert fb.cu_q_lens.tolist() == [0, 3, 8, 8, 8] and fb.kv_lens.tolist() == [3, 5, 0, 0]
+    assert int(fb.num_seqs) == 2 and fb.logits_indices[:2].tolist() == [2, 7]
+    np.testing.assert_array_equal(fb.out_cache_loc[:3], pool.req_to_token[a.req_pool_idx, :3])
+    assert (fb.out_cache_loc[8:] == 0).all()  # padding tokens write the reserved page
+    assert fb.page_indices[0, 0] == pool.req_to_token[a.req_pool_idx, 0] // 4
+    assert mwb.sampling.temperatures[:2].tolist() == [0.0, np.float32(0.7)]
+    assert mwb.sampling.seeds[:2].tolist() == [5, 5]
+
+    a.output_ids.append(99)
+    b.output_ids.append(98)
+    dec = ScheduleBatch([a, b], ForwardMode.DECODE)
+    assert dec.prepare_for_decode(pool, alloc)
+    fb = dec.build_model_worker_batch(buckets, pool, 4).forward_batch
+    assert fb.input_ids.shape == (4,) and fb.input_ids[:2].tolist() == [99, 98]
+    assert fb.positions[:2].tolist() == [3, 5] and fb.kv_lens[:2].tolist() == [4, 6]
+    assert fb.cu_q_lens.tolist() == [0, 1, 2, 2, 2]
+    assert fb.out_cache_loc[0] == pool.req_to_token[a.req_pool_idx, 3]
+
+
+def test_prefill_adder_reserves_future_tokens():
+    alloc = PagedTokenToKVPoolAllocator(100, 1)
+    buckets = ShapeBuckets((64,), (1, 8))
+    adder = PrefillAdder(buckets, alloc, running=[], max_prefill_tokens=64, free_req_slots=8)
+    assert adder.add(_req(list(range(10)), max_new=40))  # 50 tokens reserved
+    assert adder.add(_req(list(range(10)), max_new=30))  # 90
+    assert not adder.add(_req(list(range(5)), max_new=10))  # would need 105 > 100
+    assert len(adder.can_run) == 2
+
+
+def test_prefill_adder_respects_slots_and_token_budget():
+    alloc = PagedTokenToKVPoolAllocator(10_000, 1)
+    buckets = ShapeBuckets((64, 256), (1, 8))
+    adder = PrefillAdder(buckets, alloc, running=[], max_prefill_tokens=64, free_req_slots=2)
+    assert adder.add(_req(list(range(200))))  # alone, a request may use the largest bucket
+    assert not adder.add(_req(list(range(5))))  # budget 64 already exceeded
+    adder = PrefillAdder(buckets, alloc, running=[], max_prefill_tokens=256, free_req_slots=2)
+    assert adder.add(_req([1])) and adder.add(_req([1])) and not adder.add(_req([1]))

@@ -1,0 +1,143 @@
+"""Helpers for end-to-end tests: the common small configuration, a launched server, the HF reference."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Optional
+
+import httpx
+
+from sgl_jax.srt.model_loader.default_model import find_default_model_path
+from sgl_jax.srt.utils import find_free_port
+
+# One configuration for every SmolLM2 engine/server in the suite, so the JAX persistent compilation
+# cache built by the first one serves all the others.
+SMALL_ENGINE_ARGS = dict(
+    context_length=512,
+    max_total_tokens=16384,
+    precompile_token_paddings=[64, 512],
+    precompile_bs_paddings=[1, 8, 32],
+    max_running_requests=32,
+    random_seed=0,
+)
+
+
+def engine_cli_args(extra: Optional[dict] = None) -> List[str]:
+    args = []
+    for k, v in {**SMALL_ENGINE_ARGS, **(extra or {})}.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            if v:
+                args.append(flag)
+        elif isinstance(v, list):
+            args += [flag] + [str(x) for x in v]
+        else:
+            args += [flag, str(v)]
+    return args
+
+
+def child_pids(pid: int) -> List[int]:
+    """Direct children of `pid` (from /proc)."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class ServerProcess:
+    """``python -m sgl_jax.launch_server`` on 127.0.0.1 and a free port; stderr/stdout go to a log file.
+
+    Raises RuntimeError (with the log tail) if the server exits or is not healthy within `timeout` seconds.
+    """
+
+    def __init__(self, extra_args: Optional[List[str]] = None, env: Optional[dict] = None,
+                 timeout: float = 900.0, engine_args: Optional[dict] = None):
+        self.port = find_free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="sgl_jax_server_", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "sgl_jax.launch_server", "--host", "127.0.0.1", "--port", str(self.port),
+               *engine_cli_args(engine_args), *(extra_args or [])]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()[-5000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.children = child_pids(self.proc.pid)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log_text()[-5000:]}")
+
+    def log_text(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after 20 s; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def default_model_path() -> str:
+    return find_default_model_path()
+
+
+def load_hf_reference():
+    """transformers' LlamaForCausalLM for the SmolLM2 GGUF, float32, eval mode (torch CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model, input_ids: List[int], n: int) -> List[int]:
+    """n greedy tokens from an HF causal LM (no EOS stopping), with its KV cache."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        res = model(torch.tensor([input_ids]), use_cache=True)
+        for _ in range(n):
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            res = model(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
+    return out

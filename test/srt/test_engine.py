@@ -1,0 +1,177 @@
+"""The offline Engine on the real SmolLM2 model: generation checked against transformers (float32)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from sgl_jax import Engine
+from sgl_jax.srt.managers.tokenizer_manager import RequestError
+from srt_helpers import SMALL_ENGINE_ARGS, child_pids, cmdline, hf_greedy, pid_alive
+
+GREEDY_32 = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Here is a list of fruits: apple, banana,",
+    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+    "In 1969, the first humans to walk on the Moon were",
+]
+
+OTHER_PROMPTS = [
+    "Water boils at",
+    "My favourite programming language is",
+    "<|im_start|>user\nTell me a joke.<|im_end|>\n<|im_start|>assistant\n",
+    "The quick brown fox",
+    "1, 1, 2, 3, 5, 8,",
+    "Photosynthesis is the process",
+    "Dear diary, today",
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(**SMALL_ENGINE_ARGS) as e:
+        yield e
+
+
+def test_greedy_matches_transformers(engine, hf_smollm2, smollm2_tokenizer):
+    outs = engine.generate(PROMPTS, GREEDY_32)
+    for prompt, out in zip(PROMPTS, outs):
+        ref = hf_greedy(hf_smollm2, smollm2_tokenizer.encode(prompt), 32)
+        assert out["output_ids"] == ref, f"{prompt!r}: ours {out['text']!r} vs ref {smollm2_tokenizer.decode(ref)!r}"
+        assert out["meta_info"]["completion_tokens"] == 32
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 32}
+
+
+def test_batch_invariance(engine):
+    alone = engine.generate(PROMPTS[0], GREEDY_32)
+    batch = engine.generate([PROMPTS[0]] + OTHER_PROMPTS, GREEDY_32)
+    assert len(batch) == 8
+    assert batch[0]["output_ids"] == alone["output_ids"]
+    # and the other way round: a batch member alone
+    assert engine.generate(OTHER_PROMPTS[3], GREEDY_32)["output_ids"] == batch[4]["output_ids"]
+
+
+def test_logprobs_match_transformers(engine, hf_smollm2, smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode("The quick brown fox jumps over the lazy")
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0},
+                          return_logprob=True, logprob_start_len=0, top_logprobs_num=3,
+                          token_ids_logprob=[264, 1345], return_text_in_logprobs=True)
+    meta = out["meta_info"]
+    full = ids + out["output_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_smollm2(torch.tensor([full])).logits[0], -1).numpy()
+    inp = meta["input_token_logprobs"]
+    assert len(inp) == len(ids) and inp[0][0] is None and inp[0][1] == ids[0]
+    for p in range(1, len(ids)):
+        assert inp[p][1] == ids[p] and abs(inp[p][0] - ref[p - 1, ids[p]]) < 1e-3
+        assert inp[p][2] == smollm2_tokenizer.decode([ids[p]])
+    outp = meta["output_token_logprobs"]
+    assert [e[1] for e in outp] == out["output_ids"]
+    for j, (lp, tok, _) in enumerate(outp):
+        row = ref[len(ids) - 1 + j]
+        assert abs(lp - row[tok]) < 1e-3
+        top = meta["output_top_logprobs"][j]
+        assert [t[1] for t in top] == list(np.argsort(-row)[:3]) and top[0][1] == tok  # greedy = top-1
+        assert [t[1] for t in meta["output_token_ids_logprobs"][j]] == [264, 1345]
+        assert abs(meta["output_token_ids_logprobs"][j][1][0] - row[1345]) < 1e-3
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"][1]) == 3
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    sp = {"max_new_tokens": 16, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "sampling_seed": 1234}
+    a = engine.generate(PROMPTS[2], sp)
+    b = engine.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [sp, GREEDY_32, GREEDY_32])[0]
+    assert a["output_ids"] == b["output_ids"]
+    others = {tuple(engine.generate(PROMPTS[2], {**sp, "sampling_seed": s})["output_ids"]) for s in range(4)}
+    assert len(others) > 1, "different seeds should give different samples"
+
+
+def test_min_p_and_top_k_one_are_greedy_like(engine):
+    greedy = engine.generate(PROMPTS[0], {"max_new_tokens": 8, "temperature": 0})
+    top1 = engine.generate(PROMPTS[0], {"max_new_tokens": 8, "temperature": 1.5, "top_k": 1})
+    minp = engine.generate(PROMPTS[0], {"max_new_tokens": 8, "temperature": 1.0, "min_p": 1.0})
+    assert top1["output_ids"] == greedy["output_ids"] == minp["output_ids"]
+
+
+def test_stop_conditions(engine, smollm2_tokenizer):
+    base = engine.generate("1, 2, 3, 4, 5,", {"max_new_tokens": 16, "temperature": 0})
+    assert base["text"].startswith(" 6, 7, 8")
+    out = engine.generate("1, 2, 3, 4, 5,", {"max_new_tokens": 16, "temperature": 0, "stop": [" 8"]})
+    assert out["text"] == " 6, 7," and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": " 8"}
+    seven = smollm2_tokenizer.encode("7")[0]  # digits are single tokens: " 7" is " " + "7"
+    out = engine.generate("1, 2, 3, 4, 5,", {"max_new_tokens": 16, "temperature": 0, "stop_token_ids": [seven]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": seven}
+    assert out["output_ids"][-1] == seven and out["text"] == " 6, "
+    # EOS ends a chat answer unless ignore_eos
+    chat = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    out = engine.generate(chat, {"max_new_tokens": 64, "temperature": 0})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    assert "<|im_end|>" not in out["text"]
+    out = engine.generate(chat, {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 40
+    # min_new_tokens masks EOS
+    out = engine.generate(chat, {"max_new_tokens": 30, "min_new_tokens": 30, "temperature": 0})
+    assert out["meta_info"]["completion_tokens"] == 30 and 2 not in out["output_ids"]
+    # max_new_tokens 0 only prefills
+    out = engine.generate(chat, {"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_streaming_pieces_add_up(engine):
+    prompt = "<|im_start|>user\nWrite one sentence in French with accents and an emoji.<|im_end|>\n" \
+             "<|im_start|>assistant\n"
+    final = engine.generate(prompt, {"max_new_tokens": 40, "temperature": 0})
+    chunks = list(engine.generate(prompt, {"max_new_tokens": 40, "temperature": 0}, stream=True))
+    assert len(chunks) > 5 and chunks[-1]["text"] == final["text"]
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))  # cumulative
+
+
+def test_async_generate_and_stream(engine):
+    async def main():
+        one = await engine.async_generate(PROMPTS[0], {"max_new_tokens": 4, "temperature": 0})
+        many = await asyncio.gather(*(engine.async_generate(p, {"max_new_tokens": 4, "temperature": 0})
+                                      for p in PROMPTS))
+        pieces = [c async for c in await engine.async_generate(PROMPTS[0], {"max_new_tokens": 4, "temperature": 0},
+                                                                 stream=True)]
+        return one, many, pieces
+
+    one, many, pieces = asyncio.run(main())
+    assert many[0]["output_ids"] == one["output_ids"] and pieces[-1]["output_ids"] == one["output_ids"]
+
+
+def test_invalid_requests_raise_and_engine_keeps_serving(engine):
+    with pytest.raises(RequestError, match="temperature"):
+        engine.generate("x", {"temperature": -1})
+    with pytest.raises(RequestError, match="context length"):
+        engine.generate(input_ids=[5] * 600, sampling_params={"max_new_tokens": 1})
+    with pytest.raises(RequestError, match="Unknown sampling parameters"):
+        engine.generate("x", {"max_tokens": 3})
+    assert engine.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_kv_cache_is_free_when_idle(engine):
+    state = engine.get_server_info()["internal_states"][0]
+    assert state["kv_tokens_in_use"] == 0 and state["num_running_reqs"] == 0
+    assert state["kv_tokens_free"] == state["kv_tokens_total"]
+    assert state["memory_errors"] == 0 and state["num_compiles_after_warmup"] == 0
+
+
+def test_context_manager_shutdown_leaves_no_child_process():
+    import os
+
+    def engine_children():
+        # multiprocessing's resource tracker lives as long as this process; it is not ours to stop
+        return {p for p in child_pids(os.getpid()) if "resource_tracker" not in cmdline(p)}
+
+    before = engine_children()
+    with Engine(**SMALL_ENGINE_ARGS) as e:
+        ours = engine_children() - before
+        assert len(ours) == 2 and all(pid_alive(p) for p in ours)  # scheduler + detokenizer
+        assert e.generate("Hi", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
+    assert not [p for p in ours if pid_alive(p)]

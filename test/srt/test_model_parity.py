@@ -1,0 +1,212 @@
+"""Logit parity with transformers (PyTorch CPU, float32), prefill and decode, through the real runner.
+
+Batches go through the real pieces: ReqToTokenPool, the paged allocator, ScheduleBatch and ModelRunner
+(paged KV cache written in place, ragged paged attention). The reference is transformers' model on the
+same weights: SmolLM2 from its GGUF, and tiny random Qwen3 / Llama (llama3 rope scaling, untied head)
+configs saved as safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
+from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
+from sgl_jax.srt.mem_cache.common import release_kv_cache
+from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_jax.srt.model_executor.model_runner import ModelRunner
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.srt.server_args import ServerArgs
+
+TOL = 1e-3
+DECODE_STEPS = 4
+
+
+class RunnerHarness:
+    """A ModelRunner with its pools, driven like the scheduler drives it (no processes)."""
+
+    def __init__(self, model_path: str, page_size: int = 1, max_total_tokens: int = 4096):
+        args = ServerArgs(model_path=model_path, page_size=page_size, max_total_tokens=max_total_tokens,
+                          context_length=512, disable_precompile=True)
+        self.mc = ModelConfig.from_server_args(args, "cpu")
+        self.buckets = ShapeBuckets((64, 256), (1, 4))
+        self.runner = ModelRunner(args, self.mc, buckets=self.buckets, max_context_len=512,
+                                  max_total_tokens_fn=lambda _: max_total_tokens)
+        self.pool = ReqToTokenPool(4, 512)
+        self.alloc = PagedTokenToKVPoolAllocator(max_total_tokens, page_size)
+        self.cache = ChunkCache(self.pool, self.alloc)
+        self.page_size = page_size
+
+    def _run(self, batch):
+        return self.runner.forward(batch.build_model_worker_batch(self.buckets, self.pool, self.page_size))
+
+    def prefill(self, prompts):
+        """Extend all prompts in one batch; returns (reqs, per-request logprobs of every position [n, V])."""
+        reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=64, temperature=0.0), eos_token_ids=[], seed=0)
+                for i, p in enumerate(prompts)]
+        batch = ScheduleBatch(reqs, ForwardMode.EXTEND)
+        batch.prepare_for_extend(self.pool, self.alloc)
+        out = self._run(batch)
+        hidden = np.asarray(out.hidden)
+        per_req, o = [], 0
+        for r in reqs:
+            per_req.append(self.runner.full_logprobs(hidden[o:o + len(r.origin_input_ids)]))
+            o += len(r.origin_input_ids)
+        last = np.asarray(out.logprobs)[:len(reqs)]
+        for r, lp in zip(reqs, per_req):
+            r.kv_committed_len = r.seqlen
+        return reqs, per_req, last
+
+    def decode(self, reqs, tokens):
+        """Append `tokens` (one per request) and run one decode step; returns logprobs [S, V]."""
+        for r, t in zip(reqs, tokens):
+            r.output_ids.append(int(t))
+        batch = ScheduleBatch(reqs, ForwardMode.DECODE)
+        assert batch.prepare_for_decode(self.pool, self.alloc)
+        out = self._run(batch)
+        return np.asarray(out.logprobs)[:len(reqs)]
+
+    def release(self, reqs):
+        for r in reqs:
+            release_kv_cache(r, self.cache)
+        assert self.alloc.available_size() == self.alloc.size
+
+
+def hf_logprobs(model, ids):
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+
+
+def check_parity(harness: RunnerHarness, hf_model, prompts):
+    reqs, per_req, last = harness.prefill(prompts)
+    worst = 0.0
+    for i, p in enumerate(prompts):
+        ref = hf_logprobs(hf_model, p)
+        worst = max(worst, np.abs(per_req[i] - ref).max(), np.abs(last[i] - ref[-1]).max())
+    # decode: feed the reference's greedy tokens so both sides see the same sequences
+    seqs = [list(p) for p in prompts]
+    for _ in range(DECODE_STEPS):
+        nxt = [int(hf_logprobs(hf_model, s)[-1].argmax()) for s in seqs]
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        lp = harness.decode(reqs, nxt)
+        for i, s in enumerate(seqs):
+            worst = max(worst, np.abs(lp[i] - hf_logprobs(hf_model, s)[-1]).max())
+    harness.release(reqs)
+    print(f"max |logprob difference| over {len(prompts)} prompts, prefill + {DECODE_STEPS} decode steps: {worst:.2e}")
+    assert worst < TOL, f"max |logprob difference| {worst:.2e} >= {TOL}"
+    return worst
+
+
+@pytest.fixture(scope="module")
+def smollm2_harness():
+    return RunnerHarness(None)
+
+
+def test_smollm2_gguf_tensors_bit_identical(hf_smollm2):
+    from sgl_jax.srt.model_loader.default_model import find_default_model_path
+    from sgl_jax.srt.model_loader.gguf_file import iterate_gguf_tensors
+
+    ref = {k: v.numpy() for k, v in hf_smollm2.state_dict().items()}
+    n = 0
+    for name, arr in iterate_gguf_tensors(find_default_model_path()):
+        assert np.array_equal(arr, ref[name]), name
+        n += 1
+    assert n == len(ref) - 1  # lm_head is tied to the embedding
+
+
+def test_smollm2_logit_parity(smollm2_harness, hf_smollm2, smollm2_tokenizer):
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):\n    if n < 2:\n        return n\n",
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+        "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    check_parity(smollm2_harness, hf_smollm2, [smollm2_tokenizer.encode(t) for t in texts])
+
+
+def test_smollm2_logit_parity_paged(hf_smollm2, smollm2_tokenizer):
+    """page_size 16: prompts straddling page boundaries, decode crossing into new pages."""
+    harness = RunnerHarness(None, page_size=16)
+    prompts = [smollm2_tokenizer.encode("Paging test number %d: " % i + "word " * (10 + 7 * i)) for i in range(3)]
+    check_parity(harness, hf_smollm2, prompts)
+
+
+def _save_tiny(tmp_path, config, seed):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms are initialized to 1; randomize them so they are really tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model
+
+
+def _random_prompts(seed, vocab, lengths):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def test_tiny_qwen3_logit_parity(tmp_path):
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+    model = _save_tiny(tmp_path, config, seed=0)
+    harness = RunnerHarness(str(tmp_path))
+    check_parity(harness, model, _random_prompts(0, 512, [5, 40, 130]))
+
+
+def test_tiny_llama3_rope_scaling_logit_parity(tmp_path):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_theta=500000.0, tie_word_embeddings=False,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    model = _save_tiny(tmp_path, config, seed=1)
+    harness = RunnerHarness(str(tmp_path))
+    assert harness.mc.rope_parameters["rope_type"] == "llama3"
+    check_parity(harness, model, _random_prompts(1, 512, [200, 3]))
+
+
+def test_unknown_architecture_is_a_clear_error(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                                                      "vocab_size": 10, "n_embd": 8, "n_layer": 1, "n_head": 2}))
+    from sgl_jax.srt.model_loader.loader import load_model
+
+    args = ServerArgs(model_path=str(tmp_path), load_format="dummy")
+    with pytest.raises(ValueError, match="not supported"):
+        load_model(ModelConfig.from_server_args(args, "cpu"), "dummy")
+
+
+def test_dummy_load_format_builds_random_weights(tmp_path):
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, architectures=["Qwen3ForCausalLM"]).save_pretrained(tmp_path)
+    assert not any(f.endswith(".safetensors") for f in os.listdir(tmp_path))
+    from sgl_jax.srt.model_loader.loader import load_model
+
+    args = ServerArgs(model_path=str(tmp_path), load_format="dummy")
+    _, params = load_model(ModelConfig.from_server_args(args, "cpu"), "dummy")
+    import jax
+
+    leaves = jax.tree.leaves(params)
+    assert len(leaves) == 1 + 1 * 11 + 1 + 1  # embed, 11 per layer (incl. q/k norm), final norm, lm_head
+    assert any(float(np.std(np.asarray(x))) > 0.01 for x in leaves)

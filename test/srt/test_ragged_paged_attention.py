@@ -1,0 +1,110 @@
+"""The pure-JAX ragged paged attention against a direct numpy implementation of its contract."""
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention, write_kv_to_pages
+
+
+def numpy_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
+                    sliding_window=None, soft_cap=None):
+    T, H, D = q.shape
+    ps, KVH = k_pages.shape[1], k_pages.shape[2]
+    out = np.zeros_like(q)
+    for s in range(num_seqs):
+        q0, q1, L = cu_q_lens[s], cu_q_lens[s + 1], kv_lens[s]
+        slots = [page_indices[s, p // ps] * ps + p % ps for p in range(L)]
+        k = k_pages.reshape(-1, KVH, D)[slots]
+        v = v_pages.reshape(-1, KVH, D)[slots]
+        for i, t in enumerate(range(q0, q1)):
+            qpos = L - (q1 - q0) + i
+            for h in range(H):
+                kh = h // (H // KVH)
+                sc = k[:, kh] @ q[t, h] * sm_scale
+                if soft_cap is not None:
+                    sc = soft_cap * np.tanh(sc / soft_cap)
+                pos = np.arange(L)
+                ok = pos <= qpos
+                if sliding_window is not None:
+                    ok &= pos > qpos - sliding_window
+                sc = np.where(ok, sc, -np.inf)
+                p = np.exp(sc - sc.max())
+                out[t, h] = (p / p.sum()) @ v[:, kh]
+    return out
+
+
+def make_batch(rng, q_lens, kv_lens, page_size, H, KVH, D, S_pad, T_pad):
+    pages_per_seq = max(-(-max(kv_lens) // page_size), 1) + 2
+    num_pages = 1 + sum(-(-k // page_size) for k in kv_lens) + 4
+    k_pages = rng.standard_normal((num_pages, page_size, KVH, D)).astype(np.float32)
+    v_pages = rng.standard_normal((num_pages, page_size, KVH, D)).astype(np.float32)
+    free = list(rng.permutation(np.arange(1, num_pages)))  # scattered pages, page 0 reserved
+    page_indices = np.zeros((S_pad, pages_per_seq), np.int32)
+    for s, L in enumerate(kv_lens):
+        for p in range(-(-L // page_size)):
+            page_indices[s, p] = free.pop()
+    cu = np.zeros(S_pad + 1, np.int32)
+    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1:] = sum(q_lens)
+    kl = np.zeros(S_pad, np.int32)
+    kl[:len(kv_lens)] = kv_lens
+    q = rng.standard_normal((T_pad, H, D)).astype(np.float32)
+    return q, k_pages, v_pages, kl, page_indices, cu
+
+
+CASES = [
+    # name, q_lens, kv_lens, decode_only
+    ("decode", [1, 1, 1, 1, 1], [1, 7, 300, 33, 129], True),
+    ("prefill-one-long", [300], [300], False),
+    ("extend-with-prefix", [5, 40, 1], [100, 40, 260], False),
+    ("mixed-short", [1, 3, 17, 2], [64, 3, 17, 90], False),
+]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name,q_lens,kv_lens,decode_only", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa3"])
+def test_matches_reference(page_size, name, q_lens, kv_lens, decode_only, heads):
+    H, KVH = heads
+    D = 16
+    rng = np.random.default_rng(hash((page_size, name, H)) % 2**32)
+    S_pad = len(q_lens) + 2  # padding sequences must be ignored
+    T_pad = sum(q_lens) + 5 if not decode_only else S_pad
+    q, kp, vp, kl, pi, cu = make_batch(rng, q_lens, kv_lens, page_size, H, KVH, D, S_pad, T_pad)
+    out = ragged_paged_attention(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(kl),
+                                 jnp.asarray(pi), jnp.asarray(cu), jnp.int32(len(q_lens)), sm_scale=D ** -0.5,
+                                 decode_only=decode_only)
+    ref = numpy_reference(q, kp, vp, kl, pi, cu, len(q_lens), D ** -0.5)
+    n = sum(q_lens)
+    np.testing.assert_allclose(np.asarray(out)[:n], ref[:n], rtol=1e-5, atol=1e-5)
+    assert not np.asarray(out)[n:].any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_sliding_window_and_soft_cap(decode_only):
+    rng = np.random.default_rng(7)
+    q_lens = [1, 1, 1] if decode_only else [20, 1, 64]
+    kv_lens = [50, 300, 9] if decode_only else [70, 300, 64]
+    H, KVH, D = 4, 2, 16
+    S_pad, T_pad = 4, (4 if decode_only else 96)
+    q, kp, vp, kl, pi, cu = make_batch(rng, q_lens, kv_lens, 16, H, KVH, D, S_pad, T_pad)
+    kwargs = dict(sm_scale=0.3, sliding_window=33, soft_cap=5.0)
+    out = ragged_paged_attention(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(kl),
+                                 jnp.asarray(pi), jnp.asarray(cu), jnp.int32(3), decode_only=decode_only, **kwargs)
+    ref = numpy_reference(q, kp, vp, kl, pi, cu, 3, **kwargs)
+    n = sum(q_lens)
+    np.testing.assert_allclose(np.asarray(out)[:n], ref[:n], rtol=1e-5, atol=1e-5)
+
+
+def test_write_kv_to_pages_scatters_slots():
+    kp = jnp.zeros((4, 2, 1, 3))
+    vp = jnp.zeros((4, 2, 1, 3))
+    k = jnp.arange(9, dtype=jnp.float32).reshape(3, 1, 3) + 1
+    kp2, vp2 = write_kv_to_pages(kp, vp, k, -k, jnp.asarray([3, 4, 0], jnp.int32))
+    flat = np.asarray(kp2).reshape(8, 1, 3)
+    np.testing.assert_array_equal(flat[3], np.asarray(k[0]))
+    np.testing.assert_array_equal(flat[4], np.asarray(k[1]))
+    np.testing.assert_array_equal(np.asarray(vp2).reshape(8, 1, 3)[4], -np.asarray(k[1]))
+    assert not flat[[1, 2, 5, 6, 7]].any()
