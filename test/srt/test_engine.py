@@ -92,6 +92,29 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     assert len(others) > 1, "different seeds should give different samples"
 
 
+def _steps(engine, sp, top_n):
+    out = engine.generate(PROMPTS[2], {"max_new_tokens": 24, "ignore_eos": True, **sp}, return_logprob=True,
+                          top_logprobs_num=top_n)
+    meta = out["meta_info"]
+    return list(zip(meta["output_token_logprobs"], meta["output_top_logprobs"]))
+
+
+def test_top_k_top_p_min_p_only_sample_allowed_tokens(engine):
+    """Every sampled token must satisfy the filter, judged from the returned (temperature 1) logprobs."""
+    for seed in range(3):
+        for (lp, tok, _), top in _steps(engine, {"temperature": 1.5, "top_k": 3, "sampling_seed": seed}, 3):
+            assert tok in [t[1] for t in top]
+        for (lp, tok, _), top in _steps(engine, {"temperature": 1.0, "top_p": 0.6, "sampling_seed": seed}, 20):
+            ids = [t[1] for t in top]
+            probs = np.exp([t[0] for t in top])
+            if tok in ids:
+                assert probs[:ids.index(tok)].sum() < 0.6 + 1e-4, "token outside the nucleus"
+            else:
+                assert probs.sum() < 0.6, "token outside the nucleus"
+        for (lp, tok, _), top in _steps(engine, {"temperature": 1.0, "min_p": 0.2, "sampling_seed": seed}, 1):
+            assert np.exp(lp) >= 0.2 * np.exp(top[0][0]) - 1e-6
+
+
 def test_min_p_and_top_k_one_are_greedy_like(engine):
     greedy = engine.generate(PROMPTS[0], {"max_new_tokens": 8, "temperature": 0})
     top1 = engine.generate(PROMPTS[0], {"max_new_tokens": 8, "temperature": 1.5, "top_k": 1})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -33,9 +34,9 @@ DECODE_STEPS = 4
 class RunnerHarness:
     """A ModelRunner with its pools, driven like the scheduler drives it (no processes)."""
 
-    def __init__(self, model_path: str, page_size: int = 1, max_total_tokens: int = 4096):
+    def __init__(self, model_path: str, page_size: int = 1, max_total_tokens: int = 4096, dtype: str = "float32"):
         args = ServerArgs(model_path=model_path, page_size=page_size, max_total_tokens=max_total_tokens,
-                          context_length=512, disable_precompile=True)
+                          context_length=512, disable_precompile=True, dtype=dtype)
         self.mc = ModelConfig.from_server_args(args, "cpu")
         self.buckets = ShapeBuckets((64, 256), (1, 4))
         self.runner = ModelRunner(args, self.mc, buckets=self.buckets, max_context_len=512,
@@ -85,7 +86,7 @@ def hf_logprobs(model, ids):
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
 
 
-def check_parity(harness: RunnerHarness, hf_model, prompts):
+def check_parity(harness: RunnerHarness, hf_model, prompts, tol: float = TOL):
     reqs, per_req, last = harness.prefill(prompts)
     worst = 0.0
     for i, p in enumerate(prompts):
@@ -102,7 +103,7 @@ def check_parity(harness: RunnerHarness, hf_model, prompts):
             worst = max(worst, np.abs(lp[i] - hf_logprobs(hf_model, s)[-1]).max())
     harness.release(reqs)
     print(f"max |logprob difference| over {len(prompts)} prompts, prefill + {DECODE_STEPS} decode steps: {worst:.2e}")
-    assert worst < TOL, f"max |logprob difference| {worst:.2e} >= {TOL}"
+    assert worst < tol, f"max |logprob difference| {worst:.2e} >= {tol}"
     return worst
 
 
@@ -167,6 +168,19 @@ def test_tiny_qwen3_logit_parity(tmp_path):
     model = _save_tiny(tmp_path, config, seed=0)
     harness = RunnerHarness(str(tmp_path))
     check_parity(harness, model, _random_prompts(0, 512, [5, 40, 130]))
+
+
+def test_tiny_qwen3_bfloat16_stays_close(tmp_path):
+    """--dtype bfloat16 (weights, activations and KV cache) against the float32 reference: bf16's
+    8-bit mantissa allows differences of a few 1e-2 in logprobs; a wrong layer would be far off."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    model = _save_tiny(tmp_path, config, seed=2)
+    harness = RunnerHarness(str(tmp_path), dtype="bfloat16")
+    assert harness.runner.kv_caches[0][0].dtype == jnp.bfloat16
+    check_parity(harness, model, _random_prompts(2, 512, [30, 7]), tol=0.1)
 
 
 def test_tiny_llama3_rope_scaling_logit_parity(tmp_path):

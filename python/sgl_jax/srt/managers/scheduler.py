@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import sys
+import time
 import traceback
 from typing import List, Optional
 
@@ -36,11 +37,12 @@ from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets, default_bs_paddings, default_token_paddings
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, compute_max_total_tokens, setup_jax
-from sgl_jax.srt.utils import configure_logging, set_parent_death_signal
+from sgl_jax.srt.utils import configure_logging, prepare_child_process
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
+DECODE_LOG_INTERVAL = 40  # decode steps between "Decode batch" log lines (SGLang's default)
 # Test hook: raise inside the scheduler loop at this forward step (checks crash reporting end to end).
 CRASH_AT_STEP_ENV = "SGL_JAX_TEST_CRASH_AT_STEP"
 
@@ -80,7 +82,7 @@ class Scheduler:
         platform = setup_jax(server_args)
         self.model_config = ModelConfig.from_server_args(server_args, platform)
         mc = self.model_config
-        self.tokenizer = AutoTokenizer.from_pretrained(mc.resolved.hf_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or mc.resolved.hf_dir)
         self.max_running_requests, self.buckets, self.max_prefill_tokens = derive_limits(
             server_args, mc, platform)
         self.context_len = mc.context_len
@@ -102,6 +104,9 @@ class Scheduler:
         self.rng = random.Random(server_args.random_seed)
         self.memory_errors = 0
         self._idle_checked = False
+        self._decode_steps = 0
+        self._decode_log_start = (time.time(), 0)  # (time, tokens generated) at the last decode log line
+        self.num_generated_tokens = 0
 
         ctx = zmq.Context(2)
         self.recv_from_tokenizer = ctx.socket(zmq.PULL)
@@ -144,6 +149,7 @@ class Scheduler:
             out = self.model_runner.forward(
                 batch.build_model_worker_batch(self.buckets, self.req_to_token_pool, self.page_size))
             process_batch_result(batch, out, self.model_runner.full_logprobs, self.decode_tail)
+            self.log_batch(batch)
             self.stream_and_release(batch)
 
     def recv_requests(self) -> list:
@@ -251,6 +257,25 @@ class Scheduler:
         batch.prepare_for_extend(self.req_to_token_pool, self.allocator)
         return batch
 
+    def log_batch(self, batch: ScheduleBatch) -> None:
+        """One line per prefill batch, and one per DECODE_LOG_INTERVAL decode steps (with throughput)."""
+        acc = self.kv_accounting()
+        used = 100.0 * acc["kv_tokens_in_use"] / max(acc["kv_tokens_total"], 1)
+        if batch.forward_mode == ForwardMode.EXTEND:
+            logger.info("Prefill batch: %d new seqs, %d new tokens, %d running, %d waiting, KV %.1f%% used",
+                        len(batch.reqs), sum(r.extend_input_len for r in batch.reqs), len(self.running_batch.reqs),
+                        len(self.waiting_queue), used)
+            return
+        self._decode_steps += 1
+        self.num_generated_tokens += len(batch.reqs)
+        if self._decode_steps % DECODE_LOG_INTERVAL == 0:
+            t0, n0 = self._decode_log_start
+            now = time.time()
+            logger.info("Decode batch: %d running, %d waiting, KV %.1f%% used, gen throughput %.1f token/s",
+                        len(batch.reqs), len(self.waiting_queue), used,
+                        (self.num_generated_tokens - n0) / max(now - t0, 1e-9))
+            self._decode_log_start = (now, self.num_generated_tokens)
+
     def decode_tail(self, req: Req, ids: List[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
 
@@ -297,6 +322,7 @@ class Scheduler:
         if self._idle_checked:
             return
         self._idle_checked = True
+        self._decode_log_start = (time.time(), self.num_generated_tokens)
         acc = self.kv_accounting()
         slots_ok = self.req_to_token_pool.available_size() == self.req_to_token_pool.size
         if acc["kv_tokens_in_use"] != 0 or not slots_ok:
@@ -314,7 +340,7 @@ class Scheduler:
 def run_scheduler_process(server_args, port_args, pipe_writer, parent_pid: int) -> None:
     """Entry point of the scheduler process: build, report readiness over `pipe_writer`, serve forever."""
     configure_logging(server_args.log_level, "Scheduler")
-    set_parent_death_signal(parent_pid)
+    prepare_child_process(parent_pid)
     try:
         scheduler = Scheduler(server_args, port_args)
         pipe_writer.send({"status": "ready", **scheduler.init_info()})

