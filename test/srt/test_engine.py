@@ -102,16 +102,16 @@ def _steps(engine, sp, top_n):
 def test_top_k_top_p_min_p_only_sample_allowed_tokens(engine):
     """Every sampled token must satisfy the filter, judged from the returned (temperature 1) logprobs."""
     for seed in range(3):
-        for (lp, tok, _), top in _steps(engine, {"temperature": 1.5, "top_k": 3, "sampling_seed": seed}, 3):
+        for (_, tok, _), top in _steps(engine, {"temperature": 1.5, "top_k": 3, "sampling_seed": seed}, 3):
             assert tok in [t[1] for t in top]
-        for (lp, tok, _), top in _steps(engine, {"temperature": 1.0, "top_p": 0.6, "sampling_seed": seed}, 20):
+        for (_, tok, _), top in _steps(engine, {"temperature": 1.0, "top_p": 0.6, "sampling_seed": seed}, 20):
             ids = [t[1] for t in top]
             probs = np.exp([t[0] for t in top])
             if tok in ids:
                 assert probs[:ids.index(tok)].sum() < 0.6 + 1e-4, "token outside the nucleus"
             else:
                 assert probs.sum() < 0.6, "token outside the nucleus"
-        for (lp, tok, _), top in _steps(engine, {"temperature": 1.0, "min_p": 0.2, "sampling_seed": seed}, 1):
+        for (lp, _, _), top in _steps(engine, {"temperature": 1.0, "min_p": 0.2, "sampling_seed": seed}, 1):
             assert np.exp(lp) >= 0.2 * np.exp(top[0][0]) - 1e-6
 
 

@@ -62,7 +62,7 @@ class RunnerHarness:
             per_req.append(self.runner.full_logprobs(hidden[o:o + len(r.origin_input_ids)]))
             o += len(r.origin_input_ids)
         last = np.asarray(out.logprobs)[:len(reqs)]
-        for r, lp in zip(reqs, per_req):
+        for r in reqs:
             r.kv_committed_len = r.seqlen
         return reqs, per_req, last
 

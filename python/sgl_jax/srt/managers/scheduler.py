@@ -21,11 +21,13 @@ from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    DecodeConfig,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
+    TokenOut,
 )
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort
 from sgl_jax.srt.managers.schedule_policy import PrefillAdder
@@ -184,25 +186,25 @@ class Scheduler:
 
     # ------------------------------------------------------------ requests
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
+        """Queue a request (the TokenizerManager has validated it; limits are re-checked here)."""
         n = len(msg.input_ids)
         if n == 0 or n > self.max_req_input_len:
             self._send_abort(msg.rid, f"input of {n} tokens is outside [1, {self.max_req_input_len}]", 400)
             return
-        sp = msg.sampling_params
-        room = self.context_len - n
-        sp.max_new_tokens = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
-        seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.randrange(2**31)
-        req = Req(
-            msg.rid, msg.input_ids, sp, eos_token_ids=self.model_config.eos_token_ids, seed=seed,
-            return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-            top_logprobs_num=msg.top_logprobs_num, token_ids_logprob=msg.token_ids_logprob, stream=msg.stream,
-        )
         if n + 1 > self.allocator.size:
             self._send_abort(msg.rid, f"input of {n} tokens does not fit the KV cache "
                                       f"({self.allocator.size} tokens)", 413)
             return
-        sp.max_new_tokens = min(sp.max_new_tokens, self.allocator.size - n)
-        self.waiting_queue.append(req)
+        sp = msg.sampling_params
+        # SGLang's rule: generation stops at the context length (and here also at the KV pool size)
+        room = min(self.context_len, self.allocator.size) - n
+        sp.max_new_tokens = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
+        seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.randrange(2**31)
+        self.waiting_queue.append(Req(
+            msg.rid, msg.input_ids, sp, eos_token_ids=self.model_config.eos_token_ids, seed=seed,
+            return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num, token_ids_logprob=msg.token_ids_logprob, stream=msg.stream,
+        ))
 
     def handle_abort(self, msg: AbortReq) -> None:
         for i, req in enumerate(self.waiting_queue):
@@ -217,8 +219,6 @@ class Scheduler:
                 return
 
     def _send_abort(self, rid: str, message: str, status_code: Optional[int] = None) -> None:
-        from sgl_jax.srt.managers.io_struct import DecodeConfig, TokenOut
-
         out = TokenOut(rid=rid, new_token_ids=[], finished_reason=finish_abort(message, status_code).to_json(),
                        prompt_tokens=0, completion_tokens=0, cached_tokens=0, decode=DecodeConfig())
         self._send([out])

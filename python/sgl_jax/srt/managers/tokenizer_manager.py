@@ -417,6 +417,6 @@ class TokenizerManager:
     async def generate(self, req: Union[GenerateReqInput, "PreparedReq"]) -> dict:
         """Run one request to completion and return its final response dict."""
         result = None
-        async for result in self.generate_request(req):
-            pass
+        async for out in self.generate_request(req):
+            result = out
         return result

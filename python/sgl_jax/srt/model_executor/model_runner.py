@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import time
-from typing import List, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
