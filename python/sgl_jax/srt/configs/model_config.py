@@ -46,6 +46,18 @@ def resolve_model_path(model_path: Optional[str]) -> ResolvedModel:
     return ResolvedModel(model_path=path, hf_dir=path, gguf_file=None)
 
 
+def tokenizer_path_for(server_args) -> str:
+    """--tokenizer-path, else the model's HF directory (for GGUF: the cached one built from its metadata)."""
+    return server_args.tokenizer_path or resolve_model_path(server_args.model_path).hf_dir
+
+
+def load_tokenizer(server_args):
+    """The HF fast tokenizer every process uses (`transformers.AutoTokenizer`; no torch needed)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_path_for(server_args))
+
+
 def _rope_parameters(hf_config) -> dict:
     """Rope settings as one dict with ``rope_theta`` and ``rope_type`` (transformers 4.x and 5.x layouts)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})

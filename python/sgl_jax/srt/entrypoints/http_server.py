@@ -29,7 +29,7 @@ from sgl_jax import __version__
 from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sgl_jax.srt.entrypoints.openai.serving_chat import create_chat_completion
 from sgl_jax.srt.entrypoints.openai.serving_completions import create_completion, gather_or_cancel
-from sgl_jax.srt.entrypoints.openai.utils import SSE_DONE, json_response, openai_error, sse
+from sgl_jax.srt.entrypoints.openai.utils import SSE_DONE, json_response, merge_streams, openai_error, sse
 from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager, split_batch
 from sgl_jax.srt.server_args import ServerArgs
 
@@ -134,8 +134,6 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
             return json_response(results if batch else results[0])
 
         async def stream():
-            from sgl_jax.srt.entrypoints.openai.utils import merge_streams
-
             try:
                 async for i, r in merge_streams([tm.generate_request(p) for p in prepared]):
                     if batch:

@@ -17,6 +17,7 @@ from typing import Dict, List
 
 import zmq
 
+from sgl_jax.srt.configs.model_config import load_tokenizer
 from sgl_jax.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, DecodeConfig, StrOut, TokenOut
 from sgl_jax.srt.utils import configure_logging, prepare_child_process
 
@@ -102,12 +103,7 @@ class DetokenizerManager:
     """Receives BatchTokenIDOut from the scheduler and sends BatchStrOut to the TokenizerManager."""
 
     def __init__(self, server_args, port_args):
-        from transformers import AutoTokenizer
-
-        from sgl_jax.srt.configs.model_config import resolve_model_path
-
-        path = server_args.tokenizer_path or resolve_model_path(server_args.model_path).hf_dir
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = load_tokenizer(server_args)
         ctx = zmq.Context(2)
         self.recv_from_scheduler = ctx.socket(zmq.PULL)
         self.recv_from_scheduler.bind(port_args.detokenizer_ipc_name)

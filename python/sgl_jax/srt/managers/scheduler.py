@@ -17,7 +17,7 @@ from typing import List, Optional
 
 import zmq
 
-from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.configs.model_config import ModelConfig, load_tokenizer
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -78,13 +78,11 @@ class Scheduler:
     """
 
     def __init__(self, server_args, port_args):
-        from transformers import AutoTokenizer
-
         self.server_args = server_args
         platform = setup_jax(server_args)
         self.model_config = ModelConfig.from_server_args(server_args, platform)
         mc = self.model_config
-        self.tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or mc.resolved.hf_dir)
+        self.tokenizer = load_tokenizer(server_args)
         self.max_running_requests, self.buckets, self.max_prefill_tokens = derive_limits(
             server_args, mc, platform)
         self.context_len = mc.context_len

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Union
 import zmq
 import zmq.asyncio
 
+from sgl_jax.srt.configs.model_config import load_tokenizer, resolve_model_path, tokenizer_path_for
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -161,15 +162,10 @@ class TokenizerManager:
     """
 
     def __init__(self, server_args, port_args, scheduler_info: dict):
-        from transformers import AutoTokenizer
-
-        from sgl_jax.srt.configs.model_config import resolve_model_path
-
         self.server_args = server_args
-        resolved = resolve_model_path(server_args.model_path)
-        self.model_path = resolved.model_path
-        self.tokenizer_path = server_args.tokenizer_path or resolved.hf_dir
-        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        self.model_path = resolve_model_path(server_args.model_path).model_path
+        self.tokenizer_path = tokenizer_path_for(server_args)
+        self.tokenizer = load_tokenizer(server_args)
         self.served_model_name = server_args.served_model_name or self.model_path
         self.info = scheduler_info
         self.context_len = scheduler_info["context_len"]
