@@ -69,6 +69,17 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def alive_after(pids, timeout: float = 15.0) -> List[int]:
+    """The pids still running after waiting up to `timeout` s for them to exit (children exit
+    asynchronously once their parent is gone, e.g. multiprocessing's resource tracker)."""
+    deadline = time.time() + timeout
+    while True:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
 class ServerProcess:
     """``python -m sgl_jax.launch_server`` on 127.0.0.1 and a free port; stderr/stdout go to a log file.
 

@@ -10,7 +10,7 @@ import torch
 
 from sgl_jax import Engine
 from sgl_jax.srt.managers.tokenizer_manager import RequestError
-from srt_helpers import SMALL_ENGINE_ARGS, child_pids, cmdline, hf_greedy, pid_alive
+from srt_helpers import SMALL_ENGINE_ARGS, alive_after, child_pids, cmdline, hf_greedy, pid_alive
 
 GREEDY_32 = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
 
@@ -197,4 +197,4 @@ def test_context_manager_shutdown_leaves_no_child_process():
         ours = engine_children() - before
         assert len(ours) == 2 and all(pid_alive(p) for p in ours)  # scheduler + detokenizer
         assert e.generate("Hi", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
-    assert not [p for p in ours if pid_alive(p)]
+    assert not alive_after(ours)

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from srt_helpers import ServerProcess, default_model_path
+from srt_helpers import ServerProcess, alive_after, default_model_path
 
 CHAT_Q = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -21,9 +21,7 @@ def server():
     yield s
     code = s.stop()
     assert code == 0, f"server exited with {code}"
-    from srt_helpers import pid_alive
-
-    assert not [p for p in s.children if pid_alive(p)], "child processes left behind"
+    assert not alive_after(s.children), "child processes left behind"
 
 
 @pytest.fixture(scope="module")

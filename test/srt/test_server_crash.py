@@ -1,8 +1,19 @@
-"""A scheduler crash must be logged with its traceback, fail /health, and end the server non-zero."""
+"""A dying child process (scheduler or detokenizer) must be logged, fail /health, and end the server non-zero."""
+
+import os
+import re
+import signal
 
 import httpx
 
-from srt_helpers import ServerProcess, pid_alive
+from srt_helpers import ServerProcess, alive_after
+
+
+def _health_is_not_ok(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code != 200
+    except httpx.HTTPError:
+        return True  # already gone
 
 
 def test_scheduler_crash_takes_the_server_down_loudly():
@@ -11,11 +22,7 @@ def test_scheduler_crash_takes_the_server_down_loudly():
         r = httpx.post(s.url + "/generate", timeout=120,
                        json={"text": "Hi", "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
         assert r.status_code == 503 and "scheduler exited" in r.json()["error"]["message"]
-        try:
-            health = httpx.get(s.url + "/health", timeout=5).status_code
-        except httpx.HTTPError:
-            health = None  # already gone
-        assert health != 200
+        assert _health_is_not_ok(s.url)
         code = s.proc.wait(60)
     finally:
         s.stop()
@@ -23,4 +30,18 @@ def test_scheduler_crash_takes_the_server_down_loudly():
     log = s.log_text()
     assert "Traceback" in log and "injected crash at step 2" in log
     assert "exited unexpectedly" in log
-    assert not [p for p in s.children if pid_alive(p)], "child processes left behind"
+    assert not alive_after(s.children), "child processes left behind"
+
+
+def test_killed_detokenizer_takes_the_server_down():
+    s = ServerProcess()
+    try:
+        pid = int(re.search(r"detokenizer \(pid (\d+)\)", s.log_text()).group(1))
+        assert pid in s.children
+        os.kill(pid, signal.SIGKILL)
+        code = s.proc.wait(60)
+    finally:
+        s.stop()
+    assert code != 0
+    assert "sgl_jax::detokenizer exited unexpectedly with code -9" in s.log_text()
+    assert not alive_after(s.children), "child processes left behind"

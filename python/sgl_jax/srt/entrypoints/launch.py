@@ -53,6 +53,7 @@ def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, dict, List[m
     scheduler.start()
     detokenizer.start()
     writer.close()
+    logger.info("Started scheduler (pid %d) and detokenizer (pid %d)", scheduler.pid, detokenizer.pid)
     try:
         info = _wait_ready(reader, procs)
     except BaseException:

@@ -1,4 +1,4 @@
-"""Token embedding whose table can double as a tied LM head."""
+"""Token embedding (its table doubles as the LM head when embeddings are tied)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,3 @@ class Embedding(nnx.Module):
     def __call__(self, ids: jax.Array) -> jax.Array:
         """ids: int32[T] -> [T, hidden_size]."""
         return jnp.take(self.weight[...], ids, axis=0)
-
-    def attend(self, x: jax.Array) -> jax.Array:
-        """Tied LM head: x [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        w = self.weight[...]
-        return jax.lax.dot_general(x.astype(w.dtype), w, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)

@@ -151,19 +151,24 @@ class ModelRunner:
             padded = np.zeros((LOGPROB_CHUNK_ROWS, hidden_rows.shape[1]), hidden_rows.dtype)
             padded[:len(chunk)] = chunk
             out.append(np.asarray(self._logprobs(self.params, padded))[:len(chunk)])
+            self._check_no_new_compile(None)
         if not out:
             return np.zeros((0, self.model_config.vocab_size), np.float32)
         return np.concatenate(out)
 
-    def _check_no_new_compile(self, batch: ModelWorkerBatch) -> None:
+    def _num_compiled(self) -> int:
+        return self._step._cache_size() + self._logprobs._cache_size()
+
+    def _check_no_new_compile(self, batch: Optional[ModelWorkerBatch]) -> None:
         if self._compiled_after_warmup is None:
             return
-        size = self._step._cache_size()
+        size = self._num_compiled()
         if size > self._compiled_after_warmup:
             self.num_compiles_after_warmup += size - self._compiled_after_warmup
             self._compiled_after_warmup = size
-            logger.warning("Compiled a new program while serving for shape %s; add it to the precompile "
-                           "paddings", batch.padded_shape)
+            shape = batch.padded_shape if batch is not None else "input-logprob chunk"
+            logger.warning("Compiled a new program while serving (%s); add the shape to the precompile "
+                           "paddings", shape)
 
     # ---- warm-up
     def dummy_batch(self, mode: ForwardMode, t_pad: int, s_pad: int) -> ModelWorkerBatch:
@@ -192,7 +197,7 @@ class ModelRunner:
             hidden_dim = self.model_config.hidden_size
             self.full_logprobs(np.zeros((1, hidden_dim), np.dtype(JNP_DTYPES[self.model_config.dtype])))
             bar.update()
-        self._compiled_after_warmup = self._step._cache_size()
+        self._compiled_after_warmup = self._num_compiled()
         logger.info("Warm-up compiled %d shapes in %.1f s", len(shapes) + 1, time.time() - t0)
 
 

@@ -17,6 +17,7 @@ from sgl_jax.srt.layers.attention import LayerKV, paged_attention
 from sgl_jax.srt.layers.embedding import Embedding
 from sgl_jax.srt.layers.layernorm import RMSNorm
 from sgl_jax.srt.layers.linear import Linear
+from sgl_jax.srt.layers.logits_processor import compute_logits
 from sgl_jax.srt.layers.rotary_embedding import apply_rope, rope_inv_freq
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch
 
@@ -127,8 +128,5 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        if self.lm_head is None:
-            return self.model.embed_tokens.attend(hidden)
-        w = self.lm_head.weight[...]
-        return jax.lax.dot_general(hidden.astype(w.dtype), w, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return compute_logits(hidden, head.weight[...])
