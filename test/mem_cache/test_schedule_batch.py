@@ -5,6 +5,8 @@ import numpy as np
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.managers.schedule_policy import PrefillAdder
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
+from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
@@ -20,9 +22,11 @@ def test_extend_then_decode_layout():
     pool = ReqToTokenPool(4, 64)
     alloc = PagedTokenToKVPoolAllocator(256, 4)
     buckets = ShapeBuckets((16, 64), (1, 4))
+    cache = ChunkCache(pool, alloc)
     a, b = _req([10, 11, 12], rid="a"), _req([20, 21, 22, 23, 24], rid="b", temperature=0.7)
+    a.extend_input_len, b.extend_input_len = 3, 5
     batch = ScheduleBatch([a, b], ForwardMode.EXTEND)
-    batch.prepare_for_extend(pool, alloc)
+    batch.prepare_for_extend(pool, alloc, cache)
     mwb = batch.build_model_worker_batch(buckets, pool, 4)
     fb = mwb.forward_batch
     assert fb.input_ids.shape == (16,) and fb.kv_lens.shape == (4,)  # T bucket 16, S = bs bucket 4
@@ -36,10 +40,12 @@ def test_extend_then_decode_layout():
     assert mwb.sampling.temperatures[:2].tolist() == [0.0, np.float32(0.7)]
     assert mwb.sampling.seeds[:2].tolist() == [5, 5]
 
+    for r in (a, b):
+        r.kv_committed_len = r.kv_allocated_len  # the step ran
     a.output_ids.append(99)
     b.output_ids.append(98)
     dec = ScheduleBatch([a, b], ForwardMode.DECODE)
-    assert dec.prepare_for_decode(pool, alloc)
+    assert dec.prepare_for_decode(pool, alloc, cache)
     fb = dec.build_model_worker_batch(buckets, pool, 4).forward_batch
     assert fb.input_ids.shape == (4,) and fb.input_ids[:2].tolist() == [99, 98]
     assert fb.positions[:2].tolist() == [3, 5] and fb.kv_lens[:2].tolist() == [4, 6]
@@ -47,21 +53,45 @@ def test_extend_then_decode_layout():
     assert fb.out_cache_loc[0] == pool.req_to_token[a.req_pool_idx, 3]
 
 
+def _adder(alloc, cache, buckets, running=(), chunk=None, slots=8, ratio=1.0, max_prefill=64):
+    return PrefillAdder(buckets, alloc, cache, list(running), max_prefill_tokens=max_prefill, chunk_size=chunk,
+                        free_req_slots=slots, new_token_ratio=ratio)
+
+
 def test_prefill_adder_reserves_future_tokens():
+    pool = ReqToTokenPool(8, 256)
     alloc = PagedTokenToKVPoolAllocator(100, 1)
+    cache = ChunkCache(pool, alloc)
     buckets = ShapeBuckets((64,), (1, 8))
-    adder = PrefillAdder(buckets, alloc, running=[], max_prefill_tokens=64, free_req_slots=8)
+    adder = _adder(alloc, cache, buckets)
     assert adder.add(_req(list(range(10)), max_new=40))  # 50 tokens reserved
     assert adder.add(_req(list(range(10)), max_new=30))  # 90
     assert not adder.add(_req(list(range(5)), max_new=10))  # would need 105 > 100
     assert len(adder.can_run) == 2
+    # with the decaying estimate only part of max_new_tokens is reserved
+    adder = _adder(alloc, cache, buckets, ratio=0.1)
+    assert all(adder.add(_req(list(range(10)), max_new=40)) for _ in range(5))
 
 
 def test_prefill_adder_respects_slots_and_token_budget():
+    pool = ReqToTokenPool(8, 512)
     alloc = PagedTokenToKVPoolAllocator(10_000, 1)
+    cache = ChunkCache(pool, alloc)
     buckets = ShapeBuckets((64, 256), (1, 8))
-    adder = PrefillAdder(buckets, alloc, running=[], max_prefill_tokens=64, free_req_slots=2)
+    adder = _adder(alloc, cache, buckets, slots=2)
     assert adder.add(_req(list(range(200))))  # alone, a request may use the largest bucket
     assert not adder.add(_req(list(range(5))))  # budget 64 already exceeded
-    adder = PrefillAdder(buckets, alloc, running=[], max_prefill_tokens=256, free_req_slots=2)
+    adder = _adder(alloc, cache, buckets, slots=2, max_prefill=256)
     assert adder.add(_req([1])) and adder.add(_req([1])) and not adder.add(_req([1]))
+
+
+def test_prefill_adder_cuts_page_aligned_chunks_and_locks_prefixes():
+    pool = ReqToTokenPool(8, 512)
+    alloc = PagedTokenToKVPoolAllocator(4096, 16)
+    cache = RadixCache(pool, alloc, 16)
+    buckets = ShapeBuckets((64, 256), (1, 8))
+    adder = _adder(alloc, cache, buckets, chunk=100)
+    a, b = _req(list(range(40)), rid="a"), _req(list(range(300)), rid="b")
+    assert adder.add(a) and a.extend_input_len == 40
+    assert adder.add(b) and b.extend_input_len == 48  # 60 tokens of budget left, cut to whole pages
+    assert adder.new_chunked_req is b and not adder.add(_req([7]))

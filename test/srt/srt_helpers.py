@@ -18,10 +18,11 @@ from sgl_jax.srt.utils import find_free_port
 # One configuration for every SmolLM2 engine/server in the suite, so the JAX persistent compilation
 # cache built by the first one serves all the others.
 SMALL_ENGINE_ARGS = dict(
-    context_length=512,
+    context_length=2048,
     max_total_tokens=16384,
-    precompile_token_paddings=[64, 512],
+    precompile_token_paddings=[64, 256],
     precompile_bs_paddings=[1, 8, 32],
+    chunked_prefill_size=256,
     max_running_requests=32,
     random_seed=0,
 )

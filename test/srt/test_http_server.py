@@ -186,7 +186,7 @@ def test_error_cases_get_400_and_server_keeps_serving(server, client):
                          "max_tokens must be non-negative")
     _assert_openai_error(httpx.post(u + "/v1/chat/completions", json={"messages": CHAT_Q, "temperature": -0.5},
                                     timeout=30), "temperature must be non-negative")
-    long_prompt = "hello " * 700  # > 512-token context
+    long_prompt = "hello " * 2100  # > 2048-token context
     _assert_openai_error(httpx.post(u + "/v1/completions", json={"prompt": long_prompt}, timeout=30),
                          "longer than the model's context length")
     streamed = httpx.post(u + "/v1/completions", json={"prompt": long_prompt, "stream": True}, timeout=30)
@@ -212,7 +212,7 @@ def test_error_cases_get_400_and_server_keeps_serving(server, client):
 def test_info_health_and_flush(server):
     u = server.url
     models = httpx.get(u + "/v1/models", timeout=10).json()
-    assert models["data"][0]["id"] == default_model_path() and models["data"][0]["max_model_len"] == 512
+    assert models["data"][0]["id"] == default_model_path() and models["data"][0]["max_model_len"] == 2048
     info = httpx.get(u + "/get_model_info", timeout=10).json()
     assert info["model_path"] == default_model_path() and info["is_generation"] is True
     assert httpx.get(u + "/health", timeout=10).status_code == 200
@@ -243,9 +243,39 @@ def test_abort_request_and_client_disconnect_free_the_kv(server):
     assert state["num_running_reqs"] == 0 and state["kv_tokens_in_use"] == 0
 
 
+def test_cached_tokens_reported_in_usage(server, client):
+    long_question = "Here are some facts about the solar system. " * 60 + "Which planet is largest?"
+    msgs = [{"role": "user", "content": long_question}]
+    first = client.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0)
+    second = client.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens > 500
+    # the second request reuses the whole prompt except its last token (which must be computed for logits)
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    assert second.choices[0].message.content == first.choices[0].message.content
+    body = {"text": long_question, "sampling_params": {"max_new_tokens": 1}}  # no chat template: new tokens
+    before = httpx.post(server.url + "/generate", timeout=60, json=body).json()["meta_info"]
+    after = httpx.post(server.url + "/generate", timeout=60, json=body).json()["meta_info"]
+    assert before["cached_tokens"] < before["prompt_tokens"] - 1
+    assert after["cached_tokens"] == after["prompt_tokens"] - 1
+
+
+def test_flush_cache_refused_while_running_and_openai_stream_close_aborts(server, client):
+    stream = client.completions.create(model="m", prompt="Count: 1, 2, 3,", max_tokens=500, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    refused = httpx.post(server.url + "/flush_cache", timeout=10)
+    assert refused.status_code == 400 and "running" in refused.text
+    stream.close()  # the openai client goes away mid-stream
+    state = wait_idle(server)
+    assert state["num_running_reqs"] == 0 and state["kv_tokens_in_use"] == 0 and state["kv_tokens_protected"] == 0
+
+
 def test_kv_pool_is_free_when_idle(server):
     state = wait_idle(server)
-    assert state["kv_tokens_in_use"] == 0 and state["kv_tokens_free"] == state["kv_tokens_total"] == 16384
-    assert state["kv_tokens_cached"] == 0 and state["num_waiting_reqs"] == 0
+    assert state["kv_tokens_in_use"] == 0 and state["kv_tokens_protected"] == 0 and state["num_waiting_reqs"] == 0
+    assert state["kv_tokens_free"] + state["kv_tokens_cached"] == state["kv_tokens_total"] == 16384
     assert state["memory_errors"] == 0, "the idle accounting check found leaked KV"
     assert state["num_compiles_after_warmup"] == 0, "serving compiled a new shape"
+    assert httpx.post(server.url + "/flush_cache", timeout=10).status_code == 200
+    state = internal_state(server)
+    assert state["kv_tokens_cached"] == 0 and state["kv_tokens_free"] == state["kv_tokens_total"]

@@ -53,8 +53,10 @@ class RunnerHarness:
         """Extend all prompts in one batch; returns (reqs, per-request logprobs of every position [n, V])."""
         reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=64, temperature=0.0), eos_token_ids=[], seed=0)
                 for i, p in enumerate(prompts)]
+        for r in reqs:
+            r.extend_input_len = len(r.origin_input_ids)  # no cached prefix: extend the whole prompt
         batch = ScheduleBatch(reqs, ForwardMode.EXTEND)
-        batch.prepare_for_extend(self.pool, self.alloc)
+        batch.prepare_for_extend(self.pool, self.alloc, self.cache)
         out = self._run(batch)
         hidden = np.asarray(out.hidden)
         per_req, o = [], 0
@@ -63,7 +65,7 @@ class RunnerHarness:
             o += len(r.origin_input_ids)
         last = np.asarray(out.logprobs)[:len(reqs)]
         for r in reqs:
-            r.kv_committed_len = r.seqlen
+            r.kv_committed_len = r.kv_allocated_len
         return reqs, per_req, last
 
     def decode(self, reqs, tokens):
@@ -71,8 +73,10 @@ class RunnerHarness:
         for r, t in zip(reqs, tokens):
             r.output_ids.append(int(t))
         batch = ScheduleBatch(reqs, ForwardMode.DECODE)
-        assert batch.prepare_for_decode(self.pool, self.alloc)
+        assert batch.prepare_for_decode(self.pool, self.alloc, self.cache)
         out = self._run(batch)
+        for r in reqs:
+            r.kv_committed_len = r.kv_allocated_len
         return np.asarray(out.logprobs)[:len(reqs)]
 
     def release(self, reqs):

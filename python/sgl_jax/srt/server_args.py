@@ -53,6 +53,8 @@ class ServerArgs:
     mem_fraction_static: Optional[float] = None
     max_running_requests: Optional[int] = None
     max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 2048
+    disable_radix_cache: bool = False
     precompile_token_paddings: Optional[List[int]] = None
     precompile_bs_paddings: Optional[List[int]] = None
     disable_precompile: bool = False
@@ -74,6 +76,10 @@ class ServerArgs:
         self._check_choice("log_level", LOG_LEVELS)
         self._check_positive("page_size")
         self._check_positive("max_prefill_tokens")
+        if self.chunked_prefill_size != -1 and (not isinstance(self.chunked_prefill_size, int)
+                                                or self.chunked_prefill_size < self.page_size):
+            raise ValueError(f"--chunked-prefill-size must be -1 (off) or at least --page-size "
+                             f"({self.page_size}), got {self.chunked_prefill_size!r}")
         self._check_positive("stream_interval")
         for name in ("max_total_tokens", "max_running_requests", "context_length"):
             if getattr(self, name) is not None:
@@ -113,7 +119,10 @@ class ServerArgs:
             "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static)",
             "mem_fraction_static": "fraction of device memory for weights + KV pool (on CPU: of available host memory)",
             "max_running_requests": "upper bound on concurrently running requests",
-            "max_prefill_tokens": "token budget of one prefill (extend) batch",
+            "max_prefill_tokens": "token budget of one prefill (extend) batch without chunked prefill",
+            "chunked_prefill_size": "tokens per prefill step; longer prompts are prefilled in chunks "
+                                    "interleaved with decoding (-1: off)",
+            "disable_radix_cache": "no prefix sharing between requests (ChunkCache instead of RadixCache)",
             "precompile_token_paddings": "extend token-count buckets compiled at start-up",
             "precompile_bs_paddings": "batch-size buckets compiled at start-up",
             "disable_precompile": "skip warm-up compilation (shapes then compile on first use)",

@@ -13,6 +13,7 @@ from typing import Callable, List, Optional
 import numpy as np
 
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.common import alloc_with_evict
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.forward_batch_info import (
@@ -91,12 +92,19 @@ class Req:
         self.finished_reason: Optional[FinishReason] = None
         self.to_abort: Optional[FinishReason] = None
 
+        # KV ownership (see mem_cache/radix_cache.py): positions [0, cache_protected_len) belong to the
+        # prefix cache (locked through last_node); [cache_protected_len, kv_allocated_len) to this request.
         self.req_pool_idx: Optional[int] = None
-        self.kv_allocated_len = 0
-        self.kv_committed_len = 0
-        self.prefix_len = 0  # cached prefix length at admission
-        self.extend_input_len = 0
+        self.kv_allocated_len = 0  # positions that have a KV slot
+        self.kv_committed_len = 0  # positions whose K/V are written
+        self.cache_protected_len = 0
+        self.last_node = None
+        self.kv_released = False  # set by release_kv_cache; a second release is a no-op
+        self.prefix_indices = np.zeros(0, np.int32)  # matched prefix slots, written to the row at admission
+        self.extend_input_len = 0  # tokens of the next extend (a chunk, or the whole uncached rest)
+        self.is_chunked = False  # between two chunks of its prompt's prefill
         self.cached_tokens = 0
+        self.num_retractions = 0
 
         self.sent_len = 0  # output tokens already sent to the detokenizer
         self.input_logprobs_sent = False
@@ -124,6 +132,24 @@ class Req:
 
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0 and not self.input_logprobs_sent
+
+    def max_prefix_len(self) -> int:
+        """Longest prefix the cache may serve: at least one token is always computed (for its logits),
+        and input logprobs need the positions from logprob_start_len - 1 computed."""
+        limit = len(self.fill_ids) - 1
+        if self.wants_input_logprobs():
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        return limit
+
+    def reset_for_retract(self) -> None:
+        """Forget KV state after a retract (KV already released); generation resumes from fill_ids."""
+        assert self.req_pool_idx is None, "release the request's KV before resetting it"
+        self.kv_allocated_len = self.kv_committed_len = self.cache_protected_len = 0
+        self.last_node = None
+        self.prefix_indices = np.zeros(0, np.int32)
+        self.extend_input_len = 0
+        self.is_chunked = False
+        self.num_retractions += 1
 
     def check_finished(self, decode_tail: Callable[[List[int]], str]) -> None:
         """Set ``finished_reason`` after a new output token (SGLang's order: abort, length, token, string).
@@ -175,10 +201,10 @@ class ScheduleBatch:
         return not self.reqs
 
     # ---- allocation
-    def prepare_for_extend(self, pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator) -> None:
-        """Give every request a pool row (if it has none) and KV slots for its uncached tokens.
+    def prepare_for_extend(self, pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator, tree_cache) -> None:
+        """Give each request a pool row (first time: with its matched prefix) and KV slots for its next
+        ``extend_input_len`` tokens, evicting cached KV if needed.
 
-        Each request's ``prefix_len`` positions must already hold valid slots in its row.
         Raises RuntimeError when the pools run out (admission control must prevent that).
         """
         for req in self.reqs:
@@ -186,25 +212,33 @@ class ScheduleBatch:
                 req.req_pool_idx = pool.alloc()
                 if req.req_pool_idx is None:
                     raise RuntimeError("ReqToTokenPool is full; admission should have prevented this")
-            seqlen = req.seqlen
-            req.extend_input_len = seqlen - req.prefix_len
+                n = len(req.prefix_indices)
+                pool.write(req.req_pool_idx, 0, req.prefix_indices)
+                req.kv_allocated_len = req.kv_committed_len = req.cache_protected_len = n
+                req.kv_released = False
+            assert req.kv_allocated_len == req.kv_committed_len
+            end = req.kv_committed_len + req.extend_input_len
             row = pool.req_to_token[req.req_pool_idx]
-            slots = allocator.alloc_token_slots(row, req.prefix_len, seqlen)
+            slots = alloc_with_evict(allocator, tree_cache, row, req.kv_allocated_len, end)
             if slots is None:
                 raise RuntimeError("KV pool is full; admission should have prevented this")
-            pool.write(req.req_pool_idx, req.prefix_len, slots)
-            req.kv_allocated_len = seqlen
+            pool.write(req.req_pool_idx, req.kv_allocated_len, slots)
+            req.kv_allocated_len = end
 
-    def prepare_for_decode(self, pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator) -> bool:
-        """One KV slot per request for its last sampled token. Returns False (nothing taken) if pages ran out."""
+    def prepare_for_decode(self, pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator, tree_cache) -> bool:
+        """One KV slot per request for its last sampled token, evicting cached KV if needed.
+
+        Returns False (nothing taken) when even eviction cannot free enough pages: the caller retracts.
+        """
         need = sum(allocator.pages_needed(r.seqlen - 1, r.seqlen) for r in self.reqs)
-        if need * allocator.page_size > allocator.available_size():
-            return False
+        if need > allocator.available_pages():
+            tree_cache.evict((need - allocator.available_pages()) * allocator.page_size)
+            if need > allocator.available_pages():
+                return False
         for req in self.reqs:
             row = pool.req_to_token[req.req_pool_idx]
             pos = req.seqlen - 1
-            slots = allocator.alloc_token_slots(row, pos, pos + 1)
-            pool.write(req.req_pool_idx, pos, slots)
+            pool.write(req.req_pool_idx, pos, allocator.alloc_token_slots(row, pos, pos + 1))
             req.kv_allocated_len = req.seqlen
         return True
 
@@ -231,12 +265,14 @@ class ScheduleBatch:
             q_lens = np.array([r.extend_input_len for r in reqs], np.int64)
             T = int(q_lens.sum())
             T_pad, S_pad = buckets.extend_shape(T, S)
-            input_ids = np.concatenate([np.asarray(r.fill_ids[r.prefix_len:], np.int32) for r in reqs])
-            positions = np.concatenate([np.arange(r.prefix_len, r.seqlen, dtype=np.int32) for r in reqs])
+            starts = [r.kv_committed_len for r in reqs]  # KV is written only after the step
+            input_ids = np.concatenate([np.asarray(r.fill_ids[s:s + n], np.int32) for r, s, n in
+                                        zip(reqs, starts, q_lens)])
+            positions = np.concatenate([np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, q_lens)])
         rows = np.array([r.req_pool_idx for r in reqs], np.int64)
         starts = positions.astype(np.int64)
         out_cache_loc = pool.req_to_token[np.repeat(rows, q_lens), starts]
-        kv_lens = np.array([r.seqlen for r in reqs], np.int32)
+        kv_lens = np.array([r.kv_allocated_len for r in reqs], np.int32)
         pages_per_seq = -(-pool.max_context_len // page_size)
         page_indices = np.zeros((S_pad, pages_per_seq), np.int32)
         page_indices[:S] = pool.req_to_token[rows][:, ::page_size][:, :pages_per_seq] // page_size

@@ -1,69 +1,139 @@
 """Prefill admission: which waiting requests join the next extend batch (first come, first served).
 
 A request is admitted when, together with the ones already picked,
-- its extend tokens fit the prefill budget (--max-prefill-tokens; a lone request may use the largest
-  token bucket) and some compiled extend bucket holds the batch,
-- running + admitted requests stay within --max-running-requests and the ReqToTokenPool,
-- the KV pool can hold every admitted request's prompt and all tokens it may still generate, after the
-  same reservation for every running request. Decode therefore never runs out of pages.
+- its extend tokens fit the step's token budget: --chunked-prefill-size when chunking (the last admitted
+  request may be cut to a page-aligned chunk and continue next step), else --max-prefill-tokens (a lone
+  request may use the largest bucket); and some compiled extend bucket holds the batch;
+- running + admitted requests stay within --max-running-requests and the ReqToTokenPool;
+- the KV pool (free pages plus evictable cached pages) holds its uncached prompt plus an estimate of the
+  tokens it will generate: ``new_token_ratio * max_new_tokens``, the same estimate being reserved for
+  every running request. The ratio starts at 0.7 and decays to 0.1 while decoding goes well; when decode
+  runs out of pages anyway, requests are retracted and the ratio is raised (SGLang's scheme).
+
+Admitting a request locks its matched prefix in the prefix cache (those pages stop being evictable);
+a rejected request's lock is released at once.
 """
 
 from __future__ import annotations
 
-from typing import List
+import math
+from typing import List, Optional
 
 from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600  # per decode step
+CLIP_MAX_NEW_TOKENS = 4096  # estimates never assume more future tokens than this per request
+RETRACT_DECODE_STEPS = 20  # after a retract, reserve room for this many more decode steps of every request
 
-def final_len(req: Req) -> int:
-    """Tokens of KV the request may hold when it finishes (prompt + max_new_tokens)."""
-    return len(req.origin_input_ids) + req.sampling_params.max_new_tokens
+
+def future_tokens(req: Req, ratio: float) -> int:
+    """Estimated tokens `req` will still generate."""
+    remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
+    return math.ceil(min(max(remaining, 0), CLIP_MAX_NEW_TOKENS) * ratio)
 
 
-def reserved_pages(reqs: List[Req], allocator: PagedTokenToKVPoolAllocator) -> int:
-    """Pages running requests may still take before they finish."""
-    return sum(allocator.pages_needed(r.kv_allocated_len, final_len(r)) for r in reqs)
+def ratio_after_retract(running: List[Req]) -> float:
+    """SGLang's estimate after a retract: room for RETRACT_DECODE_STEPS more tokens of each request."""
+    decoded = sum(len(r.output_ids) for r in running)
+    total = sum(r.sampling_params.max_new_tokens for r in running)
+    return min(1.0, (decoded + RETRACT_DECODE_STEPS * len(running)) / max(total, 1))
 
 
 class PrefillAdder:
     """Accumulates admissible requests for one extend batch.
 
     Args:
-        buckets: compiled shapes (an extend batch must fit one).
-        allocator: KV allocator (free pages).
-        running: requests currently decoding.
-        max_prefill_tokens: prefill token budget.
-        free_req_slots: request slots left (min of ReqToTokenPool and --max-running-requests room).
+        buckets: compiled shapes (the batch must fit one).
+        allocator: KV allocator; tree_cache: the prefix cache (match, lock, evictable size).
+        running: requests currently decoding (their future tokens are reserved).
+        max_prefill_tokens: token budget without chunking; chunk_size: token budget with chunking (None: off).
+        free_req_slots: request slots left.
+        new_token_ratio: the current future-token estimate factor.
     """
 
-    def __init__(self, buckets: ShapeBuckets, allocator: PagedTokenToKVPoolAllocator, running: List[Req],
-                 max_prefill_tokens: int, free_req_slots: int):
+    def __init__(self, buckets: ShapeBuckets, allocator: PagedTokenToKVPoolAllocator, tree_cache,
+                 running: List[Req], *, max_prefill_tokens: int, chunk_size: Optional[int], free_req_slots: int,
+                 new_token_ratio: float):
         self.buckets = buckets
         self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.ps = allocator.page_size
         self.max_prefill_tokens = max_prefill_tokens
-        self.free_pages = allocator.available_pages() - reserved_pages(running, allocator)
+        self.chunk_size = chunk_size
+        self.ratio = new_token_ratio
         self.free_req_slots = free_req_slots
+        self.rem_pages = (allocator.available_pages() + tree_cache.evictable_size() // self.ps
+                          - sum(self._pages(future_tokens(r, self.ratio)) for r in running))
         self.can_run: List[Req] = []
         self.num_tokens = 0
+        self.new_chunked_req: Optional[Req] = None  # a request cut to a chunk in this batch
 
-    def add(self, req: Req) -> bool:
-        """Admit `req` if everything fits; returns False (and admits nothing) otherwise."""
-        extend = req.seqlen - req.prefix_len
-        tokens = self.num_tokens + extend
-        budget = self.max_prefill_tokens if self.can_run else self.buckets.max_tokens
-        if self.free_req_slots <= 0 or tokens > budget:
-            return False
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.ps)
+
+    def _budget(self) -> int:
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return self.max_prefill_tokens if self.can_run else self.buckets.max_tokens
+
+    def _fits_bucket(self, tokens: int) -> bool:
         try:
             self.buckets.extend_shape(tokens, len(self.can_run) + 1)
+            return True
         except ValueError:
             return False
-        pages = self.allocator.pages_needed(req.prefix_len, final_len(req))
-        if pages > self.free_pages:
+
+    def _take(self, req: Req, extend: int) -> int:
+        """Tokens of `req` this batch can extend (page-aligned when cut), or 0."""
+        room = self._budget() - self.num_tokens
+        if extend <= room:
+            return extend
+        if self.chunk_size is None:
+            return 0
+        return room // self.ps * self.ps
+
+    def add_chunked(self, req: Req) -> bool:
+        """Continue a request whose prompt is being prefilled in chunks (always first in the batch)."""
+        remaining = req.seqlen - req.kv_committed_len
+        n = self._take(req, remaining)
+        pages = self.allocator.pages_needed(req.kv_allocated_len, req.kv_committed_len + n)
+        self.rem_pages -= self.allocator.pages_needed(req.kv_allocated_len, req.seqlen) + \
+            self._pages(future_tokens(req, self.ratio))
+        available_now = self.allocator.available_pages() + self.tree_cache.evictable_size() // self.ps
+        if n == 0 or pages > available_now or not self._fits_bucket(n):
             return False
-        self.free_pages -= pages
-        self.free_req_slots -= 1
-        self.num_tokens = tokens
-        self.can_run.append(req)
+        self._accept(req, n, remaining)
         return True
+
+    def add(self, req: Req) -> bool:
+        """Admit a waiting request if everything fits; returns False (and admits nothing) otherwise."""
+        if self.free_req_slots <= 0 or self.new_chunked_req is not None:
+            return False
+        match = self.tree_cache.match_prefix(req.fill_ids[:req.max_prefix_len()])
+        moved = self.tree_cache.inc_lock_ref(match.last_node)
+        prefix = match.length
+        extend = len(req.fill_ids) - prefix
+        n = self._take(req, extend)
+        need = self.allocator.pages_needed(prefix, req.seqlen) + self._pages(future_tokens(req, self.ratio))
+        if n == 0 or not self._fits_bucket(self.num_tokens + n) or need > self.rem_pages - moved // self.ps:
+            self.tree_cache.dec_lock_ref(match.last_node)
+            return False
+        self.rem_pages -= need + moved // self.ps
+        self.free_req_slots -= 1
+        req.prefix_indices = match.device_indices
+        req.last_node = match.last_node
+        if req.num_retractions == 0 and not req.output_ids:
+            req.cached_tokens = prefix
+        self._accept(req, n, extend)
+        return True
+
+    def _accept(self, req: Req, n: int, remaining: int) -> None:
+        req.extend_input_len = n
+        self.num_tokens += n
+        self.can_run.append(req)
+        if n < remaining:
+            self.new_chunked_req = req

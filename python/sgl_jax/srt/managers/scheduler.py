@@ -3,6 +3,11 @@
 Loop: receive requests -> pick the next batch (a prefill of newly admitted requests if any fit,
 otherwise one decode step of every running request) -> run it -> append tokens, finish and release
 requests, send progress to the detokenizer. New requests join between decode steps; finished ones leave.
+
+Chunked prefill: a prompt longer than --chunked-prefill-size is prefilled a chunk per step, with a decode
+step of the running batch between chunks, so a long prompt does not stall every stream. Retract: when a
+decode step cannot get KV pages even after evicting cached prefixes, the latest admitted requests are
+retracted (KV released, requeued) and resume later from prompt + generated tokens.
 """
 
 from __future__ import annotations
@@ -30,10 +35,16 @@ from sgl_jax.srt.managers.io_struct import (
     TokenOut,
 )
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort
-from sgl_jax.srt.managers.schedule_policy import PrefillAdder
+from sgl_jax.srt.managers.schedule_policy import (
+    INIT_NEW_TOKEN_RATIO,
+    MIN_NEW_TOKEN_RATIO,
+    NEW_TOKEN_RATIO_DECAY,
+    PrefillAdder,
+    ratio_after_retract,
+)
 from sgl_jax.srt.managers.scheduler_output import process_batch_result, token_out
+from sgl_jax.srt.mem_cache import create_prefix_cache
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets, default_bs_paddings, default_token_paddings
@@ -47,13 +58,18 @@ IDLE_POLL_MS = 1000
 DECODE_LOG_INTERVAL = 40  # decode steps between "Decode batch" log lines (SGLang's default)
 # Test hook: raise inside the scheduler loop at this forward step (checks crash reporting end to end).
 CRASH_AT_STEP_ENV = "SGL_JAX_TEST_CRASH_AT_STEP"
+# Test hook: when "1", retract the latest half of the running requests every few decode steps.
+TEST_RETRACT_ENV = "SGL_JAX_TEST_RETRACT"
+TEST_RETRACT_INTERVAL = 5
 
 
 def derive_limits(server_args, model_config, platform: str):
-    """(max_running_requests, ShapeBuckets, max_prefill_tokens) from the flags and the model.
+    """(max_running_requests, ShapeBuckets, max_prefill_tokens, chunk_size) from the flags and the model.
 
+    Default token paddings reach the chunk size (or the context length without chunking).
     Raises:
-        ValueError: --max-running-requests exceeds the largest --precompile-bs-paddings.
+        ValueError: --max-running-requests exceeds the largest --precompile-bs-paddings, or
+            --chunked-prefill-size exceeds the largest --precompile-token-paddings.
     """
     bs = server_args.precompile_bs_paddings
     max_running = server_args.max_running_requests
@@ -64,9 +80,15 @@ def derive_limits(server_args, model_config, platform: str):
     elif max_running > bs[-1]:
         raise ValueError(f"--max-running-requests ({max_running}) exceeds the largest "
                          f"--precompile-bs-paddings ({bs[-1]})")
-    tokens = server_args.precompile_token_paddings or default_token_paddings(model_config.context_len)
+    chunk = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
+    if chunk is not None:
+        chunk = min(chunk, model_config.context_len)
+    tokens = server_args.precompile_token_paddings or default_token_paddings(chunk or model_config.context_len)
+    if chunk is not None and chunk > tokens[-1]:
+        raise ValueError(f"--chunked-prefill-size ({chunk}) exceeds the largest --precompile-token-paddings "
+                         f"({tokens[-1]})")
     buckets = ShapeBuckets(tuple(tokens), tuple(bs))
-    return max_running, buckets, min(server_args.max_prefill_tokens, buckets.max_tokens)
+    return max_running, buckets, min(server_args.max_prefill_tokens, buckets.max_tokens), chunk
 
 
 class Scheduler:
@@ -83,11 +105,12 @@ class Scheduler:
         self.model_config = ModelConfig.from_server_args(server_args, platform)
         mc = self.model_config
         self.tokenizer = load_tokenizer(server_args)
-        self.max_running_requests, self.buckets, self.max_prefill_tokens = derive_limits(
+        self.max_running_requests, self.buckets, self.max_prefill_tokens, self.chunk_size = derive_limits(
             server_args, mc, platform)
         self.context_len = mc.context_len
-        # the largest single prompt one extend can take (no chunked prefill yet)
-        self.max_req_input_len = min(self.context_len - 1, self.buckets.max_tokens)
+        # the largest prompt: any within the context when chunking, else what one extend bucket holds
+        self.max_req_input_len = self.context_len - 1 if self.chunk_size else min(self.context_len - 1,
+                                                                                   self.buckets.max_tokens)
         logger.info("Model %s (%s, %s) on %s; context %d tokens", mc.model_path, mc.architecture, mc.dtype,
                     platform, self.context_len)
         self.model_runner = ModelRunner(
@@ -98,9 +121,15 @@ class Scheduler:
         self.page_size = server_args.page_size
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len)
         self.allocator = PagedTokenToKVPoolAllocator(self.model_runner.max_total_tokens, self.page_size)
-        self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator)
+        self.tree_cache = create_prefix_cache(server_args, self.req_to_token_pool, self.allocator)
         self.waiting_queue: List[Req] = []
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE)
+        self.chunked_req: Optional[Req] = None  # a request whose prompt is being prefilled in chunks
+        self.last_mode: Optional[ForwardMode] = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.num_retracted_reqs = 0
+        self.test_retract = os.environ.get(TEST_RETRACT_ENV) == "1"
+        self._last_forced_retract = 0
         self.rng = random.Random(server_args.random_seed)
         self.memory_errors = 0
         self._idle_checked = False
@@ -127,6 +156,8 @@ class Scheduler:
             "max_prefill_tokens": self.max_prefill_tokens,
             "max_req_input_len": self.max_req_input_len,
             "context_len": self.context_len,
+            "chunked_prefill_size": self.chunk_size or -1,
+            "radix_cache": type(self.tree_cache).__name__ == "RadixCache",
             "vocab_size": self.model_config.vocab_size,
             "token_paddings": list(self.buckets.token_paddings),
             "bs_paddings": list(self.buckets.bs_paddings),
@@ -146,14 +177,15 @@ class Scheduler:
             if step == crash_at:
                 raise RuntimeError(f"injected crash at step {step} ({CRASH_AT_STEP_ENV})")
             self._idle_checked = False
+            self.last_mode = batch.forward_mode
             out = self.model_runner.forward(
                 batch.build_model_worker_batch(self.buckets, self.req_to_token_pool, self.page_size))
-            process_batch_result(batch, out, self.model_runner.full_logprobs, self.decode_tail)
+            process_batch_result(batch, out, self.tree_cache, self.model_runner.full_logprobs, self.decode_tail)
             self.log_batch(batch)
             self.stream_and_release(batch)
 
     def recv_requests(self) -> list:
-        busy = self.waiting_queue or not self.running_batch.is_empty()
+        busy = self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req is not None
         if not busy and not self.recv_from_tokenizer.poll(IDLE_POLL_MS):
             return []
         msgs = []
@@ -211,7 +243,8 @@ class Scheduler:
                 req.finished_reason = finish_abort(msg.message)
                 self._send([token_out(req, self.server_args.stream_interval)])
                 return
-        for req in self.running_batch.reqs:
+        running = self.running_batch.reqs + ([self.chunked_req] if self.chunked_req is not None else [])
+        for req in running:
             if req.rid == msg.rid:
                 req.to_abort = finish_abort(msg.message)
                 return
@@ -228,32 +261,64 @@ class Scheduler:
 
     # ------------------------------------------------------------ batching
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
-        batch = self.get_new_batch_prefill()
-        if batch is not None:
-            return batch
-        if self.running_batch.is_empty():
-            return None
-        if not self.running_batch.prepare_for_decode(self.req_to_token_pool, self.allocator):
-            raise RuntimeError("KV pool exhausted during decode; admission reservation is broken")
-        return self.running_batch
+        """Prefill first; but between two chunks of a long prompt, one decode step of the running batch."""
+        between_chunks = self.chunked_req is not None and self.last_mode == ForwardMode.EXTEND
+        if not (between_chunks and not self.running_batch.is_empty()):
+            batch = self.get_new_batch_prefill()
+            if batch is not None:
+                return batch
+        return self.get_decode_batch()
 
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
-        if not self.waiting_queue:
+        if not self.waiting_queue and self.chunked_req is None:
             return None
         running = self.running_batch.reqs
-        slots = min(self.req_to_token_pool.available_size(), self.max_running_requests - len(running))
-        adder = PrefillAdder(self.buckets, self.allocator, running, self.max_prefill_tokens, slots)
+        in_flight = len(running) + (1 if self.chunked_req is not None else 0)
+        slots = min(self.req_to_token_pool.available_size(), self.max_running_requests - in_flight)
+        adder = PrefillAdder(self.buckets, self.allocator, self.tree_cache, running,
+                             max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size,
+                             free_req_slots=slots, new_token_ratio=self.new_token_ratio)
+        if self.chunked_req is not None and not adder.add_chunked(self.chunked_req):
+            return None
         for req in self.waiting_queue:
-            req.prefix_len = self.tree_cache.match_prefix(req.fill_ids).length
             if not adder.add(req):
                 break
         if not adder.can_run:
             return None
         admitted = set(id(r) for r in adder.can_run)
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        self.chunked_req = adder.new_chunked_req
         batch = ScheduleBatch(adder.can_run, ForwardMode.EXTEND)
-        batch.prepare_for_extend(self.req_to_token_pool, self.allocator)
+        batch.prepare_for_extend(self.req_to_token_pool, self.allocator, self.tree_cache)
         return batch
+
+    def get_decode_batch(self) -> Optional[ScheduleBatch]:
+        """The running batch, with a KV slot per request; retracts requests when pages run out."""
+        batch = self.running_batch
+        if batch.is_empty():
+            return None
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        if self.test_retract and self._decode_steps - self._last_forced_retract >= TEST_RETRACT_INTERVAL:
+            self._last_forced_retract = self._decode_steps
+            self.retract(max(1, len(batch.reqs) // 2))
+        while not batch.is_empty() and not batch.prepare_for_decode(self.req_to_token_pool, self.allocator,
+                                                                    self.tree_cache):
+            self.retract(1)
+            self.new_token_ratio = ratio_after_retract(batch.reqs)
+        return None if batch.is_empty() else batch
+
+    def retract(self, n: int) -> None:
+        """Release the KV of the latest `n` admitted running requests and requeue them (at the front,
+        oldest first); they resume from prompt + generated tokens."""
+        victims = self.running_batch.reqs[-n:]
+        del self.running_batch.reqs[-n:]
+        for req in victims:
+            release_kv_cache(req, self.tree_cache, is_insert=False)
+            req.reset_for_retract()
+        self.waiting_queue[:0] = victims
+        self.num_retracted_reqs += len(victims)
+        logger.info("Retracted %d requests (KV %d tokens free); %d running", len(victims),
+                    self.allocator.available_size(), len(self.running_batch.reqs))
 
     def log_batch(self, batch: ScheduleBatch) -> None:
         """One line per prefill batch, and one per DECODE_LOG_INTERVAL decode steps (with throughput)."""
@@ -278,14 +343,19 @@ class Scheduler:
         return self.tokenizer.decode(ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
 
     def stream_and_release(self, batch: ScheduleBatch) -> None:
-        """Send progress, release finished requests, and move newly prefilled ones into the running batch."""
+        """Send progress, release finished requests, and move fully prefilled ones into the running batch.
+
+        A request between prefill chunks stays out of the running batch (it keeps its pool row and KV).
+        """
         self._send([token_out(r, self.server_args.stream_interval) for r in batch.reqs])
         for req in batch.reqs:
             if req.finished():
                 release_kv_cache(req, self.tree_cache)
+                if req is self.chunked_req:
+                    self.chunked_req = None
         if batch.forward_mode == ForwardMode.EXTEND:
-            self.running_batch.merge(ScheduleBatch([r for r in batch.reqs if not r.finished()],
-                                                   ForwardMode.DECODE))
+            done = [r for r in batch.reqs if not r.finished() and not r.is_chunked]
+            self.running_batch.merge(ScheduleBatch(done, ForwardMode.DECODE))
         else:
             self.running_batch.filter_finished()
 
@@ -309,6 +379,10 @@ class Scheduler:
             "num_waiting_reqs": len(self.waiting_queue),
             "req_slots_free": self.req_to_token_pool.available_size(),
             "memory_errors": self.memory_errors,
+            "kv_tokens_evictable": self.tree_cache.evictable_size(),
+            "kv_tokens_protected": self.tree_cache.protected_size(),
+            "num_retracted_reqs": self.num_retracted_reqs,
+            "new_token_ratio": self.new_token_ratio,
             "num_compiles_after_warmup": self.model_runner.num_compiles_after_warmup,
             "page_size": self.page_size,
             **self.init_info(),
@@ -316,20 +390,25 @@ class Scheduler:
         return state
 
     def on_idle(self) -> None:
-        """When nothing runs: check that every KV token and request slot is free or cached."""
+        """When nothing runs: free + evictable + protected == total, no prefix locked, every slot free."""
         if self._idle_checked:
             return
         self._idle_checked = True
         self._decode_log_start = (time.time(), self.num_generated_tokens)
         acc = self.kv_accounting()
+        free, evictable = self.allocator.available_size(), self.tree_cache.evictable_size()
+        protected = self.tree_cache.protected_size()
         slots_ok = self.req_to_token_pool.available_size() == self.req_to_token_pool.size
-        if acc["kv_tokens_in_use"] != 0 or not slots_ok:
+        if free + evictable + protected != acc["kv_tokens_total"] or protected != 0 or not slots_ok:
             self.memory_errors += 1
-            logger.error("KV accounting mismatch while idle: %s, free request slots %d of %d", acc,
-                         self.req_to_token_pool.available_size(), self.req_to_token_pool.size)
+            logger.error("KV accounting mismatch while idle: free %d + evictable %d + protected %d != total %d "
+                         "(or a prefix is still locked), free request slots %d of %d", free, evictable,
+                         protected, acc["kv_tokens_total"], self.req_to_token_pool.available_size(),
+                         self.req_to_token_pool.size)
 
     def flush_cache(self) -> FlushCacheReqOutput:
-        if self.waiting_queue or not self.running_batch.is_empty():
+        """Empty the prefix cache; refused while any request is running, chunking or waiting."""
+        if self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req is not None:
             return FlushCacheReqOutput(False, "Cannot flush the cache while requests are running or waiting")
         self.tree_cache.reset()
         return FlushCacheReqOutput(True, "Cache flushed.")

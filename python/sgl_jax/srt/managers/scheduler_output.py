@@ -30,39 +30,32 @@ def token_ids_logprobs(row: np.ndarray, ids: List[int]) -> list:
     return [(float(row[i]), int(i)) for i in ids]
 
 
-def input_logprobs(req: Req, hidden: np.ndarray, first_row: int,
-                   full_logprobs: Callable[[np.ndarray], np.ndarray], chunk: int = 128) -> None:
-    """Fill the request's input logprob fields from this extend's hidden states.
+def append_input_logprobs(req: Req, hidden: np.ndarray, first_row: int, start: int, end: int,
+                          full_logprobs: Callable[[np.ndarray], np.ndarray], chunk: int = 128) -> None:
+    """Add the input logprobs an extend of positions [start, end) makes available (chunk by chunk).
 
     Args:
-        hidden: [T_pad, hidden] final hidden states of the step; row ``first_row + p - prefix_len`` is
-            prompt position p (whose distribution predicts token p + 1).
+        hidden: [T_pad, hidden] final hidden states of the step; row ``first_row + p - start`` is prompt
+            position p, whose distribution predicts token p + 1.
         full_logprobs: hidden rows [N, hidden] -> float32[N, V]; called on at most `chunk` rows at a time.
-    Raises:
-        ValueError: a needed position lies in the cached prefix (not computed in this extend).
     """
     ids = req.origin_input_ids
-    start = min(max(req.logprob_start_len, 0), len(ids) - 1)
-    want_top = req.top_logprobs_num > 0
-    want_ids = bool(req.token_ids_logprob)
-    token_lps, tops, id_lps = [], [], []
-    if start == 0:
-        token_lps.append((None, ids[0]))
-        tops.append(None)
-        id_lps.append(None)
-    positions = list(range(max(start, 1), len(ids)))
-    if positions and positions[0] - 1 < req.prefix_len:
-        raise ValueError("input logprobs requested inside the cached prefix")
+    lp_start = min(max(req.logprob_start_len, 0), len(ids) - 1)
+    if req.input_token_logprobs is None:
+        req.input_token_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs = [], [], []
+        if lp_start == 0:
+            req.input_token_logprobs.append((None, ids[0]))
+            req.input_top_logprobs.append(None)
+            req.input_token_ids_logprobs.append(None)
+    positions = list(range(max(start + 1, lp_start, 1), min(end + 1, len(ids))))
     for c in range(0, len(positions), chunk):
         pos = positions[c:c + chunk]
-        rows = full_logprobs(hidden[[first_row + p - 1 - req.prefix_len for p in pos]])
+        rows = full_logprobs(hidden[[first_row + p - 1 - start for p in pos]])
         for row, p in zip(rows, pos):
-            token_lps.append((float(row[ids[p]]), ids[p]))
-            tops.append(top_logprobs(row, req.top_logprobs_num) if want_top else None)
-            id_lps.append(token_ids_logprobs(row, req.token_ids_logprob) if want_ids else None)
-    req.input_token_logprobs = token_lps
-    req.input_top_logprobs = tops if want_top else None
-    req.input_token_ids_logprobs = id_lps if want_ids else None
+            req.input_token_logprobs.append((float(row[ids[p]]), ids[p]))
+            req.input_top_logprobs.append(top_logprobs(row, req.top_logprobs_num) if req.top_logprobs_num else None)
+            req.input_token_ids_logprobs.append(
+                token_ids_logprobs(row, req.token_ids_logprob) if req.token_ids_logprob else None)
 
 
 def _extend_offsets(batch: ScheduleBatch) -> List[int]:
@@ -76,12 +69,17 @@ def _extend_offsets(batch: ScheduleBatch) -> List[int]:
 def process_batch_result(
     batch: ScheduleBatch,
     out: StepOutput,
+    tree_cache,
     full_logprobs: Callable[[np.ndarray], np.ndarray],
     decode_tail: Callable[[Req, List[int]], str],
 ) -> None:
     """Apply one step's results to the batch's requests (tokens, logprobs, finish reasons).
 
+    A request whose prompt is only partly prefilled (a chunk) samples nothing; its computed prefix is
+    handed to the prefix cache (`cache_unfinished_req`) and it stays out of the running batch.
+
     Args:
+        tree_cache: the prefix cache.
         full_logprobs: hidden rows [N, hidden] -> float32[N, V] logprobs (for input-token logprobs).
         decode_tail: (req, token ids) -> text, for stop strings.
     """
@@ -91,13 +89,18 @@ def process_batch_result(
     hidden = None
     offsets = _extend_offsets(batch) if is_extend else None
     for i, req in enumerate(batch.reqs):
-        req.kv_committed_len = req.seqlen
+        start = req.kv_committed_len
+        req.kv_committed_len = req.kv_allocated_len
         if is_extend and req.wants_input_logprobs():
             if hidden is None:
                 hidden = np.asarray(out.hidden)
-            input_logprobs(req, hidden, offsets[i], full_logprobs)
+            append_input_logprobs(req, hidden, offsets[i], start, req.kv_committed_len, full_logprobs)
+        req.is_chunked = req.kv_committed_len < req.seqlen
         if req.to_abort is not None:
             req.finished_reason = req.to_abort
+            continue
+        if req.is_chunked:
+            tree_cache.cache_unfinished_req(req)
             continue
         if req.sampling_params.max_new_tokens == 0:
             req.check_finished(lambda ids, r=req: decode_tail(r, ids))
@@ -132,8 +135,8 @@ def token_out(req: Req, stream_interval: int) -> Optional[TokenOut]:
         )
         if not req.input_logprobs_sent:
             delta.input_token_logprobs = req.input_token_logprobs
-            delta.input_top_logprobs = req.input_top_logprobs
-            delta.input_token_ids_logprobs = req.input_token_ids_logprobs
+            delta.input_top_logprobs = req.input_top_logprobs if req.top_logprobs_num > 0 else None
+            delta.input_token_ids_logprobs = req.input_token_ids_logprobs if req.token_ids_logprob else None
             req.input_logprobs_sent = True
     sp = req.sampling_params
     msg = TokenOut(

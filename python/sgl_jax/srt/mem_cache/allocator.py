@@ -40,6 +40,10 @@ class PagedTokenToKVPoolAllocator:
     def available_pages(self) -> int:
         return len(self._free)
 
+    def free_page_ids(self) -> np.ndarray:
+        """A copy of the free list (for accounting checks)."""
+        return self._free.copy()
+
     def alloc_pages(self, n: int) -> Optional[np.ndarray]:
         """n free pages (int32[n]), or None if fewer are free (nothing is taken then)."""
         if n > len(self._free):

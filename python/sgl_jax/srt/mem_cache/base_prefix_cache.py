@@ -4,7 +4,8 @@
 - cache_finished_req(req, is_insert): take over (insert) or free the request's KV; called only by
   `release_kv_cache`.
 - cache_unfinished_req(req): make a still-running request's KV shareable (chunked prefill).
-- inc_lock_ref / dec_lock_ref(node): protect / unprotect a matched path from eviction.
+- inc_lock_ref / dec_lock_ref(node): protect / unprotect a matched path from eviction (returns the
+  tokens that changed between evictable and protected).
 - evict(num_tokens): free at least num_tokens of unlocked cached KV if possible.
 - evictable_size(): tokens cached and unlocked; protected_size(): tokens cached and locked.
 - reset(): drop everything cached (only when no request is running).
@@ -42,11 +43,13 @@ class BasePrefixCache(abc.ABC):
     @abc.abstractmethod
     def cache_unfinished_req(self, req) -> None: ...
 
-    def inc_lock_ref(self, node) -> None:
-        return None
+    def inc_lock_ref(self, node) -> int:
+        """Protect node's path from eviction; returns tokens that moved from evictable to protected."""
+        return 0
 
-    def dec_lock_ref(self, node) -> None:
-        return None
+    def dec_lock_ref(self, node) -> int:
+        """Undo one inc_lock_ref; returns tokens that became evictable again."""
+        return 0
 
     def evict(self, num_tokens: int) -> int:
         return 0

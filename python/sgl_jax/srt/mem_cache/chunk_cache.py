@@ -20,8 +20,10 @@ class ChunkCache(BasePrefixCache):
         return MatchResult(device_indices=np.zeros((0,), np.int32))
 
     def cache_finished_req(self, req, is_insert: bool = True) -> None:
+        """Free all the request's pages (it owns every position: cache_protected_len is always 0)."""
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         self.allocator.free_pages(self.allocator.pages_of(row, req.kv_allocated_len))
+        req.last_node = None
 
     def cache_unfinished_req(self, req) -> None:
         return None

@@ -1,23 +1,39 @@
-"""release_kv_cache: the one path that frees a request's KV cache and its ReqToTokenPool slot."""
+"""The request-level KV operations every cache kind shares: allocation with eviction, and release."""
 
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
+
+
+def alloc_with_evict(allocator, tree_cache, row: np.ndarray, have: int, want: int) -> Optional[np.ndarray]:
+    """KV slots for positions [have, want) of a sequence, evicting unlocked cached KV when pages run short.
+
+    Returns None (nothing taken) if even eviction cannot free enough pages.
+    """
+    short = allocator.pages_needed(have, want) - allocator.available_pages()
+    if short > 0:
+        tree_cache.evict(short * allocator.page_size)
+    return allocator.alloc_token_slots(row, have, want)
+
 
 def release_kv_cache(req, tree_cache, is_insert: bool = True) -> None:
-    """Free everything `req` holds: its KV (handed to `tree_cache`, which keeps or frees it) and its slot.
+    """Free everything `req` holds: its KV (handed to `tree_cache`, which keeps or frees it), its prefix
+    lock, and its ReqToTokenPool slot. The only code path that does so -- for finished, aborted and
+    retracted requests alike.
 
-    Used for finished, aborted and retracted requests alike. Idempotent: a second call is a no-op.
+    Idempotent: ``req.kv_released`` makes a second call a no-op.
 
     Args:
-        req: a `Req` with ``req_pool_idx`` and ``kv_allocated_len`` set by the scheduler.
-        tree_cache: the prefix cache (`ChunkCache` or a radix cache).
-        is_insert: let the cache keep the request's KV for reuse (False for retract).
+        req: a `Req` (``req_pool_idx``, ``kv_allocated_len``, ``kv_committed_len``, ``cache_protected_len``).
+        tree_cache: the prefix cache (`ChunkCache` or `RadixCache`).
+        is_insert: let the cache keep the request's computed prefix for reuse (False for retract).
     """
-    if req.req_pool_idx is None:
+    if req.kv_released or req.req_pool_idx is None:
         return
-    if req.kv_allocated_len > 0:
-        tree_cache.cache_finished_req(req, is_insert=is_insert)
+    tree_cache.cache_finished_req(req, is_insert=is_insert)
     tree_cache.req_to_token_pool.free(req.req_pool_idx)
     req.req_pool_idx = None
-    req.kv_allocated_len = 0
-    req.kv_committed_len = 0
+    req.kv_allocated_len = req.kv_committed_len = req.cache_protected_len = 0
+    req.kv_released = True

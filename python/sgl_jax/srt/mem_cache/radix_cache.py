@@ -1,0 +1,257 @@
+"""RadixCache: a radix tree over token ids whose nodes own KV cache slots (SGLang's RadixAttention).
+
+Each edge holds a run of token ids (``key``) and the KV slots of those tokens (``value``). Requests that
+share a prefix find it with `match_prefix` and reuse its KV instead of recomputing it. Node lengths are
+multiples of ``page_size``, so every page is owned by exactly one node (or one request, or the free
+list). Nodes on a running request's path are locked (``lock_ref > 0``) and never evicted; unlocked leaves
+are evicted least-recently-used first when the allocator runs short.
+
+Ownership of one request's row in the ReqToTokenPool: positions [0, cache_protected_len) belong to the
+tree (and are locked through ``req.last_node``); positions [cache_protected_len, kv_allocated_len)
+belong to the request until `cache_unfinished_req` / `cache_finished_req` hand them to the tree or free
+them.
+
+Source: Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs" (2024), §3.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
+from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+
+_ids = itertools.count()
+
+
+class TreeNode:
+    """One edge of the tree: ``key`` token ids and their KV ``value`` slots (int32, same length)."""
+
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "id")
+
+    def __init__(self, key: np.ndarray, value: np.ndarray, parent: Optional["TreeNode"]):
+        self.children: Dict[object, TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.value = value
+        self.lock_ref = 0
+        self.last_access_time = time.monotonic()
+        self.id = next(_ids)
+
+    def __lt__(self, other: "TreeNode") -> bool:  # heap order: least recently used first
+        return (self.last_access_time, self.id) < (other.last_access_time, other.id)
+
+
+def _common_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+class RadixCache(BasePrefixCache):
+    """Prefix cache over a paged KV pool.
+
+    Args:
+        req_to_token_pool: the request-slot table (rows of KV slots).
+        allocator: the KV page allocator (evicted pages go back to it).
+        page_size: tokens per page; matches and inserts are truncated to whole pages.
+    """
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator, page_size: int):
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.page_size = page_size
+        self.reset_tree()
+
+    # ------------------------------------------------------------ tree basics
+    def reset_tree(self) -> None:
+        self.root = TreeNode(np.zeros(0, np.int32), np.zeros(0, np.int32), None)
+        self.root.lock_ref = 1  # never evicted
+        self._evictable = 0
+        self._protected = 0
+
+    def _child_key(self, key: np.ndarray):
+        return int(key[0]) if self.page_size == 1 else tuple(key[:self.page_size].tolist())
+
+    def _align(self, n: int) -> int:
+        return n // self.page_size * self.page_size
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Split `child` after its first n tokens; returns the new upper node."""
+        upper = TreeNode(child.key[:n], child.value[:n], child.parent)
+        upper.lock_ref = child.lock_ref
+        upper.last_access_time = child.last_access_time
+        upper.children = {self._child_key(child.key[n:]): child}
+        child.parent.children[self._child_key(child.key)] = upper
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        return upper
+
+    def match_prefix(self, token_ids) -> MatchResult:
+        """The longest cached, page-aligned prefix of `token_ids` and the node it ends at.
+
+        Splits a node when the match ends inside it, so the returned node covers exactly the match.
+        Touches the matched nodes (LRU).
+        """
+        key = np.asarray(token_ids, np.int32)[:self._align(len(token_ids))]
+        node, values = self.root, []
+        now = time.monotonic()
+        while len(key):
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            child.last_access_time = now
+            n = self._align(_common_len(child.key, key))
+            if n == 0:
+                break
+            if n < len(child.key):
+                child = self._split(child, n)
+            values.append(child.value)
+            node, key = child, key[n:]
+        value = np.concatenate(values) if values else np.zeros(0, np.int32)
+        return MatchResult(device_indices=value, last_node=node)
+
+    def insert(self, token_ids, slots: np.ndarray) -> int:
+        """Add `token_ids` (page-aligned length) with their KV `slots`; returns how many leading tokens
+        were already cached (their `slots` stay the caller's: it must free the duplicates)."""
+        key = np.asarray(token_ids, np.int32)
+        value = np.asarray(slots, np.int32)
+        assert len(key) == len(value) and len(key) % self.page_size == 0
+        node, done = self.root, 0
+        now = time.monotonic()
+        while done < len(key):
+            rest = key[done:]
+            child = node.children.get(self._child_key(rest))
+            if child is None:
+                leaf = TreeNode(rest.copy(), value[done:].copy(), node)
+                node.children[self._child_key(rest)] = leaf
+                self._evictable += len(rest)
+                return done
+            child.last_access_time = now
+            n = self._align(_common_len(child.key, rest))
+            if n < len(child.key):
+                child = self._split(child, n)
+            node, done = child, done + n
+        return done
+
+    # ------------------------------------------------------------ locking and eviction
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Protect the path root..node; returns tokens that moved from evictable to protected."""
+        moved = 0
+        while node is not self.root:
+            if node.lock_ref == 0:
+                moved += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+        self._evictable -= moved
+        self._protected += moved
+        return moved
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Undo one `inc_lock_ref`; returns tokens that became evictable again."""
+        moved = 0
+        while node is not self.root:
+            assert node.lock_ref > 0, "unbalanced dec_lock_ref"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                moved += len(node.key)
+            node = node.parent
+        self._evictable += moved
+        self._protected -= moved
+        return moved
+
+    def nodes(self) -> List[TreeNode]:
+        """Every node except the root."""
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def _leaves(self) -> List[TreeNode]:
+        return [n for n in self.nodes() if not n.children]
+
+    def evict(self, num_tokens: int) -> int:
+        """Free unlocked leaves, least recently used first, until `num_tokens` are freed or none is left.
+
+        Returns the number of tokens freed.
+        """
+        heap = [n for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            leaf = heapq.heappop(heap)
+            self.allocator.free_pages(self._pages(leaf.value))
+            parent = leaf.parent
+            del parent.children[self._child_key(leaf.key)]
+            freed += len(leaf.key)
+            self._evictable -= len(leaf.key)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return freed
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def reset(self) -> None:
+        """Free every cached page and empty the tree. Only valid when no request holds a lock."""
+        if self._protected:
+            raise RuntimeError("cannot reset the radix cache while requests hold locks")
+        self.evict(self._evictable)
+        assert self._evictable == 0
+        self.reset_tree()
+
+    def _pages(self, slots: np.ndarray) -> np.ndarray:
+        return (slots[::self.page_size] // self.page_size).astype(np.int32)
+
+    # ------------------------------------------------------------ request hand-off
+    def _free_row_range(self, row: np.ndarray, start: int, end: int) -> None:
+        """Free the request-owned pages covering positions [start, end) (start is page-aligned)."""
+        if end > start:
+            self.allocator.free_pages(self._pages(row[start:end]))
+
+    def cache_unfinished_req(self, req) -> None:
+        """Insert a running request's computed, page-aligned prefix (chunked prefill) and re-lock it.
+
+        Afterwards the row's positions [0, cache_protected_len) hold the tree's slots and the request
+        keeps only its unaligned tail.
+        """
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        n = self._align(req.kv_committed_len)
+        if n <= req.cache_protected_len:
+            return
+        tokens = req.fill_ids[:n]
+        existed = self.insert(tokens, row[:n])
+        self._free_row_range(row, req.cache_protected_len, existed)  # duplicates of cached pages
+        match = self.match_prefix(tokens)
+        assert match.length == n
+        row[:n] = match.device_indices
+        self.inc_lock_ref(match.last_node)
+        self.dec_lock_ref(req.last_node)
+        req.last_node = match.last_node
+        req.cache_protected_len = n
+
+    def cache_finished_req(self, req, is_insert: bool = True) -> None:
+        """Hand a finished (or retracted, with is_insert=False) request's KV over: its computed,
+        page-aligned prefix goes into the tree; duplicates, the unaligned tail and any over-allocated
+        slots are freed; its lock is released."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        protected = req.cache_protected_len
+        if is_insert:
+            n = max(self._align(req.kv_committed_len), protected)
+            existed = self.insert(req.fill_ids[:n], row[:n]) if n > protected else n
+            self._free_row_range(row, protected, existed)
+            self._free_row_range(row, n, req.kv_allocated_len)
+        else:
+            self._free_row_range(row, protected, req.kv_allocated_len)
+        self.dec_lock_ref(req.last_node)
+        req.last_node = None

@@ -1,0 +1,166 @@
+"""Property tests of the KV lifecycle (hypothesis state machine), page sizes 1 and 16, no model.
+
+Random sequences of admission (prefix match + lock + allocation, through PrefillAdder and ScheduleBatch),
+chunked prefill steps, decode steps, finishing, retracting, double releases and evictions run against the
+real ReqToTokenPool, allocator, RadixCache / ChunkCache and release_kv_cache. After every step:
+- every page is owned exactly once: by the free list, by one tree node, or by one live request;
+- free + evictable + protected + requests' own tokens == total (the idle invariant, generalized);
+- a live request's row starts with the tree's slots for its protected prefix.
+"""
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
+from sgl_jax.srt.managers.schedule_policy import PrefillAdder
+from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
+from sgl_jax.srt.mem_cache.common import release_kv_cache
+from sgl_jax.srt.mem_cache.radix_cache import RadixCache
+from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+
+# A few shared "system prompts" so that requests really share prefixes.
+BASES = [list(range(100, 100 + n)) for n in (0, 20, 37, 70)]
+
+
+def lifecycle_machine(page_size: int, radix: bool):
+    class KVLifecycle(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.ps = page_size
+            self.pool = ReqToTokenPool(6, 512)
+            self.alloc = PagedTokenToKVPoolAllocator(24 * 16, page_size)  # tight: eviction and retract happen
+            self.cache = RadixCache(self.pool, self.alloc, page_size) if radix else \
+                ChunkCache(self.pool, self.alloc)
+            self.buckets = ShapeBuckets((64, 256), (1, 8))
+            self.running = []  # fully prefilled requests
+            self.chunked = []  # requests between chunks
+            self.waiting = []
+            self.released = []
+            self.n = 0
+
+        # ---------------------------------------------------------------- operations
+        @rule(base=st.integers(0, len(BASES) - 1), suffix=st.lists(st.integers(0, 30), min_size=1, max_size=40),
+              max_new=st.integers(1, 30))
+        def new_request(self, base, suffix, max_new):
+            self.n += 1
+            self.waiting.append(Req(f"r{self.n}", BASES[base] + suffix, SamplingParams(max_new_tokens=max_new),
+                                    eos_token_ids=[], seed=0))
+
+        @rule(chunk=st.sampled_from([None, 16, 48]), ratio=st.sampled_from([0.1, 0.7, 1.0]))
+        def prefill(self, chunk, ratio):
+            adder = PrefillAdder(self.buckets, self.alloc, self.cache, self.running, max_prefill_tokens=256,
+                                 chunk_size=chunk if not self.chunked else (chunk or 48),
+                                 free_req_slots=min(self.pool.available_size(), 6 - len(self.running) - len(self.chunked)),
+                                 new_token_ratio=ratio)
+            if self.chunked and not adder.add_chunked(self.chunked[0]):
+                return
+            for req in self.waiting:
+                if not adder.add(req):
+                    break
+            if not adder.can_run:
+                return
+            self.waiting = [r for r in self.waiting if r not in adder.can_run]
+            ScheduleBatch(adder.can_run, ForwardMode.EXTEND).prepare_for_extend(self.pool, self.alloc, self.cache)
+            self.chunked = []
+            for req in adder.can_run:  # the "forward pass": K/V of the extended tokens are now written
+                req.kv_committed_len = req.kv_allocated_len
+                if req.kv_committed_len < req.seqlen:
+                    self.cache.cache_unfinished_req(req)
+                    self.chunked.append(req)
+                else:
+                    req.output_ids.append(7)
+                    self.running.append(req)
+
+        @precondition(lambda self: self.running)
+        @rule()
+        def decode(self):
+            batch = ScheduleBatch(self.running, ForwardMode.DECODE)
+            while self.running and not batch.prepare_for_decode(self.pool, self.alloc, self.cache):
+                self._retract(self.running[-1])
+            for req in self.running:
+                req.kv_committed_len = req.kv_allocated_len
+                req.output_ids.append(len(req.output_ids) % 5)
+
+        @precondition(lambda self: self.running)
+        @rule(i=st.integers(0, 100), insert=st.booleans())
+        def finish(self, i, insert):
+            req = self.running.pop(i % len(self.running))
+            release_kv_cache(req, self.cache, is_insert=insert)
+            self.released.append(req)
+
+        @precondition(lambda self: self.running)
+        @rule(i=st.integers(0, 100))
+        def retract(self, i):
+            self._retract(self.running[i % len(self.running)])
+
+        def _retract(self, req):
+            self.running.remove(req)
+            release_kv_cache(req, self.cache, is_insert=False)
+            req.reset_for_retract()
+            self.waiting.insert(0, req)
+
+        @precondition(lambda self: self.released)
+        @rule(i=st.integers(0, 100))
+        def double_release(self, i):
+            release_kv_cache(self.released[i % len(self.released)], self.cache)  # must be a no-op
+
+        @rule(n=st.integers(0, 200))
+        def evict(self, n):
+            self.cache.evict(n)
+
+        # ---------------------------------------------------------------- invariants
+        def _own_pages(self, req):
+            row = self.pool.req_to_token[req.req_pool_idx]
+            return row[req.cache_protected_len:req.kv_allocated_len:self.ps] // self.ps
+
+        @invariant()
+        def every_page_has_one_owner(self):
+            owners = [self.alloc.free_page_ids()]
+            tree_tokens = 0
+            for node in (self.cache.nodes() if radix else []):
+                owners.append(node.value[::self.ps] // self.ps)
+                tree_tokens += len(node.key)
+            live = self.running + self.chunked
+            owners += [self._own_pages(r) for r in live]
+            pages = np.concatenate(owners)
+            assert len(pages) == len(np.unique(pages)), "a page is owned twice"
+            assert sorted(pages.tolist()) == list(range(1, self.alloc.num_pages + 1)), "a page was lost"
+            own_tokens = sum(len(self._own_pages(r)) for r in live) * self.ps
+            total = self.alloc.available_size() + self.cache.evictable_size() + self.cache.protected_size()
+            assert total + own_tokens == self.alloc.size
+            assert self.cache.evictable_size() + self.cache.protected_size() == tree_tokens
+            assert self.pool.available_size() == self.pool.size - len(live)
+
+        @invariant()
+        def rows_start_with_the_cached_prefix(self):
+            if not radix:
+                return
+            for req in self.running + self.chunked:
+                n = req.cache_protected_len
+                assert n % self.ps == 0
+                match = self.cache.match_prefix(req.fill_ids[:n])
+                assert match.length == n
+                np.testing.assert_array_equal(self.pool.req_to_token[req.req_pool_idx][:n], match.device_indices)
+
+        def teardown(self):
+            for req in self.running + self.chunked:
+                release_kv_cache(req, self.cache)
+            assert self.cache.protected_size() == 0
+            assert self.alloc.available_size() + self.cache.evictable_size() == self.alloc.size
+
+    return KVLifecycle
+
+
+_settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+
+TestRadixPage1 = _settings(lifecycle_machine(1, radix=True)).TestCase
+TestRadixPage16 = _settings(lifecycle_machine(16, radix=True)).TestCase
+TestChunkCachePage1 = _settings(lifecycle_machine(1, radix=False)).TestCase
+TestChunkCachePage16 = _settings(lifecycle_machine(16, radix=False)).TestCase
