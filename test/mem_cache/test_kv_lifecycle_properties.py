@@ -96,6 +96,17 @@ def lifecycle_machine(page_size: int, radix: bool):
 
         @precondition(lambda self: self.running)
         @rule(i=st.integers(0, 100))
+        def abort_after_allocating(self, i):
+            """Slots for a decode step are taken, then the request ends before the step commits them."""
+            req = self.running[i % len(self.running)]
+            if ScheduleBatch([req], ForwardMode.DECODE).prepare_for_decode(self.pool, self.alloc, self.cache):
+                assert req.kv_allocated_len == req.kv_committed_len + 1
+            self.running.remove(req)
+            release_kv_cache(req, self.cache)
+            self.released.append(req)
+
+        @precondition(lambda self: self.running)
+        @rule(i=st.integers(0, 100))
         def retract(self, i):
             self._retract(self.running[i % len(self.running)])
 

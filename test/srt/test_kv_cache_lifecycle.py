@@ -1,18 +1,20 @@
-"""The KV cache lifecycle through the real engine (SmolLM2, greedy, float32).
+"""The KV cache lifecycle through a launched server (SmolLM2, greedy, float32, real HTTP).
 
-One workload -- two requests sharing a 1,000-token prefix plus short ones -- must give token-identical
+One workload -- three requests sharing a 1,000-token prefix plus short ones -- must give token-identical
 outputs with and without the radix cache, with chunked prefill at 64 tokens and with it off, under forced
 retract, and with 16-token pages. After every scenario the KV pool is back to free + cached.
 """
 
 from __future__ import annotations
 
-import os
+import json
+import threading
+import time
 
+import httpx
 import pytest
 
-from sgl_jax import Engine
-from srt_helpers import SMALL_ENGINE_ARGS
+from srt_helpers import ServerProcess
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 PREFIX_LEN = 1000
@@ -31,35 +33,52 @@ def prompts(smollm2_tokenizer):
     return shared, short
 
 
-def run_workload(engine, prompts):
+def generate(server, input_ids, sampling_params=GREEDY):
+    r = httpx.post(server.url + "/generate", json={"input_ids": input_ids, "sampling_params": sampling_params},
+                   timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def run_workload(server, prompts):
     """First request alone (so its prefix is cached when it finishes), then the rest as one batch."""
     shared, short = prompts
-    first = engine.generate(input_ids=shared[0], sampling_params=GREEDY)
-    rest = engine.generate(input_ids=shared[1:] + short, sampling_params=GREEDY)
-    return [first] + rest
+    return [generate(server, shared[0])] + generate(server, shared[1:] + short)
 
 
-def check_idle_accounting(engine, radix: bool):
-    state = engine.get_server_info()["internal_states"][0]
+def state_of(server) -> dict:
+    return httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0]
+
+
+def check_idle_accounting(server, radix: bool) -> dict:
+    state = state_of(server)
     assert state["kv_tokens_in_use"] == 0 and state["kv_tokens_protected"] == 0
     assert state["kv_tokens_free"] + state["kv_tokens_cached"] == state["kv_tokens_total"]
     assert state["memory_errors"] == 0 and state["num_compiles_after_warmup"] == 0
     assert state["req_slots_free"] == state["max_running_requests"]
     if radix:
         assert state["kv_tokens_cached"] > 0
-        assert engine.flush_cache().success
-        state = engine.get_server_info()["internal_states"][0]
-        assert state["kv_tokens_cached"] == 0 and state["kv_tokens_free"] == state["kv_tokens_total"]
+        assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
+        after = state_of(server)
+        assert after["kv_tokens_cached"] == 0 and after["kv_tokens_free"] == after["kv_tokens_total"]
     return state
+
+
+def run_scenario(prompts, engine_args: dict, env: dict, radix: bool):
+    server = ServerProcess(engine_args=engine_args, env=env)
+    try:
+        outs = run_workload(server, prompts)
+        state = check_idle_accounting(server, radix)
+    finally:
+        assert server.stop() == 0
+    return outs, state
 
 
 @pytest.fixture(scope="module")
 def baseline(prompts):
     """No prefix cache, no chunking: every prompt is prefilled whole."""
-    with Engine(**{**SMALL_ENGINE_ARGS, "disable_radix_cache": True, "chunked_prefill_size": -1,
-                   "precompile_token_paddings": [64, 256, 2048]}) as engine:
-        outs = run_workload(engine, prompts)
-        check_idle_accounting(engine, radix=False)
+    outs, _ = run_scenario(prompts, {"disable_radix_cache": True, "chunked_prefill_size": -1,
+                                     "precompile_token_paddings": [64, 256, 2048]}, {}, radix=False)
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
     return [o["output_ids"] for o in outs]
 
@@ -77,18 +96,7 @@ SCENARIOS = {
 def test_outputs_identical_and_kv_accounted(name, prompts, baseline):
     overrides, env = SCENARIOS[name]
     radix = not overrides.get("disable_radix_cache", False)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # read by the scheduler process at start
-    try:
-        with Engine(**{**SMALL_ENGINE_ARGS, **overrides}) as engine:
-            outs = run_workload(engine, prompts)
-            state = check_idle_accounting(engine, radix)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    outs, state = run_scenario(prompts, overrides, env, radix)
     assert [o["output_ids"] for o in outs] == baseline
     cached = [o["meta_info"]["cached_tokens"] for o in outs]
     if radix:
@@ -102,27 +110,56 @@ def test_outputs_identical_and_kv_accounted(name, prompts, baseline):
         assert state["num_retracted_reqs"] > 0
 
 
-def test_flush_cache_refused_while_running_and_client_abort_releases(prompts):
-    """/flush_cache is refused while a request runs; an aborted request's KV is released the same way."""
-    import asyncio
+def test_chunked_prefill_interleaves_with_running_streams(prompts):
+    """While a 1,000-token prompt is prefilled in 64-token chunks (16 steps), a running stream keeps
+    receiving tokens: a decode step runs between chunks."""
+    server = ServerProcess(engine_args={"chunked_prefill_size": 64})
+    try:
+        arrivals = []
+        started = threading.Event()
 
-    with Engine(**SMALL_ENGINE_ARGS) as engine:
-        shared, _ = prompts
+        def stream():
+            body = {"text": "Count: 1, 2, 3,", "stream": True,
+                    "sampling_params": {"max_new_tokens": 120, "ignore_eos": True, "temperature": 0}}
+            with httpx.stream("POST", server.url + "/generate", json=body, timeout=600) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+                        started.set()
 
-        async def main():
-            agen = await engine.async_generate(input_ids=shared[0], stream=True,
-                                               sampling_params={"max_new_tokens": 200, "ignore_eos": True})
-            first = await agen.__anext__()
-            refused = engine.flush_cache()
-            await agen.aclose()  # the client goes away mid-stream: the request is aborted
-            return first, refused
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(120)
+        submitted = time.monotonic()
+        long = httpx.post(server.url + "/generate", timeout=600, json={
+            "input_ids": prompts[0][0], "sampling_params": {"max_new_tokens": 1}, "stream": True})
+        first_token_of_long = time.monotonic()  # the whole response is one token: its arrival time
+        assert long.status_code == 200
+        t.join(600)
+        during = [a for a in arrivals if submitted < a < first_token_of_long]
+        assert len(during) >= 10, f"only {len(during)} stream tokens arrived during a 16-chunk prefill"
+        check_idle_accounting(server, radix=True)
+    finally:
+        assert server.stop() == 0
 
-        first, refused = asyncio.run(main())
-        assert first["meta_info"]["completion_tokens"] >= 1
-        assert not refused.success and "running" in refused.message
-        import time
 
-        deadline = time.time() + 30
-        while engine.get_server_info()["internal_states"][0]["num_running_reqs"] and time.time() < deadline:
+def test_flush_cache_refused_while_running_and_disconnect_releases(prompts):
+    """/flush_cache is refused while a request runs; a client that disconnects mid-stream has its
+    request aborted and its KV released through the same path."""
+    server = ServerProcess()
+    try:
+        body = {"input_ids": prompts[0][0], "stream": True,
+                "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=600) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    assert json.loads(line[6:])["meta_info"]["completion_tokens"] >= 1
+                    break
+            refused = httpx.post(server.url + "/flush_cache", timeout=30)
+            assert refused.status_code == 400 and "running" in refused.text
+        deadline = time.time() + 60  # the stream is closed: the request must be aborted and released
+        while state_of(server)["num_running_reqs"] and time.time() < deadline:
             time.sleep(0.2)
-        check_idle_accounting(engine, radix=True)
+        check_idle_accounting(server, radix=True)
+    finally:
+        assert server.stop() == 0

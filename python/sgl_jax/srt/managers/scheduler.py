@@ -391,7 +391,8 @@ class Scheduler:
 
     def on_idle(self) -> None:
         """When nothing runs: free + evictable + protected == total, no prefix locked, every slot free."""
-        if self._idle_checked:
+        if self._idle_checked or self.waiting_queue or self.chunked_req is not None \
+                or not self.running_batch.is_empty():
             return
         self._idle_checked = True
         self._decode_log_start = (time.time(), self.num_generated_tokens)
