@@ -58,7 +58,8 @@ IDLE_POLL_MS = 1000
 DECODE_LOG_INTERVAL = 40  # decode steps between "Decode batch" log lines (SGLang's default)
 # Test hook: raise inside the scheduler loop at this forward step (checks crash reporting end to end).
 CRASH_AT_STEP_ENV = "SGL_JAX_TEST_CRASH_AT_STEP"
-# Test hook: when "1", retract the latest half of the running requests every few decode steps.
+# Test hook: when "1", retract the latest half of the running requests every few decode steps
+# (SGLang's SGLANG_TEST_RETRACT is accepted too).
 TEST_RETRACT_ENV = "SGL_JAX_TEST_RETRACT"
 TEST_RETRACT_INTERVAL = 5
 
@@ -128,7 +129,7 @@ class Scheduler:
         self.last_mode: Optional[ForwardMode] = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retracted_reqs = 0
-        self.test_retract = os.environ.get(TEST_RETRACT_ENV) == "1"
+        self.test_retract = "1" in (os.environ.get(TEST_RETRACT_ENV), os.environ.get("SGLANG_TEST_RETRACT"))
         self._last_forced_retract = 0
         self.rng = random.Random(server_args.random_seed)
         self.memory_errors = 0
