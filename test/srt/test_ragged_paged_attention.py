@@ -9,7 +9,9 @@ from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention, w
 
 
 def numpy_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
-                    sliding_window=None, soft_cap=None):
+                    sliding_window=None, soft_cap=None, segment_ids=None):
+    """segment_ids: optional list (per sequence) of int arrays over its KV positions: 0 = shared prefix,
+    k > 0 = item k; a query of item k sees segment 0 and segment k only (a dense mask, built the slow way)."""
     T, H, D = q.shape
     ps, KVH = k_pages.shape[1], k_pages.shape[2]
     out = np.zeros_like(q)
@@ -29,6 +31,10 @@ def numpy_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
                 ok = pos <= qpos
                 if sliding_window is not None:
                     ok &= pos > qpos - sliding_window
+                if segment_ids is not None and segment_ids[s] is not None:
+                    seg = segment_ids[s]
+                    if seg[qpos] > 0:
+                        ok &= (seg == 0) | (seg == seg[qpos])
                 sc = np.where(ok, sc, -np.inf)
                 p = np.exp(sc - sc.max())
                 out[t, h] = (p / p.sum()) @ v[:, kh]
@@ -108,3 +114,44 @@ def test_write_kv_to_pages_scatters_slots():
     np.testing.assert_array_equal(flat[4], np.asarray(k[1]))
     np.testing.assert_array_equal(np.asarray(vp2).reshape(8, 1, 3)[4], -np.asarray(k[1]))
     assert not flat[[1, 2, 5, 6, 7]].any()
+
+
+def segment_layout(prefix_len, item_lens):
+    """(segment id per KV position, segment start per KV position) of a packed multi-item sequence."""
+    ids, starts = [0] * prefix_len, [0] * prefix_len
+    for k, n in enumerate(item_lens, start=1):
+        starts += [len(ids)] * n
+        ids += [k] * n
+    return np.asarray(ids), np.asarray(starts, np.int32)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_segment_mask_matches_dense_reference(page_size):
+    """Packed multi-item sequences (one whole, one as a later chunk that starts mid-item) next to an
+    ordinary sequence: the segment-start representation equals the dense segment-id mask."""
+    rng = np.random.default_rng(11 + page_size)
+    H, KVH, D = 6, 2, 16
+    packs = [(150, [20, 7, 33, 1, 45, 20]), (40, [9] * 30), None]
+    full_lens = [p + sum(items) for p, items in packs[:2]] + [90]
+    q_lens = [full_lens[0], 130, 17]  # the second pack computes only its last 130 positions (a chunk)
+    S_pad, T_pad = 4, sum(q_lens) + 3
+    q, kp, vp, kl, pi, cu = make_batch(rng, q_lens, full_lens, page_size, H, KVH, D, S_pad, T_pad)
+    prefix_lens = np.zeros(S_pad, np.int32)
+    starts = np.zeros(T_pad, np.int32)
+    seg_ids = []
+    for s, pack in enumerate(packs):
+        if pack is None:
+            seg_ids.append(None)
+            continue
+        ids, st = segment_layout(*pack)
+        seg_ids.append(ids)
+        prefix_lens[s] = pack[0]
+        starts[cu[s]:cu[s + 1]] = st[full_lens[s] - q_lens[s]:]
+    out = ragged_paged_attention(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(kl),
+                                 jnp.asarray(pi), jnp.asarray(cu), jnp.int32(3), sm_scale=D ** -0.5,
+                                 prefix_lens=jnp.asarray(prefix_lens), segment_starts=jnp.asarray(starts))
+    ref = numpy_reference(q, kp, vp, kl, pi, cu, 3, D ** -0.5, segment_ids=seg_ids)
+    n = sum(q_lens)
+    np.testing.assert_allclose(np.asarray(out)[:n], ref[:n], rtol=1e-5, atol=1e-5)
+    plain = numpy_reference(q, kp, vp, kl, pi, cu, 3, D ** -0.5)
+    assert not np.allclose(ref[:q_lens[0]], plain[:q_lens[0]], atol=1e-3), "the mask must matter"

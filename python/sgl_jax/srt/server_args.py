@@ -17,6 +17,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "tpu", "gpu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+MULTI_ITEM_ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
 
 
 def _default_cache_root() -> str:
@@ -61,6 +62,16 @@ class ServerArgs:
     stream_interval: int = 1
     incremental_streaming_output: bool = False
 
+    # Scoring (/v1/score)
+    multi_item_algorithm: str = "auto"
+    multi_item_scoring_delimiter: Optional[int] = None
+    max_multi_item_count: int = 512
+    max_multi_item_seq_len: int = 32768
+    multi_item_extend_batch_size: int = 32
+    multi_item_enable_prefill_extend: bool = False
+    enable_scoring_cache: bool = False
+    multi_item_prefill_extend_cache_timeout: float = 60.0
+
     # Runtime
     device: str = "auto"
     random_seed: Optional[int] = None
@@ -74,6 +85,16 @@ class ServerArgs:
         self._check_choice("dtype", DTYPES)
         self._check_choice("device", DEVICES)
         self._check_choice("log_level", LOG_LEVELS)
+        self._check_choice("multi_item_algorithm", MULTI_ITEM_ALGORITHMS)
+        for name in ("max_multi_item_count", "max_multi_item_seq_len", "multi_item_extend_batch_size"):
+            self._check_positive(name)
+        if self.multi_item_scoring_delimiter is not None and (not isinstance(self.multi_item_scoring_delimiter, int)
+                                                              or self.multi_item_scoring_delimiter < 0):
+            raise ValueError(f"--multi-item-scoring-delimiter must be a token id (>= 0), got "
+                             f"{self.multi_item_scoring_delimiter!r}")
+        if not self.multi_item_prefill_extend_cache_timeout > 0:
+            raise ValueError(f"--multi-item-prefill-extend-cache-timeout must be > 0 seconds, got "
+                             f"{self.multi_item_prefill_extend_cache_timeout!r}")
         self._check_positive("page_size")
         self._check_positive("max_prefill_tokens")
         if self.chunked_prefill_size != -1 and (not isinstance(self.chunked_prefill_size, int)
@@ -128,6 +149,18 @@ class ServerArgs:
             "disable_precompile": "skip warm-up compilation (shapes then compile on first use)",
             "incremental_streaming_output": "stream /generate text as disjoint deltas instead of cumulative text",
             "device": f"JAX platform, one of {list(DEVICES)}",
+            "multi_item_algorithm": f"how /v1/score computes many items, one of {list(MULTI_ITEM_ALGORITHMS)}; auto: "
+                                    "prefill_extend with the scoring cache enabled, else packed (serial for "
+                                    "item_first)",
+            "multi_item_scoring_delimiter": "token id D: score the distribution after 'query D item D' (SGLang's "
+                                            "multi-item format)",
+            "max_multi_item_count": "most items one /v1/score request may carry",
+            "max_multi_item_seq_len": "most tokens in one packed multi-item sequence (longer requests are split "
+                                      "into several packs)",
+            "multi_item_extend_batch_size": "items per extend request in prefill_extend (and per wave in serial)",
+            "multi_item_enable_prefill_extend": "use prefill_extend for /v1/score (with --enable-scoring-cache)",
+            "enable_scoring_cache": "keep a scored query's KV in a scoring-cache handle while its items extend it",
+            "multi_item_prefill_extend_cache_timeout": "seconds an unused scoring-cache handle lives (TTL)",
             "compilation_cache_dir": "JAX persistent compilation cache directory",
         }
         for field in dataclasses.fields(ServerArgs):

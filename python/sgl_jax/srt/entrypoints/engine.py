@@ -16,6 +16,7 @@ import threading
 from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Union
 
 from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_subprocesses
+from sgl_jax.srt.managers.scoring import ScoreReqInput
 from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager, split_batch
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import configure_logging, kill_processes
@@ -126,6 +127,34 @@ class Engine:
                     return
         finally:
             self._run(_aclose(agen))
+
+    def score(self, query=None, items=None, label_token_ids=None, apply_softmax: bool = False,
+              item_first: bool = False, algorithm: Optional[str] = None) -> List[List[float]]:
+        """Score items against a query (SGLang's Engine.score): per item, the probability of each label
+        token as the next token after query + item (see managers/scoring.py).
+
+        Args:
+            query: text or token ids; items: list of texts or of token-id lists (same kind as query).
+            label_token_ids: token ids to score. apply_softmax: softmax over the labels instead of their
+                full-vocabulary probabilities. item_first: item before query. algorithm: force
+                serial | packed | prefill_extend (default: the server's --multi-item-algorithm).
+        Returns:
+            [[float per label] per item].
+        Raises:
+            RequestError: an invalid request (400) or one that cannot fit (413).
+        """
+        obj = ScoreReqInput(query=query, items=items, label_token_ids=label_token_ids, apply_softmax=apply_softmax,
+                            item_first=item_first, algorithm=algorithm)
+        return self._run(self.tokenizer_manager.score_request(obj))["scores"]
+
+    async def async_score(self, query=None, items=None, label_token_ids=None, apply_softmax: bool = False,
+                          item_first: bool = False, algorithm: Optional[str] = None) -> List[List[float]]:
+        """Async `score`, usable from any event loop."""
+        obj = ScoreReqInput(query=query, items=items, label_token_ids=label_token_ids, apply_softmax=apply_softmax,
+                            item_first=item_first, algorithm=algorithm)
+        coro = self.tokenizer_manager.score_request(obj)
+        out = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        return out["scores"]
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,

@@ -1,7 +1,7 @@
 """The HTTP server: FastAPI routes over a TokenizerManager, SGLang's native API plus OpenAI's.
 
 Native: /generate, /health, /health_generate, /get_model_info, /get_server_info, /flush_cache,
-/abort_request. OpenAI: /v1/models, /v1/completions, /v1/chat/completions.
+/abort_request. OpenAI: /v1/models, /v1/completions, /v1/chat/completions. Scoring: /v1/score.
 Errors: malformed or invalid requests get 400 (never FastAPI's 422) with a message -- OpenAI's error
 object on /v1/*, ``{"error": {"message": ...}}`` elsewhere; 413 when a request cannot fit; 503 while
 the engine is down. If the scheduler or detokenizer process dies, the server logs it, fails /health,
@@ -30,6 +30,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest, Compl
 from sgl_jax.srt.entrypoints.openai.serving_chat import create_chat_completion
 from sgl_jax.srt.entrypoints.openai.serving_completions import create_completion, gather_or_cancel
 from sgl_jax.srt.entrypoints.openai.utils import SSE_DONE, json_response, merge_streams, openai_error, sse
+from sgl_jax.srt.managers.scoring import ScoreReqInput
 from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager, split_batch
 from sgl_jax.srt.server_args import ServerArgs
 
@@ -160,7 +161,40 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
     async def chat_completions(req: ChatCompletionRequest):
         return await create_chat_completion(tm, req)
 
+    @app.post("/v1/score")
+    async def score(request: Request):
+        body = await _json_body(request)
+        fields = {f.name for f in dataclasses.fields(ScoreReqInput)}
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            raise RequestError(f"Unknown fields: {unknown}")
+        result = await _until_disconnect(request, tm.score_request(ScoreReqInput(**body)))
+        if result is None:
+            return Response(status_code=499)
+        n = result["prompt_tokens"]
+        return json_response({"object": "scoring", "model": tm.served_model_name, "scores": result["scores"],
+                              "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}})
+
     return app
+
+
+async def _until_disconnect(request: Request, coro, poll_s: float = 0.25):
+    """Await `coro`, cancelling it (which aborts its work in the scheduler) if the client disconnects
+    first; returns None then."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                logger.info("Client disconnected; aborting %s", request.url.path)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 async def _json_body(request: Request) -> dict:

@@ -36,6 +36,7 @@ def paged_attention(
     out = ragged_paged_attention(
         q, k_pages, v_pages, fb.kv_lens, fb.page_indices, fb.cu_q_lens, fb.num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        decode_only=fb.forward_mode == ForwardMode.DECODE,
+        decode_only=fb.forward_mode == ForwardMode.DECODE, prefix_lens=fb.prefix_lens,
+        segment_starts=fb.segment_starts,
     )
     return out, (k_pages, v_pages)

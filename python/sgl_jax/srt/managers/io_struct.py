@@ -1,9 +1,10 @@
 """Messages exchanged over ZMQ between TokenizerManager, Scheduler and DetokenizerManager (pickled).
 
-TokenizerManager -> Scheduler: TokenizedGenerateReqInput, AbortReq, FlushCacheReq, GetInternalStateReq.
+TokenizerManager -> Scheduler: TokenizedGenerateReqInput, TokenizedScoreReqInput, ScorePrefillReq,
+ScoreReleaseReq, AbortReq, FlushCacheReq, GetInternalStateReq.
 Scheduler -> DetokenizerManager: BatchTokenIDOut (new token ids per request).
 DetokenizerManager -> TokenizerManager: BatchStrOut (new text per request).
-Scheduler -> TokenizerManager: FlushCacheReqOutput, GetInternalStateReqOutput.
+Scheduler -> TokenizerManager: ScoreOut, ScoreReleaseOut, FlushCacheReqOutput, GetInternalStateReqOutput.
 """
 
 from __future__ import annotations
@@ -115,3 +116,69 @@ class StrOut:
 @dataclasses.dataclass
 class BatchStrOut:
     outs: List[StrOut]
+
+
+# ---------------------------------------------------------------- scoring (/v1/score)
+@dataclasses.dataclass
+class ScoreSeq:
+    """One sequence the scheduler computes for scoring.
+
+    input_ids: its tokens (with a handle: only the tokens after the handle's query).
+    score_positions: KV positions (in the whole sequence, handle query included) whose next-token
+        distribution is scored.
+    rope_positions / segment_starts: per position of a packed sequence, its rotary position and the KV
+        position where its segment starts (None: an ordinary sequence).
+    prefix_len: a packed sequence's shared prefix (query) length; 0 otherwise.
+    """
+
+    input_ids: List[int]
+    score_positions: List[int]
+    rope_positions: Optional[List[int]] = None
+    segment_starts: Optional[List[int]] = None
+    prefix_len: int = 0
+
+
+@dataclasses.dataclass
+class TokenizedScoreReqInput:
+    """Sequences to score for one request; ``handle`` names the scoring-cache query they extend."""
+
+    rid: str
+    seqs: List[ScoreSeq]
+    label_token_ids: List[int]
+    handle: Optional[str] = None
+
+
+@dataclasses.dataclass
+class ScorePrefillReq:
+    """Prefill a query into the scoring cache; the handle id is ``rid``."""
+
+    rid: str
+    input_ids: List[int]
+
+
+@dataclasses.dataclass
+class ScoreReleaseReq:
+    handle: str
+
+
+@dataclasses.dataclass
+class ScoreOut:
+    """Result of a TokenizedScoreReqInput or ScorePrefillReq.
+
+    label_logprobs: per sequence, per score position, the log-probability (full-vocabulary softmax) of
+    each label id; None for a prefill or an error. error / status_code: set when the request failed.
+    """
+
+    rid: str
+    label_logprobs: Optional[List[List[List[float]]]]
+    prompt_tokens: int
+    cached_tokens: int
+    error: Optional[str] = None
+    status_code: int = 400
+
+
+@dataclasses.dataclass
+class ScoreReleaseOut:
+    handle: str
+    success: bool
+    message: str = ""

@@ -55,6 +55,34 @@ def finish_abort(message: str, status_code: Optional[int] = None) -> FinishReaso
     return FinishReason("abort", message=message, status_code=status_code)
 
 
+# ---------------------------------------------------------------- scoring
+@dataclasses.dataclass
+class ScoreSpec:
+    """What a scoring request computes instead of generating (see managers/scoring.py).
+
+    group: the score request (TokenizedScoreReqInput.rid) this sequence belongs to; index: its place there.
+    label_token_ids: labels whose log-probabilities (full-vocabulary log-softmax) are returned.
+    score_positions: KV positions whose next-token distribution is scored (sorted).
+    rope_positions / segment_starts: int32 per position of a packed sequence (rotary positions restart
+    after the shared prefix; segment_starts give the mask); None for an ordinary sequence.
+    prefix_len: the packed sequence's shared prefix (query) length, 0 otherwise.
+    handle: the scoring-cache handle whose query KV this sequence extends (prefill_extend items), or,
+    with is_handle_prefill, the handle this query prefill creates.
+    label_logprobs: filled in as positions are computed: one list of floats per score position.
+    """
+
+    group: str
+    index: int
+    label_token_ids: List[int]
+    score_positions: List[int]
+    rope_positions: Optional[np.ndarray] = None
+    segment_starts: Optional[np.ndarray] = None
+    prefix_len: int = 0
+    handle: Optional[str] = None
+    is_handle_prefill: bool = False
+    label_logprobs: List[list] = dataclasses.field(default_factory=list)
+
+
 # ---------------------------------------------------------------- request
 class Req:
     """One generation request inside the scheduler.
@@ -77,8 +105,15 @@ class Req:
         top_logprobs_num: int = 0,
         token_ids_logprob: Optional[List[int]] = None,
         stream: bool = False,
+        score: Optional[ScoreSpec] = None,
     ):
         self.rid = rid
+        self.score = score
+        # positions whose KV may enter the prefix cache (None: all); a packed scoring sequence shares
+        # only its query.
+        self.cacheable_len: Optional[int] = score.prefix_len if score is not None and score.prefix_len else None
+        # prefix KV given at creation (prefill_extend items read the handle's query KV, not the tree's)
+        self.fixed_prefix = False
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = set(eos_token_ids)
@@ -137,6 +172,8 @@ class Req:
         """Longest prefix the cache may serve: at least one token is always computed (for its logits),
         and input logprobs need the positions from logprob_start_len - 1 computed."""
         limit = len(self.fill_ids) - 1
+        if self.cacheable_len is not None:
+            limit = min(limit, self.cacheable_len)
         if self.wants_input_logprobs():
             limit = min(limit, max(self.logprob_start_len - 1, 0))
         return limit
@@ -269,9 +306,20 @@ class ScheduleBatch:
             input_ids = np.concatenate([np.asarray(r.fill_ids[s:s + n], np.int32) for r, s, n in
                                         zip(reqs, starts, q_lens)])
             positions = np.concatenate([np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, q_lens)])
+        kv_positions = positions.astype(np.int64)
         rows = np.array([r.req_pool_idx for r in reqs], np.int64)
-        starts = positions.astype(np.int64)
-        out_cache_loc = pool.req_to_token[np.repeat(rows, q_lens), starts]
+        out_cache_loc = pool.req_to_token[np.repeat(rows, q_lens), kv_positions]
+        prefix_lens = np.zeros(S_pad, np.int32)
+        segment_starts = np.zeros(T_pad, np.int32)
+        packed = [i for i, r in enumerate(reqs) if r.score is not None and r.score.rope_positions is not None]
+        if packed and self.forward_mode == ForwardMode.EXTEND:
+            offsets = np.concatenate([[0], np.cumsum(q_lens)])
+            for i in packed:
+                sc, a, b = reqs[i].score, int(offsets[i]), int(offsets[i + 1])
+                s0 = reqs[i].kv_committed_len
+                positions[a:b] = sc.rope_positions[s0:s0 + b - a]
+                segment_starts[a:b] = sc.segment_starts[s0:s0 + b - a]
+                prefix_lens[i] = sc.prefix_len
         kv_lens = np.array([r.kv_allocated_len for r in reqs], np.int32)
         pages_per_seq = -(-pool.max_context_len // page_size)
         page_indices = np.zeros((S_pad, pages_per_seq), np.int32)
@@ -294,6 +342,8 @@ class ScheduleBatch:
             page_indices=page_indices,
             num_seqs=np.asarray(S, np.int32),
             logits_indices=pad(cu[1:S + 1] - 1, S_pad),
+            prefix_lens=prefix_lens,
+            segment_starts=segment_starts,
             forward_mode=self.forward_mode,
         )
         sps = [r.sampling_params for r in reqs]

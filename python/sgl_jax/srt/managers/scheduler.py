@@ -31,7 +31,10 @@ from sgl_jax.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    ScorePrefillReq,
+    ScoreReleaseReq,
     TokenizedGenerateReqInput,
+    TokenizedScoreReqInput,
     TokenOut,
 )
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort
@@ -42,7 +45,8 @@ from sgl_jax.srt.managers.schedule_policy import (
     PrefillAdder,
     ratio_after_retract,
 )
-from sgl_jax.srt.managers.scheduler_output import process_batch_result, token_out
+from sgl_jax.srt.managers.scheduler_output import extend_offsets, process_batch_result, token_out
+from sgl_jax.srt.managers.scheduler_scoring import SchedulerScoring
 from sgl_jax.srt.mem_cache import create_prefix_cache
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.common import release_kv_cache
@@ -145,6 +149,9 @@ class Scheduler:
         self.send_to_detokenizer.connect(port_args.detokenizer_ipc_name)
         self.send_to_tokenizer = ctx.socket(zmq.PUSH)
         self.send_to_tokenizer.connect(port_args.tokenizer_ipc_name)
+        self.scoring = SchedulerScoring(self.tree_cache, self.req_to_token_pool, self.page_size,
+                                        server_args.multi_item_prefill_extend_cache_timeout,
+                                        self.send_to_tokenizer.send_pyobj, mc.eos_token_ids)
 
         if not server_args.disable_precompile:
             self.model_runner.warmup()
@@ -170,6 +177,8 @@ class Scheduler:
         step = 0
         while True:
             self.process_input_requests(self.recv_requests())
+            if self.scoring.handles:
+                self.scoring.expire_handles()
             batch = self.get_next_batch_to_run()
             if batch is None:
                 self.on_idle()
@@ -179,9 +188,13 @@ class Scheduler:
                 raise RuntimeError(f"injected crash at step {step} ({CRASH_AT_STEP_ENV})")
             self._idle_checked = False
             self.last_mode = batch.forward_mode
+            starts = [r.kv_committed_len for r in batch.reqs]
             out = self.model_runner.forward(
                 batch.build_model_worker_batch(self.buckets, self.req_to_token_pool, self.page_size))
             process_batch_result(batch, out, self.tree_cache, self.model_runner.full_logprobs, self.decode_tail)
+            if batch.forward_mode == ForwardMode.EXTEND and any(r.score is not None for r in batch.reqs):
+                self.scoring.collect(batch, out.hidden, extend_offsets(batch), starts,
+                                     self.model_runner.label_logprobs)
             self.log_batch(batch)
             self.stream_and_release(batch)
 
@@ -201,6 +214,12 @@ class Scheduler:
             try:
                 if isinstance(msg, TokenizedGenerateReqInput):
                     self.handle_generate_request(msg)
+                elif isinstance(msg, TokenizedScoreReqInput):
+                    self.handle_score_request(msg)
+                elif isinstance(msg, ScorePrefillReq):
+                    self.handle_score_prefill(msg)
+                elif isinstance(msg, ScoreReleaseReq):
+                    self.scoring.release_request(msg)
                 elif isinstance(msg, AbortReq):
                     self.handle_abort(msg)
                 elif isinstance(msg, FlushCacheReq):
@@ -237,18 +256,60 @@ class Scheduler:
             top_logprobs_num=msg.top_logprobs_num, token_ids_logprob=msg.token_ids_logprob, stream=msg.stream,
         ))
 
+    def handle_score_request(self, msg: TokenizedScoreReqInput) -> None:
+        """Queue the sequences of a score request (see scheduler_scoring)."""
+        reqs = self.scoring.handle_score_request(msg, self.max_req_input_len)
+        longest = max((len(r.origin_input_ids) for r in reqs), default=0)
+        if longest + 1 > self.allocator.size:
+            self._drop_waiting(self.scoring.abort_group(
+                msg.rid, f"a scored sequence of {longest} tokens does not fit the KV cache "
+                         f"({self.allocator.size} tokens)", 413), queued=False)
+            return
+        self.waiting_queue.extend(reqs)
+
+    def handle_score_prefill(self, msg: ScorePrefillReq) -> None:
+        n = len(msg.input_ids)
+        if n == 0 or n > self.max_req_input_len or n + 1 > self.allocator.size:
+            self.scoring.fail(msg.rid, f"query of {n} tokens is outside [1, {self.max_req_input_len}] or does "
+                                        f"not fit the KV cache", 400)
+            return
+        self.waiting_queue.append(self.scoring.handle_prefill_request(msg))
+
     def handle_abort(self, msg: AbortReq) -> None:
+        if msg.rid in self.scoring.handles:  # a live scoring-cache handle: release it
+            self.scoring.release_request(ScoreReleaseReq(msg.rid))
+            return
+        group_reqs = self.scoring.abort_group(msg.rid, msg.message)
+        if group_reqs:
+            self._drop_waiting(group_reqs)
+            return
         for i, req in enumerate(self.waiting_queue):
             if req.rid == msg.rid:
                 del self.waiting_queue[i]
                 req.finished_reason = finish_abort(msg.message)
-                self._send([token_out(req, self.server_args.stream_interval)])
+                if req.score is not None:
+                    self.scoring.on_finished(req)
+                else:
+                    self._send([token_out(req, self.server_args.stream_interval)])
                 return
         running = self.running_batch.reqs + ([self.chunked_req] if self.chunked_req is not None else [])
         for req in running:
             if req.rid == msg.rid:
                 req.to_abort = finish_abort(msg.message)
                 return
+
+    def _drop_waiting(self, reqs: List[Req], queued: bool = True) -> None:
+        """Abort scoring Reqs of a failed group: queued ones leave the queue (they hold no KV yet), the one
+        being chunk-prefilled finishes with an abort at its next step."""
+        drop = set(id(r) for r in reqs)
+        if queued:
+            self.waiting_queue = [r for r in self.waiting_queue if id(r) not in drop]
+        for req in reqs:
+            if req is self.chunked_req:
+                req.to_abort = finish_abort("score request aborted")
+                continue
+            req.finished_reason = finish_abort("score request aborted")
+            self.scoring.on_finished(req)
 
     def _send_abort(self, rid: str, message: str, status_code: Optional[int] = None) -> None:
         out = TokenOut(rid=rid, new_token_ids=[], finished_reason=finish_abort(message, status_code).to_json(),
@@ -348,12 +409,14 @@ class Scheduler:
 
         A request between prefill chunks stays out of the running batch (it keeps its pool row and KV).
         """
-        self._send([token_out(r, self.server_args.stream_interval) for r in batch.reqs])
+        self._send([token_out(r, self.server_args.stream_interval) for r in batch.reqs if r.score is None])
         for req in batch.reqs:
             if req.finished():
-                release_kv_cache(req, self.tree_cache)
                 if req is self.chunked_req:
                     self.chunked_req = None
+                if req.score is not None and not self.scoring.on_finished(req):
+                    continue  # a query prefill that became a scoring-cache handle keeps its KV
+                release_kv_cache(req, self.tree_cache, is_insert=not req.fixed_prefix)
         if batch.forward_mode == ForwardMode.EXTEND:
             done = [r for r in batch.reqs if not r.finished() and not r.is_chunked]
             self.running_batch.merge(ScheduleBatch(done, ForwardMode.DECODE))
@@ -386,6 +449,9 @@ class Scheduler:
             "new_token_ratio": self.new_token_ratio,
             "num_compiles_after_warmup": self.model_runner.num_compiles_after_warmup,
             "page_size": self.page_size,
+            "num_score_handles": len(self.scoring.handles),
+            "num_expired_score_handles": self.scoring.num_expired_handles,
+            "num_score_groups": len(self.scoring.groups),
             **self.init_info(),
         })
         return state
@@ -393,8 +459,8 @@ class Scheduler:
     def on_idle(self) -> None:
         """When nothing runs: free + evictable + protected == total, no prefix locked, every slot free."""
         if self._idle_checked or self.waiting_queue or self.chunked_req is not None \
-                or not self.running_batch.is_empty():
-            return
+                or not self.running_batch.is_empty() or self.scoring.handles:
+            return  # (live scoring-cache handles hold KV and request slots by design)
         self._idle_checked = True
         self._decode_log_start = (time.time(), self.num_generated_tokens)
         acc = self.kv_accounting()
@@ -410,8 +476,10 @@ class Scheduler:
 
     def flush_cache(self) -> FlushCacheReqOutput:
         """Empty the prefix cache; refused while any request is running, chunking or waiting."""
-        if self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req is not None:
-            return FlushCacheReqOutput(False, "Cannot flush the cache while requests are running or waiting")
+        if self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req is not None \
+                or self.scoring.handles:
+            return FlushCacheReqOutput(False, "Cannot flush the cache while requests are running or waiting "
+                                              "or scoring-cache handles are held")
         self.tree_cache.reset()
         return FlushCacheReqOutput(True, "Cache flushed.")
 

@@ -58,7 +58,8 @@ def append_input_logprobs(req: Req, hidden: np.ndarray, first_row: int, start: i
                 token_ids_logprobs(row, req.token_ids_logprob) if req.token_ids_logprob else None)
 
 
-def _extend_offsets(batch: ScheduleBatch) -> List[int]:
+def extend_offsets(batch: ScheduleBatch) -> List[int]:
+    """First row in the T axis of each request of an extend batch."""
     offsets, o = [], 0
     for r in batch.reqs:
         offsets.append(o)
@@ -87,7 +88,7 @@ def process_batch_result(
     need_rows = any(r.return_logprob and (r.top_logprobs_num > 0 or r.token_ids_logprob) for r in batch.reqs)
     rows = np.asarray(out.logprobs) if need_rows else None
     hidden = None
-    offsets = _extend_offsets(batch) if is_extend else None
+    offsets = extend_offsets(batch) if is_extend else None
     for i, req in enumerate(batch.reqs):
         start = req.kv_committed_len
         req.kv_committed_len = req.kv_allocated_len

@@ -27,6 +27,8 @@ from sgl_jax.srt.managers.io_struct import (
     StrOut,
     TokenizedGenerateReqInput,
 )
+from sgl_jax.srt.managers.score_client import ScoreClient
+from sgl_jax.srt.managers.scoring import ScoreReqInput
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -181,6 +183,7 @@ class TokenizerManager:
         self._loop_task: Optional[asyncio.Task] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the loop serving this manager, once started
         self.dead_reason: Optional[str] = None
+        self.score_client = ScoreClient(self)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -207,6 +210,7 @@ class TokenizerManager:
         for state in self.rid_to_state.values():
             state.error = RequestError(f"Server unavailable: {reason}", 503)
             state.event.set()
+        self.score_client.fail_all(RequestError(f"Server unavailable: {reason}", 503))
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -221,6 +225,8 @@ class TokenizerManager:
                     if state is not None:
                         state.pending.append(out)
                         state.event.set()
+            elif self.score_client.on_message(msg):
+                pass
             else:
                 self._control_queue(type(msg)).put_nowait(msg)
 
@@ -247,6 +253,15 @@ class TokenizerManager:
     def abort_request(self, rid: str, message: str = "Aborted by the client") -> None:
         if rid in self.rid_to_state:
             self.send_to_scheduler.send_pyobj(AbortReq(rid, message))
+
+    # ------------------------------------------------------------ scoring
+    async def score_request(self, obj: ScoreReqInput) -> dict:
+        """Run a /v1/score request: {"scores": [[float per label] per item], "prompt_tokens", "algorithm"}.
+
+        Raises RequestError (400 invalid, 413 cannot fit, 503 server down). See managers/score_client.py.
+        """
+        self.start()
+        return await self.score_client.score(obj)
 
     # ------------------------------------------------------------ generation
     def tokenize(self, obj: GenerateReqInput) -> List[int]:

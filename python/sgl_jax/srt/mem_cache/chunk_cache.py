@@ -20,9 +20,11 @@ class ChunkCache(BasePrefixCache):
         return MatchResult(device_indices=np.zeros((0,), np.int32))
 
     def cache_finished_req(self, req, is_insert: bool = True) -> None:
-        """Free all the request's pages (it owns every position: cache_protected_len is always 0)."""
+        """Free the request's pages: every position from cache_protected_len (0, except for a scoring item
+        that reads a scoring handle's query KV, which the handle owns)."""
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        self.allocator.free_pages(self.allocator.pages_of(row, req.kv_allocated_len))
+        start = req.cache_protected_len
+        self.allocator.free_pages(self.allocator.pages_of(row[start:], req.kv_allocated_len - start))
         req.last_node = None
 
     def cache_unfinished_req(self, req) -> None:

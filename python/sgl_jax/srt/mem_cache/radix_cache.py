@@ -153,9 +153,9 @@ class RadixCache(BasePrefixCache):
         return moved
 
     def dec_lock_ref(self, node: TreeNode) -> int:
-        """Undo one `inc_lock_ref`; returns tokens that became evictable again."""
+        """Undo one `inc_lock_ref`; returns tokens that became evictable again (None: no-op)."""
         moved = 0
-        while node is not self.root:
+        while node is not None and node is not self.root:
             assert node.lock_ref > 0, "unbalanced dec_lock_ref"
             node.lock_ref -= 1
             if node.lock_ref == 0:
@@ -226,7 +226,7 @@ class RadixCache(BasePrefixCache):
         keeps only its unaligned tail.
         """
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        n = self._align(req.kv_committed_len)
+        n = self._align(_cacheable_len(req))
         if n <= req.cache_protected_len:
             return
         tokens = req.fill_ids[:n]
@@ -247,7 +247,7 @@ class RadixCache(BasePrefixCache):
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         protected = req.cache_protected_len
         if is_insert:
-            n = max(self._align(req.kv_committed_len), protected)
+            n = max(self._align(_cacheable_len(req)), protected)
             existed = self.insert(req.fill_ids[:n], row[:n]) if n > protected else n
             self._free_row_range(row, protected, existed)
             self._free_row_range(row, n, req.kv_allocated_len)
@@ -255,3 +255,10 @@ class RadixCache(BasePrefixCache):
             self._free_row_range(row, protected, req.kv_allocated_len)
         self.dec_lock_ref(req.last_node)
         req.last_node = None
+
+
+def _cacheable_len(req) -> int:
+    """Positions of `req` whose KV may be shared: all computed ones, or fewer when the request says so
+    (a packed multi-item sequence shares only its query; its items' KV uses restarted positions)."""
+    limit = getattr(req, "cacheable_len", None)
+    return req.kv_committed_len if limit is None else min(req.kv_committed_len, limit)

@@ -33,6 +33,9 @@ class ForwardBatch:
     -- the ragged paged attention metadata.
     logits_indices: int32[S] row of each sequence's last token in the T axis (where next-token logits
     are taken).
+    prefix_lens: int32[S], segment_starts: int32[T] -- the multi-item scoring segment mask (see
+    `ragged_paged_attention`); zeros for ordinary sequences. ``positions`` are then the rotary positions,
+    which restart after the shared prefix, while causality follows the KV position.
     forward_mode: static (part of the compiled program's identity).
     """
 
@@ -44,13 +47,15 @@ class ForwardBatch:
     page_indices: jax.Array
     num_seqs: jax.Array
     logits_indices: jax.Array
+    prefix_lens: jax.Array
+    segment_starts: jax.Array
     forward_mode: ForwardMode = ForwardMode.EXTEND
 
 
 jax.tree_util.register_dataclass(
     ForwardBatch,
     data_fields=["input_ids", "positions", "out_cache_loc", "cu_q_lens", "kv_lens", "page_indices",
-                 "num_seqs", "logits_indices"],
+                 "num_seqs", "logits_indices", "prefix_lens", "segment_starts"],
     meta_fields=["forward_mode"],
 )
 

@@ -32,6 +32,8 @@ from sgl_jax.srt.model_loader.loader import JNP_DTYPES, load_model
 logger = logging.getLogger(__name__)
 
 LOGPROB_CHUNK_ROWS = 128  # rows per call when computing full-vocabulary input-token logprobs
+SCORE_ROW_PADDINGS = (16, 128)  # rows per call when computing label logprobs for scoring
+SCORE_LABEL_CHUNK = 16  # label ids per call
 
 
 @dataclasses.dataclass
@@ -114,6 +116,7 @@ class ModelRunner:
         self.eos_token_ids = jnp.asarray(eos, jnp.int32)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
         self._logprobs = jax.jit(self._logprobs_impl)
+        self._label_logprobs = jax.jit(self._label_logprobs_impl)
         self._compiled_after_warmup: Optional[int] = None
         self.num_compiles_after_warmup = 0
 
@@ -129,6 +132,12 @@ class ModelRunner:
     def _logprobs_impl(self, params, hidden):
         model = nnx.merge(self.graphdef, params)
         return jax.nn.log_softmax(model.compute_logits(hidden), axis=-1)
+
+    def _label_logprobs_impl(self, params, hidden, label_ids):
+        model = nnx.merge(self.graphdef, params)
+        logits = model.compute_logits(hidden)
+        lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        return jnp.take(logits, label_ids, axis=1) - lse
 
     # ---- running
     def forward(self, batch: ModelWorkerBatch) -> StepOutput:
@@ -156,8 +165,31 @@ class ModelRunner:
             return np.zeros((0, self.model_config.vocab_size), np.float32)
         return np.concatenate(out)
 
+    def label_logprobs(self, hidden_rows: np.ndarray, label_ids) -> np.ndarray:
+        """float32[N, L]: log-softmax over the full vocabulary of N hidden states' logits, at L label ids.
+
+        Rows go in chunks padded to SCORE_ROW_PADDINGS and labels in chunks of SCORE_LABEL_CHUNK, so two
+        compiled programs serve any N and L.
+        """
+        label_ids = np.asarray(label_ids, np.int32)
+        out = np.zeros((len(hidden_rows), len(label_ids)), np.float32)
+        big = SCORE_ROW_PADDINGS[-1]
+        for i in range(0, len(hidden_rows), big):
+            chunk = hidden_rows[i:i + big]
+            r_pad = next(r for r in SCORE_ROW_PADDINGS if r >= len(chunk))
+            rows = np.zeros((r_pad, hidden_rows.shape[1]), hidden_rows.dtype)
+            rows[:len(chunk)] = chunk
+            for j in range(0, len(label_ids), SCORE_LABEL_CHUNK):
+                labels = np.zeros(SCORE_LABEL_CHUNK, np.int32)
+                part = label_ids[j:j + SCORE_LABEL_CHUNK]
+                labels[:len(part)] = part
+                res = np.asarray(self._label_logprobs(self.params, rows, labels))
+                out[i:i + len(chunk), j:j + len(part)] = res[:len(chunk), :len(part)]
+                self._check_no_new_compile(None)
+        return out
+
     def _num_compiled(self) -> int:
-        return self._step._cache_size() + self._logprobs._cache_size()
+        return self._step._cache_size() + self._logprobs._cache_size() + self._label_logprobs._cache_size()
 
     def _check_no_new_compile(self, batch: Optional[ModelWorkerBatch]) -> None:
         if self._compiled_after_warmup is None:
@@ -177,7 +209,8 @@ class ModelRunner:
         fb = ForwardBatch(
             input_ids=z(t_pad), positions=z(t_pad), out_cache_loc=z(t_pad), cu_q_lens=z(s_pad + 1),
             kv_lens=z(s_pad), page_indices=np.zeros((s_pad, self.pages_per_seq), np.int32),
-            num_seqs=np.asarray(0, np.int32), logits_indices=z(s_pad), forward_mode=mode,
+            num_seqs=np.asarray(0, np.int32), logits_indices=z(s_pad), prefix_lens=z(s_pad),
+            segment_starts=z(t_pad), forward_mode=mode,
         )
         sampling = SamplingMetadata(
             temperatures=z(s_pad, np.float32), top_ps=np.ones(s_pad, np.float32), top_ks=np.full(s_pad, -1, np.int32),
@@ -189,16 +222,22 @@ class ModelRunner:
         """Compile every bucket (and the logprob chunk program) before serving, with a progress bar."""
         shapes = self.buckets.all_shapes()
         t0 = time.time()
-        with tqdm(total=len(shapes) + 1, desc="Compiling buckets", unit="shape") as bar:
+        extra = 1 + len(SCORE_ROW_PADDINGS)
+        with tqdm(total=len(shapes) + extra, desc="Compiling buckets", unit="shape") as bar:
             for mode, t_pad, s_pad in shapes:
                 bar.set_postfix_str(f"{mode.name.lower()} T={t_pad} S={s_pad}")
                 self.forward(self.dummy_batch(mode, t_pad, s_pad))
                 bar.update()
             hidden_dim = self.model_config.hidden_size
-            self.full_logprobs(np.zeros((1, hidden_dim), np.dtype(JNP_DTYPES[self.model_config.dtype])))
+            dtype = np.dtype(JNP_DTYPES[self.model_config.dtype])
+            self.full_logprobs(np.zeros((1, hidden_dim), dtype))
             bar.update()
+            for r in SCORE_ROW_PADDINGS:
+                bar.set_postfix_str(f"label logprobs R={r}")
+                self.label_logprobs(np.zeros((r, hidden_dim), dtype), [0])
+                bar.update()
         self._compiled_after_warmup = self._num_compiled()
-        logger.info("Warm-up compiled %d shapes in %.1f s", len(shapes) + 1, time.time() - t0)
+        logger.info("Warm-up compiled %d shapes in %.1f s", len(shapes) + extra, time.time() - t0)
 
 
 def setup_jax(server_args) -> str:

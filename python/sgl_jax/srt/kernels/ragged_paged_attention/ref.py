@@ -113,7 +113,7 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, page_indices, num_seqs, sm_s
 
 
 def _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
-                      sliding_window, soft_cap):
+                      sliding_window, soft_cap, prefix_lens, segment_starts):
     T, H, D = q.shape
     S, P = page_indices.shape
     _, ps, KVH, _ = k_pages.shape
@@ -122,11 +122,13 @@ def _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num
     ppb = _pages_per_block(EXTEND_KV_BLOCK, ps)
     bk = ppb * ps
     q_padded = jnp.concatenate([q, jnp.zeros((bq, H, D), q.dtype)])
+    seg_padded = jnp.concatenate([segment_starts, jnp.zeros((bq,), jnp.int32)])
 
     def seq_body(s, out):
         q_start = cu_q_lens[s]
         q_len = cu_q_lens[s + 1] - q_start
         kv_len = kv_lens[s]
+        prefix_len = prefix_lens[s]
         page_row = page_indices[s]
 
         def q_body(qb, out):
@@ -137,16 +139,25 @@ def _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num
             last_pos = kv_len - q_len + jnp.minimum(qb * bq + bq, q_len) - 1
             kv_hi = jnp.minimum(kv_len, last_pos + 1)
             lo = jnp.maximum(qpos - sliding_window + 1, 0) if sliding_window is not None else jnp.zeros_like(qpos)
+            seg_start = jax.lax.dynamic_slice_in_dim(seg_padded, q_start + qb * bq, bq)
             kb_lo = lo[0] // bk
-            kb_hi = (kv_hi + bk - 1) // bk
+            kb_hi = jnp.maximum((kv_hi + bk - 1) // bk, kb_lo)
+            # Visible keys of the block: [0, prefix_len) and [min segment start, kv_hi) -- two block
+            # ranges, so the blocks between the shared prefix and the block's own segments are skipped.
+            a_hi = jnp.clip((jnp.minimum(prefix_len, kv_hi) + bk - 1) // bk, kb_lo, kb_hi)
+            seg_lo = jnp.min(jnp.where(valid, seg_start, jnp.iinfo(jnp.int32).max))
+            b_lo = jnp.clip(seg_lo // bk, a_hi, kb_hi)
+            n_a = a_hi - kb_lo
 
-            def kv_body(kb, carry):
+            def kv_body(i, carry):
+                kb = jnp.where(i < n_a, kb_lo + i, b_lo + i - n_a)
                 cols = jnp.minimum(kb * ppb + jnp.arange(ppb), P - 1)
                 pages = page_row[cols]
                 kblk = k_pages[pages].reshape(bk, KVH, D)
                 vblk = v_pages[pages].reshape(bk, KVH, D)
                 kpos = kb * bk + jnp.arange(bk)
                 mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < kv_len) & (kpos[None, :] >= lo[:, None])
+                mask &= (kpos[None, :] < prefix_len) | (kpos[None, :] >= seg_start[:, None])
                 sc = _scores(qblk, kblk, sm_scale, soft_cap)  # [KVH, G, bq, bk]
                 sc = jnp.where(mask[None, None], sc, MASK_VALUE)
                 return _online_softmax_step(carry, sc, vblk)
@@ -156,7 +167,7 @@ def _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num
                 jnp.zeros((KVH, G, bq), jnp.float32),
                 jnp.zeros((KVH, G, bq, D), jnp.float32),
             )
-            _, l, acc = jax.lax.fori_loop(kb_lo, jnp.maximum(kb_hi, kb_lo), kv_body, init)
+            _, l, acc = jax.lax.fori_loop(0, n_a + kb_hi - b_lo, kv_body, init)
             o = _finish(l, acc).transpose(2, 0, 1, 3).reshape(bq, H, D).astype(q.dtype)
             dest = jnp.where(valid, q_start + row, T)
             return out.at[dest].set(o, mode="drop")
@@ -181,6 +192,8 @@ def ragged_paged_attention(
     sliding_window: Optional[int] = None,
     soft_cap: Optional[float] = None,
     decode_only: bool = False,
+    prefix_lens: Optional[jax.Array] = None,
+    segment_starts: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch of sequences over a paged KV cache.
 
@@ -196,10 +209,17 @@ def ragged_paged_attention(
         sliding_window: if set, a query at position p sees keys at positions > p - sliding_window.
         soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap) (Gemma 2).
         decode_only: promise that every sequence has exactly one query token, which is row s of q for
-            sequence s; enables the vectorized decode path.
+            sequence s; enables the vectorized decode path (which ignores the segment mask).
+        prefix_lens: int32[S] shared-prefix length of each sequence for the segment mask (multi-item
+            scoring); None or 0: no segments.
+        segment_starts: int32[T] per query token, the KV position where its own segment starts (tokens of
+            the shared prefix and of ordinary sequences: 0). Segment ids are contiguous runs, so a token
+            of segment k sees the shared prefix [0, prefix_len) and its own segment [segment_start, itself]
+            only; blocks between the two ranges are never visited.
     Returns:
-        [T, num_heads, head_dim] in q.dtype; padding rows are zero. Query i of sequence s sits at absolute
-        position kv_lens[s] - q_len[s] + i and attends to keys at positions <= it. Softmax runs in float32.
+        [T, num_heads, head_dim] in q.dtype; padding rows are zero. Query i of sequence s sits at KV
+        position kv_lens[s] - q_len[s] + i and attends to keys at positions <= it (rotary positions are the
+        caller's business). Softmax runs in float32.
     """
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
     if q.shape[1] % k_pages.shape[2]:
@@ -207,5 +227,9 @@ def ragged_paged_attention(
     if decode_only:
         return _decode_attention(q, k_pages, v_pages, kv_lens, page_indices, num_seqs, sm_scale,
                                  sliding_window, soft_cap)
+    if prefix_lens is None:
+        prefix_lens = jnp.zeros(page_indices.shape[0], jnp.int32)
+    if segment_starts is None:
+        segment_starts = jnp.zeros(q.shape[0], jnp.int32)
     return _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
-                             sliding_window, soft_cap)
+                             sliding_window, soft_cap, prefix_lens, segment_starts)

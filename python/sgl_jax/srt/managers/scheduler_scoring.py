@@ -1,0 +1,245 @@
+"""The scheduler's side of /v1/score: scoring sequences, their results, and scoring-cache handles.
+
+A `TokenizedScoreReqInput` (one "group") becomes one `Req` per sequence, each with a `ScoreSpec` and
+``max_new_tokens = 0``: the sequences go through the ordinary admission, chunked prefill and release path,
+and instead of sampling, the label log-probabilities at their score positions are computed from the
+step's hidden states. When every sequence of a group is done, one `ScoreOut` goes straight back to the
+TokenizerManager (scores need no detokenization).
+
+Scoring-cache handles (the prefill_extend algorithm): a `ScorePrefillReq` prefills a query like any
+request, but when it finishes its KV is kept -- the request stays alive as the handle, holding its
+ReqToTokenPool row, its KV and its prefix-cache lock. Item sequences that name the handle start from its
+query KV (``Req.fixed_prefix``), so the query is computed once. A handle is released -- through the one
+`release_kv_cache` path -- on `ScoreReleaseReq`, on abort, or when unused for
+--multi-item-prefill-extend-cache-timeout seconds (TTL, touched on every access; never while its items
+run). A sequence naming a missing or expired handle fails its group with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from sgl_jax.srt.managers.io_struct import (
+    ScoreOut,
+    ScorePrefillReq,
+    ScoreReleaseOut,
+    ScoreReleaseReq,
+    TokenizedScoreReqInput,
+)
+from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, ScoreSpec
+from sgl_jax.srt.mem_cache.common import release_kv_cache
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ScoreGroup:
+    """The sequences of one score request still being computed."""
+
+    rid: str
+    reqs: List[Req]
+    handle: Optional[str]
+    pending: int
+    cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class ScoreHandle:
+    """A query prefilled into the scoring cache: `req` keeps its KV until released."""
+
+    handle: str
+    req: Req
+    last_access: float
+    active_items: int = 0
+    release_requested: bool = False
+
+
+class SchedulerScoring:
+    """Scoring groups and handles of one scheduler.
+
+    Args:
+        tree_cache: the prefix cache (for releases).
+        pool: the ReqToTokenPool (a handle's item sequences copy its query's slots from it).
+        page_size: KV page size (items share the page-aligned part of the query).
+        handle_timeout_s: TTL of an unused handle, in seconds.
+        send: sends a message to the TokenizerManager.
+        eos_token_ids: the model's EOS ids (for Req construction).
+    """
+
+    def __init__(self, tree_cache, pool, page_size: int, handle_timeout_s: float, send: Callable,
+                 eos_token_ids: List[int]):
+        self.tree_cache = tree_cache
+        self.pool = pool
+        self.page_size = page_size
+        self.handle_timeout_s = handle_timeout_s
+        self.send = send
+        self.eos_token_ids = eos_token_ids
+        self.groups: Dict[str, ScoreGroup] = {}
+        self.handles: Dict[str, ScoreHandle] = {}
+        self.num_expired_handles = 0
+
+    # ------------------------------------------------------------ requests
+    def _new_req(self, rid: str, input_ids: List[int], spec: ScoreSpec) -> Req:
+        sp = SamplingParams(max_new_tokens=0, temperature=0.0)
+        return Req(rid, input_ids, sp, eos_token_ids=self.eos_token_ids, seed=0, score=spec)
+
+    def handle_score_request(self, msg: TokenizedScoreReqInput, max_input_len: int) -> List[Req]:
+        """Turn a score request into Reqs to queue; [] when it fails at once (the error is sent)."""
+        handle = None
+        prefix: List[int] = []
+        if msg.handle is not None:
+            handle = self.handles.get(msg.handle)
+            if handle is None or handle.release_requested:
+                self.fail(msg.rid, f"scoring cache handle {msg.handle!r} is missing or expired (TTL "
+                                    f"{self.handle_timeout_s:g} s); the score request was aborted", 400)
+                return []
+            handle.last_access = time.time()
+            prefix = handle.req.origin_input_ids
+        reqs = []
+        for i, seq in enumerate(msg.seqs):
+            ids = prefix + list(seq.input_ids)
+            if len(ids) > max_input_len:
+                self.fail(msg.rid, f"a scored sequence of {len(ids)} tokens exceeds the maximum input "
+                                    f"length ({max_input_len} tokens)", 400)
+                return []
+            spec = ScoreSpec(
+                group=msg.rid, index=i, label_token_ids=list(msg.label_token_ids),
+                score_positions=list(seq.score_positions),
+                rope_positions=None if seq.rope_positions is None else np.asarray(seq.rope_positions, np.int32),
+                segment_starts=None if seq.segment_starts is None else np.asarray(seq.segment_starts, np.int32),
+                prefix_len=seq.prefix_len, handle=msg.handle,
+            )
+            req = self._new_req(f"{msg.rid}/{i}", ids, spec)
+            if handle is not None:
+                aligned = len(prefix) // self.page_size * self.page_size
+                req.prefix_indices = self.pool.req_to_token[handle.req.req_pool_idx][:aligned].copy()
+                req.fixed_prefix = True
+            reqs.append(req)
+        if handle is not None:
+            handle.active_items += len(reqs)
+        self.groups[msg.rid] = ScoreGroup(msg.rid, reqs, msg.handle, pending=len(reqs))
+        return reqs
+
+    def handle_prefill_request(self, msg: ScorePrefillReq) -> Req:
+        """A query prefill that becomes handle ``msg.rid`` when done."""
+        spec = ScoreSpec(group=msg.rid, index=0, label_token_ids=[], score_positions=[], handle=msg.rid,
+                         is_handle_prefill=True)
+        return self._new_req(msg.rid, list(msg.input_ids), spec)
+
+    # ------------------------------------------------------------ after a step
+    def collect(self, batch: ScheduleBatch, hidden, first_rows: List[int], starts: List[int],
+                label_logprobs: Callable[[np.ndarray, List[int]], np.ndarray]) -> None:
+        """Compute the label logprobs of the score positions this extend step produced.
+
+        Args:
+            hidden: [T_pad, hidden] device array of the step's final hidden states.
+            first_rows / starts: per request of the batch, its first row in the T axis and the KV position
+                of that row (the step computed positions [start, kv_committed_len)).
+            label_logprobs: hidden rows [N, hidden], label ids -> float32[N, L] log-probabilities.
+        """
+        wanted = []  # (req, row)
+        for req, first, start in zip(batch.reqs, first_rows, starts):
+            if req.score is None or req.score.is_handle_prefill:
+                continue
+            for p in req.score.score_positions:
+                if start <= p < req.kv_committed_len:
+                    wanted.append((req, first + p - start))
+        if not wanted:
+            return
+        host = np.asarray(hidden)
+        by_labels: Dict[tuple, list] = {}
+        for req, row in wanted:
+            by_labels.setdefault(tuple(req.score.label_token_ids), []).append((req, row))
+        for labels, entries in by_labels.items():
+            lps = label_logprobs(host[[row for _, row in entries]], list(labels))
+            for (req, _), lp in zip(entries, lps):
+                req.score.label_logprobs.append([float(x) for x in lp])
+
+    def on_finished(self, req: Req) -> bool:
+        """Called for a finished scoring Req (instead of streaming it). Returns True when the caller
+        should release its KV now (False: it became a handle and keeps its KV)."""
+        spec = req.score
+        if spec.is_handle_prefill:
+            if req.finished_reason.type == "abort":
+                self.fail(req.rid, req.finished_reason.message or "aborted", req.finished_reason.status_code)
+                return True
+            self.handles[req.rid] = ScoreHandle(req.rid, req, last_access=time.time())
+            self.send(ScoreOut(rid=req.rid, label_logprobs=None, prompt_tokens=len(req.origin_input_ids),
+                               cached_tokens=req.cached_tokens))
+            return False
+        self._item_done(spec.handle)
+        group = self.groups.get(spec.group)
+        if group is None:  # the group already failed
+            return True
+        if req.finished_reason.type == "abort":
+            self.abort_group(group.rid, req.finished_reason.message or "aborted", req.finished_reason.status_code)
+            return True
+        group.pending -= 1
+        group.cached_tokens += req.cached_tokens
+        if group.pending == 0:
+            del self.groups[group.rid]
+            self.send(ScoreOut(
+                rid=group.rid, label_logprobs=[r.score.label_logprobs for r in group.reqs],
+                prompt_tokens=sum(len(r.origin_input_ids) for r in group.reqs), cached_tokens=group.cached_tokens))
+        return True
+
+    def _item_done(self, handle_id: Optional[str]) -> None:
+        handle = self.handles.get(handle_id) if handle_id is not None else None
+        if handle is None:
+            return
+        handle.active_items -= 1
+        handle.last_access = time.time()
+        if handle.active_items == 0 and handle.release_requested:
+            self._release(handle)
+
+    # ------------------------------------------------------------ aborts and handles
+    def fail(self, rid: str, message: str, status_code: Optional[int]) -> None:
+        self.send(ScoreOut(rid=rid, label_logprobs=None, prompt_tokens=0, cached_tokens=0, error=message,
+                           status_code=status_code or 400))
+
+    def abort_group(self, rid: str, message: str, status_code: Optional[int] = None) -> List[Req]:
+        """Fail group `rid` (error sent once); returns its Reqs that are still unfinished, for the
+        scheduler to drop from its queue or mark to_abort."""
+        group = self.groups.pop(rid, None)
+        if group is None:
+            return []
+        self.fail(rid, message, status_code)
+        return [r for r in group.reqs if not r.finished()]
+
+    def release_request(self, msg: ScoreReleaseReq) -> None:
+        """Release a handle now, or once its running items are done; always answers."""
+        handle = self.handles.get(msg.handle)
+        if handle is None:
+            self.send(ScoreReleaseOut(msg.handle, False, f"scoring cache handle {msg.handle!r} is missing or "
+                                                         "already released"))
+            return
+        handle.release_requested = True
+        if handle.active_items == 0:
+            self._release(handle)
+        self.send(ScoreReleaseOut(msg.handle, True, "released"))
+
+    def _release(self, handle: ScoreHandle) -> None:
+        self.handles.pop(handle.handle, None)
+        release_kv_cache(handle.req, self.tree_cache)
+
+    def expire_handles(self, now: Optional[float] = None) -> int:
+        """Release handles unused for longer than the TTL (none while its items run). Returns how many."""
+        now = time.time() if now is None else now
+        expired = [h for h in self.handles.values()
+                   if h.active_items == 0 and now - h.last_access > self.handle_timeout_s]
+        for h in expired:
+            logger.warning("Scoring cache handle %s unused for %.0f s (TTL %g s): released, %d tokens of KV",
+                           h.handle, now - h.last_access, self.handle_timeout_s, len(h.req.origin_input_ids))
+            self._release(h)
+        self.num_expired_handles += len(expired)
+        return len(expired)
+
+    def held_slots(self) -> int:
+        """ReqToTokenPool rows held by live handles."""
+        return len(self.handles)

@@ -1,0 +1,197 @@
+"""The TokenizerManager's side of /v1/score: tokenize, pick the algorithm, drive the scheduler, and turn
+label log-probabilities into scores. See managers/scoring.py for what is scored and
+managers/scheduler_scoring.py for the scheduler's side (including scoring-cache handles)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Dict, List
+
+from sgl_jax.srt.managers.io_struct import (
+    AbortReq,
+    ScoreOut,
+    ScorePrefillReq,
+    ScoreReleaseOut,
+    ScoreReleaseReq,
+    TokenizedScoreReqInput,
+)
+from sgl_jax.srt.managers.scoring import (
+    ScoreInputError,
+    ScoreReqInput,
+    build_layout,
+    choose_algorithm,
+    chunks,
+    extend_seqs,
+    pack_seqs,
+    scores_from_logprobs,
+    serial_seqs,
+    tokenize_score_input,
+    validate_score_input,
+)
+
+logger = logging.getLogger(__name__)
+
+RELEASE_TIMEOUT_S = 30.0
+
+
+class ScoreClient:
+    """Runs score requests for a TokenizerManager `tm` (its sockets, tokenizer, limits and liveness).
+
+    Results come back as ScoreOut / ScoreReleaseOut messages, routed here by `on_message`.
+    """
+
+    def __init__(self, tm):
+        self.tm = tm
+        self.args = tm.server_args
+        self._futures: Dict[tuple, asyncio.Future] = {}
+        self._background: set = set()
+        self.num_failed_releases = 0
+
+    # ------------------------------------------------------------ messages
+    def on_message(self, msg) -> bool:
+        """Deliver a scheduler reply; False if `msg` is not a scoring message."""
+        if isinstance(msg, ScoreOut):
+            key = ("score", msg.rid)
+        elif isinstance(msg, ScoreReleaseOut):
+            key = ("release", msg.handle)
+        else:
+            return False
+        fut = self._futures.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+        return True
+
+    def fail_all(self, error: Exception) -> None:
+        for fut in self._futures.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._futures.clear()
+
+    async def _call(self, key: tuple, msg, abort_rid=None):
+        self.tm._check_alive()
+        fut = asyncio.get_running_loop().create_future()
+        self._futures[key] = fut
+        self.tm.send_to_scheduler.send_pyobj(msg)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if abort_rid is not None and self.tm.dead_reason is None:
+                self.tm.send_to_scheduler.send_pyobj(AbortReq(abort_rid, "score request aborted"))
+            raise
+        finally:
+            self._futures.pop(key, None)
+
+    async def _score(self, msg) -> ScoreOut:
+        out = await self._call(("score", msg.rid), msg, abort_rid=msg.rid)
+        if out.error is not None:
+            from sgl_jax.srt.managers.tokenizer_manager import RequestError
+            raise RequestError(out.error, out.status_code)
+        return out
+
+    async def prefill(self, handle: str, input_ids: List[int]) -> ScoreOut:
+        """Prefill `input_ids` into scoring-cache handle `handle`."""
+        return await self._score(ScorePrefillReq(handle, list(input_ids)))
+
+    async def extend(self, rid: str, handle: str, seqs, label_token_ids) -> ScoreOut:
+        """Score `seqs` (ScoreSeq, tokens after the handle's query) extending `handle`."""
+        return await self._score(TokenizedScoreReqInput(rid, seqs, list(label_token_ids), handle=handle))
+
+    async def release(self, handle: str, timeout: float = RELEASE_TIMEOUT_S) -> bool:
+        """Release a handle; waits up to `timeout` s. A failure is logged, never raised."""
+        try:
+            out = await asyncio.wait_for(self._call(("release", handle), ScoreReleaseReq(handle)), timeout)
+            if not out.success:
+                logger.warning("Releasing scoring cache handle %s: %s", handle, out.message)
+            return out.success
+        except Exception as e:  # noqa: BLE001 -- a failed release must not fail the request
+            self.num_failed_releases += 1
+            logger.warning("Releasing scoring cache handle %s failed: %r", handle, e)
+            return False
+
+    def _release_in_background(self, handle: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(self.release(handle))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # ------------------------------------------------------------ requests
+    async def score(self, obj: ScoreReqInput) -> dict:
+        """Score one request. Returns {"scores": [[float per label] per item], "prompt_tokens": int}.
+
+        Raises:
+            RequestError: 400 for an invalid request (or a missing/expired scoring-cache handle), 413 when
+                a scored sequence cannot fit, 503 when the server is down.
+        """
+        from sgl_jax.srt.managers.tokenizer_manager import RequestError
+
+        tm = self.tm
+        tm._check_alive()
+        try:
+            validate_score_input(obj, tm.vocab_size, self.args.max_multi_item_count)
+            special, query, items = tokenize_score_input(tm.tokenizer, obj)
+            layout = build_layout(special, query, items, obj.item_first, self.args.multi_item_scoring_delimiter)
+            algo = choose_algorithm(obj.algorithm, self.args.multi_item_algorithm, obj.item_first,
+                                    self.args.enable_scoring_cache or self.args.multi_item_enable_prefill_extend)
+            for seq in layout.sequences():
+                if len(seq) >= tm.context_len:
+                    raise ScoreInputError(f"a scored sequence of {len(seq)} tokens is longer than the model's "
+                                          f"context length ({tm.context_len} tokens)")
+                if len(seq) > tm.info["max_req_input_len"] or len(seq) + 1 > tm.info["max_total_tokens"]:
+                    raise ScoreInputError(f"a scored sequence of {len(seq)} tokens cannot fit this server "
+                                          f"(max input {tm.info['max_req_input_len']} tokens)", 413)
+        except ScoreInputError as e:
+            raise RequestError(e.message, e.status_code) from None
+        rid = obj.rid or uuid.uuid4().hex
+        if algo == "serial":
+            lps = await self._serial(rid, layout, obj.label_token_ids)
+        elif algo == "packed":
+            lps = await self._packed(rid, layout, obj.label_token_ids)
+        else:
+            lps = await self._prefill_extend(rid, layout, obj.label_token_ids)
+        return {"scores": scores_from_logprobs(lps, obj.apply_softmax), "prompt_tokens": layout.prompt_tokens,
+                "algorithm": algo}
+
+    async def _serial(self, rid, layout, labels) -> List[List[float]]:
+        out = []
+        for k, wave in enumerate(chunks(serial_seqs(layout), self.args.multi_item_extend_batch_size)):
+            res = await self._score(TokenizedScoreReqInput(f"{rid}-w{k}", wave, list(labels)))
+            out += [seq[0] for seq in res.label_logprobs]
+        return out
+
+    async def _packed(self, rid, layout, labels) -> List[List[float]]:
+        from sgl_jax.srt.managers.tokenizer_manager import RequestError
+
+        max_len = min(self.args.max_multi_item_seq_len, self.tm.info["max_req_input_len"])
+        try:
+            packs, where = pack_seqs(layout, max_len)
+        except ScoreInputError as e:
+            raise RequestError(e.message, e.status_code) from None
+        res = await self._score(TokenizedScoreReqInput(f"{rid}-p", packs, list(labels)))
+        return [res.label_logprobs[p][i] for p, i in where]
+
+    async def _prefill_extend(self, rid, layout, labels) -> List[List[float]]:
+        handle = f"{rid}-q"
+        await self.prefill(handle, layout.prefix)
+        release = None
+        try:
+            batches = chunks(extend_seqs(layout), self.args.multi_item_extend_batch_size)
+            tasks = [asyncio.ensure_future(self.extend(f"{rid}-e{k}", handle, b, labels))
+                     for k, b in enumerate(batches)]
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            out = []
+            for res in results:
+                out += [seq[0] for seq in res.label_logprobs]
+            release = self._release_in_background(handle)
+            await asyncio.shield(release)
+            return out
+        finally:
+            if release is None:  # error or client abort: release without waiting for it
+                self._release_in_background(handle)
