@@ -120,6 +120,7 @@ class SchedulerScoring:
                 aligned = len(prefix) // self.page_size * self.page_size
                 req.prefix_indices = self.pool.req_to_token[handle.req.req_pool_idx][:aligned].copy()
                 req.fixed_prefix = True
+                req.cacheable_len = 0  # the handle owns the query's KV: never hand it to the prefix cache
             reqs.append(req)
         if handle is not None:
             handle.active_items += len(reqs)

@@ -9,6 +9,7 @@ import logging
 import uuid
 from typing import Dict, List
 
+from sgl_jax.srt.managers.errors import RequestError
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
     ScoreOut,
@@ -18,7 +19,6 @@ from sgl_jax.srt.managers.io_struct import (
     TokenizedScoreReqInput,
 )
 from sgl_jax.srt.managers.scoring import (
-    ScoreInputError,
     ScoreReqInput,
     build_layout,
     choose_algorithm,
@@ -86,7 +86,6 @@ class ScoreClient:
     async def _score(self, msg) -> ScoreOut:
         out = await self._call(("score", msg.rid), msg, abort_rid=msg.rid)
         if out.error is not None:
-            from sgl_jax.srt.managers.tokenizer_manager import RequestError
             raise RequestError(out.error, out.status_code)
         return out
 
@@ -124,25 +123,20 @@ class ScoreClient:
             RequestError: 400 for an invalid request (or a missing/expired scoring-cache handle), 413 when
                 a scored sequence cannot fit, 503 when the server is down.
         """
-        from sgl_jax.srt.managers.tokenizer_manager import RequestError
-
         tm = self.tm
         tm._check_alive()
-        try:
-            validate_score_input(obj, tm.vocab_size, self.args.max_multi_item_count)
-            special, query, items = tokenize_score_input(tm.tokenizer, obj)
-            layout = build_layout(special, query, items, obj.item_first, self.args.multi_item_scoring_delimiter)
-            algo = choose_algorithm(obj.algorithm, self.args.multi_item_algorithm, obj.item_first,
-                                    self.args.enable_scoring_cache or self.args.multi_item_enable_prefill_extend)
-            for seq in layout.sequences():
-                if len(seq) >= tm.context_len:
-                    raise ScoreInputError(f"a scored sequence of {len(seq)} tokens is longer than the model's "
-                                          f"context length ({tm.context_len} tokens)")
-                if len(seq) > tm.info["max_req_input_len"] or len(seq) + 1 > tm.info["max_total_tokens"]:
-                    raise ScoreInputError(f"a scored sequence of {len(seq)} tokens cannot fit this server "
-                                          f"(max input {tm.info['max_req_input_len']} tokens)", 413)
-        except ScoreInputError as e:
-            raise RequestError(e.message, e.status_code) from None
+        validate_score_input(obj, tm.vocab_size, self.args.max_multi_item_count)
+        special, query, items = tokenize_score_input(tm.tokenizer, obj)
+        layout = build_layout(special, query, items, obj.item_first, self.args.multi_item_scoring_delimiter)
+        algo = choose_algorithm(obj.algorithm, self.args.multi_item_algorithm, obj.item_first,
+                                self.args.enable_scoring_cache or self.args.multi_item_enable_prefill_extend)
+        for seq in layout.sequences():
+            if len(seq) >= tm.context_len:
+                raise RequestError(f"a scored sequence of {len(seq)} tokens is longer than the model's "
+                                   f"context length ({tm.context_len} tokens)")
+            if len(seq) > tm.info["max_req_input_len"] or len(seq) + 1 > tm.info["max_total_tokens"]:
+                raise RequestError(f"a scored sequence of {len(seq)} tokens cannot fit this server "
+                                   f"(max input {tm.info['max_req_input_len']} tokens)", 413)
         rid = obj.rid or uuid.uuid4().hex
         if algo == "serial":
             lps = await self._serial(rid, layout, obj.label_token_ids)
@@ -161,13 +155,8 @@ class ScoreClient:
         return out
 
     async def _packed(self, rid, layout, labels) -> List[List[float]]:
-        from sgl_jax.srt.managers.tokenizer_manager import RequestError
-
         max_len = min(self.args.max_multi_item_seq_len, self.tm.info["max_req_input_len"])
-        try:
-            packs, where = pack_seqs(layout, max_len)
-        except ScoreInputError as e:
-            raise RequestError(e.message, e.status_code) from None
+        packs, where = pack_seqs(layout, max_len)
         res = await self._score(TokenizedScoreReqInput(f"{rid}-p", packs, list(labels)))
         return [res.label_logprobs[p][i] for p, i in where]
 

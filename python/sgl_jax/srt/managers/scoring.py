@@ -22,20 +22,12 @@ import dataclasses
 import math
 from typing import List, Optional, Sequence, Tuple, Union
 
+from sgl_jax.srt.managers.errors import RequestError
 from sgl_jax.srt.managers.io_struct import ScoreSeq
 
 ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
 
 TextOrIds = Union[str, List[int]]
-
-
-class ScoreInputError(ValueError):
-    """An invalid score request; `status_code` 400 (invalid) or 413 (cannot fit)."""
-
-    def __init__(self, message: str, status_code: int = 400):
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
 
 
 @dataclasses.dataclass
@@ -58,39 +50,39 @@ def _is_ids(x) -> bool:
 
 
 def validate_score_input(obj: ScoreReqInput, vocab_size: int, max_items: int) -> None:
-    """Check types and limits. Raises ScoreInputError (400)."""
+    """Check types and limits. Raises RequestError (400)."""
     if obj.query is None or obj.items is None or obj.label_token_ids is None:
-        raise ScoreInputError("'query', 'items' and 'label_token_ids' are required")
+        raise RequestError("'query', 'items' and 'label_token_ids' are required")
     if isinstance(obj.items, str):
         obj.items = [obj.items]  # a single text item (as SGLang accepts)
     if not isinstance(obj.items, list) or not obj.items:
-        raise ScoreInputError("'items' must be a non-empty list")
+        raise RequestError("'items' must be a non-empty list")
     if len(obj.items) > max_items:
-        raise ScoreInputError(f"{len(obj.items)} items exceed --max-multi-item-count ({max_items})")
+        raise RequestError(f"{len(obj.items)} items exceed --max-multi-item-count ({max_items})")
     q_text = isinstance(obj.query, str)
     if not q_text and not _is_ids(obj.query):
-        raise ScoreInputError("'query' must be a string or a list of token ids")
+        raise RequestError("'query' must be a string or a list of token ids")
     for item in obj.items:
         if not isinstance(item, (str, list)) or (not isinstance(item, str) and not _is_ids(item)):
-            raise ScoreInputError("'items' must be a list of strings or a list of token-id lists")
+            raise RequestError("'items' must be a list of strings or a list of token-id lists")
         if isinstance(item, str) != q_text:
-            raise ScoreInputError("'query' and 'items' must all be text or all be token-id lists (no mixing)")
+            raise RequestError("'query' and 'items' must all be text or all be token-id lists (no mixing)")
         if len(item) == 0:
-            raise ScoreInputError("items must not be empty")
+            raise RequestError("items must not be empty")
     if not q_text:
         for t in obj.query + [t for item in obj.items for t in item]:
             if not 0 <= t < vocab_size:
-                raise ScoreInputError(f"token id {t} is outside the vocabulary [0, {vocab_size})")
+                raise RequestError(f"token id {t} is outside the vocabulary [0, {vocab_size})")
     if not _is_ids(obj.label_token_ids) or not obj.label_token_ids:
-        raise ScoreInputError("'label_token_ids' must be a non-empty list of token ids")
+        raise RequestError("'label_token_ids' must be a non-empty list of token ids")
     bad = [t for t in obj.label_token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ScoreInputError(f"label_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        raise RequestError(f"label_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     for name in ("apply_softmax", "item_first"):
         if not isinstance(getattr(obj, name), bool):
-            raise ScoreInputError(f"'{name}' must be a boolean")
+            raise RequestError(f"'{name}' must be a boolean")
     if obj.algorithm is not None and obj.algorithm not in ALGORITHMS:
-        raise ScoreInputError(f"'algorithm' must be one of {list(ALGORITHMS)}, got {obj.algorithm!r}")
+        raise RequestError(f"'algorithm' must be one of {list(ALGORITHMS)}, got {obj.algorithm!r}")
 
 
 def leading_special_tokens(tokenizer) -> List[int]:
@@ -115,7 +107,7 @@ def tokenize_score_input(tokenizer, obj: ScoreReqInput) -> Tuple[List[int], List
 
 def choose_algorithm(requested: Optional[str], server_default: str, item_first: bool,
                      prefill_extend_enabled: bool) -> str:
-    """The algorithm for one request. Raises ScoreInputError when item_first is forced onto a shared-query
+    """The algorithm for one request. Raises RequestError when item_first is forced onto a shared-query
     algorithm (the item precedes the query, so there is no shared prefix)."""
     algo = requested if requested not in (None, "auto") else server_default
     if algo == "auto":
@@ -123,7 +115,7 @@ def choose_algorithm(requested: Optional[str], server_default: str, item_first: 
             return "serial"
         return "prefill_extend" if prefill_extend_enabled else "packed"
     if item_first and algo != "serial":
-        raise ScoreInputError(f"item_first scoring needs the serial algorithm, not {algo}")
+        raise RequestError(f"item_first scoring needs the serial algorithm, not {algo}")
     return algo
 
 
@@ -171,7 +163,7 @@ def pack_seqs(layout: ScoreLayout, max_pack_len: int) -> Tuple[List[ScoreSeq], L
     """Pack the items after one copy of the prefix, as few packs as fit `max_pack_len` tokens each.
 
     Returns (packs, where): ``where[i] = (pack index, score index in that pack)`` for item i.
-    Raises ScoreInputError when the prefix and one item do not fit a pack.
+    Raises RequestError when the prefix and one item do not fit a pack.
     """
     prefix = layout.prefix
     p = len(prefix)
@@ -180,7 +172,7 @@ def pack_seqs(layout: ScoreLayout, max_pack_len: int) -> Tuple[List[ScoreSeq], L
     cur: Optional[ScoreSeq] = None
     for seg in layout.segments:
         if p + len(seg) > max_pack_len:
-            raise ScoreInputError(f"a scored sequence of {p + len(seg)} tokens exceeds the pack limit "
+            raise RequestError(f"a scored sequence of {p + len(seg)} tokens exceeds the pack limit "
                                   f"({max_pack_len} tokens)")
         if cur is None or len(cur.input_ids) + len(seg) > max_pack_len:
             cur = ScoreSeq(input_ids=list(prefix), score_positions=[], rope_positions=list(range(p)),

@@ -27,20 +27,12 @@ from sgl_jax.srt.managers.io_struct import (
     StrOut,
     TokenizedGenerateReqInput,
 )
+from sgl_jax.srt.managers.errors import RequestError  # noqa: F401  (re-exported)
 from sgl_jax.srt.managers.score_client import ScoreClient
 from sgl_jax.srt.managers.scoring import ScoreReqInput
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class RequestError(Exception):
-    """A request the server refuses: `status_code` is the HTTP status (400 invalid, 413 too large, 503 down)."""
-
-    def __init__(self, message: str, status_code: int = 400):
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
 
 
 @dataclasses.dataclass

@@ -1,0 +1,10 @@
+"""Errors a request can end with, shared by the HTTP server, the Engine and the managers."""
+
+
+class RequestError(Exception):
+    """A request the server refuses: `status_code` is the HTTP status (400 invalid, 413 too large, 503 down)."""
+
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
