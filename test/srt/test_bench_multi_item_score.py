@@ -1,0 +1,335 @@
+"""Benchmark: multi-item scoring (/v1/score) -- serial, packed and prefill_extend, beside transformers.
+
+One workload (a query of Q tokens, N items of L tokens each, two labels, real English text from Python's
+own `pydoc_data.topics`), scored by:
+
+- serial with the radix cache off (every item recomputes the query; as the seed report ran it, in
+  waves of --multi-item-extend-batch-size = 32) -- on a subset of the items, since its cost per item is
+  constant -- and serial with the radix cache on (the query's KV is reused from the prefix cache);
+- packed (one sequence, segment mask) and prefill_extend (scoring-cache handle), on every item;
+- transformers (PyTorch CPU) as users would write it: batched query+item forward passes, and the query's
+  KV computed once and reused for every item batch (past_key_values) -- in float32 and in bfloat16,
+  on a subset of the items (items/s for the reused-KV baseline counts its query once for all N items).
+
+It prints a table (items/s, ms per item, total seconds, speedups) and writes a markdown report with the
+command, the machine and XLA's float32 matmul rate measured in the same run (the fraction of it that
+prefill_extend achieves).
+
+    # CI shape (default): query 200, 32 items of 20 tokens
+    pytest -q -s test/srt/test_bench_multi_item_score.py
+    # the headline shape, report under reports/
+    python test/srt/test_bench_multi_item_score.py --query-tokens 2000 --num-items 500 --item-tokens 20 \\
+        --report reports/multi-item-score-cpu.md
+Environment variables SGL_JAX_BENCH_{QUERY_TOKENS,NUM_ITEMS,ITEM_TOKENS,SERIAL_ITEMS,HF_ITEMS,REPORT} set
+the same values for the pytest form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import random
+import shlex
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SMALL = dict(query_tokens=200, num_items=32, item_tokens=20, serial_items=8, hf_items=4)
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    query_tokens: int = SMALL["query_tokens"]
+    num_items: int = SMALL["num_items"]
+    item_tokens: int = SMALL["item_tokens"]
+    serial_items: int = SMALL["serial_items"]  # items scored by serial with the radix cache off
+    hf_items: int = SMALL["hf_items"]  # items scored by each transformers baseline
+    hf_batch: int = 32  # items per transformers forward pass with reused query KV
+    report: Optional[str] = None
+    full: bool = False  # engine settings for long sequences (default buckets, chunk 2048); else the test suite's
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    items: int
+    seconds: float
+    note: str = ""
+    items_per_s: Optional[float] = None
+
+    def __post_init__(self):
+        if self.items_per_s is None:
+            self.items_per_s = self.items / self.seconds
+
+
+def workload(tokenizer, cfg: BenchConfig):
+    """(query ids, item id lists, label ids) from Python's pydoc topics text (offline, public domain)."""
+    import pydoc_data.topics
+
+    text = " ".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    rng = random.Random(cfg.seed)
+    query = ids[:cfg.query_tokens]
+    items = []
+    for _ in range(cfg.num_items):
+        o = rng.randrange(cfg.query_tokens, len(ids) - cfg.item_tokens)
+        items.append(ids[o:o + cfg.item_tokens])
+    labels = [tokenizer.encode(w, add_special_tokens=False)[0] for w in (" yes", " no")]
+    return query, items, labels
+
+
+def engine_args(cfg: BenchConfig, radix: bool) -> dict:
+    from srt_helpers import SMALL_ENGINE_ARGS
+
+    if cfg.full:
+        args = dict(max_running_requests=128, precompile_bs_paddings=[1, 4, 16, 64, 128], random_seed=0,
+                    max_total_tokens=65536)
+    else:  # the test suite's shapes, so the persistent compilation cache is shared
+        args = dict(SMALL_ENGINE_ARGS)
+    return dict(args, disable_radix_cache=not radix, log_level="warning")
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def xla_matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """XLA's float32 matmul rate on this machine (n x n x n, best of `repeats`), GFLOP/s."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = min(timed(lambda: f(a).block_until_ready())[1] for _ in range(repeats))
+    return 2 * n ** 3 / best / 1e9
+
+
+def model_flops(mc, query_tokens: int, num_items: int, item_tokens: int) -> float:
+    """FLOPs prefill_extend needs: linear layers for every computed token, attention over the keys each
+    token sees, and the LM head for each scored position."""
+    h, layers = mc.hidden_size, mc.num_hidden_layers
+    inter = mc.hf_config.intermediate_size
+    qd, kvd = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    linear = 2 * layers * (h * (qd + 2 * kvd) + qd * h + 3 * h * inter)
+    tokens = query_tokens + num_items * item_tokens
+    keys_seen = query_tokens * (query_tokens + 1) / 2 + num_items * (
+        item_tokens * query_tokens + item_tokens * (item_tokens + 1) / 2)
+    attention = 4 * layers * qd * keys_seen
+    head = 2 * h * mc.vocab_size * num_items
+    return linear * tokens + attention + head
+
+
+def run_engine_modes(cfg: BenchConfig, query, items, labels) -> Tuple[List[Row], Dict[str, list]]:
+    from sgl_jax import Engine
+
+    rows, scores = [], {}
+    sub = items[:cfg.serial_items]
+    with Engine(**engine_args(cfg, radix=False)) as eng:
+        eng.score(query, sub[:2], labels, algorithm="serial")  # warm the path
+        scores["serial-nocache"], t = timed(lambda: eng.score(query, sub, labels, algorithm="serial"))
+        rows.append(Row("serial, radix cache off", len(sub), t, f"subset of {len(sub)} items"))
+    with Engine(**engine_args(cfg, radix=True)) as eng:
+        eng.score(query[:50], items[:2], labels, algorithm="packed")
+        for mode, name in (("serial", "serial, radix cache on"), ("packed", "packed"),
+                           ("prefill_extend", "prefill_extend")):
+            eng._run(eng.tokenizer_manager.flush_cache())  # every mode starts with nothing cached
+            scores[mode], t = timed(lambda m=mode: eng.score(query, items, labels, algorithm=m))
+            rows.append(Row(name, len(items), t))
+        state = eng._run(eng.tokenizer_manager.get_internal_state())
+        assert state["num_compiles_after_warmup"] == 0 and state["memory_errors"] == 0
+    return rows, scores
+
+
+def hf_baselines(cfg: BenchConfig, query, items, labels) -> Tuple[List[Row], Dict[str, list]]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # the engine is gone: torch gets every core
+    try:
+        return _hf_baselines(cfg, query, items, labels)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _hf_baselines(cfg, query, items, labels):
+    import torch
+
+    from srt_helpers import load_hf_reference
+
+    rows, scores = [], {}
+    base = load_hf_reference()
+    sub = items[:cfg.hf_items]
+    reuse_n = min(len(items), max(cfg.hf_batch, cfg.hf_items))
+    for dtype, dname in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        model = base.to(dtype)
+        with torch.no_grad():
+            def batched(model=model):
+                out = []
+                for i in range(0, len(sub), 4):
+                    x = torch.tensor([query + it for it in sub[i:i + 4]])
+                    out.append(torch.log_softmax(model(x).logits[:, -1].float(), -1)[:, labels])
+                return torch.cat(out).tolist()
+
+            batched()  # warm-up (first-call allocations)
+            scores[f"hf-batched-{dname}"], t = timed(batched)
+            rows.append(Row(f"transformers batched query+item ({dname})", len(sub), t,
+                            f"subset of {len(sub)} items, batches of 4"))
+
+            def reused(model=model):
+                res = model(torch.tensor([query]), use_cache=True)
+                t_query = time.perf_counter()
+                cache = res.past_key_values
+                out = []
+                for i in range(0, reuse_n, cfg.hf_batch):
+                    batch = items[i:i + cfg.hf_batch]
+                    c = type(cache)()
+                    for layer, (k, v) in enumerate(zip(cache.key_cache if hasattr(cache, "key_cache") else
+                                                       [ly.keys for ly in cache.layers],
+                                                       cache.value_cache if hasattr(cache, "value_cache") else
+                                                       [ly.values for ly in cache.layers])):
+                        c.update(k.expand(len(batch), -1, -1, -1).contiguous(),
+                                 v.expand(len(batch), -1, -1, -1).contiguous(), layer)
+                    logits = model(torch.tensor(batch), past_key_values=c, use_cache=True).logits[:, -1]
+                    out.append(torch.log_softmax(logits.float(), -1)[:, labels])
+                return torch.cat(out).tolist(), t_query
+
+            t0 = time.perf_counter()
+            (lp, t_query_end) = reused()
+            t_total = time.perf_counter() - t0
+            t_query = t_query_end - t0
+            per_item = (t_total - t_query) / reuse_n
+            full = t_query + per_item * len(items)
+            scores[f"hf-reused-{dname}"] = lp
+            rows.append(Row(f"transformers reused query KV ({dname})", len(items), full,
+                            f"query {t_query:.1f} s once + {per_item * 1e3:.1f} ms/item measured on "
+                            f"{reuse_n} items, batches of {cfg.hf_batch}"))
+    return rows, scores
+
+
+def max_logprob_diff(a, b, apply_log: bool) -> float:
+    a = np.log(np.asarray(a, np.float64)) if apply_log else np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.abs(a[:len(b)] - b[:len(a)]).max())
+
+
+def machine() -> str:
+    try:
+        cpu = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")][0]
+    except (OSError, IndexError):
+        cpu = platform.processor()
+    import jax
+    import torch
+    import transformers
+
+    return (f"{cpu}, {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} "
+            f"GiB; Python {platform.python_version()}, jax {jax.__version__}, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}")
+
+
+def run(cfg: BenchConfig, command: str) -> str:
+    from sgl_jax.srt.configs.model_config import ModelConfig, load_tokenizer
+    from sgl_jax.srt.server_args import ServerArgs
+
+    sa = ServerArgs(log_level="warning")
+    tokenizer = load_tokenizer(sa)
+    query, items, labels = workload(tokenizer, cfg)
+    t_start = time.time()
+    rows, scores = run_engine_modes(cfg, query, items, labels)
+    peak = xla_matmul_gflops()
+    mc = ModelConfig.from_server_args(sa, "cpu")
+    pe = next(r for r in rows if r.name == "prefill_extend")
+    achieved = model_flops(mc, cfg.query_tokens, cfg.num_items, cfg.item_tokens) / pe.seconds / 1e9
+    hf_rows, hf_scores = hf_baselines(cfg, query, items, labels)
+    rows += hf_rows
+    wall = time.time() - t_start
+
+    # agreement: every mode against serial (log-probabilities), transformers float32 against serial
+    ref = np.log(np.asarray(scores["serial"], np.float64))
+    agree = {m: max_logprob_diff(scores[m], ref, True) for m in ("serial-nocache", "packed", "prefill_extend")}
+    agree["transformers float32 (batched)"] = max_logprob_diff(ref, hf_scores["hf-batched-float32"], False)
+    agree["transformers float32 (reused KV)"] = max_logprob_diff(ref, hf_scores["hf-reused-float32"], False)
+
+    by = {r.name: r for r in rows}
+    lines = [f"# Multi-item scoring benchmark ({datetime.date.today().isoformat()})", "",
+             f"Workload: query {cfg.query_tokens} tokens, {cfg.num_items} items x {cfg.item_tokens} tokens, "
+             f"2 labels; SmolLM2-135M-Instruct (GGUF Q4_1 dequantized), float32, CPU.", "",
+             f"Command: `{command}`", "", f"Machine: {machine()}", "",
+             f"Engine flags: {engine_args(cfg, True)} (radix off for the first row)", "",
+             "| mode | items timed | items/s | ms/item | total s | note |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        total = r.items / r.items_per_s
+        lines.append(f"| {r.name} | {r.items} | {r.items_per_s:.2f} | {1e3 / r.items_per_s:.1f} | {total:.1f} | "
+                     f"{r.note} |")
+    pe_rate = by["prefill_extend"].items_per_s
+    lines += ["", "Speedups of prefill_extend:", ""]
+    for r in rows:
+        if r.name != "prefill_extend":
+            lines.append(f"- vs {r.name}: {pe_rate / r.items_per_s:.1f}x")
+    lines += ["", f"XLA float32 matmul (2048^3) measured in this run: {peak:.1f} GFLOP/s; prefill_extend "
+                  f"achieves {achieved:.1f} GFLOP/s of model FLOPs ({100 * achieved / peak:.0f}% of it).", "",
+              "Agreement (max |delta log-probability| vs serial with the radix cache on, over the items "
+              "both scored):", ""]
+    lines += [f"- {k}: {v:.2e}" for k, v in agree.items()]
+    lines += ["", f"Benchmark wall time: {wall:.0f} s.", ""]
+    report = "\n".join(lines)
+    print("\n" + report)
+    if cfg.report:
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.report)), exist_ok=True)
+        with open(cfg.report, "w") as f:
+            f.write(report)
+        print(f"report written to {cfg.report}")
+    assert agree["packed"] < 1e-4 and agree["prefill_extend"] < 1e-4 and agree["serial-nocache"] < 1e-4, agree
+    assert agree["transformers float32 (batched)"] < 1e-3, agree
+    return report
+
+
+def config_from_env() -> BenchConfig:
+    cfg = BenchConfig()
+    for f in ("query_tokens", "num_items", "item_tokens", "serial_items", "hf_items"):
+        v = os.environ.get(f"SGL_JAX_BENCH_{f.upper()}")
+        if v:
+            setattr(cfg, f, int(v))
+    cfg.report = os.environ.get("SGL_JAX_BENCH_REPORT")
+    cfg.full = cfg.query_tokens + cfg.item_tokens > 1024
+    return cfg
+
+
+def test_bench_multi_item_score(tmp_path):
+    cfg = config_from_env()
+    if cfg.report is None:
+        cfg.report = str(tmp_path / "multi-item-score.md")
+    env = " ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("SGL_JAX_BENCH_"))
+    run(cfg, f"{env} pytest -q -s test/srt/test_bench_multi_item_score.py".strip())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for f in dataclasses.fields(BenchConfig):
+        if f.name == "full":
+            p.add_argument("--engine", choices=["auto", "full", "small"], default="auto",
+                           help="engine shapes: full (chunk 2048, default buckets), small (the test suite's), "
+                                "auto (full for sequences over 1024 tokens)")
+            continue
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default) if f.default is not None else str,
+                       default=f.default)
+    args = vars(p.parse_args(argv))
+    engine = args.pop("engine")
+    cfg = BenchConfig(**args)
+    cfg.full = engine == "full" or (engine == "auto" and cfg.query_tokens + cfg.item_tokens > 1024)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    run(cfg, "python " + " ".join(shlex.quote(a) for a in [sys.argv[0]] + sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
