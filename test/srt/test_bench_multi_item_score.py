@@ -27,6 +27,7 @@ the same values for the pytest form.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import os
@@ -193,13 +194,8 @@ def _hf_baselines(cfg, query, items, labels):
                 out = []
                 for i in range(0, reuse_n, cfg.hf_batch):
                     batch = items[i:i + cfg.hf_batch]
-                    c = type(cache)()
-                    for layer, (k, v) in enumerate(zip(cache.key_cache if hasattr(cache, "key_cache") else
-                                                       [ly.keys for ly in cache.layers],
-                                                       cache.value_cache if hasattr(cache, "value_cache") else
-                                                       [ly.values for ly in cache.layers])):
-                        c.update(k.expand(len(batch), -1, -1, -1).contiguous(),
-                                 v.expand(len(batch), -1, -1, -1).contiguous(), layer)
+                    c = copy.deepcopy(cache)  # the query's KV, repeated for each item of the batch
+                    c.batch_repeat_interleave(len(batch))
                     logits = model(torch.tensor(batch), past_key_values=c, use_cache=True).logits[:, -1]
                     out.append(torch.log_softmax(logits.float(), -1)[:, labels])
                 return torch.cat(out).tolist(), t_query

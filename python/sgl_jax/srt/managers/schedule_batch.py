@@ -60,7 +60,7 @@ def finish_abort(message: str, status_code: Optional[int] = None) -> FinishReaso
 class ScoreSpec:
     """What a scoring request computes instead of generating (see managers/scoring.py).
 
-    group: the score request (TokenizedScoreReqInput.rid) this sequence belongs to; index: its place there.
+    group: the score request (TokenizedScoreReqInput.rid) this sequence belongs to.
     label_token_ids: labels whose log-probabilities (full-vocabulary log-softmax) are returned.
     score_positions: KV positions whose next-token distribution is scored (sorted).
     rope_positions / segment_starts: int32 per position of a packed sequence (rotary positions restart
@@ -72,7 +72,6 @@ class ScoreSpec:
     """
 
     group: str
-    index: int
     label_token_ids: List[int]
     score_positions: List[int]
     rope_positions: Optional[np.ndarray] = None

@@ -188,7 +188,7 @@ class Scheduler:
                 raise RuntimeError(f"injected crash at step {step} ({CRASH_AT_STEP_ENV})")
             self._idle_checked = False
             self.last_mode = batch.forward_mode
-            starts = [r.kv_committed_len for r in batch.reqs]
+            starts = [r.kv_committed_len for r in batch.reqs]  # positions this step computes start here
             out = self.model_runner.forward(
                 batch.build_model_worker_batch(self.buckets, self.req_to_token_pool, self.page_size))
             process_batch_result(batch, out, self.tree_cache, self.model_runner.full_logprobs, self.decode_tail)
@@ -258,14 +258,8 @@ class Scheduler:
 
     def handle_score_request(self, msg: TokenizedScoreReqInput) -> None:
         """Queue the sequences of a score request (see scheduler_scoring)."""
-        reqs = self.scoring.handle_score_request(msg, self.max_req_input_len)
-        longest = max((len(r.origin_input_ids) for r in reqs), default=0)
-        if longest + 1 > self.allocator.size:
-            self._drop_waiting(self.scoring.abort_group(
-                msg.rid, f"a scored sequence of {longest} tokens does not fit the KV cache "
-                         f"({self.allocator.size} tokens)", 413), queued=False)
-            return
-        self.waiting_queue.extend(reqs)
+        self.waiting_queue.extend(self.scoring.handle_score_request(msg, self.max_req_input_len,
+                                                                    self.allocator.size))
 
     def handle_score_prefill(self, msg: ScorePrefillReq) -> None:
         n = len(msg.input_ids)
@@ -298,12 +292,11 @@ class Scheduler:
                 req.to_abort = finish_abort(msg.message)
                 return
 
-    def _drop_waiting(self, reqs: List[Req], queued: bool = True) -> None:
+    def _drop_waiting(self, reqs: List[Req]) -> None:
         """Abort scoring Reqs of a failed group: queued ones leave the queue (they hold no KV yet), the one
         being chunk-prefilled finishes with an abort at its next step."""
         drop = set(id(r) for r in reqs)
-        if queued:
-            self.waiting_queue = [r for r in self.waiting_queue if id(r) not in drop]
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in drop]
         for req in reqs:
             if req is self.chunked_req:
                 req.to_abort = finish_abort("score request aborted")
@@ -416,7 +409,7 @@ class Scheduler:
                     self.chunked_req = None
                 if req.score is not None and not self.scoring.on_finished(req):
                     continue  # a query prefill that became a scoring-cache handle keeps its KV
-                release_kv_cache(req, self.tree_cache, is_insert=not req.fixed_prefix)
+                release_kv_cache(req, self.tree_cache)
         if batch.forward_mode == ForwardMode.EXTEND:
             done = [r for r in batch.reqs if not r.finished() and not r.is_chunked]
             self.running_batch.merge(ScheduleBatch(done, ForwardMode.DECODE))

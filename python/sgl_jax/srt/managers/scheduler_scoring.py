@@ -44,7 +44,6 @@ class ScoreGroup:
 
     rid: str
     reqs: List[Req]
-    handle: Optional[str]
     pending: int
     cached_tokens: int = 0
 
@@ -89,8 +88,9 @@ class SchedulerScoring:
         sp = SamplingParams(max_new_tokens=0, temperature=0.0)
         return Req(rid, input_ids, sp, eos_token_ids=self.eos_token_ids, seed=0, score=spec)
 
-    def handle_score_request(self, msg: TokenizedScoreReqInput, max_input_len: int) -> List[Req]:
-        """Turn a score request into Reqs to queue; [] when it fails at once (the error is sent)."""
+    def handle_score_request(self, msg: TokenizedScoreReqInput, max_input_len: int, kv_size: int) -> List[Req]:
+        """Turn a score request into Reqs to queue; [] when it fails at once (the error is sent: 400 for a
+        sequence over `max_input_len` tokens or a missing handle, 413 when one cannot fit `kv_size`)."""
         handle = None
         prefix: List[int] = []
         if msg.handle is not None:
@@ -108,8 +108,12 @@ class SchedulerScoring:
                 self.fail(msg.rid, f"a scored sequence of {len(ids)} tokens exceeds the maximum input "
                                     f"length ({max_input_len} tokens)", 400)
                 return []
+            if len(ids) + 1 > kv_size:
+                self.fail(msg.rid, f"a scored sequence of {len(ids)} tokens does not fit the KV cache "
+                                   f"({kv_size} tokens)", 413)
+                return []
             spec = ScoreSpec(
-                group=msg.rid, index=i, label_token_ids=list(msg.label_token_ids),
+                group=msg.rid, label_token_ids=list(msg.label_token_ids),
                 score_positions=list(seq.score_positions),
                 rope_positions=None if seq.rope_positions is None else np.asarray(seq.rope_positions, np.int32),
                 segment_starts=None if seq.segment_starts is None else np.asarray(seq.segment_starts, np.int32),
@@ -124,12 +128,12 @@ class SchedulerScoring:
             reqs.append(req)
         if handle is not None:
             handle.active_items += len(reqs)
-        self.groups[msg.rid] = ScoreGroup(msg.rid, reqs, msg.handle, pending=len(reqs))
+        self.groups[msg.rid] = ScoreGroup(msg.rid, reqs, pending=len(reqs))
         return reqs
 
     def handle_prefill_request(self, msg: ScorePrefillReq) -> Req:
         """A query prefill that becomes handle ``msg.rid`` when done."""
-        spec = ScoreSpec(group=msg.rid, index=0, label_token_ids=[], score_positions=[], handle=msg.rid,
+        spec = ScoreSpec(group=msg.rid, label_token_ids=[], score_positions=[], handle=msg.rid,
                          is_handle_prefill=True)
         return self._new_req(msg.rid, list(msg.input_ids), spec)
 
@@ -240,7 +244,3 @@ class SchedulerScoring:
             self._release(h)
         self.num_expired_handles += len(expired)
         return len(expired)
-
-    def held_slots(self) -> int:
-        """ReqToTokenPool rows held by live handles."""
-        return len(self.handles)

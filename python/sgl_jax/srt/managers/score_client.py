@@ -130,7 +130,7 @@ class ScoreClient:
         layout = build_layout(special, query, items, obj.item_first, self.args.multi_item_scoring_delimiter)
         algo = choose_algorithm(obj.algorithm, self.args.multi_item_algorithm, obj.item_first,
                                 self.args.enable_scoring_cache or self.args.multi_item_enable_prefill_extend)
-        for seq in layout.sequences():
+        for seq in layout.sequences:
             if len(seq) >= tm.context_len:
                 raise RequestError(f"a scored sequence of {len(seq)} tokens is longer than the model's "
                                    f"context length ({tm.context_len} tokens)")

@@ -122,20 +122,16 @@ def choose_algorithm(requested: Optional[str], server_default: str, item_first: 
 @dataclasses.dataclass
 class ScoreLayout:
     """The token sequences of one request. prefix: shared tokens (special + query (+ D)); segments: per
-    item, the tokens after the prefix (item (+ D)). With item_first, ``serial_seqs`` holds the
-    sequences and prefix/segments are unused."""
+    item, the tokens after the prefix (item (+ D)); sequences: every scored sequence, in item order
+    (with item_first only these are used)."""
 
     prefix: List[int]
     segments: List[List[int]]
-    serial_seqs: List[List[int]]
-
-    def sequences(self) -> List[List[int]]:
-        """Every scored sequence, in item order."""
-        return self.serial_seqs
+    sequences: List[List[int]]
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(s) for s in self.serial_seqs)
+        return sum(len(s) for s in self.sequences)
 
 
 def build_layout(special: List[int], query: List[int], items: List[List[int]], item_first: bool,
@@ -150,7 +146,7 @@ def build_layout(special: List[int], query: List[int], items: List[List[int]], i
 
 
 def serial_seqs(layout: ScoreLayout) -> List[ScoreSeq]:
-    return [ScoreSeq(input_ids=s, score_positions=[len(s) - 1]) for s in layout.sequences()]
+    return [ScoreSeq(input_ids=s, score_positions=[len(s) - 1]) for s in layout.sequences]
 
 
 def extend_seqs(layout: ScoreLayout) -> List[ScoreSeq]:

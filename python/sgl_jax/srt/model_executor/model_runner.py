@@ -47,6 +47,13 @@ class StepOutput:
     hidden: jax.Array
 
 
+def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
+    """rows [r, hidden] zero-padded to [n, hidden] (r <= n), so one compiled program serves any r."""
+    out = np.zeros((n, rows.shape[1]), rows.dtype)
+    out[:len(rows)] = rows
+    return out
+
+
 def kv_bytes_per_token(model_config) -> int:
     itemsize = jnp.dtype(JNP_DTYPES[model_config.dtype]).itemsize
     return 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim * itemsize
@@ -157,9 +164,7 @@ class ModelRunner:
         out = []
         for i in range(0, len(hidden_rows), LOGPROB_CHUNK_ROWS):
             chunk = hidden_rows[i:i + LOGPROB_CHUNK_ROWS]
-            padded = np.zeros((LOGPROB_CHUNK_ROWS, hidden_rows.shape[1]), hidden_rows.dtype)
-            padded[:len(chunk)] = chunk
-            out.append(np.asarray(self._logprobs(self.params, padded))[:len(chunk)])
+            out.append(np.asarray(self._logprobs(self.params, _pad_rows(chunk, LOGPROB_CHUNK_ROWS)))[:len(chunk)])
             self._check_no_new_compile(None)
         if not out:
             return np.zeros((0, self.model_config.vocab_size), np.float32)
@@ -176,9 +181,7 @@ class ModelRunner:
         big = SCORE_ROW_PADDINGS[-1]
         for i in range(0, len(hidden_rows), big):
             chunk = hidden_rows[i:i + big]
-            r_pad = next(r for r in SCORE_ROW_PADDINGS if r >= len(chunk))
-            rows = np.zeros((r_pad, hidden_rows.shape[1]), hidden_rows.dtype)
-            rows[:len(chunk)] = chunk
+            rows = _pad_rows(chunk, next(r for r in SCORE_ROW_PADDINGS if r >= len(chunk)))
             for j in range(0, len(label_ids), SCORE_LABEL_CHUNK):
                 labels = np.zeros(SCORE_LABEL_CHUNK, np.int32)
                 part = label_ids[j:j + SCORE_LABEL_CHUNK]
