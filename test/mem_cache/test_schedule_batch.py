@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
+from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, shared_prefix_len
 from sgl_jax.srt.managers.schedule_policy import PrefillAdder
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
@@ -95,3 +95,39 @@ def test_prefill_adder_cuts_page_aligned_chunks_and_locks_prefixes():
     assert adder.add(a) and a.extend_input_len == 40
     assert adder.add(b) and b.extend_input_len == 48  # 60 tokens of budget left, cut to whole pages
     assert adder.new_chunked_req is b and not adder.add(_req([7]))
+
+
+def test_shared_prefix_len_of_rows():
+    rows = np.array([[5, 6, 7, 8, 9, 1], [5, 6, 7, 8, 3, 2], [5, 6, 7, 8, 9, 9]], np.int32)
+    assert shared_prefix_len(rows, [5, 5, 5], 1) == 4  # the rows differ at position 4
+    assert shared_prefix_len(rows, [5, 3, 5], 1) == 3  # a sequence whose queries start at 3
+    assert shared_prefix_len(rows, [5, 5, 5], 3) == 3  # whole pages only
+    assert shared_prefix_len(rows[[0, 2]], [6, 6], 1) == 5
+    assert shared_prefix_len(rows[:1], [6], 4) == 4  # one sequence: its cached prefix
+    assert shared_prefix_len(rows, [5, 0, 5], 1) == 0 and shared_prefix_len(rows[:0], [], 1) == 0
+
+
+def test_extend_batch_sharing_a_radix_prefix_reports_it():
+    """Two requests that hit the same radix-cache prefix share its pages; the batch tells attention how
+    long that prefix is. A request without the prefix in the batch turns it off."""
+    pool = ReqToTokenPool(8, 512)
+    alloc = PagedTokenToKVPoolAllocator(4096, 16)
+    cache = RadixCache(pool, alloc, 16)
+    buckets = ShapeBuckets((64, 256), (1, 8))
+    first = _req(list(range(60)), rid="first")
+    adder = _adder(alloc, cache, buckets, max_prefill=256)
+    assert adder.add(first)
+    ScheduleBatch([first], ForwardMode.EXTEND).prepare_for_extend(pool, alloc, cache)
+    first.kv_committed_len = first.kv_allocated_len
+    cache.cache_finished_req(first)
+    pool.free(first.req_pool_idx)
+
+    b, c = (_req(list(range(50)) + [100 + i] * 5, rid=f"r{i}") for i in range(2))
+    d = _req([900 + i for i in range(55)], rid="d")
+    adder = _adder(alloc, cache, buckets, max_prefill=256)
+    assert adder.add(b) and adder.add(c) and adder.add(d)
+    assert len(b.prefix_indices) == len(c.prefix_indices) == 48  # whole pages of the 50 shared tokens
+    ScheduleBatch([b, c, d], ForwardMode.EXTEND).prepare_for_extend(pool, alloc, cache)
+    for reqs, expected in (([b, c], 48), ([b, c, d], 0), ([d], 0)):
+        fb = ScheduleBatch(reqs, ForwardMode.EXTEND).build_model_worker_batch(buckets, pool, 16).forward_batch
+        assert int(fb.shared_prefix_len) == expected

@@ -155,3 +155,60 @@ def test_segment_mask_matches_dense_reference(page_size):
     np.testing.assert_allclose(np.asarray(out)[:n], ref[:n], rtol=1e-5, atol=1e-5)
     plain = numpy_reference(q, kp, vp, kl, pi, cu, 3, D ** -0.5)
     assert not np.allclose(ref[:q_lens[0]], plain[:q_lens[0]], atol=1e-3), "the mask must matter"
+
+
+def shared_prefix_batch(rng, shared_len, own_lens, q_lens, page_size, H, KVH, D, T_pad):
+    """A batch whose sequences all start with the same `shared_len` KV positions (the same pages, as a
+    radix-cache hit or a scoring-cache handle gives), then `own_lens` positions of their own, of which the
+    last `q_lens` are this step's queries."""
+    kv_lens = [shared_len + n for n in own_lens]
+    S_pad = len(q_lens) + 1
+    q, kp, vp, kl, pi, cu = make_batch(rng, q_lens, kv_lens, page_size, H, KVH, D, S_pad, T_pad)
+    pi[1:len(q_lens), :shared_len // page_size] = pi[0, :shared_len // page_size]
+    return q, kp, vp, kl, pi, cu
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("variant", ["plain", "window-softcap"])
+def test_shared_prefix_matches_reference(page_size, variant):
+    """Cascade attention over a shared prefix longer than one shared-prefix KV block, with more query rows
+    than one shared-prefix query block, gives the same output as the per-sequence path and as numpy."""
+    rng = np.random.default_rng(5 + page_size)
+    H, KVH, D = 6, 2, 16
+    shared = 1120  # a multiple of both page sizes; > SHARED_KV_BLOCK
+    q_lens = [40, 1, 33, 60, 20]
+    own_lens = [40, 9, 50, 60, 20]  # sequence 1 and 2 have KV of their own before their queries
+    T_pad = sum(q_lens) + 7
+    q, kp, vp, kl, pi, cu = shared_prefix_batch(rng, shared, own_lens, q_lens, page_size, H, KVH, D, T_pad)
+    kwargs = dict(sm_scale=D ** -0.5)
+    if variant == "window-softcap":
+        kwargs.update(sliding_window=70, soft_cap=4.0)
+    args = [jnp.asarray(a) for a in (q, kp, vp, kl, pi, cu)] + [jnp.int32(len(q_lens))]
+    out = np.asarray(ragged_paged_attention(*args, shared_prefix_len=jnp.int32(shared), **kwargs))
+    plain = np.asarray(ragged_paged_attention(*args, **kwargs))
+    ref = numpy_reference(q, kp, vp, kl, pi, cu, len(q_lens), **kwargs)
+    n = sum(q_lens)
+    np.testing.assert_allclose(out[:n], ref[:n], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[:n], plain[:n], rtol=1e-5, atol=1e-5)
+    assert not out[n:].any(), "padding rows must be zero"
+
+
+def test_shared_prefix_with_segments():
+    """A packed multi-item chunk whose earlier chunk (the query, then the start of the items) is cached:
+    the shared prefix covers part of the query only and the segment mask still holds."""
+    rng = np.random.default_rng(3)
+    H, KVH, D = 6, 2, 16
+    prefix, items = 300, [20, 7, 33, 45, 20]
+    full = prefix + sum(items)
+    q_len = full - 256  # this step starts at position 256, inside the query
+    T_pad = q_len + 3
+    q, kp, vp, kl, pi, cu = make_batch(rng, [q_len], [full], 16, H, KVH, D, 2, T_pad)
+    ids, st = segment_layout(prefix, items)
+    starts = np.zeros(T_pad, np.int32)
+    starts[:q_len] = st[256:]
+    prefix_lens = np.asarray([prefix, 0], np.int32)
+    args = [jnp.asarray(a) for a in (q, kp, vp, kl, pi, cu)] + [jnp.int32(1)]
+    seg = dict(prefix_lens=jnp.asarray(prefix_lens), segment_starts=jnp.asarray(starts))
+    out = np.asarray(ragged_paged_attention(*args, sm_scale=D ** -0.5, shared_prefix_len=jnp.int32(256), **seg))
+    ref = numpy_reference(q, kp, vp, kl, pi, cu, 1, D ** -0.5, segment_ids=[ids])
+    np.testing.assert_allclose(out[:q_len], ref[:q_len], rtol=1e-5, atol=1e-5)

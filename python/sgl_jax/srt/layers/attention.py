@@ -37,6 +37,6 @@ def paged_attention(
         q, k_pages, v_pages, fb.kv_lens, fb.page_indices, fb.cu_q_lens, fb.num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         decode_only=fb.forward_mode == ForwardMode.DECODE, prefix_lens=fb.prefix_lens,
-        segment_starts=fb.segment_starts,
+        segment_starts=fb.segment_starts, shared_prefix_len=fb.shared_prefix_len,
     )
     return out, (k_pages, v_pages)

@@ -218,6 +218,31 @@ class Req:
 
 
 # ---------------------------------------------------------------- batch
+def shared_prefix_len(token_rows: np.ndarray, limits: List[int], page_size: int) -> int:
+    """Length of the KV prefix that every sequence of an extend batch shares (cascade attention).
+
+    Args:
+        token_rows: int32[S, context] the sequences' rows of ReqToTokenPool.req_to_token (KV slot per
+            position).
+        limits: per sequence, the positions already written before this step (its queries start there),
+            capped by its shared-prefix length when it is a packed multi-item sequence.
+    Returns:
+        The longest n <= min(limits), a multiple of page_size, such that all rows hold the same slots at
+        positions [0, n) -- hence the same pages. 0 for an empty batch. Sequences that share a radix-cache
+        prefix or a scoring-cache handle (and a single sequence's earlier chunks) give n > 0.
+    """
+    if len(limits) == 0:
+        return 0
+    n = min(limits)
+    if n <= 0:
+        return 0
+    head = token_rows[:, :n]
+    differ = np.nonzero((head != head[0]).any(axis=0))[0]
+    if len(differ):
+        n = int(differ[0])
+    return n // page_size * page_size
+
+
 class ScheduleBatch:
     """The requests of one forward step and how to lay them out for the model.
 
@@ -320,6 +345,11 @@ class ScheduleBatch:
                 segment_starts[a:b] = sc.segment_starts[s0:s0 + b - a]
                 prefix_lens[i] = sc.prefix_len
         kv_lens = np.array([r.kv_allocated_len for r in reqs], np.int32)
+        shared = 0
+        if self.forward_mode == ForwardMode.EXTEND:
+            limits = [r.kv_committed_len if i not in packed else min(r.kv_committed_len, r.score.prefix_len)
+                      for i, r in enumerate(reqs)]
+            shared = shared_prefix_len(pool.req_to_token[rows], limits, page_size)
         pages_per_seq = -(-pool.max_context_len // page_size)
         page_indices = np.zeros((S_pad, pages_per_seq), np.int32)
         page_indices[:S] = pool.req_to_token[rows][:, ::page_size][:, :pages_per_seq] // page_size
@@ -343,6 +373,7 @@ class ScheduleBatch:
             logits_indices=pad(cu[1:S + 1] - 1, S_pad),
             prefix_lens=prefix_lens,
             segment_starts=segment_starts,
+            shared_prefix_len=np.asarray(shared, np.int32),
             forward_mode=self.forward_mode,
         )
         sps = [r.sampling_params for r in reqs]

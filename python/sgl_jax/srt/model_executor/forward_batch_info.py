@@ -36,6 +36,9 @@ class ForwardBatch:
     prefix_lens: int32[S], segment_starts: int32[T] -- the multi-item scoring segment mask (see
     `ragged_paged_attention`); zeros for ordinary sequences. ``positions`` are then the rotary positions,
     which restart after the shared prefix, while causality follows the KV position.
+    shared_prefix_len: int32[] KV positions at the start of every sequence that are the same pages in all
+    of them and precede every query (see `shared_prefix_len`); 0: none. Attention then reads them once
+    for the whole batch.
     forward_mode: static (part of the compiled program's identity).
     """
 
@@ -49,13 +52,15 @@ class ForwardBatch:
     logits_indices: jax.Array
     prefix_lens: jax.Array
     segment_starts: jax.Array
+    shared_prefix_len: jax.Array
     forward_mode: ForwardMode = ForwardMode.EXTEND
 
 
 jax.tree_util.register_dataclass(
     ForwardBatch,
     data_fields=["input_ids", "positions", "out_cache_loc", "cu_q_lens", "kv_lens", "page_indices",
-                 "num_seqs", "logits_indices", "prefix_lens", "segment_starts"],
+                 "num_seqs", "logits_indices", "prefix_lens", "segment_starts",
+                 "shared_prefix_len"],
     meta_fields=["forward_mode"],
 )
 

@@ -213,7 +213,7 @@ class ModelRunner:
             input_ids=z(t_pad), positions=z(t_pad), out_cache_loc=z(t_pad), cu_q_lens=z(s_pad + 1),
             kv_lens=z(s_pad), page_indices=np.zeros((s_pad, self.pages_per_seq), np.int32),
             num_seqs=np.asarray(0, np.int32), logits_indices=z(s_pad), prefix_lens=z(s_pad),
-            segment_starts=z(t_pad), forward_mode=mode,
+            segment_starts=z(t_pad), shared_prefix_len=np.asarray(0, np.int32), forward_mode=mode,
         )
         sampling = SamplingMetadata(
             temperatures=z(s_pad, np.float32), top_ps=np.ones(s_pad, np.float32), top_ks=np.full(s_pad, -1, np.int32),

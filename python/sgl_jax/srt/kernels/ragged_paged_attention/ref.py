@@ -9,6 +9,10 @@ one compiled program serves every batch of the same padded (T, S) shape.
 - decode batches (every sequence has one query token): vectorized over sequences, loop over KV blocks.
 - extend / mixed batches: loop over sequences, then over query blocks, then over the KV blocks up to the
   causal bound of each query block (no work on fully masked blocks).
+- shared prefix (cascade attention, as in FlashInfer's cascade inference and Hydragen, Juravsky et al.
+  2024): when every sequence of an extend batch starts with the same cached pages, all query rows attend
+  to those keys together in large blocks (one matmul per block for the whole batch instead of one per
+  sequence); the per-sequence loop then continues from that online-softmax state over the rest.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ MASK_VALUE = -1e30
 DECODE_KV_BLOCK = 256  # tokens of KV per decode iteration
 EXTEND_Q_BLOCK = 32  # query tokens per extend iteration
 EXTEND_KV_BLOCK = 128  # tokens of KV per extend iteration
+SHARED_Q_BLOCK = 128  # query rows per shared-prefix iteration
+SHARED_KV_BLOCK = 1024  # tokens of shared-prefix KV per shared-prefix iteration
 
 
 def write_kv_to_pages(
@@ -62,6 +68,31 @@ def _online_softmax_step(carry, s, v):
     corr = jnp.exp(m - m_new)
     pv = jnp.einsum("...kgqc,...ckd->...kgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+
+def _matmul_step(carry, x, kblk, vblk, mask, soft_cap):
+    """One FlashAttention update in matmul-friendly layouts (the extend paths).
+
+    carry: (m, l [KVH, R], acc [KVH, R, D]) float32; x: [KVH, R, D] queries already scaled by sm_scale;
+    kblk, vblk: [bk, KVH, D]; mask: bool broadcastable to [KVH, R, bk].
+    """
+    m, l, acc = carry
+    sc = jnp.matmul(x, kblk.transpose(1, 2, 0).astype(x.dtype), preferred_element_type=jnp.float32)
+    if soft_cap is not None:
+        sc = soft_cap * jnp.tanh(sc / soft_cap)
+    sc = jnp.where(mask, sc, MASK_VALUE)
+    m_new = jnp.maximum(m, sc.max(-1))
+    p = jnp.exp(sc - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    vt = vblk.transpose(1, 0, 2)
+    pv = jnp.matmul(p.astype(vt.dtype), vt, preferred_element_type=jnp.float32)
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+
+def _queries_for_matmul(qblk, sm_scale):
+    """[bq, KVH, G, D] -> [KVH, G * bq, D] scaled by sm_scale (row g * bq + r is query r, head group g)."""
+    bq, KVH, G, D = qblk.shape
+    return (qblk.transpose(1, 2, 0, 3) * sm_scale).reshape(KVH, G * bq, D)
 
 
 def _finish(l, acc):
@@ -112,8 +143,80 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, page_indices, num_seqs, sm_s
     return out.at[dest].set(o, mode="drop")
 
 
+def _token_positions(cu_q_lens, kv_lens, T):
+    """int32[T] KV position of every query row (rows past the last sequence get garbage, never used)."""
+    S = kv_lens.shape[0]
+    t = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], t, side="right"), S - 1)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    return (kv_lens - q_lens)[seq] + t - cu_q_lens[seq]
+
+
+def _shared_prefix_state(q, k_pages, v_pages, page_row, shared_len, num_rows, qpos, sm_scale, sliding_window,
+                         soft_cap, pad):
+    """Online-softmax state of the first `num_rows` query rows over the keys [0, shared_len) of `page_row`.
+
+    Large blocks in the layouts a CPU matmul wants ([KVH, G*bq, D] x [KVH, D, bk]): on CPU the score
+    tensor's memory traffic, not FLOPs, bounds this loop, and a 2048-key block needs few online-softmax
+    rescales. Returns (m, l, acc) of shapes [KVH, G, T + pad], [KVH, G, T + pad], [KVH, G, T + pad, D] in
+    float32; rows that were not computed hold the empty state (m = MASK_VALUE, l = 0, acc = 0).
+    """
+    T, H, D = q.shape
+    P = page_row.shape[0]
+    _, ps, KVH, _ = k_pages.shape
+    G = H // KVH
+    bq = SHARED_Q_BLOCK
+    ppb = _pages_per_block(SHARED_KV_BLOCK, ps)
+    bk = ppb * ps
+    n = T + pad
+    rows_total = ((T + pad + bq - 1) // bq) * bq
+    q_padded = jnp.concatenate([q, jnp.zeros((rows_total - T, H, D), q.dtype)])
+    if sliding_window is not None:
+        qpos_padded = jnp.concatenate([qpos, jnp.zeros((rows_total - T,), jnp.int32)])
+    kb_hi = (shared_len + bk - 1) // bk
+
+    def q_body(qb, state):
+        qblk = jax.lax.dynamic_slice_in_dim(q_padded, qb * bq, bq).reshape(bq, KVH, G, D)
+        x = _queries_for_matmul(qblk, sm_scale)
+        if sliding_window is not None:
+            lo = jax.lax.dynamic_slice_in_dim(qpos_padded, qb * bq, bq) - sliding_window + 1
+            kb_lo = jnp.minimum(jnp.maximum(jnp.min(lo), 0) // bk, kb_hi)
+            lo = jnp.tile(lo, G)  # row g * bq + r of x
+        else:
+            lo, kb_lo = None, 0
+
+        def kv_body(kb, carry):
+            cols = jnp.minimum(kb * ppb + jnp.arange(ppb), P - 1)
+            pages = page_row[cols]
+            kblk = k_pages[pages].reshape(bk, KVH, D)
+            vblk = v_pages[pages].reshape(bk, KVH, D)
+            kpos = kb * bk + jnp.arange(bk)
+            mask = kpos[None, :] < shared_len
+            if lo is not None:
+                mask = mask & (kpos[None, :] >= lo[:, None])
+            return _matmul_step(carry, x, kblk, vblk, mask, soft_cap)
+
+        init = (
+            jnp.full((KVH, G * bq), MASK_VALUE, jnp.float32),
+            jnp.zeros((KVH, G * bq), jnp.float32),
+            jnp.zeros((KVH, G * bq, D), jnp.float32),
+        )
+        m, l, acc = jax.lax.fori_loop(kb_lo, kb_hi, kv_body, init)
+        blk = (m.reshape(KVH, G, bq), l.reshape(KVH, G, bq), acc.reshape(KVH, G, bq, D))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(x, b, qb * bq, axis=2) for x, b in zip(state, blk))
+
+    state = (
+        jnp.full((KVH, G, rows_total), MASK_VALUE, jnp.float32),
+        jnp.zeros((KVH, G, rows_total), jnp.float32),
+        jnp.zeros((KVH, G, rows_total, D), jnp.float32),
+    )
+    n_qb = jnp.where(shared_len > 0, (num_rows + bq - 1) // bq, 0)
+    state = jax.lax.fori_loop(0, n_qb, q_body, state)
+    return tuple(x[:, :, :n] for x in state)
+
+
 def _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
-                      sliding_window, soft_cap, prefix_lens, segment_starts):
+                      sliding_window, soft_cap, prefix_lens, segment_starts, shared_len):
     T, H, D = q.shape
     S, P = page_indices.shape
     _, ps, KVH, _ = k_pages.shape
@@ -123,6 +226,9 @@ def _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num
     bk = ppb * ps
     q_padded = jnp.concatenate([q, jnp.zeros((bq, H, D), q.dtype)])
     seg_padded = jnp.concatenate([segment_starts, jnp.zeros((bq,), jnp.int32)])
+    qpos_all = _token_positions(cu_q_lens, kv_lens, T) if sliding_window is not None else None
+    shared = _shared_prefix_state(q, k_pages, v_pages, page_indices[0], shared_len, cu_q_lens[num_seqs],
+                                  qpos_all, sm_scale, sliding_window, soft_cap, bq)
 
     def seq_body(s, out):
         q_start = cu_q_lens[s]
@@ -135,12 +241,14 @@ def _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num
             row = qb * bq + jnp.arange(bq)
             valid = row < q_len
             qblk = jax.lax.dynamic_slice_in_dim(q_padded, q_start + qb * bq, bq).reshape(bq, KVH, G, D)
+            x = _queries_for_matmul(qblk, sm_scale)
             qpos = kv_len - q_len + row
             last_pos = kv_len - q_len + jnp.minimum(qb * bq + bq, q_len) - 1
             kv_hi = jnp.minimum(kv_len, last_pos + 1)
             lo = jnp.maximum(qpos - sliding_window + 1, 0) if sliding_window is not None else jnp.zeros_like(qpos)
             seg_start = jax.lax.dynamic_slice_in_dim(seg_padded, q_start + qb * bq, bq)
-            kb_lo = lo[0] // bk
+            # keys before shared_len were visited by _shared_prefix_state; continue from its state
+            kb_lo = jnp.maximum(lo[0], shared_len) // bk
             kb_hi = jnp.maximum((kv_hi + bk - 1) // bk, kb_lo)
             # Visible keys of the block: [0, prefix_len) and [min segment start, kv_hi) -- two block
             # ranges, so the blocks between the shared prefix and the block's own segments are skipped.
@@ -158,17 +266,13 @@ def _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num
                 kpos = kb * bk + jnp.arange(bk)
                 mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < kv_len) & (kpos[None, :] >= lo[:, None])
                 mask &= (kpos[None, :] < prefix_len) | (kpos[None, :] >= seg_start[:, None])
-                sc = _scores(qblk, kblk, sm_scale, soft_cap)  # [KVH, G, bq, bk]
-                sc = jnp.where(mask[None, None], sc, MASK_VALUE)
-                return _online_softmax_step(carry, sc, vblk)
+                mask &= kpos[None, :] >= shared_len
+                return _matmul_step(carry, x, kblk, vblk, jnp.tile(mask, (G, 1)), soft_cap)
 
-            init = (
-                jnp.full((KVH, G, bq), MASK_VALUE, jnp.float32),
-                jnp.zeros((KVH, G, bq), jnp.float32),
-                jnp.zeros((KVH, G, bq, D), jnp.float32),
-            )
+            m0, l0, acc0 = (jax.lax.dynamic_slice_in_dim(a, q_start + qb * bq, bq, axis=2) for a in shared)
+            init = (m0.reshape(KVH, G * bq), l0.reshape(KVH, G * bq), acc0.reshape(KVH, G * bq, D))
             _, l, acc = jax.lax.fori_loop(0, n_a + kb_hi - b_lo, kv_body, init)
-            o = _finish(l, acc).transpose(2, 0, 1, 3).reshape(bq, H, D).astype(q.dtype)
+            o = _finish(l, acc).reshape(KVH, G, bq, D).transpose(2, 0, 1, 3).reshape(bq, H, D).astype(q.dtype)
             dest = jnp.where(valid, q_start + row, T)
             return out.at[dest].set(o, mode="drop")
 
@@ -194,6 +298,7 @@ def ragged_paged_attention(
     decode_only: bool = False,
     prefix_lens: Optional[jax.Array] = None,
     segment_starts: Optional[jax.Array] = None,
+    shared_prefix_len: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch of sequences over a paged KV cache.
 
@@ -216,6 +321,11 @@ def ragged_paged_attention(
             the shared prefix and of ordinary sequences: 0). Segment ids are contiguous runs, so a token
             of segment k sees the shared prefix [0, prefix_len) and its own segment [segment_start, itself]
             only; blocks between the two ranges are never visited.
+        shared_prefix_len: int32 scalar, a promise that every sequence's first ``shared_prefix_len`` KV
+            positions are the same pages as sequence 0's (a multiple of the page size), that no query sits
+            before it (kv_lens - q_lens >= shared_prefix_len), and that it is <= prefix_lens of any
+            sequence with segments. Those keys are then attended by all query rows at once (cascade
+            attention). None or 0: off. Ignored by the decode path.
     Returns:
         [T, num_heads, head_dim] in q.dtype; padding rows are zero. Query i of sequence s sits at KV
         position kv_lens[s] - q_len[s] + i and attends to keys at positions <= it (rotary positions are the
@@ -231,5 +341,6 @@ def ragged_paged_attention(
         prefix_lens = jnp.zeros(page_indices.shape[0], jnp.int32)
     if segment_starts is None:
         segment_starts = jnp.zeros(q.shape[0], jnp.int32)
+    shared_len = jnp.asarray(0 if shared_prefix_len is None else shared_prefix_len, jnp.int32).reshape(())
     return _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
-                             sliding_window, soft_cap, prefix_lens, segment_starts)
+                             sliding_window, soft_cap, prefix_lens, segment_starts, shared_len)
