@@ -43,12 +43,14 @@ def write_kv_to_pages(
         loc: int32[T] flat slot per token (page * page_size + offset); padding tokens use slot 0, a
             reserved page that is never read.
     Returns:
-        The updated (k_pages, v_pages).
+        The updated (k_pages, v_pages). The scatter indexes the 4-D cache by (page, offset): scattering into
+        a reshaped (flattened) view made XLA on CPU copy the whole cache every step (measured: 350 ms
+        for 30 layers of a 16k-token cache), while this form updates the donated buffer in place.
     """
-    shape = k_pages.shape
-    flat = (shape[0] * shape[1],) + shape[2:]
-    k_pages = k_pages.reshape(flat).at[loc].set(k.astype(k_pages.dtype)).reshape(shape)
-    v_pages = v_pages.reshape(flat).at[loc].set(v.astype(v_pages.dtype)).reshape(shape)
+    ps = k_pages.shape[1]
+    page, offset = loc // ps, loc % ps
+    k_pages = k_pages.at[page, offset].set(k.astype(k_pages.dtype))
+    v_pages = v_pages.at[page, offset].set(v.astype(v_pages.dtype))
     return k_pages, v_pages
 
 
