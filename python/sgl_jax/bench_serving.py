@@ -1,0 +1,433 @@
+"""Serving benchmark: stream completions from an OpenAI-compatible server under five standard workloads.
+
+``python -m sgl_jax.bench_serving --base-url http://127.0.0.1:30000 --workload all`` sends each workload's
+requests on its arrival schedule, streams every response and reports, per workload, output throughput
+(tok/s), request throughput (req/s), time to first token (TTFT) and inter-token latency (ITL) P50/P95/P99,
+end-to-end latency P50 and the error count; a table on stdout and a JSON report (``--output-file``).
+``--compare A.json B.json`` prints two reports side by side with the ratio A/B of each metric.
+
+Backends: ``sgl-jax`` streams from the native ``/generate`` endpoint (SGLang's request shape; its
+``meta_info`` gives exact token counts and ``cached_tokens``), ``openai`` from ``/v1/completions`` (any
+OpenAI-compatible server, e.g. llama.cpp's; tokens are counted from ``usage`` when the server sends it
+with ``stream_options.include_usage``, else one per streamed chunk).
+
+Prompts are real English text (Python's own ``pydoc_data.topics``, public domain, offline) cut to the
+target token counts with the served model's tokenizer. Every request asks for exactly ``max_tokens``
+tokens (``ignore_eos`` and ``min_tokens`` are both sent, since some servers honour only one), greedy. A
+request counts as an error on any HTTP error, or when its stream ends without a finish reason or with
+fewer tokens than asked, even with HTTP 200. The workloads follow SGLang's ``bench_serving`` metrics (TTFT
+from sending to the first streamed token, ITL between streamed chunks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+# (weight, low, high) token-count ranges; a request draws a range by weight, then a count uniformly in it.
+Lengths = Tuple[Tuple[float, int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One standard workload.
+
+    num_requests: requests before --num-requests-scale. prompt / output: token-count distributions.
+    arrival: "sequential" (each request after the previous one finishes), "uniform" (every 1/rate s),
+    "burst" (all at t = 0) or "poisson" (exponential gaps, mean 1/rate s). rate: requests/s before
+    --request-rate-scale. shared_prefix: tokens of one common prefix in front of every prompt (the prompt
+    distribution then gives the suffix).
+    """
+
+    name: str
+    num_requests: int
+    prompt: Lengths
+    output: Lengths
+    arrival: str
+    rate: float = 0.0
+    shared_prefix: int = 0
+
+
+WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
+    Workload("baseline", 10, ((1, 256, 256),), ((1, 256, 256),), "sequential"),
+    Workload("continuous_batching", 32, ((1, 64, 512),), ((1, 64, 256),), "uniform", rate=4),
+    Workload("paged_attention", 48, ((1, 128, 384),), ((1, 128, 256),), "burst"),
+    Workload("chunked_prefill", 48, ((0.75, 1024, 2048), (0.25, 64, 128)), ((1, 64, 256),), "poisson", rate=6),
+    Workload("prefix_caching", 48, ((1, 32, 128),), ((1, 256, 256),), "uniform", rate=8, shared_prefix=1024),
+)}
+NUM_WARMUP = 2
+WARMUP_MAX_TOKENS = 16
+
+
+@dataclasses.dataclass
+class RequestSpec:
+    """A request to send: prompt text, its token count under the client's tokenizer, tokens to generate,
+    and its arrival time in seconds from the start of the run (None: after the previous one finishes)."""
+
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+    arrival_s: Optional[float]
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """What one streamed request measured. Times in seconds; itl_s: gaps between streamed chunks."""
+
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0  # as the server reports it (else the client's count)
+    output_tokens: int = 0
+    cached_tokens: Optional[int] = None  # server-side prefix-cache hit, when the server reports it
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: List[float] = dataclasses.field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+def corpus_token_ids(tokenizer) -> List[int]:
+    """Token ids of Python's pydoc topics text (about 0.5 M tokens of English prose and code)."""
+    import pydoc_data.topics
+
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _draw(rng: random.Random, lengths: Lengths) -> int:
+    weights = [w for w, _, _ in lengths]
+    _, lo, hi = rng.choices(lengths, weights=weights)[0]
+    return rng.randint(lo, hi)
+
+
+def _scaled(n: int, scale: float) -> int:
+    return max(1, int(round(n * scale)))
+
+
+def make_requests(workload: Workload, tokenizer, corpus: Sequence[int], *, seed: int, num_requests_scale=1.0,
+                  request_rate_scale=1.0, prompt_len_scale=1.0, output_len_scale=1.0,
+                  count: Optional[int] = None) -> List[RequestSpec]:
+    """The workload's requests, deterministic for a seed.
+
+    Prompt and output lengths are drawn, then multiplied by the length scales (CI); the number of requests
+    by num_requests_scale (or exactly `count`), the arrival rate by request_rate_scale.
+    Raises ValueError for an unknown arrival pattern or a prompt longer than the corpus.
+    """
+    rng = random.Random(f"{seed}-{workload.name}")
+    n = count if count is not None else _scaled(workload.num_requests, num_requests_scale)
+    prefix: List[int] = []
+    if workload.shared_prefix:
+        k = _scaled(workload.shared_prefix, prompt_len_scale)
+        start = rng.randrange(0, len(corpus) - k)
+        prefix = list(corpus[start:start + k])
+    rate = workload.rate * request_rate_scale
+    t, specs = 0.0, []
+    for i in range(n):
+        plen = _scaled(_draw(rng, workload.prompt), prompt_len_scale)
+        olen = _scaled(_draw(rng, workload.output), output_len_scale)
+        if plen >= len(corpus):
+            raise ValueError(f"prompt of {plen} tokens is longer than the corpus")
+        start = rng.randrange(0, len(corpus) - plen)
+        ids = prefix + list(corpus[start:start + plen])
+        if workload.arrival == "sequential":
+            arrival = None
+        elif workload.arrival == "burst":
+            arrival = 0.0
+        elif workload.arrival == "uniform":
+            arrival = i / rate
+        elif workload.arrival == "poisson":
+            arrival = t
+            t += rng.expovariate(rate)
+        else:
+            raise ValueError(f"unknown arrival pattern {workload.arrival!r}")
+        specs.append(RequestSpec(tokenizer.decode(ids), len(ids), olen, arrival))
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------- client
+def _payload(backend: str, model: str, spec: RequestSpec, max_tokens: int) -> Tuple[str, dict]:
+    if backend == "sgl-jax":
+        return "/generate", {"text": spec.prompt, "stream": True, "sampling_params": {
+            "max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "ignore_eos": True, "temperature": 0}}
+    return "/v1/completions", {
+        "model": model, "prompt": spec.prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
+        "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def send_request(client, base_url: str, backend: str, model: str, spec: RequestSpec,
+                       max_tokens: Optional[int] = None) -> RequestResult:
+    """Stream one request; never raises (failures are returned as an error result)."""
+    max_tokens = spec.max_tokens if max_tokens is None else max_tokens
+    path, body = _payload(backend, model, spec, max_tokens)
+    res = RequestResult(prompt_tokens=spec.prompt_tokens)
+    start = last = time.perf_counter()
+    finish, chunks, reported = None, 0, None
+    try:
+        async with client.stream("POST", base_url + path, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                res.error = f"HTTP {resp.status_code}: {text[:200]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = f"stream error: {str(obj['error'])[:200]}"
+                    return res
+                now = time.perf_counter()
+                if backend == "sgl-jax":
+                    meta = obj.get("meta_info", {})
+                    new = meta.get("completion_tokens", 0) - (reported or 0)
+                    reported = meta.get("completion_tokens", 0)
+                    res.prompt_tokens = meta.get("prompt_tokens", res.prompt_tokens)
+                    res.cached_tokens = meta.get("cached_tokens", res.cached_tokens)
+                    finish = meta.get("finish_reason") or finish
+                else:
+                    usage = obj.get("usage")
+                    if usage:
+                        reported = usage.get("completion_tokens", reported)
+                        res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
+                        details = usage.get("prompt_tokens_details") or {}
+                        if details.get("cached_tokens") is not None:
+                            res.cached_tokens = details["cached_tokens"]
+                    choices = obj.get("choices") or []
+                    new = 1 if choices else 0  # one token per chunk unless usage says otherwise
+                    for c in choices:
+                        finish = c.get("finish_reason") or finish
+                if new > 0:
+                    chunks += new
+                    if res.ttft_s == 0.0:
+                        res.ttft_s = now - start
+                    else:
+                        res.itl_s.append(now - last)
+                    last = now
+    except Exception as e:  # noqa: BLE001 -- any transport failure is this request's error
+        res.error = f"{type(e).__name__}: {e}"[:300]
+        return res
+    res.e2e_s = time.perf_counter() - start
+    res.output_tokens = reported if reported is not None else chunks
+    if finish is None:
+        res.error = "stream ended without a finish_reason"
+    elif res.output_tokens < max_tokens:
+        res.error = f"{res.output_tokens} tokens, asked for {max_tokens}"
+    else:
+        res.ok = True
+    return res
+
+
+async def run_workload(client, base_url: str, backend: str, model: str, specs: List[RequestSpec],
+                       desc: str, warmup: Sequence[RequestSpec] = ()) -> Tuple[List[RequestResult], float]:
+    """Warm-up requests one by one (not measured), then `specs` on their arrival schedule.
+
+    Returns (results in request order, duration in s from the first send to the last completion).
+    """
+    from tqdm.auto import tqdm
+
+    for spec in warmup:
+        await send_request(client, base_url, backend, model, spec, min(spec.max_tokens, WARMUP_MAX_TOKENS))
+    results: List[Optional[RequestResult]] = [None] * len(specs)
+    bar = tqdm(total=len(specs), desc=desc, unit="req", file=sys.stderr)
+    t0 = time.perf_counter()
+
+    async def one(i: int, spec: RequestSpec):
+        if spec.arrival_s:
+            await asyncio.sleep(max(0.0, t0 + spec.arrival_s - time.perf_counter()))
+        results[i] = await send_request(client, base_url, backend, model, spec)
+        bar.update()
+
+    try:
+        if specs and specs[0].arrival_s is None:
+            for i, spec in enumerate(specs):
+                await one(i, spec)
+        else:
+            await asyncio.gather(*(one(i, s) for i, s in enumerate(specs)))
+    finally:
+        bar.close()
+    return results, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+def _pct(values: Sequence[float], q: float) -> Optional[float]:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def summarize(results: Sequence[RequestResult], duration_s: float) -> dict:
+    """Per-workload metrics: throughputs per second of the run, latencies in ms, token totals."""
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s * 1e3 for r in ok]
+    itl = [x * 1e3 for r in ok for x in r.itl_s]
+    e2e = [r.e2e_s * 1e3 for r in ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    return {
+        "num_requests": len(results),
+        "completed": len(ok),
+        "errors": len(results) - len(ok),
+        "error_samples": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration_s,
+        "input_tokens": sum(r.prompt_tokens for r in ok),
+        "output_tokens": out_tokens,
+        "cached_tokens": sum(cached) if cached else None,
+        "output_throughput_tok_s": out_tokens / duration_s if duration_s > 0 else 0.0,
+        "request_throughput_req_s": len(ok) / duration_s if duration_s > 0 else 0.0,
+        "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p95": _pct(ttft, 95), "ttft_ms_p99": _pct(ttft, 99),
+        "itl_ms_p50": _pct(itl, 50), "itl_ms_p95": _pct(itl, 95), "itl_ms_p99": _pct(itl, 99),
+        "e2e_ms_p50": _pct(e2e, 50),
+        "requests": [dataclasses.asdict(r) | {"itl_s": None, "num_chunks": len(r.itl_s) + (1 if r.ok else 0)}
+                     for r in results],
+    }
+
+
+COLUMNS = [  # (key, header, format)
+    ("completed", "done", "{:.0f}"), ("errors", "err", "{:.0f}"),
+    ("output_throughput_tok_s", "out tok/s", "{:.1f}"), ("request_throughput_req_s", "req/s", "{:.3f}"),
+    ("ttft_ms_p50", "TTFT p50 ms", "{:.0f}"), ("ttft_ms_p95", "TTFT p95", "{:.0f}"),
+    ("ttft_ms_p99", "TTFT p99", "{:.0f}"), ("itl_ms_p50", "ITL p50 ms", "{:.1f}"),
+    ("itl_ms_p95", "ITL p95", "{:.1f}"), ("itl_ms_p99", "ITL p99", "{:.1f}"), ("e2e_ms_p50", "E2E p50 ms", "{:.0f}"),
+]
+
+
+def _fmt(fmt: str, v) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def format_table(report: dict) -> str:
+    """A markdown table: one row per workload."""
+    head = ["workload"] + [h for _, h, _ in COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, m in report["workloads"].items():
+        lines.append("| " + " | ".join([name] + [_fmt(f, m.get(k)) for k, _, f in COLUMNS]) + " |")
+    return "\n".join(lines)
+
+
+def format_comparison(a: dict, b: dict, label_a: str = "A", label_b: str = "B") -> str:
+    """Two reports side by side: for every workload in both, each metric of A, of B, and A/B."""
+    lines = [f"A = {label_a} ({a.get('backend')}, {a.get('base_url')}); B = {label_b} ({b.get('backend')}, "
+             f"{b.get('base_url')})", "", "| workload | metric | A | B | A/B |", "|---|---|---|---|---|"]
+    for name, ma in a["workloads"].items():
+        mb = b["workloads"].get(name)
+        if mb is None:
+            continue
+        for key, header, fmt in COLUMNS:
+            va, vb = ma.get(key), mb.get(key)
+            ratio = f"{va / vb:.2f}" if va is not None and vb not in (None, 0) else "-"
+            lines.append(f"| {name} | {header} | {_fmt(fmt, va)} | {_fmt(fmt, vb)} | {ratio} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def load_tokenizer_for(path: Optional[str]):
+    """The served model's tokenizer: an HF directory / tokenizer name, or a .gguf file (its metadata),
+    default SmolLM2-135M-Instruct's GGUF."""
+    from transformers import AutoTokenizer
+
+    from sgl_jax.srt.configs.model_config import resolve_model_path
+
+    if path and not path.endswith(".gguf") and not os.path.isdir(path):
+        return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(resolve_model_path(path).hf_dir)
+
+
+async def _served_model(client, base_url: str) -> str:
+    try:
+        r = await client.get(base_url + "/v1/models")
+        return r.json()["data"][0]["id"]
+    except Exception:  # noqa: BLE001 -- servers that do not list models accept any name
+        return "default"
+
+
+async def run_benchmark(args) -> dict:
+    """Run the selected workloads against args.base_url; returns the report dict."""
+    import httpx
+
+    names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
+    for n in names:
+        if n not in WORKLOADS:
+            raise SystemExit(f"unknown workload {n!r}; choose from {', '.join(WORKLOADS)} or all")
+    tokenizer = load_tokenizer_for(args.tokenizer)
+    corpus = corpus_token_ids(tokenizer)
+    base_url = args.base_url.rstrip("/")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    report = {
+        "backend": args.backend, "base_url": base_url, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "seed": args.seed, "num_requests_scale": args.num_requests_scale,
+        "request_rate_scale": args.request_rate_scale, "prompt_len_scale": args.prompt_len_scale,
+        "output_len_scale": args.output_len_scale, "machine": f"{platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores", "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "workloads": {},
+    }
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits) as client:
+        model = args.model or await _served_model(client, base_url)
+        report["model"] = model
+        for name in names:
+            w = WORKLOADS[name]
+            kw = dict(seed=args.seed, num_requests_scale=args.num_requests_scale,
+                      request_rate_scale=args.request_rate_scale, prompt_len_scale=args.prompt_len_scale,
+                      output_len_scale=args.output_len_scale)
+            specs = make_requests(w, tokenizer, corpus, **kw)
+            warmup = make_requests(w, tokenizer, corpus, **dict(kw, seed=f"{args.seed}-warmup"), count=NUM_WARMUP)
+            results, duration = await run_workload(client, base_url, args.backend, model, specs, name, warmup)
+            m = summarize(results, duration)
+            m["requested_output_tokens"] = [s.max_tokens for s in specs]
+            report["workloads"][name] = m
+            print(f"{name}: {m['completed']}/{m['num_requests']} ok, {m['output_throughput_tok_s']:.1f} out tok/s, "
+                  f"TTFT p50 {_fmt('{:.0f}', m['ttft_ms_p50'])} ms, ITL p50 {_fmt('{:.1f}', m['itl_ms_p50'])} ms",
+                  flush=True)
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sgl_jax.bench_serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server address")
+    p.add_argument("--backend", choices=["sgl-jax", "openai"], default="sgl-jax",
+                   help="sgl-jax: native /generate; openai: /v1/completions (any OpenAI-compatible server)")
+    p.add_argument("--workload", default="all", help=f"one of {', '.join(WORKLOADS)}, a comma list, or all")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--model", default=None, help="model name sent to openai servers (default: from /v1/models)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer of the served model: HF dir/name or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--num-requests-scale", type=float, default=1.0, help="multiply every workload's request count")
+    p.add_argument("--request-rate-scale", type=float, default=1.0, help="multiply every workload's arrival rate")
+    p.add_argument("--prompt-len-scale", type=float, default=1.0, help="multiply prompt lengths (CI)")
+    p.add_argument("--output-len-scale", type=float, default=1.0, help="multiply output lengths (CI)")
+    p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
+    p.add_argument("--output-file", default=None,
+                   help="JSON report (default: benchmark/reports/bench_serving-<backend>-<time>.json)")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
+                   help="print two reports side by side with ratios A/B and exit")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.compare:
+        a, b = (json.load(open(f)) for f in args.compare)
+        print(format_comparison(a, b, *args.compare))
+        return {}
+    report = asyncio.run(run_benchmark(args))
+    out = args.output_file or os.path.join(
+        "benchmark", "reports", f"bench_serving-{args.backend}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(format_table(report))
+    print(f"report: {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
