@@ -205,7 +205,9 @@ async def send_request(client, base_url: str, backend: str, model: str, spec: Re
                         if details.get("cached_tokens") is not None:
                             res.cached_tokens = details["cached_tokens"]
                     choices = obj.get("choices") or []
-                    new = 1 if choices else 0  # one token per chunk unless usage says otherwise
+                    # one token per chunk unless usage says otherwise; a chunk that only carries the
+                    # finish_reason (empty text, as llama-cpp-python ends its streams) is no token
+                    new = int(any(c.get("text") or not c.get("finish_reason") for c in choices))
                     for c in choices:
                         finish = c.get("finish_reason") or finish
                 if new > 0:

@@ -94,7 +94,8 @@ def test_workload_shapes_follow_the_spec():
 
 class _ShortStreamPeer(BaseHTTPRequestHandler):
     """An OpenAI-style peer that answers 200 and streams 3 tokens, then ends: without a finish_reason
-    for prompts starting with "cut", else with finish_reason "length" after too few tokens."""
+    for prompts starting with "cut", else with a token-less closing chunk (finish_reason "length") after
+    too few tokens."""
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -103,8 +104,10 @@ class _ShortStreamPeer(BaseHTTPRequestHandler):
         self.end_headers()
         cut = body["prompt"].startswith("cut")
         for i in range(3):
-            finish = None if cut or i < 2 else "length"
-            chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": finish}]}
+            chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if not cut:  # the closing chunk carries no token, as llama-cpp-python sends it
+            chunk = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
         self.wfile.write(b"data: [DONE]\n\n")
 
