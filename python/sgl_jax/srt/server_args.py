@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "tpu", "gpu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MULTI_ITEM_ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
+ATTENTION_BACKENDS = ("auto", "native", "pallas")  # see sgl_jax.srt.kernels.ragged_paged_attention.backend
 
 
 def _default_cache_root() -> str:
@@ -74,6 +75,7 @@ class ServerArgs:
 
     # Runtime
     device: str = "auto"
+    attention_backend: str = "auto"
     random_seed: Optional[int] = None
     compilation_cache_dir: Optional[str] = None
     log_level: str = "info"
@@ -84,6 +86,7 @@ class ServerArgs:
         self._check_choice("load_format", LOAD_FORMATS)
         self._check_choice("dtype", DTYPES)
         self._check_choice("device", DEVICES)
+        self._check_choice("attention_backend", ATTENTION_BACKENDS)
         self._check_choice("log_level", LOG_LEVELS)
         self._check_choice("multi_item_algorithm", MULTI_ITEM_ALGORITHMS)
         for name in ("max_multi_item_count", "max_multi_item_seq_len", "multi_item_extend_batch_size"):
@@ -149,6 +152,9 @@ class ServerArgs:
             "disable_precompile": "skip warm-up compilation (shapes then compile on first use)",
             "incremental_streaming_output": "stream /generate text as disjoint deltas instead of cumulative text",
             "device": f"JAX platform, one of {list(DEVICES)}",
+            "attention_backend": f"ragged paged attention implementation, one of {list(ATTENTION_BACKENDS)}; auto: the "
+                                 "Pallas kernel on TPU/GPU, native (pure JAX) on CPU; pallas on CPU runs the TPU "
+                                 "kernel in Pallas' interpreter (slow, for verification)",
             "multi_item_algorithm": f"how /v1/score computes many items, one of {list(MULTI_ITEM_ALGORITHMS)}; auto: "
                                     "prefill_extend with the scoring cache enabled, else packed (serial for "
                                     "item_first)",

@@ -28,7 +28,7 @@ def paged_attention(
     Args:
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotary already applied).
         kv: this layer's cache pages.
-        fb: the step's ForwardBatch (slots to write, page table, lengths).
+        fb: the step's ForwardBatch (slots to write, page table, lengths, and which attention backend runs).
     Returns:
         ([T, num_heads, head_dim] attention output, updated kv).
     """
@@ -37,6 +37,6 @@ def paged_attention(
         q, k_pages, v_pages, fb.kv_lens, fb.page_indices, fb.cu_q_lens, fb.num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         decode_only=fb.forward_mode == ForwardMode.DECODE, prefix_lens=fb.prefix_lens,
-        segment_starts=fb.segment_starts, shared_prefix_len=fb.shared_prefix_len,
+        segment_starts=fb.segment_starts, shared_prefix_len=fb.shared_prefix_len, backend=fb.attention_backend,
     )
     return out, (k_pages, v_pages)

@@ -39,7 +39,8 @@ class ForwardBatch:
     shared_prefix_len: int32[] KV positions at the start of every sequence that are the same pages in all
     of them and precede every query (see `shared_prefix_len`); 0: none. Attention then reads them once
     for the whole batch.
-    forward_mode: static (part of the compiled program's identity).
+    forward_mode, attention_backend: static (part of the compiled program's identity); attention_backend is
+    the resolved ``--attention-backend`` ("native" or "pallas"), set by the model runner.
     """
 
     input_ids: jax.Array
@@ -54,6 +55,7 @@ class ForwardBatch:
     segment_starts: jax.Array
     shared_prefix_len: jax.Array
     forward_mode: ForwardMode = ForwardMode.EXTEND
+    attention_backend: str = "native"
 
 
 jax.tree_util.register_dataclass(
@@ -61,7 +63,7 @@ jax.tree_util.register_dataclass(
     data_fields=["input_ids", "positions", "out_cache_loc", "cu_q_lens", "kv_lens", "page_indices",
                  "num_seqs", "logits_indices", "prefix_lens", "segment_starts",
                  "shared_prefix_len"],
-    meta_fields=["forward_mode"],
+    meta_fields=["forward_mode", "attention_backend"],
 )
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from sgl_jax.srt.kernels.ragged_paged_attention import resolve_attention_backend
 from sgl_jax.srt.layers.sampler import sample
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.forward_batch_info import (
@@ -107,6 +108,9 @@ class ModelRunner:
         self.model_config = model_config
         self.buckets = buckets
         self.page_size = server_args.page_size
+        self.attention_backend = resolve_attention_backend(server_args.attention_backend, jax.default_backend())
+        logger.info("Attention backend: %s (--attention-backend %s on %s)", self.attention_backend,
+                    server_args.attention_backend, jax.default_backend())
         self.graphdef, self.params = load_model(model_config, server_args.load_format, server_args.random_seed)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
         self.num_pages = max_total_tokens_fn(weight_bytes) // self.page_size
@@ -149,7 +153,8 @@ class ModelRunner:
     # ---- running
     def forward(self, batch: ModelWorkerBatch) -> StepOutput:
         """Run one step on device. The KV cache is updated in place."""
-        fb, sampling = jax.device_put((batch.forward_batch, batch.sampling))
+        fb = dataclasses.replace(batch.forward_batch, attention_backend=self.attention_backend)
+        fb, sampling = jax.device_put((fb, batch.sampling))
         self.kv_caches, next_ids, next_lp, logprobs, hidden = self._step(self.params, self.kv_caches, fb,
                                                                          sampling)
         self._check_no_new_compile(batch)

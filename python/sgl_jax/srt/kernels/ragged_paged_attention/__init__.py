@@ -1,9 +1,13 @@
 """Ragged paged attention: one call for a mixed batch of extend and decode sequences over a paged KV cache.
 
-`ragged_paged_attention` and `write_kv_to_pages` are the contract; `ref` is the pure-JAX implementation
-used on CPU and as the reference for Pallas kernels.
+`ragged_paged_attention` (with ``backend="native"|"pallas"``) and `write_kv_to_pages` are the contract;
+`ref` is the pure-JAX implementation (the CPU path and the reference), `tpu` and `gpu` the Pallas kernels,
+`backend` the choice between them.
 """
 
-from sgl_jax.srt.kernels.ragged_paged_attention.ref import ragged_paged_attention, write_kv_to_pages
+from sgl_jax.srt.kernels.ragged_paged_attention.backend import (
+    ATTENTION_BACKENDS, ragged_paged_attention, resolve_attention_backend,
+)
+from sgl_jax.srt.kernels.ragged_paged_attention.ref import write_kv_to_pages
 
-__all__ = ["ragged_paged_attention", "write_kv_to_pages"]
+__all__ = ["ATTENTION_BACKENDS", "ragged_paged_attention", "resolve_attention_backend", "write_kv_to_pages"]

@@ -1,0 +1,56 @@
+"""Choosing the ragged paged attention implementation: ``--attention-backend auto|native|pallas``.
+
+- native: the pure-JAX implementation (`ref`), which XLA compiles for any device.
+- pallas: the Pallas kernel of the platform: Mosaic TPU (`tpu`) on TPU, Triton (`gpu`) on GPU; on CPU the
+  TPU kernel in Pallas' interpreter (slow; for verifying the kernel end to end, not for serving).
+- auto: pallas on TPU and GPU, native on CPU.
+
+Every implementation has the signature and contract of `ref.ragged_paged_attention`, so the model code
+calls `ragged_paged_attention(..., backend=...)` and does not know which one runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+
+from sgl_jax.srt.kernels.ragged_paged_attention import ref
+
+ATTENTION_BACKENDS = ("auto", "native", "pallas")
+
+
+def resolve_attention_backend(name: str, platform: str) -> str:
+    """"native" or "pallas" for a ``--attention-backend`` value on a JAX platform ("cpu", "tpu", "gpu").
+
+    Raises:
+        ValueError: for a name outside ATTENTION_BACKENDS.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {list(ATTENTION_BACKENDS)}, got {name!r}")
+    if name == "auto":
+        return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "native"
+    return name
+
+
+def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
+                           sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
+                           decode_only: bool = False, prefix_lens=None, segment_starts=None,
+                           shared_prefix_len=None, backend: str = "native"):
+    """Ragged paged attention by the chosen backend ("native" or "pallas"; see `ref.ragged_paged_attention`
+    for the arguments, shapes and result). The platform is the default JAX backend at trace time."""
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, decode_only=decode_only,
+                  prefix_lens=prefix_lens, segment_starts=segment_starts)
+    args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    if backend == "native":
+        return ref.ragged_paged_attention(*args, shared_prefix_len=shared_prefix_len, **kwargs)
+    if backend != "pallas":
+        raise ValueError(f"unknown attention backend {backend!r} (expected 'native' or 'pallas')")
+    platform = jax.default_backend()
+    if platform in ("gpu", "cuda", "rocm"):
+        from sgl_jax.srt.kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+
+        return ragged_paged_attention_gpu(*args, **kwargs)
+    from sgl_jax.srt.kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+
+    return ragged_paged_attention_tpu(*args, interpret=platform != "tpu", **kwargs)
