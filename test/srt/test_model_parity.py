@@ -8,8 +8,10 @@ configs saved as safetensors.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -136,6 +138,26 @@ def test_smollm2_logit_parity(smollm2_harness, hf_smollm2, smollm2_tokenizer):
         "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n",
     ]
     check_parity(smollm2_harness, hf_smollm2, [smollm2_tokenizer.encode(t) for t in texts])
+
+
+def test_model_step_writes_kv_in_place(smollm2_harness, smollm2_tokenizer):
+    """The compiled model step updates every layer's donated KV buffers in place: its HLO has no copy of a
+    cache-sized buffer (a scatter into a flattened view of the cache once made XLA copy all 30 layers' K
+    and V every step: 120 such copies), and the buffers survive a prefill and a decode step."""
+    h = smollm2_harness
+    r = h.runner
+    batch = r.dummy_batch(ForwardMode.DECODE, 4, 4)
+    fb = dataclasses.replace(batch.forward_batch, attention_backend=r.attention_backend)
+    fb, sampling = jax.device_put((fb, batch.sampling))
+    hlo = r._step.lower(r.params, r.kv_caches, fb, sampling).compile().as_text()
+    cache_shape = "f32[" + ",".join(map(str, r.kv_caches[0][0].shape)) + "]"
+    copies = [ln for ln in hlo.splitlines() if f"{cache_shape}" in ln and " copy(" in ln]
+    assert not copies, f"{len(copies)} copies of the KV cache per step, e.g. {copies[0].strip()[:200]}"
+    ptrs = [(k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) for k, v in r.kv_caches]
+    reqs, _, last = h.prefill([smollm2_tokenizer.encode("In place, please.")])
+    h.decode(reqs, [int(last[0].argmax())])
+    assert [(k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) for k, v in r.kv_caches] == ptrs
+    h.release(reqs)
 
 
 def test_smollm2_logit_parity_paged(hf_smollm2, smollm2_tokenizer):

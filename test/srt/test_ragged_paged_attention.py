@@ -116,6 +116,27 @@ def test_write_kv_to_pages_scatters_slots():
     assert not flat[[1, 2, 5, 6, 7]].any()
 
 
+def test_write_kv_to_pages_updates_the_donated_cache_in_place():
+    """Under jit with the cache donated (as the model runner's step does), the write reuses the cache's
+    buffers: no copy of the whole cache per step (the KV-write part of the attention contract)."""
+    import jax
+
+    kp = jnp.zeros((1024, 16, 2, 64))
+    vp = jnp.ones((1024, 16, 2, 64))
+    ptrs = (kp.unsafe_buffer_pointer(), vp.unsafe_buffer_pointer())
+    write = jax.jit(write_kv_to_pages, donate_argnums=(0, 1))
+    k = jnp.full((8, 2, 64), 3.0)
+    loc = jnp.arange(100, 108, dtype=jnp.int32)
+    kp2, vp2 = write(kp, vp, k, -k, loc)
+    assert (kp2.unsafe_buffer_pointer(), vp2.unsafe_buffer_pointer()) == ptrs
+    assert kp.is_deleted() and vp.is_deleted()
+    np.testing.assert_array_equal(np.asarray(kp2[6, 4:12]), 3.0)
+    assert float(jnp.abs(kp2).sum()) == 8 * 2 * 64 * 3.0
+    # the compiled program has no copy of a cache-sized buffer
+    hlo = write.lower(jnp.zeros((1024, 16, 2, 64)), jnp.zeros((1024, 16, 2, 64)), k, -k, loc).compile().as_text()
+    assert not [ln for ln in hlo.splitlines() if " copy(" in ln and "f32[1024,16,2,64]" in ln.split("copy(")[0]]
+
+
 def segment_layout(prefix_len, item_lens):
     """(segment id per KV position, segment start per KV position) of a packed multi-item sequence."""
     ids, starts = [0] * prefix_len, [0] * prefix_len

@@ -149,7 +149,7 @@ def ragged_paged_attention_tpu(
     prefix_lens: Optional[jax.Array] = None,
     segment_starts: Optional[jax.Array] = None,
     blocks: Optional[BlockSizes] = None,
-    interpret: bool = False,
+    interpret=False,
 ) -> jax.Array:
     """Pallas TPU ragged paged attention with the contract of `ref.ragged_paged_attention`.
 
@@ -158,7 +158,8 @@ def ragged_paged_attention_tpu(
     int32 scalar; prefix_lens int32[S] and segment_starts int32[T] for the segment mask. ``decode_only``
     only selects the decode tile sizes (the kernel handles every batch the same way); the cascade hint
     ``shared_prefix_len`` of the reference is not needed here. ``blocks`` overrides the tile table
-    (`common.TPU_BLOCK_TABLE`); ``interpret=True`` runs the kernel in Pallas' interpreter (CPU).
+    (`common.TPU_BLOCK_TABLE`); ``interpret=True`` runs the kernel in Pallas' interpreter (CPU), and a
+    ``pltpu.InterpretParams`` in its TPU interpreter (simulated DMAs and semaphores, race detection).
 
     Returns [T, H, D] in q.dtype, padding rows zero.
     Raises ValueError when H is not a multiple of KVH.

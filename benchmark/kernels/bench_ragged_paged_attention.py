@@ -1,0 +1,249 @@
+"""Benchmark of one ragged paged attention call (one layer) on decode and prefill shapes of real models.
+
+For each model (attention heads of Qwen3-0.6B and Llama-3-8B), batch shape and backend (native pure JAX,
+Pallas kernel) it prints the time per call and the achieved FLOP/s and KV bytes/s next to the device's peak,
+and writes a markdown report with the command that produced it.
+
+FLOPs count the attention matmuls only, causal pairs only: 4 * H * D per (query, visible key) pair
+(QK^T and PV, 2 FLOPs per multiply-add). Bytes count K and V of every visible KV token read once, plus the
+queries and the output. Peaks: on TPU/GPU from the vendor's datasheet (dense bf16 matmul, HBM bandwidth);
+on CPU measured in the same run (XLA float32 matmul 2048^3, and the bandwidth of summing a 1 GiB array).
+
+    python benchmark/kernels/bench_ragged_paged_attention.py                 # every shape, this device
+    python benchmark/kernels/bench_ragged_paged_attention.py --scale 0.125 --backends native pallas
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from typing import Dict, List, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention
+
+MODELS = {  # num_heads, num_kv_heads, head_dim (from the models' config.json)
+    "Qwen3-0.6B": (16, 8, 128),
+    "Llama-3-8B": (32, 8, 128),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A batch: ``num_seqs`` sequences of ``q_len`` new tokens over ``kv_len`` tokens of context (this
+    step's included)."""
+
+    name: str
+    num_seqs: int
+    q_len: int
+    kv_len: int
+
+    @property
+    def decode(self) -> bool:
+        return self.q_len == 1
+
+    def scaled(self, scale: float) -> "Shape":
+        kv = max(int(self.kv_len * scale), 1)
+        q = 1 if self.decode else max(min(int(self.q_len * scale), kv), 1)
+        return Shape(self.name, self.num_seqs, q, kv)
+
+
+SHAPES = [
+    Shape("decode", 64, 1, 2048),
+    Shape("decode", 8, 1, 8192),
+    Shape("prefill", 1, 2048, 2048),
+    Shape("extend", 4, 512, 1536),  # 1,024 cached tokens per sequence, 512 new
+]
+
+# (dense bf16 matmul TFLOP/s, HBM GB/s) from the vendors' datasheets
+DEVICE_PEAKS = {
+    "TPU v6 lite": (918.0, 1640.0),
+    "TPU v5 lite": (197.0, 819.0),
+    "NVIDIA H100 80GB HBM3": (989.0, 3350.0),
+    "NVIDIA H200": (989.0, 4800.0),
+}
+
+
+def measured_cpu_peaks() -> tuple:
+    """(XLA float32 matmul GFLOP/s at 2048^3, GB/s summing a 1 GiB float32 array), best of 5 each."""
+    n = 2048
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(lambda x, y: x @ y)
+    mm(a, a).block_until_ready()
+    t = min(_timed(lambda: mm(a, a).block_until_ready()) for _ in range(5))
+    x = jnp.ones((2**28,), jnp.float32)
+    s = jax.jit(jnp.sum)
+    s(x).block_until_ready()
+    tb = min(_timed(lambda: s(x).block_until_ready()) for _ in range(5))
+    return 2 * n**3 / t / 1e9, x.nbytes / tb / 1e9
+
+
+def device_peaks(device) -> tuple:
+    """(peak GFLOP/s, peak GB/s, where the numbers come from)."""
+    if device.platform == "cpu":
+        flops, bw = measured_cpu_peaks()
+        return flops, bw, "measured in this run (XLA f32 matmul 2048^3; sum of 1 GiB)"
+    for kind, (tflops, gbs) in DEVICE_PEAKS.items():
+        if device.device_kind.startswith(kind):
+            return tflops * 1e3, gbs, f"{kind} datasheet (dense bf16, HBM)"
+    return float("nan"), float("nan"), f"unknown peak for {device.device_kind}"
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def make_inputs(model: str, shape: Shape, page_size: int, dtype, seed: int = 0):
+    """Random q and a paged cache holding exactly the batch's KV (pages shuffled); returns (args, kwargs)."""
+    H, KVH, D = MODELS[model]
+    rng = np.random.default_rng(seed)
+    S = shape.num_seqs
+    pages_per_seq = -(-shape.kv_len // page_size)
+    num_pages = 1 + S * pages_per_seq
+    key = jax.random.PRNGKey(seed)
+    kk, kv_, kq = jax.random.split(key, 3)
+    k_pages = jax.random.normal(kk, (num_pages, page_size, KVH, D), dtype)
+    v_pages = jax.random.normal(kv_, (num_pages, page_size, KVH, D), dtype)
+    page_indices = (1 + rng.permutation(S * pages_per_seq)).reshape(S, pages_per_seq).astype(np.int32)
+    T = S * shape.q_len
+    q = jax.random.normal(kq, (T, H, D), dtype)
+    cu = np.arange(S + 1, dtype=np.int32) * shape.q_len
+    kv_lens = np.full(S, shape.kv_len, np.int32)
+    args = (q, k_pages, v_pages, jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu),
+            jnp.asarray(S, jnp.int32))
+    return args, dict(sm_scale=D ** -0.5, decode_only=shape.decode)
+
+
+def work(model: str, shape: Shape, itemsize: int) -> tuple:
+    """(FLOPs, bytes) of one call: causal (query, key) pairs x 4 H D; K/V read once, q and out."""
+    H, KVH, D = MODELS[model]
+    first = shape.kv_len - shape.q_len  # position of the first new token
+    pairs_per_seq = sum(first + i + 1 for i in range(shape.q_len))
+    flops = 4 * H * D * pairs_per_seq * shape.num_seqs
+    kv_bytes = 2 * shape.kv_len * KVH * D * itemsize * shape.num_seqs
+    q_out_bytes = 2 * shape.num_seqs * shape.q_len * H * D * itemsize
+    return flops, kv_bytes + q_out_bytes
+
+
+@dataclasses.dataclass
+class Result:
+    model: str
+    shape: str
+    num_seqs: int
+    q_len: int
+    kv_len: int
+    backend: str
+    dtype: str
+    ms: float
+    gflops: float
+    gbs: float
+    max_abs_diff_vs_first_backend: Optional[float] = None
+
+
+def bench_one(model, shape, backend, page_size, dtype, iters) -> tuple:
+    args, kwargs = make_inputs(model, shape, page_size, dtype)
+    fn = jax.jit(lambda *a: ragged_paged_attention(*a, **kwargs, backend=backend))
+    out = fn(*args).block_until_ready()
+    times = [_timed(lambda: fn(*args).block_until_ready()) for _ in range(iters)]
+    ms = 1e3 * float(np.median(times))
+    flops, nbytes = work(model, shape, jnp.dtype(dtype).itemsize)
+    res = Result(model, shape.name, shape.num_seqs, shape.q_len, shape.kv_len, backend, jnp.dtype(dtype).name, ms,
+                 flops / ms / 1e6, nbytes / ms / 1e6)
+    return res, np.asarray(out.astype(jnp.float32))
+
+
+def run(models: List[str], shapes: List[Shape], backends: List[str], page_size: int, dtype, iters: int) -> List[Result]:
+    results = []
+    jobs = [(m, s, b) for m in models for s in shapes for b in backends]
+    outs: Dict[tuple, np.ndarray] = {}
+    with tqdm(total=len(jobs), desc="ragged paged attention", unit="case") as bar:
+        for m, s, b in jobs:
+            bar.set_postfix_str(f"{m} {s.name} S={s.num_seqs} q={s.q_len} kv={s.kv_len} {b}")
+            res, out = bench_one(m, s, b, page_size, dtype, iters)
+            key = (m, s)
+            if key in outs:
+                res.max_abs_diff_vs_first_backend = float(np.abs(out - outs[key]).max())
+            else:
+                outs[key] = out
+            results.append(res)
+            bar.update()
+    return results
+
+
+def table(results: List[Result], peak_gflops: float, peak_gbs: float) -> List[str]:
+    lines = ["| model | shape | seqs x (new / context) | backend | dtype | ms/call | GFLOP/s | % peak FLOP/s | GB/s "
+             "| % peak GB/s | max diff vs first backend |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        diff = "" if r.max_abs_diff_vs_first_backend is None else f"{r.max_abs_diff_vs_first_backend:.2e}"
+        lines.append(f"| {r.model} | {r.shape} | {r.num_seqs} x ({r.q_len} / {r.kv_len}) | {r.backend} | {r.dtype} | "
+                     f"{r.ms:.2f} | {r.gflops:.1f} | {100 * r.gflops / peak_gflops:.1f} | {r.gbs:.1f} | "
+                     f"{100 * r.gbs / peak_gbs:.1f} | {diff} |")
+    return lines
+
+
+def machine(device) -> str:
+    if device.platform == "cpu":
+        try:
+            cpu = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")][0]
+        except (OSError, IndexError):
+            cpu = platform.processor()
+        return f"{cpu}, {os.cpu_count()} cores; jax {jax.__version__}"
+    return f"{device.device_kind} ({device.platform}); jax {jax.__version__}"
+
+
+def main(argv: Optional[List[str]] = None) -> List[Result]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--backends", nargs="+", default=None, choices=["native", "pallas"],
+                   help="default: native and pallas on TPU/GPU, native on CPU (pallas there is the interpreter)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: bfloat16 on TPU/GPU, float32 on CPU")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply context and new-token lengths (smoke runs)")
+    p.add_argument("--iters", type=int, default=5, help="timed calls per case (median reported)")
+    p.add_argument("--output", default=None, help="markdown report path (default: reports/ragged-paged-attention-"
+                                                  "<platform>-<date>.md); a .json with the raw numbers beside it")
+    args = p.parse_args(argv)
+    device = jax.devices()[0]
+    on_cpu = device.platform == "cpu"
+    backends = args.backends or (["native"] if on_cpu else ["native", "pallas"])
+    dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
+    shapes = [s.scaled(args.scale) for s in SHAPES]
+    peak_gflops, peak_gbs, peak_src = device_peaks(device)
+    results = run(args.models, shapes, backends, args.page_size, dtype, args.iters)
+    date = datetime.date.today().isoformat()
+    output = args.output or f"reports/ragged-paged-attention-{device.platform}-{date}.md"
+    cli = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python benchmark/kernels/bench_ragged_paged_attention.py", shlex.join(cli)]).strip()
+    lines = [f"# Ragged paged attention, one layer per call ({date})", "",
+             f"Device: {machine(device)}. Page size {args.page_size}, {dtype.name}, median of {args.iters} calls "
+             f"after one warm-up call.", "",
+             f"Peaks: {peak_gflops:.1f} GFLOP/s, {peak_gbs:.1f} GB/s ({peak_src}).", "",
+             "```bash", command, "```", "", *table(results, peak_gflops, peak_gbs), ""]
+    print("\n".join(lines))
+    os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
+    with open(output, "w") as f:
+        f.write("\n".join(lines))
+    with open(os.path.splitext(output)[0] + ".json", "w") as f:
+        json.dump({"command": command, "machine": machine(device), "peak_gflops": peak_gflops, "peak_gbs": peak_gbs,
+                   "peak_source": peak_src, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+    print(f"wrote {output}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
