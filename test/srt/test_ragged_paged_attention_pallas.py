@@ -155,6 +155,18 @@ def test_several_kv_heads_and_default_tiles(kernel):
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_every_sequence_slot_in_use(kernel):
+    """num_seqs == S (a full batch bucket): no read past the metadata arrays (the TPU interpreter raises on
+    out-of-bounds reads), same result as the reference."""
+    args, kwargs, _ = make_batch(12, "mixed", 16, 64, 4, 1, "float32", False)
+    q, kp, vp, kl, pi, cu, n = args
+    S = int(n)
+    args = (q, kp, vp, kl[:S], pi[:S], cu[:S + 1], n)
+    out = np.asarray(KERNELS[kernel](*args, **kwargs))
+    np.testing.assert_allclose(out, np.asarray(reference(*args, **kwargs)), atol=2e-5, rtol=2e-5)
+
+
 def test_q_block_metadata_skips_empty_sequences_and_padding():
     cu = jnp.asarray([0, 3, 3, 20, 20, 20], jnp.int32)  # sequence 1 empty; 2 sequences of padding
     seg = jnp.concatenate([jnp.zeros(3, jnp.int32), jnp.full(17, 9, jnp.int32), jnp.zeros(12, jnp.int32)])

@@ -54,6 +54,7 @@ def _kernel(
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
     def plan_of(s):
+        s = jnp.minimum(s, last)  # `advance` evaluates one past the last sequence: keep SMEM reads in bounds
         return seq_plan(cu_ref[s], cu_ref[s + 1], kv_lens_ref[s], prefix_ref[s], block_start, block_q, seg_lo,
                         block_kv, sliding_window)
 
