@@ -20,10 +20,8 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import shlex
 import sys
-import time
 from typing import Dict, List, Optional
 
 import jax
@@ -31,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from sgl_jax.bench_utils import cpu_name, timed, xla_matmul_gflops
 from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention
 
 MODELS = {  # num_heads, num_kv_heads, head_dim (from the models' config.json)
@@ -77,16 +76,11 @@ DEVICE_PEAKS = {
 
 def measured_cpu_peaks() -> tuple:
     """(XLA float32 matmul GFLOP/s at 2048^3, GB/s summing a 1 GiB float32 array), best of 5 each."""
-    n = 2048
-    a = jnp.ones((n, n), jnp.float32)
-    mm = jax.jit(lambda x, y: x @ y)
-    mm(a, a).block_until_ready()
-    t = min(_timed(lambda: mm(a, a).block_until_ready()) for _ in range(5))
     x = jnp.ones((2**28,), jnp.float32)
     s = jax.jit(jnp.sum)
     s(x).block_until_ready()
-    tb = min(_timed(lambda: s(x).block_until_ready()) for _ in range(5))
-    return 2 * n**3 / t / 1e9, x.nbytes / tb / 1e9
+    tb = min(timed(lambda: s(x).block_until_ready())[1] for _ in range(5))
+    return xla_matmul_gflops(), x.nbytes / tb / 1e9
 
 
 def device_peaks(device) -> tuple:
@@ -98,12 +92,6 @@ def device_peaks(device) -> tuple:
         if device.device_kind.startswith(kind):
             return tflops * 1e3, gbs, f"{kind} datasheet (dense bf16, HBM)"
     return float("nan"), float("nan"), f"unknown peak for {device.device_kind}"
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def make_inputs(model: str, shape: Shape, page_size: int, dtype, seed: int = 0):
@@ -157,7 +145,7 @@ def bench_one(model, shape, backend, page_size, dtype, iters) -> tuple:
     args, kwargs = make_inputs(model, shape, page_size, dtype)
     fn = jax.jit(lambda *a: ragged_paged_attention(*a, **kwargs, backend=backend))
     out = fn(*args).block_until_ready()
-    times = [_timed(lambda: fn(*args).block_until_ready()) for _ in range(iters)]
+    times = [timed(lambda: fn(*args).block_until_ready())[1] for _ in range(iters)]
     ms = 1e3 * float(np.median(times))
     flops, nbytes = work(model, shape, jnp.dtype(dtype).itemsize)
     res = Result(model, shape.name, shape.num_seqs, shape.q_len, shape.kv_len, backend, jnp.dtype(dtype).name, ms,
@@ -196,13 +184,8 @@ def table(results: List[Result], peak_gflops: float, peak_gbs: float) -> List[st
 
 
 def machine(device) -> str:
-    if device.platform == "cpu":
-        try:
-            cpu = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")][0]
-        except (OSError, IndexError):
-            cpu = platform.processor()
-        return f"{cpu}, {os.cpu_count()} cores; jax {jax.__version__}"
-    return f"{device.device_kind} ({device.platform}); jax {jax.__version__}"
+    name = cpu_name() if device.platform == "cpu" else f"{device.device_kind} ({device.platform})"
+    return f"{name}; jax {jax.__version__}"
 
 
 def main(argv: Optional[List[str]] = None) -> List[Result]:

@@ -27,13 +27,14 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import random
 import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from sgl_jax.bench_utils import cpu_name
 
 # (weight, low, high) token-count ranges; a request draws a range by weight, then a count uniformly in it.
 Lengths = Tuple[Tuple[float, int, int], ...]
@@ -368,8 +369,8 @@ async def run_benchmark(args) -> dict:
         "backend": args.backend, "base_url": base_url, "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "seed": args.seed, "num_requests_scale": args.num_requests_scale,
         "request_rate_scale": args.request_rate_scale, "prompt_len_scale": args.prompt_len_scale,
-        "output_len_scale": args.output_len_scale, "machine": f"{platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores", "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "output_len_scale": args.output_len_scale, "machine": cpu_name(),
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "workloads": {},
     }
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits) as client:

@@ -40,6 +40,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from sgl_jax.bench_utils import cpu_name, timed, xla_matmul_gflops
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SMALL = dict(query_tokens=200, num_items=32, item_tokens=20, serial_items=8, hf_items=4)
@@ -96,24 +98,6 @@ def engine_args(cfg: BenchConfig, radix: bool) -> dict:
     else:  # the test suite's shapes, so the persistent compilation cache is shared
         args = dict(SMALL_ENGINE_ARGS)
     return dict(args, disable_radix_cache=not radix, log_level="warning")
-
-
-def timed(fn):
-    t = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t
-
-
-def xla_matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """XLA's float32 matmul rate on this machine (n x n x n, best of `repeats`), GFLOP/s."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = min(timed(lambda: f(a).block_until_ready())[1] for _ in range(repeats))
-    return 2 * n ** 3 / best / 1e9
 
 
 def model_flops(mc, query_tokens: int, num_items: int, item_tokens: int) -> float:
@@ -220,16 +204,12 @@ def max_logprob_diff(a, b, apply_log: bool) -> float:
 
 
 def machine() -> str:
-    try:
-        cpu = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")][0]
-    except (OSError, IndexError):
-        cpu = platform.processor()
     import jax
     import torch
     import transformers
 
-    return (f"{cpu}, {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} "
-            f"GiB; Python {platform.python_version()}, jax {jax.__version__}, torch {torch.__version__}, "
+    return (f"{cpu_name()}, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB; Python "
+            f"{platform.python_version()}, jax {jax.__version__}, torch {torch.__version__}, "
             f"transformers {transformers.__version__}")
 
 

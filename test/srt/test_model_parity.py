@@ -8,7 +8,6 @@ configs saved as safetensors.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
@@ -147,8 +146,7 @@ def test_model_step_writes_kv_in_place(smollm2_harness, smollm2_tokenizer):
     h = smollm2_harness
     r = h.runner
     batch = r.dummy_batch(ForwardMode.DECODE, 4, 4)
-    fb = dataclasses.replace(batch.forward_batch, attention_backend=r.attention_backend)
-    fb, sampling = jax.device_put((fb, batch.sampling))
+    fb, sampling = jax.device_put((batch.forward_batch, batch.sampling))
     hlo = r._step.lower(r.params, r.kv_caches, fb, sampling).compile().as_text()
     cache_shape = "f32[" + ",".join(map(str, r.kv_caches[0][0].shape)) + "]"
     copies = [ln for ln in hlo.splitlines() if f"{cache_shape}" in ln and " copy(" in ln]

@@ -18,7 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "tpu", "gpu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MULTI_ITEM_ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
-ATTENTION_BACKENDS = ("auto", "native", "pallas")  # see sgl_jax.srt.kernels.ragged_paged_attention.backend
+ATTENTION_BACKENDS = ("auto", "native", "pallas")  # resolved in sgl_jax.srt.kernels.ragged_paged_attention.backend
 
 
 def _default_cache_root() -> str:

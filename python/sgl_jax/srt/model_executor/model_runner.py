@@ -134,6 +134,7 @@ class ModelRunner:
     # ---- compiled functions
     def _step_impl(self, params, kv_caches, fb: ForwardBatch, sampling: SamplingMetadata):
         model = nnx.merge(self.graphdef, params)
+        fb = dataclasses.replace(fb, attention_backend=self.attention_backend)  # trace time only
         hidden, kv_caches = model(fb, kv_caches)
         logits = model.compute_logits(hidden[fb.logits_indices])
         next_ids, logprobs = sample(logits, sampling, self.eos_token_ids)
@@ -153,8 +154,7 @@ class ModelRunner:
     # ---- running
     def forward(self, batch: ModelWorkerBatch) -> StepOutput:
         """Run one step on device. The KV cache is updated in place."""
-        fb = dataclasses.replace(batch.forward_batch, attention_backend=self.attention_backend)
-        fb, sampling = jax.device_put((fb, batch.sampling))
+        fb, sampling = jax.device_put((batch.forward_batch, batch.sampling))
         self.kv_caches, next_ids, next_lp, logprobs, hidden = self._step(self.params, self.kv_caches, fb,
                                                                          sampling)
         self._check_no_new_compile(batch)

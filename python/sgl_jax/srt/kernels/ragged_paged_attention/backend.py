@@ -16,8 +16,7 @@ from typing import Optional
 import jax
 
 from sgl_jax.srt.kernels.ragged_paged_attention import ref
-
-ATTENTION_BACKENDS = ("auto", "native", "pallas")
+from sgl_jax.srt.server_args import ATTENTION_BACKENDS
 
 
 def resolve_attention_backend(name: str, platform: str) -> str:

@@ -39,8 +39,9 @@ class BlockSizes:
 
 
 # Tile sizes per device generation and batch kind. The TPU entries are sized to VMEM (double-buffered KV
-# block of all KV heads + a query/output block + float32 accumulators stay under 16 MiB at head_dim 128 and
-# 8 KV heads); they have not been tuned on hardware yet. "default" is the safe choice for unknown devices.
+# block of all KV heads, query/output blocks, the scaled queries and float32 accumulators stay under 16 MiB
+# at head_dim 128 and 8 KV heads); they have not been tuned on hardware yet. "default" is the safe choice for
+# unknown devices.
 TPU_BLOCK_TABLE = {
     "v6e": {"decode": BlockSizes(8, 512), "extend": BlockSizes(128, 512)},
     "v5e": {"decode": BlockSizes(8, 256), "extend": BlockSizes(128, 256)},

@@ -40,7 +40,7 @@ def _kernel(
     # output
     o_ref,
     # scratch
-    k_buf, v_buf, sems, m_sc, l_sc, acc_sc,
+    k_buf, v_buf, sems, q_sc, m_sc, l_sc, acc_sc,
     *, sm_scale, sliding_window, soft_cap, block_q, block_kv, page_size, pages_per_seq, num_pages,
     num_kv_heads, group, head_dim,
 ):
@@ -52,6 +52,10 @@ def _kernel(
     m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    for h in range(num_kv_heads):  # the block's queries per KV head, [G * block_q, D], scaled once
+        q = jnp.concatenate(
+            [q_ref[:, (h * group + g) * head_dim:(h * group + g + 1) * head_dim] for g in range(group)], axis=0)
+        q_sc[h] = (q.astype(jnp.float32) * sm_scale).astype(q_sc.dtype)
 
     def plan_of(s):
         s = jnp.minimum(s, last)  # `advance` evaluates one past the last sequence: keep SMEM reads in bounds
@@ -96,13 +100,9 @@ def _kernel(
         kpos = kb * block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         mask = block_mask(plan, rows, seg, kpos, sliding_window)
         for h in range(num_kv_heads):
-            q = jnp.concatenate(
-                [q_ref[:, (h * group + g) * head_dim:(h * group + g + 1) * head_dim] for g in range(group)],
-                axis=0)
-            q = (q.astype(jnp.float32) * sm_scale).astype(q_ref.dtype)
             k = k_buf[slot, :, h * head_dim:(h + 1) * head_dim]
             v = v_buf[slot, :, h * head_dim:(h + 1) * head_dim]
-            m, l, acc = softmax_update(m_sc[h], l_sc[h], acc_sc[h], qk_scores(q, k), mask, v, soft_cap)
+            m, l, acc = softmax_update(m_sc[h], l_sc[h], acc_sc[h], qk_scores(q_sc[h], k), mask, v, soft_cap)
             m_sc[h], l_sc[h], acc_sc[h] = m, l, acc
 
     s0, i0 = advance(first, jnp.int32(-1))
@@ -197,6 +197,7 @@ def ragged_paged_attention_tpu(
             pltpu.VMEM((2, block_kv, KVH * D), k_pages.dtype),
             pltpu.VMEM((2, block_kv, KVH * D), v_pages.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.VMEM((KVH, G * block_q, D), q.dtype),
             pltpu.VMEM((KVH, G * block_q, 1), jnp.float32),
             pltpu.VMEM((KVH, G * block_q, 1), jnp.float32),
             pltpu.VMEM((KVH, G * block_q, D), jnp.float32),

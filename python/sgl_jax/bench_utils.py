@@ -1,0 +1,37 @@
+"""Small helpers shared by the benchmarks: timing, the machine's name, XLA's measured matmul rate."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+
+def timed(fn):
+    """(fn(), seconds it took) by time.perf_counter."""
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (else platform.processor()) and its core count, e.g. "AMD EPYC, 2 cores"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")][0]
+    except (OSError, IndexError):
+        cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def xla_matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """XLA's float32 matmul rate on the default device (n x n x n, best of `repeats`), GFLOP/s."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = min(timed(lambda: f(a).block_until_ready())[1] for _ in range(repeats))
+    return 2 * n ** 3 / best / 1e9
