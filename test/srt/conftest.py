@@ -16,3 +16,20 @@ def smollm2_tokenizer():
     from sgl_jax.srt.configs.model_config import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path(None).hf_dir)
+
+
+@pytest.fixture(scope="session")
+def hardened_server():
+    """A server as an operator would expose it -- API key and admin key set, scoring cache on -- with the
+    fault-injection test hook on (requests whose rid starts with ``fault-<stage>`` fail at that stage) and
+    max_running_requests 8 (so 32 concurrent requests are 4x what it runs at once). Shared by
+    test_bad_requests.py and test_bad_requests_fuzz.py."""
+    from srt_helpers import ADMIN_API_KEY, API_KEY, SMALL_ENGINE_ARGS, ServerProcess, alive_after
+
+    s = ServerProcess(env={"SGL_JAX_TEST_FAULT_INJECTION": "1"},
+                      engine_args={**SMALL_ENGINE_ARGS, "max_running_requests": 8, "enable_scoring_cache": True,
+                                   "api_key": API_KEY, "admin_api_key": ADMIN_API_KEY})
+    yield s
+    code = s.stop()
+    assert code == 0, f"server exited with {code}"
+    assert not alive_after(s.children), "child processes left behind"

@@ -28,6 +28,11 @@ SMALL_ENGINE_ARGS = dict(
 )
 
 
+# the keys of conftest.hardened_server
+API_KEY = "test-api-key"
+ADMIN_API_KEY = "test-admin-key"
+
+
 def engine_cli_args(extra: Optional[dict] = None) -> List[str]:
     args = []
     for k, v in {**SMALL_ENGINE_ARGS, **(extra or {})}.items():
@@ -124,6 +129,22 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+def wait_pool_idle(url: str, headers: Optional[dict] = None, timeout: float = 60.0) -> dict:
+    """Wait until nothing runs, then assert the KV pool is free + cached: nothing in use or locked, every
+    request slot free, no accounting error. Returns the internal state."""
+    deadline = time.time() + timeout
+    while True:
+        st = httpx.get(url + "/get_server_info", headers=headers, timeout=30).json()["internal_states"][0]
+        idle = st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0 and st["num_score_handles"] == 0
+        if idle and st["kv_tokens_in_use"] == 0 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert st["kv_tokens_in_use"] == 0 and st["kv_tokens_protected"] == 0, st
+    assert st["kv_tokens_free"] + st["kv_tokens_cached"] == st["kv_tokens_total"], st
+    assert st["req_slots_free"] == st["max_running_requests"] and st["memory_errors"] == 0, st
+    return st
 
 
 def default_model_path() -> str:

@@ -97,7 +97,7 @@ def engine_args(cfg: BenchConfig, radix: bool) -> dict:
                     max_total_tokens=65536)
     else:  # the test suite's shapes, so the persistent compilation cache is shared
         args = dict(SMALL_ENGINE_ARGS)
-    return dict(args, disable_radix_cache=not radix, log_level="warning")
+    return dict(args, disable_radix_cache=not radix, enable_scoring_cache=True, log_level="warning")
 
 
 def model_flops(mc, query_tokens: int, num_items: int, item_tokens: int) -> float:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import os
 import time
 
 import httpx
@@ -27,6 +29,11 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def served_name() -> str:
+    """The default served model name: the GGUF file's name without .gguf."""
+    return os.path.basename(default_model_path())[:-len(".gguf")]
 
 
 def sse_events(response: httpx.Response):
@@ -54,7 +61,7 @@ def test_chat_completion_answers_paris(server, client):
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens > 10 and r.usage.completion_tokens > 0
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert r.model == default_model_path()  # served name defaults to the model path; the request's need not match
+    assert r.model == served_name()  # the model file's name, never its path; the request's need not match
 
 
 def test_chat_completion_stream_matches_non_stream(server, client):
@@ -183,9 +190,9 @@ def test_error_cases_get_400_and_server_keeps_serving(server, client):
                          "max_tokens")
     _assert_openai_error(httpx.post(u + "/v1/chat/completions", json={"messages": "hi"}, timeout=30), "messages")
     _assert_openai_error(httpx.post(u + "/v1/completions", json={"prompt": "hi", "max_tokens": -3}, timeout=30),
-                         "max_tokens must be non-negative")
+                         "max_tokens: Input should be greater than or equal to 0")
     _assert_openai_error(httpx.post(u + "/v1/chat/completions", json={"messages": CHAT_Q, "temperature": -0.5},
-                                    timeout=30), "temperature must be non-negative")
+                                    timeout=30), "temperature: Input should be greater than or equal to 0")
     long_prompt = "hello " * 2100  # > 2048-token context
     _assert_openai_error(httpx.post(u + "/v1/completions", json={"prompt": long_prompt}, timeout=30),
                          "longer than the model's context length")
@@ -194,7 +201,7 @@ def test_error_cases_get_400_and_server_keeps_serving(server, client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=CHAT_Q, temperature=-1)
 
-    native = httpx.post(u + "/generate", content=b"[1, 2", timeout=30)
+    native = httpx.post(u + "/generate", content=b"[1, 2", timeout=30, headers={"content-type": "application/json"})
     assert native.status_code == 400 and "JSON" in native.json()["error"]["message"]
     native = httpx.post(u + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": -1}}, timeout=30)
     assert native.status_code == 400 and "max_new_tokens" in native.json()["error"]["message"]
@@ -212,13 +219,13 @@ def test_error_cases_get_400_and_server_keeps_serving(server, client):
 def test_info_health_and_flush(server):
     u = server.url
     models = httpx.get(u + "/v1/models", timeout=10).json()
-    assert models["data"][0]["id"] == default_model_path() and models["data"][0]["max_model_len"] == 2048
+    assert models["data"][0]["id"] == served_name() and models["data"][0]["max_model_len"] == 2048
     info = httpx.get(u + "/get_model_info", timeout=10).json()
-    assert info["model_path"] == default_model_path() and info["is_generation"] is True
+    assert info["model_path"] == served_name() and info["is_generation"] is True  # SGLang's key, no disk path
     assert httpx.get(u + "/health", timeout=10).status_code == 200
     assert httpx.get(u + "/health_generate", timeout=60).status_code == 200
     wait_idle(server)
-    assert httpx.post(u + "/flush_cache", timeout=10).status_code == 200
+    assert httpx.post(u + "/flush_cache", json={}, timeout=10).status_code == 200
 
 
 def test_abort_request_and_client_disconnect_free_the_kv(server):
@@ -263,7 +270,7 @@ def test_flush_cache_refused_while_running_and_openai_stream_close_aborts(server
     stream = client.completions.create(model="m", prompt="Count: 1, 2, 3,", max_tokens=500, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
-    refused = httpx.post(server.url + "/flush_cache", timeout=10)
+    refused = httpx.post(server.url + "/flush_cache", json={}, timeout=10)
     assert refused.status_code == 400 and "running" in refused.text
     stream.close()  # the openai client goes away mid-stream
     state = wait_idle(server)
@@ -276,6 +283,22 @@ def test_kv_pool_is_free_when_idle(server):
     assert state["kv_tokens_free"] + state["kv_tokens_cached"] == state["kv_tokens_total"] == 16384
     assert state["memory_errors"] == 0, "the idle accounting check found leaked KV"
     assert state["num_compiles_after_warmup"] == 0, "serving compiled a new shape"
-    assert httpx.post(server.url + "/flush_cache", timeout=10).status_code == 200
+    assert httpx.post(server.url + "/flush_cache", json={}, timeout=10).status_code == 200
     state = internal_state(server)
     assert state["kv_tokens_cached"] == 0 and state["kv_tokens_free"] == state["kv_tokens_total"]
+
+
+def test_prefill_extend_needs_the_scoring_cache_flag(server, smollm2_tokenizer):
+    """This server runs without --enable-scoring-cache: a request may not pick prefill_extend (its handles
+    hold slots and KV), while auto picks packed and works."""
+    labels = [smollm2_tokenizer.encode(" yes", add_special_tokens=False)[0]]
+    body = {"query": "Is it about France? ", "items": ["Paris.", "Bananas."], "label_token_ids": labels}
+    refused = httpx.post(server.url + "/v1/score", json={**body, "algorithm": "prefill_extend"}, timeout=60)
+    assert refused.status_code == 400 and "--enable-scoring-cache" in refused.json()["message"]
+    auto = httpx.post(server.url + "/v1/score", json=body, timeout=60)
+    packed = httpx.post(server.url + "/v1/score", json={**body, "algorithm": "packed"}, timeout=60)
+    assert auto.status_code == 200 and packed.status_code == 200
+    for x, y in zip(auto.json()["scores"], packed.json()["scores"]):  # (the second one hits the radix cache)
+        assert abs(math.log(x[0]) - math.log(y[0])) < 1e-4
+    state = wait_idle(server)
+    assert state["kv_tokens_in_use"] == 0 and state["num_score_handles"] == 0

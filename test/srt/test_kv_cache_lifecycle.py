@@ -58,7 +58,7 @@ def check_idle_accounting(server, radix: bool) -> dict:
     assert state["req_slots_free"] == state["max_running_requests"]
     if radix:
         assert state["kv_tokens_cached"] > 0
-        assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
+        assert httpx.post(server.url + "/flush_cache", json={}, timeout=30).status_code == 200
         after = state_of(server)
         assert after["kv_tokens_cached"] == 0 and after["kv_tokens_free"] == after["kv_tokens_total"]
     return state
@@ -155,7 +155,7 @@ def test_flush_cache_refused_while_running_and_disconnect_releases(prompts):
                 if line.startswith("data: {"):
                     assert json.loads(line[6:])["meta_info"]["completion_tokens"] >= 1
                     break
-            refused = httpx.post(server.url + "/flush_cache", timeout=30)
+            refused = httpx.post(server.url + "/flush_cache", json={}, timeout=30)
             assert refused.status_code == 400 and "running" in refused.text
         deadline = time.time() + 60  # the stream is closed: the request must be aborted and released
         while state_of(server)["num_running_reqs"] and time.time() < deadline:

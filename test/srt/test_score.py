@@ -46,7 +46,7 @@ def labels(smollm2_tokenizer):
 @pytest.fixture(scope="module")
 def engine():
     # a small pack limit, so that packed requests are split into several packs
-    with Engine(**SMALL_ENGINE_ARGS, log_level="warning", max_multi_item_seq_len=300,
+    with Engine(**SMALL_ENGINE_ARGS, log_level="warning", max_multi_item_seq_len=300, enable_scoring_cache=True,
                 multi_item_prefill_extend_cache_timeout=TTL_S, multi_item_extend_batch_size=3) as eng:
         yield eng
         state = eng._run(eng.tokenizer_manager.get_internal_state())
@@ -281,7 +281,8 @@ def test_http_errors_are_400_and_server_keeps_serving(server, labels):
     }
     for name, body in cases.items():
         if body is None:
-            r = httpx.post(server.url + "/v1/score", content=b"{nope", timeout=30)
+            r = httpx.post(server.url + "/v1/score", content=b"{nope", timeout=30,
+                           headers={"content-type": "application/json"})
         else:
             r = post_score(server, body)
         assert r.status_code == 400, (name, r.status_code, r.text)
@@ -298,7 +299,7 @@ def test_http_client_disconnect_aborts(server, labels):
                             "algorithm": "prefill_extend"}, timeout=1.0)
     st = wait_idle(lambda: http_state(server))
     assert st["num_score_handles"] == 0
-    assert "Client disconnected; aborting /v1/score" in server.log_text()
+    assert "Client disconnected: aborting score request" in server.log_text()
     r = post_score(server, {"query": "Is it relevant?", "items": ["yes"], "label_token_ids": labels})
     assert r.status_code == 200
 

@@ -48,6 +48,11 @@ class ServerArgs:
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
+    api_key: Optional[str] = None
+    admin_api_key: Optional[str] = None
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    max_top_logprobs_num: int = 20
+    allow_auto_truncate: bool = False
 
     # Memory and scheduling
     page_size: int = 1
@@ -105,6 +110,11 @@ class ServerArgs:
             raise ValueError(f"--chunked-prefill-size must be -1 (off) or at least --page-size "
                              f"({self.page_size}), got {self.chunked_prefill_size!r}")
         self._check_positive("stream_interval")
+        self._check_positive("max_request_body_bytes")
+        self._check_positive("max_top_logprobs_num")
+        for name in ("api_key", "admin_api_key"):
+            if getattr(self, name) is not None and not getattr(self, name):
+                raise ValueError(f"--{_flag(name)} must not be empty")
         for name in ("max_total_tokens", "max_running_requests", "context_length"):
             if getattr(self, name) is not None:
                 self._check_positive(name)
@@ -168,6 +178,14 @@ class ServerArgs:
             "enable_scoring_cache": "keep a scored query's KV in a scoring-cache handle while its items extend it",
             "multi_item_prefill_extend_cache_timeout": "seconds an unused scoring-cache handle lives (TTL)",
             "compilation_cache_dir": "JAX persistent compilation cache directory",
+            "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health (SGLang's flag)",
+            "admin_api_key": "key for the admin endpoints (/flush_cache, /abort_request with abort_all); when "
+                             "set, only it opens them",
+            "allow_auto_truncate": "cut an input longer than the context (keeping its start) and a max_new_tokens "
+                                   "beyond it, instead of answering 400 (SGLang's flag)",
+            "max_request_body_bytes": "largest request body accepted, in bytes (413 beyond it)",
+            "max_top_logprobs_num": "most top logprobs per token a request may ask for (top_logprobs_num, OpenAI "
+                                    "top_logprobs and logprobs)",
         }
         for field in dataclasses.fields(ServerArgs):
             flag = "--" + _flag(field.name)
@@ -188,6 +206,11 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def prefill_extend_allowed(self) -> bool:
+        """Whether /v1/score may use prefill_extend (whose scoring-cache handles hold slots and KV)."""
+        return self.enable_scoring_cache or self.multi_item_enable_prefill_extend or \
+            self.multi_item_algorithm == "prefill_extend"
 
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"

@@ -46,6 +46,19 @@ def resolve_model_path(model_path: Optional[str]) -> ResolvedModel:
     return ResolvedModel(model_path=path, hf_dir=path, gguf_file=None)
 
 
+def served_model_name(server_args) -> str:
+    """The name responses give the model: --served-model-name, else the model file's or directory's name
+    (``SmolLM2-135M-Instruct.Q4_1`` for the default GGUF) -- never its path on disk.
+
+    Raises:
+        FileNotFoundError: as `resolve_model_path`.
+    """
+    if server_args.served_model_name:
+        return server_args.served_model_name
+    name = os.path.basename(os.path.normpath(resolve_model_path(server_args.model_path).model_path))
+    return name[:-len(".gguf")] if name.endswith(".gguf") else name
+
+
 def tokenizer_path_for(server_args) -> str:
     """--tokenizer-path, else the model's HF directory (for GGUF: the cached one built from its metadata)."""
     return server_args.tokenizer_path or resolve_model_path(server_args.model_path).hf_dir

@@ -15,14 +15,36 @@ import logging
 import threading
 from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Union
 
+import pydantic
+
 from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_subprocesses
-from sgl_jax.srt.managers.scoring import ScoreReqInput
-from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager, split_batch
+from sgl_jax.srt.entrypoints.native_protocol import GenerateRequest, ScoreRequest, validation_message
+from sgl_jax.srt.managers.errors import RequestError
+from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import configure_logging, kill_processes
 
 logger = logging.getLogger(__name__)
 
+
+def _validated(model, body: dict):
+    """Validate `body` with the HTTP API's pydantic model (the same checks as the server).
+
+    Raises:
+        RequestError: 400 naming the bad fields.
+    """
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as e:
+        raise RequestError(validation_message(e.errors())) from None
+
+
+def _split(body: dict):
+    return _validated(GenerateRequest, body).to_inputs()
+
+
+def _score_input(**fields):
+    return _validated(ScoreRequest, {k: v for k, v in fields.items() if v is not None}).to_input()
 
 
 async def _anext(agen):
@@ -109,7 +131,7 @@ class Engine:
         Raises:
             RequestError: an invalid request.
         """
-        obj = split_batch(self._body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+        obj = _split(self._body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream, rid))
         if isinstance(obj, list):
             return self._run(self._generate_all(obj))
@@ -143,15 +165,15 @@ class Engine:
         Raises:
             RequestError: an invalid request (400) or one that cannot fit (413).
         """
-        obj = ScoreReqInput(query=query, items=items, label_token_ids=label_token_ids, apply_softmax=apply_softmax,
-                            item_first=item_first, algorithm=algorithm)
+        obj = _score_input(query=query, items=items, label_token_ids=label_token_ids, apply_softmax=apply_softmax,
+                           item_first=item_first, algorithm=algorithm)
         return self._run(self.tokenizer_manager.score_request(obj))["scores"]
 
     async def async_score(self, query=None, items=None, label_token_ids=None, apply_softmax: bool = False,
                           item_first: bool = False, algorithm: Optional[str] = None) -> List[List[float]]:
         """Async `score`, usable from any event loop."""
-        obj = ScoreReqInput(query=query, items=items, label_token_ids=label_token_ids, apply_softmax=apply_softmax,
-                            item_first=item_first, algorithm=algorithm)
+        obj = _score_input(query=query, items=items, label_token_ids=label_token_ids, apply_softmax=apply_softmax,
+                           item_first=item_first, algorithm=algorithm)
         coro = self.tokenizer_manager.score_request(obj)
         out = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
         return out["scores"]
@@ -161,7 +183,7 @@ class Engine:
                              return_text_in_logprobs=False, stream=False, rid=None
                              ) -> Union[dict, List[dict], AsyncIterator[dict]]:
         """Async `generate`, usable from any event loop. With ``stream=True`` returns an async iterator."""
-        obj = split_batch(self._body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+        obj = _split(self._body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream, rid))
         if stream and not isinstance(obj, list):
             return self._stream_async(obj)

@@ -1,10 +1,16 @@
 """The HTTP server: FastAPI routes over a TokenizerManager, SGLang's native API plus OpenAI's.
 
-Native: /generate, /health, /health_generate, /get_model_info, /get_server_info, /flush_cache,
+Native: /generate, /health, /health_generate, /get_model_info, /get_server_info, /flush_cache (POST),
 /abort_request. OpenAI: /v1/models, /v1/completions, /v1/chat/completions. Scoring: /v1/score.
-Errors: malformed or invalid requests get 400 (never FastAPI's 422) with a message -- OpenAI's error
-object on /v1/*, ``{"error": {"message": ...}}`` elsewhere; 413 when a request cannot fit; 503 while
-the engine is down. If the scheduler or detokenizer process dies, the server logs it, fails /health,
+
+Every request body is parsed by orjson (no NaN, no lone surrogates) and validated by a pydantic model
+(entrypoints/native_protocol.py, entrypoints/openai/protocol.py), so /openapi.json documents each field's
+type and range. Errors: invalid requests get 400 (never FastAPI's 422) with a message naming the field --
+OpenAI's error object on /v1/*, ``{"error": {"message": ...}}`` elsewhere; 401 without the API key
+(http_guards.py); 404 for an unknown rid in /abort_request; 413 when a body exceeds
+--max-request-body-bytes or a request cannot fit; 415 for a POST that is not JSON; 500 when the engine
+failed one request (the others go on); 503 while the engine is down. Responses name the served model,
+never its path on disk. If the scheduler or detokenizer process dies, the server logs it, fails /health,
 and exits with a non-zero status.
 """
 
@@ -19,24 +25,52 @@ import signal
 import sys
 import threading
 import time
+from typing import Optional
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgl_jax import __version__
+from sgl_jax.srt.entrypoints.http_guards import GuardMiddleware, KeyChecker
+from sgl_jax.srt.entrypoints.native_protocol import AbortRequest, GenerateRequest, ScoreRequest, validation_message
 from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sgl_jax.srt.entrypoints.openai.serving_chat import create_chat_completion
 from sgl_jax.srt.entrypoints.openai.serving_completions import create_completion, gather_or_cancel
 from sgl_jax.srt.entrypoints.openai.utils import SSE_DONE, json_response, merge_streams, openai_error, sse
-from sgl_jax.srt.managers.scoring import ScoreReqInput
-from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager, split_batch
+from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 from sgl_jax.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+# ServerArgs fields /get_server_info never shows: secrets, and paths on this machine's disk
+PRIVATE_SERVER_ARGS = ("api_key", "admin_api_key", "model_path", "tokenizer_path", "compilation_cache_dir")
+
+
+class ORJSONRequest(Request):
+    """A Request whose JSON body is parsed by orjson: NaN, Infinity and lone UTF-16 surrogates are
+    refused as invalid JSON (400), so no such value ever reaches a field or the tokenizer."""
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+
+class ORJSONRoute(APIRoute):
+    """FastAPI's documented way to swap the Request class of a route."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route_handler(request: Request):
+            return await handler(ORJSONRequest(request.scope, request.receive))
+
+        return route_handler
 
 
 def _native_error(message: str, status_code: int = 400) -> Response:
@@ -49,12 +83,13 @@ def _error_for(request: Request, message: str, status_code: int) -> Response:
     return _native_error(message, status_code)
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    return "Invalid request: " + "; ".join(parts)
+def public_server_args(server_args: ServerArgs, served_model_name: str) -> dict:
+    """The server's configuration as /get_server_info shows it: no keys, no paths on disk."""
+    out = {k: v for k, v in dataclasses.asdict(server_args).items() if k not in PRIVATE_SERVER_ARGS}
+    out["served_model_name"] = served_model_name
+    out["api_key_set"] = server_args.api_key is not None
+    out["admin_api_key_set"] = server_args.admin_api_key is not None
+    return out
 
 
 def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dict) -> FastAPI:
@@ -67,15 +102,22 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
         await tm.close()
 
     app = FastAPI(lifespan=lifespan, title="sgl-jax", version=__version__)
+    app.router.route_class = ORJSONRoute
+    app.add_middleware(GuardMiddleware, keys=KeyChecker(server_args.api_key, server_args.admin_api_key),
+                       max_body_bytes=server_args.max_request_body_bytes)
     app.state.tokenizer_manager = tm
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        return _error_for(request, _validation_message(exc), 400)
+        return _error_for(request, validation_message(exc.errors()), 400)
 
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError):
         return _error_for(request, exc.message, exc.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        return _error_for(request, str(exc.detail), exc.status_code)
 
     # ---------------------------------------------------------------- health and info
     @app.get("/health")
@@ -95,43 +137,47 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
 
     @app.get("/get_model_info")
     async def get_model_info():
-        return json_response({"model_path": tm.model_path, "tokenizer_path": tm.tokenizer_path,
+        return json_response({"model_path": tm.served_model_name, "tokenizer_path": tm.served_model_name,
                               "served_model_name": tm.served_model_name, "is_generation": True,
                               "context_length": tm.context_len})
 
     @app.get("/get_server_info")
     async def get_server_info():
         state = await tm.get_internal_state()
-        return json_response({**dataclasses.asdict(server_args), "scheduler_info": scheduler_info,
-                              "internal_states": [state], "version": __version__})
+        return json_response({**public_server_args(server_args, tm.served_model_name),
+                              "scheduler_info": scheduler_info, "internal_states": [state], "version": __version__})
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")
     async def flush_cache():
         out = await tm.flush_cache()
         return Response(out.message, status_code=200 if out.success else 400)
 
     @app.post("/abort_request")
-    async def abort_request(request: Request):
-        body = await _json_body(request)
-        if body.get("abort_all"):
-            for rid in list(tm.rid_to_state):
-                tm.abort_request(rid)
-        elif isinstance(body.get("rid"), str):
-            tm.abort_request(body["rid"])
-        else:
+    async def abort_request(req: AbortRequest):
+        if req.abort_all:
+            n = tm.abort_all()
+            logger.info("abort_all: aborting %d requests", n)
+            return Response(status_code=200)
+        if req.rid is None:
             raise RequestError("'rid' (string) or 'abort_all': true is required")
+        if not tm.abort_request(req.rid):
+            raise RequestError(f"No running generation request has rid {req.rid!r}", 404)
         return Response(status_code=200)
 
     # ---------------------------------------------------------------- native generation
     @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request):
-        body = await _json_body(request)
-        objs = split_batch(body)
+    async def generate(req: GenerateRequest, request: Request):
+        objs = req.to_inputs()
         batch = isinstance(objs, list)
         items = objs if batch else [objs]
-        prepared = [tm.prepare(o) for o in items]
+        for o in items:  # refuse a taken rid before any prompt of the batch starts
+            if o.rid is not None:
+                tm.reserve_rid(o.rid)
+        prepared = [await tm.prepare_async(o) for o in items]
         if not items[0].stream:
-            results = await gather_or_cancel(tm.generate(p) for p in prepared)
+            results = await until_disconnect(request, gather_or_cancel(tm.generate(p) for p in prepared))
+            if results is None:
+                return Response(status_code=499)
             return json_response(results if batch else results[0])
 
         async def stream():
@@ -151,24 +197,19 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
     async def models():
         return json_response({"object": "list", "data": [{
             "id": tm.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "sgl-jax",
-            "root": tm.model_path, "max_model_len": tm.context_len}]})
+            "root": tm.served_model_name, "max_model_len": tm.context_len}]})
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await create_completion(tm, req)
+    async def completions(req: CompletionRequest, request: Request):
+        return await create_completion(tm, req, lambda coro: until_disconnect(request, coro))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        return await create_chat_completion(tm, req)
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(tm, req, lambda coro: until_disconnect(request, coro))
 
     @app.post("/v1/score")
-    async def score(request: Request):
-        body = await _json_body(request)
-        fields = {f.name for f in dataclasses.fields(ScoreReqInput)}
-        unknown = sorted(set(body) - fields)
-        if unknown:
-            raise RequestError(f"Unknown fields: {unknown}")
-        result = await _until_disconnect(request, tm.score_request(ScoreReqInput(**body)))
+    async def score(req: ScoreRequest, request: Request):
+        result = await until_disconnect(request, tm.score_request(req.to_input()))
         if result is None:
             return Response(status_code=499)
         n = result["prompt_tokens"]
@@ -178,34 +219,22 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
     return app
 
 
-async def _until_disconnect(request: Request, coro, poll_s: float = 0.25):
+async def until_disconnect(request: Request, coro, poll_s: float = 0.25) -> Optional[object]:
     """Await `coro`, cancelling it (which aborts its work in the scheduler) if the client disconnects
-    first; returns None then."""
+    first; returns None then (SGLang checks ``request.is_disconnected()`` the same way)."""
     task = asyncio.ensure_future(coro)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=poll_s)
             if done:
                 return task.result()
-            if await request.is_disconnected():
-                logger.info("Client disconnected; aborting %s", request.url.path)
+            if await request.is_disconnected():  # (the aborted request logs one line with its rid)
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 return None
     finally:
         if not task.done():
             task.cancel()
-
-
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise RequestError(f"Request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise RequestError("Request body must be a JSON object")
-    return body
 
 
 def launch_server(server_args: ServerArgs) -> None:

@@ -18,6 +18,7 @@ from typing import Dict, List
 import zmq
 
 from sgl_jax.srt.configs.model_config import load_tokenizer
+from sgl_jax.srt.managers import fault_injection
 from sgl_jax.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, DecodeConfig, StrOut, TokenOut
 from sgl_jax.srt.utils import configure_logging, prepare_child_process
 
@@ -100,7 +101,12 @@ class IncrementalDetokenizer:
 
 
 class DetokenizerManager:
-    """Receives BatchTokenIDOut from the scheduler and sends BatchStrOut to the TokenizerManager."""
+    """Receives BatchTokenIDOut from the scheduler and sends BatchStrOut to the TokenizerManager.
+
+    A request whose decoding raises fails alone: one ``StrOut(error=...)`` goes out for it (the
+    TokenizerManager answers 500 and aborts it), its later outputs are dropped, and its final one is passed
+    on without text so the TokenizerManager knows the scheduler released it.
+    """
 
     def __init__(self, server_args, port_args):
         self.tokenizer = load_tokenizer(server_args)
@@ -110,14 +116,35 @@ class DetokenizerManager:
         self.send_to_tokenizer = ctx.socket(zmq.PUSH)
         self.send_to_tokenizer.connect(port_args.tokenizer_ipc_name)
         self.states: Dict[str, IncrementalDetokenizer] = {}
+        self.failed: set = set()  # rids whose decoding failed, until their final output passes
 
     def handle(self, batch: BatchTokenIDOut) -> BatchStrOut:
         outs = []
         for t in batch.outs:
-            outs.append(self._handle_one(t))
+            if t.rid in self.failed:
+                if t.finished_reason is not None:
+                    self.failed.discard(t.rid)
+                    outs.append(StrOut(rid=t.rid, text="", new_token_ids=[], finished_reason=t.finished_reason,
+                                       prompt_tokens=t.prompt_tokens, completion_tokens=t.completion_tokens,
+                                       cached_tokens=t.cached_tokens))
+                continue
+            try:
+                outs.append(self._handle_one(t))
+            except Exception as exc:
+                self.states.pop(t.rid, None)
+                reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+                logger.error("Request %s failed, aborted (the others go on): internal error while detokenizing "
+                             "the request: %s", t.rid, reason)
+                if t.finished_reason is None:
+                    self.failed.add(t.rid)
+                outs.append(StrOut(rid=t.rid, text="", new_token_ids=[], finished_reason=t.finished_reason,
+                                   prompt_tokens=0,
+                                   completion_tokens=0, cached_tokens=0,
+                                   error=f"internal error while detokenizing the request: {reason}"))
         return BatchStrOut(outs)
 
     def _handle_one(self, t: TokenOut) -> StrOut:
+        fault_injection.check("detokenize", (t.rid,))
         state = self.states.get(t.rid)
         if state is None:
             state = self.states[t.rid] = IncrementalDetokenizer(self.tokenizer, t.decode)

@@ -101,7 +101,12 @@ class BatchTokenIDOut:
 
 @dataclasses.dataclass
 class StrOut:
-    """Progress of one request as text: ``text`` is the new, final (never retracted) text."""
+    """Progress of one request as text: ``text`` is the new, final (never retracted) text.
+
+    error: set (with no other content) when the detokenizer failed on this request: the request fails
+    with HTTP 500 and is aborted; its later outputs are dropped, except the final one, which is passed on
+    (as a message without text) so the TokenizerManager knows the scheduler is done with the rid.
+    """
 
     rid: str
     text: str
@@ -111,6 +116,7 @@ class StrOut:
     completion_tokens: int
     cached_tokens: int
     logprobs: Optional[LogprobDelta] = None
+    error: Optional[str] = None
 
 
 @dataclasses.dataclass

@@ -120,11 +120,16 @@ class PrefillAdder:
         else:
             match = self.tree_cache.match_prefix(req.fill_ids[:req.max_prefix_len()])
             moved = self.tree_cache.inc_lock_ref(match.last_node)
-        prefix = match.length
-        extend = len(req.fill_ids) - prefix
-        n = self._take(req, extend)
-        need = self.allocator.pages_needed(prefix, req.seqlen) + self._pages(future_tokens(req, self.ratio))
-        if n == 0 or not self._fits_bucket(self.num_tokens + n) or need > self.rem_pages - moved // self.ps:
+        try:
+            prefix = match.length
+            extend = len(req.fill_ids) - prefix
+            n = self._take(req, extend)
+            need = self.allocator.pages_needed(prefix, req.seqlen) + self._pages(future_tokens(req, self.ratio))
+            fits = n > 0 and self._fits_bucket(self.num_tokens + n) and need <= self.rem_pages - moved // self.ps
+        except BaseException:  # never leave the prefix locked
+            self.tree_cache.dec_lock_ref(match.last_node)
+            raise
+        if not fits:
             self.tree_cache.dec_lock_ref(match.last_node)
             return False
         self.rem_pages -= need + moved // self.ps

@@ -4,6 +4,12 @@ Loop: receive requests -> pick the next batch (a prefill of newly admitted reque
 otherwise one decode step of every running request) -> run it -> append tokens, finish and release
 requests, send progress to the detokenizer. New requests join between decode steps; finished ones leave.
 
+Fault isolation: an exception while scheduling, building, running or post-processing a batch that comes
+from one request's data fails that request only (HTTP 500 with a one-line reason), frees its KV through
+`release_kv_cache`, logs one line, and the loop goes on. A batch that fails is re-run without the requests
+that fail on their own. Only a fault that is not one request's (or that lost the KV cache, e.g. a device
+error after the cache was donated) ends the process, which then exits non-zero.
+
 Chunked prefill: a prompt longer than --chunked-prefill-size is prefilled a chunk per step, with a decode
 step of the running batch between chunks, so a long prompt does not stall every stream. Retract: when a
 decode step cannot get KV pages even after evicting cached prefixes, the latest admitted requests are
@@ -23,6 +29,7 @@ from typing import List, Optional
 import zmq
 
 from sgl_jax.srt.configs.model_config import ModelConfig, load_tokenizer
+from sgl_jax.srt.managers import fault_injection
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -37,7 +44,7 @@ from sgl_jax.srt.managers.io_struct import (
     TokenizedScoreReqInput,
     TokenOut,
 )
-from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort
+from sgl_jax.srt.managers.schedule_batch import FinishReason, Req, ScheduleBatch, finish_abort
 from sgl_jax.srt.managers.schedule_policy import (
     INIT_NEW_TOKEN_RATIO,
     MIN_NEW_TOKEN_RATIO,
@@ -188,15 +195,115 @@ class Scheduler:
                 raise RuntimeError(f"injected crash at step {step} ({CRASH_AT_STEP_ENV})")
             self._idle_checked = False
             self.last_mode = batch.forward_mode
-            starts = [r.kv_committed_len for r in batch.reqs]  # positions this step computes start here
-            out = self.model_runner.forward(
-                batch.build_model_worker_batch(self.buckets, self.req_to_token_pool, self.page_size))
-            process_batch_result(batch, out, self.tree_cache, self.model_runner.full_logprobs, self.decode_tail)
+            self.run_batch(batch)
+
+    def run_batch(self, batch: ScheduleBatch) -> None:
+        """Run one step and apply its results; requests that fail on their own are failed and dropped."""
+        out = self.forward_isolating_faults(batch)
+        if out is not None:
+            starts = [r.kv_committed_len for r in batch.reqs]  # positions this step computed start here
+            process_batch_result(batch, out, self.tree_cache, self.model_runner.full_logprobs, self.decode_tail,
+                                 on_error=self._fail_after_step,
+                                 check=lambda req: fault_injection.check("sample", (req.rid,)))
             if batch.forward_mode == ForwardMode.EXTEND and any(r.score is not None for r in batch.reqs):
-                self.scoring.collect(batch, out.hidden, extend_offsets(batch), starts,
-                                     self.model_runner.label_logprobs)
+                self.collect_scores(batch, out, starts)
+        if batch.reqs:
             self.log_batch(batch)
-            self.stream_and_release(batch)
+        self.stream_and_release(batch)
+
+    # ------------------------------------------------------------ fault isolation
+    def _step(self, batch: ScheduleBatch):
+        fault_injection.check("forward", [r.rid for r in batch.reqs])
+        return self.model_runner.forward(
+            batch.build_model_worker_batch(self.buckets, self.req_to_token_pool, self.page_size))
+
+    def forward_isolating_faults(self, batch: ScheduleBatch):
+        """`batch`'s step output; when the step fails, the requests that fail alone are failed and removed
+        and the rest re-run (None if none is left).
+
+        Raises:
+            The step's exception when no single request explains it, or when the KV cache was lost.
+        """
+        while True:
+            try:
+                return self._step(batch)
+            except Exception as exc:
+                if self.model_runner.kv_cache_lost():
+                    raise
+                if len(batch.reqs) == 1:
+                    culprits = list(batch.reqs)
+                else:
+                    culprits = [r for r in batch.reqs if self._fails_alone(r, batch.forward_mode)]
+                if not culprits:
+                    raise
+                for req in culprits:
+                    self._fail_in_batch(batch, req, exc)
+                if batch.is_empty():
+                    return None
+
+    def _fails_alone(self, req: Req, mode: ForwardMode) -> bool:
+        """Run `req`'s part of the step alone (it rewrites only its own KV slots, with the same values)."""
+        try:
+            self._step(ScheduleBatch([req], mode))
+            return False
+        except Exception:
+            if self.model_runner.kv_cache_lost():
+                raise
+            return True
+
+    @staticmethod
+    def _fail_reason(req: Req, what: str, exc: BaseException) -> FinishReason:
+        """A 500 abort whose message is one line: what failed and why (also logged, once)."""
+        text = " ".join(str(exc).split())[:300]
+        message = f"internal error while {what}: {type(exc).__name__}: {text}"
+        logger.error("Request %s failed, aborted (the others go on): %s", req.rid, message)
+        return finish_abort(message, 500)
+
+    def _fail_in_batch(self, batch: ScheduleBatch, req: Req, exc: BaseException) -> None:
+        """Fail a request of a batch that has not run: drop it, answer 500, free its KV."""
+        batch.reqs.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        req.finished_reason = self._fail_reason(req, "running the request's step", exc)
+        self._finish_failed(req)
+
+    def _fail_after_step(self, req: Req, exc: BaseException, what: str = "processing the request's sampled token"
+                         ) -> None:
+        """Fail a request whose step ran: it finishes now with a 500 (stream_and_release frees its KV)."""
+        req.finished_reason = self._fail_reason(req, what, exc)
+
+    def _finish_failed(self, req: Req) -> None:
+        """Answer and release a failed request that is in no batch (nor the waiting queue)."""
+        if req.score is not None:
+            if self.scoring.on_finished(req):
+                release_kv_cache(req, self.tree_cache)
+            return
+        self._send([token_out(req, self.server_args.stream_interval)])
+        release_kv_cache(req, self.tree_cache)
+
+    def collect_scores(self, batch: ScheduleBatch, out, starts: List[int]) -> None:
+        """Label logprobs of the step's score positions; a request whose scores fail alone is failed."""
+        offsets = extend_offsets(batch)
+        before = [len(r.score.label_logprobs) if r.score is not None else 0 for r in batch.reqs]
+        try:
+            self.scoring.collect(batch.reqs, out.hidden, offsets, starts, self.model_runner.label_logprobs)
+            return
+        except Exception as exc:
+            if self.model_runner.kv_cache_lost():
+                raise
+            first_exc = exc
+        failed = 0
+        for i, (req, n) in enumerate(zip(batch.reqs, before)):  # one at a time, to find the ones that fail
+            if req.score is None:
+                continue
+            del req.score.label_logprobs[n:]  # undo what the failed attempt appended
+            try:
+                self.scoring.collect([req], out.hidden, [offsets[i]], [starts[i]], self.model_runner.label_logprobs)
+            except Exception as exc:
+                self._fail_after_step(req, exc, "computing the request's scores")
+                failed += 1
+        if failed == 0:
+            raise first_exc
 
     def recv_requests(self) -> list:
         busy = self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req is not None
@@ -316,15 +423,21 @@ class Scheduler:
 
     # ------------------------------------------------------------ batching
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
-        """Prefill first; but between two chunks of a long prompt, one decode step of the running batch."""
-        between_chunks = self.chunked_req is not None and self.last_mode == ForwardMode.EXTEND
-        if not (between_chunks and not self.running_batch.is_empty()):
+        """Prefill first, but one decode step of the running batch after every prefill step (between two
+        chunks of a long prompt too), so a flood of prefill work -- long prompts, scoring requests --
+        delays each running stream by at most one prefill step per token."""
+        after_prefill = self.last_mode == ForwardMode.EXTEND
+        if not (after_prefill and not self.running_batch.is_empty()):
             batch = self.get_new_batch_prefill()
             if batch is not None:
                 return batch
         return self.get_decode_batch()
 
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        """The next extend batch: the chunked request first, then waiting requests in admission order
+        (items of live scoring-cache handles first, then first come first served; see
+        SchedulerScoring.admission_order), stopping at the first that does not fit. A new handle's query
+        is skipped, not waited for, while the handle reserve is used up."""
         if not self.waiting_queue and self.chunked_req is None:
             return None
         running = self.running_batch.reqs
@@ -335,9 +448,28 @@ class Scheduler:
                              free_req_slots=slots, new_token_ratio=self.new_token_ratio)
         if self.chunked_req is not None and not adder.add_chunked(self.chunked_req):
             return None
-        for req in self.waiting_queue:
-            if not adder.add(req):
+        handle_room = self.scoring.handle_room(self.chunked_req, self.max_running_requests, self.allocator.size)
+        failed = []
+        for req in self.scoring.admission_order(self.waiting_queue):
+            is_handle = req.score is not None and req.score.is_handle_prefill
+            if is_handle and not handle_room.admits(req):
+                continue
+            try:
+                fault_injection.check("schedule", (req.rid,))
+                admitted = adder.add(req)
+            except Exception as exc:  # this request cannot be scheduled: fail it, go on with the others
+                failed.append((req, exc))
+                continue
+            if not admitted:
                 break
+            if is_handle:
+                handle_room.take(req)
+        if failed:
+            dropped = set(id(r) for r, _ in failed)
+            self.waiting_queue = [r for r in self.waiting_queue if id(r) not in dropped]
+            for req, exc in failed:
+                req.finished_reason = self._fail_reason(req, "scheduling the request", exc)
+                self._finish_failed(req)
         if not adder.can_run:
             return None
         admitted = set(id(r) for r in adder.can_run)
@@ -402,7 +534,15 @@ class Scheduler:
 
         A request between prefill chunks stays out of the running batch (it keeps its pool row and KV).
         """
-        self._send([token_out(r, self.server_args.stream_interval) for r in batch.reqs if r.score is None])
+        outs = []
+        for req in batch.reqs:
+            if req.score is None:
+                try:
+                    outs.append(token_out(req, self.server_args.stream_interval))
+                except Exception as exc:  # one request's output failed: fail that request only
+                    self._fail_after_step(req, exc, "sending the request's output")
+                    outs.append(token_out(req, self.server_args.stream_interval, with_logprobs=False))
+        self._send(outs)
         for req in batch.reqs:
             if req.finished():
                 if req is self.chunked_req:

@@ -73,6 +73,8 @@ def process_batch_result(
     tree_cache,
     full_logprobs: Callable[[np.ndarray], np.ndarray],
     decode_tail: Callable[[Req, List[int]], str],
+    on_error: Optional[Callable[[Req, Exception], None]] = None,
+    check: Optional[Callable[[Req], None]] = None,
 ) -> None:
     """Apply one step's results to the batch's requests (tokens, logprobs, finish reasons).
 
@@ -83,41 +85,57 @@ def process_batch_result(
         tree_cache: the prefix cache.
         full_logprobs: hidden rows [N, hidden] -> float32[N, V] logprobs (for input-token logprobs).
         decode_tail: (req, token ids) -> text, for stop strings.
+        on_error: called with (req, exception) when one request's processing raises; the others go on
+            (None: the exception propagates). Each request's KV positions count as written either way.
+        check: called with each request before its sampled token is taken (the fault-injection hook).
     """
     is_extend = batch.forward_mode == ForwardMode.EXTEND
     need_rows = any(r.return_logprob and (r.top_logprobs_num > 0 or r.token_ids_logprob) for r in batch.reqs)
     rows = np.asarray(out.logprobs) if need_rows else None
-    hidden = None
+    hidden = [None]
     offsets = extend_offsets(batch) if is_extend else None
     for i, req in enumerate(batch.reqs):
         start = req.kv_committed_len
         req.kv_committed_len = req.kv_allocated_len
-        if is_extend and req.wants_input_logprobs():
-            if hidden is None:
-                hidden = np.asarray(out.hidden)
-            append_input_logprobs(req, hidden, offsets[i], start, req.kv_committed_len, full_logprobs)
-        req.is_chunked = req.kv_committed_len < req.seqlen
-        if req.to_abort is not None:
-            req.finished_reason = req.to_abort
-            continue
-        if req.is_chunked:
-            tree_cache.cache_unfinished_req(req)
-            continue
-        if req.sampling_params.max_new_tokens == 0:
-            req.check_finished(lambda ids, r=req: decode_tail(r, ids))
-            continue
-        token = int(out.next_token_ids[i])
-        req.output_ids.append(token)
-        if req.return_logprob:
-            req.output_token_logprobs.append((float(out.next_token_logprobs[i]), token))
-            if req.top_logprobs_num > 0:
-                req.output_top_logprobs.append(top_logprobs(rows[i], req.top_logprobs_num))
-            if req.token_ids_logprob:
-                req.output_token_ids_logprobs.append(token_ids_logprobs(rows[i], req.token_ids_logprob))
+        try:
+            _process_one(req, i, start, is_extend, out, rows, hidden, offsets, tree_cache, full_logprobs,
+                         decode_tail, check)
+        except Exception as exc:
+            if on_error is None:
+                raise
+            on_error(req, exc)
+
+
+def _process_one(req: Req, i: int, start: int, is_extend: bool, out: StepOutput, rows, hidden: list, offsets,
+                 tree_cache, full_logprobs, decode_tail, check) -> None:
+    if is_extend and req.wants_input_logprobs():
+        if hidden[0] is None:
+            hidden[0] = np.asarray(out.hidden)
+        append_input_logprobs(req, hidden[0], offsets[i], start, req.kv_committed_len, full_logprobs)
+    req.is_chunked = req.kv_committed_len < req.seqlen
+    if req.to_abort is not None:
+        req.finished_reason = req.to_abort
+        return
+    if req.is_chunked:
+        tree_cache.cache_unfinished_req(req)
+        return
+    if req.sampling_params.max_new_tokens == 0:
         req.check_finished(lambda ids, r=req: decode_tail(r, ids))
+        return
+    if check is not None:
+        check(req)
+    token = int(out.next_token_ids[i])
+    req.output_ids.append(token)
+    if req.return_logprob:
+        req.output_token_logprobs.append((float(out.next_token_logprobs[i]), token))
+        if req.top_logprobs_num > 0:
+            req.output_top_logprobs.append(top_logprobs(rows[i], req.top_logprobs_num))
+        if req.token_ids_logprob:
+            req.output_token_ids_logprobs.append(token_ids_logprobs(rows[i], req.token_ids_logprob))
+    req.check_finished(lambda ids, r=req: decode_tail(r, ids))
 
 
-def token_out(req: Req, stream_interval: int) -> Optional[TokenOut]:
+def token_out(req: Req, stream_interval: int, with_logprobs: bool = True) -> Optional[TokenOut]:
     """The message for the detokenizer about `req`, or None when nothing needs sending yet.
 
     Streaming requests are sent every ``stream_interval`` new tokens; others only when they finish.
@@ -127,7 +145,7 @@ def token_out(req: Req, stream_interval: int) -> Optional[TokenOut]:
     if not finished and not (req.stream and n_new >= stream_interval):
         return None
     delta = None
-    if req.return_logprob:
+    if req.return_logprob and with_logprobs:
         s = req.sent_len
         delta = LogprobDelta(
             output_token_logprobs=req.output_token_logprobs[s:],

@@ -13,6 +13,11 @@ query KV (``Req.fixed_prefix``), so the query is computed once. A handle is rele
 `release_kv_cache` path -- on `ScoreReleaseReq`, on abort, or when unused for
 --multi-item-prefill-extend-cache-timeout seconds (TTL, touched on every access; never while its items
 run). A sequence naming a missing or expired handle fails its group with a clear error.
+
+Handles cannot starve the server: a new handle's query is admitted only while the handle reserve has room
+(`HandleRoom`: at most max_running_requests / 2 live handles holding at most half the KV pool, so their
+items always find request slots and KV), and items of live handles are admitted before anything else
+(`admission_order`), so a live handle is done and released before new ones pile up.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from sgl_jax.srt.managers.io_struct import (
     ScoreReleaseReq,
     TokenizedScoreReqInput,
 )
-from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, ScoreSpec
+from sgl_jax.srt.managers.schedule_batch import Req, ScoreSpec
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
@@ -46,6 +51,30 @@ class ScoreGroup:
     reqs: List[Req]
     pending: int
     cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class HandleRoom:
+    """What new scoring-cache handles may still take in one admission round.
+
+    live / held_tokens: handles alive or being prefilled, and their query tokens. A handle's query is
+    admitted when none is live (one handle and its items always fit: every scored sequence fits the pool),
+    else while fewer than `max_handles` are live and their queries stay within `max_tokens`.
+    """
+
+    live: int
+    held_tokens: int
+    max_handles: int
+    max_tokens: int
+
+    def admits(self, req: Req) -> bool:
+        if self.live == 0:
+            return True
+        return self.live < self.max_handles and self.held_tokens + len(req.origin_input_ids) <= self.max_tokens
+
+    def take(self, req: Req) -> None:
+        self.live += 1
+        self.held_tokens += len(req.origin_input_ids)
 
 
 @dataclasses.dataclass
@@ -82,6 +111,32 @@ class SchedulerScoring:
         self.groups: Dict[str, ScoreGroup] = {}
         self.handles: Dict[str, ScoreHandle] = {}
         self.num_expired_handles = 0
+
+    # ------------------------------------------------------------ admission
+    def handle_room(self, chunked_req: Optional[Req], max_running_requests: int, kv_size: int) -> HandleRoom:
+        """The handle reserve for the next admission round (`chunked_req`: the request being chunk-
+        prefilled, which may be a handle's query)."""
+        live = len(self.handles)
+        held = sum(len(h.req.origin_input_ids) for h in self.handles.values())
+        if chunked_req is not None and chunked_req.score is not None and chunked_req.score.is_handle_prefill:
+            live += 1
+            held += len(chunked_req.origin_input_ids)
+        return HandleRoom(live, held, max(1, max_running_requests // 2), kv_size // 2)
+
+    def admission_order(self, waiting: List[Req]) -> List[Req]:
+        """`waiting` in admission order: the items of live handles (they free their handle's slot and KV),
+        then generation requests, then new scoring work; queue order within each."""
+        if not self.groups and not self.handles:
+            return waiting
+        live_items, generation, scoring = [], [], []
+        for r in waiting:
+            if r.score is None:
+                generation.append(r)
+            elif not r.score.is_handle_prefill and r.score.handle is not None and r.score.handle in self.handles:
+                live_items.append(r)
+            else:
+                scoring.append(r)
+        return live_items + generation + scoring
 
     # ------------------------------------------------------------ requests
     def _new_req(self, rid: str, input_ids: List[int], spec: ScoreSpec) -> Req:
@@ -138,18 +193,19 @@ class SchedulerScoring:
         return self._new_req(msg.rid, list(msg.input_ids), spec)
 
     # ------------------------------------------------------------ after a step
-    def collect(self, batch: ScheduleBatch, hidden, first_rows: List[int], starts: List[int],
+    def collect(self, reqs: List[Req], hidden, first_rows: List[int], starts: List[int],
                 label_logprobs: Callable[[np.ndarray, List[int]], np.ndarray]) -> None:
         """Compute the label logprobs of the score positions this extend step produced.
 
         Args:
+            reqs: requests of the step (or some of them).
             hidden: [T_pad, hidden] device array of the step's final hidden states.
-            first_rows / starts: per request of the batch, its first row in the T axis and the KV position
-                of that row (the step computed positions [start, kv_committed_len)).
+            first_rows / starts: per request, its first row in the T axis and the KV position of that row
+                (the step computed positions [start, kv_committed_len)).
             label_logprobs: hidden rows [N, hidden], label ids -> float32[N, L] log-probabilities.
         """
         wanted = []  # (req, row)
-        for req, first, start in zip(batch.reqs, first_rows, starts):
+        for req, first, start in zip(reqs, first_rows, starts):
             if req.score is None or req.score.is_handle_prefill:
                 continue
             for p in req.score.score_positions:

@@ -47,7 +47,11 @@ class ScoreClient:
         self.args = tm.server_args
         self._futures: Dict[tuple, asyncio.Future] = {}
         self._background: set = set()
+        self._live: set = set()  # rids of the score requests in flight
         self.num_failed_releases = 0
+
+    def is_live(self, rid: str) -> bool:
+        return rid in self._live
 
     # ------------------------------------------------------------ messages
     def on_message(self, msg) -> bool:
@@ -126,10 +130,16 @@ class ScoreClient:
         tm = self.tm
         tm._check_alive()
         validate_score_input(obj, tm.vocab_size, self.args.max_multi_item_count)
-        special, query, items = tokenize_score_input(tm.tokenizer, obj)
+        bound = tm.max_chars_per_token
+        if bound and isinstance(obj.query, str):
+            longest = max([len(obj.query)] + [len(t) for t in obj.items])
+            if longest > tm.context_len * bound:  # cannot fit whatever the tokenization: refuse untokenized
+                raise RequestError(f"a query or item of {longest} characters (at least {-(-longest // bound)} "
+                                   f"tokens) is longer than the model's context length ({tm.context_len} tokens)")
+        special, query, items = await tm.run_blocking(tokenize_score_input, tm.tokenizer, obj)
         layout = build_layout(special, query, items, obj.item_first, self.args.multi_item_scoring_delimiter)
         algo = choose_algorithm(obj.algorithm, self.args.multi_item_algorithm, obj.item_first,
-                                self.args.enable_scoring_cache or self.args.multi_item_enable_prefill_extend)
+                                self.args.prefill_extend_allowed())
         for seq in layout.sequences:
             if len(seq) >= tm.context_len:
                 raise RequestError(f"a scored sequence of {len(seq)} tokens is longer than the model's "
@@ -138,35 +148,43 @@ class ScoreClient:
                 raise RequestError(f"a scored sequence of {len(seq)} tokens cannot fit this server "
                                    f"(max input {tm.info['max_req_input_len']} tokens)", 413)
         rid = obj.rid or uuid.uuid4().hex
-        if algo == "serial":
-            lps = await self._serial(rid, layout, obj.label_token_ids)
-        elif algo == "packed":
-            lps = await self._packed(rid, layout, obj.label_token_ids)
-        else:
-            lps = await self._prefill_extend(rid, layout, obj.label_token_ids)
+        tm.reserve_rid(rid)
+        self._live.add(rid)
+        try:
+            if algo == "serial":
+                lps = await self._serial(rid, layout, obj.label_token_ids)
+            elif algo == "packed":
+                lps = await self._packed(rid, layout, obj.label_token_ids)
+            else:
+                lps = await self._prefill_extend(rid, layout, obj.label_token_ids)
+        except asyncio.CancelledError:
+            logger.info("Client disconnected: aborting score request %s", rid)
+            raise
+        finally:
+            self._live.discard(rid)
         return {"scores": scores_from_logprobs(lps, obj.apply_softmax), "prompt_tokens": layout.prompt_tokens,
                 "algorithm": algo}
 
     async def _serial(self, rid, layout, labels) -> List[List[float]]:
         out = []
         for k, wave in enumerate(chunks(serial_seqs(layout), self.args.multi_item_extend_batch_size)):
-            res = await self._score(TokenizedScoreReqInput(f"{rid}-w{k}", wave, list(labels)))
+            res = await self._score(TokenizedScoreReqInput(f"{rid}/w{k}", wave, list(labels)))
             out += [seq[0] for seq in res.label_logprobs]
         return out
 
     async def _packed(self, rid, layout, labels) -> List[List[float]]:
         max_len = min(self.args.max_multi_item_seq_len, self.tm.info["max_req_input_len"])
         packs, where = pack_seqs(layout, max_len)
-        res = await self._score(TokenizedScoreReqInput(f"{rid}-p", packs, list(labels)))
+        res = await self._score(TokenizedScoreReqInput(f"{rid}/p", packs, list(labels)))
         return [res.label_logprobs[p][i] for p, i in where]
 
     async def _prefill_extend(self, rid, layout, labels) -> List[List[float]]:
-        handle = f"{rid}-q"
+        handle = f"{rid}/q"
         await self.prefill(handle, layout.prefix)
         release = None
         try:
             batches = chunks(extend_seqs(layout), self.args.multi_item_extend_batch_size)
-            tasks = [asyncio.ensure_future(self.extend(f"{rid}-e{k}", handle, b, labels))
+            tasks = [asyncio.ensure_future(self.extend(f"{rid}/e{k}", handle, b, labels))
                      for k, b in enumerate(batches)]
             try:
                 results = await asyncio.gather(*tasks)

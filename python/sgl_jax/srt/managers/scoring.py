@@ -106,14 +106,22 @@ def tokenize_score_input(tokenizer, obj: ScoreReqInput) -> Tuple[List[int], List
 
 
 def choose_algorithm(requested: Optional[str], server_default: str, item_first: bool,
-                     prefill_extend_enabled: bool) -> str:
-    """The algorithm for one request. Raises RequestError when item_first is forced onto a shared-query
-    algorithm (the item precedes the query, so there is no shared prefix)."""
+                     prefill_extend_allowed: bool) -> str:
+    """The algorithm for one request.
+
+    Raises:
+        RequestError: item_first forced onto a shared-query algorithm (the item precedes the query, so
+            there is no shared prefix), or prefill_extend requested from a server that does not allow it
+            (its scoring-cache handles hold request slots and KV, so the operator opts in).
+    """
     algo = requested if requested not in (None, "auto") else server_default
     if algo == "auto":
         if item_first:
             return "serial"
-        return "prefill_extend" if prefill_extend_enabled else "packed"
+        return "prefill_extend" if prefill_extend_allowed else "packed"
+    if algo == "prefill_extend" and not prefill_extend_allowed:
+        raise RequestError("algorithm 'prefill_extend' needs a server started with --enable-scoring-cache (or "
+                           "--multi-item-enable-prefill-extend); use 'packed' or 'serial'")
     if item_first and algo != "serial":
         raise RequestError(f"item_first scoring needs the serial algorithm, not {algo}")
     return algo

@@ -7,16 +7,18 @@ BatchStrOut stream into SGLang-shaped response dicts: ``{"text", "output_ids", "
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
+import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Optional, Union
+from typing import AsyncIterator, Dict, List, Optional, Union
 
 import zmq
 import zmq.asyncio
 
-from sgl_jax.srt.configs.model_config import load_tokenizer, resolve_model_path, tokenizer_path_for
+from sgl_jax.srt.configs.model_config import load_tokenizer, served_model_name, tokenizer_path_for
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -37,9 +39,11 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class GenerateReqInput:
-    """One native /generate request (a single prompt; see `split_batch` for batches).
+    """One native /generate request (a single prompt), as the TokenizerManager takes it.
 
-    Fields and meanings follow SGLang's GenerateReqInput. `text` or `input_ids` gives the prompt.
+    Fields and meanings follow SGLang's GenerateReqInput. `text` or `input_ids` gives the prompt. Built from
+    a validated ``entrypoints.native_protocol.GenerateRequest`` (or the OpenAI endpoints' requests): types
+    and single-field ranges are already checked; `TokenizerManager.validate` checks the rest.
     """
 
     text: Optional[str] = None
@@ -54,65 +58,27 @@ class GenerateReqInput:
     rid: Optional[str] = None
 
 
-_PER_ITEM = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
-             "rid")
+_KEEPING_PRE_TOKENIZERS = {"Sequence", "ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"}
 
 
-def split_batch(body: Dict[str, Any]) -> Union[GenerateReqInput, List[GenerateReqInput]]:
-    """A /generate body -> one GenerateReqInput, or a list for a batch (``text`` or ``input_ids`` a list of prompts).
+def max_chars_per_token(tokenizer) -> Optional[int]:
+    """The most input characters one token can stand for, or None when that cannot be bounded.
 
-    Per-request fields may be a single value (shared) or a list with one entry per prompt.
-    Raises RequestError on a malformed body.
+    Bounded for tokenizers that keep every input character: no normalizer (which could shrink the text)
+    and only pre-tokenizers that split without dropping (byte-level, metaspace, digits, ...; not whitespace
+    splitters). Then a vocabulary token of L characters in the tokenizer's alphabet (one per byte for
+    byte-level BPE) covers at most L input characters, and an added token its content's length. Used to
+    refuse a text that cannot fit the context without tokenizing it (a 10 MB prompt costs seconds of
+    tokenizer time otherwise).
     """
-    names = {f.name for f in dataclasses.fields(GenerateReqInput)}
-    unknown = sorted(set(body) - names)
-    if unknown:
-        raise RequestError(f"Unknown fields: {unknown}")
-    text, ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (ids is None):
-        raise RequestError("Exactly one of 'text' and 'input_ids' must be given")
-    is_batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
-    if not is_batch:
-        return _single(body)
-    prompts = text if text is not None else ids
-    if not prompts:
-        raise RequestError("Empty batch")
-    out = []
-    for i, p in enumerate(prompts):
-        item = {k: v for k, v in body.items() if k not in ("text", "input_ids")}
-        item["text" if text is not None else "input_ids"] = p
-        for k in _PER_ITEM:
-            v = body.get(k)
-            if isinstance(v, list) and not (k == "token_ids_logprob" and v and not isinstance(v[0], list)):
-                if len(v) != len(prompts):
-                    raise RequestError(f"'{k}' has {len(v)} entries for {len(prompts)} prompts")
-                item[k] = v[i]
-        if "rid" in item and isinstance(body.get("rid"), str):
-            item["rid"] = f"{body['rid']}-{i}"
-        out.append(_single(item))
-    return out
-
-
-def _single(body: Dict[str, Any]) -> GenerateReqInput:
-    obj = GenerateReqInput(**body)
-    if obj.text is not None and not isinstance(obj.text, str):
-        raise RequestError("'text' must be a string or a list of strings")
-    if obj.input_ids is not None and not (isinstance(obj.input_ids, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in obj.input_ids)):
-        raise RequestError("'input_ids' must be a list of integers or a list of such lists")
-    if obj.sampling_params is not None and not isinstance(obj.sampling_params, dict):
-        raise RequestError("'sampling_params' must be an object")
-    for name, tp in (("return_logprob", bool), ("stream", bool), ("return_text_in_logprobs", bool)):
-        if not isinstance(getattr(obj, name), tp):
-            raise RequestError(f"'{name}' must be a boolean")
-    for name in ("logprob_start_len", "top_logprobs_num"):
-        v = getattr(obj, name)
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise RequestError(f"'{name}' must be an integer")
-    if obj.token_ids_logprob is not None and not (isinstance(obj.token_ids_logprob, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in obj.token_ids_logprob)):
-        raise RequestError("'token_ids_logprob' must be a list of integers")
-    return obj
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    pre = repr(backend.pre_tokenizer) if backend.pre_tokenizer is not None else ""
+    if "Removed" in pre or not set(re.findall(r"(\w+)\(", pre)) <= _KEEPING_PRE_TOKENIZERS:
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return max(len(t) for t in vocab) if vocab else None
 
 
 @dataclasses.dataclass
@@ -140,6 +106,13 @@ class ReqState:
     logprobs: Dict[str, list] = dataclasses.field(default_factory=dict)
     created: float = dataclasses.field(default_factory=time.time)
     error: Optional[RequestError] = None
+    # set when the client went away or the request failed before its end: the rid stays reserved until
+    # the scheduler's final message for it arrives, so nothing of this request reaches a new one
+    orphaned_at: Optional[float] = None
+    released: bool = False  # the scheduler's final message for it has arrived
+
+
+ORPHAN_TTL_S = 120.0  # an aborted request's rid is freed at the latest this long after its abort
 
 
 _LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
@@ -157,10 +130,13 @@ class TokenizerManager:
 
     def __init__(self, server_args, port_args, scheduler_info: dict):
         self.server_args = server_args
-        self.model_path = resolve_model_path(server_args.model_path).model_path
         self.tokenizer_path = tokenizer_path_for(server_args)
         self.tokenizer = load_tokenizer(server_args)
-        self.served_model_name = server_args.served_model_name or self.model_path
+        self.served_model_name = served_model_name(server_args)
+        # tokenization and chat templates run here, off the event loop (one thread: HF fast tokenizers are
+        # not safe to reconfigure from several threads at once)
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sgl-jax-tokenize")
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer)
         self.info = scheduler_info
         self.context_len = scheduler_info["context_len"]
         self.vocab_size = scheduler_info["vocab_size"]
@@ -195,6 +171,7 @@ class TokenizerManager:
             self._loop_task = None
         self.recv_from_detokenizer.close(linger=0)
         self.send_to_scheduler.close(linger=0)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     def mark_dead(self, reason: str) -> None:
         """A child process died: fail every pending request (called from the event loop thread)."""
@@ -214,9 +191,19 @@ class TokenizerManager:
             if isinstance(msg, BatchStrOut):
                 for out in msg.outs:
                     state = self.rid_to_state.get(out.rid)
-                    if state is not None:
+                    if state is None:
+                        continue
+                    if state.orphaned_at is not None:
+                        if out.finished_reason is not None:  # the scheduler is done with it: free the rid
+                            del self.rid_to_state[out.rid]
+                        continue
+                    if out.finished_reason is not None:
+                        state.released = True
+                    if out.error is not None:  # this request failed in the detokenizer
+                        state.error = RequestError(out.error, 500)
+                    else:
                         state.pending.append(out)
-                        state.event.set()
+                    state.event.set()
             elif self.score_client.on_message(msg):
                 pass
             else:
@@ -242,9 +229,37 @@ class TokenizerManager:
         out: GetInternalStateReqOutput = await self._control_call(GetInternalStateReq(), GetInternalStateReqOutput)
         return out.internal_state
 
-    def abort_request(self, rid: str, message: str = "Aborted by the client") -> None:
-        if rid in self.rid_to_state:
-            self.send_to_scheduler.send_pyobj(AbortReq(rid, message))
+    def abort_request(self, rid: str, message: str = "Aborted by the client") -> bool:
+        """Abort the running generation request `rid`; False (nothing sent) when there is none."""
+        state = self.rid_to_state.get(rid)
+        if state is None or state.orphaned_at is not None:
+            return False
+        self.send_to_scheduler.send_pyobj(AbortReq(rid, message))
+        return True
+
+    def abort_all(self, message: str = "Aborted by the client") -> int:
+        """Abort every running generation request; returns how many."""
+        return sum(self.abort_request(rid, message) for rid in list(self.rid_to_state))
+
+    def reserve_rid(self, rid: str) -> None:
+        """Check that `rid` is free: no live request and no aborted one the scheduler has not finished.
+
+        Raises:
+            RequestError: 400 naming the rid.
+        """
+        self._expire_orphans()
+        state = self.rid_to_state.get(rid)
+        if state is not None and state.orphaned_at is not None:
+            raise RequestError(f"Request id {rid!r} belongs to an aborted request that is still being "
+                               "released; use a new rid")
+        if state is not None or self.score_client.is_live(rid):
+            raise RequestError(f"Duplicate request id {rid!r}: a request with this rid is running")
+
+    def _expire_orphans(self) -> None:
+        now = time.time()
+        for rid in [r for r, st in self.rid_to_state.items()
+                    if st.orphaned_at is not None and now - st.orphaned_at > ORPHAN_TTL_S]:
+            del self.rid_to_state[rid]
 
     # ------------------------------------------------------------ scoring
     async def score_request(self, obj: ScoreReqInput) -> dict:
@@ -256,27 +271,57 @@ class TokenizerManager:
         return await self.score_client.score(obj)
 
     # ------------------------------------------------------------ generation
+    async def run_blocking(self, fn, *args):
+        """Run `fn(*args)` on the tokenizer thread, so the event loop (and /health) stays responsive while
+        a long prompt is tokenized or a chat template rendered."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
     def tokenize(self, obj: GenerateReqInput) -> List[int]:
+        """The prompt's token ids (``input_ids`` checked against the vocabulary, or `encode_text`)."""
         if obj.input_ids is not None:
             ids = list(obj.input_ids)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestError(f"input_ids contain ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
             return ids
-        return self.tokenizer.encode(obj.text)
+        return self.encode_text(obj.text)
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        """Token ids of a prompt text, cut at context length + 1 tokens (only that many ids cross into
+        Python; a longer input is refused either way). A text that cannot fit whatever its tokenization
+        (`max_chars_per_token`) is refused without tokenizing it.
+
+        Raises:
+            RequestError: 400, the text is longer than the context.
+        """
+        if self.max_chars_per_token and len(text) > self.context_len * self.max_chars_per_token \
+                and not self.server_args.allow_auto_truncate:
+            n = -(-len(text) // self.max_chars_per_token)
+            raise RequestError(f"The input ({len(text)} characters, at least {n} tokens) is longer than the "
+                               f"model's context length ({self.context_len} tokens).")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, truncation=True,
+                                     max_length=self.context_len + 1)
 
     def validate(self, obj: GenerateReqInput, input_ids: List[int]) -> SamplingParams:
         """Check a request against the model and server limits; return its normalized SamplingParams.
 
         Raises:
-            RequestError: 400 for invalid values or a prompt longer than the context, 413 when the prompt
-                cannot fit the largest prefill bucket or the KV cache.
+            RequestError: 400 for invalid values, a prompt longer than the context, or a prompt plus
+                max_new_tokens beyond the context (SGLang's rule); 413 when the prompt cannot fit the
+                largest prefill bucket or the KV cache.
         """
         n = len(input_ids)
         if n == 0:
             raise RequestError("The prompt is empty")
+        truncate = self.server_args.allow_auto_truncate
+        if n >= self.context_len and truncate:  # SGLang's --allow-auto-truncate: keep the start
+            logger.warning("Input of %s%d tokens truncated to the context length (%d tokens) - 1",
+                           "at least " if obj.input_ids is None else "", n, self.context_len)
+            del input_ids[self.context_len - 1:]
+            n = len(input_ids)
         if n >= self.context_len:
-            raise RequestError(f"The input ({n} tokens) is longer than the model's context length "
+            more = "at least " if n > self.context_len and obj.input_ids is None else ""
+            raise RequestError(f"The input ({more}{n} tokens) is longer than the model's context length "
                                f"({self.context_len} tokens).")
         if n > self.info["max_req_input_len"]:
             raise RequestError(f"The input ({n} tokens) exceeds the largest prefill this server compiled "
@@ -290,19 +335,30 @@ class TokenizerManager:
             sp.verify(self.vocab_size)
         except (TypeError, ValueError) as e:
             raise RequestError(str(e)) from None
-        sp.normalize()
-        if obj.top_logprobs_num < 0 or obj.top_logprobs_num > self.vocab_size:
-            raise RequestError(f"top_logprobs_num must be in [0, {self.vocab_size}]")
+        sp.normalize(self.vocab_size)
+        explicit = (obj.sampling_params or {}).get("max_new_tokens") is not None
+        if explicit and n + sp.max_new_tokens > self.context_len:  # SGLang's rule (a default is clipped)
+            if not truncate:
+                raise RequestError(
+                    f"Requested token count exceeds the model's maximum context length of {self.context_len} "
+                    f"tokens. You requested a total of {n + sp.max_new_tokens} tokens: {n} tokens from the input "
+                    f"and {sp.max_new_tokens} tokens for the completion (max_new_tokens / max_tokens). Reduce "
+                    "either, or omit the limit to generate up to the context length.")
+            sp.max_new_tokens = self.context_len - n
+        cap = self.server_args.max_top_logprobs_num
+        if obj.top_logprobs_num > cap:
+            raise RequestError(f"top_logprobs_num ({obj.top_logprobs_num}) exceeds the limit of {cap} "
+                               "(--max-top-logprobs-num)")
         for t in obj.token_ids_logprob or []:
             if not 0 <= t < self.vocab_size:
-                raise RequestError(f"token_ids_logprob entry {t} is outside the vocabulary")
+                raise RequestError(f"token_ids_logprob entry {t} is outside the vocabulary [0, {self.vocab_size})")
         if obj.logprob_start_len >= n:
             raise RequestError(f"logprob_start_len ({obj.logprob_start_len}) must be less than the input "
                                f"length ({n})")
         return sp
 
     def prepare(self, obj: GenerateReqInput) -> "PreparedReq":
-        """Tokenize and validate now, so errors surface before any response is started.
+        """Tokenize and validate now (on the calling thread), so errors surface before any response starts.
 
         Raises:
             RequestError: invalid request (400/413), or the server is down (503).
@@ -311,21 +367,26 @@ class TokenizerManager:
         input_ids = self.tokenize(obj)
         return PreparedReq(obj, input_ids, self.validate(obj, input_ids))
 
+    async def prepare_async(self, obj: GenerateReqInput) -> "PreparedReq":
+        """`prepare` on the tokenizer thread (off the event loop)."""
+        self._check_alive()
+        return await self.run_blocking(self.prepare, obj)
+
     async def generate_request(self, req: Union[GenerateReqInput, "PreparedReq"]) -> AsyncIterator[dict]:
         """Run one request; yields response dicts (every update when streaming, else only the final one).
 
-        On cancellation (client gone) the request is aborted in the scheduler.
+        On cancellation (client gone) the request is aborted in the scheduler, with one INFO log line.
         Raises:
-            RequestError: invalid request, or the server is down.
+            RequestError: invalid request or duplicate rid (400), a failure of this request inside the
+                engine (500, with the reason), or the server is down (503).
         """
         if not isinstance(req, PreparedReq):
-            req = self.prepare(req)
+            req = await self.prepare_async(req)
         self._check_alive()
         self.start()
         obj, input_ids, sp = req.obj, req.input_ids, req.sampling_params
         rid = obj.rid or uuid.uuid4().hex
-        if rid in self.rid_to_state:
-            raise RequestError(f"Duplicate request id {rid!r}")
+        self.reserve_rid(rid)
         state = ReqState(obj=obj, event=asyncio.Event())
         self.rid_to_state[rid] = state
         self.send_to_scheduler.send_pyobj(TokenizedGenerateReqInput(
@@ -336,6 +397,7 @@ class TokenizerManager:
         if self.server_args.log_requests:
             logger.info("Request %s: %d input tokens, %s", rid, len(input_ids), sp)
         finished = False
+        client_gone = True  # until the generator ends normally or with an error
         try:
             while True:
                 await state.event.wait()
@@ -350,16 +412,32 @@ class TokenizerManager:
                     self._absorb(state, out)
                 finished = state.finished_reason is not None
                 fr = state.finished_reason
-                if finished and fr.get("type") == "abort" and fr.get("status_code") and not state.output_ids:
+                if finished and fr.get("type") == "abort" and fr.get("status_code") and (
+                        not state.output_ids or int(fr["status_code"]) >= 500):
                     raise RequestError(fr.get("message") or "Request aborted", int(fr["status_code"]))
                 if obj.stream or finished:
                     yield self._response(rid, state, delta_text, delta_ids)
                 if finished:
                     return
+        except RequestError:
+            client_gone = False
+            raise
         finally:
-            if not finished and rid in self.rid_to_state and self.dead_reason is None:
-                self.abort_request(rid)
-            self.rid_to_state.pop(rid, None)
+            self._end_request(rid, state, finished, client_gone)
+
+    def _end_request(self, rid: str, state: ReqState, finished: bool, client_gone: bool) -> None:
+        if self.rid_to_state.get(rid) is not state:
+            return
+        if finished or state.released or self.dead_reason is not None:
+            del self.rid_to_state[rid]
+            return
+        # ended early: the client went away (or the engine failed it); abort it in the scheduler and keep
+        # the rid reserved until the scheduler's final message for it arrives
+        if client_gone:
+            logger.info("Client disconnected: aborting request %s", rid)
+        self.send_to_scheduler.send_pyobj(AbortReq(rid, "Aborted: the client disconnected"
+                                                   if client_gone else "Aborted after an error"))
+        state.orphaned_at = time.time()
 
     def _absorb(self, state: ReqState, out: StrOut) -> None:
         state.text += out.text

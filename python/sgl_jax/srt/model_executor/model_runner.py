@@ -161,6 +161,11 @@ class ModelRunner:
         n = batch.num_seqs
         return StepOutput(np.asarray(next_ids)[:n], np.asarray(next_lp)[:n], logprobs, hidden)
 
+    def kv_cache_lost(self) -> bool:
+        """Whether the KV cache buffers are gone (a step failed after they were donated to it): shared
+        state is lost and the scheduler must not go on."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_caches))
+
     def full_logprobs(self, hidden_rows: np.ndarray) -> np.ndarray:
         """float32[N, V] log-softmax of the logits of N hidden states (input-token logprobs).
 

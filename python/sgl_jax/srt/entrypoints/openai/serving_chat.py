@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import List
+from typing import List, Optional
 
 from fastapi.responses import Response, StreamingResponse
 
 from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest
-from sgl_jax.srt.entrypoints.openai.serving_completions import gather_or_cancel
+from sgl_jax.srt.entrypoints.openai.serving_completions import Wait, gather_or_cancel
 from sgl_jax.srt.entrypoints.openai.utils import (
     SSE_DONE,
+    check_top_logprobs,
     finish_reason_str,
     json_response,
     merge_streams,
@@ -20,7 +21,6 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     usage,
 )
 from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
-from sgl_jax.srt.sampling.sampling_params import TOP_LOGPROBS_MAX
 
 
 def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> List[int]:
@@ -50,7 +50,7 @@ def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> List[in
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # jinja2 errors: unsupported roles and the like
         raise RequestError(f"Chat template error: {e}") from None
-    return tok.encode(text, add_special_tokens=False)
+    return tm.encode_text(text, add_special_tokens=False)
 
 
 def _chat_logprobs(entries, tops, top_n: int) -> dict:
@@ -66,15 +66,16 @@ def _chat_logprobs(entries, tops, top_n: int) -> dict:
     return {"content": content}
 
 
-async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionRequest) -> Response:
-    input_ids = chat_prompt_ids(tm, req)
+async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionRequest,
+                                 wait: Optional[Wait] = None) -> Response:
+    """Serve one /v1/chat/completions request (`wait`: see serving_completions.create_completion)."""
+    input_ids = await tm.run_blocking(chat_prompt_ids, tm, req)  # the template renders off the event loop
     top_n = req.top_logprobs or 0
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= TOP_LOGPROBS_MAX:
-        raise RequestError(f"top_logprobs must be in [0, {TOP_LOGPROBS_MAX}], got {req.top_logprobs}")
+    check_top_logprobs("top_logprobs", req.top_logprobs, tm.server_args.max_top_logprobs_num)
     if top_n and not req.logprobs:
         raise RequestError("top_logprobs requires logprobs to be true")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    prepared = [tm.prepare(GenerateReqInput(
+    prepared = [await tm.prepare_async(GenerateReqInput(
         input_ids=input_ids,
         sampling_params=sampling_params_from(req, max_tokens, seed_offset=k),
         return_logprob=req.logprobs,
@@ -88,7 +89,10 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
     model = tm.served_model_name
 
     if not req.stream:
-        results = await gather_or_cancel(tm.generate(p) for p in prepared)
+        work = gather_or_cancel(tm.generate(p) for p in prepared)
+        results = await (wait(work) if wait is not None else work)
+        if results is None:
+            return Response(status_code=499)
         choices = []
         for i, r in enumerate(results):
             meta = r["meta_info"]

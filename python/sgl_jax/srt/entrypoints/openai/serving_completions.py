@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import List, Union
+from typing import Awaitable, Callable, List, Optional, Union
 
 from fastapi.responses import Response, StreamingResponse
 
 from sgl_jax.srt.entrypoints.openai.protocol import CompletionRequest
 from sgl_jax.srt.entrypoints.openai.utils import (
     SSE_DONE,
+    check_top_logprobs,
     finish_reason_str,
     json_response,
     merge_streams,
@@ -20,7 +21,8 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     usage,
 )
 from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
-from sgl_jax.srt.sampling.sampling_params import TOP_LOGPROBS_MAX
+
+Wait = Callable[[Awaitable], Awaitable[Optional[object]]]  # awaits work, None when the client went away
 
 
 def _prompts(prompt) -> List[Union[str, List[int]]]:
@@ -50,11 +52,10 @@ def _legacy_logprobs(meta: dict, echo: bool, top_n: int, offset0: int) -> dict:
     }
 
 
-def _objs(req: CompletionRequest, prompts) -> List[GenerateReqInput]:
+def _objs(req: CompletionRequest, prompts, top_logprobs_cap: int) -> List[GenerateReqInput]:
     if req.suffix:
         raise RequestError("suffix is not supported")
-    if req.logprobs is not None and not 0 <= req.logprobs <= TOP_LOGPROBS_MAX:
-        raise RequestError(f"logprobs must be in [0, {TOP_LOGPROBS_MAX}], got {req.logprobs}")
+    check_top_logprobs("logprobs", req.logprobs, top_logprobs_cap)
     objs = []
     for p in prompts:
         for k in range(req.n):
@@ -84,9 +85,11 @@ async def gather_or_cancel(coros) -> list:
         raise
 
 
-async def create_completion(tm: TokenizerManager, req: CompletionRequest) -> Response:
+async def create_completion(tm: TokenizerManager, req: CompletionRequest, wait: Optional[Wait] = None) -> Response:
+    """Serve one /v1/completions request; `wait` awaits the non-streaming work (the HTTP server passes
+    one that aborts it when the client disconnects; a None result means it did)."""
     prompts = _prompts(req.prompt)
-    prepared = [tm.prepare(o) for o in _objs(req, prompts)]
+    prepared = [await tm.prepare_async(o) for o in _objs(req, prompts, tm.server_args.max_top_logprobs_num)]
     prompt_texts = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompts]
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -97,7 +100,10 @@ async def create_completion(tm: TokenizerManager, req: CompletionRequest) -> Res
         return prompt_texts[i // req.n]
 
     if not req.stream:
-        results = await gather_or_cancel(tm.generate(p) for p in prepared)
+        work = gather_or_cancel(tm.generate(p) for p in prepared)
+        results = await (wait(work) if wait is not None else work)
+        if results is None:
+            return Response(status_code=499)
         choices, completion_tokens = [], 0
         for i, r in enumerate(results):
             meta = r["meta_info"]

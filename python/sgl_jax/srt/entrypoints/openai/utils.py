@@ -10,8 +10,9 @@ from fastapi.responses import Response
 
 from sgl_jax.srt.managers.tokenizer_manager import RequestError
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
 
 
 def openai_error(message: str, status_code: int = 400, param: Optional[str] = None) -> Response:
@@ -40,17 +41,12 @@ def finish_reason_str(fr: Optional[dict]) -> Optional[str]:
 
 
 def sampling_params_from(req, max_tokens: Optional[int], seed_offset: int = 0) -> dict:
-    """Native sampling params from an OpenAI request (completions or chat).
+    """Native sampling params from a validated OpenAI request (completions or chat; field types and ranges
+    are checked by its pydantic model).
 
     Raises:
-        RequestError: out-of-range values, naming the OpenAI parameter; unsupported features.
+        RequestError: unsupported features, naming the OpenAI parameter.
     """
-    if max_tokens is not None and max_tokens < 0:
-        raise RequestError(f"max_tokens must be non-negative, got {max_tokens}")
-    if req.temperature < 0:
-        raise RequestError(f"temperature must be non-negative, got {req.temperature}")
-    if req.n < 1:
-        raise RequestError(f"n must be at least 1, got {req.n}")
     if req.logit_bias:
         raise RequestError("logit_bias is not supported")
     return {
@@ -75,7 +71,10 @@ def sampling_params_from(req, max_tokens: Optional[int], seed_offset: int = 0) -
 async def merge_streams(gens: List[AsyncIterator[dict]]) -> AsyncIterator[Tuple[int, dict]]:
     """Interleave several async generators, yielding (index, item) as items arrive.
 
-    Closing the merged iterator closes every source (which aborts their requests).
+    Closing the merged iterator (the client went away) cancels the tasks that drive the sources; each
+    source then ends inside its own task (so its cleanup -- aborting its request -- runs there). Nothing is
+    awaited during that cleanup: the response's cancel scope would cancel the wait, and `aclose` on a
+    generator another task is running raises, which is what logged a traceback per disconnect.
     """
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -102,8 +101,12 @@ async def merge_streams(gens: List[AsyncIterator[dict]]) -> AsyncIterator[Tuple[
     finally:
         for t in tasks:
             t.cancel()
-        for g in gens:
-            await g.aclose()
+
+
+def check_top_logprobs(name: str, value: Optional[int], cap: int) -> None:
+    """Raises RequestError when `value` (OpenAI's logprobs / top_logprobs) exceeds --max-top-logprobs-num."""
+    if value is not None and value > cap:
+        raise RequestError(f"{name} ({value}) exceeds the limit of {cap} (--max-top-logprobs-num)")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:

@@ -1,0 +1,141 @@
+"""What every HTTP request passes before a route sees it: the API key and the JSON content type.
+
+- API keys (SGLang's ``--api-key`` and ``--admin-api-key`` and its auth levels), sent as
+  ``Authorization: Bearer KEY``: with ``--api-key`` every endpoint but ``/health*`` and ``/metrics``
+  requires it (401 otherwise). Admin endpoints (``/flush_cache``, ``/abort_request``; SGLang's
+  ADMIN_OPTIONAL level) require ``--admin-api-key`` when that is set (``--api-key`` is then refused there),
+  else ``--api-key`` when that is set, else nothing. As upstream, the admin key does not open the ordinary
+  endpoints. Keys are compared in constant time.
+- ``POST``/``PUT`` bodies must be sent as ``Content-Type: application/json`` (415 otherwise). Browsers send
+  cross-site "simple" requests (text/plain, form encodings) without a CORS preflight; refusing them keeps
+  any web page the user opens from driving a server on localhost.
+
+- Bodies larger than ``--max-request-body-bytes`` get 413: at once when Content-Length says so, else as
+  soon as the streamed body passes the limit (the route's body read raises `BodyTooLarge`, an HTTP 413
+  exception the app's handler answers).
+"""
+
+from __future__ import annotations
+
+import email.message
+import hmac
+from typing import Optional
+
+import orjson
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+PUBLIC_PREFIXES = ("/health", "/metrics")  # SGLang's exemptions (/health_generate included)
+# SGLang's ADMIN_OPTIONAL endpoints that sgl-jax has (add /start_profile, /update_weights_* here)
+ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request"})
+
+
+def _error_body(path: str, message: str, status_code: int) -> bytes:
+    if path.startswith("/v1/"):  # OpenAI's error object
+        types = {401: "AuthenticationError", 415: "UnsupportedMediaTypeError"}
+        return orjson.dumps({"object": "error", "message": message, "type": types.get(status_code, "Error"),
+                             "param": None, "code": status_code})
+    return orjson.dumps({"error": {"message": message, "code": status_code}})
+
+
+async def send_error(scope: Scope, send: Send, message: str, status_code: int,
+                     headers: Optional[list] = None) -> None:
+    """Send a complete JSON error response (the shape of the path's API) from ASGI middleware."""
+    body = _error_body(scope.get("path", ""), message, status_code)
+    await send({"type": "http.response.start", "status": status_code,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def bearer_token(headers) -> Optional[str]:
+    """The key of an ``Authorization: Bearer KEY`` header, or None."""
+    auth = headers.get("authorization")
+    if not auth:
+        return None
+    scheme, _, token = auth.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _matches(token: Optional[str], key: Optional[str]) -> bool:
+    return token is not None and key is not None and hmac.compare_digest(token.encode(), key.encode())
+
+
+def is_json_content_type(value: Optional[str]) -> bool:
+    """application/json or application/*+json (parameters such as charset allowed)."""
+    if not value:
+        return False
+    msg = email.message.Message()
+    msg["content-type"] = value
+    if msg.get_content_maintype() != "application":
+        return False
+    sub = msg.get_content_subtype()
+    return sub == "json" or sub.endswith("+json")
+
+
+class KeyChecker:
+    """Decides which key a request needs (see the module docstring).
+
+    Args:
+        api_key / admin_api_key: the server's keys (None: not set).
+    """
+
+    def __init__(self, api_key: Optional[str], admin_api_key: Optional[str]):
+        self.api_key = api_key
+        self.admin_api_key = admin_api_key
+
+    def allows(self, headers, path: str) -> bool:
+        """Whether a request for `path` carries the key its endpoint needs."""
+        if path in ADMIN_PATHS:
+            key = self.admin_api_key if self.admin_api_key is not None else self.api_key
+        elif path.startswith(PUBLIC_PREFIXES):
+            key = None
+        else:
+            key = self.api_key
+        return key is None or _matches(bearer_token(headers), key)
+
+
+class BodyTooLarge(HTTPException):
+    """The request body passed --max-request-body-bytes while it was read (answered 413)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"The request body exceeds the limit of {limit} bytes (--max-request-body-bytes)")
+
+
+class GuardMiddleware:
+    """Pure ASGI middleware: 401 without an accepted key, 415 for a POST/PUT that is not JSON, 413 for a
+    body over `max_body_bytes`."""
+
+    def __init__(self, app: ASGIApp, keys: KeyChecker, max_body_bytes: int):
+        self.app = app
+        self.keys = keys
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        if not self.keys.allows(request.headers, scope["path"]):
+            which = "admin api key" if scope["path"] in ADMIN_PATHS else "api key"
+            return await send_error(scope, send, f"Unauthorized: this endpoint requires 'Authorization: Bearer "
+                                                 f"<{which}>'", 401, [(b"www-authenticate", b"Bearer")])
+        if scope["method"] in ("POST", "PUT") and not is_json_content_type(request.headers.get("content-type")):
+            return await send_error(scope, send, "Unsupported media type: send the body as JSON with "
+                                                 "'Content-Type: application/json'", 415)
+        limit = self.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await send_error(scope, send, BodyTooLarge(limit).detail, 413)
+        received = 0
+
+        async def receive_limited():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, receive_limited, send)
