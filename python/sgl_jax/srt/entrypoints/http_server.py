@@ -1,7 +1,8 @@
 """The HTTP server: FastAPI routes over a TokenizerManager, SGLang's native API plus OpenAI's.
 
 Native: /generate, /health, /health_generate, /get_model_info, /get_server_info, /flush_cache (POST),
-/abort_request. OpenAI: /v1/models, /v1/completions, /v1/chat/completions. Scoring: /v1/score.
+/abort_request, /tokenize and /detokenize (also under /v1/), /metrics (Prometheus, with --enable-metrics;
+404 otherwise). OpenAI: /v1/models, /v1/completions, /v1/chat/completions. Scoring: /v1/score.
 
 Every request body is parsed by orjson (no NaN, no lone surrogates) and validated by a pydantic model
 (entrypoints/native_protocol.py, entrypoints/openai/protocol.py), so /openapi.json documents each field's
@@ -25,16 +26,18 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from typing import List, Optional, Union
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
+from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgl_jax import __version__
+from sgl_jax.srt.entrypoints.field_types import LenientModel, TokenId
 from sgl_jax.srt.entrypoints.http_guards import GuardMiddleware, KeyChecker
 from sgl_jax.srt.entrypoints.native_protocol import AbortRequest, GenerateRequest, ScoreRequest, validation_message
 from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -42,6 +45,7 @@ from sgl_jax.srt.entrypoints.openai.serving_chat import create_chat_completion
 from sgl_jax.srt.entrypoints.openai.serving_completions import create_completion, gather_or_cancel
 from sgl_jax.srt.entrypoints.openai.utils import SSE_DONE, json_response, merge_streams, openai_error, sse
 from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
+from sgl_jax.srt.metrics.collector import METRICS_CONTENT_TYPE
 from sgl_jax.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -81,6 +85,67 @@ def _error_for(request: Request, message: str, status_code: int) -> Response:
     if request.url.path.startswith("/v1/"):
         return openai_error(message, status_code)
     return _native_error(message, status_code)
+
+
+class TokenizeRequest(LenientModel):
+    """The /tokenize (and /v1/tokenize) body, as SGLang's ``TokenizeRequest``: one text or a list of texts.
+    Unknown fields are ignored, as upstream."""
+
+    prompt: Union[str, List[str]]
+    add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (e.g. BOS)")
+    model: Optional[str] = Field(None, description="ignored (one model is served)")
+
+
+class DetokenizeRequest(LenientModel):
+    """The /detokenize (and /v1/detokenize) body, as SGLang's ``DetokenizeRequest``: one token-id list or a
+    list of them. Unknown fields are ignored, as upstream."""
+
+    tokens: Union[List[TokenId], List[List[TokenId]]]
+    skip_special_tokens: bool = True
+    model: Optional[str] = Field(None, description="ignored (one model is served)")
+
+
+def tokenize_texts(tm: TokenizerManager, texts: List[str], add_special_tokens: bool,
+                   batch: bool = True) -> List[List[int]]:
+    """Token ids of each text, the whole text (no truncation; SGLang's /tokenize). Runs the tokenizer on the
+    calling thread: call it through ``tm.run_blocking``.
+
+    A text so long that it cannot fit the context whatever its tokenization (``tm.max_chars_per_token``,
+    see TokenizerManager.encode_text) is refused without tokenizing it, so one request cannot hold the
+    tokenizer thread for seconds.
+
+    Args:
+        batch: the texts came as a list (errors name the index: ``prompt[i]``).
+    Raises:
+        RequestError: 400 naming the text and the context length.
+    """
+    cap = tm.max_chars_per_token
+    for i, text in enumerate(texts):
+        if cap and len(text) > tm.context_len * cap:
+            where = f"prompt[{i}]" if batch else "prompt"
+            raise RequestError(f"{where} ({len(text)} characters, at least {-(-len(text) // cap)} tokens) is "
+                               f"longer than the model's context length ({tm.context_len} tokens)")
+    if not texts:
+        return []
+    return [list(ids) for ids in tm.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+
+
+def detokenize_ids(tm: TokenizerManager, seqs: List[List[int]], skip_special_tokens: bool,
+                   batch: bool = True) -> List[str]:
+    """The text of each token-id list (``tokenizer.decode``). Runs the tokenizer on the calling thread: call
+    it through ``tm.run_blocking``.
+
+    Args:
+        batch: the lists came as a list of lists (errors name the index: ``tokens[i]``).
+    Raises:
+        RequestError: 400 naming the ids outside the vocabulary [0, vocab_size) (the first five).
+    """
+    for i, ids in enumerate(seqs):
+        bad = [t for t in ids if not 0 <= t < tm.vocab_size]
+        if bad:
+            where = f"tokens[{i}]" if batch else "tokens"
+            raise RequestError(f"{where} contains ids outside the vocabulary [0, {tm.vocab_size}): {bad[:5]}")
+    return [tm.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) for ids in seqs]
 
 
 def public_server_args(server_args: ServerArgs, served_model_name: str) -> dict:
@@ -135,6 +200,17 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
             return Response(f"unhealthy: {e!r}", status_code=503)
         return Response(status_code=200)
 
+    if tm.metrics is not None:
+        @app.get("/metrics")
+        async def metrics():
+            """Prometheus text format (see sgl_jax.srt.metrics.collector). The gauges are refreshed from the
+            scheduler first; if it does not answer (engine down or busy), the last values are served."""
+            try:
+                tm.metrics.update_gauges(await tm.get_internal_state())
+            except RequestError as e:
+                logger.warning("/metrics: gauges not refreshed: %s", e.message)
+            return Response(tm.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
     @app.get("/get_model_info")
     async def get_model_info():
         return json_response({"model_path": tm.served_model_name, "tokenizer_path": tm.served_model_name,
@@ -163,6 +239,29 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
         if not tm.abort_request(req.rid):
             raise RequestError(f"No running generation request has rid {req.rid!r}", 404)
         return Response(status_code=200)
+
+    # ---------------------------------------------------------------- tokenizer
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        """SGLang's /tokenize: {"tokens": ids or [ids per prompt], "count": n or [n per prompt],
+        "max_model_len": context length in tokens}. Tokenizes on the TokenizerManager's thread."""
+        one = isinstance(req.prompt, str)
+        texts = [req.prompt] if one else req.prompt
+        ids = await tm.run_blocking(tokenize_texts, tm, texts, req.add_special_tokens, not one)
+        return json_response({"tokens": ids[0] if one else ids,
+                              "count": len(ids[0]) if one else [len(x) for x in ids],
+                              "max_model_len": tm.context_len})
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        """SGLang's /detokenize: {"text": str} for one id list (``[]`` gives ""), {"text": [str, ...]} for a
+        list of lists. Ids outside the vocabulary answer 400."""
+        one = not req.tokens or isinstance(req.tokens[0], int)
+        seqs = [req.tokens] if one else req.tokens
+        texts = await tm.run_blocking(detokenize_ids, tm, seqs, req.skip_special_tokens, not one)
+        return json_response({"text": texts[0] if one else texts})
 
     # ---------------------------------------------------------------- native generation
     @app.api_route("/generate", methods=["POST", "PUT"])

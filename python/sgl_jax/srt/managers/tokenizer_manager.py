@@ -32,6 +32,7 @@ from sgl_jax.srt.managers.io_struct import (
 from sgl_jax.srt.managers.errors import RequestError  # noqa: F401  (re-exported)
 from sgl_jax.srt.managers.score_client import ScoreClient
 from sgl_jax.srt.managers.scoring import ScoreReqInput
+from sgl_jax.srt.metrics.collector import MetricsCollector, RequestTimes
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class PreparedReq:
     obj: GenerateReqInput
     input_ids: List[int]
     sampling_params: SamplingParams
+    received_time: float = dataclasses.field(default_factory=time.perf_counter)  # arrival, before tokenizing
 
 
 @dataclasses.dataclass
@@ -110,6 +112,7 @@ class ReqState:
     # the scheduler's final message for it arrives, so nothing of this request reaches a new one
     orphaned_at: Optional[float] = None
     released: bool = False  # the scheduler's final message for it has arrived
+    times: Optional[RequestTimes] = None  # for the latency metrics (--enable-metrics)
 
 
 ORPHAN_TTL_S = 120.0  # an aborted request's rid is freed at the latest this long after its abort
@@ -152,6 +155,8 @@ class TokenizerManager:
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the loop serving this manager, once started
         self.dead_reason: Optional[str] = None
         self.score_client = ScoreClient(self)
+        self.metrics: Optional[MetricsCollector] = (MetricsCollector(self.served_model_name)
+                                                    if server_args.enable_metrics else None)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -203,11 +208,18 @@ class TokenizerManager:
                         state.error = RequestError(out.error, 500)
                     else:
                         state.pending.append(out)
+                        if self.metrics is not None and state.times is not None:
+                            self._observe_metrics(state.times, out)
                     state.event.set()
             elif self.score_client.on_message(msg):
                 pass
             else:
                 self._control_queue(type(msg)).put_nowait(msg)
+
+    def _observe_metrics(self, times: RequestTimes, out: StrOut) -> None:
+        fr = out.finished_reason
+        self.metrics.observe_output(times, out.completion_tokens, fr is not None, out.prompt_tokens,
+                                    out.cached_tokens, aborted=fr is not None and fr.get("type") == "abort")
 
     def _control_queue(self, tp: type) -> asyncio.Queue:
         return self._control.setdefault(tp, asyncio.Queue())
@@ -363,14 +375,18 @@ class TokenizerManager:
         Raises:
             RequestError: invalid request (400/413), or the server is down (503).
         """
+        received = time.perf_counter()
         self._check_alive()
         input_ids = self.tokenize(obj)
-        return PreparedReq(obj, input_ids, self.validate(obj, input_ids))
+        return PreparedReq(obj, input_ids, self.validate(obj, input_ids), received)
 
     async def prepare_async(self, obj: GenerateReqInput) -> "PreparedReq":
         """`prepare` on the tokenizer thread (off the event loop)."""
+        received = time.perf_counter()
         self._check_alive()
-        return await self.run_blocking(self.prepare, obj)
+        req = await self.run_blocking(self.prepare, obj)
+        req.received_time = received
+        return req
 
     async def generate_request(self, req: Union[GenerateReqInput, "PreparedReq"]) -> AsyncIterator[dict]:
         """Run one request; yields response dicts (every update when streaming, else only the final one).
@@ -387,7 +403,8 @@ class TokenizerManager:
         obj, input_ids, sp = req.obj, req.input_ids, req.sampling_params
         rid = obj.rid or uuid.uuid4().hex
         self.reserve_rid(rid)
-        state = ReqState(obj=obj, event=asyncio.Event())
+        state = ReqState(obj=obj, event=asyncio.Event(),
+                         times=RequestTimes(req.received_time) if self.metrics is not None else None)
         self.rid_to_state[rid] = state
         self.send_to_scheduler.send_pyobj(TokenizedGenerateReqInput(
             rid=rid, input_ids=input_ids, sampling_params=sp, return_logprob=obj.return_logprob,

@@ -1,0 +1,1 @@
+"""Prometheus metrics (``--enable-metrics``, served at ``/metrics``): see `collector`."""

@@ -1,0 +1,152 @@
+"""Prometheus metrics of one server, under SGLang's names (``sglang:*``, labelled ``model_name``).
+
+What is measured where (SGLang's TokenizerMetricsCollector and SchedulerMetricsCollector, merged):
+
+- In the TokenizerManager, as each request's outputs arrive from the detokenizer (`observe_output`):
+  ``sglang:time_to_first_token_seconds`` (first output carrying a token - the request's arrival, i.e. before
+  tokenization), ``sglang:inter_token_latency_seconds`` (the time between two outputs divided among the
+  tokens the later one brings, observed once per token), and when the request finishes
+  ``sglang:e2e_request_latency_seconds``, ``sglang:prompt_tokens_total``, ``sglang:generation_tokens_total``,
+  ``sglang:cached_tokens_total``, ``sglang:num_requests_total`` (and ``sglang:num_aborted_requests_total``
+  when it finished by an abort). A request whose client went away before its end is not counted, nor are
+  /v1/score requests (they do not generate).
+- At scrape time, from the scheduler's internal state (`update_gauges`): ``sglang:num_running_reqs``,
+  ``sglang:num_queue_reqs``, ``sglang:num_used_tokens``, ``sglang:max_total_num_tokens`` and
+  ``sglang:token_usage`` = used / total KV tokens, where used = total - free - evictable (SGLang's
+  definition: cached prefixes that no request holds count as free). ``sglang:cache_hit_rate`` is the
+  fraction of the prompt tokens of finished requests that came from the prefix cache (cumulative; SGLang
+  reports the last prefill batch's fraction, which jumps between 0 and 1 on a quiet server); it is set as
+  requests finish.
+
+Histogram buckets are SGLang's defaults. Every collector owns a private ``CollectorRegistry``, so several
+servers (or tests) in one process never clash over metric names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# SGLang's default bucket boundaries, in seconds
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
+ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080,
+               0.100, 0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000)
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST  # Prometheus text format 0.0.4
+
+
+@dataclasses.dataclass
+class RequestTimes:
+    """One request's timestamps for the latency histograms (``time.perf_counter()`` seconds).
+
+    received: when the request arrived (before tokenization).
+    first_token: when its first output carrying a token arrived (None before).
+    last_token: when its latest output carrying a token arrived.
+    completion_tokens: output tokens seen so far.
+    """
+
+    received: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    completion_tokens: int = 0
+
+
+class MetricsCollector:
+    """The metrics of one server (see the module docstring), in a private registry.
+
+    Args:
+        model_name: the ``model_name`` label of every series (the served model name).
+        registry: where the metrics live (default: a new ``CollectorRegistry``; never the global one).
+    """
+
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None):
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.labels = {"model_name": model_name}
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+
+        def counter(name, doc):
+            return Counter(name, doc, labelnames=["model_name"], registry=self.registry).labels(**self.labels)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labelnames=["model_name"], registry=self.registry).labels(**self.labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labelnames=["model_name"], buckets=buckets,
+                             registry=self.registry).labels(**self.labels)
+
+        self.prompt_tokens = counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("sglang:generation_tokens_total", "Number of generation tokens processed.")
+        self.cached_tokens = counter("sglang:cached_tokens_total", "Number of cached prompt tokens.")
+        self.num_requests = counter("sglang:num_requests_total", "Number of requests processed.")
+        self.num_aborted_requests = counter("sglang:num_aborted_requests_total", "Number of requests aborted.")
+        self.ttft = histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("sglang:e2e_request_latency_seconds",
+                             "Histogram of End-to-end request latency in seconds", E2E_BUCKETS)
+        self.num_running_reqs = gauge("sglang:num_running_reqs", "The number of running requests.")
+        self.num_queue_reqs = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
+        self.num_used_tokens = gauge("sglang:num_used_tokens", "The number of used tokens.")
+        self.max_total_num_tokens = gauge("sglang:max_total_num_tokens",
+                                          "Maximum total number of tokens in the KV cache pool.")
+        self.token_usage = gauge("sglang:token_usage", "The token usage (fraction of the KV cache pool in use).")
+        self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
+
+    def observe_output(self, times: RequestTimes, completion_tokens: int, finished: bool, prompt_tokens: int = 0,
+                       cached_tokens: int = 0, aborted: bool = False, now: Optional[float] = None) -> None:
+        """One output of a request arrived.
+
+        Args:
+            times: the request's timestamps (updated here).
+            completion_tokens: the request's output tokens so far (cumulative, as in ``StrOut``).
+            finished: this is the request's last output; then the counters and the E2E histogram are
+                observed with `prompt_tokens`, `completion_tokens`, `cached_tokens` (token counts) and
+                `aborted` (it finished by an abort).
+            now: the arrival time (``time.perf_counter()`` seconds; default: now).
+        """
+        now = time.perf_counter() if now is None else now
+        new_tokens = completion_tokens - times.completion_tokens
+        if new_tokens > 0:
+            if times.first_token is None:
+                times.first_token = now
+                self.ttft.observe(now - times.received)
+            else:
+                per_token = (now - times.last_token) / new_tokens
+                for _ in range(new_tokens):
+                    self.itl.observe(per_token)
+            times.last_token = now
+            times.completion_tokens = completion_tokens
+        if finished:
+            self.prompt_tokens.inc(prompt_tokens)
+            self.generation_tokens.inc(completion_tokens)
+            self.cached_tokens.inc(cached_tokens)
+            self.num_requests.inc()
+            if aborted:
+                self.num_aborted_requests.inc()
+            self.e2e.observe(now - times.received)
+            self._prompt_tokens += prompt_tokens
+            self._cached_tokens += cached_tokens
+            if self._prompt_tokens:
+                self.cache_hit_rate.set(self._cached_tokens / self._prompt_tokens)
+
+    def update_gauges(self, internal_state: dict) -> None:
+        """Set the gauges from the scheduler's internal state (``TokenizerManager.get_internal_state()``:
+        ``kv_tokens_total``, ``kv_tokens_free``, ``kv_tokens_evictable``, ``num_running_reqs``,
+        ``num_waiting_reqs``; token counts in tokens)."""
+        total = internal_state["kv_tokens_total"]
+        used = total - internal_state["kv_tokens_free"] - internal_state["kv_tokens_evictable"]
+        self.num_running_reqs.set(internal_state["num_running_reqs"])
+        self.num_queue_reqs.set(internal_state["num_waiting_reqs"])
+        self.num_used_tokens.set(used)
+        self.max_total_num_tokens.set(total)
+        self.token_usage.set(used / total if total > 0 else 0.0)
+
+    def render(self) -> bytes:
+        """Every metric in the Prometheus text format (`METRICS_CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
