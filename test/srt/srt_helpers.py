@@ -131,6 +131,18 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def module_server(extra_args: Optional[List[str]] = None, **kwargs):
+    """Body of a module-scoped pytest fixture: ``yield from module_server(...)`` yields a `ServerProcess`,
+    then checks it stops cleanly (exit 0) and leaves no child process behind."""
+    s = ServerProcess(extra_args, **kwargs)
+    try:
+        yield s
+    finally:
+        code = s.stop()
+    assert code == 0, f"server exited with {code}"
+    assert not alive_after(s.children), "child processes left behind"
+
+
 def wait_pool_idle(url: str, headers: Optional[dict] = None, timeout: float = 60.0) -> dict:
     """Wait until nothing runs, then assert the KV pool is free + cached: nothing in use or locked, every
     request slot free, no accounting error. Returns the internal state."""
@@ -171,6 +183,39 @@ def hf_greedy(model, input_ids: List[int], n: int) -> List[int]:
         res = model(torch.tensor([input_ids]), use_cache=True)
         for _ in range(n):
             tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            res = model(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
+    return out
+
+
+def penalized_logits(logits, prompt: List[int], output: List[int], frequency: float = 0.0, presence: float = 0.0,
+                     repetition: float = 1.0, logit_bias: Optional[dict] = None):
+    """numpy reference of the sampling step's adjustments (layers/sampler.py) for one row of float logits:
+    repetition penalty over prompt + output, frequency / presence over output, then logit_bias."""
+    import numpy as np
+
+    out = np.asarray(logits, np.float64).copy()
+    counts = np.bincount(np.asarray(output, np.int64), minlength=len(out))
+    seen = counts > 0
+    seen[np.asarray(prompt, np.int64)] = True
+    out[seen] = np.where(out[seen] > 0, out[seen] / repetition, out[seen] * repetition)
+    out -= frequency * counts + presence * (counts > 0)
+    for t, b in (logit_bias or {}).items():
+        out[int(t)] += b
+    return out
+
+
+def hf_greedy_penalized(model, input_ids: List[int], n: int, **penalties) -> List[int]:
+    """n greedy tokens from an HF causal LM with `penalized_logits` applied at every step."""
+    import numpy as np
+    import torch
+
+    out: List[int] = []
+    with torch.no_grad():
+        res = model(torch.tensor([input_ids]), use_cache=True)
+        for _ in range(n):
+            logits = res.logits[0, -1].float().numpy()
+            tok = int(np.argmax(penalized_logits(logits, input_ids, out, **penalties)))
             out.append(tok)
             res = model(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
     return out

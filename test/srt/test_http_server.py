@@ -12,18 +12,14 @@ import httpx
 import openai
 import pytest
 
-from srt_helpers import ServerProcess, alive_after, default_model_path
+from srt_helpers import default_model_path, module_server
 
 CHAT_Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess()
-    yield s
-    code = s.stop()
-    assert code == 0, f"server exited with {code}"
-    assert not alive_after(s.children), "child processes left behind"
+    yield from module_server()
 
 
 @pytest.fixture(scope="module")

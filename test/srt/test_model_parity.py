@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -146,8 +145,8 @@ def test_model_step_writes_kv_in_place(smollm2_harness, smollm2_tokenizer):
     h = smollm2_harness
     r = h.runner
     batch = r.dummy_batch(ForwardMode.DECODE, 4, 4)
-    fb, sampling = jax.device_put((batch.forward_batch, batch.sampling))
-    hlo = r._step.lower(r.params, r.kv_caches, fb, sampling).compile().as_text()
+    fb, sampling = r.device_inputs(batch)
+    hlo = r._step.lower(r.params, r.kv_caches, r.penalty_state, fb, sampling).compile().as_text()
     cache_shape = "f32[" + ",".join(map(str, r.kv_caches[0][0].shape)) + "]"
     copies = [ln for ln in hlo.splitlines() if f"{cache_shape}" in ln and " copy(" in ln]
     assert not copies, f"{len(copies)} copies of the KV cache per step, e.g. {copies[0].strip()[:200]}"

@@ -77,7 +77,12 @@ def test_kv_pool_limit_gives_413():
     ({"max_new_tokens": -1}, "sampling_params.max_new_tokens"),
     ({"min_new_tokens": 5, "max_new_tokens": 2}, "min_new_tokens"), ({"stop": 3}, "sampling_params.stop"),
     ({"stop_token_ids": [1 << 20]}, "vocabulary"), ({"max_tokens": 3}, "sampling_params.max_tokens: Extra inputs"),
-    ({"temperature": "hot"}, "sampling_params.temperature"), ({"repetition_penalty": 1.2}, "not supported"),
+    ({"temperature": "hot"}, "sampling_params.temperature"), ({"structural_tag": "x"}, "structural_tag is not supported"),
+    ({"stop_regex": ["a+"]}, "stop_regex is not supported"), ({"custom_params": {"a": 1}}, "custom_params"),
+    ({"logit_bias": {"5": 101}}, "sampling_params.logit_bias.5"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"49152": 1}}, "logit_bias key 49152 is outside the vocabulary"),
+    ({"json_schema": "{bad"}, "json_schema is not valid JSON"), ({"regex": "a(b"}, "Invalid regex"),
+    ({"ebnf": "root ::= nothing"}, "ebnf"), ({"regex": "a", "json_schema": "{}"}, "Only one of"),
     ({"top_k": 2**31}, "sampling_params.top_k: Input should be less than or equal to 2147483647"),
     ({"seed": 2**64}, "sampling_params.seed"), ({"sampling_seed": -(2**63) - 1}, "sampling_params.sampling_seed"),
     ({"temperature": float("nan")}, "sampling_params.temperature: Input should be a finite number"),
@@ -90,6 +95,49 @@ def test_kv_pool_limit_gives_413():
 ])
 def test_bad_sampling_params_give_400_naming_the_field(tm, sp, fragment):
     assert fragment in body_error(tm, {"text": "hi", "sampling_params": sp})
+
+
+# every key of SGLang's SamplingParams (python/sglang/srt/sampling/sampling_params.py) at a null/default value
+SGLANG_SAMPLING_DEFAULTS = {
+    "max_new_tokens": 8, "stop": None, "stop_token_ids": None, "stop_regex": None, "temperature": 1.0, "top_p": 1.0,
+    "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+    "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False,
+    "custom_params": None, "logit_bias": None, "sampling_seed": None,
+}
+# every field of SGLang's GenerateReqInput at its default
+SGLANG_GENERATE_DEFAULTS = {
+    "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "return_logprob": False,
+    "logprob_start_len": -1, "top_logprobs_num": 0, "token_ids_logprob": None, "return_text_in_logprobs": False,
+    "stream": False, "log_metrics": True, "return_hidden_states": False, "modalities": None,
+    "session_params": None, "lora_path": None, "lora_id": None, "custom_logit_processor": None,
+    "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None, "bootstrap_pair_key": None,
+    "data_parallel_rank": None, "background": False, "conversation_id": None, "priority": None,
+    "extra_key": None, "no_logs": False, "custom_labels": None, "return_bytes": False, "return_entropy": False,
+    "rid": None,
+}
+
+
+def test_sglang_schema_at_defaults_is_accepted():
+    """What SGLang's clients send (its frontend's RuntimeEndpoint sends json_schema, regex and stop_regex as
+    null) validates, and the null keys do not reach the engine."""
+    from sgl_jax.srt.entrypoints.native_protocol import GenerateRequest
+
+    obj = GenerateRequest.model_validate({"text": "hi", "sampling_params": SGLANG_SAMPLING_DEFAULTS,
+                                          **SGLANG_GENERATE_DEFAULTS}).to_inputs()
+    assert obj.text == "hi" and "stop_regex" not in obj.sampling_params
+    from sgl_jax.srt.sampling.sampling_params import SamplingParams
+
+    sp = SamplingParams.from_dict(obj.sampling_params)
+    assert sp.json_schema is None and sp.max_new_tokens == 8
+
+
+@pytest.mark.parametrize("field,value", [
+    ("image_data", "x.png"), ("lora_path", "a"), ("session_params", {"id": "s"}), ("return_hidden_states", True),
+    ("custom_logit_processor", "p"), ("data_parallel_rank", 1), ("background", True), ("bootstrap_host", "h"),
+])
+def test_unsupported_sglang_fields_name_the_field(tm, field, value):
+    assert f"{field}" in body_error(tm, {"text": "hi", field: value})
 
 
 @pytest.mark.parametrize("body,fragment", [

@@ -12,7 +12,7 @@ The constraints are pydantic ``Field`` metadata, so ``/openapi.json`` states eac
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Dict
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,6 +34,9 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]  # OpenAI's frequency/presence range
 PosFloat32 = Annotated[float, Field(gt=0.0, le=FLOAT32_MAX, allow_inf_nan=False)]
+LogitBias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]  # OpenAI's range
+# logit_bias maps a token id (a JSON object key, hence a string) to a bias
+LogitBiasMap = Dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], LogitBias]
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX, description="64-bit seed (int64 or uint64)")]
 NumChoices = Annotated[int, Field(ge=1, le=MAX_N)]
 # A request id: printable, no '/' (the scheduler derives the ids of a request's parts as "<rid>/<part>").

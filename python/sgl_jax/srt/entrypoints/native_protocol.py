@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, List, Literal, Optional, Union
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from sgl_jax.srt.entrypoints.field_types import (
     INT32_MAX,
+    LogitBiasMap,
     NonNegFloat32,
     NonNegInt32,
     NumChoices,
@@ -32,6 +33,22 @@ from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 _SP = SamplingParams()  # defaults come from the one dataclass
+
+
+def not_supported_unless_default(value, name: str):
+    """A field of SGLang's schema that sgl-jax accepts only at its default (None, False, empty).
+
+    Raises:
+        ValueError: a non-default value (HTTP 400 naming the field).
+    """
+    if value:
+        raise ValueError(f"{name} is not supported by this server (only null or its default)")
+    return value
+
+
+def default_only(*fields: str):
+    """A pydantic validator refusing non-default values of `fields` (see `not_supported_unless_default`)."""
+    return field_validator(*fields)(classmethod(lambda cls, v, info: not_supported_unless_default(v, info.field_name)))
 
 
 class SamplingParamsRequest(StrictModel):
@@ -55,8 +72,19 @@ class SamplingParamsRequest(StrictModel):
     n: NumChoices = _SP.n
     sampling_seed: Optional[Seed] = None
     seed: Optional[Seed] = Field(None, description="alias of sampling_seed")
+    logit_bias: Optional[LogitBiasMap] = Field(None, description="token id -> bias in [-100, 100]")
+    json_schema: Optional[str] = Field(None, description="a JSON schema the output must satisfy")
+    regex: Optional[str] = Field(None, description="a regular expression the whole output must match")
+    ebnf: Optional[str] = Field(None, description="a GBNF / Lark grammar the output must match")
+    # SGLang keys accepted at their defaults only (null / empty)
+    structural_tag: Optional[str] = None
+    stop_regex: Optional[Union[str, List[str]]] = None
+    custom_params: Optional[dict] = None
+
+    _default_only = default_only("structural_tag", "stop_regex", "custom_params")
 
 
+_DEFAULT_ONLY_KEYS = {"structural_tag", "stop_regex", "custom_params"}
 IdsOrBatch = Union[List[TokenId], List[List[TokenId]]]
 _ONE, _PER_PROMPT = "one", "per_prompt"  # union tags; left out of error locations (validation_message)
 
@@ -89,6 +117,44 @@ class GenerateRequest(StrictModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[OneOrList(Rid)] = None
+    log_metrics: bool = True  # accepted, no effect
+    # SGLang GenerateReqInput fields accepted at their defaults only (null / false / empty)
+    input_embeds: Optional[Any] = None
+    image_data: Optional[Any] = None
+    video_data: Optional[Any] = None
+    audio_data: Optional[Any] = None
+    modalities: Optional[Any] = None
+    return_hidden_states: Any = False
+    session_params: Optional[Any] = None
+    lora_path: Optional[Any] = None
+    lora_id: Optional[Any] = None
+    custom_logit_processor: Optional[Any] = None
+    bootstrap_host: Optional[Any] = None
+    bootstrap_port: Optional[Any] = None
+    bootstrap_room: Optional[Any] = None
+    bootstrap_pair_key: Optional[Any] = None
+    data_parallel_rank: Optional[Any] = None
+    background: bool = False
+    conversation_id: Optional[Any] = None
+    priority: Optional[Any] = None
+    extra_key: Optional[Any] = None
+    no_logs: bool = False
+    custom_labels: Optional[Any] = None
+    return_bytes: bool = False
+    return_entropy: bool = False
+
+    _default_only = default_only("input_embeds", "image_data", "video_data", "audio_data", "modalities",
+                                 "return_hidden_states", "session_params", "lora_path", "lora_id",
+                                 "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+                                 "bootstrap_pair_key", "background", "conversation_id", "priority", "extra_key",
+                                 "custom_labels", "return_bytes", "return_entropy")
+
+    @field_validator("data_parallel_rank")
+    @classmethod
+    def _single_rank(cls, v):
+        if v not in (None, 0):
+            raise ValueError("data_parallel_rank must be null or 0 (this server has one data-parallel rank)")
+        return v
 
     def to_inputs(self) -> Union[GenerateReqInput, List[GenerateReqInput]]:
         """One GenerateReqInput, or one per prompt of a batch.
@@ -131,7 +197,7 @@ class GenerateRequest(StrictModel):
             rid = f"{self.rid}-{i}"
         return GenerateReqInput(
             text=text, input_ids=input_ids,
-            sampling_params=None if sp is None else sp.model_dump(exclude_unset=True),
+            sampling_params=None if sp is None else sp.model_dump(exclude_unset=True, exclude=_DEFAULT_ONLY_KEYS),
             return_logprob=self._pick("return_logprob", i, n),
             logprob_start_len=self._pick("logprob_start_len", i, n),
             top_logprobs_num=self._pick("top_logprobs_num", i, n),

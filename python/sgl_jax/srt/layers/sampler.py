@@ -1,13 +1,24 @@
-"""Next-token sampling on device: greedy, temperature, top-k, top-p (nucleus), min-p, per-request seeds.
+"""Next-token sampling on device: penalties, logit bias, grammar masks, greedy, temperature, top-k, top-p
+(nucleus), min-p, per-request seeds.
 
 Semantics follow SGLang's sampler: temperature 0 (or top_k 1) is greedy argmax; otherwise logits are
 divided by the temperature and filtered by top-k, top-p (keep the smallest prefix of tokens, by
 probability, whose mass reaches top_p; Holtzman et al. 2019) and min-p (keep tokens with probability
 >= min_p * max probability). Each request draws from its own stream, fold_in(key(seed), step), so a
 seeded request samples the same tokens alone or inside any batch.
+
+Before that, in this order (`adjust_logits`): repetition penalty over prompt + output tokens (CTRL, Keskar
+et al. 2019: a positive logit is divided by it, a negative one multiplied), frequency and presence penalties
+over output tokens (OpenAI / vLLM / SGLang: logit -= frequency * count + presence * [count > 0]), logit_bias
+(OpenAI: added), then the grammar's vocabulary bitmask (disallowed tokens get -inf). The history these need
+lives on device in a `PenaltyState` indexed by request slot (ReqToTokenPool row), so the batch's shapes never
+change and no per-step transfer grows with the output; every row is computed from its own slot, so results
+do not depend on the batch.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -44,19 +55,112 @@ def _sample_filtered(scaled: jax.Array, meta: SamplingMetadata) -> jax.Array:
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
 
-def sample(logits: jax.Array, meta: SamplingMetadata, eos_token_ids: jax.Array):
+@dataclasses.dataclass
+class PenaltyState:
+    """Per request slot token history for penalties and the slot's logit bias, on device (R slots, V vocab).
+
+    counts: int32[R, V] occurrences of each token in the slot's output so far.
+    seen: bool[R, V] tokens of the prompt and of the output at initialisation (repetition penalty).
+    bias: float32[R, V] the request's logit_bias as a dense row.
+    last_counted: int32[R] index (in the output) of the last output token counted; updates carry the index
+        of the token they add, so re-running a step (fault isolation) never counts a token twice.
+
+    A row is (re)initialised from the host by `init_penalty_row` when a request with penalties or a bias
+    takes the slot (admission, or re-admission after a retract); rows of other requests hold garbage that
+    is never read (``SamplingMetadata.penalized`` is false for them).
+    """
+
+    counts: jax.Array
+    seen: jax.Array
+    bias: jax.Array
+    last_counted: jax.Array
+
+
+jax.tree_util.register_dataclass(PenaltyState, data_fields=["counts", "seen", "bias", "last_counted"],
+                                 meta_fields=[])
+
+
+def new_penalty_state(num_slots: int, vocab: int) -> PenaltyState:
+    """Zeroed state for `num_slots` request slots (bytes: num_slots * vocab * 9)."""
+    return PenaltyState(counts=jnp.zeros((num_slots, vocab), jnp.int32), seen=jnp.zeros((num_slots, vocab), bool),
+                        bias=jnp.zeros((num_slots, vocab), jnp.float32),
+                        last_counted=jnp.full((num_slots,), -1, jnp.int32))
+
+
+def init_penalty_row(state: PenaltyState, slot: jax.Array, token_ids: jax.Array, num_prompt: jax.Array,
+                     num_tokens: jax.Array, bias_row: jax.Array) -> PenaltyState:
+    """Set slot `slot` from a request's tokens.
+
+    Args:
+        slot: int32[] the request's ReqToTokenPool row.
+        token_ids: int32[L] prompt then output tokens, padded to L (the context length) with anything.
+        num_prompt: int32[] prompt tokens; num_tokens: int32[] prompt + output tokens (<= L).
+        bias_row: float32[V] logit_bias as a dense row (zeros: none).
+    """
+    pos = jnp.arange(token_ids.shape[0])
+    valid = pos < num_tokens
+    out = valid & (pos >= num_prompt)
+    V = state.counts.shape[1]
+    seen = jnp.zeros((V,), bool).at[token_ids].max(valid)
+    counts = jnp.zeros((V,), jnp.int32).at[token_ids].add(out.astype(jnp.int32))
+    return PenaltyState(counts=state.counts.at[slot].set(counts), seen=state.seen.at[slot].set(seen),
+                        bias=state.bias.at[slot].set(bias_row),
+                        last_counted=state.last_counted.at[slot].set(num_tokens - num_prompt - 1))
+
+
+def count_last_tokens(state: PenaltyState, meta: SamplingMetadata) -> PenaltyState:
+    """Add each penalized row's newest output token (``last_token`` at output index ``last_token_index``)
+    to its slot's counts, once."""
+    add = meta.penalized & (meta.last_token_index > state.last_counted[meta.slots])
+    counts = state.counts.at[meta.slots, meta.last_token].add(add.astype(jnp.int32))
+    last = state.last_counted.at[meta.slots].max(jnp.where(add, meta.last_token_index, -1))
+    return dataclasses.replace(state, counts=counts, last_counted=last)
+
+
+def _penalize(logits: jax.Array, state: PenaltyState, meta: SamplingMetadata) -> jax.Array:
+    counts = state.counts[meta.slots]
+    in_output = counts > 0
+    seen = state.seen[meta.slots] | in_output
+    rep = meta.repetition_penalties[:, None]
+    out = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    out = (out - meta.frequency_penalties[:, None] * counts.astype(jnp.float32)
+           - meta.presence_penalties[:, None] * in_output.astype(jnp.float32))
+    out = out + state.bias[meta.slots]
+    return jnp.where(meta.penalized[:, None], out, logits)
+
+
+def _mask_vocab(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    V = logits.shape[1]
+    idx = jnp.arange(V, dtype=jnp.int32)
+    words = jnp.asarray(meta.vocab_mask)[:, idx // 32]
+    allowed = ((words >> (idx % 32)[None, :]) & 1) == 1
+    return jnp.where(allowed | ~meta.constrained[:, None], logits, NEG_INF)
+
+
+def adjust_logits(logits: jax.Array, state: PenaltyState, meta: SamplingMetadata) -> jax.Array:
+    """Penalties, logit bias and grammar masks (see the module docstring); each skipped at run time when no
+    row of the batch uses it. float32[S, V] -> float32[S, V]."""
+    logits = jax.lax.cond(jnp.any(meta.penalized), lambda x: _penalize(x, state, meta), lambda x: x, logits)
+    return jax.lax.cond(jnp.any(meta.constrained), lambda x: _mask_vocab(x, meta), lambda x: x, logits)
+
+
+def sample(logits: jax.Array, meta: SamplingMetadata, eos_token_ids: jax.Array, state: PenaltyState):
     """Pick the next token of every row.
 
     Args:
         logits: float32[S, V] next-token logits.
         meta: per-row parameters (see SamplingMetadata).
         eos_token_ids: int32[E] ids masked for rows with ``suppress_eos``.
+        state: the penalty state (see PenaltyState); updated with each row's newest output token.
     Returns:
-        (next_token_ids int32[S], logprobs float32[S, V]) where logprobs is the log-softmax of the raw
-        logits (before temperature and filtering), the distribution `return_logprob` reports.
+        (next_token_ids int32[S], logprobs float32[S, V], state) where logprobs is the log-softmax of the
+        raw logits (before penalties, masks, temperature and filtering), the distribution `return_logprob`
+        reports.
     """
     S, V = logits.shape
     logprobs = jax.nn.log_softmax(logits, axis=-1)
+    state = count_last_tokens(state, meta)
+    logits = adjust_logits(logits, state, meta)
     is_eos = jnp.zeros((V,), bool).at[eos_token_ids].set(True)
     logits = jnp.where(meta.suppress_eos[:, None] & is_eos[None, :], NEG_INF, logits)
     greedy_rows = (meta.temperatures <= 0.0) | (meta.top_ks == 1)
@@ -73,4 +177,4 @@ def sample(logits: jax.Array, meta: SamplingMetadata, eos_token_ids: jax.Array):
         ],
     )
     next_ids = jnp.where(greedy_rows, greedy, sampled).astype(jnp.int32)
-    return next_ids, logprobs
+    return next_ids, logprobs, state

@@ -149,6 +149,12 @@ class Req:
         self.output_top_logprobs: List[list] = []
         self.output_token_ids_logprobs: List[list] = []
 
+        # structured output: the request's Grammar (constrained/grammar_backend.py) once compiled
+        self.grammar = None
+        self.grammar_future = None
+        # the ReqToTokenPool row whose penalty state holds this request's history (None: not set up)
+        self.penalty_slot: Optional[int] = None
+
         self.created_time = time.time()
         stops = sampling_params.stop or []
         self.stop_tail_tokens = 4 * max((len(s) for s in stops), default=0) + 2
@@ -185,6 +191,7 @@ class Req:
         self.prefix_indices = np.zeros(0, np.int32)
         self.extend_input_len = 0
         self.is_chunked = False
+        self.penalty_slot = None
         self.num_retractions += 1
 
     def check_finished(self, decode_tail: Callable[[List[int]], str]) -> None:
@@ -377,6 +384,18 @@ class ScheduleBatch:
             forward_mode=self.forward_mode,
         )
         sps = [r.sampling_params for r in reqs]
+        decode = self.forward_mode == ForwardMode.DECODE
+        samples = [decode or r.kv_committed_len + r.extend_input_len >= r.seqlen for r in reqs]
+        vocab_mask = None
+        constrained = [r.grammar is not None and s for r, s in zip(reqs, samples)]
+        if any(constrained):
+            width = next(r.grammar.mask_width for r, c in zip(reqs, constrained) if c)
+            vocab_mask = np.full((S_pad, width), -1, np.int32)
+            for i, r in enumerate(reqs):
+                if constrained[i]:
+                    r.grammar.fill_vocab_mask(vocab_mask, i)
+        penalized = [p.uses_penalties() for p in sps]
+        last_index = [len(r.output_ids) - 1 if decode else -1 for r in reqs]
         sampling = SamplingMetadata(
             temperatures=pad([p.temperature for p in sps], S_pad, np.float32),
             top_ps=pad([p.top_p for p in sps], S_pad, np.float32, 1.0),
@@ -386,5 +405,14 @@ class ScheduleBatch:
             steps=pad([len(r.output_ids) for r in reqs], S_pad),
             suppress_eos=pad([len(r.output_ids) < p.min_new_tokens for r, p in zip(reqs, sps)], S_pad, bool,
                              False),
+            slots=pad(rows, S_pad),
+            penalized=pad(penalized, S_pad, bool, False),
+            frequency_penalties=pad([p.frequency_penalty for p in sps], S_pad, np.float32),
+            presence_penalties=pad([p.presence_penalty for p in sps], S_pad, np.float32),
+            repetition_penalties=pad([p.repetition_penalty for p in sps], S_pad, np.float32, 1.0),
+            last_token=pad(input_ids[:S] if decode else [], S_pad),
+            last_token_index=pad(last_index, S_pad, np.int32, -1),
+            constrained=pad(constrained, S_pad, bool, False),
+            vocab_mask=vocab_mask,
         )
         return ModelWorkerBatch(forward_batch=fb, sampling=sampling, num_tokens=T, num_seqs=S)

@@ -29,7 +29,9 @@ from typing import List, Optional
 import zmq
 
 from sgl_jax.srt.configs.model_config import ModelConfig, load_tokenizer
+from sgl_jax.srt.constrained.grammar_backend import GrammarBackend
 from sgl_jax.srt.managers import fault_injection
+from sgl_jax.srt.managers.grammar_queue import GrammarQueue
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -66,6 +68,7 @@ from sgl_jax.srt.utils import configure_logging, prepare_child_process
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
+GRAMMAR_POLL_MS = 2  # while only grammars compile: how long the loop waits for input before checking them
 DECODE_LOG_INTERVAL = 40  # decode steps between "Decode batch" log lines (SGLang's default)
 # Test hook: raise inside the scheduler loop at this forward step (checks crash reporting end to end).
 CRASH_AT_STEP_ENV = "SGL_JAX_TEST_CRASH_AT_STEP"
@@ -129,6 +132,7 @@ class Scheduler:
             server_args, mc, buckets=self.buckets, max_context_len=self.context_len,
             max_total_tokens_fn=lambda weight_bytes: compute_max_total_tokens(server_args, mc, weight_bytes,
                                                                               platform),
+            num_request_slots=self.max_running_requests,
         )
         self.page_size = server_args.page_size
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len)
@@ -160,8 +164,12 @@ class Scheduler:
                                         server_args.multi_item_prefill_extend_cache_timeout,
                                         self.send_to_tokenizer.send_pyobj, mc.eos_token_ids)
 
+        self.grammar_queue = GrammarQueue(None if server_args.grammar_backend == "none"
+                                          else GrammarBackend(self.tokenizer, mc.vocab_size))
         if not server_args.disable_precompile:
             self.model_runner.warmup()
+        if self.grammar_queue.backend is not None:
+            self.grammar_queue.backend.warmup()
 
     def init_info(self) -> dict:
         """Facts the TokenizerManager needs (validation limits, pool sizes)."""
@@ -184,6 +192,8 @@ class Scheduler:
         step = 0
         while True:
             self.process_input_requests(self.recv_requests())
+            if self.grammar_queue:
+                self.admit_grammar_ready()
             if self.scoring.handles:
                 self.scoring.expire_handles()
             batch = self.get_next_batch_to_run()
@@ -214,6 +224,11 @@ class Scheduler:
     # ------------------------------------------------------------ fault isolation
     def _step(self, batch: ScheduleBatch):
         fault_injection.check("forward", [r.rid for r in batch.reqs])
+        for req in batch.reqs:  # penalty history of a request new to its slot (admission, after a retract)
+            if req.penalty_slot != req.req_pool_idx and req.sampling_params.uses_penalties():
+                self.model_runner.init_penalty_row(req.req_pool_idx, req.fill_ids, len(req.origin_input_ids),
+                                                   req.sampling_params.logit_bias)
+                req.penalty_slot = req.req_pool_idx
         return self.model_runner.forward(
             batch.build_model_worker_batch(self.buckets, self.req_to_token_pool, self.page_size))
 
@@ -307,7 +322,7 @@ class Scheduler:
 
     def recv_requests(self) -> list:
         busy = self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req is not None
-        if not busy and not self.recv_from_tokenizer.poll(IDLE_POLL_MS):
+        if not busy and not self.recv_from_tokenizer.poll(GRAMMAR_POLL_MS if self.grammar_queue else IDLE_POLL_MS):
             return []
         msgs = []
         while True:
@@ -357,11 +372,25 @@ class Scheduler:
         room = min(self.context_len, self.allocator.size) - n
         sp.max_new_tokens = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
         seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.randrange(2**31)
-        self.waiting_queue.append(Req(
+        req = Req(
             msg.rid, msg.input_ids, sp, eos_token_ids=self.model_config.eos_token_ids, seed=seed,
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num, token_ids_logprob=msg.token_ids_logprob, stream=msg.stream,
-        ))
+        )
+        try:
+            if self.grammar_queue.needs_grammar(req):
+                return
+        except ValueError as e:
+            self._send_abort(msg.rid, str(e), 400)
+            return
+        self.waiting_queue.append(req)
+
+    def admit_grammar_ready(self) -> None:
+        """Move requests whose grammar compiled to the waiting queue; answer 400 for those that failed."""
+        ready, failed = self.grammar_queue.pop_ready()
+        self.waiting_queue.extend(ready)
+        for req, message in failed:
+            self._send_abort(req.rid, message, 400)
 
     def handle_score_request(self, msg: TokenizedScoreReqInput) -> None:
         """Queue the sequences of a score request (see scheduler_scoring)."""
@@ -383,6 +412,11 @@ class Scheduler:
         group_reqs = self.scoring.abort_group(msg.rid, msg.message)
         if group_reqs:
             self._drop_waiting(group_reqs)
+            return
+        req = self.grammar_queue.remove(msg.rid)
+        if req is not None:
+            req.finished_reason = finish_abort(msg.message)
+            self._send([token_out(req, self.server_args.stream_interval)])
             return
         for i, req in enumerate(self.waiting_queue):
             if req.rid == msg.rid:
@@ -592,7 +626,7 @@ class Scheduler:
     def on_idle(self) -> None:
         """When nothing runs: free + evictable + protected == total, no prefix locked, every slot free."""
         if self._idle_checked or self.waiting_queue or self.chunked_req is not None \
-                or not self.running_batch.is_empty() or self.scoring.handles:
+                or not self.running_batch.is_empty() or self.scoring.handles or self.grammar_queue:
             return  # (live scoring-cache handles hold KV and request slots by design)
         self._idle_checked = True
         self._decode_log_start = (time.time(), self.num_generated_tokens)
@@ -610,7 +644,7 @@ class Scheduler:
     def flush_cache(self) -> FlushCacheReqOutput:
         """Empty the prefix cache; refused while any request is running, chunking or waiting."""
         if self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req is not None \
-                or self.scoring.handles:
+                or self.scoring.handles or self.grammar_queue:
             return FlushCacheReqOutput(False, "Cannot flush the cache while requests are running or waiting "
                                               "or scoring-cache handles are held")
         self.tree_cache.reset()

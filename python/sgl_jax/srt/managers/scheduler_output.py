@@ -12,7 +12,7 @@ from typing import Callable, List, Optional
 import numpy as np
 
 from sgl_jax.srt.managers.io_struct import DecodeConfig, LogprobDelta, TokenOut
-from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
+from sgl_jax.srt.managers.schedule_batch import FinishReason, Req, ScheduleBatch
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 from sgl_jax.srt.model_executor.model_runner import StepOutput
 
@@ -132,7 +132,13 @@ def _process_one(req: Req, i: int, start: int, is_extend: bool, out: StepOutput,
             req.output_top_logprobs.append(top_logprobs(rows[i], req.top_logprobs_num))
         if req.token_ids_logprob:
             req.output_token_ids_logprobs.append(token_ids_logprobs(rows[i], req.token_ids_logprob))
+    if req.grammar is not None and not req.grammar.accept_token(token):
+        raise RuntimeError(f"the grammar rejected sampled token {token}: {req.grammar.error()}")
     req.check_finished(lambda ids, r=req: decode_tail(r, ids))
+    if req.grammar is not None and req.finished_reason is None and req.grammar.is_terminated():
+        # the grammar allows nothing more (llguidance stops right after the last character, before any EOS;
+        # matched=None so the detokenizer keeps that token, unlike a matched stop token)
+        req.finished_reason = FinishReason("stop", matched=None)
 
 
 def token_out(req: Req, stream_interval: int, with_logprobs: bool = True) -> Optional[TokenOut]:

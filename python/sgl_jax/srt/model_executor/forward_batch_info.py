@@ -75,6 +75,14 @@ class SamplingMetadata:
     min_ps: float32 in [0, 1]; seeds: int32 per-request seed; steps: int32 tokens generated so far (the
     random stream of a request is fold_in(key(seed), step), so sampling does not depend on the batch);
     suppress_eos: bool, mask EOS logits (min_new_tokens not reached).
+    slots: int32 the request's ReqToTokenPool row (its PenaltyState row; padding: 0).
+    penalized: bool, apply the slot's penalties and logit bias (see layers/sampler.PenaltyState).
+    frequency_penalties, presence_penalties: float32 (0: off); repetition_penalties: float32 (1: off).
+    last_token: int32 the row's newest output token and last_token_index its index in the output (-1: none,
+    e.g. a prefill row), counted into the slot's history before sampling.
+    vocab_mask: int32[S, ceil(V / 32)] packed allowed-token bitmask (bit v % 32 of word v // 32), read for
+    rows with ``constrained``; None on the host when no row has a grammar (the model runner then passes a
+    cached all-ones mask, so the compiled program is the same).
     """
 
     temperatures: jax.Array
@@ -84,11 +92,22 @@ class SamplingMetadata:
     seeds: jax.Array
     steps: jax.Array
     suppress_eos: jax.Array
+    slots: jax.Array
+    penalized: jax.Array
+    frequency_penalties: jax.Array
+    presence_penalties: jax.Array
+    repetition_penalties: jax.Array
+    last_token: jax.Array
+    last_token_index: jax.Array
+    constrained: jax.Array
+    vocab_mask: object = None
 
 
 jax.tree_util.register_dataclass(
     SamplingMetadata,
-    data_fields=["temperatures", "top_ps", "top_ks", "min_ps", "seeds", "steps", "suppress_eos"],
+    data_fields=["temperatures", "top_ps", "top_ks", "min_ps", "seeds", "steps", "suppress_eos", "slots",
+                 "penalized", "frequency_penalties", "presence_penalties", "repetition_penalties", "last_token",
+                 "last_token_index", "constrained", "vocab_mask"],
     meta_fields=[],
 )
 

@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import time
-from typing import Optional
+from typing import Dict, List, Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from sgl_jax.srt.kernels.ragged_paged_attention import resolve_attention_backend
-from sgl_jax.srt.layers.sampler import sample
+from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.forward_batch_info import (
     ForwardBatch,
@@ -103,7 +103,7 @@ class ModelRunner:
     """
 
     def __init__(self, server_args, model_config, *, buckets: ShapeBuckets, max_context_len: int,
-                 max_total_tokens_fn):
+                 max_total_tokens_fn, num_request_slots: int = 1):
         self.server_args = server_args
         self.model_config = model_config
         self.buckets = buckets
@@ -125,21 +125,26 @@ class ModelRunner:
                     2 * len(self.kv_caches) * np.prod(shape) * jnp.dtype(dtype).itemsize / 2**30)
         eos = model_config.eos_token_ids or [model_config.vocab_size]  # out of range -> no-op mask
         self.eos_token_ids = jnp.asarray(eos, jnp.int32)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        self.max_context_len = max_context_len
+        self.vocab_mask_width = -(-model_config.vocab_size // 32)
+        self.penalty_state = new_penalty_state(num_request_slots, model_config.vocab_size)
+        self._all_allowed = {}  # S_pad -> device int32[S_pad, vocab_mask_width] of -1 (no grammar in the batch)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2))
+        self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,))
         self._logprobs = jax.jit(self._logprobs_impl)
         self._label_logprobs = jax.jit(self._label_logprobs_impl)
         self._compiled_after_warmup: Optional[int] = None
         self.num_compiles_after_warmup = 0
 
     # ---- compiled functions
-    def _step_impl(self, params, kv_caches, fb: ForwardBatch, sampling: SamplingMetadata):
+    def _step_impl(self, params, kv_caches, penalty_state, fb: ForwardBatch, sampling: SamplingMetadata):
         model = nnx.merge(self.graphdef, params)
         fb = dataclasses.replace(fb, attention_backend=self.attention_backend)  # trace time only
         hidden, kv_caches = model(fb, kv_caches)
         logits = model.compute_logits(hidden[fb.logits_indices])
-        next_ids, logprobs = sample(logits, sampling, self.eos_token_ids)
+        next_ids, logprobs, penalty_state = sample(logits, sampling, self.eos_token_ids, penalty_state)
         next_lp = jnp.take_along_axis(logprobs, next_ids[:, None], axis=-1)[:, 0]
-        return kv_caches, next_ids, next_lp, logprobs, hidden
+        return kv_caches, penalty_state, next_ids, next_lp, logprobs, hidden
 
     def _logprobs_impl(self, params, hidden):
         model = nnx.merge(self.graphdef, params)
@@ -152,19 +157,45 @@ class ModelRunner:
         return jnp.take(logits, label_ids, axis=1) - lse
 
     # ---- running
+    def device_inputs(self, batch: ModelWorkerBatch):
+        """(ForwardBatch, SamplingMetadata) on device; a batch without grammar rows gets the cached
+        all-allowed vocabulary mask of its padded size."""
+        sampling = batch.sampling
+        if sampling.vocab_mask is None:
+            s_pad = int(np.shape(sampling.temperatures)[0])
+            if s_pad not in self._all_allowed:
+                self._all_allowed[s_pad] = jnp.full((s_pad, self.vocab_mask_width), -1, jnp.int32)
+            sampling = dataclasses.replace(sampling, vocab_mask=self._all_allowed[s_pad])
+        return jax.device_put((batch.forward_batch, sampling))
+
     def forward(self, batch: ModelWorkerBatch) -> StepOutput:
         """Run one step on device. The KV cache is updated in place."""
-        fb, sampling = jax.device_put((batch.forward_batch, batch.sampling))
-        self.kv_caches, next_ids, next_lp, logprobs, hidden = self._step(self.params, self.kv_caches, fb,
-                                                                         sampling)
+        fb, sampling = self.device_inputs(batch)
+        self.kv_caches, self.penalty_state, next_ids, next_lp, logprobs, hidden = self._step(
+            self.params, self.kv_caches, self.penalty_state, fb, sampling)
         self._check_no_new_compile(batch)
         n = batch.num_seqs
         return StepOutput(np.asarray(next_ids)[:n], np.asarray(next_lp)[:n], logprobs, hidden)
 
+    def init_penalty_row(self, slot: int, token_ids: List[int], num_prompt: int,
+                         logit_bias: Optional[Dict[int, float]]) -> None:
+        """Load a request's history (prompt + output so far, `num_prompt` of them prompt) and logit_bias
+        into penalty-state row `slot` (see layers/sampler.PenaltyState). One compiled program for any
+        request: the ids are padded to the context length."""
+        ids = np.zeros(self.max_context_len, np.int32)
+        n = min(len(token_ids), self.max_context_len)
+        ids[:n] = token_ids[:n]
+        bias = np.zeros(self.model_config.vocab_size, np.float32)
+        for t, v in (logit_bias or {}).items():
+            bias[t] = v
+        self.penalty_state = self._init_penalty_row(self.penalty_state, np.int32(slot), ids, np.int32(num_prompt),
+                                                    np.int32(n), bias)
+        self._check_no_new_compile(None)
+
     def kv_cache_lost(self) -> bool:
-        """Whether the KV cache buffers are gone (a step failed after they were donated to it): shared
-        state is lost and the scheduler must not go on."""
-        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_caches))
+        """Whether the KV cache or penalty-state buffers are gone (a step failed after they were donated to
+        it): shared state is lost and the scheduler must not go on."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves((self.kv_caches, self.penalty_state)))
 
     def full_logprobs(self, hidden_rows: np.ndarray) -> np.ndarray:
         """float32[N, V] log-softmax of the logits of N hidden states (input-token logprobs).
@@ -202,7 +233,8 @@ class ModelRunner:
         return out
 
     def _num_compiled(self) -> int:
-        return self._step._cache_size() + self._logprobs._cache_size() + self._label_logprobs._cache_size()
+        return (self._step._cache_size() + self._logprobs._cache_size() + self._label_logprobs._cache_size()
+                + self._init_penalty_row._cache_size())
 
     def _check_no_new_compile(self, batch: Optional[ModelWorkerBatch]) -> None:
         if self._compiled_after_warmup is None:
@@ -228,6 +260,9 @@ class ModelRunner:
         sampling = SamplingMetadata(
             temperatures=z(s_pad, np.float32), top_ps=np.ones(s_pad, np.float32), top_ks=np.full(s_pad, -1, np.int32),
             min_ps=z(s_pad, np.float32), seeds=z(s_pad), steps=z(s_pad), suppress_eos=z(s_pad, bool),
+            slots=z(s_pad), penalized=z(s_pad, bool), frequency_penalties=z(s_pad, np.float32),
+            presence_penalties=z(s_pad, np.float32), repetition_penalties=np.ones(s_pad, np.float32),
+            last_token=z(s_pad), last_token_index=np.full(s_pad, -1, np.int32), constrained=z(s_pad, bool),
         )
         return ModelWorkerBatch(forward_batch=fb, sampling=sampling, num_tokens=0, num_seqs=0)
 
@@ -235,7 +270,7 @@ class ModelRunner:
         """Compile every bucket (and the logprob chunk program) before serving, with a progress bar."""
         shapes = self.buckets.all_shapes()
         t0 = time.time()
-        extra = 1 + len(SCORE_ROW_PADDINGS)
+        extra = 2 + len(SCORE_ROW_PADDINGS)
         with tqdm(total=len(shapes) + extra, desc="Compiling buckets", unit="shape") as bar:
             for mode, t_pad, s_pad in shapes:
                 bar.set_postfix_str(f"{mode.name.lower()} T={t_pad} S={s_pad}")
@@ -244,6 +279,8 @@ class ModelRunner:
             hidden_dim = self.model_config.hidden_size
             dtype = np.dtype(JNP_DTYPES[self.model_config.dtype])
             self.full_logprobs(np.zeros((1, hidden_dim), dtype))
+            bar.update()
+            self.init_penalty_row(0, [0], 1, None)  # row 0 is set up again by its first real user
             bar.update()
             for r in SCORE_ROW_PADDINGS:
                 bar.set_postfix_str(f"label logprobs R={r}")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 TOP_LOGPROBS_MAX = 20  # default of --max-top-logprobs-num (OpenAI's limit on top_logprobs)
+LOGIT_BIAS_MAX = 100.0  # OpenAI: logit_bias values in [-100, 100]
 DEVICE_SEED_LIMIT = 2**31  # device seeds are int32 in [0, 2**31)
 
 
@@ -33,6 +34,11 @@ class SamplingParams:
     stop: stop strings (the output is cut before the first match unless no_stop_trim).
     stop_token_ids: extra token ids that end generation.
     temperature: 0 for greedy. top_p in (0, 1]. top_k: -1 (or 0) disables. min_p in [0, 1].
+    frequency_penalty / presence_penalty: subtracted from a token's logit per occurrence in the output / once
+    if it occurs in the output (OpenAI, SGLang; in [-2, 2]). repetition_penalty: logits of tokens in the
+    prompt or output are divided by it when positive, multiplied when negative (CTRL, Keskar et al. 2019;
+    1 = off). logit_bias: token id -> value added to its logit (OpenAI, in [-100, 100]).
+    json_schema / regex / ebnf: the output must match this grammar (at most one; see constrained/).
     ignore_eos: keep generating past EOS. sampling_seed: per-request seed (also accepted as ``seed``),
     reduced to the device's width by `reduce_seed` in `normalize`.
 
@@ -51,6 +57,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: Optional[Dict[int, float]] = None
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -81,8 +91,16 @@ class SamplingParams:
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens "
                              f"({self.max_new_tokens})")
-        if self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0:
-            raise ValueError("frequency_penalty, presence_penalty and repetition_penalty are not supported yet")
+        for t, bias in (self.logit_bias or {}).items():
+            if not 0 <= int(t) < vocab_size:
+                raise ValueError(f"logit_bias key {t} is outside the vocabulary [0, {vocab_size})")
+            if not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
+                raise ValueError(f"logit_bias value {bias} for token {t} is outside [-100, 100]")
+        from sgl_jax.srt.constrained.grammar_backend import grammar_spec, validate_grammar
+
+        spec = grammar_spec(self)
+        if spec is not None:
+            validate_grammar(*spec)
         for t in self.stop_token_ids or []:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {vocab_size})")
@@ -100,3 +118,10 @@ class SamplingParams:
             self.temperature = 0.0
         if self.sampling_seed is not None:
             self.sampling_seed = reduce_seed(self.sampling_seed)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items() if float(v) != 0.0} or None
+
+    def uses_penalties(self) -> bool:
+        """Whether sampling needs the request's token history or bias (the penalty state on device)."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))

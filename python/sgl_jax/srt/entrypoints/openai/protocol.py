@@ -9,14 +9,15 @@ stop_token_ids, ...) are accepted.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Union
+import json
+from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from sgl_jax.srt.entrypoints.field_types import (
     INT32_MAX,
-    Float32,
     LenientModel,
+    LogitBiasMap,
     NonNegFloat32,
     NonNegInt32,
     NumChoices,
@@ -46,6 +47,75 @@ class SamplingExtras(LenientModel):
     no_stop_trim: bool = False
     repetition_penalty: PosFloat32 = 1.0
     rid: Optional[Rid] = None
+    # SGLang's structured-output extensions (at most one; response_format maps onto json_schema)
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    logit_bias: Optional[LogitBiasMap] = Field(None, description="token id -> bias in [-100, 100]")
+    # OpenAI fields accepted at their defaults only
+    user: Optional[str] = None
+    metadata: Optional[Dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+
+    @field_validator("store")
+    @classmethod
+    def _no_store(cls, v):
+        if v:
+            raise ValueError("store is not supported by this server (only false or null)")
+        return v
+
+    @field_validator("service_tier")
+    @classmethod
+    def _tier(cls, v):
+        if v not in (None, "auto", "default"):
+            raise ValueError("service_tier must be 'auto' or 'default' on this server")
+        return v
+
+
+class JsonSchemaFormat(LenientModel):
+    name: str = "schema"
+    description: Optional[str] = None
+    schema_: Optional[Dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(LenientModel):
+    """OpenAI's ``response_format``: text, json_object (any JSON object) or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    def to_json_schema(self) -> Optional[str]:
+        """The ``json_schema`` sampling parameter this format means (None for text).
+
+        Raises:
+            ValueError: type json_schema without a schema.
+        """
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return json.dumps({"type": "object"})
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ValueError("response_format json_schema needs json_schema.schema")
+        return json.dumps(self.json_schema.schema_)
+
+
+class FunctionDefinition(LenientModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(LenientModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(LenientModel):
+    type: Literal["function"] = "function"
+    function: Dict[str, str]
 
 
 class CompletionRequest(SamplingExtras):
@@ -65,8 +135,7 @@ class CompletionRequest(SamplingExtras):
     seed: Optional[Seed] = None
     suffix: Optional[str] = None
     best_of: Optional[NumChoices] = None
-    logit_bias: Optional[Dict[str, Float32]] = None
-    user: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
 
 
 class ContentPart(LenientModel):
@@ -96,8 +165,7 @@ class ChatCompletionRequest(SamplingExtras):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     seed: Optional[Seed] = None
-    logit_bias: Optional[Dict[str, Float32]] = None
-    tools: Optional[list] = None
-    tool_choice: Optional[Union[str, dict]] = None
-    response_format: Optional[dict] = None
-    user: Optional[str] = None
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
+    response_format: Optional[ResponseFormat] = None

@@ -33,8 +33,6 @@ def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> List[in
         raise RequestError("messages must not be empty")
     if req.tools:
         raise RequestError("tools are not supported")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise RequestError("response_format other than text is not supported")
     tok = tm.tokenizer
     if not getattr(tok, "chat_template", None):
         raise RequestError("This model has no chat template; use /v1/completions")

@@ -47,9 +47,19 @@ def sampling_params_from(req, max_tokens: Optional[int], seed_offset: int = 0) -
     Raises:
         RequestError: unsupported features, naming the OpenAI parameter.
     """
-    if req.logit_bias:
-        raise RequestError("logit_bias is not supported")
+    grammars = {k: getattr(req, k) for k in ("json_schema", "regex", "ebnf") if getattr(req, k) is not None}
+    if req.response_format is not None:
+        try:
+            schema = req.response_format.to_json_schema()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if schema is not None:
+            grammars["json_schema"] = schema
+    if len(grammars) > 1:
+        raise RequestError("Only one of response_format, json_schema, regex and ebnf may be given")
     return {
+        **grammars,
+        "logit_bias": req.logit_bias,
         "max_new_tokens": max_tokens,
         "min_new_tokens": req.min_tokens,
         "temperature": req.temperature,

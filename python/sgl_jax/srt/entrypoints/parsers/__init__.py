@@ -1,0 +1,1 @@
+"""Readers of model output: tool calls (tool_call_parser)."""

@@ -1,0 +1,70 @@
+"""The scheduler's grammar queue: requests whose grammar compiles in the backend's worker thread.
+
+SGLang's design: a structured-output request does not enter the waiting queue until its grammar is ready,
+so compilation never blocks the scheduler loop or a batch. A request whose grammar fails to compile is
+answered with HTTP 400.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from sgl_jax.srt.constrained.grammar_backend import GrammarBackend, grammar_spec
+from sgl_jax.srt.managers.schedule_batch import Req
+
+
+class GrammarQueue:
+    """Requests waiting for their grammar.
+
+    Args:
+        backend: the grammar backend, or None when structured output is off (``--grammar-backend none``).
+    """
+
+    def __init__(self, backend: Optional[GrammarBackend]):
+        self.backend = backend
+        self.reqs: List[Req] = []
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def needs_grammar(self, req: Req) -> bool:
+        """Whether `req` has a grammar; if so, its compilation is started and the request queued here.
+
+        Raises:
+            ValueError: the request has a grammar but structured output is off, or several grammars.
+        """
+        spec = grammar_spec(req.sampling_params)
+        if spec is None:
+            return False
+        if self.backend is None:
+            raise ValueError("Structured output (json_schema, regex, ebnf, response_format) is off on this "
+                             "server (--grammar-backend none)")
+        req.grammar_future = self.backend.submit(*spec)
+        self.reqs.append(req)
+        return True
+
+    def pop_ready(self) -> Tuple[List[Req], List[Tuple[Req, str]]]:
+        """(requests whose grammar is ready, in arrival order; (request, error message) for failed ones)."""
+        ready, failed, waiting = [], [], []
+        for req in self.reqs:
+            future = req.grammar_future
+            if not future.done():
+                waiting.append(req)
+                continue
+            req.grammar_future = None
+            try:
+                req.grammar = future.result()
+                ready.append(req)
+            except Exception as e:  # ValueError from llguidance, or anything the compiler raised
+                failed.append((req, str(e) or type(e).__name__))
+        self.reqs = waiting
+        return ready, failed
+
+    def remove(self, rid: str) -> Optional[Req]:
+        """Take the request `rid` out (an abort); None if it is not here."""
+        for i, req in enumerate(self.reqs):
+            if req.rid == rid:
+                if req.grammar_future is not None:
+                    req.grammar_future.cancel()
+                return self.reqs.pop(i)
+        return None
