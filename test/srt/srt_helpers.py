@@ -121,14 +121,19 @@ class ServerProcess:
 
     def stop(self) -> int:
         """SIGTERM, then SIGKILL after 20 s; returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return stop_process(self.proc)
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> int:
+    """Send `sig` (if it still runs), SIGKILL after `grace_s` seconds; returns the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
 
 
 def module_server(extra_args: Optional[List[str]] = None, **kwargs):

@@ -226,6 +226,9 @@ def test_keys_content_type_and_no_paths(hardened_server):
     assert httpx.post(url + "/abort_request", json={"abort_all": True}, headers=AUTH, timeout=30).status_code == 401
     assert httpx.post(url + "/flush_cache", json={}, headers=ADMIN, timeout=30).status_code == 200
     assert httpx.get(url + "/flush_cache", headers=ADMIN, timeout=30).status_code == 405  # no state change on GET
+    # sglang-router's body-less /flush_cache (no content type) passes the content-type guard, not the key check
+    assert httpx.post(url + "/flush_cache", headers=AUTH, timeout=30).status_code == 401
+    assert httpx.post(url + "/flush_cache", headers=ADMIN, timeout=30).status_code == 200
     # a browser's cross-site "simple" request (no preflight) is refused before anything happens
     for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
         headers = {**ADMIN, **({"content-type": ctype} if ctype else {})}

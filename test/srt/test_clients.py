@@ -4,11 +4,13 @@
   backend: ``gen`` with ``stop`` and ``regex``, ``select``, ``fork``, ``run_batch``, streaming;
 - LangChain's ``ChatOpenAI`` (``langchain-openai``): invoke, stream, ``with_structured_output`` (json_schema);
 - lm-eval's ``local-completions`` model (PyPI ``lm-eval``, installed with --no-deps): loglikelihood through
-  /v1/completions (echo + logprobs), checked against transformers' reference, and generate_until.
+  /v1/completions (echo + logprobs), checked against transformers' reference, and generate_until;
+- sglang-router (PyPI ``sglang-router``) in front of the server: native /generate (plain and streaming), the
+  OpenAI endpoints through the openai client, /flush_cache.
 
 The OpenAI client itself is exercised in test_http_server.py. A section skips (with the reason) only when its
 client library is not installed at all; an installed library that fails to import fails its tests.
-scripts/setup.sh test installs all three.
+scripts/setup.sh test installs all of them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import re
 import httpx
 import pytest
 
-from srt_helpers import default_model_path, module_server
+from srt_helpers import default_model_path, module_server, stop_process
 
 PROMPT_FRANCE = "Q: What is the capital of France?\nA: The capital of France is"
 
@@ -374,3 +376,81 @@ def test_lm_eval_generate_until(lm):
                      arguments=(PROMPT_FRANCE, {"until": ["."], "max_gen_toks": 16}))]
     (out,) = lm.generate_until(reqs, disable_tqdm=True)
     assert "Paris" in out and "." not in out, out
+
+
+# ---------------------------------------------------------------- sglang-router
+# sglang-router (PyPI, a Rust binary) in front of the server: it re-sends /generate bodies with "model": null
+# added (accepted and ignored) and posts /flush_cache with no body and no content type (allowed there only).
+ROUTER_INSTALL = "pip install sglang-router==0.3.2"
+
+
+@pytest.fixture(scope="module")
+def router(server):
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from sgl_jax.srt.utils import find_free_port
+
+    require("sglang_router", ROUTER_INSTALL)
+    port = find_free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.NamedTemporaryFile("w+", prefix="sglang_router_", suffix=".log", delete=False)
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", server.url,
+                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, f"router exited with {proc.returncode}: {open(log.name).read()[-3000:]}"
+            try:
+                if httpx.get(url + "/get_model_info", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, f"router not ready after 60 s: {open(log.name).read()[-3000:]}"
+            time.sleep(0.5)
+        yield url
+    finally:
+        stop_process(proc, signal.SIGINT)
+
+
+def test_router_generate(router, server):
+    body = {"text": PROMPT_FRANCE, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+    direct = httpx.post(server.url + "/generate", json=body, timeout=120)
+    routed = httpx.post(router + "/generate", json=body, timeout=120)
+    assert routed.status_code == 200, routed.text
+    assert routed.json()["text"] == direct.json()["text"] and "Paris" in routed.json()["text"]
+    with httpx.stream("POST", router + "/generate", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["text"] == direct.json()["text"]
+
+
+def test_router_openai_chat_and_completions(router):
+    openai = require("openai", "pip install openai")
+    client = openai.OpenAI(base_url=router + "/v1", api_key="none", max_retries=0, timeout=120)
+    chat = client.chat.completions.create(model=served_name(), temperature=0, max_tokens=8,
+                                          messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in chat.choices[0].message.content
+    schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"],
+              "additionalProperties": False}
+    structured = client.chat.completions.create(
+        model=served_name(), temperature=0, max_tokens=32,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert set(json.loads(structured.choices[0].message.content)) == {"capital"}
+    completion = client.completions.create(model=served_name(), prompt=PROMPT_FRANCE, temperature=0, max_tokens=4)
+    assert "Paris" in completion.choices[0].text
+
+
+def test_router_flush_cache(router, server):
+    r = httpx.post(router + "/flush_cache", timeout=60)
+    assert r.status_code == 200, r.text
+    # the worker itself: a body-less POST passes, a non-JSON body to it or to another endpoint does not
+    assert httpx.post(server.url + "/flush_cache", timeout=60).status_code == 200
+    assert httpx.post(server.url + "/flush_cache", content=b"x", headers={"content-type": "text/plain"},
+                      timeout=60).status_code == 415
+    assert httpx.post(server.url + "/abort_request", timeout=60).status_code == 415

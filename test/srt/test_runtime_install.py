@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from srt_helpers import alive_after, child_pids
+from srt_helpers import alive_after, child_pids, stop_process
 from sgl_jax.srt.utils import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,13 +65,7 @@ def run(cmd, timeout: float, **kw) -> subprocess.CompletedProcess:
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM, SIGKILL after 20 s; then SIGKILL whatever is left of its process group and its children."""
     children = child_pids(proc.pid)
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    stop_process(proc)
     for pid in alive_after(children, timeout=10):
         try:
             os.kill(pid, signal.SIGKILL)

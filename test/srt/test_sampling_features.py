@@ -177,3 +177,76 @@ def test_structured_output_benchmark_runs(server):
     con, plain = result["rows"]
     assert con["valid"] == 4 and con["output_tokens"] == plain["output_tokens"] > 0
     assert result["ratio"] > 0
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 20}},
+                                       "required": ["tz"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def check_call(call, tools):
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.type == "function" and call.id and call.function.name in by_name
+    jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+    return call.function.name
+
+
+def test_tool_choice_required_and_named_always_parse(client):
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    r = client.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice="required", max_tokens=96,
+                                       temperature=0.7, seed=5)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        check_call(call, tools)
+    r = client.chat.completions.create(model="x", messages=ASK, tools=tools, max_tokens=96, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and [check_call(c, tools) for c in calls] == ["get_time"]
+    r = client.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice="required", max_tokens=96,
+                                       temperature=0.7, seed=5, parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+    check_call(r.choices[0].message.tool_calls[0], tools)
+    # streaming: the call arrives as tool_calls deltas, then finish_reason tool_calls
+    chunks = list(client.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice="required",
+                                                 max_tokens=96, temperature=0, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert calls and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    name = calls[0].function.name
+    assert name in ("get_weather", "get_time")
+    jsonschema.validate(json.loads(calls[0].function.arguments),
+                        {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[name]["function"]["parameters"])
+
+
+def test_tool_choice_auto_and_none(client):
+    """With tool_choice auto a reply that is not a call stays content; none ignores the tools; a tool turn
+    and an assistant turn with tool_calls render through the template."""
+    r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Say hello."}],
+                                       tools=[WEATHER_TOOL], max_tokens=8, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    r2 = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Say hello."}],
+                                        tools=[WEATHER_TOOL], tool_choice="none", max_tokens=8, temperature=0)
+    assert r2.choices[0].message.tool_calls is None
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    r3 = client.chat.completions.create(model="x", messages=history, tools=[WEATHER_TOOL], max_tokens=16,
+                                        temperature=0)
+    assert r3.choices[0].message.content is not None or r3.choices[0].message.tool_calls
+
+
+def test_bad_tool_choice_is_400(client):
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model="x", messages=ASK, tools=[WEATHER_TOOL], max_tokens=4,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="requires tools"):
+        client.chat.completions.create(model="x", messages=ASK, tool_choice="required", max_tokens=4)

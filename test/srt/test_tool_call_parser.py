@@ -65,6 +65,10 @@ def test_constrained_schemas_round_trip():
         jsonschema.validate([], schema)
     calls = calls_from_constrained_output(out, None)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"tz": "UTC"})]
+    two = [{"name": "get_time", "parameters": {"tz": "UTC"}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]
+    jsonschema.validate(two, schema)
+    with pytest.raises(jsonschema.ValidationError):  # parallel_tool_calls false: exactly one call
+        jsonschema.validate(two, required_calls_schema([WEATHER, TIME], parallel=False))
     assert named_call_schema(WEATHER) == WEATHER["parameters"]
     calls = calls_from_constrained_output('{"city": "Rome"}', "get_weather")
     assert calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Rome"}

@@ -10,6 +10,10 @@
   cross-site "simple" requests (text/plain, form encodings) without a CORS preflight; refusing them keeps
   any web page the user opens from driving a server on localhost.
 
+  The exception: a POST with no body at all to an endpoint that takes none (``/flush_cache``, which
+  sglang-router posts without a content type): without an admin or API key set, a web page can at most
+  flush the prefix cache (a cost in speed, never in output).
+
 - Bodies larger than ``--max-request-body-bytes`` get 413: at once when Content-Length says so, else as
   soon as the streamed body passes the limit (the route's body read raises `BodyTooLarge`, an HTTP 413
   exception the app's handler answers).
@@ -29,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 PUBLIC_PREFIXES = ("/health", "/metrics")  # SGLang's exemptions (/health_generate included)
 # SGLang's ADMIN_OPTIONAL endpoints that sgl-jax has (add /start_profile, /update_weights_* here)
 ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request"})
+BODYLESS_PATHS = frozenset({"/flush_cache"})  # POST endpoints that take no body (no content type needed)
 
 
 def _error_body(path: str, message: str, status_code: int) -> bytes:
@@ -103,6 +108,13 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"The request body exceeds the limit of {limit} bytes (--max-request-body-bytes)")
 
 
+def is_empty_body(headers) -> bool:
+    """Whether a request declares no body (``Content-Length: 0``, or neither Content-Length nor
+    Transfer-Encoding)."""
+    length = headers.get("content-length")
+    return length == "0" or (length is None and headers.get("transfer-encoding") is None)
+
+
 class GuardMiddleware:
     """Pure ASGI middleware: 401 without an accepted key, 415 for a POST/PUT that is not JSON, 413 for a
     body over `max_body_bytes`."""
@@ -120,7 +132,8 @@ class GuardMiddleware:
             which = "admin api key" if scope["path"] in ADMIN_PATHS else "api key"
             return await send_error(scope, send, f"Unauthorized: this endpoint requires 'Authorization: Bearer "
                                                  f"<{which}>'", 401, [(b"www-authenticate", b"Bearer")])
-        if scope["method"] in ("POST", "PUT") and not is_json_content_type(request.headers.get("content-type")):
+        if scope["method"] in ("POST", "PUT") and not is_json_content_type(request.headers.get("content-type")) \
+                and not (scope["path"] in BODYLESS_PATHS and is_empty_body(request.headers)):
             return await send_error(scope, send, "Unsupported media type: send the body as JSON with "
                                                  "'Content-Type: application/json'", 415)
         limit = self.max_body_bytes

@@ -8,24 +8,35 @@ these same models, then hand the managers plain dataclasses (`GenerateReqInput`,
 
 from __future__ import annotations
 
-from typing import Annotated, Any, List, Literal, Optional, Union
+import dataclasses
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Discriminator, Field, Tag
 
 from sgl_jax.srt.entrypoints.field_types import (
     INT32_MAX,
+    DefaultOnly,
+    Ignored,
+    IntOrList,
     LogitBiasMap,
     NonNegFloat32,
     NonNegInt32,
+    NullMeansDefault,
     NumChoices,
     Penalty,
-    PosFloat32,
+    PosInt32,
     Probability,
+    RepetitionPenalty,
     Rid,
     Seed,
     StrictModel,
+    StrOrList,
     TokenId,
     TopP,
+    default_only,
+    ignored,
+    logit_bias_ids,
+    marked_fields,
 )
 from sgl_jax.srt.managers.errors import RequestError
 from sgl_jax.srt.managers.scoring import ALGORITHMS, ScoreReqInput
@@ -33,26 +44,17 @@ from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 _SP = SamplingParams()  # defaults come from the one dataclass
+_ENGINE_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} | {"seed"}  # what SamplingParams.from_dict takes
 
 
-def not_supported_unless_default(value, name: str):
-    """A field of SGLang's schema that sgl-jax accepts only at its default (None, False, empty).
+class SamplingParamsRequest(NullMeansDefault, StrictModel):
+    """``sampling_params`` of /generate: every key of SGLang's ``SamplingParams``
+    (python/sglang/srt/sampling/sampling_params.py), plus ``seed`` (an alias of ``sampling_seed``).
 
-    Raises:
-        ValueError: a non-default value (HTTP 400 naming the field).
+    As upstream, ``null`` for any key means its default (``max_new_tokens: null``: up to the context). The keys
+    this engine has no support for (stop_regex, structural_tag, custom_params) are accepted only at their
+    defaults (400 naming the key otherwise); stream_interval is accepted and ignored. Unknown keys: 400.
     """
-    if value:
-        raise ValueError(f"{name} is not supported by this server (only null or its default)")
-    return value
-
-
-def default_only(*fields: str):
-    """A pydantic validator refusing non-default values of `fields` (see `not_supported_unless_default`)."""
-    return field_validator(*fields)(classmethod(lambda cls, v, info: not_supported_unless_default(v, info.field_name)))
-
-
-class SamplingParamsRequest(StrictModel):
-    """``sampling_params`` of /generate (SGLang's SamplingParams keys)."""
 
     max_new_tokens: Optional[NonNegInt32] = Field(_SP.max_new_tokens, description="null: up to the context length")
     min_new_tokens: NonNegInt32 = _SP.min_new_tokens
@@ -64,27 +66,36 @@ class SamplingParamsRequest(StrictModel):
     min_p: Probability = _SP.min_p
     frequency_penalty: Penalty = _SP.frequency_penalty
     presence_penalty: Penalty = _SP.presence_penalty
-    repetition_penalty: PosFloat32 = _SP.repetition_penalty
+    repetition_penalty: RepetitionPenalty = _SP.repetition_penalty
     ignore_eos: bool = _SP.ignore_eos
     skip_special_tokens: bool = _SP.skip_special_tokens
     spaces_between_special_tokens: bool = _SP.spaces_between_special_tokens
     no_stop_trim: bool = _SP.no_stop_trim
-    n: NumChoices = _SP.n
+    n: NumChoices = Field(_SP.n, description="samples per prompt (the response is a list of them, prompt-major)")
     sampling_seed: Optional[Seed] = None
     seed: Optional[Seed] = Field(None, description="alias of sampling_seed")
-    logit_bias: Optional[LogitBiasMap] = Field(None, description="token id -> bias in [-100, 100]")
+    logit_bias: Optional[LogitBiasMap] = None
     json_schema: Optional[str] = Field(None, description="a JSON schema the output must satisfy")
     regex: Optional[str] = Field(None, description="a regular expression the whole output must match")
     ebnf: Optional[str] = Field(None, description="a GBNF / Lark grammar the output must match")
-    # SGLang keys accepted at their defaults only (null / empty)
-    structural_tag: Optional[str] = None
-    stop_regex: Optional[Union[str, List[str]]] = None
-    custom_params: Optional[dict] = None
+    # SGLang keys this engine has no support for
+    stop_regex: default_only(Optional[Union[str, List[str]]], description="stop regular expressions") = None
+    structural_tag: default_only(Optional[str], description="structural-tag constrained decoding") = None
+    custom_params: default_only(Optional[Dict[str, Any]], description="custom logit processor parameters") = None
+    stream_interval: ignored(Optional[PosInt32], "a stream carries each token as it is detokenized") = None
 
-    _default_only = default_only("structural_tag", "stop_regex", "custom_params")
+    def to_engine_dict(self, drop_n: bool = False) -> dict:
+        """The keys the client set, as `SamplingParams.from_dict` takes them: nulls (other than max_new_tokens)
+        and the keys accepted at their defaults only or ignored left out; ``n`` left out with `drop_n` (a
+        request expanded into its n samples)."""
+        skip = marked_fields(type(self), DefaultOnly) | marked_fields(type(self), Ignored) | ({"n"} if drop_n else set())
+        d = self.model_dump(exclude_unset=True, exclude=skip)
+        assert set(d) <= _ENGINE_KEYS, set(d) - _ENGINE_KEYS  # every other key is marked (test_request_validation)
+        if "logit_bias" in d:
+            d["logit_bias"] = logit_bias_ids(d["logit_bias"])
+        return {k: v for k, v in d.items() if v is not None or k == "max_new_tokens"}
 
 
-_DEFAULT_ONLY_KEYS = {"structural_tag", "stop_regex", "custom_params"}
 IdsOrBatch = Union[List[TokenId], List[List[TokenId]]]
 _ONE, _PER_PROMPT = "one", "per_prompt"  # union tags; left out of error locations (validation_message)
 
@@ -99,11 +110,17 @@ def OneOrList(tp):
                      Discriminator(_one_or_list)]
 
 
-class GenerateRequest(StrictModel):
+class GenerateRequest(NullMeansDefault, StrictModel):
     """The /generate body: one prompt, or a batch when ``text`` (or ``input_ids``) is a list of prompts.
 
-    Per-prompt fields (sampling_params, return_logprob, logprob_start_len, top_logprobs_num,
-    token_ids_logprob, rid) take one value for the whole batch or a list with one entry per prompt.
+    Every field of SGLang's ``GenerateReqInput`` (python/sglang/srt/managers/io_struct.py) is declared, and
+    ``null`` means a field's default, as upstream. Per-prompt fields (sampling_params, return_logprob,
+    logprob_start_len, top_logprobs_num, token_ids_logprob, rid) take one value for the whole batch or a list
+    with one entry per prompt. ``sampling_params.n`` > 1 expands each prompt into n samples, as upstream: the
+    response is then a list (prompt-major: the n samples of the first prompt, then the second's, ...). Fields
+    this engine has no support for (multimodal input, LoRA, sessions, disaggregation, hidden states, ...) are
+    accepted only at their defaults (400 naming the field otherwise); telemetry and routing hints are accepted
+    and ignored. Unknown fields: 400 (stricter than upstream, which drops them).
     """
 
     text: Optional[Union[str, List[str]]] = None
@@ -117,51 +134,81 @@ class GenerateRequest(StrictModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[OneOrList(Rid)] = None
-    log_metrics: bool = True  # accepted, no effect
-    # SGLang GenerateReqInput fields accepted at their defaults only (null / false / empty)
-    input_embeds: Optional[Any] = None
-    image_data: Optional[Any] = None
-    video_data: Optional[Any] = None
-    audio_data: Optional[Any] = None
-    modalities: Optional[Any] = None
-    return_hidden_states: Any = False
-    session_params: Optional[Any] = None
-    lora_path: Optional[Any] = None
-    lora_id: Optional[Any] = None
-    custom_logit_processor: Optional[Any] = None
-    bootstrap_host: Optional[Any] = None
-    bootstrap_port: Optional[Any] = None
-    bootstrap_room: Optional[Any] = None
-    bootstrap_pair_key: Optional[Any] = None
-    data_parallel_rank: Optional[Any] = None
-    background: bool = False
-    conversation_id: Optional[Any] = None
-    priority: Optional[Any] = None
-    extra_key: Optional[Any] = None
-    no_logs: bool = False
-    custom_labels: Optional[Any] = None
-    return_bytes: bool = False
-    return_entropy: bool = False
 
-    _default_only = default_only("input_embeds", "image_data", "video_data", "audio_data", "modalities",
-                                 "return_hidden_states", "session_params", "lora_path", "lora_id",
-                                 "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-                                 "bootstrap_pair_key", "background", "conversation_id", "priority", "extra_key",
-                                 "custom_labels", "return_bytes", "return_entropy")
+    # ---- accepted and ignored: they do not change what is generated or returned
+    model: ignored(Optional[str], "the server serves one model (sglang-router adds it)") = None
+    log_metrics: ignored(bool, "metrics count every request") = True
+    session_id: ignored(Optional[str], "a session identity for routing and tracking; the prompt is unchanged") = None
+    conversation_id: ignored(Optional[str], "a tracking id") = None
+    routing_key: ignored(Optional[str], "one server: nothing to route") = None
+    priority: ignored(Optional[int], "no priority scheduling (SGLang ignores it too without "
+                                     "--enable-priority-scheduling)") = None
+    custom_labels: ignored(Optional[Dict[str, str]], "metric labels") = None
+    external_trace_header: ignored(Optional[Dict[str, Any]], "no request tracing") = None
+    received_time: ignored(Optional[float], "the server times requests itself") = None
+    kv_router_hint: ignored(Optional[Dict[str, Any]], "a KV-placement hint for a disaggregated cache") = None
 
-    @field_validator("data_parallel_rank")
-    @classmethod
-    def _single_rank(cls, v):
-        if v not in (None, 0):
-            raise ValueError("data_parallel_rank must be null or 0 (this server has one data-parallel rank)")
-        return v
+    # ---- accepted only at their defaults: no engine support
+    input_embeds: default_only(Optional[List[Any]], description="prompt embeddings") = None
+    image_data: default_only(Optional[Any], description="multimodal input") = None
+    video_data: default_only(Optional[Any], description="multimodal input") = None
+    audio_data: default_only(Optional[Any], description="multimodal input") = None
+    mm_hashes: default_only(Optional[List[Any]], description="multimodal input") = None
+    mm_content_hashes: default_only(Optional[List[Any]], description="multimodal input") = None
+    use_audio_in_video: default_only(bool, False, description="multimodal input") = False
+    video_config: default_only(Optional[Dict[str, Any]], description="multimodal input") = None
+    modalities: default_only(Optional[List[Optional[str]]], description="multimodal input") = None
+    max_dynamic_patch: default_only(Optional[int], description="multimodal input") = None
+    min_dynamic_patch: default_only(Optional[int], description="multimodal input") = None
+    image_max_dynamic_patch: default_only(Optional[int], description="multimodal input") = None
+    video_max_dynamic_patch: default_only(Optional[int], description="multimodal input") = None
+    images_config: default_only(Optional[Dict[str, Any]], description="multimodal input") = None
+    need_wait_for_mm_inputs: default_only(Optional[bool], None, False, description="multimodal input") = None
+    num_items_assigned: default_only(Optional[Dict[str, Any]], description="multimodal input") = None
+    encoder_urls: default_only(Optional[List[str]], description="multimodal input") = None
+    positional_embed_overrides: default_only(Optional[Any], description="embedding overrides") = None
+    session_params: default_only(Optional[Dict[str, Any]], description="sessions") = None
+    lora_path: default_only(StrOrList, description="LoRA adapters") = None
+    lora_id: default_only(StrOrList, description="LoRA adapters") = None
+    custom_logit_processor: default_only(StrOrList, description="custom logit processors") = None
+    bootstrap_host: default_only(StrOrList, description="prefill-decode disaggregation") = None
+    bootstrap_port: default_only(IntOrList, description="prefill-decode disaggregation") = None
+    bootstrap_room: default_only(IntOrList, description="prefill-decode disaggregation") = None
+    bootstrap_pair_key: default_only(StrOrList, description="prefill-decode disaggregation") = None
+    decode_tp_size: default_only(IntOrList, description="prefill-decode disaggregation") = None
+    disagg_prefill_dp_rank: default_only(Optional[int], description="prefill-decode disaggregation") = None
+    routed_dp_rank: default_only(Optional[int], None, 0, description="this server has one data-parallel rank") = None
+    data_parallel_rank: default_only(Optional[int], None, 0,
+                                     description="deprecated alias of routed_dp_rank; one rank") = None
+    http_worker_ipc: default_only(Optional[str], description="internal to SGLang's multi-tokenizer mode") = None
+    background: default_only(bool, False, description="background responses") = False
+    require_reasoning: default_only(bool, False, description="hybrid reasoning models") = False
+    max_thinking_tokens: default_only(Optional[int], description="thinking budgets") = None
+    extra_key: default_only(StrOrList, description="prefix-cache isolation") = None
+    cache_salt: default_only(StrOrList, description="prefix-cache isolation") = None
+    no_logs: default_only(bool, False, description="per-request logging control (--log-requests logs every "
+                                                   "request's sampling parameters)") = False
+    return_hidden_states: default_only(Any, False, description="hidden states") = False
+    return_routed_experts: default_only(bool, False, description="MoE routing") = False
+    routed_experts_start_len: default_only(int, 0, description="MoE routing") = 0
+    return_indexer_topk: default_only(bool, False, description="sparse-attention indexer output") = False
+    return_bytes: default_only(bool, False, description="image generation") = False
+    return_entropy: default_only(bool, False, description="output entropy") = False
+    return_prompt_token_ids: default_only(bool, False, description="prompt token ids in meta_info") = False
+    return_sampling_mask: default_only(Optional[Union[bool, List[bool]]], None, False,
+                                       description="sampling support masks") = None
+    return_flat_raw_top_logprobs: default_only(bool, False, description="flat prompt top-logprob arrays") = False
+    return_flat_raw_top_logprobs_b64: default_only(bool, False, description="flat prompt top-logprob arrays") = False
+    multi_item_delimiter_indices: default_only(Optional[List[Any]], description="use /v1/score for multi-item "
+                                                                              "scoring") = None
 
     def to_inputs(self) -> Union[GenerateReqInput, List[GenerateReqInput]]:
-        """One GenerateReqInput, or one per prompt of a batch.
+        """One GenerateReqInput, or a list: one per prompt of a batch and per sample (``sampling_params.n``).
 
         Raises:
-            RequestError: neither or both of text / input_ids, an empty batch, or a per-prompt list whose
-                length differs from the number of prompts (400).
+            RequestError: neither or both of text / input_ids, an empty batch, a per-prompt list whose length
+                differs from the number of prompts, or prompts of one batch with different n (SGLang's rule)
+                (400). Derived rids ("<rid>-<k>") stay distinct: each is a distinct rid plus one number.
         """
         if (self.text is None) == (self.input_ids is None):
             raise RequestError("Exactly one of 'text' and 'input_ids' must be given")
@@ -172,14 +219,25 @@ class GenerateRequest(StrictModel):
                     raise RequestError(f"'{name}' is a list but the request has a single prompt")
             if self.token_ids_logprob and isinstance(self.token_ids_logprob[0], list):
                 raise RequestError("'token_ids_logprob' is a list of lists but the request has a single prompt")
-            return self._one(self.text, self.input_ids, 0, 1)
-        prompts = self.text if self.text is not None else self.input_ids
-        if not prompts:
-            raise RequestError("Empty batch")
-        if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
-            raise RequestError("'rid' has duplicate entries: every prompt of a batch needs its own rid")
+            prompts = [self.text if self.text is not None else self.input_ids]
+        else:
+            prompts = self.text if self.text is not None else self.input_ids
+            if not prompts:
+                raise RequestError("Empty batch")
+            if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
+                raise RequestError("'rid' has duplicate entries: every prompt of a batch needs its own rid")
+        n = self._samples_per_prompt()
+        if not batch and n == 1:
+            return self._one(self.text, self.input_ids, 0, 1, 0, 1)
         return [self._one(p if self.text is not None else None, p if self.input_ids is not None else None, i,
-                          len(prompts)) for i, p in enumerate(prompts)]
+                          len(prompts), j, n) for i, p in enumerate(prompts) for j in range(n)]
+
+    def _samples_per_prompt(self) -> int:
+        sp = self.sampling_params
+        ns = {s.n for s in sp} if isinstance(sp, list) else {1 if sp is None else sp.n}
+        if len(ns) > 1:
+            raise RequestError("'sampling_params': every prompt of a batch must have the same n")
+        return ns.pop() if ns else 1
 
     def _pick(self, name: str, i: int, n: int):
         v = getattr(self, name)
@@ -190,14 +248,18 @@ class GenerateRequest(StrictModel):
             raise RequestError(f"'{name}' has {len(v)} entries for {n} prompts")
         return v[i]
 
-    def _one(self, text, input_ids, i: int, n: int) -> GenerateReqInput:
+    def _one(self, text, input_ids, i: int, n: int, j: int, samples: int) -> GenerateReqInput:
+        """Prompt i of n, sample j of `samples`. A batch's rid string becomes "<rid>-<k>" (k: the item's place
+        in the response); a per-prompt rid with several samples "<rid>-<j>"."""
         sp = self._pick("sampling_params", i, n)
         rid = self._pick("rid", i, n)
-        if isinstance(self.rid, str) and n > 1:
-            rid = f"{self.rid}-{i}"
+        if isinstance(self.rid, str) and n * samples > 1:
+            rid = f"{self.rid}-{i * samples + j}"
+        elif isinstance(self.rid, list) and samples > 1:
+            rid = f"{rid}-{j}"
         return GenerateReqInput(
             text=text, input_ids=input_ids,
-            sampling_params=None if sp is None else sp.model_dump(exclude_unset=True, exclude=_DEFAULT_ONLY_KEYS),
+            sampling_params=None if sp is None else sp.to_engine_dict(drop_n=samples > 1),
             return_logprob=self._pick("return_logprob", i, n),
             logprob_start_len=self._pick("logprob_start_len", i, n),
             top_logprobs_num=self._pick("top_logprobs_num", i, n),

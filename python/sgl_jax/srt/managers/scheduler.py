@@ -182,6 +182,7 @@ class Scheduler:
             "chunked_prefill_size": self.chunk_size or -1,
             "radix_cache": type(self.tree_cache).__name__ == "RadixCache",
             "vocab_size": self.model_config.vocab_size,
+            "architecture": self.model_config.architecture,
             "token_paddings": list(self.buckets.token_paddings),
             "bs_paddings": list(self.buckets.bs_paddings),
         }

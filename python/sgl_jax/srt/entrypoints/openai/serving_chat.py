@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 import uuid
 from typing import List, Optional
@@ -10,6 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest
 from sgl_jax.srt.entrypoints.openai.serving_completions import Wait, gather_or_cancel
+from sgl_jax.srt.entrypoints.openai.serving_tools import ToolPlan, ToolStream, message_for, plan_tools
 from sgl_jax.srt.entrypoints.openai.utils import (
     SSE_DONE,
     check_top_logprobs,
@@ -23,16 +25,38 @@ from sgl_jax.srt.entrypoints.openai.utils import (
 from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 
 
-def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> List[int]:
-    """Render the messages with the model's chat template (generation prompt appended) and tokenize.
+def chat_template_kwargs(tok, req: ChatCompletionRequest) -> dict:
+    """The extra variables the chat template renders with, as SGLang passes them: ``chat_template_kwargs``,
+    plus ``thinking`` and ``enable_thinking`` (the names models' templates read) from ``reasoning_effort``
+    (false for "none", else true) unless chat_template_kwargs sets them.
+
+    Raises:
+        RequestError: a key that names a parameter of the tokenizer's apply_chat_template (set by the server).
+    """
+    kwargs = dict(req.chat_template_kwargs or {})
+    params = set(inspect.signature(tok.apply_chat_template).parameters) - {"self", "kwargs"}
+    reserved = sorted(set(kwargs) & (params | {"messages"}))
+    if reserved:
+        raise RequestError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set (the server sets them)")
+    if req.reasoning_effort is not None:
+        thinking = req.reasoning_effort != "none"
+        kwargs.setdefault("thinking", thinking)
+        kwargs.setdefault("enable_thinking", thinking)
+    return kwargs
+
+
+def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest, tools: Optional[List[dict]] = None) -> List[int]:
+    """Render the messages (and `tools`, OpenAI function tools, when given) with the model's chat template
+    (generation prompt appended; with SGLang's continue_final_message, a final assistant message continued
+    instead) and tokenize. SGLang's ``input_ids`` are the prompt as they are (no template).
 
     Raises:
         RequestError: no messages, no chat template, unsupported features, or a template error.
     """
     if not req.messages:
         raise RequestError("messages must not be empty")
-    if req.tools:
-        raise RequestError("tools are not supported")
+    if req.input_ids is not None:  # SGLang: a pre-tokenized prompt bypasses the chat template
+        return list(req.input_ids)
     tok = tm.tokenizer
     if not getattr(tok, "chat_template", None):
         raise RequestError("This model has no chat template; use /v1/completions")
@@ -43,12 +67,27 @@ def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest) -> List[in
             if any(p.type != "text" for p in content):
                 raise RequestError("only text content parts are supported")
             content = "".join(p.text or "" for p in content)
-        messages.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        messages.append(message)
+    kwargs = chat_template_kwargs(tok, req)
+    # SGLang's continue_final_message: continue a final assistant message rather than start a new one
+    cont = req.continue_final_message and messages[-1]["role"] == "assistant"
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=not cont,
+                                       continue_final_message=cont, **kwargs)
     except Exception as e:  # jinja2 errors: unsupported roles and the like
         raise RequestError(f"Chat template error: {e}") from None
     return tm.encode_text(text, add_special_tokens=False)
+
+
+def with_tool_grammar(sampling_params: dict, plan: Optional[ToolPlan]) -> dict:
+    """Constrain the output to the forced calls' schema (tool_choice required / named)."""
+    if plan is not None and plan.forced_schema is not None:
+        sampling_params = {**sampling_params, "json_schema": plan.forced_schema}
+    return sampling_params
 
 
 def _chat_logprobs(entries, tops, top_n: int) -> dict:
@@ -67,7 +106,9 @@ def _chat_logprobs(entries, tops, top_n: int) -> dict:
 async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionRequest,
                                  wait: Optional[Wait] = None) -> Response:
     """Serve one /v1/chat/completions request (`wait`: see serving_completions.create_completion)."""
-    input_ids = await tm.run_blocking(chat_prompt_ids, tm, req)  # the template renders off the event loop
+    plan = plan_tools(req, tm.server_args.tool_call_parser, tm.info.get("architecture", ""))
+    # the template renders off the event loop
+    input_ids = await tm.run_blocking(chat_prompt_ids, tm, req, plan.template_tools if plan else None)
     top_n = req.top_logprobs or 0
     check_top_logprobs("top_logprobs", req.top_logprobs, tm.server_args.max_top_logprobs_num)
     if top_n and not req.logprobs:
@@ -75,7 +116,7 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     prepared = [await tm.prepare_async(GenerateReqInput(
         input_ids=input_ids,
-        sampling_params=sampling_params_from(req, max_tokens, seed_offset=k),
+        sampling_params=with_tool_grammar(sampling_params_from(req, max_tokens, seed_offset=k), plan),
         return_logprob=req.logprobs,
         top_logprobs_num=top_n,
         return_text_in_logprobs=True,
@@ -94,12 +135,13 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
         choices = []
         for i, r in enumerate(results):
             meta = r["meta_info"]
+            message, finish_reason = message_for(plan, r["text"], finish_reason_str(meta["finish_reason"]))
             choices.append({
                 "index": i,
-                "message": {"role": "assistant", "content": r["text"]},
+                "message": message,
                 "logprobs": _chat_logprobs(meta.get("output_token_logprobs", []),
                                            meta.get("output_top_logprobs", []), top_n) if req.logprobs else None,
-                "finish_reason": finish_reason_str(meta["finish_reason"]),
+                "finish_reason": finish_reason,
                 "matched_stop": (meta["finish_reason"] or {}).get("matched"),
             })
         meta0 = results[0]["meta_info"]
@@ -118,14 +160,19 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
         sent_lp = [0] * len(prepared)
         completion_tokens = [0] * len(prepared)
         prompt_tokens = cached = 0
+        tool_streams = [ToolStream(plan) if plan else None for _ in prepared]
         for i in range(len(prepared)):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         try:
             async for i, r in merge_streams([tm.generate_request(p) for p in prepared]):
                 meta = r["meta_info"]
-                delta = r["text"][sent_text[i]:]
-                sent_text[i] = len(r["text"])
+                fr = finish_reason_str(meta["finish_reason"])
+                if tool_streams[i] is not None:
+                    delta = tool_streams[i].feed(r["text"])
+                else:
+                    delta = r["text"][sent_text[i]:]
+                    sent_text[i] = len(r["text"])
                 logprobs = None
                 if req.logprobs:
                     entries = meta.get("output_token_logprobs", [])
@@ -134,10 +181,13 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
                     sent_lp[i] = len(entries)
                 prompt_tokens, cached = meta["prompt_tokens"], meta["cached_tokens"]
                 completion_tokens[i] = meta["completion_tokens"]
-                fr = finish_reason_str(meta["finish_reason"])
-                if delta or fr or (logprobs and logprobs["content"]):
-                    yield chunk([{"index": i, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                                  "finish_reason": fr}])
+                message = {"content": delta} if delta else {}
+                if fr is not None and tool_streams[i] is not None:
+                    if delta:
+                        yield chunk([{"index": i, "delta": message, "logprobs": None, "finish_reason": None}])
+                    message, fr = tool_streams[i].finish(fr)
+                if message or fr or (logprobs and logprobs["content"]):
+                    yield chunk([{"index": i, "delta": message, "logprobs": logprobs, "finish_reason": fr}])
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], usage=usage(prompt_tokens, sum(completion_tokens), cached))
         except RequestError as e:

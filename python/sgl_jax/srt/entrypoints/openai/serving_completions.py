@@ -1,4 +1,4 @@
-"""POST /v1/completions (OpenAI legacy completions), streaming and not."""
+"""POST /v1/completions (OpenAI legacy completions), streaming and not; best_of ranks candidates by mean logprob."""
 
 from __future__ import annotations
 
@@ -52,18 +52,49 @@ def _legacy_logprobs(meta: dict, echo: bool, top_n: int, offset0: int) -> dict:
     }
 
 
+def candidates_per_prompt(req: CompletionRequest) -> int:
+    """How many completions are generated per prompt: OpenAI's ``best_of`` when given (at least ``n``; more than n
+    only without streaming, as OpenAI), else ``n``.
+
+    Raises:
+        RequestError: best_of < n, or best_of > n with stream.
+    """
+    best_of = req.best_of if req.best_of is not None else req.n
+    if best_of < req.n:
+        raise RequestError(f"best_of ({best_of}) must be at least n ({req.n})")
+    if best_of > req.n and req.stream:
+        raise RequestError("best_of greater than n cannot be used with stream")
+    return best_of
+
+
+def mean_logprob(result: dict) -> float:
+    """The mean log-probability of a completion's tokens (OpenAI's best_of ranking; 0 for no tokens)."""
+    lps = [e[0] for e in result["meta_info"].get("output_token_logprobs") or [] if e[0] is not None]
+    return sum(lps) / len(lps) if lps else 0.0
+
+
+def best_completions(results: list, n: int, per_prompt: int) -> list:
+    """Of each prompt's `per_prompt` candidates (consecutive in `results`), the `n` with the highest
+    `mean_logprob`, best first (all of them, in order, when per_prompt == n)."""
+    if per_prompt == n:
+        return results
+    chosen = []
+    for i in range(0, len(results), per_prompt):
+        chosen += sorted(results[i:i + per_prompt], key=mean_logprob, reverse=True)[:n]
+    return chosen
+
+
 def _objs(req: CompletionRequest, prompts, top_logprobs_cap: int) -> List[GenerateReqInput]:
-    if req.suffix:
-        raise RequestError("suffix is not supported")
     check_top_logprobs("logprobs", req.logprobs, top_logprobs_cap)
+    per_prompt = candidates_per_prompt(req)
     objs = []
     for p in prompts:
-        for k in range(req.n):
+        for k in range(per_prompt):
             objs.append(GenerateReqInput(
                 text=p if isinstance(p, str) else None,
                 input_ids=p if not isinstance(p, str) else None,
                 sampling_params=sampling_params_from(req, req.max_tokens, seed_offset=k),
-                return_logprob=req.logprobs is not None,
+                return_logprob=req.logprobs is not None or per_prompt > req.n,  # best_of ranks by logprob
                 logprob_start_len=0 if (req.echo and req.logprobs is not None) else -1,
                 top_logprobs_num=req.logprobs or 0,
                 return_text_in_logprobs=True,
@@ -104,8 +135,10 @@ async def create_completion(tm: TokenizerManager, req: CompletionRequest, wait: 
         results = await (wait(work) if wait is not None else work)
         if results is None:
             return Response(status_code=499)
-        choices, completion_tokens = [], 0
-        for i, r in enumerate(results):
+        per_prompt = len(results) // len(prompts)
+        completion_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)  # every candidate
+        choices = []
+        for i, r in enumerate(best_completions(results, req.n, per_prompt)):
             meta = r["meta_info"]
             prefix = prompt_of(i) if req.echo else ""
             choices.append({
@@ -116,9 +149,8 @@ async def create_completion(tm: TokenizerManager, req: CompletionRequest, wait: 
                 "finish_reason": finish_reason_str(meta["finish_reason"]),
                 "matched_stop": (meta["finish_reason"] or {}).get("matched"),
             })
-            completion_tokens += meta["completion_tokens"]
-        prompt_tokens = sum(results[i * req.n]["meta_info"]["prompt_tokens"] for i in range(len(prompts)))
-        cached = sum(results[i * req.n]["meta_info"]["cached_tokens"] for i in range(len(prompts)))
+        prompt_tokens = sum(results[i * per_prompt]["meta_info"]["prompt_tokens"] for i in range(len(prompts)))
+        cached = sum(results[i * per_prompt]["meta_info"]["cached_tokens"] for i in range(len(prompts)))
         return json_response({"id": rid, "object": "text_completion", "created": created, "model": model,
                               "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)})
 

@@ -8,6 +8,7 @@ from typing import AsyncIterator, List, Optional, Tuple
 import orjson
 from fastapi.responses import Response
 
+from sgl_jax.srt.entrypoints.field_types import logit_bias_ids
 from sgl_jax.srt.managers.tokenizer_manager import RequestError
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -42,24 +43,25 @@ def finish_reason_str(fr: Optional[dict]) -> Optional[str]:
 
 def sampling_params_from(req, max_tokens: Optional[int], seed_offset: int = 0) -> dict:
     """Native sampling params from a validated OpenAI request (completions or chat; field types and ranges
-    are checked by its pydantic model).
+    are checked by its pydantic model), as SGLang's ``to_sampling_params``: ``response_format`` json_object /
+    json_schema becomes the ``json_schema`` grammar, logit_bias keys become token ids, and the seed of choice k
+    is ``seed + k`` (so the n choices differ).
 
     Raises:
-        RequestError: unsupported features, naming the OpenAI parameter.
+        RequestError: more than one grammar (response_format, json_schema, regex, ebnf), naming them.
     """
     grammars = {k: getattr(req, k) for k in ("json_schema", "regex", "ebnf") if getattr(req, k) is not None}
-    if req.response_format is not None:
-        try:
-            schema = req.response_format.to_json_schema()
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        if schema is not None:
-            grammars["json_schema"] = schema
-    if len(grammars) > 1:
-        raise RequestError("Only one of response_format, json_schema, regex and ebnf may be given")
+    given = list(grammars)
+    schema = req.response_format.to_json_schema() if req.response_format is not None else None
+    if schema is not None:
+        grammars["json_schema"] = schema
+        given.append(f"response_format ({req.response_format.type})")
+    if len(given) > 1:
+        raise RequestError(f"Only one of response_format (json_object / json_schema), json_schema, regex and ebnf "
+                           f"may be given, got {', '.join(given)}")
     return {
         **grammars,
-        "logit_bias": req.logit_bias,
+        "logit_bias": logit_bias_ids(req.logit_bias),
         "max_new_tokens": max_tokens,
         "min_new_tokens": req.min_tokens,
         "temperature": req.temperature,

@@ -147,14 +147,16 @@ def get_parser(name: Optional[str], architecture: str) -> ToolCallParser:
     return PARSERS[name]()
 
 
-def required_calls_schema(tools: List[dict]) -> dict:
+def required_calls_schema(tools: List[dict], parallel: bool = True) -> dict:
     """JSON schema of ``tool_choice: "required"`` output: a non-empty array of calls to the given functions
-    (``tools``: OpenAI function definitions, {"name", "parameters"?})."""
+    (``tools``: OpenAI function definitions, {"name", "parameters"?}); exactly one call unless `parallel`
+    (OpenAI's ``parallel_tool_calls``)."""
     options = [{"type": "object",
                 "properties": {"name": {"type": "string", "enum": [t["name"]]},
                                "parameters": t.get("parameters") or {"type": "object"}},
                 "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    return {"type": "array", "minItems": 1, "items": options[0] if len(options) == 1 else {"anyOf": options}}
+    schema = {"type": "array", "minItems": 1, "items": options[0] if len(options) == 1 else {"anyOf": options}}
+    return schema if parallel else {**schema, "maxItems": 1}
 
 
 def named_call_schema(tool: dict) -> dict:
