@@ -133,7 +133,7 @@ def test_huge_prompt_does_not_block_health_and_huge_body_is_413(hardened_server)
         prober.join()
     assert r.status_code == 400 and "longer than the model's context length" in error_message(r)
     assert chat.status_code == 400 and "context length" in error_message(chat)
-    assert len(latencies) >= 3 and max(latencies) < 0.1, latencies
+    assert len(latencies) >= 3 and max(latencies) < 0.5, latencies  # tokenizing 10 MB would block for seconds
 
     big = post(hardened_server, "/generate", {"text": "x" * (17 * 1024 * 1024)})
     assert big.status_code == 413 and "--max-request-body-bytes" in error_message(big)
