@@ -85,6 +85,11 @@ class ServerArgs:
     enable_scoring_cache: bool = False
     multi_item_prefill_extend_cache_timeout: float = 60.0
 
+    # Parallelism (SGLang's flags)
+    tp_size: int = 1
+    dp_size: int = 1
+    device_indexes: Optional[List[int]] = None
+
     # Runtime
     device: str = "auto"
     attention_backend: str = "auto"
@@ -113,6 +118,16 @@ class ServerArgs:
         if not self.multi_item_prefill_extend_cache_timeout > 0:
             raise ValueError(f"--multi-item-prefill-extend-cache-timeout must be > 0 seconds, got "
                              f"{self.multi_item_prefill_extend_cache_timeout!r}")
+        self._check_positive("tp_size")
+        self._check_positive("dp_size")
+        if self.dp_size != 1:
+            raise ValueError(f"--dp-size must be 1 for now (data-parallel attention ranks are not built yet), "
+                             f"got {self.dp_size}")
+        if self.device_indexes is not None and (len(self.device_indexes) != self.tp_size * self.dp_size
+                                                or len(set(self.device_indexes)) != len(self.device_indexes)
+                                                or min(self.device_indexes) < 0):
+            raise ValueError(f"--device-indexes must be {self.tp_size * self.dp_size} distinct device indexes "
+                             f"(--tp-size x --dp-size), got {self.device_indexes}")
         self._check_positive("page_size")
         self._check_positive("max_prefill_tokens")
         if self.chunked_prefill_size != -1 and (not isinstance(self.chunked_prefill_size, int)
@@ -172,6 +187,9 @@ class ServerArgs:
             "disable_precompile": "skip warm-up compilation (shapes then compile on first use)",
             "incremental_streaming_output": "stream /generate text as disjoint deltas instead of cumulative text",
             "device": f"JAX platform, one of {list(DEVICES)}",
+            "tp_size": "tensor parallelism: devices the model is sharded over (heads, MLP width, vocabulary)",
+            "dp_size": "data-parallel attention ranks (only 1 for now)",
+            "device_indexes": "which of jax.devices() the mesh uses (default: the first tp x dp)",
             "attention_backend": f"ragged paged attention implementation, one of {list(ATTENTION_BACKENDS)}; auto: the "
                                  "Pallas kernel on TPU/GPU, native (pure JAX) on CPU; pallas on CPU runs the TPU "
                                  "kernel in Pallas' interpreter (slow, for verification)",

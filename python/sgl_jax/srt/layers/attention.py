@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import jax
+from jax.sharding import Mesh
 
+from sgl_jax.srt.distributed.sharding import HEADS, KV_CACHE, REPLICATED
 from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention, write_kv_to_pages
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
@@ -22,6 +24,7 @@ def paged_attention(
     sm_scale: float,
     sliding_window: Optional[int] = None,
     soft_cap: Optional[float] = None,
+    mesh: Optional[Mesh] = None,
 ) -> Tuple[jax.Array, LayerKV]:
     """One layer's attention for a batch.
 
@@ -29,14 +32,30 @@ def paged_attention(
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotary already applied).
         kv: this layer's cache pages.
         fb: the step's ForwardBatch (slots to write, page table, lengths, and which attention backend runs).
+        mesh: the device mesh. Heads are sharded over its ``tensor`` axis (the KV cache too, see
+            distributed/sharding.py): each device writes and attends over its own heads inside
+            ``jax.shard_map`` (the step's metadata replicated), so the kernel never sees a sharded array.
+            None: no mesh (a plain single-device call).
     Returns:
         ([T, num_heads, head_dim] attention output, updated kv).
     """
-    k_pages, v_pages = write_kv_to_pages(kv[0], kv[1], k, v, fb.out_cache_loc)
-    out = ragged_paged_attention(
-        q, k_pages, v_pages, fb.kv_lens, fb.page_indices, fb.cu_q_lens, fb.num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        decode_only=fb.forward_mode == ForwardMode.DECODE, prefix_lens=fb.prefix_lens,
-        segment_starts=fb.segment_starts, shared_prefix_len=fb.shared_prefix_len, backend=fb.attention_backend,
-    )
+
+    def local(q, k, v, k_pages, v_pages, fb):
+        k_pages, v_pages = write_kv_to_pages(k_pages, v_pages, k, v, fb.out_cache_loc)
+        out = ragged_paged_attention(
+            q, k_pages, v_pages, fb.kv_lens, fb.page_indices, fb.cu_q_lens, fb.num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            decode_only=fb.forward_mode == ForwardMode.DECODE, prefix_lens=fb.prefix_lens,
+            segment_starts=fb.segment_starts, shared_prefix_len=fb.shared_prefix_len,
+            backend=fb.attention_backend,
+        )
+        return out, k_pages, v_pages
+
+    if mesh is None:
+        out, k_pages, v_pages = local(q, k, v, kv[0], kv[1], fb)
+    else:
+        out, k_pages, v_pages = jax.shard_map(
+            local, mesh=mesh, in_specs=(HEADS, HEADS, HEADS, KV_CACHE, KV_CACHE, REPLICATED),
+            out_specs=(HEADS, KV_CACHE, KV_CACHE), check_vma=False,
+        )(q, k, v, kv[0], kv[1], fb)
     return out, (k_pages, v_pages)

@@ -17,7 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from tqdm import tqdm
+
+from sgl_jax.srt.distributed.mesh import create_mesh, tp_size_of
+from sgl_jax.srt.distributed.sharding import KV_CACHE, REPLICATED, check_tp, padded_kv_heads
 
 from sgl_jax.srt.kernels.ragged_paged_attention import resolve_attention_backend
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
@@ -55,9 +59,12 @@ def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def kv_bytes_per_token(model_config) -> int:
+def kv_bytes_per_token(model_config, tp_size: int = 1) -> int:
+    """Bytes of K and V per token on one device (all layers) with the KV heads split `tp_size` ways
+    (replicated heads counted: see distributed/sharding.padded_kv_heads)."""
     itemsize = jnp.dtype(JNP_DTYPES[model_config.dtype]).itemsize
-    return 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim * itemsize
+    heads = padded_kv_heads(model_config.num_key_value_heads, tp_size) // tp_size
+    return 2 * model_config.num_hidden_layers * heads * model_config.head_dim * itemsize
 
 
 def _available_memory_bytes(platform: str) -> int:
@@ -74,16 +81,21 @@ def _available_memory_bytes(platform: str) -> int:
 
 
 def compute_max_total_tokens(server_args, model_config, weight_bytes: int, platform: str) -> int:
-    """KV pool size in tokens: --max-total-tokens, or what --mem-fraction-static leaves after weights.
+    """KV pool size in tokens: --max-total-tokens, or what --mem-fraction-static leaves after weights
+    (`weight_bytes`: on one device; every device of the mesh holds the same share).
 
-    Defaults for the fraction: 0.8 on TPU/GPU (of device memory), 0.2 on CPU (of available host memory).
+    Defaults for the fraction: 0.8 on TPU/GPU (of device memory), 0.2 on CPU (of available host memory, split
+    among the mesh's virtual devices, which share it).
     Raises ValueError when the budget holds no KV at all.
     """
     if server_args.max_total_tokens is not None:
         return int(server_args.max_total_tokens)
     frac = server_args.mem_fraction_static or (0.2 if platform == "cpu" else 0.8)
-    budget = int(_available_memory_bytes(platform) * frac) - (0 if platform == "cpu" else weight_bytes)
-    tokens = budget // kv_bytes_per_token(model_config)
+    if platform == "cpu":  # virtual CPU devices share the host's memory: each gets its share of the budget
+        budget = int(_available_memory_bytes(platform) * frac) // (server_args.tp_size * server_args.dp_size)
+    else:
+        budget = int(_available_memory_bytes(platform) * frac) - weight_bytes
+    tokens = budget // kv_bytes_per_token(model_config, server_args.tp_size)
     if tokens <= 0:
         raise ValueError("--mem-fraction-static leaves no memory for the KV cache; raise it or pass "
                          "--max-total-tokens")
@@ -111,26 +123,42 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(server_args.attention_backend, jax.default_backend())
         logger.info("Attention backend: %s (--attention-backend %s on %s)", self.attention_backend,
                     server_args.attention_backend, jax.default_backend())
-        self.graphdef, self.params = load_model(model_config, server_args.load_format, server_args.random_seed)
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
+        hf = model_config.hf_config
+        check_tp(model_config.num_attention_heads, model_config.num_key_value_heads, model_config.vocab_size,
+                 int(getattr(hf, "intermediate_size", server_args.tp_size)), server_args.tp_size)
+        self.mesh = create_mesh(server_args.tp_size, 1, server_args.device_indexes)
+        self.tp_size = tp_size_of(self.mesh)
+        self._replicated = NamedSharding(self.mesh, REPLICATED)
+        if self.tp_size > 1:
+            logger.info("Tensor parallel: %d devices %s", self.tp_size, [d.id for d in self.mesh.devices.flat])
+        self.graphdef, self.params = load_model(model_config, server_args.load_format, server_args.random_seed,
+                                                mesh=self.mesh)
+        weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.params))
         self.num_pages = max_total_tokens_fn(weight_bytes) // self.page_size
         self.max_total_tokens = self.num_pages * self.page_size
         self.pages_per_seq = math.ceil(max_context_len / self.page_size)
         dtype = JNP_DTYPES[model_config.dtype]
-        shape = (self.num_pages + 1, self.page_size, model_config.num_key_value_heads, model_config.head_dim)
-        self.kv_caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                          for _ in range(model_config.num_hidden_layers)]
-        logger.info("KV cache: %d tokens in %d pages of %d (%.2f GiB)", self.num_pages * self.page_size,
+        kv_heads = padded_kv_heads(model_config.num_key_value_heads, self.tp_size)
+        shape = (self.num_pages + 1, self.page_size, kv_heads, model_config.head_dim)
+        self._kv_sharding = NamedSharding(self.mesh, KV_CACHE)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)
+        self.kv_caches = [(zeros(), zeros()) for _ in range(model_config.num_hidden_layers)]
+        logger.info("KV cache: %d tokens in %d pages of %d (%.2f GiB per device)", self.num_pages * self.page_size,
                     self.num_pages, self.page_size,
-                    2 * len(self.kv_caches) * np.prod(shape) * jnp.dtype(dtype).itemsize / 2**30)
+                    2 * len(self.kv_caches) * np.prod(shape) * jnp.dtype(dtype).itemsize / self.tp_size / 2**30)
         eos = model_config.eos_token_ids or [model_config.vocab_size]  # out of range -> no-op mask
         self.eos_token_ids = jnp.asarray(eos, jnp.int32)
         self.max_context_len = max_context_len
         self.vocab_mask_width = -(-model_config.vocab_size // 32)
-        self.penalty_state = new_penalty_state(num_request_slots, model_config.vocab_size)
+        self.penalty_state = jax.device_put(new_penalty_state(num_request_slots, model_config.vocab_size),
+                                            self._replicated)
         self._all_allowed = {}  # S_pad -> device int32[S_pad, vocab_mask_width] of -1 (no grammar in the batch)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2))
-        self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,))
+        # outputs fed back into the next call keep exactly the shardings they were created with, so a
+        # program compiled at warm-up is the one serving uses (a new input sharding would compile again)
+        r = self._replicated
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2),
+                             out_shardings=(self._kv_sharding, r, r, r, r, r))
+        self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r)
         self._logprobs = jax.jit(self._logprobs_impl)
         self._label_logprobs = jax.jit(self._label_logprobs_impl)
         self._compiled_after_warmup: Optional[int] = None
@@ -141,20 +169,24 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, params)
         fb = dataclasses.replace(fb, attention_backend=self.attention_backend)  # trace time only
         hidden, kv_caches = model(fb, kv_caches)
-        logits = model.compute_logits(hidden[fb.logits_indices])
+        logits = self._gathered(model.compute_logits(hidden[fb.logits_indices]))
         next_ids, logprobs, penalty_state = sample(logits, sampling, self.eos_token_ids, penalty_state)
         next_lp = jnp.take_along_axis(logprobs, next_ids[:, None], axis=-1)[:, 0]
         return kv_caches, penalty_state, next_ids, next_lp, logprobs, hidden
 
     def _logprobs_impl(self, params, hidden):
         model = nnx.merge(self.graphdef, params)
-        return jax.nn.log_softmax(model.compute_logits(hidden), axis=-1)
+        return jax.nn.log_softmax(self._gathered(model.compute_logits(hidden)), axis=-1)
 
     def _label_logprobs_impl(self, params, hidden, label_ids):
         model = nnx.merge(self.graphdef, params)
-        logits = model.compute_logits(hidden)
+        logits = self._gathered(model.compute_logits(hidden))
         lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         return jnp.take(logits, label_ids, axis=1) - lse
+
+    def _gathered(self, logits: jax.Array) -> jax.Array:
+        """Vocab-parallel logits gathered onto every device (replicated) before sampling."""
+        return jax.lax.with_sharding_constraint(logits, self._replicated)
 
     # ---- running
     def device_inputs(self, batch: ModelWorkerBatch):
@@ -166,7 +198,7 @@ class ModelRunner:
             if s_pad not in self._all_allowed:
                 self._all_allowed[s_pad] = jnp.full((s_pad, self.vocab_mask_width), -1, jnp.int32)
             sampling = dataclasses.replace(sampling, vocab_mask=self._all_allowed[s_pad])
-        return jax.device_put((batch.forward_batch, sampling))
+        return jax.device_put((batch.forward_batch, sampling), self._replicated)
 
     def forward(self, batch: ModelWorkerBatch) -> StepOutput:
         """Run one step on device. The KV cache is updated in place."""

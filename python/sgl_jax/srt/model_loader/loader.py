@@ -9,14 +9,16 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
+from sgl_jax.srt.distributed.sharding import padded_kv_heads, param_spec, replicate_kv_rows
 from sgl_jax.srt.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ def _iterate_safetensors(model_dir: str) -> Iterator[Tuple[str, object]]:
     from safetensors import safe_open
 
     for path in _safetensors_files(model_dir):
-        with safe_open(path, framework="flax") as f:
+        with safe_open(path, framework="numpy") as f:  # host arrays: each is placed shard by shard
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
@@ -75,13 +77,45 @@ def _weight_source(model_config, load_format: str):
     raise ValueError(f"--load-format {load_format!r} is not a checkpoint format")
 
 
-def load_model(model_config, load_format: str = "auto", seed: int = 0):
+_KV_PROJ = (".k_proj.weight", ".k_proj.bias", ".v_proj.weight", ".v_proj.bias")
+
+
+class _Placer:
+    """Host array -> device array in its parameter's sharding (distributed/sharding.py). Only each device's
+    shard is transferred (``jax.device_put`` of a host array slices it on the host), so no device ever holds
+    a full copy of a sharded tensor. k/v projections get their heads replicated when tp exceeds the KV heads.
+    Without a mesh, plain single-device arrays."""
+
+    def __init__(self, model_config, dtype, mesh: Optional[Mesh]):
+        self.dtype = np.dtype(dtype)
+        self.mesh = mesh
+        self.kv_heads = model_config.num_key_value_heads
+        tp = 1 if mesh is None else int(mesh.shape["tensor"])
+        self.padded_kv_heads = padded_kv_heads(self.kv_heads, tp)
+
+    def checkpoint_shape(self, name: str, shape: tuple) -> tuple:
+        """The shape the checkpoint has for a parameter of `shape` (k/v projections before replication)."""
+        if name.endswith(_KV_PROJ) and self.padded_kv_heads != self.kv_heads:
+            return (shape[0] * self.kv_heads // self.padded_kv_heads, *shape[1:])
+        return tuple(shape)
+
+    def place(self, name: str, arr) -> jax.Array:
+        host = np.asarray(arr).astype(self.dtype, copy=False)
+        if name.endswith(_KV_PROJ):
+            host = replicate_kv_rows(host, self.kv_heads, self.padded_kv_heads)
+        if self.mesh is None:
+            return jnp.asarray(host)
+        return jax.device_put(host, NamedSharding(self.mesh, param_spec(name)))
+
+
+def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Optional[Mesh] = None):
     """Instantiate the model for ``model_config.architecture`` and load its weights.
 
     Args:
         model_config: `ModelConfig` (its ``dtype`` picks the parameter dtype).
         load_format: "auto" | "gguf" | "safetensors" | "dummy" (random normal(0, 0.02) weights, norms 1).
         seed: randomness for dummy weights.
+        mesh: the device mesh; each parameter is placed in its sharding straight from host memory.
     Returns:
         (graphdef, params): the NNX graph definition and a State of device arrays.
     Raises:
@@ -89,31 +123,32 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0):
     """
     cls = get_model_class(model_config.architecture)
     dtype = JNP_DTYPES[model_config.dtype]
-    abstract = nnx.eval_shape(lambda: cls(model_config, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: cls(model_config, dtype=dtype, rngs=nnx.Rngs(0), mesh=mesh))
     graphdef, abstract_state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(abstract_state))
     by_name = {_path_name(path): (i, var) for i, (path, var) in enumerate(flat)}
+    placer = _Placer(model_config, dtype, mesh)
     values = {}
 
     if load_format == "dummy":
         rng = np.random.default_rng(seed)
         for name, (_, var) in tqdm(by_name.items(), desc="Initializing dummy weights", unit="tensor"):
-            shape = var.get_value().shape
+            shape = placer.checkpoint_shape(name, var.get_value().shape)
             if name.endswith("norm.weight"):
                 arr = np.ones(shape, np.float32)
             else:
                 arr = rng.standard_normal(shape, dtype=np.float32) * 0.02
-            values[name] = jnp.asarray(arr, dtype=dtype)
+            values[name] = placer.place(name, arr)
     else:
         source, total = _weight_source(model_config, load_format)
         for name, arr in tqdm(source, total=total, desc="Loading weights", unit="tensor"):
             if name not in by_name:
                 logger.debug("Ignoring checkpoint tensor %s (no matching parameter)", name)
                 continue
-            expected = tuple(by_name[name][1].get_value().shape)
+            expected = placer.checkpoint_shape(name, by_name[name][1].get_value().shape)
             if tuple(arr.shape) != expected:
                 raise ValueError(f"Checkpoint tensor {name} has shape {tuple(arr.shape)}, model expects {expected}")
-            values[name] = jnp.asarray(arr, dtype=dtype)
+            values[name] = placer.place(name, arr)
     missing = [n for n in by_name if n not in values]
     if missing:
         raise ValueError(f"Checkpoint has no tensors for {len(missing)} parameters, e.g. {missing[:5]}")

@@ -7,12 +7,15 @@ with per-head q/k RMSNorm (`qk_norm`).
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
+from sgl_jax.srt.distributed.mesh import tp_size_of
+from sgl_jax.srt.distributed.sharding import padded_kv_heads
 from sgl_jax.srt.layers.attention import LayerKV, paged_attention
 from sgl_jax.srt.layers.embedding import Embedding
 from sgl_jax.srt.layers.layernorm import RMSNorm
@@ -35,12 +38,16 @@ class LlamaMLP(nnx.Module):
 
 
 class LlamaAttention(nnx.Module):
-    """Grouped-query self-attention over the paged KV cache."""
+    """Grouped-query self-attention over the paged KV cache. Under tensor parallelism (`mesh` with a
+    ``tensor`` axis of size tp) K/V heads number `padded_kv_heads` (each replicated when the model has fewer
+    than tp) and attention runs on each device's own heads."""
 
-    def __init__(self, cfg, model_config, *, qk_norm: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, model_config, *, qk_norm: bool, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         hidden = model_config.hidden_size
         self.num_heads = model_config.num_attention_heads
-        self.num_kv_heads = model_config.num_key_value_heads
+        tp = 1 if mesh is None else tp_size_of(mesh)
+        self.num_kv_heads = padded_kv_heads(model_config.num_key_value_heads, tp)
+        self.mesh = mesh
         self.head_dim = model_config.head_dim
         bias = bool(getattr(cfg, "attention_bias", False))
         self.q_proj = Linear(hidden, self.num_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
@@ -64,15 +71,15 @@ class LlamaAttention(nnx.Module):
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q = apply_rope(q, fb.positions, inv_freq)
         k = apply_rope(k, fb.positions, inv_freq)
-        out, kv = paged_attention(q, k, v, kv, fb, sm_scale=self.sm_scale)
+        out, kv = paged_attention(q, k, v, kv, fb, sm_scale=self.sm_scale, mesh=self.mesh)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), kv
 
 
 class LlamaDecoderLayer(nnx.Module):
-    def __init__(self, cfg, model_config, *, qk_norm: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, model_config, *, qk_norm: bool, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         eps = float(cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(model_config.hidden_size, eps=eps, dtype=dtype)
-        self.self_attn = LlamaAttention(cfg, model_config, qk_norm=qk_norm, dtype=dtype, rngs=rngs)
+        self.self_attn = LlamaAttention(cfg, model_config, qk_norm=qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
         self.post_attention_layernorm = RMSNorm(model_config.hidden_size, eps=eps, dtype=dtype)
         self.mlp = LlamaMLP(model_config.hidden_size, int(cfg.intermediate_size), dtype, rngs)
 
@@ -83,10 +90,10 @@ class LlamaDecoderLayer(nnx.Module):
 
 
 class LlamaModel(nnx.Module):
-    def __init__(self, cfg, model_config, *, qk_norm: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, model_config, *, qk_norm: bool, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         self.embed_tokens = Embedding(model_config.vocab_size, model_config.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([
-            LlamaDecoderLayer(cfg, model_config, qk_norm=qk_norm, dtype=dtype, rngs=rngs)
+            LlamaDecoderLayer(cfg, model_config, qk_norm=qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
             for _ in range(model_config.num_hidden_layers)
         ])
         self.norm = RMSNorm(model_config.hidden_size, eps=float(cfg.rms_norm_eps), dtype=dtype)
@@ -99,13 +106,15 @@ class LlamaForCausalLM(nnx.Module):
         model_config: `ModelConfig` (sizes, rope parameters; ``hf_config`` for the rest).
         dtype: parameter / activation dtype (jnp.float32 or jnp.bfloat16).
         rngs: initializer randomness; real weights are loaded over the initial values.
+        mesh: the device mesh (distributed/mesh.py); its ``tensor`` axis shards heads, MLP width and the
+            vocabulary (specs in distributed/sharding.py). None: one device, no shard_map.
     """
 
     qk_norm = False
 
-    def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         cfg = model_config.hf_config
-        self.model = LlamaModel(cfg, model_config, qk_norm=self.qk_norm, dtype=dtype, rngs=rngs)
+        self.model = LlamaModel(cfg, model_config, qk_norm=self.qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(
             model_config.hidden_size, model_config.vocab_size, dtype=dtype, rngs=rngs)

@@ -1,0 +1,84 @@
+"""How each array is sharded over the mesh: one table of PartitionSpecs by parameter kind.
+
+Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM"), with weights in HF layout (``Linear.weight`` is
+``[out_features, in_features]``):
+
+- column-parallel (q/k/v/gate/up projections): the output features are split, ``P("tensor", None)``;
+  their biases ``P("tensor")``;
+- row-parallel (o/down projections): the input features are split, ``P(None, "tensor")``; XLA all-reduces
+  the partial sums;
+- vocab-parallel: the embedding table and the LM head ``[vocab, hidden]`` split the vocabulary,
+  ``P("tensor", None)``; logits are gathered (replicated) before sampling;
+- everything else (norms, per-head q/k norms) is replicated.
+
+KV heads: the KV cache ``[pages, page_size, kv_heads, head_dim]`` is sharded over heads. When a model has
+fewer KV heads than ``tp`` (GQA), each KV head is replicated ``tp / kv_heads`` times so every device holds
+exactly one (SGLang's behaviour); k/v projection rows are repeated to match when the weights are placed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List, Tuple
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+COLUMN = P("tensor", None)
+ROW = P(None, "tensor")
+VOCAB = P("tensor", None)
+REPLICATED = P()
+KV_CACHE = P(None, None, "tensor", None)  # [pages, page_size, kv_heads, head_dim]
+HEADS = P(None, "tensor", None)  # activations [tokens, heads, head_dim]
+
+# (regex over the dotted parameter path, spec); the first match wins, no match means replicated
+PARAM_SPECS: List[Tuple[str, P]] = [
+    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$", COLUMN),
+    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.bias$", P("tensor")),
+    (r"\.(o_proj|down_proj)\.weight$", ROW),
+    (r"(^|\.)embed_tokens\.weight$", VOCAB),
+    (r"(^|\.)lm_head\.weight$", VOCAB),
+]
+
+
+def param_spec(name: str) -> P:
+    """The PartitionSpec of the parameter at dotted path `name` (e.g. ``model.layers.0.mlp.up_proj.weight``)."""
+    for pattern, spec in PARAM_SPECS:
+        if re.search(pattern, name):
+            return spec
+    return REPLICATED
+
+
+def padded_kv_heads(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads held in the cache and computed by k/v_proj under tensor parallelism: ``num_kv_heads`` when tp
+    divides it, else ``tp_size`` (each KV head replicated ``tp_size / num_kv_heads`` times).
+
+    Raises:
+        ValueError: neither divides the other.
+    """
+    if num_kv_heads % tp_size == 0:
+        return num_kv_heads
+    if tp_size % num_kv_heads == 0:
+        return tp_size
+    raise ValueError(f"--tp-size {tp_size} must divide the model's {num_kv_heads} KV heads or be a multiple of it")
+
+
+def check_tp(num_heads: int, num_kv_heads: int, vocab_size: int, intermediate_size: int, tp_size: int) -> None:
+    """Raises ValueError (naming --tp-size) when the model cannot be split ``tp_size`` ways: attention heads,
+    KV heads, vocabulary and MLP width must divide evenly (KV heads may also be replicated)."""
+    for what, n in (("attention heads", num_heads), ("vocabulary size", vocab_size),
+                    ("intermediate size", intermediate_size)):
+        if n % tp_size:
+            raise ValueError(f"--tp-size {tp_size} does not divide the model's {what} ({n})")
+    padded_kv_heads(num_kv_heads, tp_size)
+
+
+def replicate_kv_rows(weight: np.ndarray, num_kv_heads: int, padded: int) -> np.ndarray:
+    """k/v_proj weight ``[kv_heads * head_dim, ...]`` (or bias) -> ``[padded * head_dim, ...]`` with each head's
+    rows repeated ``padded / kv_heads`` times in place (head h -> heads h*r .. h*r + r - 1), so tensor shard i
+    holds KV head ``i // r``: the one its query heads use."""
+    if padded == num_kv_heads:
+        return weight
+    head_dim = weight.shape[0] // num_kv_heads
+    heads = weight.reshape(num_kv_heads, head_dim, *weight.shape[1:])
+    return np.repeat(heads, padded // num_kv_heads, axis=0).reshape(padded * head_dim, *weight.shape[1:])
