@@ -136,6 +136,43 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: flo
     return proc.returncode
 
 
+class RouterProcess:
+    """sglang-router (``python -m sglang_router.launch_router``, PyPI ``sglang-router``) on 127.0.0.1 and a free
+    port in front of `worker_urls`; ready once it answers ``/get_model_info`` (it has registered a worker).
+
+    Raises AssertionError (with the router's log tail) if it exits or is not ready within `timeout` s.
+    """
+
+    def __init__(self, worker_urls: List[str], extra_args: Optional[List[str]] = None, timeout: float = 60.0):
+        self.port = find_free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang_router_", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls",
+                                      *worker_urls, "--host", "127.0.0.1", "--port", str(self.port),
+                                      "--log-level", "warn", "--prometheus-port", str(find_free_port()),
+                                      *(extra_args or [])],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout
+        while True:
+            assert self.proc.poll() is None, f"router exited with {self.proc.returncode}: {self.log_tail()}"
+            try:
+                if httpx.get(self.url + "/get_model_info", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                self.stop()
+                raise AssertionError(f"router not ready after {timeout} s: {self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, n: int = 3000) -> str:
+        with open(self.log.name) as f:
+            return f.read()[-n:]
+
+    def stop(self) -> int:
+        return stop_process(self.proc, signal.SIGINT)
+
+
 def module_server(extra_args: Optional[List[str]] = None, **kwargs):
     """Body of a module-scoped pytest fixture: ``yield from module_server(...)`` yields a `ServerProcess`,
     then checks it stops cleanly (exit 0) and leaves no child process behind."""

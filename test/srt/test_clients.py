@@ -24,7 +24,7 @@ import re
 import httpx
 import pytest
 
-from srt_helpers import default_model_path, module_server, stop_process
+from srt_helpers import RouterProcess, default_model_path, module_server
 
 PROMPT_FRANCE = "Q: What is the capital of France?\nA: The capital of France is"
 
@@ -386,35 +386,12 @@ ROUTER_INSTALL = "pip install sglang-router==0.3.2"
 
 @pytest.fixture(scope="module")
 def router(server):
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-    import time
-
-    from sgl_jax.srt.utils import find_free_port
-
     require("sglang_router", ROUTER_INSTALL)
-    port = find_free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile("w+", prefix="sglang_router_", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", server.url,
-                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    r = RouterProcess([server.url])
     try:
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None, f"router exited with {proc.returncode}: {open(log.name).read()[-3000:]}"
-            try:
-                if httpx.get(url + "/get_model_info", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, f"router not ready after 60 s: {open(log.name).read()[-3000:]}"
-            time.sleep(0.5)
-        yield url
+        yield r.url
     finally:
-        stop_process(proc, signal.SIGINT)
+        r.stop()
 
 
 def test_router_generate(router, server):

@@ -1,6 +1,6 @@
 """The HTTP server: FastAPI routes over a TokenizerManager, SGLang's native API plus OpenAI's.
 
-Native: /generate, /health, /health_generate, /get_model_info, /get_server_info, /flush_cache (POST),
+Native: /generate, /health, /health_generate, /get_model_info, /get_server_info, /get_load, /flush_cache (POST),
 /abort_request, /tokenize and /detokenize (also under /v1/), /metrics (Prometheus, with --enable-metrics;
 404 otherwise). OpenAI: /v1/models, /v1/completions, /v1/chat/completions. Scoring: /v1/score.
 
@@ -222,6 +222,14 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
         state = await tm.get_internal_state()
         return json_response({**public_server_args(server_args, tm.served_model_name),
                               "scheduler_info": scheduler_info, "internal_states": [state], "version": __version__})
+
+    @app.get("/get_load")
+    async def get_load():
+        """SGLang's load report, one entry per data-parallel rank (sglang-router polls it): requests running
+        or waiting, those waiting, and KV tokens in use."""
+        st = await tm.get_internal_state()
+        return json_response([{"dp_rank": 0, "num_reqs": st["num_running_reqs"] + st["num_waiting_reqs"],
+                               "num_waiting_reqs": st["num_waiting_reqs"], "num_tokens": st["kv_tokens_in_use"]}])
 
     @app.post("/flush_cache")
     async def flush_cache():
