@@ -145,6 +145,30 @@ class NullMeansDefault(BaseModel):
                         and not _admits_null(fields[k].annotation))}
 
 
+class SGLangSharedFields(BaseModel):
+    """Fields SGLang's ``GenerateReqInput`` and its OpenAI requests both carry that this engine has no support
+    for (accepted only at their defaults) or ignores: declared once, mixed into the native and OpenAI models."""
+
+    session_params: default_only(Optional[Dict[str, Any]], description="sessions") = None
+    lora_path: default_only(StrOrList, description="LoRA adapters") = None
+    custom_logit_processor: default_only(StrOrList, description="custom logit processors") = None
+    bootstrap_host: default_only(StrOrList, description="prefill-decode disaggregation") = None
+    bootstrap_port: default_only(IntOrList, description="prefill-decode disaggregation") = None
+    bootstrap_room: default_only(IntOrList, description="prefill-decode disaggregation") = None
+    disagg_prefill_dp_rank: default_only(Optional[int], description="prefill-decode disaggregation") = None
+    routed_dp_rank: default_only(Optional[int], None, 0, description="this server has one data-parallel rank") = None
+    data_parallel_rank: default_only(Optional[int], None, 0,
+                                     description="deprecated alias of routed_dp_rank; one rank") = None
+    extra_key: default_only(StrOrList, description="prefix-cache isolation") = None
+    cache_salt: default_only(StrOrList, description="prefix-cache isolation") = None
+    return_routed_experts: default_only(bool, False, description="MoE routing") = False
+    routed_experts_start_len: default_only(int, 0, description="MoE routing") = 0
+    session_id: ignored(Optional[str], "a session identity for routing and tracking; the prompt is unchanged") = None
+    priority: ignored(Optional[int], "no priority scheduling (SGLang ignores it too without "
+                                     "--enable-priority-scheduling)") = None
+    custom_labels: ignored(Optional[Dict[str, str]], "metric labels") = None
+
+
 class StrictModel(BaseModel):
     """Base of the native request models: strict types, unknown fields refused (HTTP 400 naming them)."""
 

@@ -22,6 +22,7 @@ from sgl_jax.srt.entrypoints.field_types import (
     NonNegFloat32,
     NonNegInt32,
     NullMeansDefault,
+    SGLangSharedFields,
     NumChoices,
     Penalty,
     PosInt32,
@@ -110,7 +111,7 @@ def OneOrList(tp):
                      Discriminator(_one_or_list)]
 
 
-class GenerateRequest(NullMeansDefault, StrictModel):
+class GenerateRequest(NullMeansDefault, SGLangSharedFields, StrictModel):
     """The /generate body: one prompt, or a batch when ``text`` (or ``input_ids``) is a list of prompts.
 
     Every field of SGLang's ``GenerateReqInput`` (python/sglang/srt/managers/io_struct.py) is declared, and
@@ -138,12 +139,8 @@ class GenerateRequest(NullMeansDefault, StrictModel):
     # ---- accepted and ignored: they do not change what is generated or returned
     model: ignored(Optional[str], "the server serves one model (sglang-router adds it)") = None
     log_metrics: ignored(bool, "metrics count every request") = True
-    session_id: ignored(Optional[str], "a session identity for routing and tracking; the prompt is unchanged") = None
     conversation_id: ignored(Optional[str], "a tracking id") = None
     routing_key: ignored(Optional[str], "one server: nothing to route") = None
-    priority: ignored(Optional[int], "no priority scheduling (SGLang ignores it too without "
-                                     "--enable-priority-scheduling)") = None
-    custom_labels: ignored(Optional[Dict[str, str]], "metric labels") = None
     external_trace_header: ignored(Optional[Dict[str, Any]], "no request tracing") = None
     received_time: ignored(Optional[float], "the server times requests itself") = None
     kv_router_hint: ignored(Optional[Dict[str, Any]], "a KV-placement hint for a disaggregated cache") = None
@@ -167,30 +164,16 @@ class GenerateRequest(NullMeansDefault, StrictModel):
     num_items_assigned: default_only(Optional[Dict[str, Any]], description="multimodal input") = None
     encoder_urls: default_only(Optional[List[str]], description="multimodal input") = None
     positional_embed_overrides: default_only(Optional[Any], description="embedding overrides") = None
-    session_params: default_only(Optional[Dict[str, Any]], description="sessions") = None
-    lora_path: default_only(StrOrList, description="LoRA adapters") = None
     lora_id: default_only(StrOrList, description="LoRA adapters") = None
-    custom_logit_processor: default_only(StrOrList, description="custom logit processors") = None
-    bootstrap_host: default_only(StrOrList, description="prefill-decode disaggregation") = None
-    bootstrap_port: default_only(IntOrList, description="prefill-decode disaggregation") = None
-    bootstrap_room: default_only(IntOrList, description="prefill-decode disaggregation") = None
     bootstrap_pair_key: default_only(StrOrList, description="prefill-decode disaggregation") = None
     decode_tp_size: default_only(IntOrList, description="prefill-decode disaggregation") = None
-    disagg_prefill_dp_rank: default_only(Optional[int], description="prefill-decode disaggregation") = None
-    routed_dp_rank: default_only(Optional[int], None, 0, description="this server has one data-parallel rank") = None
-    data_parallel_rank: default_only(Optional[int], None, 0,
-                                     description="deprecated alias of routed_dp_rank; one rank") = None
     http_worker_ipc: default_only(Optional[str], description="internal to SGLang's multi-tokenizer mode") = None
     background: default_only(bool, False, description="background responses") = False
     require_reasoning: default_only(bool, False, description="hybrid reasoning models") = False
     max_thinking_tokens: default_only(Optional[int], description="thinking budgets") = None
-    extra_key: default_only(StrOrList, description="prefix-cache isolation") = None
-    cache_salt: default_only(StrOrList, description="prefix-cache isolation") = None
     no_logs: default_only(bool, False, description="per-request logging control (--log-requests logs every "
                                                    "request's sampling parameters)") = False
     return_hidden_states: default_only(Any, False, description="hidden states") = False
-    return_routed_experts: default_only(bool, False, description="MoE routing") = False
-    routed_experts_start_len: default_only(int, 0, description="MoE routing") = 0
     return_indexer_topk: default_only(bool, False, description="sparse-attention indexer output") = False
     return_bytes: default_only(bool, False, description="image generation") = False
     return_entropy: default_only(bool, False, description="output entropy") = False

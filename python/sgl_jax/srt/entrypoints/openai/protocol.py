@@ -21,12 +21,12 @@ from typing_extensions import Annotated
 
 from sgl_jax.srt.entrypoints.field_types import (
     INT32_MAX,
-    IntOrList,
     LenientModel,
     LogitBiasMap,
     NonNegFloat32,
     NonNegInt32,
     NullMeansDefault,
+    SGLangSharedFields,
     NumChoices,
     Penalty,
     Probability,
@@ -112,7 +112,7 @@ class NamedToolChoice(LenientModel):
     function: Dict[str, str]
 
 
-class OpenAIRequest(NullMeansDefault, LenientModel):
+class OpenAIRequest(NullMeansDefault, SGLangSharedFields, LenientModel):
     """Fields shared by /v1/completions and /v1/chat/completions: OpenAI's sampling fields and SGLang's
     extensions of both (top_k, min_p, min_tokens, json_schema / regex / ebnf, repetition_penalty, ...)."""
 
@@ -144,30 +144,12 @@ class OpenAIRequest(NullMeansDefault, LenientModel):
     skip_special_tokens: bool = True
     rid: Optional[Rid] = None
     stop_regex: default_only(Optional[Union[str, List[str]]], description="stop regular expressions") = None
-    lora_path: default_only(StrOrList, description="LoRA adapters") = None
-    session_params: default_only(Optional[Dict[str, Any]], description="sessions") = None
     custom_params: default_only(Optional[Dict[str, Any]], description="custom logit processors") = None
-    custom_logit_processor: default_only(StrOrList, description="custom logit processors") = None
     images_config: default_only(Optional[Dict[str, Any]], description="multimodal input") = None
-    bootstrap_host: default_only(StrOrList, description="prefill-decode disaggregation") = None
-    bootstrap_port: default_only(IntOrList, description="prefill-decode disaggregation") = None
-    bootstrap_room: default_only(IntOrList, description="prefill-decode disaggregation") = None
-    disagg_prefill_dp_rank: default_only(Optional[int], description="prefill-decode disaggregation") = None
-    routed_dp_rank: default_only(Optional[int], None, 0, description="this server has one data-parallel rank") = None
-    data_parallel_rank: default_only(Optional[int], None, 0,
-                                     description="deprecated alias of routed_dp_rank; one rank") = None
-    extra_key: default_only(StrOrList, description="prefix-cache isolation") = None
-    cache_salt: default_only(StrOrList, description="prefix-cache isolation") = None
     return_hidden_states: default_only(Union[bool, str], False, description="hidden states") = False
-    return_routed_experts: default_only(bool, False, description="MoE routing") = False
-    routed_experts_start_len: default_only(int, 0, description="MoE routing") = 0
     return_cached_tokens_details: default_only(bool, False, description="per-tier cached-token counts") = False
     return_token_ids: default_only(bool, False, description="token ids in the choices") = False
-    session_id: ignored(Optional[str], "a session identity for routing and tracking; the prompt is unchanged") = None
     ngram_corpus_id: ignored(StrOrList, "an n-gram speculative-decoding corpus; no speculative decoding here") = None
-    priority: ignored(Optional[int], "no priority scheduling (SGLang ignores it too without "
-                                     "--enable-priority-scheduling)") = None
-    custom_labels: ignored(Optional[Dict[str, str]], "metric labels") = None
 
 
 class CompletionRequest(OpenAIRequest):

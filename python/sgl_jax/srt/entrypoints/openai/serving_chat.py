@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import uuid
@@ -25,6 +26,13 @@ from sgl_jax.srt.entrypoints.openai.utils import (
 from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 
 
+@functools.lru_cache(maxsize=8)
+def _template_params(tokenizer_class) -> frozenset:
+    """The parameter names of a tokenizer class's apply_chat_template (read once per class, not per request)."""
+    params = set(inspect.signature(tokenizer_class.apply_chat_template).parameters) - {"self", "kwargs"}
+    return frozenset(params | {"messages"})
+
+
 def chat_template_kwargs(tok, req: ChatCompletionRequest) -> dict:
     """The extra variables the chat template renders with, as SGLang passes them: ``chat_template_kwargs``,
     plus ``thinking`` and ``enable_thinking`` (the names models' templates read) from ``reasoning_effort``
@@ -34,8 +42,7 @@ def chat_template_kwargs(tok, req: ChatCompletionRequest) -> dict:
         RequestError: a key that names a parameter of the tokenizer's apply_chat_template (set by the server).
     """
     kwargs = dict(req.chat_template_kwargs or {})
-    params = set(inspect.signature(tok.apply_chat_template).parameters) - {"self", "kwargs"}
-    reserved = sorted(set(kwargs) & (params | {"messages"}))
+    reserved = sorted(set(kwargs) & _template_params(type(tok)))
     if reserved:
         raise RequestError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set (the server sets them)")
     if req.reasoning_effort is not None:
