@@ -186,19 +186,22 @@ def module_server(extra_args: Optional[List[str]] = None, **kwargs):
 
 
 def wait_pool_idle(url: str, headers: Optional[dict] = None, timeout: float = 60.0) -> dict:
-    """Wait until nothing runs, then assert the KV pool is free + cached: nothing in use or locked, every
-    request slot free, no accounting error. Returns the internal state."""
+    """Wait until nothing runs, then assert every DP rank's KV pool is free + cached: nothing in use or
+    locked, every request slot free, no accounting error. Returns rank 0's internal state (all ranks' under
+    ``"dp_ranks"``)."""
     deadline = time.time() + timeout
     while True:
-        st = httpx.get(url + "/get_server_info", headers=headers, timeout=30).json()["internal_states"][0]
-        idle = st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0 and st["num_score_handles"] == 0
-        if idle and st["kv_tokens_in_use"] == 0 or time.time() > deadline:
+        ranks = httpx.get(url + "/get_server_info", headers=headers, timeout=30).json()["internal_states"]
+        idle = all(st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0 and st["num_score_handles"] == 0
+                   and st["kv_tokens_in_use"] == 0 for st in ranks)
+        if idle or time.time() > deadline:
             break
         time.sleep(0.2)
-    assert st["kv_tokens_in_use"] == 0 and st["kv_tokens_protected"] == 0, st
-    assert st["kv_tokens_free"] + st["kv_tokens_cached"] == st["kv_tokens_total"], st
-    assert st["req_slots_free"] == st["max_running_requests"] and st["memory_errors"] == 0, st
-    return st
+    for st in ranks:
+        assert st["kv_tokens_in_use"] == 0 and st["kv_tokens_protected"] == 0, st
+        assert st["kv_tokens_free"] + st["kv_tokens_cached"] == st["kv_tokens_total"], st
+        assert st["req_slots_free"] == st["max_running_requests"] and st["memory_errors"] == 0, st
+    return {**ranks[0], "dp_ranks": ranks}
 
 
 def default_model_path() -> str:
@@ -261,3 +264,41 @@ def hf_greedy_penalized(model, input_ids: List[int], n: int, **penalties) -> Lis
             out.append(tok)
             res = model(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
     return out
+
+
+def save_tiny_llama(path) -> tuple:
+    """A random tiny Llama (SmolLM2's vocabulary, 4 heads, 2 KV heads, 2 layers) saved as safetensors in
+    `path`; returns (model dir, tokenizer dir: SmolLM2's, for --tokenizer-path)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sgl_jax.srt.configs.model_config import resolve_model_path
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
+    return str(path), resolve_model_path(default_model_path()).hf_dir
+
+
+def free_port_range(n: int, host: str = "127.0.0.1", tries: int = 50) -> int:
+    """A port P with P .. P+n-1 all free (for --dist-init-addr, which uses 4 consecutive ports)."""
+    import socket
+
+    for _ in range(tries):
+        base = find_free_port(host)
+        socks = []
+        try:
+            for k in range(n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, base + k))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")

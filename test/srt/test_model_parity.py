@@ -22,7 +22,7 @@ from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode, stack_ranks
 from sgl_jax.srt.model_executor.model_runner import ModelRunner
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import ServerArgs
@@ -145,7 +145,7 @@ def test_model_step_writes_kv_in_place(smollm2_harness, smollm2_tokenizer):
     h = smollm2_harness
     r = h.runner
     batch = r.dummy_batch(ForwardMode.DECODE, 4, 4)
-    fb, sampling = r.device_inputs(batch)
+    fb, sampling = r.device_inputs(stack_ranks([batch], r.num_request_slots))
     hlo = r._step.lower(r.params, r.kv_caches, r.penalty_state, fb, sampling).compile().as_text()
     cache_shape = "f32[" + ",".join(map(str, r.kv_caches[0][0].shape)) + "]"
     copies = [ln for ln in hlo.splitlines() if f"{cache_shape}" in ln and " copy(" in ln]

@@ -118,7 +118,7 @@ def check_shardings(results: dict, num_kv_heads: int) -> None:
         assert per_device <= total / tp * 1.05 + extra, f"tp {tp}: {per_device} bytes per device of {total}"
         assert r["kv_shape"][2] == heads
         if tp > 1:  # (on one device a step's outputs come back with the trivial spec)
-            assert trimmed(r["kv_spec"]) == [None, None, "tensor"], r["kv_spec"]
+            assert trimmed(r["kv_spec"]) == ["data", None, "tensor"], r["kv_spec"]
         assert r["kv_device_shape"][2] == heads // tp
 
 
@@ -157,8 +157,12 @@ def test_parallelism_flags_are_checked():
     assert prepare_server_args(["--tp-size", "4", "--device-indexes", "4", "5", "6", "7"]).device_indexes == [4, 5, 6, 7]
     with pytest.raises(ValueError, match="--tp-size must be a positive integer"):
         ServerArgs(tp_size=0)
-    with pytest.raises(ValueError, match="--dp-size must be 1 for now"):
-        ServerArgs(dp_size=2)
+    with pytest.raises(ValueError, match="--dp-size must be a positive integer"):
+        ServerArgs(dp_size=0)
+    with pytest.raises(ValueError, match="--load-balance-method must be one of"):
+        ServerArgs(dp_size=2, load_balance_method="random")
+    assert prepare_server_args(["--dp-size", "2", "--load-balance-method", "cache_aware"]).load_balance_method \
+        == "cache_aware"
     with pytest.raises(ValueError, match="--device-indexes must be 2 distinct"):
         ServerArgs(tp_size=2, device_indexes=[1, 1])
     with pytest.raises(ValueError, match="needs 16 devices"):  # this process sees fewer

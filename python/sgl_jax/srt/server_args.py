@@ -21,6 +21,7 @@ MULTI_ITEM_ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
 ATTENTION_BACKENDS = ("auto", "native", "pallas")  # resolved in sgl_jax.srt.kernels.ragged_paged_attention.backend
 GRAMMAR_BACKENDS = ("llguidance", "none")
 TOOL_CALL_PARSERS = ("llama3", "qwen25", "hermes")  # SGLang's --tool-call-parser names for these formats
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")  # managers/load_balance.py
 
 
 def _default_cache_root() -> str:
@@ -88,7 +89,11 @@ class ServerArgs:
     # Parallelism (SGLang's flags)
     tp_size: int = 1
     dp_size: int = 1
+    load_balance_method: str = "round_robin"
     device_indexes: Optional[List[int]] = None
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = None
 
     # Runtime
     device: str = "auto"
@@ -120,9 +125,17 @@ class ServerArgs:
                              f"{self.multi_item_prefill_extend_cache_timeout!r}")
         self._check_positive("tp_size")
         self._check_positive("dp_size")
-        if self.dp_size != 1:
-            raise ValueError(f"--dp-size must be 1 for now (data-parallel attention ranks are not built yet), "
-                             f"got {self.dp_size}")
+        self._check_choice("load_balance_method", LOAD_BALANCE_METHODS)
+        self._check_positive("nnodes")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank!r}")
+        if self.nnodes > 1:
+            host, _, port = (self.dist_init_addr or "").rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65533:
+                raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address; "
+                                 f"PORT and the 3 ports after it are used), got {self.dist_init_addr!r}")
+            if self.random_seed is None:
+                self.random_seed = 0  # every node must draw the same per-request seeds
         if self.device_indexes is not None and (len(self.device_indexes) != self.tp_size * self.dp_size
                                                 or len(set(self.device_indexes)) != len(self.device_indexes)
                                                 or min(self.device_indexes) < 0):
@@ -188,8 +201,15 @@ class ServerArgs:
             "incremental_streaming_output": "stream /generate text as disjoint deltas instead of cumulative text",
             "device": f"JAX platform, one of {list(DEVICES)}",
             "tp_size": "tensor parallelism: devices the model is sharded over (heads, MLP width, vocabulary)",
-            "dp_size": "data-parallel attention ranks (only 1 for now)",
+            "dp_size": "data-parallel attention ranks: each has its own KV pages, request slots and prefix cache; "
+                       "the mesh has dp x tp devices",
+            "load_balance_method": f"which DP rank a new request goes to, one of {list(LOAD_BALANCE_METHODS)}; "
+                                   "cache_aware: the rank caching the longest prefix, ties to the shorter queue",
             "device_indexes": "which of jax.devices() the mesh uses (default: the first tp x dp)",
+            "nnodes": "hosts the mesh spans (multi-host: jax.distributed); node 0 serves HTTP",
+            "node_rank": "this host's index in [0, nnodes)",
+            "dist_init_addr": "HOST:PORT of node 0 on every node: jax.distributed's coordinator; PORT+1..PORT+3 "
+                              "carry node 0's scheduler inputs and the nodes' heartbeats",
             "attention_backend": f"ragged paged attention implementation, one of {list(ATTENTION_BACKENDS)}; auto: the "
                                  "Pallas kernel on TPU/GPU, native (pure JAX) on CPU; pallas on CPU runs the TPU "
                                  "kernel in Pallas' interpreter (slow, for verification)",

@@ -11,6 +11,10 @@ Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM"), with weights in HF layo
   ``P("tensor", None)``; logits are gathered (replicated) before sampling;
 - everything else (norms, per-head q/k norms) is replicated.
 
+Data-parallel attention ranks (``--dp-size``, the mesh's ``data`` axis): every array of a step is the ranks'
+arrays stacked along axis 0 (rank r's tokens, sequences and KV pages in block r), sharded ``P("data", ...)``; weights
+are replicated over ``data``. A rank's attention reads only its own block of the KV cache.
+
 KV heads: the KV cache ``[pages, page_size, kv_heads, head_dim]`` is sharded over heads. When a model has
 fewer KV heads than ``tp`` (GQA), each KV head is replicated ``tp / kv_heads`` times so every device holds
 exactly one (SGLang's behaviour); k/v projection rows are repeated to match when the weights are placed.
@@ -28,8 +32,9 @@ COLUMN = P("tensor", None)
 ROW = P(None, "tensor")
 VOCAB = P("tensor", None)
 REPLICATED = P()
-KV_CACHE = P(None, None, "tensor", None)  # [pages, page_size, kv_heads, head_dim]
-HEADS = P(None, "tensor", None)  # activations [tokens, heads, head_dim]
+KV_CACHE = P("data", None, "tensor", None)  # [dp * pages, page_size, kv_heads, head_dim]: rank r's pages, r's block
+HEADS = P("data", "tensor", None)  # activations [dp * tokens, heads, head_dim]: each rank's tokens on its row
+RANK_ROWS = P("data")  # per-rank step metadata stacked along axis 0 (tokens, sequences, or one value per rank)
 
 # (regex over the dotted parameter path, spec); the first match wins, no match means replicated
 PARAM_SPECS: List[Tuple[str, P]] = [

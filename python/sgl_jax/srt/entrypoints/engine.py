@@ -203,7 +203,7 @@ class Engine:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_aclose(agen), self._loop))
 
     def get_server_info(self) -> dict:
-        return {"internal_states": [self._run(self.tokenizer_manager.get_internal_state())],
+        return {"internal_states": self._run(self.tokenizer_manager.get_internal_state())["dp_ranks"],
                 **self.server_args.__dict__}
 
     def flush_cache(self):

@@ -219,17 +219,19 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
 
     @app.get("/get_server_info")
     async def get_server_info():
-        state = await tm.get_internal_state()
+        state = await tm.get_internal_state()  # internal_states: one entry per DP rank (SGLang's shape)
         return json_response({**public_server_args(server_args, tm.served_model_name),
-                              "scheduler_info": scheduler_info, "internal_states": [state], "version": __version__})
+                              "scheduler_info": scheduler_info, "internal_states": state["dp_ranks"],
+                              "version": __version__})
 
     @app.get("/get_load")
     async def get_load():
         """SGLang's load report, one entry per data-parallel rank (sglang-router polls it): requests running
         or waiting, those waiting, and KV tokens in use."""
-        st = await tm.get_internal_state()
-        return json_response([{"dp_rank": 0, "num_reqs": st["num_running_reqs"] + st["num_waiting_reqs"],
-                               "num_waiting_reqs": st["num_waiting_reqs"], "num_tokens": st["kv_tokens_in_use"]}])
+        ranks = (await tm.get_internal_state())["dp_ranks"]
+        return json_response([{"dp_rank": st["dp_rank"], "num_reqs": st["num_running_reqs"] + st["num_waiting_reqs"],
+                               "num_waiting_reqs": st["num_waiting_reqs"], "num_tokens": st["kv_tokens_in_use"]}
+                              for st in ranks])
 
     @app.post("/flush_cache")
     async def flush_cache():
@@ -352,6 +354,11 @@ def launch_server(server_args: ServerArgs) -> None:
     from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_subprocesses
     from sgl_jax.srt.utils import configure_logging, kill_processes
 
+    if server_args.node_rank > 0:  # a multi-host follower: only a scheduler, fed by node 0
+        from sgl_jax.srt.managers.scheduler import run_follower_node
+
+        run_follower_node(server_args)
+        return
     configure_logging(server_args.log_level, "Server")
     port_args, info, procs = launch_subprocesses(server_args)
     tm = TokenizerManager(server_args, port_args, info)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from sgl_jax.srt.distributed.sharding import HEADS, KV_CACHE, REPLICATED
+from sgl_jax.srt.distributed.sharding import HEADS, KV_CACHE, RANK_ROWS
 from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention, write_kv_to_pages
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
@@ -33,9 +34,10 @@ def paged_attention(
         kv: this layer's cache pages.
         fb: the step's ForwardBatch (slots to write, page table, lengths, and which attention backend runs).
         mesh: the device mesh. Heads are sharded over its ``tensor`` axis (the KV cache too, see
-            distributed/sharding.py): each device writes and attends over its own heads inside
-            ``jax.shard_map`` (the step's metadata replicated), so the kernel never sees a sharded array.
-            None: no mesh (a plain single-device call).
+            distributed/sharding.py) and data-parallel ranks over its ``data`` axis: each device writes and
+            attends over its own heads of its own rank's tokens, KV pages and metadata (``fb`` holds the ranks'
+            arrays stacked, ``num_seqs`` and ``shared_prefix_len`` one value per rank) inside ``jax.shard_map``,
+            so the kernel never sees a sharded array. None: no mesh (a plain single-device call).
     Returns:
         ([T, num_heads, head_dim] attention output, updated kv).
     """
@@ -43,10 +45,10 @@ def paged_attention(
     def local(q, k, v, k_pages, v_pages, fb):
         k_pages, v_pages = write_kv_to_pages(k_pages, v_pages, k, v, fb.out_cache_loc)
         out = ragged_paged_attention(
-            q, k_pages, v_pages, fb.kv_lens, fb.page_indices, fb.cu_q_lens, fb.num_seqs,
+            q, k_pages, v_pages, fb.kv_lens, fb.page_indices, fb.cu_q_lens, jnp.reshape(fb.num_seqs, ()),
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             decode_only=fb.forward_mode == ForwardMode.DECODE, prefix_lens=fb.prefix_lens,
-            segment_starts=fb.segment_starts, shared_prefix_len=fb.shared_prefix_len,
+            segment_starts=fb.segment_starts, shared_prefix_len=jnp.reshape(fb.shared_prefix_len, ()),
             backend=fb.attention_backend,
         )
         return out, k_pages, v_pages
@@ -55,7 +57,7 @@ def paged_attention(
         out, k_pages, v_pages = local(q, k, v, kv[0], kv[1], fb)
     else:
         out, k_pages, v_pages = jax.shard_map(
-            local, mesh=mesh, in_specs=(HEADS, HEADS, HEADS, KV_CACHE, KV_CACHE, REPLICATED),
+            local, mesh=mesh, in_specs=(HEADS, HEADS, HEADS, KV_CACHE, KV_CACHE, RANK_ROWS),
             out_specs=(HEADS, KV_CACHE, KV_CACHE), check_vma=False,
         )(q, k, v, kv[0], kv[1], fb)
     return out, (k_pages, v_pages)

@@ -43,22 +43,44 @@ class GrammarQueue:
         self.reqs.append(req)
         return True
 
-    def pop_ready(self) -> Tuple[List[Req], List[Tuple[Req, str]]]:
-        """(requests whose grammar is ready, in arrival order; (request, error message) for failed ones)."""
-        ready, failed, waiting = [], [], []
+    def finished(self) -> Tuple[List[str], List[Tuple[str, str]]]:
+        """(rids whose grammar is ready, in arrival order; (rid, error message) of failed ones), without
+        taking them out (see `take`)."""
+        ready, failed = [], []
         for req in self.reqs:
             future = req.grammar_future
-            if not future.done():
-                waiting.append(req)
+            if future is None or not future.done():
                 continue
-            req.grammar_future = None
             try:
-                req.grammar = future.result()
-                ready.append(req)
+                future.result()
+                ready.append(req.rid)
             except Exception as e:  # ValueError from llguidance, or anything the compiler raised
-                failed.append((req, str(e) or type(e).__name__))
-        self.reqs = waiting
+                failed.append((req.rid, str(e) or type(e).__name__))
         return ready, failed
+
+    def take(self, ready: List[str], failed: List[Tuple[str, str]]) -> Tuple[List[Req], List[Tuple[Req, str]]]:
+        """Take out the requests `finished` named (on a multi-host follower: those node 0 named, waiting for
+        their compilation here): (ready requests with their grammar, in `ready`'s order; (request, error)).
+
+        Raises:
+            RuntimeError: a named request is not queued, or its grammar fails here but compiled on node 0.
+        """
+        by_rid = {req.rid: req for req in self.reqs}
+        missing = [rid for rid in ready + [rid for rid, _ in failed] if rid not in by_rid]
+        if missing:
+            raise RuntimeError(f"grammar queue out of step: {missing} not queued")
+        out_ready, out_failed = [], []
+        for rid in ready:
+            req = by_rid.pop(rid)
+            req.grammar = req.grammar_future.result()
+            req.grammar_future = None
+            out_ready.append(req)
+        for rid, message in failed:
+            req = by_rid.pop(rid)
+            req.grammar_future = None
+            out_failed.append((req, message))
+        self.reqs = [req for req in self.reqs if req.rid in by_rid]
+        return out_ready, out_failed
 
     def remove(self, rid: str) -> Optional[Req]:
         """Take the request `rid` out (an abort); None if it is not here."""

@@ -250,6 +250,23 @@ def shared_prefix_len(token_rows: np.ndarray, limits: List[int], page_size: int)
     return n // page_size * page_size
 
 
+def step_shape(batches: List[Optional["ScheduleBatch"]], buckets: ShapeBuckets) -> tuple:
+    """(mode, T_pad, S_pad) of one step that runs every rank's batch (None: an idle rank): EXTEND when any
+    batch extends (decode batches then run as one-token extends), else DECODE; the smallest bucket that
+    holds the largest rank's tokens and sequences. One batch gives the bucket it picks alone.
+
+    Raises:
+        ValueError: no batch, or no bucket holds them.
+    """
+    live = [b for b in batches if b is not None and b.reqs]
+    if not live:
+        raise ValueError("a step needs at least one non-empty batch")
+    s = max(len(b.reqs) for b in live)
+    if all(b.forward_mode == ForwardMode.DECODE for b in live):
+        return (ForwardMode.DECODE, *buckets.decode_shape(s))
+    return (ForwardMode.EXTEND, *buckets.extend_shape(max(b.num_step_tokens() for b in live), s))
+
+
 class ScheduleBatch:
     """The requests of one forward step and how to lay them out for the model.
 
@@ -317,9 +334,17 @@ class ScheduleBatch:
         self.reqs.extend(other.reqs)
 
     # ---- layout
-    def build_model_worker_batch(self, buckets: ShapeBuckets, pool: ReqToTokenPool,
-                                 page_size: int) -> ModelWorkerBatch:
-        """Host arrays for the step, padded to the bucket `buckets` picks (see ForwardBatch)."""
+    def num_step_tokens(self) -> int:
+        """Tokens this step computes: one per request in decode, the extend lengths in extend."""
+        if self.forward_mode == ForwardMode.DECODE:
+            return len(self.reqs)
+        return sum(r.extend_input_len for r in self.reqs)
+
+    def build_model_worker_batch(self, buckets: ShapeBuckets, pool: ReqToTokenPool, page_size: int,
+                                 padded_shape: Optional[tuple] = None) -> ModelWorkerBatch:
+        """Host arrays for the step, padded to the bucket `buckets` picks (see ForwardBatch), or to
+        ``padded_shape`` = (step mode, T_pad, S_pad) when the step of several DP ranks is larger (see
+        `step_shape`; a decode batch is laid out the same in an EXTEND step: one query token each)."""
         reqs = self.reqs
         S = len(reqs)
         if self.forward_mode == ForwardMode.DECODE:
@@ -337,6 +362,12 @@ class ScheduleBatch:
             input_ids = np.concatenate([np.asarray(r.fill_ids[s:s + n], np.int32) for r, s, n in
                                         zip(reqs, starts, q_lens)])
             positions = np.concatenate([np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, q_lens)])
+        step_mode = self.forward_mode
+        if padded_shape is not None:
+            step_mode, T_pad, S_pad = padded_shape
+            if T > T_pad or S > S_pad or (step_mode == ForwardMode.DECODE and self.forward_mode != step_mode):
+                raise ValueError(f"a {self.forward_mode.name} batch of {T} tokens in {S} sequences does not fit "
+                                 f"the step shape {padded_shape}")
         kv_positions = positions.astype(np.int64)
         rows = np.array([r.req_pool_idx for r in reqs], np.int64)
         out_cache_loc = pool.req_to_token[np.repeat(rows, q_lens), kv_positions]
@@ -381,7 +412,7 @@ class ScheduleBatch:
             prefix_lens=prefix_lens,
             segment_starts=segment_starts,
             shared_prefix_len=np.asarray(shared, np.int32),
-            forward_mode=self.forward_mode,
+            forward_mode=step_mode,
         )
         sps = [r.sampling_params for r in reqs]
         decode = self.forward_mode == ForwardMode.DECODE

@@ -98,11 +98,13 @@ class SchedulerScoring:
         handle_timeout_s: TTL of an unused handle, in seconds.
         send: sends a message to the TokenizerManager.
         eos_token_ids: the model's EOS ids (for Req construction).
+        clock: seconds now, for handle TTLs (the scheduler's loop clock: node 0's on every host).
     """
 
     def __init__(self, tree_cache, pool, page_size: int, handle_timeout_s: float, send: Callable,
-                 eos_token_ids: List[int]):
+                 eos_token_ids: List[int], clock: Callable[[], float] = time.time):
         self.tree_cache = tree_cache
+        self.clock = clock
         self.pool = pool
         self.page_size = page_size
         self.handle_timeout_s = handle_timeout_s
@@ -154,7 +156,7 @@ class SchedulerScoring:
                 self.fail(msg.rid, f"scoring cache handle {msg.handle!r} is missing or expired (TTL "
                                     f"{self.handle_timeout_s:g} s); the score request was aborted", 400)
                 return []
-            handle.last_access = time.time()
+            handle.last_access = self.clock()
             prefix = handle.req.origin_input_ids
         reqs = []
         for i, seq in enumerate(msg.seqs):
@@ -230,7 +232,7 @@ class SchedulerScoring:
             if req.finished_reason.type == "abort":
                 self.fail(req.rid, req.finished_reason.message or "aborted", req.finished_reason.status_code)
                 return True
-            self.handles[req.rid] = ScoreHandle(req.rid, req, last_access=time.time())
+            self.handles[req.rid] = ScoreHandle(req.rid, req, last_access=self.clock())
             self.send(ScoreOut(rid=req.rid, label_logprobs=None, prompt_tokens=len(req.origin_input_ids),
                                cached_tokens=req.cached_tokens))
             return False
@@ -255,7 +257,7 @@ class SchedulerScoring:
         if handle is None:
             return
         handle.active_items -= 1
-        handle.last_access = time.time()
+        handle.last_access = self.clock()
         if handle.active_items == 0 and handle.release_requested:
             self._release(handle)
 
@@ -291,7 +293,7 @@ class SchedulerScoring:
 
     def expire_handles(self, now: Optional[float] = None) -> int:
         """Release handles unused for longer than the TTL (none while its items run). Returns how many."""
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         expired = [h for h in self.handles.values()
                    if h.active_items == 0 and now - h.last_access > self.handle_timeout_s]
         for h in expired:

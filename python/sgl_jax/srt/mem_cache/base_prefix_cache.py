@@ -1,6 +1,8 @@
 """The contract every prefix cache implements (RadixCache, ChunkCache).
 
 - match_prefix(token_ids) -> MatchResult: the longest cached prefix (page-aligned) and its KV slots.
+- prefix_match_len(token_ids) -> int: the length match_prefix would give, without touching the cache
+  (no node split, no LRU update): what cache-aware DP rank assignment compares.
 - cache_finished_req(req, is_insert): take over (insert) or free the request's KV; called only by
   `release_kv_cache`.
 - cache_unfinished_req(req): make a still-running request's KV shareable (chunked prefill).
@@ -42,6 +44,10 @@ class BasePrefixCache(abc.ABC):
 
     @abc.abstractmethod
     def cache_unfinished_req(self, req) -> None: ...
+
+    def prefix_match_len(self, token_ids) -> int:
+        """Tokens of `token_ids` match_prefix would return, read-only (0: a cache that shares nothing)."""
+        return 0
 
     def inc_lock_ref(self, node) -> int:
         """Protect node's path from eviction; returns tokens that moved from evictable to protected."""

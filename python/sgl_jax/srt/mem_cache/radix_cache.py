@@ -116,6 +116,21 @@ class RadixCache(BasePrefixCache):
         value = np.concatenate(values) if values else np.zeros(0, np.int32)
         return MatchResult(device_indices=value, last_node=node)
 
+    def prefix_match_len(self, token_ids) -> int:
+        """What `match_prefix` would match, without splitting a node or touching access times."""
+        key = np.asarray(token_ids, np.int32)[:self._align(len(token_ids))]
+        node, matched = self.root, 0
+        while len(key):
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            n = self._align(_common_len(child.key, key))
+            matched += n
+            if n < len(child.key):
+                break
+            node, key = child, key[n:]
+        return matched
+
     def insert(self, token_ids, slots: np.ndarray) -> int:
         """Add `token_ids` (page-aligned length) with their KV `slots`; returns how many leading tokens
         were already cached (their `slots` stay the caller's: it must free the duplicates)."""

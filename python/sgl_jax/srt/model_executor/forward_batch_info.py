@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import List
 
 import jax
 import numpy as np
@@ -31,6 +32,7 @@ class ForwardBatch:
     (padding -> slot 0, a reserved page).
     cu_q_lens: int32[S + 1]; kv_lens: int32[S]; page_indices: int32[S, pages_per_seq]; num_seqs: int32[]
     -- the ragged paged attention metadata.
+    (With data-parallel ranks the model sees D such batches stacked along axis 0, `stack_ranks`.)
     logits_indices: int32[S] row of each sequence's last token in the T axis (where next-token logits
     are taken).
     prefix_lens: int32[S], segment_starts: int32[T] -- the multi-item scoring segment mask (see
@@ -128,3 +130,56 @@ class ModelWorkerBatch:
     def padded_shape(self) -> tuple:
         fb = self.forward_batch
         return (fb.forward_mode, int(np.shape(fb.input_ids)[0]), int(np.shape(fb.kv_lens)[0]))
+
+
+_PER_RANK_SCALARS = ("num_seqs", "shared_prefix_len")
+
+
+def stack_ranks(batches: List[ModelWorkerBatch], slots_per_rank: int) -> ModelWorkerBatch:
+    """The batches of D data-parallel ranks (one padded shape, T_pad tokens and S_pad sequences each) as one
+    batch whose arrays are the ranks' stacked along axis 0: rank r's tokens at rows [r*T_pad, (r+1)*T_pad),
+    its sequences at [r*S_pad, (r+1)*S_pad). KV slots and page indices stay local to the rank's KV block (the
+    cache is sharded over ranks, see distributed/sharding.py); ``num_seqs`` and ``shared_prefix_len`` become
+    int32[D]; ``logits_indices`` point into the stacked token axis and sampling ``slots`` into the stacked
+    penalty-state rows (rank r's slot s -> ``r * slots_per_rank + s``). A single rank gives the same arrays
+    (its two scalars as int32[1]).
+
+    Raises:
+        ValueError: the batches' padded shapes differ.
+    """
+    shapes = {b.padded_shape for b in batches}
+    if len(shapes) != 1:
+        raise ValueError(f"rank batches must share one padded shape, got {sorted(map(str, shapes))}")
+    _, t_pad, s_pad = shapes.pop()
+    fbs = [b.forward_batch for b in batches]
+    fields = {}
+    for f in dataclasses.fields(ForwardBatch):
+        if f.name in ("forward_mode", "attention_backend"):
+            continue
+        parts = [np.asarray(getattr(fb, f.name)) for fb in fbs]
+        if f.name in _PER_RANK_SCALARS:
+            fields[f.name] = np.stack([p.reshape(()) for p in parts]).astype(np.int32)
+        elif f.name == "logits_indices":
+            fields[f.name] = np.concatenate([p + r * t_pad for r, p in enumerate(parts)]).astype(np.int32)
+        else:
+            fields[f.name] = np.concatenate(parts)
+    fb = ForwardBatch(**fields, forward_mode=fbs[0].forward_mode, attention_backend=fbs[0].attention_backend)
+    samplings = [b.sampling for b in batches]
+    sfields = {}
+    for f in dataclasses.fields(SamplingMetadata):
+        if f.name == "vocab_mask":
+            masks = [s.vocab_mask for s in samplings]
+            if all(m is None for m in masks):
+                sfields[f.name] = None
+            else:
+                width = next(np.shape(m)[1] for m in masks if m is not None)
+                sfields[f.name] = np.concatenate([np.full((s_pad, width), -1, np.int32) if m is None
+                                                  else np.asarray(m) for m in masks])
+            continue
+        parts = [np.asarray(getattr(s, f.name)) for s in samplings]
+        if f.name == "slots":
+            parts = [p + r * slots_per_rank for r, p in enumerate(parts)]
+        sfields[f.name] = np.concatenate(parts).astype(parts[0].dtype)
+    return ModelWorkerBatch(forward_batch=fb, sampling=SamplingMetadata(**sfields),
+                            num_tokens=sum(b.num_tokens for b in batches),
+                            num_seqs=sum(b.num_seqs for b in batches))

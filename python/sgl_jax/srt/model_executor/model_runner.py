@@ -11,17 +11,19 @@ import logging
 import math
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from sgl_jax.srt.distributed.mesh import create_mesh, tp_size_of
-from sgl_jax.srt.distributed.sharding import KV_CACHE, REPLICATED, check_tp, padded_kv_heads
+from sgl_jax.srt.distributed.multihost import init_distributed
+from sgl_jax.srt.distributed.sharding import KV_CACHE, RANK_ROWS, REPLICATED, check_tp, padded_kv_heads
 
 from sgl_jax.srt.kernels.ragged_paged_attention import resolve_attention_backend
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
@@ -31,6 +33,7 @@ from sgl_jax.srt.model_executor.forward_batch_info import (
     ForwardMode,
     ModelWorkerBatch,
     SamplingMetadata,
+    stack_ranks,
 )
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES, load_model
 
@@ -43,13 +46,16 @@ SCORE_LABEL_CHUNK = 16  # label ids per call
 
 @dataclasses.dataclass
 class StepOutput:
-    """Result of one step. next_token_ids / next_token_logprobs are host arrays over the real sequences;
-    ``logprobs`` (float32[S_pad, V]) and ``hidden`` (float32[T_pad, hidden]) stay on device until asked."""
+    """One rank's result of one step. next_token_ids / next_token_logprobs are host arrays over the rank's
+    real sequences; ``logprobs`` (float32[dp * S_pad, V]) and ``hidden`` (float32[dp * T_pad, hidden]) are the
+    whole step's, on device until asked: this rank's rows start at ``seq_offset`` and ``token_offset``."""
 
     next_token_ids: np.ndarray
     next_token_logprobs: np.ndarray
     logprobs: jax.Array
     hidden: jax.Array
+    seq_offset: int = 0
+    token_offset: int = 0
 
 
 def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
@@ -70,7 +76,7 @@ def kv_bytes_per_token(model_config, tp_size: int = 1) -> int:
 def _available_memory_bytes(platform: str) -> int:
     """Device memory limit on TPU/GPU; MemAvailable of the host on CPU."""
     if platform != "cpu":
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     with open("/proc/meminfo") as f:
@@ -105,13 +111,20 @@ def compute_max_total_tokens(server_args, model_config, weight_bytes: int, platf
 class ModelRunner:
     """Owns the model on device and runs steps.
 
+    Data-parallel attention ranks (``--dp-size`` D): every rank has its own block of KV pages (page 0 of
+    each block is that rank's padding sink; page indices and KV slots are local to the block) and its own
+    ``num_request_slots`` penalty-state rows. A step runs all ranks at once: `forward_ranks` takes one batch
+    per rank (None: the rank idles and runs padding), all padded to the same shape, and one compiled program
+    serves every combination.
+
     Args:
         server_args: `ServerArgs`.
         model_config: `ModelConfig`.
-        buckets: the compiled shapes.
+        buckets: the compiled shapes (per rank).
         max_context_len: tokens per sequence (sizes the page table width).
-        max_total_tokens_fn: weight bytes -> KV pool capacity in tokens (rounded down to whole pages;
-            page 0 is added on top as the padding sink).
+        max_total_tokens_fn: weight bytes -> KV pool capacity of one rank in tokens (rounded down to whole
+            pages; page 0 is added on top as the padding sink).
+        num_request_slots: ReqToTokenPool rows of one rank.
     """
 
     def __init__(self, server_args, model_config, *, buckets: ShapeBuckets, max_context_len: int,
@@ -126,11 +139,15 @@ class ModelRunner:
         hf = model_config.hf_config
         check_tp(model_config.num_attention_heads, model_config.num_key_value_heads, model_config.vocab_size,
                  int(getattr(hf, "intermediate_size", server_args.tp_size)), server_args.tp_size)
-        self.mesh = create_mesh(server_args.tp_size, 1, server_args.device_indexes)
+        self.mesh = create_mesh(server_args.tp_size, server_args.dp_size, server_args.device_indexes)
         self.tp_size = tp_size_of(self.mesh)
+        self.dp_size = int(self.mesh.shape["data"])
+        self.num_request_slots = num_request_slots
         self._replicated = NamedSharding(self.mesh, REPLICATED)
-        if self.tp_size > 1:
-            logger.info("Tensor parallel: %d devices %s", self.tp_size, [d.id for d in self.mesh.devices.flat])
+        self._rank_rows = NamedSharding(self.mesh, RANK_ROWS)
+        if self.tp_size > 1 or self.dp_size > 1:
+            logger.info("Mesh: %d data-parallel ranks x %d tensor-parallel devices %s", self.dp_size, self.tp_size,
+                        [d.id for d in self.mesh.devices.flat])
         self.graphdef, self.params = load_model(model_config, server_args.load_format, server_args.random_seed,
                                                 mesh=self.mesh)
         weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.params))
@@ -139,25 +156,29 @@ class ModelRunner:
         self.pages_per_seq = math.ceil(max_context_len / self.page_size)
         dtype = JNP_DTYPES[model_config.dtype]
         kv_heads = padded_kv_heads(model_config.num_key_value_heads, self.tp_size)
-        shape = (self.num_pages + 1, self.page_size, kv_heads, model_config.head_dim)
+        shape = (self.dp_size * (self.num_pages + 1), self.page_size, kv_heads, model_config.head_dim)
         self._kv_sharding = NamedSharding(self.mesh, KV_CACHE)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)
         self.kv_caches = [(zeros(), zeros()) for _ in range(model_config.num_hidden_layers)]
-        logger.info("KV cache: %d tokens in %d pages of %d (%.2f GiB per device)", self.num_pages * self.page_size,
-                    self.num_pages, self.page_size,
-                    2 * len(self.kv_caches) * np.prod(shape) * jnp.dtype(dtype).itemsize / self.tp_size / 2**30)
+        logger.info("KV cache: %d tokens in %d pages of %d per rank (%.2f GiB per device)",
+                    self.num_pages * self.page_size, self.num_pages, self.page_size,
+                    2 * len(self.kv_caches) * np.prod(shape) * jnp.dtype(dtype).itemsize / self.tp_size
+                    / self.dp_size / 2**30)
         eos = model_config.eos_token_ids or [model_config.vocab_size]  # out of range -> no-op mask
         self.eos_token_ids = jnp.asarray(eos, jnp.int32)
         self.max_context_len = max_context_len
         self.vocab_mask_width = -(-model_config.vocab_size // 32)
-        self.penalty_state = jax.device_put(new_penalty_state(num_request_slots, model_config.vocab_size),
-                                            self._replicated)
+        self.penalty_state = jax.jit(lambda: new_penalty_state(self.dp_size * num_request_slots,
+                                                               model_config.vocab_size),
+                                     out_shardings=self._replicated)()
         self._all_allowed = {}  # S_pad -> device int32[S_pad, vocab_mask_width] of -1 (no grammar in the batch)
         # outputs fed back into the next call keep exactly the shardings they were created with, so a
         # program compiled at warm-up is the one serving uses (a new input sharding would compile again)
         r = self._replicated
+        # hidden states stay with their rank, unless ranks span hosts (then every host reads them all)
+        hidden = NamedSharding(self.mesh, P("data", None)) if jax.process_count() == 1 else r
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2),
-                             out_shardings=(self._kv_sharding, r, r, r, r, r))
+                             out_shardings=(self._kv_sharding, r, r, r, r, hidden))
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r)
         self._logprobs = jax.jit(self._logprobs_impl)
         self._label_logprobs = jax.jit(self._label_logprobs_impl)
@@ -190,29 +211,56 @@ class ModelRunner:
 
     # ---- running
     def device_inputs(self, batch: ModelWorkerBatch):
-        """(ForwardBatch, SamplingMetadata) on device; a batch without grammar rows gets the cached
+        """(ForwardBatch, SamplingMetadata) of a rank-stacked batch (`stack_ranks`) on device: the step's
+        metadata sharded over the ranks, sampling rows replicated; a batch without grammar rows gets the cached
         all-allowed vocabulary mask of its padded size."""
         sampling = batch.sampling
         if sampling.vocab_mask is None:
             s_pad = int(np.shape(sampling.temperatures)[0])
             if s_pad not in self._all_allowed:
-                self._all_allowed[s_pad] = jnp.full((s_pad, self.vocab_mask_width), -1, jnp.int32)
+                self._all_allowed[s_pad] = jax.device_put(np.full((s_pad, self.vocab_mask_width), -1, np.int32),
+                                                          self._replicated)
             sampling = dataclasses.replace(sampling, vocab_mask=self._all_allowed[s_pad])
-        return jax.device_put((batch.forward_batch, sampling), self._replicated)
+        return jax.device_put(batch.forward_batch, self._rank_rows), jax.device_put(sampling, self._replicated)
 
     def forward(self, batch: ModelWorkerBatch) -> StepOutput:
-        """Run one step on device. The KV cache is updated in place."""
-        fb, sampling = self.device_inputs(batch)
+        """Run one step of `batch` on rank 0 (the other ranks idle). The KV cache is updated in place."""
+        return self.forward_ranks([batch] + [None] * (self.dp_size - 1))[0]
+
+    def forward_ranks(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> List[Optional[StepOutput]]:
+        """Run one step of every rank: ``batches[r]`` is rank r's batch (None: idle), all of one padded shape.
+
+        Returns one StepOutput per rank (None for idle ranks). Raises ValueError when the batches' shapes
+        differ or their number is not the dp size.
+        """
+        if len(batches) != self.dp_size:
+            raise ValueError(f"{len(batches)} rank batches for --dp-size {self.dp_size}")
+        real = [b for b in batches if b is not None]
+        if not real:
+            raise ValueError("a step needs at least one rank batch")
+        mode, t_pad, s_pad = real[0].padded_shape
+        full = [b if b is not None else self.dummy_batch(mode, t_pad, s_pad) for b in batches]
+        stacked = stack_ranks(full, self.num_request_slots)
+        fb, sampling = self.device_inputs(stacked)
         self.kv_caches, self.penalty_state, next_ids, next_lp, logprobs, hidden = self._step(
             self.params, self.kv_caches, self.penalty_state, fb, sampling)
-        self._check_no_new_compile(batch)
-        n = batch.num_seqs
-        return StepOutput(np.asarray(next_ids)[:n], np.asarray(next_lp)[:n], logprobs, hidden)
+        self._check_no_new_compile(real[0])
+        next_ids, next_lp = np.asarray(next_ids), np.asarray(next_lp)
+        outs = []
+        for r, b in enumerate(batches):
+            if b is None:
+                outs.append(None)
+                continue
+            a, n = r * s_pad, b.num_seqs
+            outs.append(StepOutput(next_ids[a:a + n], next_lp[a:a + n], logprobs, hidden, seq_offset=a,
+                                   token_offset=r * t_pad))
+        return outs
 
     def init_penalty_row(self, slot: int, token_ids: List[int], num_prompt: int,
                          logit_bias: Optional[Dict[int, float]]) -> None:
         """Load a request's history (prompt + output so far, `num_prompt` of them prompt) and logit_bias
-        into penalty-state row `slot` (see layers/sampler.PenaltyState). One compiled program for any
+        into penalty-state row `slot` (see layers/sampler.PenaltyState; rank r's slot s is row
+        ``r * num_request_slots + s``). One compiled program for any
         request: the ids are padded to the context length."""
         ids = np.zeros(self.max_context_len, np.int32)
         n = min(len(token_ids), self.max_context_len)
@@ -306,7 +354,7 @@ class ModelRunner:
         with tqdm(total=len(shapes) + extra, desc="Compiling buckets", unit="shape") as bar:
             for mode, t_pad, s_pad in shapes:
                 bar.set_postfix_str(f"{mode.name.lower()} T={t_pad} S={s_pad}")
-                self.forward(self.dummy_batch(mode, t_pad, s_pad))
+                self.forward_ranks([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
                 bar.update()
             hidden_dim = self.model_config.hidden_size
             dtype = np.dtype(JNP_DTYPES[self.model_config.dtype])
@@ -323,9 +371,11 @@ class ModelRunner:
 
 
 def setup_jax(server_args) -> str:
-    """Apply --device and the persistent compilation cache; return the JAX platform name."""
+    """Apply --device, multi-host start-up (--nnodes) and the persistent compilation cache; return the JAX
+    platform name."""
     if server_args.device != "auto":
         jax.config.update("jax_platforms", server_args.device)
+    init_distributed(server_args.nnodes, server_args.node_rank, server_args.dist_init_addr)
     if server_args.compilation_cache_dir:
         os.makedirs(server_args.compilation_cache_dir, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", server_args.compilation_cache_dir)

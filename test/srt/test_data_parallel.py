@@ -1,0 +1,143 @@
+"""Data-parallel attention ranks through real servers on 8 virtual CPU devices (``XLA_FLAGS`` set in the
+server's environment before jax is imported).
+
+A tiny random Llama (SmolLM2's tokenizer and vocabulary, 4 heads, 2 KV heads) served three ways: dp 1, dp 2
+x tp 2 (round_robin) and dp 4 (cache_aware):
+- greedy tokens identical to dp 1 over 16 prompts x 32 tokens sent at once (so every rank batches), output
+  logprobs within 1e-3;
+- round_robin: requests per rank differ by at most 1;
+- cache_aware: requests sharing a prefix land on the rank that caches it (>= 90% of the prefix served from
+  cache), while different prefixes spread over the ranks;
+- 0 compiles after warm-up over a 100-request run; after each test every rank's pool is idle
+  (free + evictable + protected == total, all request slots free, no accounting error).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import httpx
+import numpy as np
+import pytest
+
+from srt_helpers import module_server, save_tiny_llama, wait_pool_idle
+
+XLA_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+LOGPROB_TOL = 1e-3
+PROMPTS = [f"Prompt {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 5) for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_dp"))
+
+
+def serve(tiny_model, *args):
+    model, tokenizer = tiny_model
+    yield from module_server(["--model-path", model, "--tokenizer-path", tokenizer, "--context-length", "1024",
+                              "--max-total-tokens", "4096", *args], env=XLA_ENV)
+
+
+@pytest.fixture(scope="module")
+def dp1(tiny_model):
+    yield from serve(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def dp2_tp2(tiny_model):
+    yield from serve(tiny_model, "--dp-size", "2", "--tp-size", "2", "--load-balance-method", "round_robin")
+
+
+@pytest.fixture(scope="module")
+def dp4(tiny_model):
+    yield from serve(tiny_model, "--dp-size", "4", "--load-balance-method", "cache_aware")
+
+
+def generate(url: str, text: str, max_new_tokens: int = 32) -> dict:
+    r = httpx.post(url + "/generate", timeout=300, json={
+        "text": text, "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def generate_all(url: str, texts, max_new_tokens: int = 32, workers: int = 16) -> list:
+    with cf.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda t: generate(url, t, max_new_tokens), texts))
+
+
+def tokens_and_logprobs(out: dict):
+    lps = out["meta_info"]["output_token_logprobs"]
+    return [t for _, t, _ in lps], np.array([lp for lp, _, _ in lps])
+
+
+def ranks(url: str) -> list:
+    return httpx.get(url + "/get_server_info", timeout=30).json()["internal_states"]
+
+
+@pytest.fixture(scope="module")
+def reference(dp1):
+    outs = generate_all(dp1.url, PROMPTS)
+    wait_pool_idle(dp1.url)
+    return [tokens_and_logprobs(o) for o in outs]
+
+
+def check_same_as_dp1(url: str, reference) -> None:
+    outs = generate_all(url, PROMPTS)
+    for i, (out, (ref_tokens, ref_lps)) in enumerate(zip(outs, reference)):
+        tokens, lps = tokens_and_logprobs(out)
+        assert tokens == ref_tokens, f"prompt {i}: {tokens} != {ref_tokens}"
+        assert np.abs(lps - ref_lps).max() <= LOGPROB_TOL, f"prompt {i}: {np.abs(lps - ref_lps).max()}"
+
+
+def test_dp2_tp2_matches_dp1_and_round_robin_balances(dp2_tp2, reference):
+    state = ranks(dp2_tp2.url)
+    assert [s["dp_rank"] for s in state] == [0, 1] and state[0]["tp_size"] == 2
+    check_same_as_dp1(dp2_tp2.url, reference)
+    assigned = [s["num_assigned_reqs"] for s in ranks(dp2_tp2.url)]
+    assert sum(assigned) == len(PROMPTS) and max(assigned) - min(assigned) <= 1, assigned
+    load = httpx.get(dp2_tp2.url + "/get_load", timeout=30).json()
+    assert [entry["dp_rank"] for entry in load] == [0, 1]
+    wait_pool_idle(dp2_tp2.url)
+
+
+def test_dp2_tp2_no_compile_over_100_requests(dp2_tp2):
+    texts = [f"Request {i}. " + "many words " * (i % 37) for i in range(100)]
+    outs = generate_all(dp2_tp2.url, texts, max_new_tokens=8)
+    assert all(o["meta_info"]["completion_tokens"] == 8 for o in outs)
+    state = ranks(dp2_tp2.url)
+    assert all(s["num_compiles_after_warmup"] == 0 for s in state), state
+    assigned = [s["num_assigned_reqs"] for s in state]
+    assert max(assigned) - min(assigned) <= 1, assigned
+    wait_pool_idle(dp2_tp2.url)
+
+
+def test_dp4_matches_dp1(dp4, reference):
+    assert len(ranks(dp4.url)) == 4
+    check_same_as_dp1(dp4.url, reference)
+    wait_pool_idle(dp4.url)
+
+
+def test_dp4_cache_aware_routes_shared_prefixes_to_their_rank(dp4):
+    """Four long prefixes, each first sent once (it lands on some rank and is cached there), then followed
+    by four requests each that extend it: every follower is served >= 90% of its prefix from cache, which
+    only the rank holding it can do."""
+    httpx.post(dp4.url + "/flush_cache", timeout=30)
+    prefixes = [f"Document {d}: " + " ".join(f"w{d}x{i}" for i in range(150)) for d in range(4)]
+    before = [s["num_assigned_reqs"] for s in ranks(dp4.url)]
+    generate_all(dp4.url, prefixes, max_new_tokens=2)
+    first = [s["num_assigned_reqs"] - b for s, b in zip(ranks(dp4.url), before)]
+    assert first == [1, 1, 1, 1], f"distinct prefixes should spread over the ranks: {first}"
+    followers = [p + f" Question {q}?" for p in prefixes for q in range(4)]
+    outs = generate_all(dp4.url, followers, max_new_tokens=2)
+    n_prefix = [generate_prompt_tokens(dp4.url, p) for p in prefixes]
+    for i, out in enumerate(outs):
+        cached = out["meta_info"]["cached_tokens"]
+        assert cached >= 0.9 * n_prefix[i // 4], f"follower {i}: {cached} of {n_prefix[i // 4]} cached"
+    wait_pool_idle(dp4.url)
+
+
+def generate_prompt_tokens(url: str, text: str) -> int:
+    r = httpx.post(url + "/tokenize", timeout=30, json={"prompt": text})
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
