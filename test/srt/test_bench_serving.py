@@ -10,18 +10,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from sgl_jax import bench_serving
-from srt_helpers import ServerProcess, alive_after
 
 # Scaled down for CI: about a tenth of the requests, prompts at a quarter, outputs at a sixteenth.
 SMALL = ["--num-requests-scale", "0.1", "--prompt-len-scale", "0.25", "--output-len-scale", "0.0625"]
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = ServerProcess()  # radix cache and chunked prefill on (the defaults)
-    yield s
-    assert s.stop() == 0
-    assert not alive_after(s.children), "child processes left behind"
+def server(default_server):
+    return default_server  # conftest.py: the suite's shared server; radix cache and chunked prefill on
 
 
 @pytest.fixture(scope="module")

@@ -24,14 +24,14 @@ import re
 import httpx
 import pytest
 
-from srt_helpers import RouterProcess, default_model_path, module_server
+from srt_helpers import RouterProcess, default_model_path
 
 PROMPT_FRANCE = "Q: What is the capital of France?\nA: The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def server():
-    yield from module_server()
+def server(default_server):
+    return default_server  # conftest.py: the suite's shared server (SMALL_ENGINE_ARGS)
 
 
 def served_name() -> str:

@@ -33,10 +33,23 @@ OTHER_PROMPTS = [
 ]
 
 
+def engine_children():
+    import os
+
+    # multiprocessing's resource tracker lives as long as this process; it is not ours to stop
+    return {p for p in child_pids(os.getpid()) if "resource_tracker" not in cmdline(p)}
+
+
 @pytest.fixture(scope="module")
 def engine():
+    """One Engine for the module; leaving its context manager must stop both of its child processes
+    (checked at teardown: the context-manager shutdown test, without a second Engine start)."""
+    before = engine_children()
     with Engine(**SMALL_ENGINE_ARGS) as e:
+        ours = engine_children() - before
+        assert len(ours) == 2 and all(pid_alive(p) for p in ours)  # scheduler + detokenizer
         yield e
+    assert not alive_after(ours), "the Engine's context manager left child processes behind"
 
 
 def test_greedy_matches_transformers(engine, hf_smollm2, smollm2_tokenizer):
@@ -183,18 +196,3 @@ def test_kv_cache_is_free_when_idle(engine):
     assert state["kv_tokens_in_use"] == 0 and state["num_running_reqs"] == 0
     assert state["kv_tokens_free"] + state["kv_tokens_cached"] == state["kv_tokens_total"]
     assert state["memory_errors"] == 0 and state["num_compiles_after_warmup"] == 0
-
-
-def test_context_manager_shutdown_leaves_no_child_process():
-    import os
-
-    def engine_children():
-        # multiprocessing's resource tracker lives as long as this process; it is not ours to stop
-        return {p for p in child_pids(os.getpid()) if "resource_tracker" not in cmdline(p)}
-
-    before = engine_children()
-    with Engine(**SMALL_ENGINE_ARGS) as e:
-        ours = engine_children() - before
-        assert len(ours) == 2 and all(pid_alive(p) for p in ours)  # scheduler + detokenizer
-        assert e.generate("Hi", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
-    assert not alive_after(ours)

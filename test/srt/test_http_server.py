@@ -12,14 +12,14 @@ import httpx
 import openai
 import pytest
 
-from srt_helpers import default_model_path, module_server
+from srt_helpers import default_model_path
 
 CHAT_Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    yield from module_server()
+def server(default_server):
+    return default_server  # conftest.py: the suite's shared server (SMALL_ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,12 @@
 One workload -- three requests sharing a 1,000-token prefix plus short ones -- must give token-identical
 outputs with and without the radix cache, with chunked prefill at 64 tokens and with it off, under forced
 retract, and with 16-token pages. After every scenario the KV pool is back to free + cached.
+
+One server per scenario (a module-scoped fixture, parametrized indirectly: pytest runs every test of a
+scenario on its server, then stops it before starting the next; radix-chunk256, the suite's common
+configuration, runs on conftest's shared default_server); the chunk-interleaving and /flush_cache tests run
+on the scenario server of their configuration. Every test flushes the cache (a shared server may hold
+other modules' prefixes), so the order does not matter.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from srt_helpers import ServerProcess
+from srt_helpers import ServerProcess, module_server
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 PREFIX_LEN = 1000
@@ -84,19 +90,33 @@ def baseline(prompts):
 
 
 SCENARIOS = {
-    "radix-chunk256": ({}, {}),
+    "radix-chunk256": ({}, {}),  # the suite's defaults (SMALL_ENGINE_ARGS): conftest.default_server
     "radix-chunk64": ({"chunked_prefill_size": 64}, {}),
-    "radix-forced-retract": ({}, {"SGL_JAX_TEST_RETRACT": "1"}),
-    "radix-page16": ({"page_size": 16}, {}),
+    # retract forced every few decode steps, on 16-token pages: retracted requests release their pages
+    # and resume (re-prefilled through the radix cache) with the same tokens
+    "radix-page16-forced-retract": ({"page_size": 16}, {"SGL_JAX_TEST_RETRACT": "1"}),
     "no-radix-chunk64": ({"disable_radix_cache": True, "chunked_prefill_size": 64}, {}),
 }
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_outputs_identical_and_kv_accounted(name, prompts, baseline):
-    overrides, env = SCENARIOS[name]
+@pytest.fixture(scope="module")
+def server(request, baseline):
+    """The server of scenario `request.param` (stops with exit 0, no child left behind). Depends on
+    `baseline` so that the baseline's server has come and gone before any scenario server starts."""
+    overrides, env = SCENARIOS[request.param]
+    if not overrides and not env:
+        yield request.getfixturevalue("default_server")
+    else:
+        yield from module_server(engine_args=overrides, env=env)
+
+
+@pytest.mark.parametrize("server", list(SCENARIOS), indirect=True)
+def test_outputs_identical_and_kv_accounted(server, request, prompts, baseline):
+    overrides, env = SCENARIOS[request.node.callspec.params["server"]]
     radix = not overrides.get("disable_radix_cache", False)
-    outs, state = run_scenario(prompts, overrides, env, radix)
+    assert httpx.post(server.url + "/flush_cache", json={}, timeout=30).status_code == 200
+    outs = run_workload(server, prompts)
+    state = check_idle_accounting(server, radix)
     assert [o["output_ids"] for o in outs] == baseline
     cached = [o["meta_info"]["cached_tokens"] for o in outs]
     if radix:
@@ -110,56 +130,55 @@ def test_outputs_identical_and_kv_accounted(name, prompts, baseline):
         assert state["num_retracted_reqs"] > 0
 
 
-def test_chunked_prefill_interleaves_with_running_streams(prompts):
+@pytest.mark.parametrize("server", ["radix-chunk64"], indirect=True)
+def test_chunked_prefill_interleaves_with_running_streams(server, prompts):
     """While a 1,000-token prompt is prefilled in 64-token chunks (16 steps), a running stream keeps
     receiving tokens: a decode step runs between chunks."""
-    server = ServerProcess(engine_args={"chunked_prefill_size": 64})
-    try:
-        arrivals = []
-        started = threading.Event()
+    assert httpx.post(server.url + "/flush_cache", json={}, timeout=30).status_code == 200  # all 16 chunks run
+    arrivals = []
+    started = threading.Event()
 
-        def stream():
-            body = {"text": "Count: 1, 2, 3,", "stream": True,
-                    "sampling_params": {"max_new_tokens": 120, "ignore_eos": True, "temperature": 0}}
-            with httpx.stream("POST", server.url + "/generate", json=body, timeout=600) as resp:
-                for line in resp.iter_lines():
-                    if line.startswith("data: {"):
-                        arrivals.append(time.monotonic())
-                        started.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert started.wait(120)
-        submitted = time.monotonic()
-        long = httpx.post(server.url + "/generate", timeout=600, json={
-            "input_ids": prompts[0][0], "sampling_params": {"max_new_tokens": 1}, "stream": True})
-        first_token_of_long = time.monotonic()  # the whole response is one token: its arrival time
-        assert long.status_code == 200
-        t.join(600)
-        during = [a for a in arrivals if submitted < a < first_token_of_long]
-        assert len(during) >= 10, f"only {len(during)} stream tokens arrived during a 16-chunk prefill"
-        check_idle_accounting(server, radix=True)
-    finally:
-        assert server.stop() == 0
-
-
-def test_flush_cache_refused_while_running_and_disconnect_releases(prompts):
-    """/flush_cache is refused while a request runs; a client that disconnects mid-stream has its
-    request aborted and its KV released through the same path."""
-    server = ServerProcess()
-    try:
-        body = {"input_ids": prompts[0][0], "stream": True,
-                "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+    def stream():
+        body = {"text": "Count: 1, 2, 3,", "stream": True,
+                "sampling_params": {"max_new_tokens": 120, "ignore_eos": True, "temperature": 0}}
         with httpx.stream("POST", server.url + "/generate", json=body, timeout=600) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: {"):
-                    assert json.loads(line[6:])["meta_info"]["completion_tokens"] >= 1
-                    break
-            refused = httpx.post(server.url + "/flush_cache", json={}, timeout=30)
-            assert refused.status_code == 400 and "running" in refused.text
-        deadline = time.time() + 60  # the stream is closed: the request must be aborted and released
-        while state_of(server)["num_running_reqs"] and time.time() < deadline:
-            time.sleep(0.2)
-        check_idle_accounting(server, radix=True)
-    finally:
-        assert server.stop() == 0
+                    arrivals.append(time.monotonic())
+                    started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(120)
+    submitted = time.monotonic()
+    long = httpx.post(server.url + "/generate", timeout=600, json={
+        "input_ids": prompts[0][0], "sampling_params": {"max_new_tokens": 1}, "stream": True})
+    first_token_of_long = time.monotonic()  # the whole response is one token: its arrival time
+    assert long.status_code == 200
+    t.join(600)
+    during = [a for a in arrivals if submitted < a < first_token_of_long]
+    assert len(during) >= 10, f"only {len(during)} stream tokens arrived during a 16-chunk prefill"
+    check_idle_accounting(server, radix=True)
+
+
+@pytest.mark.parametrize("server", ["radix-chunk256"], indirect=True)
+def test_flush_cache_refused_while_running_and_disconnect_releases(server, prompts):
+    """/flush_cache is refused while a request runs; a client that disconnects mid-stream has its
+    request aborted and its KV released through the same path."""
+    assert httpx.post(server.url + "/flush_cache", json={}, timeout=30).status_code == 200
+    body = {"input_ids": prompts[0][0], "stream": True,
+            "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=600) as resp:
+        # hold the line iterator: a discarded one is finalized at once and closes the connection, and the
+        # abort that follows could reach the scheduler before /flush_cache does (flaky: flush accepted)
+        lines = resp.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                assert json.loads(line[6:])["meta_info"]["completion_tokens"] >= 1
+                break
+        refused = httpx.post(server.url + "/flush_cache", json={}, timeout=30)
+        assert refused.status_code == 400 and "running" in refused.text
+    deadline = time.time() + 60  # the stream is closed: the request must be aborted and released
+    while state_of(server)["num_running_reqs"] and time.time() < deadline:
+        time.sleep(0.2)
+    check_idle_accounting(server, radix=True)

@@ -20,12 +20,12 @@ from srt_helpers import RouterProcess, module_server, wait_pool_idle
 
 pytest.importorskip("sglang_router", reason="pip install sglang-router==0.3.2 (scripts/setup.sh test installs it)")
 
-WORKER_ARGS = ["--enable-metrics"]
+WORKER_ARGS = ["--enable-metrics"]  # the flags of conftest.default_server, worker_a
 
 
 @pytest.fixture(scope="module")
-def worker_a():
-    yield from module_server(WORKER_ARGS)
+def worker_a(default_server):
+    return default_server  # conftest.py: the suite's shared server, the same flags as worker_b
 
 
 @pytest.fixture(scope="module")

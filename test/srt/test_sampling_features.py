@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from srt_helpers import hf_greedy_penalized, module_server, wait_pool_idle
+from srt_helpers import hf_greedy_penalized, wait_pool_idle
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -35,8 +35,8 @@ QUESTIONS = ["Describe a person.", "Describe a city.", "Is the sky blue?", "List
 
 
 @pytest.fixture(scope="module")
-def server():
-    yield from module_server()
+def server(default_server):
+    return default_server  # conftest.py: the suite's shared server (SMALL_ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")
