@@ -153,7 +153,6 @@ class Scheduler:
         self.page_size = server_args.page_size
         self.dp_size = server_args.dp_size
         self.load_balance_method = server_args.load_balance_method
-        self.num_assigned = 0  # requests given a rank so far (round robin's turn)
         self.rng = random.Random(server_args.random_seed)
 
         self.tick_now = time.time()  # the clock of the loop iteration (node 0's on every node)
@@ -377,8 +376,8 @@ class Scheduler:
             matches = None
             if self.load_balance_method == "cache_aware":
                 matches = [rank.tree_cache.prefix_match_len(token_ids) for rank in self.ranks]
-            r = choose_rank(self.load_balance_method, loads, matches, self.num_assigned, len(token_ids))
-        self.num_assigned += 1
+            turn = sum(rank.num_assigned_reqs for rank in self.ranks)  # requests given a rank so far
+            r = choose_rank(self.load_balance_method, loads, matches, turn, len(token_ids))
         self.ranks[r].num_assigned_reqs += 1
         return self.ranks[r]
 
