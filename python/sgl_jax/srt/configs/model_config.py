@@ -71,9 +71,19 @@ def load_tokenizer(server_args):
     return AutoTokenizer.from_pretrained(tokenizer_path_for(server_args))
 
 
-def _rope_parameters(hf_config) -> dict:
-    """Rope settings as one dict with ``rope_theta`` and ``rope_type`` (transformers 4.x and 5.x layouts)."""
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+def _rope_parameters(hf_config, layer_type: str = FULL_ATTENTION) -> dict:
+    """Rope settings of one layer type as one dict with ``rope_theta`` and ``rope_type`` (transformers 4.x and
+    5.x layouts; Gemma 3 keeps one dict per layer type, ``{"full_attention": {...}, "sliding_attention": {...}}``,
+    its older configs a separate ``rope_local_base_freq`` for sliding layers)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if FULL_ATTENTION in params or SLIDING_ATTENTION in params:
+        params = dict(params.get(layer_type) or params.get(FULL_ATTENTION) or {})
+    elif layer_type == SLIDING_ATTENTION and getattr(hf_config, "rope_local_base_freq", None) is not None:
+        return {"rope_type": "default", "rope_theta": float(hf_config.rope_local_base_freq)}
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     for k, v in dict(scaling).items():
         params.setdefault(k, v)
@@ -82,6 +92,28 @@ def _rope_parameters(hf_config) -> dict:
     params.setdefault("rope_type", "default")
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     return params
+
+
+def _layer_types(hf_config, num_layers: int) -> List[str]:
+    """Each layer's attention kind, FULL_ATTENTION or SLIDING_ATTENTION, from the config's ``layer_types``
+    (transformers' field for Gemma 2/3, Qwen2/3 with ``use_sliding_window``, Mistral-style models); a config
+    without it but with a ``sliding_window`` on every layer (Mistral) slides everywhere.
+
+    Raises:
+        ValueError: ``layer_types`` of the wrong length or with an unknown kind.
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        return [SLIDING_ATTENTION if window else FULL_ATTENTION] * num_layers
+    types = list(types)
+    bad = sorted(set(types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+    if len(types) != num_layers or bad:
+        raise ValueError(f"config layer_types must list {num_layers} of {FULL_ATTENTION!r}/{SLIDING_ATTENTION!r}; "
+                         f"got {len(types)} entries{f', unknown {bad}' if bad else ''}")
+    if SLIDING_ATTENTION in types and not window:
+        raise ValueError("config layer_types has sliding_attention layers but no sliding_window")
+    return types
 
 
 @dataclasses.dataclass
@@ -105,6 +137,26 @@ class ModelConfig:
     head_dim: int
     eos_token_ids: List[int]
     rope_parameters: dict
+    layer_types: List[str] = dataclasses.field(default_factory=list)
+    sliding_window: Optional[int] = None
+    local_rope_parameters: Optional[dict] = None
+
+    def layer_window(self, layer_id: int) -> Optional[int]:
+        """The sliding window (tokens a query sees, itself included) of layer `layer_id`, None for a full one."""
+        if self.layer_types and self.layer_types[layer_id] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    def layer_rope_parameters(self, layer_id: int) -> dict:
+        """Rope settings of layer `layer_id` (sliding layers may have their own base, as in Gemma 3)."""
+        if self.layer_window(layer_id) is not None and self.local_rope_parameters is not None:
+            return self.local_rope_parameters
+        return self.rope_parameters
+
+    @property
+    def swa_layer_ids(self) -> List[int]:
+        """Indices of the sliding-window layers (empty for a model without any)."""
+        return [i for i in range(self.num_hidden_layers) if self.layer_window(i) is not None]
 
     @property
     def model_path(self) -> str:
@@ -127,6 +179,9 @@ class ModelConfig:
         context_len = server_args.context_length or model_ctx
         heads = int(hf_config.num_attention_heads)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        num_layers = int(hf_config.num_hidden_layers)
+        layer_types = _layer_types(hf_config, num_layers)
+        has_swa = SLIDING_ATTENTION in layer_types
         return ModelConfig(
             resolved=resolved,
             hf_config=hf_config,
@@ -135,12 +190,15 @@ class ModelConfig:
             context_len=int(context_len),
             vocab_size=int(hf_config.vocab_size),
             hidden_size=int(hf_config.hidden_size),
-            num_hidden_layers=int(hf_config.num_hidden_layers),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(getattr(hf_config, "num_key_value_heads", None) or heads),
             head_dim=int(head_dim),
             eos_token_ids=_eos_token_ids(resolved.hf_dir, hf_config),
             rope_parameters=_rope_parameters(hf_config),
+            layer_types=layer_types,
+            sliding_window=int(hf_config.sliding_window) if has_swa else None,
+            local_rope_parameters=_rope_parameters(hf_config, SLIDING_ATTENTION) if has_swa else None,
         )
 
 

@@ -2,11 +2,13 @@
 
 Module and parameter names mirror transformers' `LlamaForCausalLM`, so an HF state-dict key such as
 ``model.layers.0.self_attn.q_proj.weight`` is exactly the path of our parameter. Qwen3 reuses this file
-with per-head q/k RMSNorm (`qk_norm`).
+with per-head q/k RMSNorm (`qk_norm`) and, when its config enables them, sliding-window layers; Gemma 3
+reuses its attention and MLP.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Tuple
 
 import jax
@@ -25,24 +27,46 @@ from sgl_jax.srt.layers.rotary_embedding import apply_rope, rope_inv_freq
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch
 
 
-class LlamaMLP(nnx.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),  # Gemma's GeGLU
+}
 
-    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
+
+class LlamaMLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); act is silu (SwiGLU) or gelu-tanh (GeGLU, Gemma).
+
+    Raises:
+        NotImplementedError: an activation outside ACTIVATIONS.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, activation: str = "silu"):
+        if activation not in ACTIVATIONS:
+            raise NotImplementedError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         self.gate_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate, hidden, dtype=dtype, rngs=rngs)
+        self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaAttention(nnx.Module):
     """Grouped-query self-attention over the paged KV cache. Under tensor parallelism (`mesh` with a
     ``tensor`` axis of size tp) K/V heads number `padded_kv_heads` (each replicated when the model has fewer
-    than tp) and attention runs on each device's own heads."""
+    than tp) and attention runs on each device's own heads.
 
-    def __init__(self, cfg, model_config, *, qk_norm: bool, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
+    Layer `layer_id` is a sliding-window layer when the model config says so (`ModelConfig.layer_window`):
+    its queries see only the last ``sliding_window`` positions, and its rotary base may differ
+    (`ModelConfig.layer_rope_parameters`). `norm_cls` is the q/k norm (Gemma's is ``x * (1 + w)``),
+    `sm_scale` overrides ``head_dim ** -0.5`` (Gemma's ``query_pre_attn_scalar ** -0.5``), `soft_cap` caps the
+    attention scores (Gemma 2).
+    """
+
+    def __init__(self, cfg, model_config, layer_id: int, *, qk_norm: bool, dtype, rngs: nnx.Rngs,
+                 mesh: Optional[Mesh] = None, norm_cls=RMSNorm, sm_scale: Optional[float] = None,
+                 soft_cap: Optional[float] = None):
         hidden = model_config.hidden_size
         self.num_heads = model_config.num_attention_heads
         tp = 1 if mesh is None else tp_size_of(mesh)
@@ -55,11 +79,14 @@ class LlamaAttention(nnx.Module):
         self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, dtype=dtype, rngs=rngs)
         eps = float(cfg.rms_norm_eps)
-        self.q_norm = RMSNorm(self.head_dim, eps=eps, dtype=dtype) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps=eps, dtype=dtype) if qk_norm else None
-        # static (hashable) constant: not a parameter, never loaded, folded into the compiled program
-        self.inv_freq = tuple(float(f) for f in rope_inv_freq(self.head_dim, model_config.rope_parameters))
-        self.sm_scale = self.head_dim ** -0.5
+        self.q_norm = norm_cls(self.head_dim, eps=eps, dtype=dtype) if qk_norm else None
+        self.k_norm = norm_cls(self.head_dim, eps=eps, dtype=dtype) if qk_norm else None
+        # static (hashable) constants: not parameters, never loaded, folded into the compiled program
+        rope = model_config.layer_rope_parameters(layer_id)
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(self.head_dim, rope))
+        self.sm_scale = float(sm_scale) if sm_scale is not None else self.head_dim ** -0.5
+        self.soft_cap = None if soft_cap is None else float(soft_cap)
+        self.sliding_window = model_config.layer_window(layer_id)
 
     def __call__(self, x: jax.Array, fb: ForwardBatch, kv: LayerKV) -> Tuple[jax.Array, LayerKV]:
         T = x.shape[0]
@@ -71,15 +98,18 @@ class LlamaAttention(nnx.Module):
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q = apply_rope(q, fb.positions, inv_freq)
         k = apply_rope(k, fb.positions, inv_freq)
-        out, kv = paged_attention(q, k, v, kv, fb, sm_scale=self.sm_scale, mesh=self.mesh)
+        out, kv = paged_attention(q, k, v, kv, fb, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
+                                  soft_cap=self.soft_cap, mesh=self.mesh)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), kv
 
 
 class LlamaDecoderLayer(nnx.Module):
-    def __init__(self, cfg, model_config, *, qk_norm: bool, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
+    def __init__(self, cfg, model_config, layer_id: int, *, qk_norm: bool, dtype, rngs: nnx.Rngs,
+                 mesh: Optional[Mesh] = None):
         eps = float(cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(model_config.hidden_size, eps=eps, dtype=dtype)
-        self.self_attn = LlamaAttention(cfg, model_config, qk_norm=qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
+        self.self_attn = LlamaAttention(cfg, model_config, layer_id, qk_norm=qk_norm, dtype=dtype, rngs=rngs,
+                                        mesh=mesh)
         self.post_attention_layernorm = RMSNorm(model_config.hidden_size, eps=eps, dtype=dtype)
         self.mlp = LlamaMLP(model_config.hidden_size, int(cfg.intermediate_size), dtype, rngs)
 
@@ -93,10 +123,20 @@ class LlamaModel(nnx.Module):
     def __init__(self, cfg, model_config, *, qk_norm: bool, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         self.embed_tokens = Embedding(model_config.vocab_size, model_config.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([
-            LlamaDecoderLayer(cfg, model_config, qk_norm=qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
-            for _ in range(model_config.num_hidden_layers)
+            LlamaDecoderLayer(cfg, model_config, i, qk_norm=qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
+            for i in range(model_config.num_hidden_layers)
         ])
         self.norm = RMSNorm(model_config.hidden_size, eps=float(cfg.rms_norm_eps), dtype=dtype)
+
+
+def run_layers(model, x: jax.Array, fb: ForwardBatch, kv_caches: List[LayerKV]) -> Tuple[jax.Array, List[LayerKV]]:
+    """Every decoder layer of `model` (``.layers``, ``.norm``) over embeddings x [T, hidden_size]; returns the
+    final-norm hidden states [T, hidden_size] and the updated per-layer KV caches."""
+    new_caches = []
+    for layer, kv in zip(model.layers, kv_caches):
+        x, kv = layer(x, fb, kv)
+        new_caches.append(kv)
+    return model.norm(x), new_caches
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -128,12 +168,7 @@ class LlamaForCausalLM(nnx.Module):
         Returns:
             (final-norm hidden states [T, hidden_size], updated kv_caches).
         """
-        x = self.model.embed_tokens(fb.input_ids)
-        new_caches = []
-        for layer, kv in zip(self.model.layers, kv_caches):
-            x, kv = layer(x, fb, kv)
-            new_caches.append(kv)
-        return self.model.norm(x), new_caches
+        return run_layers(self.model, self.model.embed_tokens(fb.input_ids), fb, kv_caches)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from sgl_jax.srt.models.gemma3 import Gemma3ForCausalLM
 from sgl_jax.srt.models.llama import LlamaForCausalLM
 from sgl_jax.srt.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
