@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.managers.schedule_policy import PrefillAdder
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
@@ -71,7 +72,7 @@ def lifecycle_machine(page_size: int, radix: bool):
             for req in adder.can_run:  # the "forward pass": K/V of the extended tokens are now written
                 req.kv_committed_len = req.kv_allocated_len
                 if req.kv_committed_len < req.seqlen:
-                    self.cache.cache_unfinished_req(req)
+                    cache_unfinished_req(req, self.cache)
                     self.chunked.append(req)
                 else:
                     req.output_ids.append(7)

@@ -5,6 +5,7 @@ import pytest
 
 from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -111,7 +112,7 @@ def test_chunk_handoff_keeps_row_consistent():
     pool, alloc, cache = make(page_size=4)
     ids = list(range(50))
     req = _running_req(pool, alloc, cache, ids, 22, 4)  # a chunk of 22 computed
-    cache.cache_unfinished_req(req)
+    cache_unfinished_req(req, cache)
     assert req.cache_protected_len == 20 and cache.protected_size() == 20
     row = pool.req_to_token[req.req_pool_idx]
     assert row[:20].tolist() == cache.match_prefix(ids[:20]).device_indices.tolist()

@@ -5,6 +5,7 @@ import numpy as np
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, shared_prefix_len
 from sgl_jax.srt.managers.schedule_policy import PrefillAdder
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.cache_manager import cache_finished_req
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -119,7 +120,7 @@ def test_extend_batch_sharing_a_radix_prefix_reports_it():
     assert adder.add(first)
     ScheduleBatch([first], ForwardMode.EXTEND).prepare_for_extend(pool, alloc, cache)
     first.kv_committed_len = first.kv_allocated_len
-    cache.cache_finished_req(first)
+    cache_finished_req(first, cache)
     pool.free(first.req_pool_idx)
 
     b, c = (_req(list(range(50)) + [100 + i] * 5, rid=f"r{i}") for i in range(2))

@@ -126,7 +126,7 @@ class Req:
         self.finished_reason: Optional[FinishReason] = None
         self.to_abort: Optional[FinishReason] = None
 
-        # KV ownership (see mem_cache/radix_cache.py): positions [0, cache_protected_len) belong to the
+        # KV ownership (see mem_cache/cache_manager.py): positions [0, cache_protected_len) belong to the
         # prefix cache (locked through last_node); [cache_protected_len, kv_allocated_len) to this request.
         self.req_pool_idx: Optional[int] = None
         self.kv_allocated_len = 0  # positions that have a KV slot

@@ -21,7 +21,7 @@ from typing import List, Optional
 
 from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sgl_jax.srt.mem_cache.base_prefix_cache import MatchResult
+from sgl_jax.srt.mem_cache.cache_manager import match_req
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -114,12 +114,7 @@ class PrefillAdder:
         """Admit a waiting request if everything fits; returns False (and admits nothing) otherwise."""
         if self.free_req_slots <= 0 or self.new_chunked_req is not None:
             return False
-        if req.fixed_prefix:  # prefill_extend item: its prefix is the scoring handle's query KV
-            match = MatchResult(req.prefix_indices, None)
-            moved = 0
-        else:
-            match = self.tree_cache.match_prefix(req.fill_ids[:req.max_prefix_len()])
-            moved = self.tree_cache.inc_lock_ref(match.last_node)
+        match, moved = match_req(req, self.tree_cache)  # locked; a prefill_extend item reuses its handle's KV
         try:
             prefix = match.length
             extend = len(req.fill_ids) - prefix

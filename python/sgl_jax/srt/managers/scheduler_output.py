@@ -13,6 +13,7 @@ import numpy as np
 
 from sgl_jax.srt.managers.io_struct import DecodeConfig, LogprobDelta, TokenOut
 from sgl_jax.srt.managers.schedule_batch import FinishReason, Req, ScheduleBatch
+from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 from sgl_jax.srt.model_executor.model_runner import StepOutput
 
@@ -79,7 +80,7 @@ def process_batch_result(
     """Apply one step's results to the batch's requests (tokens, logprobs, finish reasons).
 
     A request whose prompt is only partly prefilled (a chunk) samples nothing; its computed prefix is
-    handed to the prefix cache (`cache_unfinished_req`) and it stays out of the running batch.
+    handed to the prefix cache (`cache_manager.cache_unfinished_req`) and it stays out of the running batch.
 
     Args:
         tree_cache: the prefix cache.
@@ -117,7 +118,7 @@ def _process_one(req: Req, i: int, start: int, is_extend: bool, out: StepOutput,
         req.finished_reason = req.to_abort
         return
     if req.is_chunked:
-        tree_cache.cache_unfinished_req(req)
+        cache_unfinished_req(req, tree_cache)
         return
     if req.sampling_params.max_new_tokens == 0:
         req.check_finished(lambda ids, r=req: decode_tail(r, ids))

@@ -1,8 +1,10 @@
-"""KV memory: request slots, the paged allocator, prefix caches and the one release path."""
+"""KV memory: request slots, the paged allocator, prefix caches (the `BasePrefixCache` contract, one class
+per kind), the Req-aware hand-off to them (`cache_manager`) and the one release path (`common`)."""
 
 
 def create_prefix_cache(server_args, req_to_token_pool, allocator):
-    """RadixCache by default; ChunkCache (no sharing) with --disable-radix-cache."""
+    """The prefix cache for `server_args`: RadixCache by default; ChunkCache (no sharing) with
+    --disable-radix-cache. Both implement `base_prefix_cache.BasePrefixCache`."""
     from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
     from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 

@@ -1,70 +1,158 @@
-"""The contract every prefix cache implements (RadixCache, ChunkCache).
+"""The contract every prefix cache implements (one class per cache kind: RadixCache, ChunkCache).
 
-- match_prefix(token_ids) -> MatchResult: the longest cached prefix (page-aligned) and its KV slots.
-- prefix_match_len(token_ids) -> int: the length match_prefix would give, without touching the cache
-  (no node split, no LRU update): what cache-aware DP rank assignment compares.
-- cache_finished_req(req, is_insert): take over (insert) or free the request's KV; called only by
-  `release_kv_cache`.
-- cache_unfinished_req(req): make a still-running request's KV shareable (chunked prefill).
-- inc_lock_ref / dec_lock_ref(node): protect / unprotect a matched path from eviction (returns the
-  tokens that changed between evictable and protected).
-- evict(num_tokens): free at least num_tokens of unlocked cached KV if possible.
+A prefix cache maps token-id prefixes to the KV slots that hold their K/V. It deals in token ids and KV
+slots only (int32 numpy arrays, lengths in tokens) and never reads a request: the Req-aware hand-off
+(admission match, chunked-prefill insert, release) is `mem_cache/cache_manager.py`, one set of functions
+for every cache kind, which calls nothing but the methods below.
+
+- match_prefix(token_ids) -> MatchResult: the longest cached, page-aligned prefix, its KV slots and the
+  node handle to lock. May reorganize the cache (split a node, touch LRU times).
+- prefix_match_len(token_ids) -> int: the length match_prefix would give, read-only (no node split, no
+  LRU update): what cache-aware DP rank assignment compares.
+- insert(token_ids, kv_slots) -> int: offer a page-aligned prefix and its slots; returns how many leading
+  tokens' slots the cache did not take (already cached, or all of them for a cache that keeps nothing);
+  the caller still owns, and frees, those.
+- free_slots(kv_slots): give request-owned slots back to the pool(s) this cache allocates from.
+- inc_lock_ref / dec_lock_ref(node): protect / unprotect a matched path from eviction (returns the tokens
+  that moved between evictable and protected).
+- evict(num_tokens) -> int: free at least num_tokens of unlocked cached KV if possible.
 - evictable_size(): tokens cached and unlocked; protected_size(): tokens cached and locked.
-- reset(): drop everything cached (only when no request is running).
+- reset(): drop everything cached (only when no request holds a lock).
+- page_size: tokens per KV page; matches and inserts are whole pages. req_to_token_pool: the request-slot
+  table whose rows the hand-off reads (the cache itself never does).
 
-Accounting invariant (checked when idle): allocator free + evictable + protected == total.
+Accounting invariant (checked when idle): allocator free + evictable + protected == total; while requests
+run, their own positions [cache_protected_len, kv_allocated_len) make up the difference.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+from typing import Optional, Sequence, Union
 
 import numpy as np
+
+from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+
+TokenIds = Union[Sequence[int], np.ndarray]
+
+
+class CacheNode:
+    """Handle to a cached prefix: returned in `MatchResult.last_node`, passed back to `inc_lock_ref` /
+    `dec_lock_ref`. Opaque outside its cache (RadixCache's `TreeNode` is one); None means "the empty
+    prefix" (nothing to lock) for every cache kind."""
+
+    __slots__ = ()
 
 
 @dataclasses.dataclass
 class MatchResult:
-    """device_indices: int32[n] KV slots of the matched prefix; last_node: the cache node to lock."""
+    """A matched prefix.
+
+    Attributes:
+        device_indices: int32[n] KV slots of the matched prefix (n a multiple of the page size).
+        last_node: the handle whose path covers exactly the match (lock it to keep the slots), or None.
+    """
 
     device_indices: np.ndarray
-    last_node: object = None
+    last_node: Optional[CacheNode] = None
 
     @property
     def length(self) -> int:
+        """Matched tokens."""
         return len(self.device_indices)
 
 
 class BasePrefixCache(abc.ABC):
-    @abc.abstractmethod
-    def match_prefix(self, token_ids) -> MatchResult: ...
+    """The prefix-cache contract (see the module docstring).
+
+    Attributes (set by each subclass's constructor):
+        page_size: tokens per KV page; every length the cache matches or inserts is a multiple of it.
+        req_to_token_pool: the request-slot table of the requests this cache serves; only the hand-off
+            (`cache_manager`) reads it.
+    """
+
+    page_size: int
+    req_to_token_pool: ReqToTokenPool
 
     @abc.abstractmethod
-    def cache_finished_req(self, req, is_insert: bool = True) -> None: ...
+    def match_prefix(self, token_ids: TokenIds) -> MatchResult:
+        """The longest cached prefix of `token_ids` (int32 token ids), truncated to whole pages.
+
+        Args:
+            token_ids: [L] token ids.
+        Returns:
+            MatchResult with int32[n] slots (n <= L, n % page_size == 0) and the node to lock (None when
+            the cache keeps nothing). The match is not locked: call `inc_lock_ref` before any eviction.
+        """
 
     @abc.abstractmethod
-    def cache_unfinished_req(self, req) -> None: ...
+    def prefix_match_len(self, token_ids: TokenIds) -> int:
+        """Tokens `match_prefix(token_ids)` would match, without changing the cache (0: it shares nothing)."""
 
-    def prefix_match_len(self, token_ids) -> int:
-        """Tokens of `token_ids` match_prefix would return, read-only (0: a cache that shares nothing)."""
-        return 0
+    @abc.abstractmethod
+    def insert(self, token_ids: TokenIds, kv_slots: np.ndarray) -> int:
+        """Offer `token_ids` and the KV slots holding their K/V to the cache.
 
-    def inc_lock_ref(self, node) -> int:
-        """Protect node's path from eviction; returns tokens that moved from evictable to protected."""
-        return 0
+        Args:
+            token_ids: [L] token ids, L a multiple of page_size.
+            kv_slots: int32[L] KV slots of those tokens, owned by the caller.
+        Returns:
+            k: the cache took ownership of ``kv_slots[k:]``; ``kv_slots[:k]`` stay the caller's (a prefix
+            that was already cached, whose duplicate slots the caller frees, or all L for a cache that keeps
+            nothing).
+        Raises:
+            AssertionError: lengths differ or L is not whole pages.
+        """
 
-    def dec_lock_ref(self, node) -> int:
-        """Undo one inc_lock_ref; returns tokens that became evictable again."""
-        return 0
+    @abc.abstractmethod
+    def free_slots(self, kv_slots: np.ndarray) -> None:
+        """Return request-owned KV slots to the pool(s) this cache allocates from.
 
+        Args:
+            kv_slots: int32[n] slots of consecutive positions of one sequence, starting on a page boundary;
+                every page they touch is freed (a partly used last page included).
+        Raises:
+            ValueError: a page is invalid or already free (from the allocator).
+        """
+
+    @abc.abstractmethod
+    def inc_lock_ref(self, node: Optional[CacheNode]) -> int:
+        """Protect the path to `node` from eviction (None: no-op).
+
+        Returns: tokens that moved from evictable to protected.
+        """
+
+    @abc.abstractmethod
+    def dec_lock_ref(self, node: Optional[CacheNode]) -> int:
+        """Undo one `inc_lock_ref(node)` (None: no-op).
+
+        Returns: tokens that moved from protected back to evictable.
+        Raises:
+            AssertionError: more unlocks than locks.
+        """
+
+    @abc.abstractmethod
     def evict(self, num_tokens: int) -> int:
-        return 0
+        """Free unlocked cached KV, least recently used first, until `num_tokens` tokens are freed or
+        nothing evictable is left.
 
+        Returns: tokens freed (may exceed num_tokens by part of a node, or fall short).
+        """
+
+    @abc.abstractmethod
     def evictable_size(self) -> int:
-        return 0
+        """Tokens cached and unlocked (the allocator can get them back by `evict`)."""
 
+    @abc.abstractmethod
     def protected_size(self) -> int:
-        return 0
+        """Tokens cached and locked by running requests."""
 
+    @abc.abstractmethod
     def reset(self) -> None:
-        return None
+        """Free everything cached and start empty.
+
+        Raises:
+            RuntimeError: a request still holds a lock.
+        """

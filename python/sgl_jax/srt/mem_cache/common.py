@@ -6,6 +6,8 @@ from typing import Optional
 
 import numpy as np
 
+from sgl_jax.srt.mem_cache.cache_manager import cache_finished_req
+
 
 def alloc_with_evict(allocator, tree_cache, row: np.ndarray, have: int, want: int) -> Optional[np.ndarray]:
     """KV slots for positions [have, want) of a sequence, evicting unlocked cached KV when pages run short.
@@ -19,20 +21,20 @@ def alloc_with_evict(allocator, tree_cache, row: np.ndarray, have: int, want: in
 
 
 def release_kv_cache(req, tree_cache, is_insert: bool = True) -> None:
-    """Free everything `req` holds: its KV (handed to `tree_cache`, which keeps or frees it), its prefix
-    lock, and its ReqToTokenPool slot. The only code path that does so -- for finished, aborted and
-    retracted requests alike.
+    """Free everything `req` holds: its KV (handed to `tree_cache` by `cache_manager.cache_finished_req`,
+    which lets the cache keep it or frees it), its prefix lock, and its ReqToTokenPool slot. The only code
+    path that does so -- for finished, aborted and retracted requests alike.
 
     Idempotent: ``req.kv_released`` makes a second call a no-op.
 
     Args:
         req: a `Req` (``req_pool_idx``, ``kv_allocated_len``, ``kv_committed_len``, ``cache_protected_len``).
-        tree_cache: the prefix cache (`ChunkCache` or `RadixCache`).
+        tree_cache: the prefix cache (any `BasePrefixCache`; its ``req_to_token_pool`` holds the row).
         is_insert: let the cache keep the request's computed prefix for reuse (False for retract).
     """
     if req.kv_released or req.req_pool_idx is None:
         return
-    tree_cache.cache_finished_req(req, is_insert=is_insert)
+    cache_finished_req(req, tree_cache, is_insert=is_insert)
     tree_cache.req_to_token_pool.free(req.req_pool_idx)
     req.req_pool_idx = None
     req.kv_allocated_len = req.kv_committed_len = req.cache_protected_len = 0

@@ -6,10 +6,7 @@ multiples of ``page_size``, so every page is owned by exactly one node (or one r
 list). Nodes on a running request's path are locked (``lock_ref > 0``) and never evicted; unlocked leaves
 are evicted least-recently-used first when the allocator runs short.
 
-Ownership of one request's row in the ReqToTokenPool: positions [0, cache_protected_len) belong to the
-tree (and are locked through ``req.last_node``); positions [cache_protected_len, kv_allocated_len)
-belong to the request until `cache_unfinished_req` / `cache_finished_req` hand them to the tree or free
-them.
+Implements the `BasePrefixCache` contract; requests hand their KV over through `cache_manager`.
 
 Source: Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs" (2024), §3.
 """
@@ -24,13 +21,13 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
+from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, CacheNode, MatchResult, TokenIds
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 
 _ids = itertools.count()
 
 
-class TreeNode:
+class TreeNode(CacheNode):
     """One edge of the tree: ``key`` token ids and their KV ``value`` slots (int32, same length)."""
 
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "id")
@@ -92,7 +89,7 @@ class RadixCache(BasePrefixCache):
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         return upper
 
-    def match_prefix(self, token_ids) -> MatchResult:
+    def match_prefix(self, token_ids: TokenIds) -> MatchResult:
         """The longest cached, page-aligned prefix of `token_ids` and the node it ends at.
 
         Splits a node when the match ends inside it, so the returned node covers exactly the match.
@@ -116,7 +113,7 @@ class RadixCache(BasePrefixCache):
         value = np.concatenate(values) if values else np.zeros(0, np.int32)
         return MatchResult(device_indices=value, last_node=node)
 
-    def prefix_match_len(self, token_ids) -> int:
+    def prefix_match_len(self, token_ids: TokenIds) -> int:
         """What `match_prefix` would match, without splitting a node or touching access times."""
         key = np.asarray(token_ids, np.int32)[:self._align(len(token_ids))]
         node, matched = self.root, 0
@@ -131,11 +128,11 @@ class RadixCache(BasePrefixCache):
             node, key = child, key[n:]
         return matched
 
-    def insert(self, token_ids, slots: np.ndarray) -> int:
-        """Add `token_ids` (page-aligned length) with their KV `slots`; returns how many leading tokens
-        were already cached (their `slots` stay the caller's: it must free the duplicates)."""
+    def insert(self, token_ids: TokenIds, kv_slots: np.ndarray) -> int:
+        """Add `token_ids` (page-aligned length) with their KV `kv_slots`; returns how many leading tokens
+        were already cached (their `kv_slots` stay the caller's: it must free the duplicates)."""
         key = np.asarray(token_ids, np.int32)
-        value = np.asarray(slots, np.int32)
+        value = np.asarray(kv_slots, np.int32)
         assert len(key) == len(value) and len(key) % self.page_size == 0
         node, done = self.root, 0
         now = time.monotonic()
@@ -155,10 +152,10 @@ class RadixCache(BasePrefixCache):
         return done
 
     # ------------------------------------------------------------ locking and eviction
-    def inc_lock_ref(self, node: TreeNode) -> int:
-        """Protect the path root..node; returns tokens that moved from evictable to protected."""
+    def inc_lock_ref(self, node: Optional[TreeNode]) -> int:
+        """Protect the path root..node; returns tokens that moved from evictable to protected (None: no-op)."""
         moved = 0
-        while node is not self.root:
+        while node is not None and node is not self.root:
             if node.lock_ref == 0:
                 moved += len(node.key)
             node.lock_ref += 1
@@ -167,7 +164,7 @@ class RadixCache(BasePrefixCache):
         self._protected += moved
         return moved
 
-    def dec_lock_ref(self, node: TreeNode) -> int:
+    def dec_lock_ref(self, node: Optional[TreeNode]) -> int:
         """Undo one `inc_lock_ref`; returns tokens that became evictable again (None: no-op)."""
         moved = 0
         while node is not None and node is not self.root:
@@ -212,9 +209,11 @@ class RadixCache(BasePrefixCache):
         return freed
 
     def evictable_size(self) -> int:
+        """Tokens in unlocked nodes."""
         return self._evictable
 
     def protected_size(self) -> int:
+        """Tokens in locked nodes."""
         return self._protected
 
     def reset(self) -> None:
@@ -225,55 +224,9 @@ class RadixCache(BasePrefixCache):
         assert self._evictable == 0
         self.reset_tree()
 
+    def free_slots(self, kv_slots: np.ndarray) -> None:
+        """Return request-owned slots (consecutive positions from a page boundary) to the allocator."""
+        self.allocator.free_pages(self._pages(kv_slots))
+
     def _pages(self, slots: np.ndarray) -> np.ndarray:
         return (slots[::self.page_size] // self.page_size).astype(np.int32)
-
-    # ------------------------------------------------------------ request hand-off
-    def _free_row_range(self, row: np.ndarray, start: int, end: int) -> None:
-        """Free the request-owned pages covering positions [start, end) (start is page-aligned)."""
-        if end > start:
-            self.allocator.free_pages(self._pages(row[start:end]))
-
-    def cache_unfinished_req(self, req) -> None:
-        """Insert a running request's computed, page-aligned prefix (chunked prefill) and re-lock it.
-
-        Afterwards the row's positions [0, cache_protected_len) hold the tree's slots and the request
-        keeps only its unaligned tail.
-        """
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        n = self._align(_cacheable_len(req))
-        if n <= req.cache_protected_len:
-            return
-        tokens = req.fill_ids[:n]
-        existed = self.insert(tokens, row[:n])
-        self._free_row_range(row, req.cache_protected_len, existed)  # duplicates of cached pages
-        match = self.match_prefix(tokens)
-        assert match.length == n
-        row[:n] = match.device_indices
-        self.inc_lock_ref(match.last_node)
-        self.dec_lock_ref(req.last_node)
-        req.last_node = match.last_node
-        req.cache_protected_len = n
-
-    def cache_finished_req(self, req, is_insert: bool = True) -> None:
-        """Hand a finished (or retracted, with is_insert=False) request's KV over: its computed,
-        page-aligned prefix goes into the tree; duplicates, the unaligned tail and any over-allocated
-        slots are freed; its lock is released."""
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        protected = req.cache_protected_len
-        if is_insert:
-            n = max(self._align(_cacheable_len(req)), protected)
-            existed = self.insert(req.fill_ids[:n], row[:n]) if n > protected else n
-            self._free_row_range(row, protected, existed)
-            self._free_row_range(row, n, req.kv_allocated_len)
-        else:
-            self._free_row_range(row, protected, req.kv_allocated_len)
-        self.dec_lock_ref(req.last_node)
-        req.last_node = None
-
-
-def _cacheable_len(req) -> int:
-    """Positions of `req` whose KV may be shared: all computed ones, or fewer when the request says so
-    (a packed multi-item sequence shares only its query; its items' KV uses restarted positions)."""
-    limit = getattr(req, "cacheable_len", None)
-    return req.kv_committed_len if limit is None else min(req.kv_committed_len, limit)

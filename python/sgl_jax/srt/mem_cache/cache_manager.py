@@ -1,0 +1,106 @@
+"""The Req-aware hand-off between requests and a prefix cache, one set of functions for every cache kind.
+
+Prefix caches (`base_prefix_cache.BasePrefixCache`) see only token ids and KV slots; these functions are
+the only code that reads a request's KV fields on a cache's behalf and call nothing but the contract's
+methods, so RadixCache, ChunkCache and any later cache kind share them.
+
+Ownership of one request's row in the ReqToTokenPool: positions [0, cache_protected_len) belong to the
+cache (locked through ``req.last_node``); positions [cache_protected_len, kv_allocated_len) belong to the
+request until `cache_unfinished_req` / `cache_finished_req` hand them to the cache or free them.
+
+Fields read: ``fill_ids``, ``req_pool_idx``, ``kv_committed_len``, ``kv_allocated_len``,
+``cache_protected_len``, ``last_node``, ``cacheable_len``, ``fixed_prefix``, ``prefix_indices``,
+``max_prefix_len()``. Fields written: ``last_node``, ``cache_protected_len`` (and the request's row).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
+
+
+def cacheable_len(req) -> int:
+    """Positions of `req` whose KV may be shared: all computed ones, or fewer when the request says so
+    (a packed multi-item sequence shares only its query; a scoring item shares nothing)."""
+    limit = getattr(req, "cacheable_len", None)
+    return req.kv_committed_len if limit is None else min(req.kv_committed_len, limit)
+
+
+def match_req(req, tree_cache: BasePrefixCache) -> Tuple[MatchResult, int]:
+    """Match and lock the cached prefix a waiting request may reuse.
+
+    A prefill_extend item (``req.fixed_prefix``) reuses its scoring handle's query KV
+    (``req.prefix_indices``), which the handle owns and keeps: nothing is matched or locked.
+
+    Returns:
+        (match, moved): the match, already locked (undo with ``tree_cache.dec_lock_ref(match.last_node)``
+        if the request is not admitted), and the tokens the lock moved from evictable to protected.
+    """
+    if req.fixed_prefix:
+        return MatchResult(req.prefix_indices, None), 0
+    match = tree_cache.match_prefix(req.fill_ids[:req.max_prefix_len()])
+    return match, tree_cache.inc_lock_ref(match.last_node)
+
+
+def _free_row_range(tree_cache: BasePrefixCache, row, start: int, end: int) -> None:
+    """Free the request-owned pages covering positions [start, end) (start is page-aligned)."""
+    if end > start:
+        tree_cache.free_slots(row[start:end])
+
+
+def cache_unfinished_req(req, tree_cache: BasePrefixCache) -> None:
+    """Hand a running request's computed, page-aligned prefix to the cache (chunked prefill) and re-lock.
+
+    Afterwards the row's positions [0, cache_protected_len) hold the cache's slots (the request's duplicates
+    of an already cached part are freed) and the request keeps only its unaligned tail. A cache that keeps
+    nothing (ChunkCache) leaves the request and its row as they were.
+
+    Args:
+        req: a running `Req` whose KV positions [0, kv_committed_len) are written.
+        tree_cache: the request's prefix cache (its ``req_to_token_pool`` holds the request's row).
+    """
+    row = tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+    protected = req.cache_protected_len
+    n = cacheable_len(req) // tree_cache.page_size * tree_cache.page_size
+    if n <= protected:
+        return
+    tokens = req.fill_ids[:n]
+    existed = tree_cache.insert(tokens, row[:n])
+    match = tree_cache.match_prefix(tokens)
+    if match.length != n:  # the cache kept nothing: the request still owns all its positions
+        assert match.length == 0 and existed == n, "the prefix cache kept part of an inserted prefix"
+        return
+    _free_row_range(tree_cache, row, protected, existed)  # duplicates of cached pages
+    row[:n] = match.device_indices
+    tree_cache.inc_lock_ref(match.last_node)
+    tree_cache.dec_lock_ref(req.last_node)
+    req.last_node = match.last_node
+    req.cache_protected_len = n
+
+
+def cache_finished_req(req, tree_cache: BasePrefixCache, is_insert: bool = True) -> None:
+    """Hand a finished (or retracted, with is_insert=False) request's KV over to the cache.
+
+    Its computed, page-aligned cacheable prefix is inserted; duplicates of already cached pages, the
+    unaligned tail, over-allocated slots and whatever the cache did not take are freed; its lock is
+    released. Positions below ``cache_protected_len`` are never freed here (the cache's, or a scoring
+    handle's for a prefill_extend item). Called only by `common.release_kv_cache`, which then frees the
+    request's ReqToTokenPool slot.
+
+    Args:
+        req: a `Req` holding a row (``req_pool_idx`` set).
+        tree_cache: the request's prefix cache.
+        is_insert: offer the computed prefix to the cache (False: free every request-owned position).
+    """
+    row = tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+    protected = req.cache_protected_len
+    if is_insert:
+        n = max(cacheable_len(req) // tree_cache.page_size * tree_cache.page_size, protected)
+        existed = tree_cache.insert(req.fill_ids[:n], row[:n]) if n > protected else n
+        _free_row_range(tree_cache, row, protected, existed)
+        _free_row_range(tree_cache, row, n, req.kv_allocated_len)
+    else:
+        _free_row_range(tree_cache, row, protected, req.kv_allocated_len)
+    tree_cache.dec_lock_ref(req.last_node)
+    req.last_node = None

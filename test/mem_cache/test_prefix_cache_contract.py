@@ -1,0 +1,144 @@
+"""The prefix-cache contract (base_prefix_cache.py) and the one Req-aware hand-off (cache_manager.py):
+every cache kind implements the whole contract, no cache reads a request, and the same hand-off functions
+drive RadixCache and ChunkCache."""
+
+import ast
+import importlib
+import inspect
+import pkgutil
+
+import numpy as np
+import pytest
+
+import sgl_jax.srt.mem_cache as mem_cache
+from sgl_jax.srt.managers.schedule_batch import Req
+from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, CacheNode
+from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req, match_req
+from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
+from sgl_jax.srt.mem_cache.common import release_kv_cache
+from sgl_jax.srt.mem_cache.radix_cache import RadixCache, TreeNode
+from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+
+CONTRACT = {"match_prefix", "prefix_match_len", "insert", "free_slots", "inc_lock_ref", "dec_lock_ref", "evict",
+            "evictable_size", "protected_size", "reset"}
+REQ_FIELDS = {"fill_ids", "req_pool_idx", "kv_committed_len", "kv_allocated_len", "cache_protected_len",
+              "cacheable_len", "fixed_prefix", "prefix_indices", "kv_released"}
+
+
+def make(kind, page_size):
+    pool = ReqToTokenPool(4, 256)
+    alloc = PagedTokenToKVPoolAllocator(512, page_size)
+    cache = RadixCache(pool, alloc, page_size) if kind == "radix" else ChunkCache(pool, alloc)
+    return pool, alloc, cache
+
+
+def test_every_contract_method_is_abstract_and_documented():
+    assert BasePrefixCache.__abstractmethods__ == CONTRACT
+    for name in CONTRACT:
+        doc = inspect.getdoc(getattr(BasePrefixCache, name))
+        assert doc and len(doc) > 20, name
+    assert issubclass(TreeNode, CacheNode)
+
+
+@pytest.mark.parametrize("kind", ["radix", "chunk"])
+def test_both_cache_kinds_implement_the_contract(kind):
+    pool, alloc, cache = make(kind, 4)
+    assert isinstance(cache, BasePrefixCache)
+    assert cache.page_size == 4 and cache.req_to_token_pool is pool
+    node = cache.match_prefix([1, 2, 3, 4, 5]).last_node
+    assert node is None or isinstance(node, CacheNode)
+
+
+def _cache_modules():
+    for info in pkgutil.iter_modules(mem_cache.__path__):
+        module = importlib.import_module(f"{mem_cache.__name__}.{info.name}")
+        if any(inspect.isclass(v) and issubclass(v, BasePrefixCache) and v.__module__ == module.__name__
+               for v in vars(module).values()):
+            yield module
+
+
+def test_no_prefix_cache_reads_a_request():
+    """Only cache_manager (and release_kv_cache) touch a Req's KV fields; the caches see ids and slots."""
+    modules = list(_cache_modules())
+    assert {m.__name__.rsplit(".", 1)[1] for m in modules} >= {"base_prefix_cache", "radix_cache", "chunk_cache"}
+    for module in modules:
+        tree = ast.parse(inspect.getsource(module))
+        for node in ast.walk(tree):
+            assert not (isinstance(node, ast.Attribute) and node.attr in REQ_FIELDS), (module.__name__, node.attr)
+            assert not (isinstance(node, ast.Name) and node.id == "req"), module.__name__
+            assert not (isinstance(node, ast.arg) and node.arg == "req"), module.__name__
+            assert not (isinstance(node, ast.FunctionDef) and node.name.startswith("cache_")), module.__name__
+
+
+def _admit(pool, alloc, cache, ids, committed):
+    """A request admitted through `match_req`, its whole prompt allocated and `committed` positions written."""
+    req = Req("r", ids, SamplingParams(max_new_tokens=4), eos_token_ids=[], seed=0)
+    match, _ = match_req(req, cache)
+    req.last_node = match.last_node
+    req.req_pool_idx = pool.alloc()
+    pool.write(req.req_pool_idx, 0, match.device_indices)
+    req.cache_protected_len = match.length
+    row = pool.req_to_token[req.req_pool_idx]
+    pool.write(req.req_pool_idx, match.length, alloc.alloc_token_slots(row, match.length, len(ids)))
+    req.kv_allocated_len, req.kv_committed_len = len(ids), committed
+    return req
+
+
+@pytest.mark.parametrize("kind", ["radix", "chunk"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_one_hand_off_drives_both_cache_kinds(kind, page_size):
+    pool, alloc, cache = make(kind, page_size)
+    ids = list(range(40))
+    req = _admit(pool, alloc, cache, ids, 22)  # a chunk of 22 computed
+    row = pool.req_to_token[req.req_pool_idx]
+    before = row.copy()
+    cache_unfinished_req(req, cache)
+    aligned = 22 // page_size * page_size
+    if kind == "radix":
+        assert req.cache_protected_len == aligned and cache.protected_size() == aligned
+        assert isinstance(req.last_node, TreeNode)
+        np.testing.assert_array_equal(row[:aligned], cache.match_prefix(ids).device_indices)
+    else:  # keeps nothing: the request and its row are untouched
+        assert req.cache_protected_len == 0 and req.last_node is None
+        np.testing.assert_array_equal(row, before)
+    own = alloc.pages_needed(req.cache_protected_len, 40) * page_size
+    assert alloc.available_size() + cache.evictable_size() + cache.protected_size() + own == alloc.size
+    req.kv_committed_len = 40
+    release_kv_cache(req, cache)
+    assert cache.protected_size() == 0 and req.last_node is None
+    assert alloc.available_size() + cache.evictable_size() == alloc.size
+    assert cache.evictable_size() == (40 // page_size * page_size if kind == "radix" else 0)
+    second = _admit(pool, alloc, cache, ids + [1], 41)  # the prefix is shared only by the radix cache
+    assert second.cache_protected_len == (40 // page_size * page_size if kind == "radix" else 0)
+    release_kv_cache(second, cache, is_insert=False)
+    cache.reset()
+    assert alloc.available_size() == alloc.size and pool.available_size() == pool.size
+
+
+@pytest.mark.parametrize("kind", ["radix", "chunk"])
+def test_scoring_item_frees_only_its_own_pages(kind):
+    """A prefill_extend item starts at its handle's query KV (cache_protected_len > 0, no lock): releasing
+    it frees exactly the pages after that prefix, with either cache kind."""
+    page_size = 4
+    pool, alloc, cache = make(kind, page_size)
+    handle = _admit(pool, alloc, cache, list(range(18)), 18)
+    handle.cacheable_len = 0  # the handle owns its query's KV
+    item = Req("item", list(range(18)) + [7] * 9, SamplingParams(max_new_tokens=0), eos_token_ids=[], seed=0)
+    item.prefix_indices = pool.req_to_token[handle.req_pool_idx][:16].copy()
+    item.fixed_prefix, item.cacheable_len = True, 0
+    match, moved = match_req(item, cache)
+    assert match.length == 16 and match.last_node is None and moved == 0
+    item.req_pool_idx = pool.alloc()
+    pool.write(item.req_pool_idx, 0, match.device_indices)
+    item.cache_protected_len = 16
+    row = pool.req_to_token[item.req_pool_idx]
+    pool.write(item.req_pool_idx, 16, alloc.alloc_token_slots(row, 16, 27))
+    item.kv_allocated_len = item.kv_committed_len = 27
+    free_before = alloc.available_pages()
+    release_kv_cache(item, cache)
+    assert alloc.available_pages() == free_before + 3  # positions 16..26: three pages, the handle's stay
+    assert cache.evictable_size() == cache.protected_size() == 0
+    release_kv_cache(handle, cache)
+    assert alloc.available_size() == alloc.size
