@@ -22,7 +22,7 @@ from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 CONTRACT = {"match_prefix", "prefix_match_len", "insert", "free_slots", "inc_lock_ref", "dec_lock_ref", "evict",
-            "evictable_size", "protected_size", "reset"}
+            "evictable_size", "protected_size", "swa_evictable_size", "swa_protected_size", "reset"}
 REQ_FIELDS = {"fill_ids", "req_pool_idx", "kv_committed_len", "kv_allocated_len", "cache_protected_len",
               "cacheable_len", "fixed_prefix", "prefix_indices", "kv_released"}
 

@@ -201,6 +201,9 @@ def wait_pool_idle(url: str, headers: Optional[dict] = None, timeout: float = 60
         assert st["kv_tokens_in_use"] == 0 and st["kv_tokens_protected"] == 0, st
         assert st["kv_tokens_free"] + st["kv_tokens_cached"] == st["kv_tokens_total"], st
         assert st["req_slots_free"] == st["max_running_requests"] and st["memory_errors"] == 0, st
+        if "swa_tokens_total" in st:  # hybrid SWA memory: the SWA pool too
+            assert st["swa_tokens_in_use"] == 0 and st["swa_tokens_protected"] == 0, st
+            assert st["swa_tokens_free"] + st["swa_tokens_cached"] == st["swa_tokens_total"], st
     return {**ranks[0], "dp_ranks": ranks}
 
 
@@ -280,6 +283,25 @@ def save_tiny_llama(path) -> tuple:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                       rms_norm_eps=1e-6, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
+    return str(path), resolve_model_path(default_model_path()).hf_dir
+
+
+def save_tiny_gemma3(path, window: int = 16, num_layers: int = 3) -> tuple:
+    """A random tiny Gemma 3 (SmolLM2's vocabulary, sliding window `window` on every layer but the middle one)
+    saved as safetensors in `path`; returns (model dir, tokenizer dir: SmolLM2's, for --tokenizer-path)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from sgl_jax.srt.configs.model_config import resolve_model_path
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    types = ["full_attention" if i == num_layers // 2 else "sliding_attention" for i in range(num_layers)]
+    cfg = Gemma3TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                           sliding_window=window, layer_types=types, query_pre_attn_scalar=16,
+                           architectures=["Gemma3ForCausalLM"])
+    Gemma3ForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
     return str(path), resolve_model_path(default_model_path()).hf_dir
 
 

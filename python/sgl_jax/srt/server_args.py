@@ -70,6 +70,8 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 2048
     disable_radix_cache: bool = False
+    swa_full_tokens_ratio: float = 0.8
+    disable_hybrid_swa_memory: bool = False
     precompile_token_paddings: Optional[List[int]] = None
     precompile_bs_paddings: Optional[List[int]] = None
     disable_precompile: bool = False
@@ -156,6 +158,8 @@ class ServerArgs:
         for name in ("max_total_tokens", "max_running_requests", "context_length"):
             if getattr(self, name) is not None:
                 self._check_positive(name)
+        if not (isinstance(self.swa_full_tokens_ratio, (int, float)) and 0.0 < self.swa_full_tokens_ratio <= 1.0):
+            raise ValueError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio!r}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         for name in ("precompile_token_paddings", "precompile_bs_paddings"):
@@ -195,6 +199,10 @@ class ServerArgs:
             "chunked_prefill_size": "tokens per prefill step; longer prompts are prefilled in chunks "
                                     "interleaved with decoding (-1: off)",
             "disable_radix_cache": "no prefix sharing between requests (ChunkCache instead of RadixCache)",
+            "swa_full_tokens_ratio": "sliding-window models: tokens of the SWA KV pool per token of the full pool; "
+                                     "both pools share the memory one pool for every layer would take",
+            "disable_hybrid_swa_memory": "sliding-window models: one KV pool for every layer (windows only masked) "
+                                         "instead of a separate, smaller SWA pool",
             "precompile_token_paddings": "extend token-count buckets compiled at start-up",
             "precompile_bs_paddings": "batch-size buckets compiled at start-up",
             "disable_precompile": "skip warm-up compilation (shapes then compile on first use)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import jax
@@ -32,7 +33,9 @@ def paged_attention(
     Args:
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (rotary already applied).
         kv: this layer's cache pages.
-        fb: the step's ForwardBatch (slots to write, page table, lengths, and which attention backend runs).
+        fb: the step's ForwardBatch (slots to write, page table, lengths, and which attention backend runs). A
+            sliding-window layer of a model with a separate SWA pool uses its SWA slots and page table.
+        sliding_window: the layer's window (a query sees the last ``sliding_window`` positions), None: full.
         mesh: the device mesh. Heads are sharded over its ``tensor`` axis (the KV cache too, see
             distributed/sharding.py) and data-parallel ranks over its ``data`` axis: each device writes and
             attends over its own heads of its own rank's tokens, KV pages and metadata (``fb`` holds the ranks'
@@ -41,6 +44,9 @@ def paged_attention(
     Returns:
         ([T, num_heads, head_dim] attention output, updated kv).
     """
+
+    if sliding_window is not None and fb.swa_page_indices is not None:  # this layer's KV is in the SWA pool
+        fb = dataclasses.replace(fb, out_cache_loc=fb.swa_out_cache_loc, page_indices=fb.swa_page_indices)
 
     def local(q, k, v, k_pages, v_pages, fb):
         k_pages, v_pages = write_kv_to_pages(k_pages, v_pages, k, v, fb.out_cache_loc)

@@ -32,6 +32,7 @@ from sgl_jax.srt.managers.schedule_policy import (
 )
 from sgl_jax.srt.managers.scheduler_output import extend_offsets, process_batch_result, token_out
 from sgl_jax.srt.managers.scheduler_scoring import SchedulerScoring
+from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -63,13 +64,17 @@ class RankScheduler:
         decode_tail: (req, token ids) -> text, for stop strings.
         full_logprobs, label_logprobs, kv_cache_lost: the model runner's.
         test_retract: retract half the running requests every TEST_RETRACT_INTERVAL decode steps.
+        swa_window: the model's sliding window when `allocator` has a separate SWA pool (hybrid SWA memory):
+            admission then accounts for the SWA pool and, with `swa_release`, each running request's SWA KV
+            that left the window is freed after every step.
     """
 
     def __init__(self, rank: int, dp_size: int, *, req_to_token_pool, allocator, tree_cache,
                  scoring: SchedulerScoring, buckets, max_running_requests: int, max_prefill_tokens: int,
                  chunk_size: Optional[int], stream_interval: int, send: Callable[[list], None],
                  decode_tail: Callable[[Req, List[int]], str], full_logprobs, label_logprobs,
-                 kv_cache_lost: Callable[[], bool], test_retract: bool = False):
+                 kv_cache_lost: Callable[[], bool], test_retract: bool = False, swa_window: Optional[int] = None,
+                 swa_release: bool = True):
         self.rank = rank
         self.tag = f"[DP {rank}] " if dp_size > 1 else ""
         self.req_to_token_pool = req_to_token_pool
@@ -87,6 +92,8 @@ class RankScheduler:
         self.label_logprobs = label_logprobs
         self.kv_cache_lost = kv_cache_lost
         self.test_retract = test_retract
+        self.swa_window = swa_window
+        self.swa_release = swa_release
         self.waiting_queue: List[Req] = []
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE)
         self.chunked_req: Optional[Req] = None  # a request whose prompt is being prefilled in chunks
@@ -94,6 +101,7 @@ class RankScheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retracted_reqs = 0
         self.num_assigned_reqs = 0  # requests (and scoring groups) the load balancer gave this rank
+        self.peak_running_reqs = 0  # most requests admitted at once (decoding + being chunk-prefilled)
         self.memory_errors = 0
         self.idle_checked = False
         self._last_forced_retract = 0
@@ -187,7 +195,8 @@ class RankScheduler:
         slots = min(self.req_to_token_pool.available_size(), self.max_running_requests - in_flight)
         adder = PrefillAdder(self.buckets, self.allocator, self.tree_cache, running,
                              max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size,
-                             free_req_slots=slots, new_token_ratio=self.new_token_ratio)
+                             free_req_slots=slots, new_token_ratio=self.new_token_ratio, swa_window=self.swa_window,
+                             swa_release=self.swa_release)
         if self.chunked_req is not None and not adder.add_chunked(self.chunked_req):
             return None
         handle_room = self.scoring.handle_room(self.chunked_req, self.max_running_requests, self.allocator.size)
@@ -218,6 +227,8 @@ class RankScheduler:
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
         self.chunked_req = adder.new_chunked_req
         batch = ScheduleBatch(adder.can_run, ForwardMode.EXTEND)
+        in_flight = {id(r) for r in self.running_batch.reqs + adder.can_run}
+        self.peak_running_reqs = max(self.peak_running_reqs, len(in_flight))
         batch.prepare_for_extend(self.req_to_token_pool, self.allocator, self.tree_cache)
         return batch
 
@@ -265,6 +276,10 @@ class RankScheduler:
         if batch.reqs:
             self.log_batch(batch)
         self.stream_and_release(batch)
+        if self.swa_window and self.swa_release:
+            for req in batch.reqs:
+                if not req.finished():
+                    release_swa_out_of_window(req, self.req_to_token_pool, self.allocator, self.swa_window)
 
     def collect_scores(self, batch: ScheduleBatch, out, starts: List[int]) -> None:
         """Label logprobs of the step's score positions; a request whose scores fail alone is failed."""
@@ -364,12 +379,24 @@ class RankScheduler:
         free = self.allocator.available_size()
         cached = self.tree_cache.evictable_size()
         protected = self.tree_cache.protected_size()
-        return {
+        acc = {
             "kv_tokens_total": total,
             "kv_tokens_free": free,
             "kv_tokens_cached": cached + protected,
             "kv_tokens_in_use": total - free - cached - protected,
         }
+        if self.swa_window:
+            swa_total, swa_free = self.allocator.swa_size, self.allocator.swa_available_size()
+            swa_cached = self.tree_cache.swa_evictable_size() + self.tree_cache.swa_protected_size()
+            acc.update({
+                "swa_tokens_total": swa_total,
+                "swa_tokens_free": swa_free,
+                "swa_tokens_cached": swa_cached,
+                "swa_tokens_in_use": swa_total - swa_free - swa_cached,
+                "swa_tokens_evictable": self.tree_cache.swa_evictable_size(),
+                "swa_tokens_protected": self.tree_cache.swa_protected_size(),
+            })
+        return acc
 
     def internal_state(self) -> dict:
         """This rank's queues, KV accounting and counters (the per-rank entries of /get_server_info)."""
@@ -384,6 +411,7 @@ class RankScheduler:
             "kv_tokens_protected": self.tree_cache.protected_size(),
             "num_retracted_reqs": self.num_retracted_reqs,
             "num_assigned_reqs": self.num_assigned_reqs,
+            "peak_running_reqs": self.peak_running_reqs,
             "new_token_ratio": self.new_token_ratio,
             "num_score_handles": len(self.scoring.handles),
             "num_expired_score_handles": self.scoring.num_expired_handles,
@@ -406,9 +434,13 @@ class RankScheduler:
         free, evictable = self.allocator.available_size(), self.tree_cache.evictable_size()
         protected = self.tree_cache.protected_size()
         slots_ok = self.req_to_token_pool.available_size() == self.req_to_token_pool.size
-        if free + evictable + protected != acc["kv_tokens_total"] or protected != 0 or not slots_ok:
+        swa_ok = not self.swa_window or (acc["swa_tokens_in_use"] == 0 and acc["swa_tokens_protected"] == 0)
+        if free + evictable + protected != acc["kv_tokens_total"] or protected != 0 or not slots_ok or not swa_ok:
             self.memory_errors += 1
             logger.error("%sKV accounting mismatch while idle: free %d + evictable %d + protected %d != total %d "
                          "(or a prefix is still locked), free request slots %d of %d", self.tag, free, evictable,
                          protected, acc["kv_tokens_total"], self.req_to_token_pool.available_size(),
                          self.req_to_token_pool.size)
+            if not swa_ok:
+                logger.error("%sSWA KV accounting mismatch while idle: %s", self.tag,
+                             {k: v for k, v in acc.items() if k.startswith("swa_")})

@@ -130,6 +130,9 @@ class Req:
         # prefix cache (locked through last_node); [cache_protected_len, kv_allocated_len) to this request.
         self.req_pool_idx: Optional[int] = None
         self.kv_allocated_len = 0  # positions that have a KV slot
+        # hybrid SWA memory: positions [cache_protected_len, swa_evicted_len) of this request's own KV have had
+        # their SWA pages freed (out of every future query's window); their full KV stays
+        self.swa_evicted_len = 0
         self.kv_committed_len = 0  # positions whose K/V are written
         self.cache_protected_len = 0
         self.last_node = None
@@ -186,7 +189,7 @@ class Req:
     def reset_for_retract(self) -> None:
         """Forget KV state after a retract (KV already released); generation resumes from fill_ids."""
         assert self.req_pool_idx is None, "release the request's KV before resetting it"
-        self.kv_allocated_len = self.kv_committed_len = self.cache_protected_len = 0
+        self.kv_allocated_len = self.kv_committed_len = self.cache_protected_len = self.swa_evicted_len = 0
         self.last_node = None
         self.prefix_indices = np.zeros(0, np.int32)
         self.extend_input_len = 0
@@ -299,7 +302,7 @@ class ScheduleBatch:
                     raise RuntimeError("ReqToTokenPool is full; admission should have prevented this")
                 n = len(req.prefix_indices)
                 pool.write(req.req_pool_idx, 0, req.prefix_indices)
-                req.kv_allocated_len = req.kv_committed_len = req.cache_protected_len = n
+                req.kv_allocated_len = req.kv_committed_len = req.cache_protected_len = req.swa_evicted_len = n
                 req.kv_released = False
             assert req.kv_allocated_len == req.kv_committed_len
             end = req.kv_committed_len + req.extend_input_len
@@ -341,10 +344,13 @@ class ScheduleBatch:
         return sum(r.extend_input_len for r in self.reqs)
 
     def build_model_worker_batch(self, buckets: ShapeBuckets, pool: ReqToTokenPool, page_size: int,
-                                 padded_shape: Optional[tuple] = None) -> ModelWorkerBatch:
+                                 padded_shape: Optional[tuple] = None,
+                                 swa_page_map: Optional[np.ndarray] = None) -> ModelWorkerBatch:
         """Host arrays for the step, padded to the bucket `buckets` picks (see ForwardBatch), or to
         ``padded_shape`` = (step mode, T_pad, S_pad) when the step of several DP ranks is larger (see
-        `step_shape`; a decode batch is laid out the same in an EXTEND step: one query token each)."""
+        `step_shape`; a decode batch is laid out the same in an EXTEND step: one query token each).
+        ``swa_page_map`` (int32[num_pages + 1], `SWAPagedAllocator.full_to_swa`): the model has a separate SWA
+        KV pool; the batch then carries the SWA slots and page table too."""
         reqs = self.reqs
         S = len(reqs)
         if self.forward_mode == ForwardMode.DECODE:
@@ -414,6 +420,10 @@ class ScheduleBatch:
             shared_prefix_len=np.asarray(shared, np.int32),
             forward_mode=step_mode,
         )
+        if swa_page_map is not None:
+            fb.swa_page_indices = swa_page_map[page_indices]
+            fb.swa_out_cache_loc = (swa_page_map[fb.out_cache_loc // page_size] * page_size
+                                    + fb.out_cache_loc % page_size).astype(np.int32)
         sps = [r.sampling_params for r in reqs]
         decode = self.forward_mode == ForwardMode.DECODE
         samples = [decode or r.kv_committed_len + r.extend_input_len >= r.seqlen for r in reqs]

@@ -10,6 +10,11 @@ A request is admitted when, together with the ones already picked,
   every running request. The ratio starts at 0.7 and decays to 0.1 while decoding goes well; when decode
   runs out of pages anyway, requests are retracted and the ratio is raised (SGLang's scheme).
 
+Sliding-window models with a separate SWA pool (hybrid SWA memory) are admitted against both pools: the
+full pool as above, and the SWA pool for each request's peak SWA use, ``window + interval + 2 pages``
+(interval: the tokens one step adds, a chunk or the whole prompt when prefilled at once; never more than the
+request's final length), minus the SWA pages a running request already holds (SGLang's accounting).
+
 Admitting a request locks its matched prefix in the prefix cache (those pages stop being evictable);
 a rejected request's lock is released at once.
 """
@@ -37,6 +42,20 @@ def future_tokens(req: Req, ratio: float) -> int:
     return math.ceil(min(max(remaining, 0), CLIP_MAX_NEW_TOKENS) * ratio)
 
 
+def swa_peak_tokens(req: Req, window: int, interval: int, page_size: int, ratio: float) -> int:
+    """Most SWA KV tokens `req` holds at once when its SWA KV is freed as it leaves the window: the window,
+    one step's tokens and two pages of slack, or its whole (estimated) length if shorter."""
+    return min(req.seqlen + future_tokens(req, ratio), window + interval + 2 * page_size)
+
+
+def swa_held_pages(req: Req, page_size: int) -> int:
+    """SWA pages a request owns now: its own KV pages (past the prefix cache's) not yet freed by SWA release."""
+    if req.req_pool_idx is None:
+        return 0
+    start = max(req.swa_evicted_len, -(-req.cache_protected_len // page_size) * page_size)
+    return max(0, -(-req.kv_allocated_len // page_size) - start // page_size)
+
+
 def ratio_after_retract(running: List[Req]) -> float:
     """SGLang's estimate after a retract: room for RETRACT_DECODE_STEPS more tokens of each request."""
     decoded = sum(len(r.output_ids) for r in running)
@@ -54,11 +73,16 @@ class PrefillAdder:
         max_prefill_tokens: token budget without chunking; chunk_size: token budget with chunking (None: off).
         free_req_slots: request slots left.
         new_token_ratio: the current future-token estimate factor.
+        swa_window: the sliding window when the allocator has a separate SWA pool (`SWAPagedAllocator`),
+            else None.
+        swa_release: running requests' SWA KV is freed as it leaves the window (else a request holds SWA KV
+            for its whole length, and admission reserves that).
     """
 
     def __init__(self, buckets: ShapeBuckets, allocator: PagedTokenToKVPoolAllocator, tree_cache,
                  running: List[Req], *, max_prefill_tokens: int, chunk_size: Optional[int], free_req_slots: int,
-                 new_token_ratio: float):
+                 new_token_ratio: float, swa_window: Optional[int] = None,
+                 swa_release: bool = True):
         self.buckets = buckets
         self.allocator = allocator
         self.tree_cache = tree_cache
@@ -67,8 +91,14 @@ class PrefillAdder:
         self.chunk_size = chunk_size
         self.ratio = new_token_ratio
         self.free_req_slots = free_req_slots
-        self.rem_pages = (allocator.available_pages() + tree_cache.evictable_size() // self.ps
+        self.swa_window = swa_window
+        self.swa_release = swa_release
+        full_free = allocator.full_available_pages() if swa_window else allocator.available_pages()
+        self.rem_pages = (full_free + tree_cache.evictable_size() // self.ps
                           - sum(self._pages(future_tokens(r, self.ratio)) for r in running))
+        if swa_window:
+            self.rem_swa_pages = allocator.swa_available_pages() - sum(
+                max(0, self._swa_peak_pages(r, 1) - swa_held_pages(r, self.ps)) for r in running)
         self.can_run: List[Req] = []
         self.num_tokens = 0
         self.new_chunked_req: Optional[Req] = None  # a request cut to a chunk in this batch
@@ -107,6 +137,8 @@ class PrefillAdder:
         available_now = self.allocator.available_pages() + self.tree_cache.evictable_size() // self.ps
         if n == 0 or pages > available_now or not self._fits_bucket(n):
             return False
+        if self.swa_window:
+            self.rem_swa_pages -= max(0, self._swa_peak_pages(req, n) - swa_held_pages(req, self.ps))
         self._accept(req, n, remaining)
         return True
 
@@ -121,6 +153,8 @@ class PrefillAdder:
             n = self._take(req, extend)
             need = self.allocator.pages_needed(prefix, req.seqlen) + self._pages(future_tokens(req, self.ratio))
             fits = n > 0 and self._fits_bucket(self.num_tokens + n) and need <= self.rem_pages - moved // self.ps
+            swa_need = self._swa_peak_pages(req, n) if self.swa_window else 0
+            fits = fits and (not self.swa_window or swa_need <= self.rem_swa_pages)
         except BaseException:  # never leave the prefix locked
             self.tree_cache.dec_lock_ref(match.last_node)
             raise
@@ -128,6 +162,8 @@ class PrefillAdder:
             self.tree_cache.dec_lock_ref(match.last_node)
             return False
         self.rem_pages -= need + moved // self.ps
+        if self.swa_window:
+            self.rem_swa_pages -= swa_need
         self.free_req_slots -= 1
         req.prefix_indices = match.device_indices
         req.last_node = match.last_node
@@ -135,6 +171,13 @@ class PrefillAdder:
             req.cached_tokens = prefix
         self._accept(req, n, extend)
         return True
+
+    def _swa_peak_pages(self, req: Req, n: int) -> int:
+        """Peak SWA pages of a request extending n tokens per step (a chunk, or its whole prompt)."""
+        if not self.swa_release:
+            return self._pages(req.seqlen + future_tokens(req, self.ratio))
+        interval = n if n == 1 or self.chunk_size is None else self.chunk_size
+        return self._pages(swa_peak_tokens(req, self.swa_window, interval, self.ps, self.ratio))
 
     def _accept(self, req: Req, n: int, remaining: int) -> None:
         req.extend_input_len = n

@@ -57,6 +57,7 @@ from sgl_jax.srt.managers.scheduler_output import token_out
 from sgl_jax.srt.managers.scheduler_scoring import SchedulerScoring
 from sgl_jax.srt.mem_cache import create_prefix_cache
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets, default_bs_paddings, default_token_paddings
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
@@ -72,7 +73,12 @@ CRASH_AT_STEP_ENV = "SGL_JAX_TEST_CRASH_AT_STEP"
 # Test hook: when "1", retract the latest half of the running requests every few decode steps
 # (SGLang's SGLANG_TEST_RETRACT is accepted too).
 TEST_RETRACT_ENV = "SGL_JAX_TEST_RETRACT"
+# Keep every running request's SWA KV until it finishes (hybrid SWA memory without SWA release): for
+# measuring what SWA release buys, not for serving.
+DISABLE_SWA_RELEASE_ENV = "SGL_JAX_DISABLE_SWA_RELEASE"
 # per-rank entries of the internal state that the server-wide state sums
+SWA_STATE_KEYS = ("swa_tokens_total", "swa_tokens_free", "swa_tokens_cached", "swa_tokens_in_use",
+                  "swa_tokens_evictable", "swa_tokens_protected")  # hybrid SWA memory only
 SUMMED_STATE_KEYS = ("kv_tokens_total", "kv_tokens_free", "kv_tokens_cached", "kv_tokens_in_use", "num_running_reqs",
                      "num_waiting_reqs", "req_slots_free", "memory_errors", "kv_tokens_evictable",
                      "kv_tokens_protected", "num_retracted_reqs", "num_assigned_reqs", "num_score_handles",
@@ -185,7 +191,11 @@ class Scheduler:
     def _new_rank(self, rank: int, test_retract: bool) -> RankScheduler:
         """Rank `rank`'s pools (its own KV block, request slots and prefix cache) and scheduling state."""
         pool = ReqToTokenPool(self.max_running_requests, self.context_len)
-        allocator = PagedTokenToKVPoolAllocator(self.model_runner.max_total_tokens, self.page_size)
+        runner = self.model_runner
+        if runner.hybrid_swa:
+            allocator = SWAPagedAllocator(runner.max_total_tokens, runner.swa_max_total_tokens, self.page_size)
+        else:
+            allocator = PagedTokenToKVPoolAllocator(runner.max_total_tokens, self.page_size)
         tree_cache = create_prefix_cache(self.server_args, pool, allocator)
         scoring = SchedulerScoring(tree_cache, pool, self.page_size,
                                    self.server_args.multi_item_prefill_extend_cache_timeout,
@@ -197,7 +207,9 @@ class Scheduler:
             max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size,
             stream_interval=self.server_args.stream_interval, send=self._send, decode_tail=self.decode_tail,
             full_logprobs=self.model_runner.full_logprobs, label_logprobs=self.model_runner.label_logprobs,
-            kv_cache_lost=self.model_runner.kv_cache_lost, test_retract=test_retract)
+            kv_cache_lost=self.model_runner.kv_cache_lost, test_retract=test_retract,
+            swa_window=self.model_config.sliding_window if runner.hybrid_swa else None,
+            swa_release=os.environ.get(DISABLE_SWA_RELEASE_ENV) != "1")
 
     def init_info(self) -> dict:
         """Facts the TokenizerManager needs (validation limits, pool sizes: per rank)."""
@@ -287,8 +299,10 @@ class Scheduler:
         shape = step_shape([b for _, b in live], self.buckets)
         worker_batches = [None] * self.dp_size
         for r, batch in live:
-            worker_batches[r] = batch.build_model_worker_batch(self.buckets, self.ranks[r].req_to_token_pool,
-                                                               self.page_size, shape)
+            rank = self.ranks[r]
+            swa_map = rank.allocator.full_to_swa if rank.swa_window else None
+            worker_batches[r] = batch.build_model_worker_batch(self.buckets, rank.req_to_token_pool, self.page_size,
+                                                               shape, swa_page_map=swa_map)
         return self.model_runner.forward_ranks(worker_batches)
 
     def forward_isolating_faults(self, batches: List[Optional[ScheduleBatch]]) -> list:
@@ -451,8 +465,9 @@ class Scheduler:
                   "page_size": self.page_size, **self.init_info()}
         per_rank = [{**rank.internal_state(), **shared} for rank in self.ranks]
         state = {k: v for k, v in per_rank[0].items() if k != "dp_rank"}
-        for key in SUMMED_STATE_KEYS:
-            state[key] = sum(p[key] for p in per_rank)
+        for key in SUMMED_STATE_KEYS + SWA_STATE_KEYS:
+            if key in per_rank[0]:
+                state[key] = sum(p[key] for p in per_rank)
         state["new_token_ratio"] = min(p["new_token_ratio"] for p in per_rank)
         state["dp_ranks"] = per_rank
         return state

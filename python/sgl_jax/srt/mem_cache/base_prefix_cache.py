@@ -150,6 +150,14 @@ class BasePrefixCache(abc.ABC):
         """Tokens cached and locked by running requests."""
 
     @abc.abstractmethod
+    def swa_evictable_size(self) -> int:
+        """SWA-pool tokens cached and unlocked (hybrid SWA memory; 0 for a cache that keeps no SWA KV)."""
+
+    @abc.abstractmethod
+    def swa_protected_size(self) -> int:
+        """SWA-pool tokens cached and locked (hybrid SWA memory; 0 for a cache that keeps no SWA KV)."""
+
+    @abc.abstractmethod
     def reset(self) -> None:
         """Free everything cached and start empty.
 

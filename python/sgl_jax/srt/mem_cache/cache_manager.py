@@ -104,3 +104,32 @@ def cache_finished_req(req, tree_cache: BasePrefixCache, is_insert: bool = True)
         _free_row_range(tree_cache, row, protected, req.kv_allocated_len)
     tree_cache.dec_lock_ref(req.last_node)
     req.last_node = None
+
+
+def release_swa_out_of_window(req, req_to_token_pool, allocator, window: int) -> int:
+    """Free the SWA pages of `req`'s own KV that no future query of it can see (hybrid SWA memory).
+
+    The next query is at position >= ``kv_committed_len`` and a sliding-window layer lets it see positions
+    > query - window, so positions < kv_committed_len - window + 1 are dead for SWA layers. Whole pages below
+    that, minus one page of slack, that the request owns (from ``cache_protected_len``; the prefix cache
+    owns the rest) lose their SWA page; their full KV stays. Called after each step of a decoding or
+    chunk-prefilled request (SGLang's ``_evict_swa``).
+
+    Args:
+        req: a running `Req` (``req_pool_idx``, ``kv_committed_len``, ``cache_protected_len``,
+            ``swa_evicted_len``, updated here).
+        req_to_token_pool: the request-slot table; allocator: a `SWAPagedAllocator`.
+        window: the model's sliding window in tokens.
+    Returns:
+        SWA tokens freed.
+    """
+    ps = allocator.page_size
+    dead = req.kv_committed_len - window + 1
+    end = max(0, (dead // ps - 1) * ps)  # whole pages before the one holding `dead`, less one page of slack
+    start = max(req.swa_evicted_len, -(-req.cache_protected_len // ps) * ps)
+    if req.req_pool_idx is None or end <= start:
+        return 0
+    row = req_to_token_pool.req_to_token[req.req_pool_idx]
+    freed = allocator.free_swa(allocator.pages_of(row[start:], end - start))
+    req.swa_evicted_len = end
+    return freed

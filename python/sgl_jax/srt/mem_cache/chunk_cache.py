@@ -58,6 +58,12 @@ class ChunkCache(BasePrefixCache):
         """Always 0."""
         return 0
 
+    def swa_evictable_size(self) -> int:
+        return 0  # keeps no SWA KV: hybrid SWA memory runs with ChunkCache (SWA-aware radix cache: to come)
+
+    def swa_protected_size(self) -> int:
+        return 0
+
     def protected_size(self) -> int:
         """Always 0."""
         return 0

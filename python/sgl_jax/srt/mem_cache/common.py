@@ -37,5 +37,6 @@ def release_kv_cache(req, tree_cache, is_insert: bool = True) -> None:
     cache_finished_req(req, tree_cache, is_insert=is_insert)
     tree_cache.req_to_token_pool.free(req.req_pool_idx)
     req.req_pool_idx = None
-    req.kv_allocated_len = req.kv_committed_len = req.cache_protected_len = 0
+    req.kv_allocated_len = req.kv_committed_len = req.cache_protected_len = req.swa_evicted_len = 0
     req.kv_released = True
+

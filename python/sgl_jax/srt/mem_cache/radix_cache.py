@@ -212,6 +212,12 @@ class RadixCache(BasePrefixCache):
         """Tokens in unlocked nodes."""
         return self._evictable
 
+    def swa_evictable_size(self) -> int:
+        return 0  # keeps no SWA KV: hybrid SWA memory runs with ChunkCache (SWA-aware radix cache: to come)
+
+    def swa_protected_size(self) -> int:
+        return 0
+
     def protected_size(self) -> int:
         """Tokens in locked nodes."""
         return self._protected

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import List
+from typing import List, Optional
 
 import jax
 import numpy as np
@@ -41,6 +41,10 @@ class ForwardBatch:
     shared_prefix_len: int32[] KV positions at the start of every sequence that are the same pages in all
     of them and precede every query (see `shared_prefix_len`); 0: none. Attention then reads them once
     for the whole batch.
+    swa_out_cache_loc: int32[T], swa_page_indices: int32[S, pages_per_seq] -- what sliding-window layers use
+    instead of out_cache_loc / page_indices when the model has a separate SWA KV pool (hybrid SWA memory): the
+    same slots and pages translated through the full-to-SWA page mapping (page 0 where a page's SWA KV is
+    gone, which only positions outside every query's window have). None without a separate SWA pool.
     forward_mode, attention_backend: static (part of the compiled program's identity); attention_backend is
     the resolved ``--attention-backend`` ("native" or "pallas"), set by the model runner.
     """
@@ -56,6 +60,8 @@ class ForwardBatch:
     prefix_lens: jax.Array
     segment_starts: jax.Array
     shared_prefix_len: jax.Array
+    swa_out_cache_loc: Optional[jax.Array] = None
+    swa_page_indices: Optional[jax.Array] = None
     forward_mode: ForwardMode = ForwardMode.EXTEND
     attention_backend: str = "native"
 
@@ -64,7 +70,7 @@ jax.tree_util.register_dataclass(
     ForwardBatch,
     data_fields=["input_ids", "positions", "out_cache_loc", "cu_q_lens", "kv_lens", "page_indices",
                  "num_seqs", "logits_indices", "prefix_lens", "segment_starts",
-                 "shared_prefix_len"],
+                 "shared_prefix_len", "swa_out_cache_loc", "swa_page_indices"],
     meta_fields=["forward_mode", "attention_backend"],
 )
 
@@ -155,6 +161,8 @@ def stack_ranks(batches: List[ModelWorkerBatch], slots_per_rank: int) -> ModelWo
     fields = {}
     for f in dataclasses.fields(ForwardBatch):
         if f.name in ("forward_mode", "attention_backend"):
+            continue
+        if getattr(fbs[0], f.name) is None:  # an optional field (no SWA pool): absent in every rank's batch
             continue
         parts = [np.asarray(getattr(fb, f.name)) for fb in fbs]
         if f.name in _PER_RANK_SCALARS:

@@ -27,6 +27,7 @@ from sgl_jax.srt.distributed.sharding import KV_CACHE, RANK_ROWS, REPLICATED, ch
 
 from sgl_jax.srt.kernels.ragged_paged_attention import resolve_attention_backend
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
+from sgl_jax.srt.mem_cache.swa_allocator import split_hybrid_budget
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.forward_batch_info import (
     ForwardBatch,
@@ -151,19 +152,47 @@ class ModelRunner:
         self.graphdef, self.params = load_model(model_config, server_args.load_format, server_args.random_seed,
                                                 mesh=self.mesh)
         weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.params))
-        self.num_pages = max_total_tokens_fn(weight_bytes) // self.page_size
+        budget_tokens = max_total_tokens_fn(weight_bytes)
+        swa_layers = set(model_config.swa_layer_ids)
+        # hybrid SWA memory: sliding-window layers get their own, smaller pool (mem_cache/swa_allocator.py)
+        self.hybrid_swa = bool(swa_layers) and not server_args.disable_hybrid_swa_memory
+        if self.hybrid_swa and not server_args.disable_radix_cache:
+            # the radix cache would share prefixes whose SWA KV was freed; SWARadixCache will track that
+            logger.info("Sliding-window model with the radix cache: one KV pool for every layer (hybrid SWA "
+                        "memory needs --disable-radix-cache for now)")
+            self.hybrid_swa = False
+        num_layers = model_config.num_hidden_layers
+        self.num_swa_pages = 0
+        if self.hybrid_swa:
+            full, swa = split_hybrid_budget(budget_tokens, num_layers - len(swa_layers), len(swa_layers),
+                                            server_args.swa_full_tokens_ratio, self.page_size)
+            self.num_pages, self.num_swa_pages = full // self.page_size, swa // self.page_size
+        else:
+            self.num_pages = budget_tokens // self.page_size
         self.max_total_tokens = self.num_pages * self.page_size
+        self.swa_max_total_tokens = self.num_swa_pages * self.page_size
         self.pages_per_seq = math.ceil(max_context_len / self.page_size)
         dtype = JNP_DTYPES[model_config.dtype]
         kv_heads = padded_kv_heads(model_config.num_key_value_heads, self.tp_size)
-        shape = (self.dp_size * (self.num_pages + 1), self.page_size, kv_heads, model_config.head_dim)
         self._kv_sharding = NamedSharding(self.mesh, KV_CACHE)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)
-        self.kv_caches = [(zeros(), zeros()) for _ in range(model_config.num_hidden_layers)]
-        logger.info("KV cache: %d tokens in %d pages of %d per rank (%.2f GiB per device)",
-                    self.num_pages * self.page_size, self.num_pages, self.page_size,
-                    2 * len(self.kv_caches) * np.prod(shape) * jnp.dtype(dtype).itemsize / self.tp_size
-                    / self.dp_size / 2**30)
+
+        def zeros(pages):
+            shape = (self.dp_size * (pages + 1), self.page_size, kv_heads, model_config.head_dim)
+            return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)()
+
+        self.kv_caches = []
+        for i in range(num_layers):
+            pages = self.num_swa_pages if self.hybrid_swa and i in swa_layers else self.num_pages
+            self.kv_caches.append((zeros(pages), zeros(pages)))
+        kv_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / self.tp_size / self.dp_size
+        if self.hybrid_swa:
+            logger.info("KV cache (hybrid SWA): full pool %d tokens for %d full-attention layers, SWA pool %d tokens "
+                        "for %d sliding-window layers (window %d), pages of %d, per rank (%.2f GiB per device)",
+                        self.max_total_tokens, num_layers - len(swa_layers), self.swa_max_total_tokens,
+                        len(swa_layers), model_config.sliding_window, self.page_size, kv_bytes / 2**30)
+        else:
+            logger.info("KV cache: %d tokens in %d pages of %d per rank (%.2f GiB per device)",
+                        self.max_total_tokens, self.num_pages, self.page_size, kv_bytes / 2**30)
         eos = model_config.eos_token_ids or [model_config.vocab_size]  # out of range -> no-op mask
         self.eos_token_ids = jnp.asarray(eos, jnp.int32)
         self.max_context_len = max_context_len
@@ -337,6 +366,8 @@ class ModelRunner:
             num_seqs=np.asarray(0, np.int32), logits_indices=z(s_pad), prefix_lens=z(s_pad),
             segment_starts=z(t_pad), shared_prefix_len=np.asarray(0, np.int32), forward_mode=mode,
         )
+        if self.hybrid_swa:
+            fb.swa_out_cache_loc, fb.swa_page_indices = fb.out_cache_loc, fb.page_indices
         sampling = SamplingMetadata(
             temperatures=z(s_pad, np.float32), top_ps=np.ones(s_pad, np.float32), top_ks=np.full(s_pad, -1, np.int32),
             min_ps=z(s_pad, np.float32), seeds=z(s_pad), steps=z(s_pad), suppress_eos=z(s_pad, bool),

@@ -1,0 +1,113 @@
+"""Hybrid SWA KV memory end to end: real servers on a tiny random Gemma 3 (sliding window W on 2 of 3 layers).
+
+- A separate, smaller SWA pool (--swa-full-tokens-ratio 0.25), with SWA KV freed as it leaves the window,
+  generates exactly the tokens of the one-pool reference (--disable-hybrid-swa-memory, which only masks),
+  across page sizes 1/4/16, chunked prefill W/2 and 2W, and forced retract; both pools idle after each run.
+- Capacity: an SWA pool of 1,024 tokens (W = 32) runs eight concurrent 600-token prompts with 64 new tokens
+  each, all admitted at once; with SWA release disabled the same run never has them all admitted.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from srt_helpers import module_server, save_tiny_gemma3, wait_pool_idle
+
+W = 16
+NEW_TOKENS = 24
+PROMPT_LENGTHS = [W - 1, W, W + 1, 3 * W + 5, 100, 300]
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    return save_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3_swa"), window=W)
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 49000, n).tolist() for n in lengths]
+
+
+def _generate_all(url, prompts, new_tokens):
+    def one(ids):
+        r = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
+            "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}, timeout=600)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def _serve(model, *args, env=None):
+    model_dir, tokenizer = model
+    return module_server(["--model-path", model_dir, "--tokenizer-path", tokenizer, "--disable-radix-cache",
+                          *args], env=env)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_gemma3):
+    """Greedy tokens of the one-pool server (windows only masked)."""
+    gen = _serve(tiny_gemma3, "--disable-hybrid-swa-memory", "--max-total-tokens", "4096")
+    server = next(gen)
+    try:
+        state = httpx.get(server.url + "/get_server_info").json()["internal_states"][0]
+        assert "swa_tokens_total" not in state
+        yield _generate_all(server.url, _prompts(PROMPT_LENGTHS), NEW_TOKENS)
+        wait_pool_idle(server.url)
+    finally:
+        next(gen, None)
+
+
+@pytest.mark.parametrize("page_size,chunk,retract", [(1, W // 2, False), (4, 2 * W, True), (16, 2 * W, False)])
+def test_hybrid_pool_matches_one_pool(tiny_gemma3, reference_tokens, page_size, chunk, retract):
+    gen = _serve(tiny_gemma3, "--page-size", str(page_size), "--chunked-prefill-size", str(chunk),
+                 "--swa-full-tokens-ratio", "0.25", "--max-total-tokens", "4096",
+                 env={"SGL_JAX_TEST_RETRACT": "1"} if retract else None)
+    server = next(gen)
+    try:
+        state = httpx.get(server.url + "/get_server_info").json()["internal_states"][0]
+        # one pool of 4096 tokens x 3 layers = full pool F for 1 layer + SWA pool F/4 for 2 layers
+        assert state["kv_tokens_total"] == 8192 // page_size * page_size and state["swa_tokens_total"] == 2048
+        assert _generate_all(server.url, _prompts(PROMPT_LENGTHS), NEW_TOKENS) == reference_tokens
+        state = wait_pool_idle(server.url)
+        assert state["swa_tokens_free"] == state["swa_tokens_total"]
+        if retract:
+            assert state["num_retracted_reqs"] > 0
+    finally:
+        next(gen, None)
+
+
+CAPACITY_W = 32
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_w32(tmp_path_factory):
+    return save_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3_w32"), window=CAPACITY_W)
+
+
+@pytest.mark.parametrize("swa_release", [True, False])
+def test_swa_release_capacity(tiny_gemma3_w32, swa_release):
+    """--max-total-tokens 3414 at ratio 0.125: full pool 8193 tokens, SWA pool 1024 (W = 32). Eight 600-token
+    prompts (64 new tokens each) hold 5,312 full tokens; with SWA release each holds about W + 2 pages of SWA
+    KV once prefilled, without it its whole length (664 > 1024 / 2)."""
+    gen = _serve(tiny_gemma3_w32, "--swa-full-tokens-ratio", "0.125", "--max-total-tokens", "3414",
+                 "--chunked-prefill-size", "256", env=None if swa_release else {"SGL_JAX_DISABLE_SWA_RELEASE": "1"})
+    server = next(gen)
+    try:
+        state = httpx.get(server.url + "/get_server_info").json()["internal_states"][0]
+        assert state["swa_tokens_total"] == 1024 and state["kv_tokens_total"] >= 8 * 664
+        outs = _generate_all(server.url, _prompts([600] * 8, seed=1), 64)
+        assert all(len(o) == 64 for o in outs)
+        state = wait_pool_idle(server.url)
+        print(f"SWA release {swa_release}: at most {state['peak_running_reqs']} of 8 requests admitted at once")
+        if swa_release:
+            assert state["peak_running_reqs"] == 8
+        else:
+            assert state["peak_running_reqs"] < 8
+    finally:
+        next(gen, None)
