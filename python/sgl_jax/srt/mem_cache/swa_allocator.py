@@ -76,12 +76,9 @@ class SWAPagedAllocator(PagedTokenToKVPoolAllocator):
         return self.swa.available_pages()
 
     def available_pages(self) -> int:
-        """Pages that can be allocated now: a new page needs one in each pool."""
+        """Pages that can be allocated now: a new page needs one in each pool. (``available_size`` stays the
+        full pool's free tokens; see swa_available_size.)"""
         return min(super().available_pages(), self.swa.available_pages())
-
-    def available_size(self) -> int:
-        """Free full-pool capacity in tokens (the full pool's accounting; see swa_available_size)."""
-        return super().available_pages() * self.page_size
 
     def full_available_pages(self) -> int:
         return super().available_pages()
@@ -93,14 +90,7 @@ class SWAPagedAllocator(PagedTokenToKVPoolAllocator):
         if n > super().available_pages() or n > self.swa.available_pages():
             return None
         full = super().alloc_pages(n)
-        swa = self.swa.alloc_pages(n)
-        if full is None or swa is None:  # cannot happen after the check above; keep both pools consistent
-            if full is not None:
-                super().free_pages(full)
-            if swa is not None:
-                self.swa.free_pages(swa)
-            return None
-        self.full_to_swa[full] = swa
+        self.full_to_swa[full] = self.swa.alloc_pages(n)
         return full
 
     def free_pages(self, pages: np.ndarray) -> None:
