@@ -1,16 +1,19 @@
 """Reading a llama.cpp GGUF file without torch: HF config, fast tokenizer and dequantized tensors.
 
-- Metadata is read with `gguf.GGUFReader` and mapped to an HF ``config.json`` (llama and qwen3 archs).
-- The tokenizer is rebuilt with the `tokenizers` library from ``tokenizer.ggml.*`` (byte-level BPE, the
-  ``gpt2`` tokenizer model of llama.cpp) and saved as an HF tokenizer directory.
+- Metadata is read with `gguf_reader.GGUFFile` and mapped to an HF ``config.json`` (llama, qwen3 and
+  gemma3).
+- The tokenizer is rebuilt with the `tokenizers` library from ``tokenizer.ggml.*`` (`gguf_tokenizer`) and
+  saved as an HF tokenizer directory.
 - Both are cached on disk (`prepare_gguf_hf_dir`), keyed by the file's path, size and mtime, so every
   process after the first loads them as a plain HF directory.
 - Tensors are dequantized with `gguf.quants.dequantize` and renamed to HF state-dict names. llama.cpp's
-  converter permutes the rows of q/k projections of llama models for its rotary layout; we undo it, after
-  which every tensor equals transformers' GGUF-loaded state dict bit for bit.
+  converter permutes the rows of q/k projections of llama models for its rotary layout, and stores Gemma's
+  RMSNorm weights as ``1 + w``; we undo both, after which every tensor equals transformers' GGUF-loaded state
+  dict bit for bit.
 
-Source of the layout conventions: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) and the
-GGUF spec (``gguf-py/gguf/constants.py``).
+Source of the layout conventions: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute``,
+``Gemma3Model.modify_tensors``), ``src/llama-model.cpp`` (the hyper-parameters a GGUF leaves implicit) and
+the GGUF spec (``gguf-py/gguf/constants.py``).
 """
 
 from __future__ import annotations
@@ -19,18 +22,21 @@ import hashlib
 import json
 import logging
 import os
-from typing import Dict, Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
+from sgl_jax.srt.model_loader.gguf_reader import open_gguf
+
 logger = logging.getLogger(__name__)
 
-_CACHE_FORMAT_VERSION = "1"
+_CACHE_FORMAT_VERSION = "2"  # 2: gemma3 support, generation_config.json
 
 # GGUF architecture -> (HF architectures entry, HF model_type)
 _ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 # llama.cpp tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
@@ -47,55 +53,48 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 has four norms per layer ("sandwich" norms): after attention and around the MLP.
+_GEMMA3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_ARCH_LAYER_TENSORS = {"gemma3": _GEMMA3_LAYER_TENSORS}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 
-# GGUF token types (gguf-py TokenType)
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
-
-# Pre-tokenizer split patterns of llama.cpp's `tokenizer.ggml.pre` values (byte-level BPE vocabularies).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _reader(path: str):
-    import gguf
-
-    return gguf.GGUFReader(path)
-
-
-def _scalar_fields(reader) -> Dict[str, object]:
-    """All metadata fields except the large token arrays, as Python values."""
-    out = {}
-    for key, field in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                   "tokenizer.ggml.scores"):
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception:  # unreadable exotic field types are not needed
-            continue
-    return out
+# ---- Gemma 3: what a GGUF file does not store (llama.cpp hard-codes these in src/llama-model.cpp,
+# ``case LLM_ARCH_GEMMA3`` of load_hparams, and convert_hf_to_gguf.py ``Gemma3Model``).
+# Every layer whose index i has (i + 1) % 6 == 0 is global (full) attention, the other five of each six use
+# the sliding window: ``hparams.set_swa_pattern(6)``; HF Gemma3TextConfig's sliding_window_pattern=6.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+# Rope base of the sliding-window (local) layers; ``gemma3.rope.freq_base`` is the global layers' base.
+# ``hparams.rope_freq_base_train_swa = 10000.0f``; HF config ``rope_local_base_freq`` 10000.0.
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# RMSNorm computes x * (1 + w) (HF Gemma3RMSNorm); the converter stores every ``*norm.weight`` as w + 1.0
+# (``norm_shift = 1.0``), so the HF weight is the stored value minus this.
+GEMMA3_NORM_SHIFT = 1.0
+# Attention scores are scaled by query_pre_attn_scalar ** -0.5: head_dim, except Gemma 3 27B (62 layers),
+# which uses hidden_size / num_heads (``f_attention_scale`` in llama-model.cpp; HF 27B config: 168).
+GEMMA3_27B_LAYERS = 62
+# MLP activation: GELU, tanh approximation (llama.cpp ``LLM_FFN_GELU`` in the gemma3 graph).
+GEMMA3_ACTIVATION = "gelu_pytorch_tanh"
+# Gemma's end-of-turn token: an end of generation besides the file's EOS (see `gguf_generation_config`).
+GEMMA3_END_OF_TURN = "<end_of_turn>"
 
 
 def gguf_to_hf_config(reader) -> dict:
     """HF ``config.json`` contents for a GGUF file.
 
     Raises:
-        NotImplementedError: the file's ``general.architecture`` is not llama or qwen3, or it carries
+        NotImplementedError: the file's ``general.architecture`` is not llama, qwen3 or gemma3, or it carries
             llama3-style ``rope_freqs`` (use the HF checkpoint for those).
     """
-    meta = _scalar_fields(reader)
+    meta = reader.metadata
     arch = meta["general.architecture"]
     if arch not in _ARCHS:
         raise NotImplementedError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHS)}")
@@ -109,7 +108,7 @@ def gguf_to_hf_config(reader) -> dict:
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // n_heads)))
-    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    n_tokens = len(meta["tokenizer.ggml.tokens"])
     hf_arch, model_type = _ARCHS[arch]
     config = {
         "architectures": [hf_arch],
@@ -140,75 +139,50 @@ def gguf_to_hf_config(reader) -> dict:
                       ("pad_token_id", "padding_token_id")):
         if f"tokenizer.ggml.{key}" in meta:
             config[name] = int(meta[f"tokenizer.ggml.{key}"])
+    if arch == "gemma3":
+        _add_gemma3_config(config, get)
     return config
 
 
-def build_gguf_tokenizer(reader):
-    """A `transformers.PreTrainedTokenizerFast` rebuilt from the GGUF vocabulary, merges and special tokens.
-
-    Only llama.cpp's ``gpt2`` tokenizer model (byte-level BPE: SmolLM2, Llama 3, Qwen) is supported.
-
-    Raises:
-        NotImplementedError: another ``tokenizer.ggml.model`` (e.g. sentencepiece ``llama``).
-    """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    meta = _scalar_fields(reader)
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise NotImplementedError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
-    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
-    merges = [tuple(m.split(" ", 1)) for m in reader.fields["tokenizer.ggml.merges"].contents()]
-    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
-
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
-        tk.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-        ])
-    elif pre == "qwen2":
-        tk.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-        ])
-    elif pre == "smollm":
-        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+def _add_gemma3_config(config: dict, get) -> None:
+    """The Gemma 3 fields of `config` (HF Gemma3TextConfig), with what the GGUF leaves out filled in from
+    the GEMMA3_* constants, as llama.cpp does when it loads the file."""
+    n_layers = config["num_hidden_layers"]
+    window = int(get("attention.sliding_window", 0))
+    pattern = get("attention.sliding_window_pattern")  # per-layer bools (True: sliding), rarely written
+    if not window:  # llama.cpp: no sliding window key -> every layer is global
+        layer_types = ["full_attention"] * n_layers
+    elif pattern is not None and len(pattern) == n_layers:
+        layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
     else:
-        tk.pre_tokenizer = byte_level
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([
-        AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _TOKEN_CONTROL
-    ])
-    tk.add_tokens([
-        AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED
-    ])
+        layer_types = ["full_attention" if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN == 0 else "sliding_attention"
+                       for i in range(n_layers)]
+    scalar = (config["hidden_size"] // config["num_attention_heads"] if n_layers == GEMMA3_27B_LAYERS
+              else config["head_dim"])
+    softcap = get("final_logit_softcapping")
+    del config["hidden_act"]
+    config.update({
+        "hidden_activation": GEMMA3_ACTIVATION,
+        "sliding_window": window or None,
+        "layer_types": layer_types,
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": float(softcap) if softcap else None,
+        "attn_logit_softcapping": None,  # removed in Gemma 3 (the converter asserts it is unset)
+    })
 
-    def special(key):
-        idx = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[int(idx)] if idx is not None and int(idx) < len(tokens) else None
 
-    bos = special("bos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-    if add_bos and bos is not None:
-        bos_id = int(meta["tokenizer.ggml.bos_token_id"])
-        tk.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
-        )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        bos_token=bos,
-        eos_token=special("eos_token_id"),
-        unk_token=special("unknown_token_id"),
-        pad_token=special("padding_token_id"),
-        chat_template=meta.get("tokenizer.chat_template"),
-        add_bos_token=add_bos,
-        clean_up_tokenization_spaces=False,
-    )
+def gguf_generation_config(config: dict, tokenizer) -> dict:
+    """HF ``generation_config.json`` contents: the config's BOS / EOS / PAD, plus for gemma3 the end-of-turn
+    token as a second EOS (the GGUF names one EOS; llama.cpp ends generation at a token spelled
+    ``<end_of_turn>`` too, and so do Gemma 3's own generation configs)."""
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    if config["model_type"] != "gemma3_text" or "eos_token_id" not in gen:
+        return gen
+    end_of_turn = tokenizer.convert_tokens_to_ids(GEMMA3_END_OF_TURN)
+    if end_of_turn is not None and end_of_turn != tokenizer.unk_token_id:
+        gen["eos_token_id"] = [gen["eos_token_id"], end_of_turn]
+    return gen
 
 
 def _cache_dir_for(path: str) -> str:
@@ -227,16 +201,22 @@ def prepare_gguf_hf_dir(path: str) -> str:
     Built once and cached under ``$SGL_JAX_CACHE_DIR/gguf`` (default ``~/.cache/sgl_jax``); later calls
     return the cached directory. Written atomically (temp dir + rename) so concurrent processes are safe.
     """
+    from sgl_jax.srt.model_loader.gguf_tokenizer import build_gguf_tokenizer
+
     out = _cache_dir_for(path)
     if os.path.exists(os.path.join(out, "config.json")):
         return out
     logger.info("Building HF config and tokenizer from GGUF metadata of %s (cached in %s)", path, out)
-    reader = _reader(path)
+    reader = open_gguf(path)
     tmp = f"{out}.tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
-    build_gguf_tokenizer(reader).save_pretrained(tmp)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(gguf_to_hf_config(reader), f, indent=2)
+    tokenizer = build_gguf_tokenizer(reader)
+    tokenizer.save_pretrained(tmp)
+    config = gguf_to_hf_config(reader)
+    for name, contents in (("config.json", config),
+                           ("generation_config.json", gguf_generation_config(config, tokenizer))):
+        with open(os.path.join(tmp, name), "w") as f:
+            json.dump(contents, f, indent=2)
     with open(os.path.join(tmp, "gguf_source.txt"), "w") as f:
         f.write(os.path.abspath(path) + "\n")
     try:
@@ -261,13 +241,14 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> Optional[str]:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     if gguf_name.startswith("blk."):
         _, layer, rest = gguf_name.split(".", 2)
-        if rest in _LAYER_TENSORS:
-            return f"model.layers.{layer}.{_LAYER_TENSORS[rest]}"
+        table = _ARCH_LAYER_TENSORS.get(arch, _LAYER_TENSORS)
+        if rest in table:
+            return f"model.layers.{layer}.{table[rest]}"
     return None
 
 
@@ -276,26 +257,28 @@ def iterate_gguf_tensors(path: str, reader=None) -> Iterator[Tuple[str, np.ndarr
 
     Arrays are dequantized (any type `gguf.quants.dequantize` supports: F32, F16, BF16, Q4_0/1, Q5_0/1,
     Q8_0, K-quants, IQ types) and have HF state-dict shapes ([out, in] for projections).
-    Tensors with no HF counterpart are skipped with a debug log. Pass an open `gguf.GGUFReader` as
-    `reader` to avoid parsing the file's metadata again.
+    Tensors with no HF counterpart are skipped with a debug log. llama q/k rows are un-permuted and gemma3
+    norm weights shifted back (``w = stored - 1``), so the arrays are HF's. Pass an open
+    `gguf_reader.GGUFFile` as `reader` to avoid parsing the file's metadata again.
     """
     from gguf.quants import dequantize
 
-    reader = reader or _reader(path)
-    meta = _scalar_fields(reader)
+    reader = reader or open_gguf(path)
+    meta = reader.metadata
     arch = meta["general.architecture"]
     n_heads = int(meta[f"{arch}.attention.head_count"])
     n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             logger.debug("Skipping GGUF tensor %s", t.name)
             continue
-        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        arr = arr.reshape([int(d) for d in reversed(t.shape)])
+        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(t.shape)
         if arch == "llama":
             if name.endswith("q_proj.weight"):
                 arr = unpermute_qk(arr, n_heads)
             elif name.endswith("k_proj.weight"):
                 arr = unpermute_qk(arr, n_kv)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr - np.float32(GEMMA3_NORM_SHIFT)
         yield name, arr

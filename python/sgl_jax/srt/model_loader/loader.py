@@ -58,9 +58,8 @@ def _count_safetensors(model_dir: str) -> int:
 
 def _weight_source(model_config, load_format: str):
     """(iterator of (hf_name, array), total count) for the model's checkpoint."""
-    import gguf as gguf_lib
-
     from sgl_jax.srt.model_loader.gguf_file import iterate_gguf_tensors
+    from sgl_jax.srt.model_loader.gguf_reader import open_gguf
 
     gguf = model_config.resolved.gguf_file
     fmt = load_format
@@ -69,7 +68,7 @@ def _weight_source(model_config, load_format: str):
     if fmt == "gguf":
         if not gguf:
             raise ValueError("--load-format gguf needs a .gguf --model-path")
-        reader = gguf_lib.GGUFReader(gguf)
+        reader = open_gguf(gguf)
         return iterate_gguf_tensors(gguf, reader), len(reader.tensors)
     if fmt == "safetensors":
         d = model_config.resolved.hf_dir
