@@ -1,4 +1,4 @@
-"""Property tests of the KV lifecycle (hypothesis state machine), page sizes 1 and 16, no model.
+"""Property tests of the KV lifecycle (hypothesis state machine), page sizes 1, 4 and 16, no model.
 
 Random sequences of admission (prefix match + lock + allocation, through PrefillAdder and ScheduleBatch),
 chunked prefill steps, decode steps, finishing, retracting, double releases and evictions run against the
@@ -6,21 +6,33 @@ real ReqToTokenPool, allocator, RadixCache / ChunkCache and release_kv_cache. Af
 - every page is owned exactly once: by the free list, by one tree node, or by one live request;
 - free + evictable + protected + requests' own tokens == total (the idle invariant, generalized);
 - a live request's row starts with the tree's slots for its protected prefix.
+
+Hybrid SWA memory (SWAPagedAllocator with SWARadixCache or ChunkCache, window W): the same operations plus
+SWA release after every step (as the scheduler does) and SWA-only eviction (tombstones; a later insert
+heals them), and after every step additionally:
+- every SWA page is owned exactly once: by the SWA free list or through the mapping of one full page that a
+  live tree node or a live request owns (free full pages and tombstones map to none);
+- swa free + swa_evictable + swa_protected + requests' own live SWA tokens == swa total;
+- every live request can read its window: positions [committed - W + 1, committed) have live SWA KV;
+- SWA locks sit only on live nodes. These configurations run >= 10,000 operations each.
 """
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.managers.schedule_policy import PrefillAdder
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req
+from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req, release_swa_out_of_window
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
+from sgl_jax.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
@@ -29,15 +41,23 @@ from sgl_jax.srt.sampling.sampling_params import SamplingParams
 BASES = [list(range(100, 100 + n)) for n in (0, 20, 37, 70)]
 
 
-def lifecycle_machine(page_size: int, radix: bool):
+def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = None):
+    """The state machine class; `window` > 0: hybrid SWA memory with that sliding window; `ops` (a list)
+    gets one entry per operation run."""
+
     class KVLifecycle(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
             self.ps = page_size
             self.pool = ReqToTokenPool(6, 512)
-            self.alloc = PagedTokenToKVPoolAllocator(24 * 16, page_size)  # tight: eviction and retract happen
-            self.cache = RadixCache(self.pool, self.alloc, page_size) if radix else \
-                ChunkCache(self.pool, self.alloc)
+            if window:  # tight in both pools: eviction, SWA eviction and retract happen
+                self.alloc = SWAPagedAllocator(24 * 16, 9 * 16, page_size)
+                self.cache = SWARadixCache(self.pool, self.alloc, page_size, window) if radix else \
+                    ChunkCache(self.pool, self.alloc)
+            else:
+                self.alloc = PagedTokenToKVPoolAllocator(24 * 16, page_size)  # tight: eviction and retract happen
+                self.cache = RadixCache(self.pool, self.alloc, page_size) if radix else \
+                    ChunkCache(self.pool, self.alloc)
             self.buckets = ShapeBuckets((64, 256), (1, 8))
             self.running = []  # fully prefilled requests
             self.chunked = []  # requests between chunks
@@ -49,16 +69,18 @@ def lifecycle_machine(page_size: int, radix: bool):
         @rule(base=st.integers(0, len(BASES) - 1), suffix=st.lists(st.integers(0, 30), min_size=1, max_size=40),
               max_new=st.integers(1, 30))
         def new_request(self, base, suffix, max_new):
+            self._op()
             self.n += 1
             self.waiting.append(Req(f"r{self.n}", BASES[base] + suffix, SamplingParams(max_new_tokens=max_new),
                                     eos_token_ids=[], seed=0))
 
         @rule(chunk=st.sampled_from([None, 16, 48]), ratio=st.sampled_from([0.1, 0.7, 1.0]))
         def prefill(self, chunk, ratio):
+            self._op()
             adder = PrefillAdder(self.buckets, self.alloc, self.cache, self.running, max_prefill_tokens=256,
                                  chunk_size=chunk if not self.chunked else (chunk or 48),
                                  free_req_slots=min(self.pool.available_size(), 6 - len(self.running) - len(self.chunked)),
-                                 new_token_ratio=ratio)
+                                 new_token_ratio=ratio, swa_window=window or None)
             if self.chunked and not adder.add_chunked(self.chunked[0]):
                 return
             for req in self.waiting:
@@ -77,20 +99,24 @@ def lifecycle_machine(page_size: int, radix: bool):
                 else:
                     req.output_ids.append(7)
                     self.running.append(req)
+            self._release_swa(adder.can_run)
 
         @precondition(lambda self: self.running)
         @rule()
         def decode(self):
+            self._op()
             batch = ScheduleBatch(self.running, ForwardMode.DECODE)
             while self.running and not batch.prepare_for_decode(self.pool, self.alloc, self.cache):
                 self._retract(self.running[-1])
             for req in self.running:
                 req.kv_committed_len = req.kv_allocated_len
                 req.output_ids.append(len(req.output_ids) % 5)
+            self._release_swa(self.running)
 
         @precondition(lambda self: self.running)
         @rule(i=st.integers(0, 100), insert=st.booleans())
         def finish(self, i, insert):
+            self._op()
             req = self.running.pop(i % len(self.running))
             release_kv_cache(req, self.cache, is_insert=insert)
             self.released.append(req)
@@ -99,6 +125,7 @@ def lifecycle_machine(page_size: int, radix: bool):
         @rule(i=st.integers(0, 100))
         def abort_after_allocating(self, i):
             """Slots for a decode step are taken, then the request ends before the step commits them."""
+            self._op()
             req = self.running[i % len(self.running)]
             if ScheduleBatch([req], ForwardMode.DECODE).prepare_for_decode(self.pool, self.alloc, self.cache):
                 assert req.kv_allocated_len == req.kv_committed_len + 1
@@ -109,6 +136,7 @@ def lifecycle_machine(page_size: int, radix: bool):
         @precondition(lambda self: self.running)
         @rule(i=st.integers(0, 100))
         def retract(self, i):
+            self._op()
             self._retract(self.running[i % len(self.running)])
 
         def _retract(self, req):
@@ -120,11 +148,30 @@ def lifecycle_machine(page_size: int, radix: bool):
         @precondition(lambda self: self.released)
         @rule(i=st.integers(0, 100))
         def double_release(self, i):
+            self._op()
             release_kv_cache(self.released[i % len(self.released)], self.cache)  # must be a no-op
 
         @rule(n=st.integers(0, 200))
         def evict(self, n):
+            self._op()
             self.cache.evict(n)
+
+        @precondition(lambda self: window)
+        @rule(n=st.integers(0, 200))
+        def evict_swa(self, n):
+            self._op()
+            self.cache.evict_swa(n)
+
+        def _op(self):
+            if ops is not None:
+                ops.append(1)
+
+        def _release_swa(self, reqs):
+            """What the scheduler does after each step: free SWA KV that left the window."""
+            if window:
+                for req in reqs:
+                    if req.req_pool_idx is not None:
+                        release_swa_out_of_window(req, self.pool, self.alloc, window)
 
         # ---------------------------------------------------------------- invariants
         def _own_pages(self, req):
@@ -160,11 +207,46 @@ def lifecycle_machine(page_size: int, radix: bool):
                 assert match.length == n
                 np.testing.assert_array_equal(self.pool.req_to_token[req.req_pool_idx][:n], match.device_indices)
 
+        @invariant()
+        def swa_pages_have_one_owner(self):
+            if not window:
+                return
+            a, ps = self.alloc, self.ps
+            live_reqs = self.running + self.chunked
+            full_free = a.free_page_ids()
+            assert not a.has_swa(full_free).any(), "a free full page still maps an SWA page"
+            mapped, tree_swa = [], 0
+            for node in (self.cache.nodes() if radix else []):
+                has = a.has_swa(node.value[::ps] // ps)
+                assert has.all() if not node.tombstone else not has.any(), "a node is part tombstone"
+                assert node.swa_lock_ref == 0 or not node.tombstone, "an SWA lock on a tombstone"
+                if not node.tombstone:
+                    mapped.append(a.full_to_swa[node.value[::ps] // ps])
+                    tree_swa += len(node.key)
+            own_swa = 0
+            for req in live_reqs:
+                pages = self._own_pages(req)
+                mapped.append(a.full_to_swa[pages[a.has_swa(pages)]])
+                own_swa += int(a.has_swa(pages).sum()) * ps
+                row = self.pool.req_to_token[req.req_pool_idx]
+                window_pages = row[max(0, req.kv_committed_len - window + 1):req.kv_committed_len] // ps
+                assert a.has_swa(window_pages).all(), f"{req.rid} lost SWA KV inside its window"
+            swa_pages = np.concatenate(mapped + [a.swa.free_page_ids()])
+            assert sorted(swa_pages.tolist()) == list(range(1, a.swa.num_pages + 1)), "an SWA page lost or shared"
+            assert self.cache.swa_evictable_size() + self.cache.swa_protected_size() == tree_swa
+            assert a.swa_available_size() + tree_swa + own_swa == a.swa_size
+
         def teardown(self):
             for req in self.running + self.chunked:
                 release_kv_cache(req, self.cache)
             assert self.cache.protected_size() == 0
             assert self.alloc.available_size() + self.cache.evictable_size() == self.alloc.size
+            if window:
+                assert self.cache.swa_protected_size() == 0
+                assert self.alloc.swa_available_size() + self.cache.swa_evictable_size() == self.alloc.swa_size
+                self.cache.reset()
+                assert self.alloc.swa_available_size() == self.alloc.swa_size
+                assert self.alloc.available_size() == self.alloc.size
 
     return KVLifecycle
 
@@ -176,3 +258,17 @@ TestRadixPage1 = _settings(lifecycle_machine(1, radix=True)).TestCase
 TestRadixPage16 = _settings(lifecycle_machine(16, radix=True)).TestCase
 TestChunkCachePage1 = _settings(lifecycle_machine(1, radix=False)).TestCase
 TestChunkCachePage16 = _settings(lifecycle_machine(16, radix=False)).TestCase
+
+
+SWA_OPS = 10_000  # random operations per hybrid configuration, at least
+
+
+@pytest.mark.parametrize("page_size,radix,window", [(1, True, 8), (4, True, 8), (16, True, 16), (4, False, 8)],
+                         ids=["swa-radix-page1", "swa-radix-page4", "swa-radix-page16", "swa-chunk-page4"])
+def test_hybrid_swa_lifecycle(page_size, radix, window):
+    """Hybrid SWA pools + SWARadixCache / ChunkCache: >= 10,000 random operations, invariants after each."""
+    ops = []
+    machine = lifecycle_machine(page_size, radix, window, ops)
+    run_state_machine_as_test(machine, settings=settings(max_examples=150, stateful_step_count=100, deadline=None,
+                                                          suppress_health_check=list(HealthCheck)))
+    assert len(ops) >= SWA_OPS, f"only {len(ops)} operations ran"

@@ -1,6 +1,6 @@
 """The prefix-cache contract (base_prefix_cache.py) and the one Req-aware hand-off (cache_manager.py):
 every cache kind implements the whole contract, no cache reads a request, and the same hand-off functions
-drive RadixCache and ChunkCache."""
+drive RadixCache, ChunkCache and SWARadixCache (on the hybrid SWA pools)."""
 
 import ast
 import importlib
@@ -19,19 +19,27 @@ from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache, TreeNode
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
+from sgl_jax.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 CONTRACT = {"match_prefix", "prefix_match_len", "insert", "free_slots", "inc_lock_ref", "dec_lock_ref", "evict",
-            "evictable_size", "protected_size", "swa_evictable_size", "swa_protected_size", "reset"}
+            "evict_swa",             "evictable_size", "protected_size", "swa_evictable_size", "swa_protected_size", "reset"}
 REQ_FIELDS = {"fill_ids", "req_pool_idx", "kv_committed_len", "kv_allocated_len", "cache_protected_len",
               "cacheable_len", "fixed_prefix", "prefix_indices", "kv_released"}
 
 
 def make(kind, page_size):
     pool = ReqToTokenPool(4, 256)
+    if kind == "swa_radix":  # window 8: the hand-off below keeps every request's window live
+        alloc = SWAPagedAllocator(512, 256, page_size)
+        return pool, alloc, SWARadixCache(pool, alloc, page_size, 8)
     alloc = PagedTokenToKVPoolAllocator(512, page_size)
     cache = RadixCache(pool, alloc, page_size) if kind == "radix" else ChunkCache(pool, alloc)
     return pool, alloc, cache
+
+
+KINDS = ["radix", "chunk", "swa_radix"]
 
 
 def test_every_contract_method_is_abstract_and_documented():
@@ -42,8 +50,8 @@ def test_every_contract_method_is_abstract_and_documented():
     assert issubclass(TreeNode, CacheNode)
 
 
-@pytest.mark.parametrize("kind", ["radix", "chunk"])
-def test_both_cache_kinds_implement_the_contract(kind):
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_cache_kind_implement_the_contract(kind):
     pool, alloc, cache = make(kind, 4)
     assert isinstance(cache, BasePrefixCache)
     assert cache.page_size == 4 and cache.req_to_token_pool is pool
@@ -62,7 +70,8 @@ def _cache_modules():
 def test_no_prefix_cache_reads_a_request():
     """Only cache_manager (and release_kv_cache) touch a Req's KV fields; the caches see ids and slots."""
     modules = list(_cache_modules())
-    assert {m.__name__.rsplit(".", 1)[1] for m in modules} >= {"base_prefix_cache", "radix_cache", "chunk_cache"}
+    assert {m.__name__.rsplit(".", 1)[1] for m in modules} >= {"base_prefix_cache", "radix_cache", "chunk_cache",
+                                                               "swa_radix_cache"}
     for module in modules:
         tree = ast.parse(inspect.getsource(module))
         for node in ast.walk(tree):
@@ -86,9 +95,9 @@ def _admit(pool, alloc, cache, ids, committed):
     return req
 
 
-@pytest.mark.parametrize("kind", ["radix", "chunk"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_one_hand_off_drives_both_cache_kinds(kind, page_size):
+def test_one_hand_off_drives_every_cache_kind(kind, page_size):
     pool, alloc, cache = make(kind, page_size)
     ids = list(range(40))
     req = _admit(pool, alloc, cache, ids, 22)  # a chunk of 22 computed
@@ -96,7 +105,7 @@ def test_one_hand_off_drives_both_cache_kinds(kind, page_size):
     before = row.copy()
     cache_unfinished_req(req, cache)
     aligned = 22 // page_size * page_size
-    if kind == "radix":
+    if kind != "chunk":
         assert req.cache_protected_len == aligned and cache.protected_size() == aligned
         assert isinstance(req.last_node, TreeNode)
         np.testing.assert_array_equal(row[:aligned], cache.match_prefix(ids).device_indices)
@@ -109,15 +118,21 @@ def test_one_hand_off_drives_both_cache_kinds(kind, page_size):
     release_kv_cache(req, cache)
     assert cache.protected_size() == 0 and req.last_node is None
     assert alloc.available_size() + cache.evictable_size() == alloc.size
-    assert cache.evictable_size() == (40 // page_size * page_size if kind == "radix" else 0)
-    second = _admit(pool, alloc, cache, ids + [1], 41)  # the prefix is shared only by the radix cache
-    assert second.cache_protected_len == (40 // page_size * page_size if kind == "radix" else 0)
+    assert cache.evictable_size() == (40 // page_size * page_size if kind != "chunk" else 0)
+    second = _admit(pool, alloc, cache, ids + [1], 41)  # the prefix is shared only by the radix caches
+    assert second.cache_protected_len == (40 // page_size * page_size if kind != "chunk" else 0)
+    if kind == "swa_radix":  # the lock covers the whole path in the full pool, only the window in the SWA pool
+        assert cache.protected_size() == 40 // page_size * page_size
+        assert cache.swa_protected_size() == 40 // page_size * page_size - (40 // page_size * page_size - 8) \
+            // page_size * page_size
     release_kv_cache(second, cache, is_insert=False)
     cache.reset()
     assert alloc.available_size() == alloc.size and pool.available_size() == pool.size
+    if kind == "swa_radix":
+        assert alloc.swa_available_size() == alloc.swa_size
 
 
-@pytest.mark.parametrize("kind", ["radix", "chunk"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_scoring_item_frees_only_its_own_pages(kind):
     """A prefill_extend item starts at its handle's query KV (cache_protected_len > 0, no lock): releasing
     it frees exactly the pages after that prefix, with either cache kind."""

@@ -1,4 +1,5 @@
-"""The contract every prefix cache implements (one class per cache kind: RadixCache, ChunkCache).
+"""The contract every prefix cache implements (one class per cache kind: RadixCache, ChunkCache,
+SWARadixCache).
 
 A prefix cache maps token-id prefixes to the KV slots that hold their K/V. It deals in token ids and KV
 slots only (int32 numpy arrays, lengths in tokens) and never reads a request: the Req-aware hand-off
@@ -15,14 +16,17 @@ for every cache kind, which calls nothing but the methods below.
 - free_slots(kv_slots): give request-owned slots back to the pool(s) this cache allocates from.
 - inc_lock_ref / dec_lock_ref(node): protect / unprotect a matched path from eviction (returns the tokens
   that moved between evictable and protected).
-- evict(num_tokens) -> int: free at least num_tokens of unlocked cached KV if possible.
+- evict(num_tokens) -> int: free at least num_tokens of unlocked cached KV if possible; evict_swa(num_tokens):
+  the same for the SWA pool of hybrid SWA memory (SWARadixCache; the others keep no SWA KV).
 - evictable_size(): tokens cached and unlocked; protected_size(): tokens cached and locked.
 - reset(): drop everything cached (only when no request holds a lock).
 - page_size: tokens per KV page; matches and inserts are whole pages. req_to_token_pool: the request-slot
   table whose rows the hand-off reads (the cache itself never does).
 
 Accounting invariant (checked when idle): allocator free + evictable + protected == total; while requests
-run, their own positions [cache_protected_len, kv_allocated_len) make up the difference.
+run, their own positions [cache_protected_len, kv_allocated_len) make up the difference. With hybrid SWA
+memory the same holds for the SWA pool with swa_evictable / swa_protected (and the requests' own pages that
+still hold SWA KV).
 """
 
 from __future__ import annotations
@@ -139,6 +143,15 @@ class BasePrefixCache(abc.ABC):
         nothing evictable is left.
 
         Returns: tokens freed (may exceed num_tokens by part of a node, or fall short).
+        """
+
+    @abc.abstractmethod
+    def evict_swa(self, num_tokens: int) -> int:
+        """Free cached SWA-pool KV (hybrid SWA memory), least recently used first, until `num_tokens` SWA
+        tokens are freed or nothing evictable is left; full KV may stay (a tombstone). 0 for a cache that
+        keeps no SWA KV.
+
+        Returns: SWA tokens freed.
         """
 
     @abc.abstractmethod

@@ -1,4 +1,9 @@
-"""ChunkCache: the prefix cache used when radix caching is off -- nothing is shared or kept."""
+"""ChunkCache: the prefix cache used when radix caching is off -- nothing is shared or kept.
+
+With hybrid SWA memory (`SWAPagedAllocator`) it is also the SWA cache for --disable-radix-cache: a request's
+pages are freed from both pools (`free_slots`; a page whose SWA KV was already released loses only its full
+page), and a running request's SWA KV that left the window is released by
+`cache_manager.release_swa_out_of_window` (SGLang's ``SWAChunkCache``)."""
 
 from __future__ import annotations
 
@@ -58,10 +63,16 @@ class ChunkCache(BasePrefixCache):
         """Always 0."""
         return 0
 
+    def evict_swa(self, num_tokens: int) -> int:
+        """Keeps no SWA KV: returns 0."""
+        return 0
+
     def swa_evictable_size(self) -> int:
-        return 0  # keeps no SWA KV: hybrid SWA memory runs with ChunkCache (SWA-aware radix cache: to come)
+        """Keeps no SWA KV: 0."""
+        return 0
 
     def swa_protected_size(self) -> int:
+        """Keeps no SWA KV: 0."""
         return 0
 
     def protected_size(self) -> int:

@@ -54,6 +54,9 @@ def _common_len(a: np.ndarray, b: np.ndarray) -> int:
 class RadixCache(BasePrefixCache):
     """Prefix cache over a paged KV pool.
 
+    Subclasses (SWARadixCache) change the node class (``node_cls``), what a new suffix becomes
+    (`_add_suffix`) and what happens to a cached node an insert runs through (`_insert_over`).
+
     Args:
         req_to_token_pool: the request-slot table (rows of KV slots).
         allocator: the KV page allocator (evicted pages go back to it).
@@ -67,8 +70,10 @@ class RadixCache(BasePrefixCache):
         self.reset_tree()
 
     # ------------------------------------------------------------ tree basics
+    node_cls = TreeNode
+
     def reset_tree(self) -> None:
-        self.root = TreeNode(np.zeros(0, np.int32), np.zeros(0, np.int32), None)
+        self.root = self.node_cls(np.zeros(0, np.int32), np.zeros(0, np.int32), None)
         self.root.lock_ref = 1  # never evicted
         self._evictable = 0
         self._protected = 0
@@ -81,7 +86,7 @@ class RadixCache(BasePrefixCache):
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split `child` after its first n tokens; returns the new upper node."""
-        upper = TreeNode(child.key[:n], child.value[:n], child.parent)
+        upper = self.node_cls(child.key[:n], child.value[:n], child.parent)
         upper.lock_ref = child.lock_ref
         upper.last_access_time = child.last_access_time
         upper.children = {self._child_key(child.key[n:]): child}
@@ -140,16 +145,23 @@ class RadixCache(BasePrefixCache):
             rest = key[done:]
             child = node.children.get(self._child_key(rest))
             if child is None:
-                leaf = TreeNode(rest.copy(), value[done:].copy(), node)
-                node.children[self._child_key(rest)] = leaf
-                self._evictable += len(rest)
+                self._add_suffix(node, rest, value[done:])
                 return done
             child.last_access_time = now
             n = self._align(_common_len(child.key, rest))
             if n < len(child.key):
                 child = self._split(child, n)
+            self._insert_over(child, value[done:done + n])
             node, done = child, done + n
         return done
+
+    def _add_suffix(self, parent: TreeNode, key: np.ndarray, value: np.ndarray) -> None:
+        """A new leaf under `parent` for the uncached rest of an insert (owns `value`'s pages from now)."""
+        parent.children[self._child_key(key)] = self.node_cls(key.copy(), value.copy(), parent)
+        self._evictable += len(key)
+
+    def _insert_over(self, node: TreeNode, dup_slots: np.ndarray) -> None:
+        """An insert ran through cached `node`; the caller's `dup_slots` of the same tokens stay its own."""
 
     # ------------------------------------------------------------ locking and eviction
     def inc_lock_ref(self, node: Optional[TreeNode]) -> int:
@@ -212,10 +224,16 @@ class RadixCache(BasePrefixCache):
         """Tokens in unlocked nodes."""
         return self._evictable
 
+    def evict_swa(self, num_tokens: int) -> int:
+        """Keeps no SWA KV: returns 0."""
+        return 0
+
     def swa_evictable_size(self) -> int:
-        return 0  # keeps no SWA KV: hybrid SWA memory runs with ChunkCache (SWA-aware radix cache: to come)
+        """Keeps no SWA KV: 0."""
+        return 0
 
     def swa_protected_size(self) -> int:
+        """Keeps no SWA KV: 0."""
         return 0
 
     def protected_size(self) -> int:

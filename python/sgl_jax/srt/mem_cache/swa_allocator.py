@@ -113,6 +113,20 @@ class SWAPagedAllocator(PagedTokenToKVPoolAllocator):
         self.full_to_swa[pages] = 0
         return len(live) * self.page_size
 
+    def move_swa(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Move the SWA pages mapped to full pages `src` onto full pages `dst` (same length), which have none:
+        used when a cached prefix whose SWA KV was evicted (`dst`) gets the SWA KV of a request's duplicate
+        pages of the same tokens (`src`), which are then freed as full pages only.
+
+        Raises:
+            ValueError: lengths differ, a `src` page has no SWA page, or a `dst` page already has one.
+        """
+        src, dst = np.asarray(src, dtype=np.int32), np.asarray(dst, dtype=np.int32)
+        if src.shape != dst.shape or not self.has_swa(src).all() or self.has_swa(dst).any():
+            raise ValueError("move_swa needs equally many source pages with SWA pages and targets without")
+        self.full_to_swa[dst] = self.full_to_swa[src]
+        self.full_to_swa[src] = 0
+
     def has_swa(self, pages: np.ndarray) -> np.ndarray:
         """bool per full page: it still has its SWA page."""
         return self.full_to_swa[np.asarray(pages, dtype=np.int32)] > 0
