@@ -1,8 +1,11 @@
 """Hybrid SWA KV memory end to end: real servers on a tiny random Gemma 3 (sliding window W on 2 of 3 layers).
 
-- A separate, smaller SWA pool (--swa-full-tokens-ratio 0.25), with SWA KV freed as it leaves the window,
-  generates exactly the tokens of the one-pool reference (--disable-hybrid-swa-memory, which only masks),
-  across page sizes 1/4/16, chunked prefill W/2 and 2W, and forced retract; both pools idle after each run.
+- A separate, smaller SWA pool, with SWA KV freed as it leaves the window, generates exactly the tokens of the
+  one-pool reference (--disable-hybrid-swa-memory, which only masks) across radix cache on (SWARadixCache)
+  and off (ChunkCache) x page sizes 1/4/16 x chunked prefill W/2 and 2W x forced retract (each value of each
+  dimension with both cache kinds); both pools idle after each run. Two rounds: the second extends the
+  first round's prompts + outputs (and half-prompts), so with the radix cache it reuses cached prefixes
+  whose SWA KV was partly released or evicted (tombstones) -- under SWA-pool pressure in the radix configs.
 - Capacity: an SWA pool of 1,024 tokens (W = 32) runs eight concurrent 600-token prompts with 64 new tokens
   each, all admitted at once; with SWA release disabled the same run never has them all admitted.
 """
@@ -15,11 +18,13 @@ import httpx
 import numpy as np
 import pytest
 
+from sgl_jax.srt.mem_cache.swa_allocator import split_hybrid_budget
 from srt_helpers import module_server, save_tiny_gemma3, wait_pool_idle
 
 W = 16
 NEW_TOKENS = 24
 PROMPT_LENGTHS = [W - 1, W, W + 1, 3 * W + 5, 100, 300]
+BUDGET = 4096  # --max-total-tokens: one pool's tokens for every layer
 
 
 @pytest.fixture(scope="module")
@@ -32,50 +37,77 @@ def _prompts(lengths, seed=0):
     return [rng.integers(100, 49000, n).tolist() for n in lengths]
 
 
-def _generate_all(url, prompts, new_tokens):
+def _second_round(prompts, outputs):
+    """Round 2: each prompt + its output + 7 new tokens, and each prompt's first half + 9 new tokens."""
+    rng = np.random.default_rng(1)
+    return ([p + o + rng.integers(100, 49000, 7).tolist() for p, o in zip(prompts, outputs)]
+            + [p[:len(p) // 2] + rng.integers(100, 49000, 9).tolist() for p in prompts])
+
+
+def _generate_all(url, prompts, new_tokens, meta=None):
     def one(ids):
         r = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
             "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}, timeout=600)
         assert r.status_code == 200, r.text
+        if meta is not None:
+            meta.append(r.json()["meta_info"])
         return r.json()["output_ids"]
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(one, prompts))
 
 
-def _serve(model, *args, env=None):
+def _serve(model, *args, env=None, radix=False):
     model_dir, tokenizer = model
-    return module_server(["--model-path", model_dir, "--tokenizer-path", tokenizer, "--disable-radix-cache",
-                          *args], env=env)
+    return module_server(["--model-path", model_dir, "--tokenizer-path", tokenizer,
+                          *([] if radix else ["--disable-radix-cache"]), *args], env=env)
 
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_gemma3):
-    """Greedy tokens of the one-pool server (windows only masked)."""
-    gen = _serve(tiny_gemma3, "--disable-hybrid-swa-memory", "--max-total-tokens", "4096")
+    """Greedy tokens of the one-pool server (windows only masked): (round 1, round 2 prompts, round 2)."""
+    gen = _serve(tiny_gemma3, "--disable-hybrid-swa-memory", "--max-total-tokens", str(BUDGET))
     server = next(gen)
     try:
         state = httpx.get(server.url + "/get_server_info").json()["internal_states"][0]
         assert "swa_tokens_total" not in state
-        yield _generate_all(server.url, _prompts(PROMPT_LENGTHS), NEW_TOKENS)
+        first = _generate_all(server.url, _prompts(PROMPT_LENGTHS), NEW_TOKENS)
+        second_prompts = _second_round(_prompts(PROMPT_LENGTHS), first)
+        yield first, second_prompts, _generate_all(server.url, second_prompts, NEW_TOKENS)
         wait_pool_idle(server.url)
     finally:
         next(gen, None)
 
 
-@pytest.mark.parametrize("page_size,chunk,retract", [(1, W // 2, False), (4, 2 * W, True), (16, 2 * W, False)])
-def test_hybrid_pool_matches_one_pool(tiny_gemma3, reference_tokens, page_size, chunk, retract):
+# each of radix on/off meets page 1/4/16, chunk W/2 and 2W (a chunk is at least a page), and forced retract; the radix configs' SWA pools
+# are small (ratio 1/16: 682 tokens) so that cached SWA KV is evicted and tombstones are matched through
+CONFIGS = [(False, 1, W // 2, False, 0.25), (False, 4, 2 * W, True, 0.25), (False, 16, 2 * W, False, 0.25),
+           (True, 1, W // 2, True, 0.0625), (True, 4, 2 * W, False, 0.0625), (True, 16, 2 * W, True, 0.0625)]
+
+
+@pytest.mark.parametrize("radix,page_size,chunk,retract,ratio", CONFIGS,
+                         ids=[f"{'radix' if c[0] else 'chunkcache'}-page{c[1]}-chunk{c[2]}{'-retract' if c[3] else ''}"
+                              for c in CONFIGS])
+def test_hybrid_pool_matches_one_pool(tiny_gemma3, reference_tokens, radix, page_size, chunk, retract, ratio):
     gen = _serve(tiny_gemma3, "--page-size", str(page_size), "--chunked-prefill-size", str(chunk),
-                 "--swa-full-tokens-ratio", "0.25", "--max-total-tokens", "4096",
+                 "--swa-full-tokens-ratio", str(ratio), "--max-total-tokens", str(BUDGET), radix=radix,
                  env={"SGL_JAX_TEST_RETRACT": "1"} if retract else None)
     server = next(gen)
+    first, second_prompts, second = reference_tokens
     try:
         state = httpx.get(server.url + "/get_server_info").json()["internal_states"][0]
-        # one pool of 4096 tokens x 3 layers = full pool F for 1 layer + SWA pool F/4 for 2 layers
-        assert state["kv_tokens_total"] == 8192 // page_size * page_size and state["swa_tokens_total"] == 2048
-        assert _generate_all(server.url, _prompts(PROMPT_LENGTHS), NEW_TOKENS) == reference_tokens
+        full, swa = split_hybrid_budget(BUDGET, 1, 2, ratio, page_size)  # 1 full + 2 sliding-window layers
+        assert (state["kv_tokens_total"], state["swa_tokens_total"]) == (full, swa)
+        assert _generate_all(server.url, _prompts(PROMPT_LENGTHS), NEW_TOKENS) == first
+        wait_pool_idle(server.url)
+        meta = []
+        assert _generate_all(server.url, second_prompts, NEW_TOKENS, meta) == second
         state = wait_pool_idle(server.url)
-        assert state["swa_tokens_free"] == state["swa_tokens_total"]
+        if radix:  # round 2 reused round 1's KV (prefixes longer than the window)
+            assert max(m["cached_tokens"] for m in meta) > W
+            assert state["swa_tokens_free"] + state["swa_tokens_cached"] == state["swa_tokens_total"]
+        else:
+            assert state["swa_tokens_free"] == state["swa_tokens_total"]
         if retract:
             assert state["num_retracted_reqs"] > 0
     finally:

@@ -13,7 +13,7 @@ from typing import Callable, List, Optional
 import numpy as np
 
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sgl_jax.srt.mem_cache.common import alloc_with_evict
+from sgl_jax.srt.mem_cache.common import alloc_with_evict, evict_for_pages
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.forward_batch_info import (
@@ -319,10 +319,8 @@ class ScheduleBatch:
         Returns False (nothing taken) when even eviction cannot free enough pages: the caller retracts.
         """
         need = sum(allocator.pages_needed(r.seqlen - 1, r.seqlen) for r in self.reqs)
-        if need > allocator.available_pages():
-            tree_cache.evict((need - allocator.available_pages()) * allocator.page_size)
-            if need > allocator.available_pages():
-                return False
+        if not evict_for_pages(allocator, tree_cache, need):
+            return False
         for req in self.reqs:
             row = pool.req_to_token[req.req_pool_idx]
             pos = req.seqlen - 1

@@ -11,7 +11,8 @@ A request is admitted when, together with the ones already picked,
   runs out of pages anyway, requests are retracted and the ratio is raised (SGLang's scheme).
 
 Sliding-window models with a separate SWA pool (hybrid SWA memory) are admitted against both pools: the
-full pool as above, and the SWA pool for each request's peak SWA use, ``window + interval + 2 pages``
+full pool as above (free plus evictable), and the SWA pool (free plus SWA-evictable) for each request's peak
+SWA use, ``window + interval + 2 pages``
 (interval: the tokens one step adds, a chunk or the whole prompt when prefilled at once; never more than the
 request's final length), minus the SWA pages a running request already holds (SGLang's accounting).
 
@@ -97,7 +98,7 @@ class PrefillAdder:
         self.rem_pages = (full_free + tree_cache.evictable_size() // self.ps
                           - sum(self._pages(future_tokens(r, self.ratio)) for r in running))
         if swa_window:
-            self.rem_swa_pages = allocator.swa_available_pages() - sum(
+            self.rem_swa_pages = allocator.swa_available_pages() + tree_cache.swa_evictable_size() // self.ps - sum(
                 max(0, self._swa_peak_pages(r, 1) - swa_held_pages(r, self.ps)) for r in running)
         self.can_run: List[Req] = []
         self.num_tokens = 0
@@ -134,7 +135,7 @@ class PrefillAdder:
         pages = self.allocator.pages_needed(req.kv_allocated_len, req.kv_committed_len + n)
         self.rem_pages -= self.allocator.pages_needed(req.kv_allocated_len, req.seqlen) + \
             self._pages(future_tokens(req, self.ratio))
-        available_now = self.allocator.available_pages() + self.tree_cache.evictable_size() // self.ps
+        available_now = self._available_pages_now()
         if n == 0 or pages > available_now or not self._fits_bucket(n):
             return False
         if self.swa_window:
@@ -146,7 +147,9 @@ class PrefillAdder:
         """Admit a waiting request if everything fits; returns False (and admits nothing) otherwise."""
         if self.free_req_slots <= 0 or self.new_chunked_req is not None:
             return False
+        swa_before = self.tree_cache.swa_evictable_size()
         match, moved = match_req(req, self.tree_cache)  # locked; a prefill_extend item reuses its handle's KV
+        swa_moved = swa_before - self.tree_cache.swa_evictable_size()  # the lock's window, SWA pool
         try:
             prefix = match.length
             extend = len(req.fill_ids) - prefix
@@ -154,7 +157,7 @@ class PrefillAdder:
             need = self.allocator.pages_needed(prefix, req.seqlen) + self._pages(future_tokens(req, self.ratio))
             fits = n > 0 and self._fits_bucket(self.num_tokens + n) and need <= self.rem_pages - moved // self.ps
             swa_need = self._swa_peak_pages(req, n) if self.swa_window else 0
-            fits = fits and (not self.swa_window or swa_need <= self.rem_swa_pages)
+            fits = fits and (not self.swa_window or swa_need <= self.rem_swa_pages - swa_moved // self.ps)
         except BaseException:  # never leave the prefix locked
             self.tree_cache.dec_lock_ref(match.last_node)
             raise
@@ -163,7 +166,7 @@ class PrefillAdder:
             return False
         self.rem_pages -= need + moved // self.ps
         if self.swa_window:
-            self.rem_swa_pages -= swa_need
+            self.rem_swa_pages -= swa_need + swa_moved // self.ps
         self.free_req_slots -= 1
         req.prefix_indices = match.device_indices
         req.last_node = match.last_node
@@ -171,6 +174,14 @@ class PrefillAdder:
             req.cached_tokens = prefix
         self._accept(req, n, extend)
         return True
+
+    def _available_pages_now(self) -> int:
+        """Pages an allocation could get now: free plus evictable (in both pools with hybrid SWA memory)."""
+        full = self.allocator.available_pages() + self.tree_cache.evictable_size() // self.ps
+        if not self.swa_window:
+            return full
+        full = self.allocator.full_available_pages() + self.tree_cache.evictable_size() // self.ps
+        return min(full, self.allocator.swa_available_pages() + self.tree_cache.swa_evictable_size() // self.ps)
 
     def _swa_peak_pages(self, req: Req, n: int) -> int:
         """Peak SWA pages of a request extending n tokens per step (a chunk, or its whole prompt)."""

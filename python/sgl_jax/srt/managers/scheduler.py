@@ -196,7 +196,8 @@ class Scheduler:
             allocator = SWAPagedAllocator(runner.max_total_tokens, runner.swa_max_total_tokens, self.page_size)
         else:
             allocator = PagedTokenToKVPoolAllocator(runner.max_total_tokens, self.page_size)
-        tree_cache = create_prefix_cache(self.server_args, pool, allocator)
+        tree_cache = create_prefix_cache(self.server_args, pool, allocator,
+                                         self.model_config.sliding_window if runner.hybrid_swa else None)
         scoring = SchedulerScoring(tree_cache, pool, self.page_size,
                                    self.server_args.multi_item_prefill_extend_cache_timeout,
                                    self.send_to_tokenizer.send_pyobj, self.model_config.eos_token_ids,

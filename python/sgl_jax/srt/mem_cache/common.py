@@ -7,6 +7,22 @@ from typing import Optional
 import numpy as np
 
 from sgl_jax.srt.mem_cache.cache_manager import cache_finished_req
+from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
+
+
+def evict_for_pages(allocator, tree_cache, pages: int) -> bool:
+    """Evict unlocked cached KV until `pages` new pages can be allocated (in both pools with hybrid SWA
+    memory: full-pool eviction first, which frees SWA pages too, then SWA-only eviction for the rest).
+
+    Returns: whether `pages` pages are available now.
+    """
+    ps, hybrid = allocator.page_size, isinstance(allocator, SWAPagedAllocator)
+    full_free = allocator.full_available_pages() if hybrid else allocator.available_pages()
+    if pages > full_free:
+        tree_cache.evict((pages - full_free) * ps)
+    if hybrid and pages > allocator.swa_available_pages():
+        tree_cache.evict_swa((pages - allocator.swa_available_pages()) * ps)
+    return pages <= allocator.available_pages()
 
 
 def alloc_with_evict(allocator, tree_cache, row: np.ndarray, have: int, want: int) -> Optional[np.ndarray]:
@@ -14,9 +30,7 @@ def alloc_with_evict(allocator, tree_cache, row: np.ndarray, have: int, want: in
 
     Returns None (nothing taken) if even eviction cannot free enough pages.
     """
-    short = allocator.pages_needed(have, want) - allocator.available_pages()
-    if short > 0:
-        tree_cache.evict(short * allocator.page_size)
+    evict_for_pages(allocator, tree_cache, allocator.pages_needed(have, want))
     return allocator.alloc_token_slots(row, have, want)
 
 

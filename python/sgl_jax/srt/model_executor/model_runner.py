@@ -156,11 +156,6 @@ class ModelRunner:
         swa_layers = set(model_config.swa_layer_ids)
         # hybrid SWA memory: sliding-window layers get their own, smaller pool (mem_cache/swa_allocator.py)
         self.hybrid_swa = bool(swa_layers) and not server_args.disable_hybrid_swa_memory
-        if self.hybrid_swa and not server_args.disable_radix_cache:
-            # the radix cache would share prefixes whose SWA KV was freed; SWARadixCache will track that
-            logger.info("Sliding-window model with the radix cache: one KV pool for every layer (hybrid SWA "
-                        "memory needs --disable-radix-cache for now)")
-            self.hybrid_swa = False
         num_layers = model_config.num_hidden_layers
         self.num_swa_pages = 0
         if self.hybrid_swa:
