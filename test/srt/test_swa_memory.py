@@ -6,6 +6,8 @@
   dimension with both cache kinds); both pools idle after each run. Two rounds: the second extends the
   first round's prompts + outputs (and half-prompts), so with the radix cache it reuses cached prefixes
   whose SWA KV was partly released or evicted (tombstones) -- under SWA-pool pressure in the radix configs.
+  /v1/score (a query longer than the window, items shorter and longer than it) gives the reference's label
+  log-probabilities on every configuration.
 - Capacity: an SWA pool of 1,024 tokens (W = 32) runs eight concurrent 600-token prompts with 64 new tokens
   each, all admitted at once; with SWA release disabled the same run never has them all admitted.
 """
@@ -44,6 +46,16 @@ def _second_round(prompts, outputs):
             + [p[:len(p) // 2] + rng.integers(100, 49000, 9).tolist() for p in prompts])
 
 
+def _score(url):
+    """/v1/score of a 3W-token query and three items (one longer than the window): label log-probabilities."""
+    rng = np.random.default_rng(2)
+    body = {"query": rng.integers(100, 49000, 3 * W).tolist(), "label_token_ids": [100, 2000, 30000],
+            "items": [rng.integers(100, 49000, n).tolist() for n in (3, W + 5, 7)], "apply_softmax": False}
+    r = httpx.post(url + "/v1/score", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    return np.array(r.json()["scores"])
+
+
 def _generate_all(url, prompts, new_tokens, meta=None):
     def one(ids):
         r = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
@@ -65,7 +77,8 @@ def _serve(model, *args, env=None, radix=False):
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_gemma3):
-    """Greedy tokens of the one-pool server (windows only masked): (round 1, round 2 prompts, round 2)."""
+    """Greedy tokens of the one-pool server (windows only masked): (round 1, round 2 prompts, round 2),
+    and its /v1/score label log-probabilities."""
     gen = _serve(tiny_gemma3, "--disable-hybrid-swa-memory", "--max-total-tokens", str(BUDGET))
     server = next(gen)
     try:
@@ -73,7 +86,8 @@ def reference_tokens(tiny_gemma3):
         assert "swa_tokens_total" not in state
         first = _generate_all(server.url, _prompts(PROMPT_LENGTHS), NEW_TOKENS)
         second_prompts = _second_round(_prompts(PROMPT_LENGTHS), first)
-        yield first, second_prompts, _generate_all(server.url, second_prompts, NEW_TOKENS)
+        second = _generate_all(server.url, second_prompts, NEW_TOKENS)
+        yield first, second_prompts, second, _score(server.url)
         wait_pool_idle(server.url)
     finally:
         next(gen, None)
@@ -93,7 +107,7 @@ def test_hybrid_pool_matches_one_pool(tiny_gemma3, reference_tokens, radix, page
                  "--swa-full-tokens-ratio", str(ratio), "--max-total-tokens", str(BUDGET), radix=radix,
                  env={"SGL_JAX_TEST_RETRACT": "1"} if retract else None)
     server = next(gen)
-    first, second_prompts, second = reference_tokens
+    first, second_prompts, second, scores = reference_tokens
     try:
         state = httpx.get(server.url + "/get_server_info").json()["internal_states"][0]
         full, swa = split_hybrid_budget(BUDGET, 1, 2, ratio, page_size)  # 1 full + 2 sliding-window layers
@@ -102,6 +116,7 @@ def test_hybrid_pool_matches_one_pool(tiny_gemma3, reference_tokens, radix, page
         wait_pool_idle(server.url)
         meta = []
         assert _generate_all(server.url, second_prompts, NEW_TOKENS, meta) == second
+        np.testing.assert_allclose(_score(server.url), scores, atol=1e-4)  # reranking on the hybrid pools
         state = wait_pool_idle(server.url)
         if radix:  # round 2 reused round 1's KV (prefixes longer than the window)
             assert max(m["cached_tokens"] for m in meta) > W
