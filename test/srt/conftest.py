@@ -20,15 +20,17 @@ def smollm2_tokenizer():
 
 @pytest.fixture(scope="session")
 def hardened_server():
-    """A server as an operator would expose it -- API key and admin key set, scoring cache on -- with the
-    fault-injection test hook on (requests whose rid starts with ``fault-<stage>`` fail at that stage) and
-    max_running_requests 8 (so 32 concurrent requests are 4x what it runs at once). Shared by
-    test_bad_requests.py and test_bad_requests_fuzz.py."""
-    from srt_helpers import ADMIN_API_KEY, API_KEY, SMALL_ENGINE_ARGS, ServerProcess, alive_after
+    """A server as an operator would expose it -- API key and admin key set, scoring cache on, Prometheus
+    metrics on, a --served-model-name -- with the fault-injection test hook on (requests whose rid starts with
+    ``fault-<stage>`` fail at that stage) and max_running_requests 8 (so 32 concurrent requests are 4x what it
+    runs at once). Shared by test_bad_requests.py, test_bad_requests_fuzz.py and test_metrics_and_tokenize.py
+    (whose metric checks look at differences, not at a fresh server's counters)."""
+    from srt_helpers import ADMIN_API_KEY, API_KEY, SERVED_MODEL_NAME, SMALL_ENGINE_ARGS, ServerProcess, alive_after
 
     s = ServerProcess(env={"SGL_JAX_TEST_FAULT_INJECTION": "1"},
                       engine_args={**SMALL_ENGINE_ARGS, "max_running_requests": 8, "enable_scoring_cache": True,
-                                   "api_key": API_KEY, "admin_api_key": ADMIN_API_KEY})
+                                   "api_key": API_KEY, "admin_api_key": ADMIN_API_KEY, "enable_metrics": True,
+                                   "served_model_name": SERVED_MODEL_NAME})
     yield s
     code = s.stop()
     assert code == 0, f"server exited with {code}"

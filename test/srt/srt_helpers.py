@@ -28,9 +28,10 @@ SMALL_ENGINE_ARGS = dict(
 )
 
 
-# the keys of conftest.hardened_server
+# the keys and --served-model-name of conftest.hardened_server
 API_KEY = "test-api-key"
 ADMIN_API_KEY = "test-admin-key"
+SERVED_MODEL_NAME = "my-model"
 
 
 def engine_cli_args(extra: Optional[dict] = None) -> List[str]:
