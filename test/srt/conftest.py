@@ -20,15 +20,17 @@ def smollm2_tokenizer():
 
 @pytest.fixture(scope="session")
 def hardened_server():
-    """A server as an operator would expose it -- API key and admin key set, scoring cache on -- with the
-    fault-injection test hook on (requests whose rid starts with ``fault-<stage>`` fail at that stage) and
-    max_running_requests 8 (so 32 concurrent requests are 4x what it runs at once). Shared by
-    test_bad_requests.py and test_bad_requests_fuzz.py."""
-    from srt_helpers import ADMIN_API_KEY, API_KEY, SMALL_ENGINE_ARGS, ServerProcess, alive_after
+    """A server as an operator would expose it -- API key and admin key set, scoring cache on, Prometheus
+    metrics on, a --served-model-name -- with the fault-injection test hook on (requests whose rid starts with
+    ``fault-<stage>`` fail at that stage) and max_running_requests 8 (so 32 concurrent requests are 4x what it
+    runs at once). Shared by test_bad_requests.py, test_bad_requests_fuzz.py and test_metrics_and_tokenize.py
+    (whose metric checks look at differences, not at a fresh server's counters)."""
+    from srt_helpers import ADMIN_API_KEY, API_KEY, SERVED_MODEL_NAME, SMALL_ENGINE_ARGS, ServerProcess, alive_after
 
     s = ServerProcess(env={"SGL_JAX_TEST_FAULT_INJECTION": "1"},
                       engine_args={**SMALL_ENGINE_ARGS, "max_running_requests": 8, "enable_scoring_cache": True,
-                                   "api_key": API_KEY, "admin_api_key": ADMIN_API_KEY})
+                                   "api_key": API_KEY, "admin_api_key": ADMIN_API_KEY, "enable_metrics": True,
+                                   "served_model_name": SERVED_MODEL_NAME})
     yield s
     code = s.stop()
     assert code == 0, f"server exited with {code}"
@@ -38,12 +40,12 @@ def hardened_server():
 @pytest.fixture(scope="session")
 def default_server():
     """One server with the suite's common configuration (SMALL_ENGINE_ARGS) plus --enable-metrics, shared by
-    the modules that need nothing else (test_bench_serving, test_clients, test_http_server,
-    test_kv_cache_lifecycle's radix-chunk256 scenario, test_router_replicas' first worker,
-    test_sampling_features): a server start costs ~40 s on a 2-core CPU. Tests on it must not assume a fresh
-    server: they flush the cache first or look at differences. Its checks of the whole server's life (no
-    compile after warm-up, no leaked KV) cover every module's traffic; at the end of the session it must
-    stop with exit 0 and leave no child process."""
+    the modules that need nothing else (test_attention_backend_pallas' native reference, test_bench_serving,
+    test_clients, test_http_server, test_kv_cache_lifecycle's radix-chunk256 scenario, test_router_replicas'
+    first worker, test_sampling_features): a server start costs ~35 s on a 2-core CPU. Tests on it must not
+    assume a fresh server: they flush the cache first or look at differences. Its checks of the whole
+    server's life (no compile after warm-up, no leaked KV) cover every module's traffic; at the end of the
+    session it must stop with exit 0 and leave no child process."""
     from srt_helpers import module_server
 
     yield from module_server(["--enable-metrics"])

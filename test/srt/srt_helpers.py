@@ -28,9 +28,22 @@ SMALL_ENGINE_ARGS = dict(
 )
 
 
-# the keys of conftest.hardened_server
+# Server processes see the packages as the runtime installs them, without the test extras' torch:
+# runtime_env/sitecustomize.py (~7 s less per server start on a 2-core CPU).
+RUNTIME_ENV_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime_env")
+
+
+def server_env(env: Optional[dict] = None) -> dict:
+    """The environment of a server process: os.environ plus `env`, RUNTIME_ENV_DIR first on PYTHONPATH."""
+    out = {**os.environ, **(env or {})}
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (RUNTIME_ENV_DIR, out.get("PYTHONPATH")) if p)
+    return out
+
+
+# the keys and --served-model-name of conftest.hardened_server
 API_KEY = "test-api-key"
 ADMIN_API_KEY = "test-admin-key"
+SERVED_MODEL_NAME = "my-model"
 
 
 def engine_cli_args(extra: Optional[dict] = None) -> List[str]:
@@ -87,7 +100,8 @@ def alive_after(pids, timeout: float = 15.0) -> List[int]:
 
 
 class ServerProcess:
-    """``python -m sgl_jax.launch_server`` on 127.0.0.1 and a free port; stderr/stdout go to a log file.
+    """``python -m sgl_jax.launch_server`` on 127.0.0.1 and a free port, in `server_env(env)`; stderr/stdout go
+    to a log file.
 
     Raises RuntimeError (with the log tail) if the server exits or is not healthy within `timeout` seconds.
     """
@@ -99,8 +113,7 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sgl_jax_server_", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "sgl_jax.launch_server", "--host", "127.0.0.1", "--port", str(self.port),
                *engine_cli_args(engine_args), *(extra_args or [])]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=server_env(env))
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -8,11 +8,9 @@ import time
 import httpx
 import pytest
 
-from sgl_jax import Engine
 from srt_helpers import SMALL_ENGINE_ARGS, ServerProcess, alive_after
 
-# Few shapes: every layer of every compiled shape holds an interpreted kernel. The native engine uses the
-# same shapes, so both sides pad batches the same way.
+# Few shapes: every layer of every compiled shape holds an interpreted kernel.
 ARGS = dict(SMALL_ENGINE_ARGS, precompile_token_paddings=[64], precompile_bs_paddings=[1, 4],
             max_running_requests=4, max_total_tokens=4096, chunked_prefill_size=64)
 PROMPTS = [
@@ -27,9 +25,14 @@ GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def native_ids():
-    with Engine(**ARGS, attention_backend="native") as e:
-        return [o["output_ids"] for o in e.generate(PROMPTS, GREEDY)]
+def native_ids(default_server):
+    """The native backend's greedy tokens, from conftest's shared server (no Engine start of its own). It runs
+    the suite's common shapes, not ARGS': greedy tokens do not depend on batch padding or prefill chunking
+    (test_engine's batch invariance and test_kv_cache_lifecycle's scenarios check that), so a difference
+    points at the kernel."""
+    out = httpx.post(default_server.url + "/generate", json={"text": PROMPTS, "sampling_params": GREEDY},
+                     timeout=600).json()
+    return [o["output_ids"] for o in out]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from srt_helpers import ADMIN_API_KEY, API_KEY, default_model_path, wait_pool_idle
+from srt_helpers import ADMIN_API_KEY, API_KEY, SERVED_MODEL_NAME, default_model_path, wait_pool_idle
 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 ADMIN = {"authorization": f"Bearer {ADMIN_API_KEY}"}
@@ -240,8 +240,8 @@ def test_keys_content_type_and_no_paths(hardened_server):
         text = httpx.get(url + endpoint, headers=AUTH, timeout=30).text
         assert path not in text and os.path.dirname(path) not in text and os.path.expanduser("~") not in text
         assert API_KEY not in text and ADMIN_API_KEY not in text
-    assert httpx.get(url + "/get_model_info", headers=AUTH, timeout=30).json()["model_path"] == \
-        os.path.basename(path)[:-len(".gguf")]
+    # the operator's --served-model-name (the default name, the file's, is test_http_server's check)
+    assert httpx.get(url + "/get_model_info", headers=AUTH, timeout=30).json()["model_path"] == SERVED_MODEL_NAME
     schema = httpx.get(url + "/openapi.json", headers=AUTH, timeout=30).json()["components"]["schemas"]
     top_k = schema["SamplingParamsRequest"]["properties"]["top_k"]
     assert top_k["minimum"] == -1 and top_k["maximum"] == 2**31 - 1  # the document states each range

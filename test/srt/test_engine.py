@@ -101,31 +101,38 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     a = engine.generate(PROMPTS[2], sp)
     b = engine.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [sp, GREEDY_32, GREEDY_32])[0]
     assert a["output_ids"] == b["output_ids"]
-    others = {tuple(engine.generate(PROMPTS[2], {**sp, "sampling_seed": s})["output_ids"]) for s in range(4)}
+    seeds = engine.generate([PROMPTS[2]] * 4, [{**sp, "sampling_seed": s} for s in range(4)])
+    others = {tuple(o["output_ids"]) for o in seeds}
     assert len(others) > 1, "different seeds should give different samples"
 
 
-def _steps(engine, sp, top_n):
-    out = engine.generate(PROMPTS[2], {"max_new_tokens": 24, "ignore_eos": True, **sp}, return_logprob=True,
-                          top_logprobs_num=top_n)
-    meta = out["meta_info"]
-    return list(zip(meta["output_token_logprobs"], meta["output_top_logprobs"]))
-
-
 def test_top_k_top_p_min_p_only_sample_allowed_tokens(engine):
-    """Every sampled token must satisfy the filter, judged from the returned (temperature 1) logprobs."""
-    for seed in range(3):
-        for (_, tok, _), top in _steps(engine, {"temperature": 1.5, "top_k": 3, "sampling_seed": seed}, 3):
-            assert tok in [t[1] for t in top]
-        for (_, tok, _), top in _steps(engine, {"temperature": 1.0, "top_p": 0.6, "sampling_seed": seed}, 20):
-            ids = [t[1] for t in top]
-            probs = np.exp([t[0] for t in top])
-            if tok in ids:
-                assert probs[:ids.index(tok)].sum() < 0.6 + 1e-4, "token outside the nucleus"
+    """Every sampled token must satisfy the filter, judged from the returned (temperature 1) logprobs. The
+    nine requests (three filters x three seeds) run batched, each row with its own filter (8 + 1: a batch of
+    9 would pad to the 32-row bucket and cost as much as nine requests one by one)."""
+    filters = [{"temperature": 1.5, "top_k": 3}, {"temperature": 1.0, "top_p": 0.6},
+               {"temperature": 1.0, "min_p": 0.2}]
+    sps = [{"max_new_tokens": 24, "ignore_eos": True, "sampling_seed": seed, **f} for seed in range(3) for f in filters]
+    outs = [out for i in range(0, len(sps), 8)
+            for out in engine.generate([PROMPTS[2]] * len(sps[i:i + 8]), sps[i:i + 8], return_logprob=True,
+                                       top_logprobs_num=20)]
+    assert len(outs) == len(sps)
+    for sp, out in zip(sps, outs):
+        meta = out["meta_info"]
+        steps = list(zip(meta["output_token_logprobs"], meta["output_top_logprobs"]))
+        assert len(steps) == 24
+        for (lp, tok, _), top in steps:
+            if "top_k" in sp:
+                assert tok in [t[1] for t in top[:3]]
+            elif "top_p" in sp:
+                ids = [t[1] for t in top]
+                probs = np.exp([t[0] for t in top])
+                if tok in ids:
+                    assert probs[:ids.index(tok)].sum() < 0.6 + 1e-4, "token outside the nucleus"
+                else:
+                    assert probs.sum() < 0.6, "token outside the nucleus"
             else:
-                assert probs.sum() < 0.6, "token outside the nucleus"
-        for (lp, _, _), top in _steps(engine, {"temperature": 1.0, "min_p": 0.2, "sampling_seed": seed}, 1):
-            assert np.exp(lp) >= 0.2 * np.exp(top[0][0]) - 1e-6
+                assert np.exp(lp) >= 0.2 * np.exp(top[0][0]) - 1e-6
 
 
 def test_min_p_and_top_k_one_are_greedy_like(engine):

@@ -89,13 +89,14 @@ def baseline(prompts):
     return [o["output_ids"] for o in outs]
 
 
+CHUNK64 = {"chunked_prefill_size": 64, "precompile_token_paddings": [64]}  # no extend is longer than a chunk
 SCENARIOS = {
     "radix-chunk256": ({}, {}),  # the suite's defaults (SMALL_ENGINE_ARGS): conftest.default_server
-    "radix-chunk64": ({"chunked_prefill_size": 64}, {}),
+    "radix-chunk64": (CHUNK64, {}),
     # retract forced every few decode steps, on 16-token pages: retracted requests release their pages
     # and resume (re-prefilled through the radix cache) with the same tokens
     "radix-page16-forced-retract": ({"page_size": 16}, {"SGL_JAX_TEST_RETRACT": "1"}),
-    "no-radix-chunk64": ({"disable_radix_cache": True, "chunked_prefill_size": 64}, {}),
+    "no-radix-chunk64": ({**CHUNK64, "disable_radix_cache": True}, {}),
 }
 
 

@@ -1,5 +1,8 @@
 """Operations endpoints on one launched server: /metrics (Prometheus), /tokenize and /detokenize, the API key's
-reach, /v1/models with --served-model-name, /get_model_info and /health_generate."""
+reach, /v1/models with --served-model-name, /get_model_info and /health_generate.
+
+The server is conftest.hardened_server (API key, --enable-metrics, --served-model-name), shared with
+test_bad_requests: the metric checks look at differences between two scrapes, not at fresh counters."""
 
 from __future__ import annotations
 
@@ -9,11 +12,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from srt_helpers import SMALL_ENGINE_ARGS, ServerProcess, alive_after
+from srt_helpers import API_KEY, SERVED_MODEL_NAME, SMALL_ENGINE_ARGS
 
-KEY = "metrics-test-key"
+KEY = API_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
-NAME = "my-model"
+NAME = SERVED_MODEL_NAME
 PROMPT = "The capital of France is"
 
 COUNTERS = ("sglang:prompt_tokens", "sglang:generation_tokens", "sglang:cached_tokens", "sglang:num_requests")
@@ -24,14 +27,8 @@ HISTOGRAMS = ("sglang:time_to_first_token_seconds", "sglang:inter_token_latency_
 
 
 @pytest.fixture(scope="module")
-def server():
-    # the suite's common engine configuration (its compiled shapes are in the persistent cache), plus the flags
-    s = ServerProcess(engine_args={**SMALL_ENGINE_ARGS, "enable_metrics": True, "served_model_name": NAME,
-                                   "api_key": KEY})
-    yield s
-    code = s.stop()
-    assert code == 0, f"server exited with {code}"
-    assert not alive_after(s.children), "child processes left behind"
+def server(hardened_server):
+    return hardened_server  # conftest.py: stops with exit 0 and no child left behind at the end of the session
 
 
 def scrape(server) -> dict:

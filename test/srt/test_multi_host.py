@@ -17,7 +17,8 @@ import time
 import httpx
 import pytest
 
-from srt_helpers import ServerProcess, engine_cli_args, module_server, save_tiny_llama, stop_process, free_port_range
+from srt_helpers import (ServerProcess, engine_cli_args, free_port_range, module_server, save_tiny_llama, server_env,
+                         stop_process)
 
 PROMPTS = [f"Host test {i}: " + "one two three four " * (1 + i % 3) for i in range(8)]
 EXIT_WITHIN_S = 60
@@ -55,7 +56,7 @@ def start_follower(tiny_model, addr: str, *extra: str) -> subprocess.Popen:
     log = tempfile.NamedTemporaryFile("w+", prefix="sgl_jax_node1_", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "sgl_jax.launch_server", *engine_cli_args(), *model_args(tiny_model),
            "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr, *extra]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **xla_env(2)})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(xla_env(2)))
     proc.log_name = log.name
     return proc
 

@@ -1,4 +1,8 @@
-"""A dying child process (scheduler or detokenizer) must be logged, fail /health, and end the server non-zero."""
+"""A dying child process (scheduler or detokenizer) must be logged, fail /health, and end the server non-zero.
+
+Each test kills its server, so each starts one: with --disable-precompile (no warm-up compilation of every
+bucket; the crash test's one prefill compiles its shape on first use), since serving speed is not under test.
+"""
 
 import os
 import re
@@ -17,7 +21,7 @@ def _health_is_not_ok(url: str) -> bool:
 
 
 def test_scheduler_crash_takes_the_server_down_loudly():
-    s = ServerProcess(env={"SGL_JAX_TEST_CRASH_AT_STEP": "2"})  # step 1: prefill, step 2: crash
+    s = ServerProcess(["--disable-precompile"], env={"SGL_JAX_TEST_CRASH_AT_STEP": "2"})  # step 1: prefill, 2: crash
     try:
         r = httpx.post(s.url + "/generate", timeout=120,
                        json={"text": "Hi", "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
@@ -34,7 +38,7 @@ def test_scheduler_crash_takes_the_server_down_loudly():
 
 
 def test_killed_detokenizer_takes_the_server_down():
-    s = ServerProcess()
+    s = ServerProcess(["--disable-precompile"])
     try:
         pid = int(re.search(r"detokenizer \(pid (\d+)\)", s.log_text()).group(1))
         assert pid in s.children

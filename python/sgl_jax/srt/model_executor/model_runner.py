@@ -171,9 +171,13 @@ class ModelRunner:
         kv_heads = padded_kv_heads(model_config.num_key_value_heads, self.tp_size)
         self._kv_sharding = NamedSharding(self.mesh, KV_CACHE)
 
+        zeros_programs = {}  # pages -> jitted allocation: one compile per buffer shape, not two per layer
+
         def zeros(pages):
-            shape = (self.dp_size * (pages + 1), self.page_size, kv_heads, model_config.head_dim)
-            return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)()
+            if pages not in zeros_programs:
+                shape = (self.dp_size * (pages + 1), self.page_size, kv_heads, model_config.head_dim)
+                zeros_programs[pages] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)
+            return zeros_programs[pages]()
 
         self.kv_caches = []
         for i in range(num_layers):
