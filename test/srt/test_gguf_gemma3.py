@@ -65,16 +65,21 @@ def _state_dict(tensors: dict) -> dict:
     return sd
 
 
-@pytest.fixture(scope="module")
-def hf_model(hf_dir, our_tensors):
-    """transformers' Gemma3ForCausalLM (float32) built from our config.json and our tensors, strictly."""
+def hf_gemma3(hf_dir: str, tensors: dict):
+    """transformers' Gemma3ForCausalLM (float32, eval mode) built from the config.json in `hf_dir` and `tensors`
+    (HF name -> float32 array, as `iterate_gguf_tensors` yields them), loaded strictly."""
     from transformers import AutoConfig, Gemma3ForCausalLM
     from transformers.initialization import no_init_weights
 
     with no_init_weights():  # every weight is loaded below
         model = Gemma3ForCausalLM(AutoConfig.from_pretrained(hf_dir))
-    model.load_state_dict(_state_dict(our_tensors), strict=True)
+    model.load_state_dict(_state_dict(tensors), strict=True)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_model(hf_dir, our_tensors):
+    return hf_gemma3(hf_dir, our_tensors)
 
 
 def test_package_file_is_joined_and_checked(gemma3_path):
