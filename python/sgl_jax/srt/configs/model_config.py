@@ -7,6 +7,7 @@ import json
 import os
 from typing import List, Optional
 
+from sgl_jax.srt.model_loader.chat_templates import resolve_chat_template
 from sgl_jax.srt.model_loader.default_model import find_default_model_path
 
 
@@ -65,10 +66,14 @@ def tokenizer_path_for(server_args) -> str:
 
 
 def load_tokenizer(server_args):
-    """The HF fast tokenizer every process uses (`transformers.AutoTokenizer`; no torch needed)."""
+    """The HF fast tokenizer every process uses (`transformers.AutoTokenizer`; no torch needed), with the
+    chat template of --chat-template when given."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tokenizer_path_for(server_args))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path_for(server_args))
+    if server_args.chat_template is not None:
+        tokenizer.chat_template = resolve_chat_template(server_args.chat_template)
+    return tokenizer
 
 
 FULL_ATTENTION = "full_attention"
