@@ -15,13 +15,12 @@ import argparse
 import concurrent.futures
 import datetime
 import json
-import os
 import time
 from typing import List, Optional
 
 import httpx
 
-from sgl_jax.bench_utils import cpu_name
+from sgl_jax.bench_utils import cpu_name, write_json
 
 MEMORY_GBPS_FLOOR = 42.0  # measured host memory bandwidth of the development machine (DEVELOPERS.md)
 MATMUL_GFLOPS_FLOOR = "380-420"  # XLA float32 large-matmul rate on the development machine
@@ -125,9 +124,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     result["date"] = datetime.date.today().isoformat()
     print(format_table(result))
     if args.output_file:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_file)), exist_ok=True)
-        with open(args.output_file, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.output_file, result)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -35,3 +36,10 @@ def xla_matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
     f(a).block_until_ready()
     best = min(timed(lambda: f(a).block_until_ready())[1] for _ in range(repeats))
     return 2 * n ** 3 / best / 1e9
+
+
+def write_json(path: str, obj) -> None:
+    """Write `obj` as indented JSON to `path`, creating its directory."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)

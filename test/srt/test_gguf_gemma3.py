@@ -7,7 +7,10 @@
   equals transformers' GGUF config;
 - what the GGUF does not store -- the 5:1 sliding/global layer pattern, the local rope base, the ``1 + w``
   norm storage, no q/k row permutation -- is checked against Gemma 3's published config and, for the
-  weights, by the model's likelihood of an English passage: right conventions ~2 nats/token, wrong ones >5.
+  weights, by the model's likelihood of an English passage: right conventions ~2 nats/token, wrong ones >5;
+- the file has no chat template; the tokenizer gets the built-in gemma3 one, which renders conversations
+  exactly as Gemma 3's own template (the text of its tokenizer_config.json) does; --chat-template sets it on
+  any model.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import os
 import numpy as np
 import pytest
 
+from sgl_jax.srt.configs.model_config import resolve_model_path
+from sgl_jax.srt.model_loader.chat_templates import GEMMA3_CHAT_TEMPLATE
 from sgl_jax.srt.model_loader.default_model import (GEMMA3_270M_PACKAGE, _sha256, find_default_model_path,
                                                      find_packaged_gguf)
 from sgl_jax.srt.model_loader.gguf_file import (GEMMA3_NORM_SHIFT, iterate_gguf_tensors, prepare_gguf_hf_dir,
                                                  unpermute_qk)
+from sgl_jax.srt.model_loader.gguf_reader import open_gguf
 
 TEXTS = [
     "Hello world", "The capital of France is", " leading space", "  two leading spaces", "trailing space ",
@@ -65,16 +71,21 @@ def _state_dict(tensors: dict) -> dict:
     return sd
 
 
-@pytest.fixture(scope="module")
-def hf_model(hf_dir, our_tensors):
-    """transformers' Gemma3ForCausalLM (float32) built from our config.json and our tensors, strictly."""
+def hf_gemma3(hf_dir: str, tensors: dict):
+    """transformers' Gemma3ForCausalLM (float32, eval mode) built from the config.json in `hf_dir` and `tensors`
+    (HF name -> float32 array, as `iterate_gguf_tensors` yields them), loaded strictly."""
     from transformers import AutoConfig, Gemma3ForCausalLM
     from transformers.initialization import no_init_weights
 
     with no_init_weights():  # every weight is loaded below
         model = Gemma3ForCausalLM(AutoConfig.from_pretrained(hf_dir))
-    model.load_state_dict(_state_dict(our_tensors), strict=True)
+    model.load_state_dict(_state_dict(tensors), strict=True)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_model(hf_dir, our_tensors):
+    return hf_gemma3(hf_dir, our_tensors)
 
 
 def test_package_file_is_joined_and_checked(gemma3_path):
@@ -86,6 +97,12 @@ def test_package_file_is_joined_and_checked(gemma3_path):
     assert os.path.getsize(gemma3_path) == 253_113_024 and _sha256(gemma3_path) == sha
     assert find_packaged_gguf(GEMMA3_270M_PACKAGE) == gemma3_path  # cached
     assert find_default_model_path().endswith("SmolLM2-135M-Instruct.Q4_1.gguf")  # default unchanged
+    # --model-path may name the package
+    assert resolve_model_path(GEMMA3_270M_PACKAGE).gguf_file == gemma3_path
+    with pytest.raises(FileNotFoundError, match="an installed model package"):
+        resolve_model_path("no-such-model-package")
+    with pytest.raises(FileNotFoundError, match="'numpy' provides no .gguf"):
+        resolve_model_path("numpy")
 
 
 def test_config_fills_in_what_gguf_does_not_store(hf_dir):
@@ -121,7 +138,6 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(gemma3_path, hf_dir):
     ref = AutoTokenizer.from_pretrained(os.path.dirname(gemma3_path), gguf_file=os.path.basename(gemma3_path))
     assert ours.get_vocab() == ref.get_vocab()
     assert (ours.bos_token, ours.eos_token, ours.pad_token, ours.unk_token) == ("<bos>", "<eos>", "<pad>", "<unk>")
-    assert ours.chat_template is None  # the file (base model) has none
     for text in TEXTS:
         ids = ours.encode(text)
         assert ids == ref.encode(text), text
@@ -172,3 +188,107 @@ def test_norm_shift_and_qk_layout_proven_by_likelihood(hf_dir, our_tensors, hf_m
     nll({})  # restore
     print(f"nats/token: ours {right:.2f}, norms as stored {stored_norms:.2f}, llama q/k permutation {llama_qk:.2f}")
     assert right < 2.5 and stored_norms > 10 and llama_qk > 5
+
+
+# Gemma 3's chat template as the tokenizer_config.json of Google's instruction-tuned Gemma 3 checkpoints holds
+# it: the reference our built-in template must render like.
+GEMMA3_OFFICIAL_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "  Hi there!\n"}],
+    [{"role": "system", "content": " keep the system's spaces "}, {"role": "user", "content": "a"},
+     {"role": "assistant", "content": "\nb\n"}, {"role": "user", "content": "c <end_of_turn> d"}],
+    [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}],
+    [{"role": "system", "content": [{"type": "text", "text": "parts "}]},
+     {"role": "user", "content": [{"type": "text", "text": " first "}, {"type": "text", "text": "second"}]}],
+    [{"role": "system", "content": "only a system message"}],
+    [{"role": "user", "content": "日本語 😀 \t tabs"}],
+]
+
+
+def test_chat_template_fallback_renders_like_gemma3s_own(gemma3_path, hf_dir):
+    from jinja2.exceptions import TemplateError
+    from transformers import AutoTokenizer
+
+    assert "tokenizer.chat_template" not in open_gguf(gemma3_path).metadata  # the base model's file has none
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    assert tok.chat_template == GEMMA3_CHAT_TEMPLATE
+
+    def both(conv, **kwargs):
+        return (tok.apply_chat_template(conv, tokenize=False, **kwargs),
+                tok.apply_chat_template(conv, tokenize=False, chat_template=GEMMA3_OFFICIAL_CHAT_TEMPLATE, **kwargs))
+
+    for conv in CONVERSATIONS:
+        for generation_prompt in (True, False):
+            ours, official = both(conv, add_generation_prompt=generation_prompt)
+            assert ours == official, conv
+    ours, official = both(CONVERSATIONS[3], continue_final_message=True)
+    assert ours == official and ours.endswith("<start_of_turn>model\ntwo")
+    ours, _ = both(CONVERSATIONS[1], add_generation_prompt=True)
+    assert ours == ("<bos><start_of_turn>user\nYou are a terse assistant.\n\nHi there!<end_of_turn>\n"
+                    "<start_of_turn>model\n")
+    ids = tok.encode(ours, add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(ids[:3]) == ["<bos>", "<start_of_turn>", "user"]
+    assert ids.count(tok.convert_tokens_to_ids("<start_of_turn>")) == 2
+    for bad in ([{"role": "assistant", "content": "first"}], [{"role": "user", "content": "a"}] * 2):
+        for template in (None, GEMMA3_OFFICIAL_CHAT_TEMPLATE):
+            with pytest.raises(TemplateError, match="alternate"):
+                tok.apply_chat_template(bad, tokenize=False, chat_template=template)
+
+
+def test_chat_template_flag(tmp_path):
+    """--chat-template: a built-in template by name, or a Jinja file, replaces the model's own; anything else is
+    refused naming the flag."""
+    from sgl_jax.srt.configs.model_config import load_tokenizer
+    from sgl_jax.srt.server_args import ServerArgs, prepare_server_args
+
+    assert prepare_server_args(["--chat-template", "gemma3"]).chat_template == "gemma3"
+    smollm2 = load_tokenizer(ServerArgs())
+    assert "<|im_start|>" in smollm2.chat_template  # the model's own
+    assert load_tokenizer(ServerArgs(chat_template="gemma3")).chat_template == GEMMA3_CHAT_TEMPLATE
+    path = tmp_path / "plain.jinja"
+    path.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    tok = load_tokenizer(ServerArgs(chat_template=str(path)))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "user: hi\n"
+    with pytest.raises(ValueError, match="--chat-template must be one of \\['gemma3'\\]"):
+        ServerArgs(chat_template="gemma-it")

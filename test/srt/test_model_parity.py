@@ -8,6 +8,7 @@ configs saved as safetensors.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax.numpy as jnp
@@ -18,9 +19,11 @@ import torch
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode, stack_ranks
 from sgl_jax.srt.model_executor.model_runner import ModelRunner
@@ -32,22 +35,50 @@ DECODE_STEPS = 4
 
 
 class RunnerHarness:
-    """A ModelRunner with its pools, driven like the scheduler drives it (no processes)."""
+    """A ModelRunner with its pools, driven like the scheduler drives it (no processes).
 
-    def __init__(self, model_path: str, page_size: int = 1, max_total_tokens: int = 4096, dtype: str = "float32"):
+    Args:
+        model_path: HF directory or .gguf (None: the default SmolLM2 GGUF).
+        page_size: tokens per KV page.
+        max_total_tokens: the KV budget (one pool for every layer; the hybrid split shares it).
+        dtype: "float32" or "bfloat16".
+        context_length: tokens per sequence.
+        token_paddings: the extend buckets (the largest must hold all prompts of one `prefill`).
+        swa_full_tokens_ratio: None: one KV pool, windows only masked; a ratio: hybrid SWA memory (a separate
+            SWA pool of that many tokens per full-pool token, SWA KV released as it leaves the window, as the
+            scheduler does after every step).
+    """
+
+    def __init__(self, model_path: str, page_size: int = 1, max_total_tokens: int = 4096, dtype: str = "float32",
+                 context_length: int = 512, token_paddings=(64, 256), swa_full_tokens_ratio: float = None):
+        # the hybrid pool runs with the chunk cache only, until SWARadixCache lands
+        swa = ({"disable_hybrid_swa_memory": True} if swa_full_tokens_ratio is None else
+               {"swa_full_tokens_ratio": swa_full_tokens_ratio, "disable_radix_cache": True})
         args = ServerArgs(model_path=model_path, page_size=page_size, max_total_tokens=max_total_tokens,
-                          context_length=512, disable_precompile=True, dtype=dtype)
+                          context_length=context_length, disable_precompile=True, dtype=dtype, **swa)
         self.mc = ModelConfig.from_server_args(args, "cpu")
-        self.buckets = ShapeBuckets((64, 256), (1, 4))
-        self.runner = ModelRunner(args, self.mc, buckets=self.buckets, max_context_len=512,
+        self.buckets = ShapeBuckets(tuple(token_paddings), (1, 4))
+        self.runner = ModelRunner(args, self.mc, buckets=self.buckets, max_context_len=context_length,
                                   max_total_tokens_fn=lambda _: max_total_tokens)
-        self.pool = ReqToTokenPool(4, 512)
-        self.alloc = PagedTokenToKVPoolAllocator(max_total_tokens, page_size)
+        self.pool = ReqToTokenPool(4, context_length)
+        if self.runner.hybrid_swa:
+            self.alloc = SWAPagedAllocator(self.runner.max_total_tokens, self.runner.swa_max_total_tokens, page_size)
+        else:
+            self.alloc = PagedTokenToKVPoolAllocator(max_total_tokens, page_size)
         self.cache = ChunkCache(self.pool, self.alloc)
         self.page_size = page_size
+        self.swa_tokens_released = 0
 
     def _run(self, batch):
-        return self.runner.forward(batch.build_model_worker_batch(self.buckets, self.pool, self.page_size))
+        swa_map = self.alloc.full_to_swa if self.runner.hybrid_swa else None
+        out = self.runner.forward(batch.build_model_worker_batch(self.buckets, self.pool, self.page_size,
+                                                                 swa_page_map=swa_map))
+        for r in batch.reqs:
+            r.kv_committed_len = r.kv_allocated_len
+            if self.runner.hybrid_swa:
+                self.swa_tokens_released += release_swa_out_of_window(r, self.pool, self.alloc,
+                                                                      self.mc.sliding_window)
+        return out
 
     def prefill(self, prompts):
         """Extend all prompts in one batch; returns (reqs, per-request logprobs of every position [n, V])."""
@@ -64,8 +95,6 @@ class RunnerHarness:
             per_req.append(self.runner.full_logprobs(hidden[o:o + len(r.origin_input_ids)]))
             o += len(r.origin_input_ids)
         last = np.asarray(out.logprobs)[:len(reqs)]
-        for r in reqs:
-            r.kv_committed_len = r.kv_allocated_len
         return reqs, per_req, last
 
     def decode(self, reqs, tokens):
@@ -75,19 +104,50 @@ class RunnerHarness:
         batch = ScheduleBatch(reqs, ForwardMode.DECODE)
         assert batch.prepare_for_decode(self.pool, self.alloc, self.cache)
         out = self._run(batch)
-        for r in reqs:
-            r.kv_committed_len = r.kv_allocated_len
         return np.asarray(out.logprobs)[:len(reqs)]
 
     def release(self, reqs):
         for r in reqs:
             release_kv_cache(r, self.cache)
         assert self.alloc.available_size() == self.alloc.size
+        if self.runner.hybrid_swa:
+            assert self.alloc.swa_available_size() == self.alloc.swa_size
 
 
-def hf_logprobs(model, ids):
+@dataclasses.dataclass
+class ParityReference:
+    """transformers' float32 log-probabilities for `check_against_reference`.
+
+    prompts: the token-id prompts; prefill[i]: float32[len(prompts[i]), V], every position of prompt i;
+    tokens[k]: the reference's greedy token per prompt fed at decode step k; decode[k]: float32[len(prompts), V]
+    after it.
+    """
+
+    prompts: list
+    prefill: list
+    tokens: list
+    decode: list
+
+
+def hf_reference(model, prompts, steps: int = DECODE_STEPS) -> ParityReference:
+    """Prefill every prompt, then `steps` greedy decode steps (transformers' own KV cache), float32."""
+    ref = ParityReference(prompts, [], [], [])
+    caches = []
     with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+        for p in prompts:
+            out = model(torch.tensor([p]), use_cache=True)
+            ref.prefill.append(torch.log_softmax(out.logits[0].float(), -1).numpy())
+            caches.append(out.past_key_values)
+            del out
+        last = [lp[-1] for lp in ref.prefill]
+        for _ in range(steps):
+            ref.tokens.append([int(lp.argmax()) for lp in last])
+            last = []
+            for i, t in enumerate(ref.tokens[-1]):
+                out = model(torch.tensor([[t]]), past_key_values=caches[i], use_cache=True)
+                last.append(torch.log_softmax(out.logits[0, -1].float(), -1).numpy())
+            ref.decode.append(np.stack(last))
+    return ref
 
 
 def _same_greedy(ours, ref, tol: float) -> bool:
@@ -97,30 +157,31 @@ def _same_greedy(ours, ref, tol: float) -> bool:
     return int(np.argmax(ours)) == int(np.argmax(ref)) or top2[1] - top2[0] < 2 * tol
 
 
-def check_parity(harness: RunnerHarness, hf_model, prompts, tol: float = TOL):
-    """Prefill logprobs of every position and DECODE_STEPS decode steps within `tol` of the reference, and the
-    same greedy token at every step."""
-    reqs, per_req, last = harness.prefill(prompts)
+def check_against_reference(harness: RunnerHarness, ref: ParityReference, tol: float = TOL) -> float:
+    """Prefill logprobs of every position and each decode step's logprobs within `tol` of `ref`, and the same
+    greedy token at every step (decode feeds the reference's tokens, so both sides see the same sequences).
+    Returns the max |logprob difference|."""
+    reqs, per_req, last = harness.prefill(ref.prompts)
     worst = 0.0
-    for i, p in enumerate(prompts):
-        ref = hf_logprobs(hf_model, p)
-        worst = max(worst, np.abs(per_req[i] - ref).max(), np.abs(last[i] - ref[-1]).max())
-        assert _same_greedy(last[i], ref[-1], tol), f"prompt {i}: greedy token differs after prefill"
-    # decode: feed the reference's greedy tokens so both sides see the same sequences
-    seqs = [list(p) for p in prompts]
-    for step in range(DECODE_STEPS):
-        nxt = [int(hf_logprobs(hf_model, s)[-1].argmax()) for s in seqs]
-        for s, t in zip(seqs, nxt):
-            s.append(t)
-        lp = harness.decode(reqs, nxt)
-        for i, s in enumerate(seqs):
-            ref = hf_logprobs(hf_model, s)[-1]
-            worst = max(worst, np.abs(lp[i] - ref).max())
-            assert _same_greedy(lp[i], ref, tol), f"prompt {i}: greedy token differs at decode step {step}"
+    for i, lp in enumerate(ref.prefill):
+        worst = max(worst, np.abs(per_req[i] - lp).max(), np.abs(last[i] - lp[-1]).max())
+        assert _same_greedy(last[i], lp[-1], tol), f"prompt {i}: greedy token differs after prefill"
+    del per_req
+    for step, (tokens, ref_lp) in enumerate(zip(ref.tokens, ref.decode)):
+        lp = harness.decode(reqs, tokens)
+        worst = max(worst, np.abs(lp - ref_lp).max())
+        for i in range(len(reqs)):
+            assert _same_greedy(lp[i], ref_lp[i], tol), f"prompt {i}: greedy token differs at decode step {step}"
     harness.release(reqs)
-    print(f"max |logprob difference| over {len(prompts)} prompts, prefill + {DECODE_STEPS} decode steps: {worst:.2e}")
+    print(f"max |logprob difference| over {len(reqs)} prompts, prefill + {len(ref.tokens)} decode steps: "
+          f"{worst:.2e}")
     assert worst < tol, f"max |logprob difference| {worst:.2e} >= {tol}"
     return worst
+
+
+def check_parity(harness: RunnerHarness, hf_model, prompts, tol: float = TOL):
+    """`check_against_reference` with transformers' `hf_model` on `prompts` as the reference."""
+    return check_against_reference(harness, hf_reference(hf_model, prompts), tol)
 
 
 @pytest.fixture(scope="module")

