@@ -26,7 +26,7 @@ from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode, stack_ranks
-from sgl_jax.srt.model_executor.model_runner import ModelRunner
+from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import ServerArgs
 
@@ -56,6 +56,7 @@ class RunnerHarness:
                {"swa_full_tokens_ratio": swa_full_tokens_ratio, "disable_radix_cache": True})
         args = ServerArgs(model_path=model_path, page_size=page_size, max_total_tokens=max_total_tokens,
                           context_length=context_length, disable_precompile=True, dtype=dtype, **swa)
+        setup_jax(args)  # as a server does: the persistent compilation cache serves later runs
         self.mc = ModelConfig.from_server_args(args, "cpu")
         self.buckets = ShapeBuckets(tuple(token_paddings), (1, 4))
         self.runner = ModelRunner(args, self.mc, buckets=self.buckets, max_context_len=context_length,
