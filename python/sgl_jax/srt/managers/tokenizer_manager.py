@@ -79,7 +79,55 @@ def max_chars_per_token(tokenizer) -> Optional[int]:
     if "Removed" in pre or not set(re.findall(r"(\w+)\(", pre)) <= _KEEPING_PRE_TOKENIZERS:
         return None
     vocab = backend.get_vocab(with_added_tokens=True)
-    return max(len(t) for t in vocab) if vocab else None
+    if not vocab or droppable_chars(tokenizer) is None:
+        return None
+    return max(len(t) for t in vocab)
+
+
+def _byte_level_chars() -> List[str]:
+    """The character byte-level BPE writes for each byte 0..255 (GPT-2's reversible byte-to-unicode map:
+    printable Latin-1 bytes stand for themselves, the others take code points from 256 on, in byte order)."""
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def droppable_chars(tokenizer) -> Optional[str]:
+    """Input characters a tokenizer may turn into no token at all, or None when that cannot be told.
+
+    A byte-level BPE vocabulary may lack some bytes' characters (SmolLM2's has no token for the ASCII controls
+    0x04, 0x06, 0x13, 0x14, 0x16, 0x1d) and, without an unknown token, drops them silently. Those ASCII
+    characters are returned (a multi-byte UTF-8 character keeps at least one token, from its continuation
+    bytes, unless one of 0x80-0xbf is missing too: then None; SmolLM2 lacks only the lead bytes 0xf1, 0xf2). Tokenizers of other kinds: "" when the model falls back
+    to bytes or an unknown token, else None.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    model = backend.model
+    if getattr(model, "byte_fallback", False) or getattr(model, "unk_token", None) or \
+            getattr(model, "unk_id", None) is not None:
+        return ""
+    if "ByteLevel" not in repr(backend.pre_tokenizer):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=False)
+    missing = [b for b, c in enumerate(_byte_level_chars()) if c not in vocab]
+    if any(0x80 <= b < 0xC0 for b in missing):  # a continuation byte: some multi-byte character could vanish
+        return None
+    return "".join(chr(b) for b in missing if b < 0x80)
+
+
+def min_token_count(text: str, chars_per_token: int, droppable: str) -> int:
+    """A lower bound on the tokens `text` encodes to: its characters that cannot vanish, divided by the most
+    characters one token covers (`max_chars_per_token`; `droppable` from `droppable_chars`)."""
+    kept = len(text) - sum(text.count(c) for c in droppable)
+    return -(-kept // chars_per_token)
 
 
 @dataclasses.dataclass
@@ -140,6 +188,7 @@ class TokenizerManager:
         # not safe to reconfigure from several threads at once)
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sgl-jax-tokenize")
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)
+        self.droppable_chars = droppable_chars(self.tokenizer) or ""
         self.info = scheduler_info
         self.context_len = scheduler_info["context_len"]
         self.vocab_size = scheduler_info["vocab_size"]
@@ -307,8 +356,8 @@ class TokenizerManager:
             RequestError: 400, the text is longer than the context.
         """
         if self.max_chars_per_token and len(text) > self.context_len * self.max_chars_per_token \
-                and not self.server_args.allow_auto_truncate:
-            n = -(-len(text) // self.max_chars_per_token)
+                and not self.server_args.allow_auto_truncate and \
+                (n := min_token_count(text, self.max_chars_per_token, self.droppable_chars)) > self.context_len:
             raise RequestError(f"The input ({len(text)} characters, at least {n} tokens) is longer than the "
                                f"model's context length ({self.context_len} tokens).")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, truncation=True,
