@@ -177,9 +177,8 @@ class PrefillAdder:
 
     def _available_pages_now(self) -> int:
         """Pages an allocation could get now: free plus evictable (in both pools with hybrid SWA memory)."""
-        full = self.allocator.available_pages() + self.tree_cache.evictable_size() // self.ps
         if not self.swa_window:
-            return full
+            return self.allocator.available_pages() + self.tree_cache.evictable_size() // self.ps
         full = self.allocator.full_available_pages() + self.tree_cache.evictable_size() // self.ps
         return min(full, self.allocator.swa_available_pages() + self.tree_cache.swa_evictable_size() // self.ps)
 
