@@ -40,6 +40,23 @@ def server_env(env: Optional[dict] = None) -> dict:
     return out
 
 
+def start_engine(**kwargs):
+    """``sgl_jax.Engine(**kwargs)`` whose child processes (scheduler, detokenizer: spawned, so they read
+    os.environ when they start) run with RUNTIME_ENV_DIR first on PYTHONPATH, as a server's do. This process
+    keeps its modules and its environment."""
+    from sgl_jax import Engine
+
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = server_env()["PYTHONPATH"]
+    try:
+        return Engine(**kwargs)
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
 # the keys and --served-model-name of conftest.hardened_server
 API_KEY = "test-api-key"
 ADMIN_API_KEY = "test-admin-key"

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_jax import Engine
 from sgl_jax.srt.managers.tokenizer_manager import RequestError
-from srt_helpers import SMALL_ENGINE_ARGS, alive_after, child_pids, cmdline, hf_greedy, pid_alive
+from srt_helpers import SMALL_ENGINE_ARGS, alive_after, child_pids, cmdline, hf_greedy, pid_alive, start_engine
 
 GREEDY_32 = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
 
@@ -45,7 +44,7 @@ def engine():
     """One Engine for the module; leaving its context manager must stop both of its child processes
     (checked at teardown: the context-manager shutdown test, without a second Engine start)."""
     before = engine_children()
-    with Engine(**SMALL_ENGINE_ARGS) as e:
+    with start_engine(**SMALL_ENGINE_ARGS) as e:
         ours = engine_children() - before
         assert len(ours) == 2 and all(pid_alive(p) for p in ours)  # scheduler + detokenizer
         yield e

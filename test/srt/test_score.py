@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from srt_helpers import SMALL_ENGINE_ARGS, ServerProcess
-from sgl_jax import Engine
+from srt_helpers import SMALL_ENGINE_ARGS, ServerProcess, start_engine
 from sgl_jax.srt.managers.io_struct import ScoreSeq
 from sgl_jax.srt.managers.tokenizer_manager import RequestError
 
@@ -46,7 +45,7 @@ def labels(smollm2_tokenizer):
 @pytest.fixture(scope="module")
 def engine():
     # a small pack limit, so that packed requests are split into several packs
-    with Engine(**SMALL_ENGINE_ARGS, log_level="warning", max_multi_item_seq_len=300, enable_scoring_cache=True,
+    with start_engine(**SMALL_ENGINE_ARGS, log_level="warning", max_multi_item_seq_len=300, enable_scoring_cache=True,
                 multi_item_prefill_extend_cache_timeout=TTL_S, multi_item_extend_batch_size=3) as eng:
         yield eng
         state = eng._run(eng.tokenizer_manager.get_internal_state())
