@@ -5,6 +5,8 @@ each must agree within 1e-3 with transformers' next-token log-probabilities comp
 sequence separately -- with and without a delimiter, with apply_softmax true and false, for text and
 token-id inputs, and for item_first. Then the scoring-cache handle lifecycle (cache miss, TTL eviction,
 concurrent requests, aborts) and every error case, with the KV pool back to free + cached afterwards.
+
+The HTTP tests run on conftest.hardened_server (its delimiter: the newline token; at most 64 items; the API key).
 """
 
 import asyncio
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from srt_helpers import SMALL_ENGINE_ARGS, ServerProcess, start_engine
+from srt_helpers import API_KEY, SMALL_ENGINE_ARGS, start_engine
 from sgl_jax.srt.managers.io_struct import ScoreSeq
 from sgl_jax.srt.managers.tokenizer_manager import RequestError
 
@@ -52,17 +54,12 @@ def engine():
         assert state["memory_errors"] == 0
 
 
-@pytest.fixture(scope="module")
-def delimiter(smollm2_tokenizer):
-    return smollm2_tokenizer.encode("\n", add_special_tokens=False)[0]
+AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server(delimiter):
-    srv = ServerProcess(engine_args={**SMALL_ENGINE_ARGS, "multi_item_scoring_delimiter": delimiter,
-                                     "enable_scoring_cache": True, "max_multi_item_count": 64})
-    yield srv
-    srv.stop()
+def server(hardened_server):
+    return hardened_server  # conftest.py: --multi-item-scoring-delimiter scoring_delimiter, --max-multi-item-count 64
 
 
 def state(engine) -> dict:
@@ -232,19 +229,19 @@ def test_abort_mid_request_releases_everything(engine, labels, mode):
 
 # ---------------------------------------------------------------- HTTP: delimiter, shapes, errors
 def http_state(server) -> dict:
-    return httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0]
+    return httpx.get(server.url + "/get_server_info", headers=AUTH, timeout=30).json()["internal_states"][0]
 
 
 def post_score(server, body, timeout=120):
-    return httpx.post(server.url + "/v1/score", json=body, timeout=timeout)
+    return httpx.post(server.url + "/v1/score", json=body, headers=AUTH, timeout=timeout)
 
 
 @pytest.mark.parametrize("apply_softmax", [False, True])
-def test_http_delimiter_modes_match_transformers(server, hf_smollm2, smollm2_tokenizer, labels, delimiter,
+def test_http_delimiter_modes_match_transformers(server, hf_smollm2, smollm2_tokenizer, labels, scoring_delimiter,
                                                  apply_softmax):
     tok = smollm2_tokenizer
     q = tok.encode(QUERY, add_special_tokens=False)
-    d = [delimiter]
+    d = [scoring_delimiter]
     seqs = [prefix_special(tok) + q + d + tok.encode(it, add_special_tokens=False) + d for it in ITEMS]
     ref = hf_label_logprobs(hf_smollm2, seqs, labels)
     results = {}
@@ -281,7 +278,7 @@ def test_http_errors_are_400_and_server_keeps_serving(server, labels):
     for name, body in cases.items():
         if body is None:
             r = httpx.post(server.url + "/v1/score", content=b"{nope", timeout=30,
-                           headers={"content-type": "application/json"})
+                           headers={**AUTH, "content-type": "application/json"})
         else:
             r = post_score(server, body)
         assert r.status_code == 400, (name, r.status_code, r.text)
