@@ -96,8 +96,12 @@ SCENARIOS = {
     "radix-chunk256": ({}, {}),  # the suite's defaults (SMALL_ENGINE_ARGS): conftest.default_server
     "radix-chunk64": (CHUNK64, {}),
     # retract forced every few decode steps, on 16-token pages: retracted requests release their pages
-    # and resume (re-prefilled through the radix cache) with the same tokens
-    "radix-page16-forced-retract": ({"page_size": 16}, {"SGL_JAX_TEST_RETRACT": "1"}),
+    # and resume (re-prefilled through the radix cache) with the same tokens. Its programs are its own (the
+    # page size shapes the KV buffers): only the buckets the workload uses are compiled (extends of up to one
+    # 256-token chunk, at most 6 requests at once)
+    "radix-page16-forced-retract": ({"page_size": 16, "precompile_token_paddings": [256],
+                                     "precompile_bs_paddings": [1, 8], "max_running_requests": 8},
+                                    {"SGL_JAX_TEST_RETRACT": "1"}),
     "no-radix-chunk64": ({**CHUNK64, "disable_radix_cache": True}, {}),
 }
 
