@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from srt_helpers import load_hf_reference
@@ -16,6 +18,25 @@ def smollm2_tokenizer():
     from sgl_jax.srt.configs.model_config import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path(None).hf_dir)
+
+
+@pytest.fixture(scope="session")
+def shared_engine():
+    """One in-process Engine (srt_helpers.SHARED_ENGINE_ARGS), shared by test_engine.py and test_score.py: an
+    Engine start costs ~25 s on a 2-core CPU. At the end of the session it must have no memory error, and
+    leaving its context manager must stop both of its child processes (the context-manager shutdown check)."""
+    from srt_helpers import SHARED_ENGINE_ARGS, alive_after, child_pids, cmdline, pid_alive, start_engine
+
+    def children():  # multiprocessing's resource tracker lives as long as this process; it is not ours to stop
+        return {p for p in child_pids(os.getpid()) if "resource_tracker" not in cmdline(p)}
+
+    before = children()
+    with start_engine(**SHARED_ENGINE_ARGS) as e:
+        ours = children() - before
+        assert len(ours) == 2 and all(pid_alive(p) for p in ours)  # scheduler + detokenizer
+        yield e
+        assert e._run(e.tokenizer_manager.get_internal_state())["memory_errors"] == 0
+    assert not alive_after(ours), "the Engine's context manager left child processes behind"
 
 
 @pytest.fixture(scope="session")

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from srt_helpers import API_KEY, SMALL_ENGINE_ARGS, start_engine
+from srt_helpers import API_KEY, SHARED_ENGINE_ARGS
 from sgl_jax.srt.managers.io_struct import ScoreSeq
 from sgl_jax.srt.managers.tokenizer_manager import RequestError
 
 MODES = ("serial", "packed", "prefill_extend")
-TTL_S = 3.0
+TTL_S = SHARED_ENGINE_ARGS["multi_item_prefill_extend_cache_timeout"]
 QUERY = ("Question: which of the following passages says something true about the capital city of "
          "France, its history, its monuments or its inhabitants? Answer yes or no for each passage. ") * 4
 ITEMS = [
@@ -45,13 +45,10 @@ def labels(smollm2_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def engine():
-    # a small pack limit, so that packed requests are split into several packs
-    with start_engine(**SMALL_ENGINE_ARGS, log_level="warning", max_multi_item_seq_len=300, enable_scoring_cache=True,
-                multi_item_prefill_extend_cache_timeout=TTL_S, multi_item_extend_batch_size=3) as eng:
-        yield eng
-        state = eng._run(eng.tokenizer_manager.get_internal_state())
-        assert state["memory_errors"] == 0
+def engine(shared_engine):
+    # conftest.py: SHARED_ENGINE_ARGS (packs of at most 300 tokens, so that packed requests are split into
+    # several packs; TTL_S; 3 items per extend request), shared with test_engine.py; no memory error at the end
+    return shared_engine
 
 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
