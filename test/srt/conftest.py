@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from srt_helpers import load_hf_reference
@@ -19,16 +21,43 @@ def smollm2_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def hardened_server():
-    """A server as an operator would expose it -- API key and admin key set, scoring cache on, Prometheus
-    metrics on, a --served-model-name -- with the fault-injection test hook on (requests whose rid starts with
-    ``fault-<stage>`` fail at that stage) and max_running_requests 8 (so 32 concurrent requests are 4x what it
-    runs at once). Shared by test_bad_requests.py, test_bad_requests_fuzz.py and test_metrics_and_tokenize.py
-    (whose metric checks look at differences, not at a fresh server's counters)."""
+def shared_engine():
+    """One in-process Engine (srt_helpers.SHARED_ENGINE_ARGS), shared by test_engine.py and test_score.py: an
+    Engine start costs ~25 s on a 2-core CPU. At the end of the session it must have no memory error, and
+    leaving its context manager must stop both of its child processes (the context-manager shutdown check)."""
+    from srt_helpers import SHARED_ENGINE_ARGS, alive_after, child_pids, cmdline, pid_alive, start_engine
+
+    def children():  # multiprocessing's resource tracker lives as long as this process; it is not ours to stop
+        return {p for p in child_pids(os.getpid()) if "resource_tracker" not in cmdline(p)}
+
+    before = children()
+    with start_engine(**SHARED_ENGINE_ARGS) as e:
+        ours = children() - before
+        assert len(ours) == 2 and all(pid_alive(p) for p in ours)  # scheduler + detokenizer
+        yield e
+        assert e._run(e.tokenizer_manager.get_internal_state())["memory_errors"] == 0
+    assert not alive_after(ours), "the Engine's context manager left child processes behind"
+
+
+@pytest.fixture(scope="session")
+def scoring_delimiter(smollm2_tokenizer):
+    """The token id of a newline: hardened_server's --multi-item-scoring-delimiter."""
+    return smollm2_tokenizer.encode("\n", add_special_tokens=False)[0]
+
+
+@pytest.fixture(scope="session")
+def hardened_server(scoring_delimiter):
+    """A server as an operator would expose it -- API key and admin key set, scoring cache on, a multi-item
+    scoring delimiter (at most 64 items a request), Prometheus metrics on, a --served-model-name -- with the
+    fault-injection test hook on (requests whose rid starts with ``fault-<stage>`` fail at that stage) and
+    max_running_requests 8 (so 32 concurrent requests are 4x what it runs at once). Shared by
+    test_bad_requests.py, test_bad_requests_fuzz.py, test_metrics_and_tokenize.py (whose metric checks look at
+    differences, not at a fresh server's counters) and test_score.py's HTTP tests."""
     from srt_helpers import ADMIN_API_KEY, API_KEY, SERVED_MODEL_NAME, SMALL_ENGINE_ARGS, ServerProcess, alive_after
 
     s = ServerProcess(env={"SGL_JAX_TEST_FAULT_INJECTION": "1"},
                       engine_args={**SMALL_ENGINE_ARGS, "max_running_requests": 8, "enable_scoring_cache": True,
+                                   "multi_item_scoring_delimiter": scoring_delimiter, "max_multi_item_count": 64,
                                    "api_key": API_KEY, "admin_api_key": ADMIN_API_KEY, "enable_metrics": True,
                                    "served_model_name": SERVED_MODEL_NAME})
     yield s

@@ -40,6 +40,29 @@ def server_env(env: Optional[dict] = None) -> dict:
     return out
 
 
+def start_engine(**kwargs):
+    """``sgl_jax.Engine(**kwargs)`` whose child processes (scheduler, detokenizer: spawned, so they read
+    os.environ when they start) run with RUNTIME_ENV_DIR first on PYTHONPATH, as a server's do. This process
+    keeps its modules and its environment."""
+    from sgl_jax import Engine
+
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = server_env()["PYTHONPATH"]
+    try:
+        return Engine(**kwargs)
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+# conftest.shared_engine's configuration: the suite's, plus the scoring flags test_score.py exercises (a small pack
+# limit, so that packed requests are split into several packs; 3 items per extend request; handles that expire
+# after 3 s unused). None of them changes generation.
+SHARED_ENGINE_ARGS = dict(SMALL_ENGINE_ARGS, log_level="warning", max_multi_item_seq_len=300, enable_scoring_cache=True,
+                          multi_item_prefill_extend_cache_timeout=3.0, multi_item_extend_batch_size=3)
+
 # the keys and --served-model-name of conftest.hardened_server
 API_KEY = "test-api-key"
 ADMIN_API_KEY = "test-admin-key"

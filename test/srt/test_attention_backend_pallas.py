@@ -29,7 +29,9 @@ def native_ids(default_server):
     """The native backend's greedy tokens, from conftest's shared server (no Engine start of its own). It runs
     the suite's common shapes, not ARGS': greedy tokens do not depend on batch padding or prefill chunking
     (test_engine's batch invariance and test_kv_cache_lifecycle's scenarios check that), so a difference
-    points at the kernel."""
+    points at the kernel. The shared server may hold other modules' prefixes: flushed first, so that every
+    prompt is prefilled whole, as on the Pallas server."""
+    assert httpx.post(default_server.url + "/flush_cache", json={}, timeout=30).status_code == 200
     out = httpx.post(default_server.url + "/generate", json={"text": PROMPTS, "sampling_params": GREEDY},
                      timeout=600).json()
     return [o["output_ids"] for o in out]

@@ -99,8 +99,9 @@ def engine_args(cfg: BenchConfig, radix: bool) -> dict:
     if cfg.full:
         args = dict(max_running_requests=128, precompile_bs_paddings=[1, 4, 16, 64, 128], random_seed=0,
                     max_total_tokens=65536)
-    else:  # the test suite's shapes, so the persistent compilation cache is shared
-        args = dict(SMALL_ENGINE_ARGS)
+    else:  # the test suite's shapes, so the persistent compilation cache is shared; scoring never decodes, so
+        # of the decode buckets only the largest (it sets the extend buckets' batch padding) is compiled
+        args = dict(SMALL_ENGINE_ARGS, precompile_bs_paddings=SMALL_ENGINE_ARGS["precompile_bs_paddings"][-1:])
     return dict(args, disable_radix_cache=not radix, enable_scoring_cache=True, log_level="warning")
 
 
@@ -120,15 +121,15 @@ def model_flops(mc, query_tokens: int, num_items: int, item_tokens: int) -> floa
 
 
 def run_engine_modes(cfg: BenchConfig, query, items, labels) -> Tuple[List[Row], Dict[str, list]]:
-    from sgl_jax import Engine
+    from srt_helpers import start_engine  # sgl_jax.Engine, its processes without the test extras' torch
 
     rows, scores = [], {}
     sub = items[:cfg.serial_items]
-    with Engine(**engine_args(cfg, radix=False)) as eng:
+    with start_engine(**engine_args(cfg, radix=False)) as eng:
         eng.score(query, sub[:2], labels, algorithm="serial")  # warm the path
         scores["serial-nocache"], t = timed(lambda: eng.score(query, sub, labels, algorithm="serial"))
         rows.append(Row("serial, radix cache off", len(sub), t, f"subset of {len(sub)} items"))
-    with Engine(**engine_args(cfg, radix=True)) as eng:
+    with start_engine(**engine_args(cfg, radix=True)) as eng:
         eng.score(query[:50], items[:2], labels, algorithm="packed")
         for mode, name in (("serial", "serial, radix cache on"), ("packed", "packed"),
                            ("prefill_extend", "prefill_extend")):
@@ -140,37 +141,40 @@ def run_engine_modes(cfg: BenchConfig, query, items, labels) -> Tuple[List[Row],
     return rows, scores
 
 
-def hf_baselines(cfg: BenchConfig, query, items, labels) -> Tuple[List[Row], Dict[str, list]]:
+def hf_baselines(cfg: BenchConfig, query, items, labels, base=None) -> Tuple[List[Row], Dict[str, list]]:
+    """`base`: the float32 transformers model (srt_helpers.load_hf_reference; loaded here if None). It is not
+    modified: the bfloat16 baselines run on a copy."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # the engine is gone: torch gets every core
     try:
-        return _hf_baselines(cfg, query, items, labels)
+        return _hf_baselines(cfg, query, items, labels, base)
     finally:
         torch.set_num_threads(threads)
 
 
-def _hf_baselines(cfg, query, items, labels):
+def _hf_baselines(cfg, query, items, labels, base):
     import torch
 
     from srt_helpers import load_hf_reference
 
     rows, scores = [], {}
-    base = load_hf_reference()
+    if base is None:
+        base = load_hf_reference()
     sub = items[:cfg.hf_items]
     reuse_n = min(len(items), max(cfg.hf_batch, cfg.hf_items))
     for dtype, dname in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
-        model = base.to(dtype)
+        model = base if dtype == torch.float32 else copy.deepcopy(base).to(dtype)
         with torch.no_grad():
-            def batched(model=model):
+            def batched(model=model, sub=sub):
                 out = []
                 for i in range(0, len(sub), 4):
                     x = torch.tensor([query + it for it in sub[i:i + 4]])
                     out.append(torch.log_softmax(model(x).logits[:, -1].float(), -1)[:, labels])
                 return torch.cat(out).tolist()
 
-            batched()  # warm-up (first-call allocations)
+            batched(sub=sub[:1])  # warm-up (first-call allocations): one query+item sequence
             scores[f"hf-batched-{dname}"], t = timed(batched)
             rows.append(Row(f"transformers batched query+item ({dname})", len(sub), t,
                             f"subset of {len(sub)} items, batches of 4"))
@@ -217,7 +221,8 @@ def machine() -> str:
             f"transformers {transformers.__version__}")
 
 
-def run(cfg: BenchConfig, command: str) -> str:
+def run(cfg: BenchConfig, command: str, hf_model=None) -> str:
+    """`hf_model`: the float32 transformers reference, if the caller has it loaded already."""
     from sgl_jax.srt.configs.model_config import ModelConfig, load_tokenizer
     from sgl_jax.srt.server_args import ServerArgs
 
@@ -230,7 +235,7 @@ def run(cfg: BenchConfig, command: str) -> str:
     mc = ModelConfig.from_server_args(sa, "cpu")
     pe = next(r for r in rows if r.name == "prefill_extend")
     achieved = model_flops(mc, cfg.query_tokens, cfg.num_items, cfg.item_tokens) / pe.seconds / 1e9
-    hf_rows, hf_scores = hf_baselines(cfg, query, items, labels)
+    hf_rows, hf_scores = hf_baselines(cfg, query, items, labels, hf_model)
     rows += hf_rows
     wall = time.time() - t_start
 
@@ -286,12 +291,12 @@ def config_from_env() -> BenchConfig:
     return cfg
 
 
-def test_bench_multi_item_score(tmp_path):
+def test_bench_multi_item_score(tmp_path, hf_smollm2):
     cfg = config_from_env()
     if cfg.report is None:
         cfg.report = str(tmp_path / "multi-item-score.md")
     env = " ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("SGL_JAX_BENCH_"))
-    run(cfg, f"{env} pytest -q -s test/srt/test_bench_multi_item_score.py".strip())
+    run(cfg, f"{env} pytest -q -s test/srt/test_bench_multi_item_score.py".strip(), hf_model=hf_smollm2)
 
 
 def main(argv=None):

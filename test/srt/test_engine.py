@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_jax import Engine
 from sgl_jax.srt.managers.tokenizer_manager import RequestError
-from srt_helpers import SMALL_ENGINE_ARGS, alive_after, child_pids, cmdline, hf_greedy, pid_alive
+from srt_helpers import hf_greedy
 
 GREEDY_32 = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
 
@@ -33,23 +32,12 @@ OTHER_PROMPTS = [
 ]
 
 
-def engine_children():
-    import os
-
-    # multiprocessing's resource tracker lives as long as this process; it is not ours to stop
-    return {p for p in child_pids(os.getpid()) if "resource_tracker" not in cmdline(p)}
-
-
 @pytest.fixture(scope="module")
-def engine():
-    """One Engine for the module; leaving its context manager must stop both of its child processes
-    (checked at teardown: the context-manager shutdown test, without a second Engine start)."""
-    before = engine_children()
-    with Engine(**SMALL_ENGINE_ARGS) as e:
-        ours = engine_children() - before
-        assert len(ours) == 2 and all(pid_alive(p) for p in ours)  # scheduler + detokenizer
-        yield e
-    assert not alive_after(ours), "the Engine's context manager left child processes behind"
+def engine(shared_engine):
+    """conftest.shared_engine (the suite's configuration plus scoring flags, which do not change generation;
+    shared with test_score.py). Leaving its context manager must stop both of its child processes: checked
+    when the session ends, without a second Engine start."""
+    return shared_engine
 
 
 def test_greedy_matches_transformers(engine, hf_smollm2, smollm2_tokenizer):

@@ -82,9 +82,11 @@ def run_scenario(prompts, engine_args: dict, env: dict, radix: bool):
 
 @pytest.fixture(scope="module")
 def baseline(prompts):
-    """No prefix cache, no chunking: every prompt is prefilled whole."""
+    """No prefix cache, no chunking: every prompt is prefilled whole. One extend bucket, 2,048 tokens: the
+    workload's two extends (the first request alone, then the other five, 2,035 tokens together) need no
+    other."""
     outs, _ = run_scenario(prompts, {"disable_radix_cache": True, "chunked_prefill_size": -1,
-                                     "precompile_token_paddings": [64, 256, 2048]}, {}, radix=False)
+                                     "precompile_token_paddings": [2048]}, {}, radix=False)
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
     return [o["output_ids"] for o in outs]
 
@@ -94,8 +96,12 @@ SCENARIOS = {
     "radix-chunk256": ({}, {}),  # the suite's defaults (SMALL_ENGINE_ARGS): conftest.default_server
     "radix-chunk64": (CHUNK64, {}),
     # retract forced every few decode steps, on 16-token pages: retracted requests release their pages
-    # and resume (re-prefilled through the radix cache) with the same tokens
-    "radix-page16-forced-retract": ({"page_size": 16}, {"SGL_JAX_TEST_RETRACT": "1"}),
+    # and resume (re-prefilled through the radix cache) with the same tokens. Its programs are its own (the
+    # page size shapes the KV buffers): only the buckets the workload uses are compiled (extends of up to one
+    # 256-token chunk, at most 6 requests at once)
+    "radix-page16-forced-retract": ({"page_size": 16, "precompile_token_paddings": [256],
+                                     "precompile_bs_paddings": [1, 8], "max_running_requests": 8},
+                                    {"SGL_JAX_TEST_RETRACT": "1"}),
     "no-radix-chunk64": ({**CHUNK64, "disable_radix_cache": True}, {}),
 }
 

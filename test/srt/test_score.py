@@ -5,6 +5,8 @@ each must agree within 1e-3 with transformers' next-token log-probabilities comp
 sequence separately -- with and without a delimiter, with apply_softmax true and false, for text and
 token-id inputs, and for item_first. Then the scoring-cache handle lifecycle (cache miss, TTL eviction,
 concurrent requests, aborts) and every error case, with the KV pool back to free + cached afterwards.
+
+The HTTP tests run on conftest.hardened_server (its delimiter: the newline token; at most 64 items; the API key).
 """
 
 import asyncio
@@ -16,13 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from srt_helpers import SMALL_ENGINE_ARGS, ServerProcess
-from sgl_jax import Engine
+from srt_helpers import API_KEY, SHARED_ENGINE_ARGS
 from sgl_jax.srt.managers.io_struct import ScoreSeq
 from sgl_jax.srt.managers.tokenizer_manager import RequestError
 
 MODES = ("serial", "packed", "prefill_extend")
-TTL_S = 3.0
+TTL_S = SHARED_ENGINE_ARGS["multi_item_prefill_extend_cache_timeout"]
 QUERY = ("Question: which of the following passages says something true about the capital city of "
          "France, its history, its monuments or its inhabitants? Answer yes or no for each passage. ") * 4
 ITEMS = [
@@ -44,26 +45,18 @@ def labels(smollm2_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def engine():
-    # a small pack limit, so that packed requests are split into several packs
-    with Engine(**SMALL_ENGINE_ARGS, log_level="warning", max_multi_item_seq_len=300, enable_scoring_cache=True,
-                multi_item_prefill_extend_cache_timeout=TTL_S, multi_item_extend_batch_size=3) as eng:
-        yield eng
-        state = eng._run(eng.tokenizer_manager.get_internal_state())
-        assert state["memory_errors"] == 0
+def engine(shared_engine):
+    # conftest.py: SHARED_ENGINE_ARGS (packs of at most 300 tokens, so that packed requests are split into
+    # several packs; TTL_S; 3 items per extend request), shared with test_engine.py; no memory error at the end
+    return shared_engine
+
+
+AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def delimiter(smollm2_tokenizer):
-    return smollm2_tokenizer.encode("\n", add_special_tokens=False)[0]
-
-
-@pytest.fixture(scope="module")
-def server(delimiter):
-    srv = ServerProcess(engine_args={**SMALL_ENGINE_ARGS, "multi_item_scoring_delimiter": delimiter,
-                                     "enable_scoring_cache": True, "max_multi_item_count": 64})
-    yield srv
-    srv.stop()
+def server(hardened_server):
+    return hardened_server  # conftest.py: --multi-item-scoring-delimiter scoring_delimiter, --max-multi-item-count 64
 
 
 def state(engine) -> dict:
@@ -233,19 +226,19 @@ def test_abort_mid_request_releases_everything(engine, labels, mode):
 
 # ---------------------------------------------------------------- HTTP: delimiter, shapes, errors
 def http_state(server) -> dict:
-    return httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0]
+    return httpx.get(server.url + "/get_server_info", headers=AUTH, timeout=30).json()["internal_states"][0]
 
 
 def post_score(server, body, timeout=120):
-    return httpx.post(server.url + "/v1/score", json=body, timeout=timeout)
+    return httpx.post(server.url + "/v1/score", json=body, headers=AUTH, timeout=timeout)
 
 
 @pytest.mark.parametrize("apply_softmax", [False, True])
-def test_http_delimiter_modes_match_transformers(server, hf_smollm2, smollm2_tokenizer, labels, delimiter,
+def test_http_delimiter_modes_match_transformers(server, hf_smollm2, smollm2_tokenizer, labels, scoring_delimiter,
                                                  apply_softmax):
     tok = smollm2_tokenizer
     q = tok.encode(QUERY, add_special_tokens=False)
-    d = [delimiter]
+    d = [scoring_delimiter]
     seqs = [prefix_special(tok) + q + d + tok.encode(it, add_special_tokens=False) + d for it in ITEMS]
     ref = hf_label_logprobs(hf_smollm2, seqs, labels)
     results = {}
@@ -282,7 +275,7 @@ def test_http_errors_are_400_and_server_keeps_serving(server, labels):
     for name, body in cases.items():
         if body is None:
             r = httpx.post(server.url + "/v1/score", content=b"{nope", timeout=30,
-                           headers={"content-type": "application/json"})
+                           headers={**AUTH, "content-type": "application/json"})
         else:
             r = post_score(server, body)
         assert r.status_code == 400, (name, r.status_code, r.text)
