@@ -137,6 +137,13 @@ class Req:
         self.cache_protected_len = 0
         self.last_node = None
         self.kv_released = False  # set by release_kv_cache; a second release is a no-op
+        # streaming sessions (mem_cache/session_kv.py): the session's KV this turn extends (None: no session);
+        # kv_private: positions past cache_protected_len stay the session's (never handed to the prefix
+        # cache); swa_keep_from: SWA release spares positions from here on (the session's window)
+        self.session_kv = None
+        self.dp_rank: Optional[int] = None  # the DP rank it must run on (its session's), None: any
+        self.kv_private = False
+        self.swa_keep_from: Optional[int] = None
         self.prefix_indices = np.zeros(0, np.int32)  # matched prefix slots, written to the row at admission
         self.extend_input_len = 0  # tokens of the next extend (a chunk, or the whole uncached rest)
         self.is_chunked = False  # between two chunks of its prompt's prefill
@@ -290,13 +297,17 @@ class ScheduleBatch:
 
     # ---- allocation
     def prepare_for_extend(self, pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator, tree_cache) -> None:
-        """Give each request a pool row (first time: with its matched prefix) and KV slots for its next
-        ``extend_input_len`` tokens, evicting cached KV if needed.
+        """Give each request a pool row (first time: with its matched prefix; a streaming session's turn:
+        the session's row) and KV slots for its next ``extend_input_len`` tokens, evicting cached KV if
+        needed.
 
         Raises RuntimeError when the pools run out (admission control must prevent that).
         """
         for req in self.reqs:
-            if req.req_pool_idx is None:
+            if req.req_pool_idx is None and req.session_kv is not None and req.session_kv.has_kv():
+                n = req.session_kv.lend(req, tree_cache)  # a streaming session's turn: the session's row and KV
+                assert n == len(req.prefix_indices), "the session's KV changed between admission and extend"
+            elif req.req_pool_idx is None:
                 req.req_pool_idx = pool.alloc()
                 if req.req_pool_idx is None:
                     raise RuntimeError("ReqToTokenPool is full; admission should have prevented this")

@@ -72,7 +72,9 @@ class PrefillAdder:
         allocator: KV allocator; tree_cache: the prefix cache (match, lock, evictable size).
         running: requests currently decoding (their future tokens are reserved).
         max_prefill_tokens: token budget without chunking; chunk_size: token budget with chunking (None: off).
-        free_req_slots: request slots left.
+        free_req_slots: free ReqToTokenPool slots (a streaming session's turn needs none: it runs in the
+            session's); free_running: requests that may still join the running ones (--max-running-requests;
+            None: free_req_slots).
         new_token_ratio: the current future-token estimate factor.
         swa_window: the sliding window when the allocator has a separate SWA pool (`SWAPagedAllocator`),
             else None.
@@ -83,7 +85,7 @@ class PrefillAdder:
     def __init__(self, buckets: ShapeBuckets, allocator: PagedTokenToKVPoolAllocator, tree_cache,
                  running: List[Req], *, max_prefill_tokens: int, chunk_size: Optional[int], free_req_slots: int,
                  new_token_ratio: float, swa_window: Optional[int] = None,
-                 swa_release: bool = True):
+                 swa_release: bool = True, free_running: Optional[int] = None):
         self.buckets = buckets
         self.allocator = allocator
         self.tree_cache = tree_cache
@@ -92,6 +94,7 @@ class PrefillAdder:
         self.chunk_size = chunk_size
         self.ratio = new_token_ratio
         self.free_req_slots = free_req_slots
+        self.free_running = free_req_slots if free_running is None else free_running
         self.swa_window = swa_window
         self.swa_release = swa_release
         full_free = allocator.full_available_pages() if swa_window else allocator.available_pages()
@@ -145,7 +148,9 @@ class PrefillAdder:
 
     def add(self, req: Req) -> bool:
         """Admit a waiting request if everything fits; returns False (and admits nothing) otherwise."""
-        if self.free_req_slots <= 0 or self.new_chunked_req is not None:
+        session = req.session_kv if req.session_kv is not None and req.session_kv.has_kv() else None
+        if self.new_chunked_req is not None or self.free_running <= 0 or (self.free_req_slots <= 0 and
+                                                                          session is None):
             return False
         swa_before = self.tree_cache.swa_evictable_size()
         match, moved = match_req(req, self.tree_cache)  # locked; a prefill_extend item reuses its handle's KV
@@ -156,7 +161,10 @@ class PrefillAdder:
             n = self._take(req, extend)
             need = self.allocator.pages_needed(prefix, req.seqlen) + self._pages(future_tokens(req, self.ratio))
             fits = n > 0 and self._fits_bucket(self.num_tokens + n) and need <= self.rem_pages - moved // self.ps
-            swa_need = self._swa_peak_pages(req, n) if self.swa_window else 0
+            swa_need = 0
+            if self.swa_window:  # (a session's turn already holds the session's SWA pages)
+                held = session.held_swa_tokens(self.ps) // self.ps if session is not None else 0
+                swa_need = max(0, self._swa_peak_pages(req, n) - held)
             fits = fits and (not self.swa_window or swa_need <= self.rem_swa_pages - swa_moved // self.ps)
         except BaseException:  # never leave the prefix locked
             self.tree_cache.dec_lock_ref(match.last_node)
@@ -167,7 +175,9 @@ class PrefillAdder:
         self.rem_pages -= need + moved // self.ps
         if self.swa_window:
             self.rem_swa_pages -= swa_need + swa_moved // self.ps
-        self.free_req_slots -= 1
+        self.free_running -= 1
+        if session is None:  # (a session's turn runs in the session's request slot)
+            self.free_req_slots -= 1
         req.prefix_indices = match.device_indices
         req.last_node = match.last_node
         if req.num_retractions == 0 and not req.output_ids:

@@ -10,7 +10,7 @@ request until `cache_unfinished_req` / `cache_finished_req` hand them to the cac
 
 Fields read: ``fill_ids``, ``req_pool_idx``, ``kv_committed_len``, ``kv_allocated_len``,
 ``cache_protected_len``, ``last_node``, ``cacheable_len``, ``fixed_prefix``, ``prefix_indices``,
-``max_prefix_len()``. Fields written: ``last_node``, ``cache_protected_len`` (and the request's row).
+``max_prefix_len()``, ``session_kv``, ``kv_private``, ``swa_keep_from``. Fields written: ``last_node``, ``cache_protected_len`` (and the request's row).
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ def match_req(req, tree_cache: BasePrefixCache) -> Tuple[MatchResult, int]:
     """Match and lock the cached prefix a waiting request may reuse.
 
     A prefill_extend item (``req.fixed_prefix``) reuses its scoring handle's query KV
-    (``req.prefix_indices``), which the handle owns and keeps: nothing is matched or locked.
+    (``req.prefix_indices``), which the handle owns and keeps: nothing is matched or locked. A later turn
+    of a streaming session (``req.session_kv`` holding KV) reuses the session's KV, which the session keeps
+    locked: its prefix is the session's computed positions (`session_kv.SessionKV.prefix_len`); the row is
+    lent to the request at admission (`ScheduleBatch.prepare_for_extend`).
 
     Returns:
         (match, moved): the match, already locked (undo with ``tree_cache.dec_lock_ref(match.last_node)``
@@ -39,6 +42,11 @@ def match_req(req, tree_cache: BasePrefixCache) -> Tuple[MatchResult, int]:
     """
     if req.fixed_prefix:
         return MatchResult(req.prefix_indices, None), 0
+    session = getattr(req, "session_kv", None)
+    if session is not None and session.has_kv():  # a streaming session's turn: its own KV, already locked
+        h = session.holder
+        n = session.prefix_len(req)
+        return MatchResult(tree_cache.req_to_token_pool.req_to_token[h.req_pool_idx, :n].copy(), None), 0
     match = tree_cache.match_prefix(req.fill_ids[:req.max_prefix_len()])
     return match, tree_cache.inc_lock_ref(match.last_node)
 
@@ -54,12 +62,15 @@ def cache_unfinished_req(req, tree_cache: BasePrefixCache) -> None:
 
     Afterwards the row's positions [0, cache_protected_len) hold the cache's slots (the request's duplicates
     of an already cached part are freed) and the request keeps only its unaligned tail. A cache that keeps
-    nothing (ChunkCache) leaves the request and its row as they were.
+    nothing (ChunkCache) leaves the request and its row as they were, and so does a streaming session's
+    later turn (``req.kv_private``: its cached prefix stays turn 1's).
 
     Args:
         req: a running `Req` whose KV positions [0, kv_committed_len) are written.
         tree_cache: the request's prefix cache (its ``req_to_token_pool`` holds the request's row).
     """
+    if getattr(req, "kv_private", False):
+        return  # a streaming session's later turn: its KV stays the session's (session_kv.py)
     row = tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx]
     protected = req.cache_protected_len
     n = cacheable_len(req) // tree_cache.page_size * tree_cache.page_size
@@ -126,6 +137,9 @@ def release_swa_out_of_window(req, req_to_token_pool, allocator, window: int) ->
     ps = allocator.page_size
     dead = req.kv_committed_len - window + 1
     end = max(0, (dead // ps - 1) * ps)  # whole pages before the one holding `dead`, less one page of slack
+    keep = getattr(req, "swa_keep_from", None)
+    if keep is not None:  # a session turn: the session's own window stays live until the turn completes
+        end = min(end, keep // ps * ps)
     start = max(req.swa_evicted_len, -(-req.cache_protected_len // ps) * ps)
     if req.req_pool_idx is None or end <= start:
         return 0

@@ -37,7 +37,9 @@ def alloc_with_evict(allocator, tree_cache, row: np.ndarray, have: int, want: in
 def release_kv_cache(req, tree_cache, is_insert: bool = True) -> None:
     """Free everything `req` holds: its KV (handed to `tree_cache` by `cache_manager.cache_finished_req`,
     which lets the cache keep it or frees it), its prefix lock, and its ReqToTokenPool slot. The only code
-    path that does so -- for finished, aborted and retracted requests alike.
+    path that does so -- for finished, aborted and retracted requests alike. A turn of a streaming session
+    (``req.session_kv``) leaves its KV to the session instead (`session_kv.SessionKV.on_release`), and a
+    session's KV is released here too when it closes.
 
     Idempotent: ``req.kv_released`` makes a second call a no-op.
 
@@ -48,6 +50,9 @@ def release_kv_cache(req, tree_cache, is_insert: bool = True) -> None:
     """
     if req.kv_released or req.req_pool_idx is None:
         return
+    session = getattr(req, "session_kv", None)
+    if session is not None and session.on_release(req, tree_cache, is_insert):
+        return  # a streaming session's turn: the session keeps the KV (or takes its row back)
     cache_finished_req(req, tree_cache, is_insert=is_insert)
     tree_cache.req_to_token_pool.free(req.req_pool_idx)
     req.req_pool_idx = None
