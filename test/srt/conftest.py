@@ -77,4 +77,4 @@ def default_server():
     session it must stop with exit 0 and leave no child process."""
     from srt_helpers import module_server
 
-    yield from module_server(["--enable-metrics"])
+    yield from module_server(["--enable-metrics", "--enable-streaming-session"])

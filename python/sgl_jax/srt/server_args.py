@@ -75,6 +75,7 @@ class ServerArgs:
     disable_radix_cache: bool = False
     swa_full_tokens_ratio: float = 0.8
     disable_hybrid_swa_memory: bool = False
+    enable_streaming_session: bool = False
     precompile_token_paddings: Optional[List[int]] = None
     precompile_bs_paddings: Optional[List[int]] = None
     disable_precompile: bool = False
@@ -211,6 +212,8 @@ class ServerArgs:
                                      "both pools share the memory one pool for every layer would take",
             "disable_hybrid_swa_memory": "sliding-window models: one KV pool for every layer (windows only masked) "
                                          "instead of a separate, smaller SWA pool",
+            "enable_streaming_session": "allow /open_session with streaming: true (a session keeps its request slot "
+                                        "and KV between turns; each turn prefills only its new tokens)",
             "precompile_token_paddings": "extend token-count buckets compiled at start-up",
             "precompile_bs_paddings": "batch-size buckets compiled at start-up",
             "disable_precompile": "skip warm-up compilation (shapes then compile on first use)",

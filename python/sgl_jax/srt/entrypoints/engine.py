@@ -18,8 +18,14 @@ from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Union
 import pydantic
 
 from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_subprocesses
-from sgl_jax.srt.entrypoints.native_protocol import GenerateRequest, ScoreRequest, validation_message
+from sgl_jax.srt.entrypoints.native_protocol import (
+    GenerateRequest,
+    OpenSessionRequest,
+    ScoreRequest,
+    validation_message,
+)
 from sgl_jax.srt.managers.errors import RequestError
+from sgl_jax.srt.managers.io_struct import OpenSessionReqInput
 from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import configure_logging, kill_processes
@@ -95,7 +101,7 @@ class Engine:
 
     @staticmethod
     def _body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-              token_ids_logprob, return_text_in_logprobs, stream, rid) -> Dict[str, Any]:
+              token_ids_logprob, return_text_in_logprobs, stream, rid, session_params=None) -> Dict[str, Any]:
         body: Dict[str, Any] = {"sampling_params": sampling_params, "return_logprob": return_logprob,
                                 "return_text_in_logprobs": return_text_in_logprobs, "stream": stream}
         if prompt is not None:
@@ -103,7 +109,7 @@ class Engine:
         if input_ids is not None:
             body["input_ids"] = input_ids
         for k, v in (("logprob_start_len", logprob_start_len), ("top_logprobs_num", top_logprobs_num),
-                     ("token_ids_logprob", token_ids_logprob), ("rid", rid)):
+                     ("token_ids_logprob", token_ids_logprob), ("rid", rid), ("session_params", session_params)):
             if v is not None:
                 body[k] = v
         return body
@@ -123,16 +129,19 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: Optional[Union[str, List[str]]] = None,
+        session_params: Optional[dict] = None,
     ) -> Union[dict, List[dict], Iterator[dict]]:
         """Generate for one prompt (returns a dict) or a batch (a list of dicts), like SGLang's Engine.
 
         The dicts are the same as the HTTP /generate responses (``text``, ``output_ids``, ``meta_info``).
-        With ``stream=True`` (single prompt) returns an iterator of such dicts.
+        With ``stream=True`` (single prompt) returns an iterator of such dicts. ``session_params``: SGLang's
+        ``{"id", "rid", "offset", "replace", "drop_previous_output"}`` (see `open_session`).
         Raises:
             RequestError: an invalid request.
         """
         obj = _split(self._body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                     top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream, rid))
+                                     top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream, rid,
+                                     session_params))
         if isinstance(obj, list):
             return self._run(self._generate_all(obj))
         if stream:
@@ -180,11 +189,12 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
-                             return_text_in_logprobs=False, stream=False, rid=None
+                             return_text_in_logprobs=False, stream=False, rid=None, session_params=None
                              ) -> Union[dict, List[dict], AsyncIterator[dict]]:
         """Async `generate`, usable from any event loop. With ``stream=True`` returns an async iterator."""
         obj = _split(self._body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                     top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream, rid))
+                                     top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream, rid,
+                                     session_params))
         if stream and not isinstance(obj, list):
             return self._stream_async(obj)
         coro = self._generate_all(obj) if isinstance(obj, list) else self.tokenizer_manager.generate(obj)
@@ -208,6 +218,28 @@ class Engine:
 
     def flush_cache(self):
         return self._run(self.tokenizer_manager.flush_cache())
+
+    def open_session(self, capacity_of_str_len: int = 0, session_id: Optional[str] = None,
+                     streaming: bool = False, timeout: Optional[float] = None) -> str:
+        """Open a session (SGLang's Engine.open_session); returns its id. Its turns pass
+        ``session_params={"id": ..., "rid": ...}`` to `generate` (managers/session_controller.py).
+
+        Raises:
+            RequestError: 400 -- the id is taken, streaming without --enable-streaming-session (upstream
+                returns None instead), or no room for another streaming session.
+        """
+        body = _validated(OpenSessionRequest, {"capacity_of_str_len": capacity_of_str_len, "session_id": session_id,
+                                               "streaming": streaming, "timeout": timeout})
+        return self._run(self.tokenizer_manager.open_session(OpenSessionReqInput(
+            body.capacity_of_str_len, body.session_id, bool(body.streaming), body.timeout)))
+
+    def close_session(self, session_id: str) -> None:
+        """Close a session, releasing what it holds (now, or when its running turn finishes).
+
+        Raises:
+            RequestError: 404 -- no open session has that id.
+        """
+        self._run(self.tokenizer_manager.close_session(session_id))
 
     def shutdown(self) -> None:
         """Stop the child processes and the background loop. Safe to call twice."""

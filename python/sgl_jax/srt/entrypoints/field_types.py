@@ -145,11 +145,25 @@ class NullMeansDefault(BaseModel):
                         and not _admits_null(fields[k].annotation))}
 
 
-class SGLangSharedFields(BaseModel):
-    """Fields SGLang's ``GenerateReqInput`` and its OpenAI requests both carry that this engine has no support
-    for (accepted only at their defaults) or ignores: declared once, mixed into the native and OpenAI models."""
+class SessionParamsRequest(BaseModel):
+    """``session_params`` (SGLang's SessionParams): the session `id`, the turn it continues (`rid`), and how
+    (see managers/session_controller.py). Unknown keys: 400."""
 
-    session_params: default_only(Optional[Dict[str, Any]], description="sessions") = None
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    id: Rid
+    rid: Optional[Rid] = None
+    offset: Optional[Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]] = None
+    replace: Optional[bool] = None
+    drop_previous_output: Optional[bool] = None
+
+
+class SGLangSharedFields(BaseModel):
+    """Fields SGLang's ``GenerateReqInput`` and its OpenAI requests both carry: ``session_params`` (sessions),
+    and those this engine has no support for (accepted only at their defaults) or ignores: declared once,
+    mixed into the native and OpenAI models."""
+
+    session_params: Optional[SessionParamsRequest] = None
     lora_path: default_only(StrOrList, description="LoRA adapters") = None
     custom_logit_processor: default_only(StrOrList, description="custom logit processors") = None
     bootstrap_host: default_only(StrOrList, description="prefill-decode disaggregation") = None

@@ -39,11 +39,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sgl_jax import __version__
 from sgl_jax.srt.entrypoints.field_types import LenientModel, TokenId
 from sgl_jax.srt.entrypoints.http_guards import GuardMiddleware, KeyChecker
-from sgl_jax.srt.entrypoints.native_protocol import AbortRequest, GenerateRequest, ScoreRequest, validation_message
+from sgl_jax.srt.entrypoints.native_protocol import (
+    AbortRequest,
+    CloseSessionRequest,
+    GenerateRequest,
+    OpenSessionRequest,
+    ScoreRequest,
+    validation_message,
+)
 from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sgl_jax.srt.entrypoints.openai.serving_chat import create_chat_completion
 from sgl_jax.srt.entrypoints.openai.serving_completions import create_completion, gather_or_cancel
 from sgl_jax.srt.entrypoints.openai.utils import SSE_DONE, json_response, merge_streams, openai_error, sse
+from sgl_jax.srt.managers.io_struct import OpenSessionReqInput
 from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 from sgl_jax.srt.metrics.collector import METRICS_CONTENT_TYPE
 from sgl_jax.srt.server_args import ServerArgs
@@ -249,6 +257,22 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
             raise RequestError("'rid' (string) or 'abort_all': true is required")
         if not tm.abort_request(req.rid):
             raise RequestError(f"No running generation request has rid {req.rid!r}", 404)
+        return Response(status_code=200)
+
+    # ---------------------------------------------------------------- sessions
+    @app.api_route("/open_session", methods=["GET", "POST"])
+    async def open_session(req: OpenSessionRequest):
+        """SGLang's /open_session: the body is the new session's id as a JSON string. 400: the id is taken,
+        streaming without --enable-streaming-session, or no room for another streaming session."""
+        return json_response(await tm.open_session(OpenSessionReqInput(
+            capacity_of_str_len=req.capacity_of_str_len, session_id=req.session_id, streaming=bool(req.streaming),
+            timeout=req.timeout)))
+
+    @app.api_route("/close_session", methods=["GET", "POST"])
+    async def close_session(req: CloseSessionRequest):
+        """SGLang's /close_session: 200 with an empty body; 404 when no open session has the id (upstream
+        answers 200 either way)."""
+        await tm.close_session(req.session_id)
         return Response(status_code=200)
 
     # ---------------------------------------------------------------- tokenizer

@@ -119,7 +119,7 @@ class GenerateRequest(NullMeansDefault, SGLangSharedFields, StrictModel):
     logprob_start_len, top_logprobs_num, token_ids_logprob, rid) take one value for the whole batch or a list
     with one entry per prompt. ``sampling_params.n`` > 1 expands each prompt into n samples, as upstream: the
     response is then a list (prompt-major: the n samples of the first prompt, then the second's, ...). Fields
-    this engine has no support for (multimodal input, LoRA, sessions, disaggregation, hidden states, ...) are
+    this engine has no support for (multimodal input, LoRA, disaggregation, hidden states, ...) are
     accepted only at their defaults (400 naming the field otherwise); telemetry and routing hints are accepted
     and ignored. Unknown fields: 400 (stricter than upstream, which drops them).
     """
@@ -210,6 +210,9 @@ class GenerateRequest(NullMeansDefault, SGLangSharedFields, StrictModel):
             if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
                 raise RequestError("'rid' has duplicate entries: every prompt of a batch needs its own rid")
         n = self._samples_per_prompt()
+        if self.session_params is not None and (batch or n != 1):
+            raise RequestError("session_params applies to a single prompt and sample (a session's turn is one "
+                               "sequence)")
         if not batch and n == 1:
             return self._one(self.text, self.input_ids, 0, 1, 0, 1)
         return [self._one(p if self.text is not None else None, p if self.input_ids is not None else None, i,
@@ -248,6 +251,7 @@ class GenerateRequest(NullMeansDefault, SGLangSharedFields, StrictModel):
             top_logprobs_num=self._pick("top_logprobs_num", i, n),
             token_ids_logprob=self._pick("token_ids_logprob", i, n),
             return_text_in_logprobs=self.return_text_in_logprobs, stream=self.stream, rid=rid,
+            session_params=None if self.session_params is None else self.session_params.model_dump(),
         )
 
 
@@ -266,6 +270,22 @@ class ScoreRequest(StrictModel):
 
     def to_input(self) -> ScoreReqInput:
         return ScoreReqInput(**self.model_dump())
+
+
+class OpenSessionRequest(NullMeansDefault, StrictModel):
+    """The /open_session body (SGLang's OpenSessionReqInput). ``capacity_of_str_len`` is accepted and, as
+    upstream, not enforced; ``timeout``: seconds without a new turn after which the session is closed."""
+
+    capacity_of_str_len: NonNegInt32 = 0
+    session_id: Optional[Rid] = None
+    streaming: Optional[bool] = False
+    timeout: Optional[Annotated[float, Field(gt=0)]] = None
+
+
+class CloseSessionRequest(StrictModel):
+    """The /close_session body."""
+
+    session_id: Rid
 
 
 class AbortRequest(StrictModel):

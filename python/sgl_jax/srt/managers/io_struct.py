@@ -1,10 +1,11 @@
 """Messages exchanged over ZMQ between TokenizerManager, Scheduler and DetokenizerManager (pickled).
 
 TokenizerManager -> Scheduler: TokenizedGenerateReqInput, TokenizedScoreReqInput, ScorePrefillReq,
-ScoreReleaseReq, AbortReq, FlushCacheReq, GetInternalStateReq.
+ScoreReleaseReq, AbortReq, FlushCacheReq, GetInternalStateReq, OpenSessionReqInput, CloseSessionReqInput.
 Scheduler -> DetokenizerManager: BatchTokenIDOut (new token ids per request).
 DetokenizerManager -> TokenizerManager: BatchStrOut (new text per request).
-Scheduler -> TokenizerManager: ScoreOut, ScoreReleaseOut, FlushCacheReqOutput, GetInternalStateReqOutput.
+Scheduler -> TokenizerManager: ScoreOut, ScoreReleaseOut, FlushCacheReqOutput, GetInternalStateReqOutput,
+OpenSessionReqOutput, CloseSessionReqOutput.
 """
 
 from __future__ import annotations
@@ -27,6 +28,52 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     token_ids_logprob: Optional[List[int]] = None
     stream: bool = False
+    session_params: Optional[SessionParams] = None
+
+
+@dataclasses.dataclass
+class SessionParams:
+    """``session_params`` of a generation request (SGLang's SessionParams): the turn belongs to session `id`;
+    `rid`: the earlier turn it continues (classic sessions; None: none); `offset`: cut the parent's tokens
+    to their first `offset` (a Python slice end; None or 0: no cut); `replace`: abort and drop the parent's
+    other branches; `drop_previous_output`: continue the parent's prompt without its output."""
+
+    id: str
+    rid: Optional[str] = None
+    offset: Optional[int] = None
+    replace: Optional[bool] = None
+    drop_previous_output: Optional[bool] = None
+
+
+@dataclasses.dataclass
+class OpenSessionReqInput:
+    """SGLang's /open_session body. capacity_of_str_len: accepted as upstream (which stores it and never
+    uses it); session_id: None -> a new uuid; streaming: a streaming session (--enable-streaming-session);
+    timeout: seconds of inactivity after which the session is closed (None: never)."""
+
+    capacity_of_str_len: int = 0
+    session_id: Optional[str] = None
+    streaming: bool = False
+    timeout: Optional[float] = None
+
+
+@dataclasses.dataclass
+class OpenSessionReqOutput:
+    session_id: Optional[str]
+    success: bool
+    message: str = ""
+
+
+@dataclasses.dataclass
+class CloseSessionReqInput:
+    session_id: str
+
+
+@dataclasses.dataclass
+class CloseSessionReqOutput:
+    session_id: str
+    success: bool
+    message: str = ""
 
 
 @dataclasses.dataclass

@@ -34,12 +34,28 @@ from sgl_jax.srt.managers.scheduler_output import extend_offsets, process_batch_
 from sgl_jax.srt.managers.scheduler_scoring import SchedulerScoring
 from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
 from sgl_jax.srt.mem_cache.common import release_kv_cache
+from sgl_jax.srt.mem_cache.kv_invariants import check_kv_invariants
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 
 logger = logging.getLogger(__name__)
 
 DECODE_LOG_INTERVAL = 40  # decode steps between "Decode batch" log lines (SGLang's default)
 TEST_RETRACT_INTERVAL = 5
+
+
+def session_state(session, page_size: int) -> dict:
+    """One session's entry of the internal state (its KV fields between turns, for checks and debugging)."""
+    out = {"session_id": session.session_id, "streaming": session.streaming, "num_turns": len(session.req_nodes)}
+    kv = session.kv
+    if kv is not None:
+        h = kv.holder
+        out.update({"holds_kv": kv.has_kv(), "turn_running": kv.lent_to is not None,
+                    "last_turn_rid": None if h is None else h.rid,
+                    "kv_tokens_session_held": kv.held_tokens(page_size)})
+        if h is not None:
+            out.update({f: getattr(h, f) for f in ("kv_committed_len", "kv_allocated_len", "cache_protected_len",
+                                                    "swa_evicted_len")})
+    return out
 
 
 def fail_reason(req: Req, what: str, exc: BaseException) -> FinishReason:
@@ -108,6 +124,8 @@ class RankScheduler:
         self._decode_steps = 0
         self._decode_log_start = (time.time(), 0)  # (time, tokens generated) at the last decode log line
         self.num_generated_tokens = 0
+        self.sessions: Callable[[], list] = lambda: []  # this rank's open sessions (set by the Scheduler)
+        self.check_invariants = False  # SGL_JAX_CHECK_KV_INVARIANTS: the exact page-ownership check every step
 
     # ------------------------------------------------------------ load
     def is_busy(self) -> bool:
@@ -192,10 +210,11 @@ class RankScheduler:
             return None
         running = self.running_batch.reqs
         in_flight = len(running) + (1 if self.chunked_req is not None else 0)
-        slots = min(self.req_to_token_pool.available_size(), self.max_running_requests - in_flight)
         adder = PrefillAdder(self.buckets, self.allocator, self.tree_cache, running,
                              max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size,
-                             free_req_slots=slots, new_token_ratio=self.new_token_ratio, swa_window=self.swa_window,
+                             free_req_slots=self.req_to_token_pool.available_size(),
+                             free_running=self.max_running_requests - in_flight,
+                             new_token_ratio=self.new_token_ratio, swa_window=self.swa_window,
                              swa_release=self.swa_release)
         if self.chunked_req is not None and not adder.add_chunked(self.chunked_req):
             return None
@@ -280,6 +299,20 @@ class RankScheduler:
             for req in batch.reqs:
                 if not req.finished():
                     release_swa_out_of_window(req, self.req_to_token_pool, self.allocator, self.swa_window)
+        if self.check_invariants:
+            self.check_kv_invariants()
+
+    def check_kv_invariants(self) -> None:
+        """The exact page-ownership check (mem_cache/kv_invariants.py); a violation counts as a memory error
+        and is logged. Skipped while scoring handles or groups hold KV (they own rows of their own)."""
+        if self.scoring.handles or self.scoring.groups:
+            return
+        holders = list(self.running_batch.reqs) + ([self.chunked_req] if self.chunked_req is not None else [])
+        holders += [s.kv.holder for s in self.sessions() if s.kv is not None and s.kv.has_kv()]
+        problems = check_kv_invariants(self.allocator, self.tree_cache, self.req_to_token_pool, holders)
+        if problems:
+            self.memory_errors += 1
+            logger.error("%sKV invariants violated: %s", self.tag, "; ".join(problems))
 
     def collect_scores(self, batch: ScheduleBatch, out, starts: List[int]) -> None:
         """Label logprobs of the step's score positions; a request whose scores fail alone is failed."""
@@ -375,24 +408,33 @@ class RankScheduler:
 
     # ------------------------------------------------------------ state
     def kv_accounting(self) -> dict:
+        """KV tokens by owner: free, cached (the prefix cache's: evictable + locked), held by streaming
+        sessions between turns (whole pages past their cached prefix), in use (running requests, scoring
+        handles); with hybrid SWA memory the same for the SWA pool."""
         total = self.allocator.size
         free = self.allocator.available_size()
         cached = self.tree_cache.evictable_size()
         protected = self.tree_cache.protected_size()
+        ps = self.allocator.page_size
+        kv_sessions = [s.kv for s in self.sessions() if s.kv is not None]
+        held = sum(kv.held_tokens(ps) for kv in kv_sessions)
         acc = {
             "kv_tokens_total": total,
             "kv_tokens_free": free,
             "kv_tokens_cached": cached + protected,
-            "kv_tokens_in_use": total - free - cached - protected,
+            "kv_tokens_session_held": held,
+            "kv_tokens_in_use": total - free - cached - protected - held,
         }
         if self.swa_window:
             swa_total, swa_free = self.allocator.swa_size, self.allocator.swa_available_size()
             swa_cached = self.tree_cache.swa_evictable_size() + self.tree_cache.swa_protected_size()
+            swa_held = sum(kv.held_swa_tokens(ps) for kv in kv_sessions)
             acc.update({
                 "swa_tokens_total": swa_total,
                 "swa_tokens_free": swa_free,
                 "swa_tokens_cached": swa_cached,
-                "swa_tokens_in_use": swa_total - swa_free - swa_cached,
+                "swa_tokens_session_held": swa_held,
+                "swa_tokens_in_use": swa_total - swa_free - swa_cached - swa_held,
                 "swa_tokens_evictable": self.tree_cache.swa_evictable_size(),
                 "swa_tokens_protected": self.tree_cache.swa_protected_size(),
             })
@@ -416,6 +458,10 @@ class RankScheduler:
             "num_score_handles": len(self.scoring.handles),
             "num_expired_score_handles": self.scoring.num_expired_handles,
             "num_score_groups": len(self.scoring.groups),
+            "num_sessions": len(self.sessions()),
+            "num_streaming_sessions": sum(s.streaming for s in self.sessions()),
+            "req_slots_session_held": sum(s.kv is not None and s.kv.has_kv() for s in self.sessions()),
+            "sessions": [session_state(s, self.allocator.page_size) for s in self.sessions()],
         })
         return state
 
@@ -424,23 +470,26 @@ class RankScheduler:
         return self.is_busy() or bool(self.scoring.handles)
 
     def on_idle(self) -> None:
-        """When this rank runs nothing: free + evictable + protected == total, no prefix locked, every slot
-        free (checked once per idle period)."""
+        """When this rank runs nothing: free + evictable + protected + session-held == total, no prefix
+        locked but by streaming sessions, every request slot free but theirs (checked once per idle period)."""
         if self.idle_checked or self.holds_work():
             return  # (live scoring-cache handles hold KV and request slots by design)
         self.idle_checked = True
         self._decode_log_start = (time.time(), self.num_generated_tokens)
         acc = self.kv_accounting()
         free, evictable = self.allocator.available_size(), self.tree_cache.evictable_size()
-        protected = self.tree_cache.protected_size()
-        slots_ok = self.req_to_token_pool.available_size() == self.req_to_token_pool.size
-        swa_ok = not self.swa_window or (acc["swa_tokens_in_use"] == 0 and acc["swa_tokens_protected"] == 0)
-        if free + evictable + protected != acc["kv_tokens_total"] or protected != 0 or not slots_ok or not swa_ok:
+        protected, held = self.tree_cache.protected_size(), acc["kv_tokens_session_held"]
+        held_slots = sum(s.kv is not None and s.kv.has_kv() for s in self.sessions())
+        slots_ok = self.req_to_token_pool.available_size() + held_slots == self.req_to_token_pool.size
+        swa_ok = not self.swa_window or (acc["swa_tokens_in_use"] == 0 and
+                                         (acc["swa_tokens_protected"] == 0 or held_slots > 0))
+        if free + evictable + protected + held != acc["kv_tokens_total"] or (protected != 0 and not held_slots) \
+                or not slots_ok or not swa_ok:
             self.memory_errors += 1
-            logger.error("%sKV accounting mismatch while idle: free %d + evictable %d + protected %d != total %d "
-                         "(or a prefix is still locked), free request slots %d of %d", self.tag, free, evictable,
-                         protected, acc["kv_tokens_total"], self.req_to_token_pool.available_size(),
-                         self.req_to_token_pool.size)
+            logger.error("%sKV accounting mismatch while idle: free %d + evictable %d + protected %d + session-held "
+                         "%d != total %d (or a prefix is still locked), free request slots %d + %d held by "
+                         "sessions of %d", self.tag, free, evictable, protected, held, acc["kv_tokens_total"],
+                         self.req_to_token_pool.available_size(), held_slots, self.req_to_token_pool.size)
             if not swa_ok:
                 logger.error("%sSWA KV accounting mismatch while idle: %s", self.tag,
                              {k: v for k, v in acc.items() if k.startswith("swa_")})

@@ -41,8 +41,12 @@ from sgl_jax.srt.managers.io_struct import (
     DecodeConfig,
     FlushCacheReq,
     FlushCacheReqOutput,
+    CloseSessionReqInput,
+    CloseSessionReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    OpenSessionReqInput,
+    OpenSessionReqOutput,
     ScorePrefillReq,
     ScoreReleaseReq,
     TokenizedGenerateReqInput,
@@ -55,6 +59,7 @@ from sgl_jax.srt.managers.rank_scheduler import RankScheduler
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort, step_shape
 from sgl_jax.srt.managers.scheduler_output import token_out
 from sgl_jax.srt.managers.scheduler_scoring import SchedulerScoring
+from sgl_jax.srt.managers.session_controller import Session, SessionController, SessionError
 from sgl_jax.srt.mem_cache import create_prefix_cache
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
@@ -76,13 +81,17 @@ TEST_RETRACT_ENV = "SGL_JAX_TEST_RETRACT"
 # Keep every running request's SWA KV until it finishes (hybrid SWA memory without SWA release): for
 # measuring what SWA release buys, not for serving.
 DISABLE_SWA_RELEASE_ENV = "SGL_JAX_DISABLE_SWA_RELEASE"
+# Test hook: when "1", check every rank's page ownership exactly after every step (mem_cache/kv_invariants.py);
+# a violation counts in memory_errors. Costs a pass over the pools per step: for tests, not for serving.
+CHECK_KV_INVARIANTS_ENV = "SGL_JAX_CHECK_KV_INVARIANTS"
 # per-rank entries of the internal state that the server-wide state sums
 SWA_STATE_KEYS = ("swa_tokens_total", "swa_tokens_free", "swa_tokens_cached", "swa_tokens_in_use",
-                  "swa_tokens_evictable", "swa_tokens_protected")  # hybrid SWA memory only
+                  "swa_tokens_evictable", "swa_tokens_protected", "swa_tokens_session_held")  # hybrid SWA memory only
 SUMMED_STATE_KEYS = ("kv_tokens_total", "kv_tokens_free", "kv_tokens_cached", "kv_tokens_in_use", "num_running_reqs",
                      "num_waiting_reqs", "req_slots_free", "memory_errors", "kv_tokens_evictable",
                      "kv_tokens_protected", "num_retracted_reqs", "num_assigned_reqs", "num_score_handles",
-                     "num_expired_score_handles", "num_score_groups")
+                     "num_expired_score_handles", "num_score_groups", "kv_tokens_session_held", "num_sessions",
+                     "num_streaming_sessions", "req_slots_session_held")
 
 
 def derive_limits(server_args, model_config, platform: str):
@@ -176,11 +185,21 @@ class Scheduler:
         test_retract = "1" in (os.environ.get(TEST_RETRACT_ENV), os.environ.get("SGLANG_TEST_RETRACT"))
         self.ranks: List[RankScheduler] = [self._new_rank(r, test_retract) for r in range(self.dp_size)]
         self.kv_size = self.ranks[0].allocator.size  # tokens of KV per rank
+        runner = self.model_runner
         if self.dp_size > 1:
             logger.info("%d data-parallel attention ranks (--load-balance-method %s), %d KV tokens and %d request "
                         "slots each", self.dp_size, self.load_balance_method, self.kv_size,
                         self.max_running_requests)
 
+        self.sessions = SessionController(
+            self.dp_size, max(0, self.max_running_requests - 1),
+            self.model_config.sliding_window if runner.hybrid_swa else None, server_args.enable_streaming_session)
+        for rank in self.ranks:
+            rank.sessions = lambda r=rank.rank: self.sessions.on_rank(r)
+            rank.check_invariants = os.environ.get(CHECK_KV_INVARIANTS_ENV) == "1"
+        # a leading BOS of a session turn's new ids is dropped only when the tokenizer adds one itself
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        self.session_bos_id = bos if bos is not None and self.tokenizer.encode("a")[:1] == [bos] else None
         self.grammar_queue = GrammarQueue(None if server_args.grammar_backend == "none"
                                           else GrammarBackend(self.tokenizer, mc.vocab_size))
         if not server_args.disable_precompile:
@@ -272,6 +291,8 @@ class Scheduler:
         for rank in self.ranks:
             if rank.scoring.handles:
                 rank.scoring.expire_handles(tick.now)
+        if self.sessions.sessions:
+            self.sessions.reap(tick.now, self.release_session)
         batches = [rank.get_next_batch_to_run() for rank in self.ranks]
         for rank, batch in zip(self.ranks, batches):
             if batch is None:
@@ -373,6 +394,10 @@ class Scheduler:
                     self.handle_abort(msg)
                 elif isinstance(msg, FlushCacheReq):
                     self.send_to_tokenizer.send_pyobj(self.flush_cache())
+                elif isinstance(msg, OpenSessionReqInput):
+                    self.send_to_tokenizer.send_pyobj(self.open_session(msg))
+                elif isinstance(msg, CloseSessionReqInput):
+                    self.send_to_tokenizer.send_pyobj(self.close_session(msg))
                 elif isinstance(msg, GetInternalStateReq):
                     self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
                 else:
@@ -401,8 +426,18 @@ class Scheduler:
         return next((rank for rank in self.ranks if handle in rank.scoring.handles), self.ranks[0])
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
-        """Queue a request (the TokenizerManager has validated it; limits are re-checked here)."""
-        n = len(msg.input_ids)
+        """Queue a request (the TokenizerManager has validated it; limits are re-checked here, on the whole
+        prompt of a session's turn, which is built here: managers/session_controller.py)."""
+        input_ids, session, parent = msg.input_ids, None, None
+        if msg.session_params is not None:
+            try:
+                session = self.sessions.get(msg.session_params.id)
+                input_ids, parent = session.build_input(msg.session_params, msg.input_ids, self.session_bos_id)
+                self.check_session_turn(msg, session, input_ids)
+            except SessionError as e:
+                self._send_abort(msg.rid, e.message, e.status_code)
+                return
+        n = len(input_ids)
         if n == 0 or n > self.max_req_input_len:
             self._send_abort(msg.rid, f"input of {n} tokens is outside [1, {self.max_req_input_len}]", 400)
             return
@@ -415,24 +450,62 @@ class Scheduler:
         sp.max_new_tokens = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
         seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.randrange(2**31)
         req = Req(
-            msg.rid, msg.input_ids, sp, eos_token_ids=self.model_config.eos_token_ids, seed=seed,
+            msg.rid, input_ids, sp, eos_token_ids=self.model_config.eos_token_ids, seed=seed,
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num, token_ids_logprob=msg.token_ids_logprob, stream=msg.stream,
         )
+        if session is not None:
+            req.dp_rank = session.rank
+            session.register(req, parent, msg.session_params, self.abort_rid, self.tick_now)
         try:
             if self.grammar_queue.needs_grammar(req):
                 return
         except ValueError as e:
+            req.finished_reason = finish_abort(str(e), 400)
             self._send_abort(msg.rid, str(e), 400)
             return
-        self.assign_rank(req.origin_input_ids).enqueue(req)
+        self.rank_for(req).enqueue(req)
+
+    def rank_for(self, req: Req) -> RankScheduler:
+        """A new request's rank: its session's, else by --load-balance-method."""
+        if req.dp_rank is not None:
+            return self.ranks[req.dp_rank]
+        return self.assign_rank(req.origin_input_ids)
+
+    def check_session_turn(self, msg: TokenizedGenerateReqInput, session: Session, input_ids) -> None:
+        """Checks of a session turn that need its whole prompt (the TokenizerManager saw only the new ids).
+
+        Raises:
+            SessionError: 400 -- input logprobs from before a streaming turn's new tokens (that KV is reused,
+                not recomputed), a logprob_start_len past the prompt, or an explicit max_new_tokens that
+                exceeds the context with the history (SGLang's rule; clipped with --allow-auto-truncate).
+        """
+        n = len(input_ids)
+        if msg.return_logprob and msg.logprob_start_len >= n:
+            raise SessionError(f"logprob_start_len ({msg.logprob_start_len}) must be less than the turn's input "
+                               f"length ({n}, with the session's history)")
+        history = len(session.kv.history_ids()) if session.streaming else 0
+        if session.streaming and msg.return_logprob and 0 <= msg.logprob_start_len < history + 1:
+            raise SessionError(f"A streaming session's turn reuses its history's KV: input logprobs start at "
+                               f"logprob_start_len >= {history + 1} (the history has {history} tokens)")
+        sp = msg.sampling_params
+        if sp.max_new_tokens is not None and n + sp.max_new_tokens > self.context_len:
+            if not self.server_args.allow_auto_truncate:
+                raise SessionError(f"Requested token count exceeds the model's maximum context length of "
+                                   f"{self.context_len} tokens: {n} tokens of input (with the session's history) "
+                                   f"and {sp.max_new_tokens} tokens for the completion")
+
+    def abort_rid(self, rid: str, message: str) -> None:
+        """Abort request `rid` wherever it is (a classic session's replaced turn)."""
+        self.handle_abort(AbortReq(rid, message))
 
     def admit_grammar_ready(self, ready_rids: List[str], failed_rids: List[tuple]) -> None:
         """Queue requests whose grammar compiled (on their rank); answer 400 for those that failed."""
         ready, failed = self.grammar_queue.take(ready_rids, failed_rids)
         for req in ready:
-            self.assign_rank(req.origin_input_ids).enqueue(req)
+            self.rank_for(req).enqueue(req)
         for req, message in failed:
+            req.finished_reason = finish_abort(message, 400)  # (a session's turn is over)
             self._send_abort(req.rid, message, 400)
 
     def handle_abort(self, msg: AbortReq) -> None:
@@ -470,17 +543,43 @@ class Scheduler:
             if key in per_rank[0]:
                 state[key] = sum(p[key] for p in per_rank)
         state["new_token_ratio"] = min(p["new_token_ratio"] for p in per_rank)
+        state["sessions"] = [s for p in per_rank for s in p["sessions"]]
         state["dp_ranks"] = per_rank
         return state
 
     def flush_cache(self) -> FlushCacheReqOutput:
-        """Empty every rank's prefix cache; refused while any request is running, chunking or waiting."""
+        """Empty every rank's prefix cache; refused while any request is running, chunking or waiting, or a
+        streaming session holds KV."""
         if any(rank.holds_work() for rank in self.ranks) or self.grammar_queue:
             return FlushCacheReqOutput(False, "Cannot flush the cache while requests are running or waiting "
                                               "or scoring-cache handles are held")
+        if any(s.kv is not None and s.kv.has_kv() for s in self.sessions.sessions.values()):
+            return FlushCacheReqOutput(False, "Cannot flush the cache while streaming sessions hold KV; close "
+                                              "them first")
         for rank in self.ranks:
             rank.tree_cache.reset()
         return FlushCacheReqOutput(True, "Cache flushed.")
+
+
+    # ------------------------------------------------------------ sessions
+    def open_session(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
+        try:
+            session = self.sessions.open(msg, self.tick_now)
+        except SessionError as e:
+            return OpenSessionReqOutput(None, False, e.message)
+        return OpenSessionReqOutput(session.session_id, True)
+
+    def close_session(self, msg: CloseSessionReqInput) -> CloseSessionReqOutput:
+        try:
+            self.sessions.request_close(msg.session_id, self.release_session)
+        except SessionError as e:
+            return CloseSessionReqOutput(msg.session_id, False, e.message)
+        return CloseSessionReqOutput(msg.session_id, True)
+
+    def release_session(self, session: Session) -> None:
+        """Free what a closed session holds (a streaming session's slot and KV, via release_kv_cache)."""
+        if session.kv is not None:
+            session.kv.release(self.ranks[session.rank].tree_cache)
 
 
 def run_scheduler_process(server_args, port_args, pipe_writer, parent_pid: int) -> None:

@@ -26,6 +26,11 @@ from sgl_jax.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    CloseSessionReqInput,
+    CloseSessionReqOutput,
+    OpenSessionReqInput,
+    OpenSessionReqOutput,
+    SessionParams,
     StrOut,
     TokenizedGenerateReqInput,
 )
@@ -57,6 +62,7 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[str] = None
+    session_params: Optional[dict] = None  # SGLang's SessionParams fields (managers/session_controller.py)
 
 
 _KEEPING_PRE_TOKENIZERS = {"Sequence", "ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"}
@@ -290,6 +296,32 @@ class TokenizerManager:
         out: GetInternalStateReqOutput = await self._control_call(GetInternalStateReq(), GetInternalStateReqOutput)
         return out.internal_state
 
+    async def open_session(self, obj: OpenSessionReqInput) -> str:
+        """Open a session (SGLang's /open_session); returns its id.
+
+        Raises:
+            RequestError: 400 -- a session with that id is open, streaming without
+                --enable-streaming-session, or no room for another streaming session.
+        """
+        self.start()
+        if obj.session_id is None:  # chosen here, so every node of a multi-host server opens the same id
+            obj = dataclasses.replace(obj, session_id=uuid.uuid4().hex)
+        out: OpenSessionReqOutput = await self._control_call(obj, OpenSessionReqOutput)
+        if not out.success:
+            raise RequestError(out.message or "Failed to open the session")
+        return out.session_id
+
+    async def close_session(self, session_id: str) -> None:
+        """Close a session: its KV is released now, or when its running turn finishes.
+
+        Raises:
+            RequestError: 404 -- no open session has that id.
+        """
+        self.start()
+        out: CloseSessionReqOutput = await self._control_call(CloseSessionReqInput(session_id), CloseSessionReqOutput)
+        if not out.success:
+            raise RequestError(out.message, 404)
+
     def abort_request(self, rid: str, message: str = "Aborted by the client") -> bool:
         """Abort the running generation request `rid`; False (nothing sent) when there is none."""
         state = self.rid_to_state.get(rid)
@@ -413,9 +445,9 @@ class TokenizerManager:
         for t in obj.token_ids_logprob or []:
             if not 0 <= t < self.vocab_size:
                 raise RequestError(f"token_ids_logprob entry {t} is outside the vocabulary [0, {self.vocab_size})")
-        if obj.logprob_start_len >= n:
+        if obj.logprob_start_len >= n and obj.session_params is None:  # (a session's turn: the scheduler checks
             raise RequestError(f"logprob_start_len ({obj.logprob_start_len}) must be less than the input "
-                               f"length ({n})")
+                               f"length ({n})")  # its whole prompt, history included)
         return sp
 
     def prepare(self, obj: GenerateReqInput) -> "PreparedReq":
@@ -459,6 +491,7 @@ class TokenizerManager:
             rid=rid, input_ids=input_ids, sampling_params=sp, return_logprob=obj.return_logprob,
             logprob_start_len=obj.logprob_start_len, top_logprobs_num=obj.top_logprobs_num,
             token_ids_logprob=obj.token_ids_logprob, stream=obj.stream,
+            session_params=SessionParams(**obj.session_params) if obj.session_params is not None else None,
         ))
         if self.server_args.log_requests:
             logger.info("Request %s: %d input tokens, %s", rid, len(input_ids), sp)

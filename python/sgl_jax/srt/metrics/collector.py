@@ -13,7 +13,9 @@ What is measured where (SGLang's TokenizerMetricsCollector and SchedulerMetricsC
 - At scrape time, from the scheduler's internal state (`update_gauges`): ``sglang:num_running_reqs``,
   ``sglang:num_queue_reqs``, ``sglang:num_used_tokens``, ``sglang:max_total_num_tokens`` and
   ``sglang:token_usage`` = used / total KV tokens, where used = total - free - evictable (SGLang's
-  definition: cached prefixes that no request holds count as free). ``sglang:cache_hit_rate`` is the
+  definition: cached prefixes that no request holds count as free); ``sglang:num_streaming_sessions`` and
+  ``sglang:streaming_session_held_tokens`` (KV tokens streaming sessions hold between turns, SGLang's
+  names). ``sglang:cache_hit_rate`` is the
   fraction of the prompt tokens of finished requests that came from the prefix cache (cumulative; SGLang
   reports the last prefill batch's fraction, which jumps between 0 and 1 on a quiet server); it is set as
   requests finish.
@@ -97,6 +99,9 @@ class MetricsCollector:
                                           "Maximum total number of tokens in the KV cache pool.")
         self.token_usage = gauge("sglang:token_usage", "The token usage (fraction of the KV cache pool in use).")
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
+        self.num_streaming_sessions = gauge("sglang:num_streaming_sessions", "The number of open streaming sessions.")
+        self.streaming_session_held_tokens = gauge("sglang:streaming_session_held_tokens",
+                                                   "KV tokens held by streaming sessions between turns.")
 
     def observe_output(self, times: RequestTimes, completion_tokens: int, finished: bool, prompt_tokens: int = 0,
                        cached_tokens: int = 0, aborted: bool = False, now: Optional[float] = None) -> None:
@@ -138,7 +143,7 @@ class MetricsCollector:
     def update_gauges(self, internal_state: dict) -> None:
         """Set the gauges from the scheduler's internal state (``TokenizerManager.get_internal_state()``:
         ``kv_tokens_total``, ``kv_tokens_free``, ``kv_tokens_evictable``, ``num_running_reqs``,
-        ``num_waiting_reqs``; token counts in tokens)."""
+        ``num_waiting_reqs``, ``num_streaming_sessions``, ``kv_tokens_session_held``; token counts in tokens)."""
         total = internal_state["kv_tokens_total"]
         used = total - internal_state["kv_tokens_free"] - internal_state["kv_tokens_evictable"]
         self.num_running_reqs.set(internal_state["num_running_reqs"])
@@ -146,6 +151,8 @@ class MetricsCollector:
         self.num_used_tokens.set(used)
         self.max_total_num_tokens.set(total)
         self.token_usage.set(used / total if total > 0 else 0.0)
+        self.num_streaming_sessions.set(internal_state.get("num_streaming_sessions", 0))
+        self.streaming_session_held_tokens.set(internal_state.get("kv_tokens_session_held", 0))
 
     def render(self) -> bytes:
         """Every metric in the Prometheus text format (`METRICS_CONTENT_TYPE`)."""

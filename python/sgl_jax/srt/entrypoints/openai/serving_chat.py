@@ -20,6 +20,7 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     json_response,
     merge_streams,
     sampling_params_from,
+    session_params_of,
     sse,
     usage,
 )
@@ -129,6 +130,7 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
         return_text_in_logprobs=True,
         stream=req.stream,
         rid=f"{req.rid}-{k}" if req.rid else None,
+        session_params=session_params_of(req, req.n),
     )) for k in range(req.n)]
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())

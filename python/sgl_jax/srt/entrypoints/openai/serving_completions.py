@@ -17,6 +17,7 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     json_response,
     merge_streams,
     sampling_params_from,
+    session_params_of,
     sse,
     usage,
 )
@@ -98,6 +99,7 @@ def _objs(req: CompletionRequest, prompts, top_logprobs_cap: int) -> List[Genera
                 logprob_start_len=0 if (req.echo and req.logprobs is not None) else -1,
                 top_logprobs_num=req.logprobs or 0,
                 return_text_in_logprobs=True,
+                session_params=session_params_of(req, len(prompts) * per_prompt),
                 stream=req.stream,
                 rid=f"{req.rid}-{len(objs)}" if req.rid else None,
             ))

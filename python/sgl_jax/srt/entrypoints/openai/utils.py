@@ -41,6 +41,20 @@ def finish_reason_str(fr: Optional[dict]) -> Optional[str]:
     return fr.get("type")
 
 
+def session_params_of(req, num_sequences: int) -> Optional[dict]:
+    """The request's ``session_params`` (SGLang's extension) as the TokenizerManager takes them, or None.
+
+    Raises:
+        RequestError: 400 -- session_params with more than one sequence (n, best_of or several prompts): a
+            session's turn is one sequence.
+    """
+    if req.session_params is None:
+        return None
+    if num_sequences != 1:
+        raise RequestError(f"session_params applies to one sequence; this request asks for {num_sequences}")
+    return req.session_params.model_dump()
+
+
 def sampling_params_from(req, max_tokens: Optional[int], seed_offset: int = 0) -> dict:
     """Native sampling params from a validated OpenAI request (completions or chat; field types and ranges
     are checked by its pydantic model), as SGLang's ``to_sampling_params``: ``response_format`` json_object /
