@@ -202,6 +202,8 @@ class Req:
         self.extend_input_len = 0
         self.is_chunked = False
         self.penalty_slot = None
+        if not self.input_logprobs_sent:  # the prompt is prefilled again: its input logprobs are recomputed
+            self.input_token_logprobs = self.input_top_logprobs = self.input_token_ids_logprobs = None
         self.num_retractions += 1
 
     def check_finished(self, decode_tail: Callable[[List[int]], str]) -> None:
