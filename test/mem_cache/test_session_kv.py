@@ -8,7 +8,9 @@ held once; cache_protected_len page-aligned), and:
 - a finished turn's KV stays with the session (its slot too); the next turn's prefix is the whole committed
   history and cache_protected_len stays turn 1's tree prefix;
 - an aborted or retracted turn frees only its own KV: the session's lengths are as before, and with SWA
-  memory the window before the session's end still has live SWA KV (after decoding past several windows);
+  memory the window before the session's end still has live SWA KV (after decoding past several windows),
+  while the turn's own SWA KV past that window was released as it went (about two windows at most); between
+  turns a session holds about one window of SWA KV;
 - closing releases everything through release_kv_cache: free + cached == total, every slot free.
 """
 
@@ -99,6 +101,12 @@ class Sim:
         h = self.kv.holder
         return h.req_pool_idx, h.kv_committed_len, h.kv_allocated_len, h.cache_protected_len, h.last_node
 
+    def live_swa_pages(self, req) -> int:
+        """Pages of `req`'s own KV (past its cached prefix) that still have SWA KV."""
+        row = self.pool.req_to_token[req.req_pool_idx]
+        pages = row[req.cache_protected_len:req.kv_allocated_len:self.ps] // self.ps
+        return int(self.alloc.has_swa(pages).sum())
+
     def window_is_live(self) -> bool:
         """SWA KV of the positions the session's next query sees (its last W - 1 computed positions)."""
         h = self.kv.holder
@@ -140,6 +148,8 @@ def test_session_kv_turns_abort_retract_close(page_size, swa):
     t2 = sim.req(t1.fill_ids + list(range(600, 611)))
     assert sim.admit(t2) == t1.kv_committed_len  # the whole history but its last token
     sim.decode(t2, 4 * W + 3)
+    if swa:  # the turn's own SWA KV past the session's window is released as it decodes
+        assert sim.live_swa_pages(t2) <= 2 * -(-W // page_size) + 3
     t2.finished_reason = finish_abort("client went away")
     release_kv_cache(t2, sim.cache)
     assert sim.session_state() == before and t2.req_pool_idx is None
@@ -163,6 +173,9 @@ def test_session_kv_turns_abort_retract_close(page_size, swa):
     t2.finished_reason = FinishReason("length", length=len(t2.output_ids))
     release_kv_cache(t2, sim.cache)
     assert sim.kv.holder is t2 and t2.cache_protected_len == protected  # still turn 1's tree prefix
+    if swa:  # between turns the session keeps about one window of SWA KV
+        assert sim.live_swa_pages(t2) <= -(-W // page_size) + 2
+        assert sim.window_is_live()
     sim.check()
 
     # turn 3 reuses everything; close releases all of it through release_kv_cache

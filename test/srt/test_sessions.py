@@ -225,7 +225,11 @@ def test_abort_recovery(server):
 def test_streaming_refusals_leave_the_session_intact(p4_server):
     u = p4_server.url
     sid = open_session(u, streaming=True)
-    history = run_turns(u, sid, [13], 20, 4)
+    first = httpx.post(u + "/generate", timeout=60, json={  # turn 1 reuses nothing: input logprobs are fine
+        "input_ids": _ids(13, 20), "return_logprob": True, "logprob_start_len": 0, "session_params": {"id": sid},
+        "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}})
+    assert len(ok(first)["meta_info"]["input_token_logprobs"]) == 13
+    history = _ids(13, 20) + first.json()["output_ids"]
     before = session_entry(u, sid)
     for params, message in (({"offset": 3}, "offset"), ({"replace": True}, "replace"),
                             ({"drop_previous_output": True}, "drop_previous_output"),
@@ -251,7 +255,19 @@ def test_streaming_refusals_leave_the_session_intact(p4_server):
     assert first.status_code == 200
     assert session_entry(u, sid)["kv_committed_len"] == before["kv_committed_len"] + 1 + 6 + 64 - 1
     history += body["input_ids"] + first.json()["output_ids"]
-    run_turns(u, sid, [7], 26, 4, history)
+    history = run_turns(u, sid, [7], 26, 4, history)
+    # input logprobs of a turn's new tokens (from the history's length on) equal the stateless request's
+    history = run_turns(u, sid, [3], 28, 4, history)
+    new = _ids(9, 29)
+    lp_body = {"return_logprob": True, "logprob_start_len": len(history),
+               "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}
+    turn = ok(httpx.post(u + "/generate", timeout=60, json={**lp_body, "input_ids": new,
+                                                            "session_params": {"id": sid}}))
+    stateless = ok(httpx.post(u + "/generate", timeout=60, json={**lp_body, "input_ids": history + new}))
+    got = [e[0] for e in turn["meta_info"]["input_token_logprobs"]]
+    want = [e[0] for e in stateless["meta_info"]["input_token_logprobs"]]
+    assert len(got) == len(want) == len(new)
+    np.testing.assert_allclose(got, want, atol=2e-3)
     assert httpx.post(u + "/open_session", json={"capacity_of_str_len": 1, "session_id": sid}).status_code == 400
     r = httpx.post(u + "/flush_cache", timeout=60)
     assert r.status_code == 400 and "sessions hold KV" in r.text

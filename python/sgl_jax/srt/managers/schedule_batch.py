@@ -139,11 +139,13 @@ class Req:
         self.kv_released = False  # set by release_kv_cache; a second release is a no-op
         # streaming sessions (mem_cache/session_kv.py): the session's KV this turn extends (None: no session);
         # kv_private: positions past cache_protected_len stay the session's (never handed to the prefix
-        # cache); swa_keep_from: SWA release spares positions from here on (the session's window)
+        # cache); swa_keep: (lo, hi) page-aligned positions whose SWA KV SWA release spares while the turn runs
+        # (the session's window at the turn's start); swa_evicted_hi: positions [hi, swa_evicted_hi) freed
         self.session_kv = None
         self.dp_rank: Optional[int] = None  # the DP rank it must run on (its session's), None: any
         self.kv_private = False
-        self.swa_keep_from: Optional[int] = None
+        self.swa_keep: Optional[tuple] = None
+        self.swa_evicted_hi = 0
         self.prefix_indices = np.zeros(0, np.int32)  # matched prefix slots, written to the row at admission
         self.extend_input_len = 0  # tokens of the next extend (a chunk, or the whole uncached rest)
         self.is_chunked = False  # between two chunks of its prompt's prefill

@@ -54,7 +54,8 @@ def swa_held_pages(req: Req, page_size: int) -> int:
     if req.req_pool_idx is None:
         return 0
     start = max(req.swa_evicted_len, -(-req.cache_protected_len // page_size) * page_size)
-    return max(0, -(-req.kv_allocated_len // page_size) - start // page_size)
+    freed_above = max(0, req.swa_evicted_hi - req.swa_keep[1]) // page_size if req.swa_keep else 0
+    return max(0, -(-req.kv_allocated_len // page_size) - start // page_size - freed_above)
 
 
 def ratio_after_retract(running: List[Req]) -> float:
@@ -166,6 +167,8 @@ class PrefillAdder:
                 held = session.held_swa_tokens(self.ps) // self.ps if session is not None else 0
                 swa_need = max(0, self._swa_peak_pages(req, n) - held)
             fits = fits and (not self.swa_window or swa_need <= self.rem_swa_pages - swa_moved // self.ps)
+            if session is not None:  # its first extend's pages must be there now (its window is already held)
+                fits = fits and self.allocator.pages_needed(prefix, prefix + n) <= self._available_pages_now()
         except BaseException:  # never leave the prefix locked
             self.tree_cache.dec_lock_ref(match.last_node)
             raise

@@ -454,17 +454,16 @@ class Scheduler:
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num, token_ids_logprob=msg.token_ids_logprob, stream=msg.stream,
         )
-        if session is not None:
-            req.dp_rank = session.rank
-            session.register(req, parent, msg.session_params, self.abort_rid, self.tick_now)
         try:
-            if self.grammar_queue.needs_grammar(req):
-                return
+            waits_for_grammar = self.grammar_queue.needs_grammar(req)
         except ValueError as e:
-            req.finished_reason = finish_abort(str(e), 400)
             self._send_abort(msg.rid, str(e), 400)
             return
-        self.rank_for(req).enqueue(req)
+        if session is not None:  # (last: a refused request leaves its session as it was)
+            req.dp_rank = session.rank
+            session.register(req, parent, msg.session_params, self.abort_rid, self.tick_now)
+        if not waits_for_grammar:
+            self.rank_for(req).enqueue(req)
 
     def rank_for(self, req: Req) -> RankScheduler:
         """A new request's rank: its session's, else by --load-balance-method."""
@@ -485,9 +484,9 @@ class Scheduler:
             raise SessionError(f"logprob_start_len ({msg.logprob_start_len}) must be less than the turn's input "
                                f"length ({n}, with the session's history)")
         history = len(session.kv.history_ids()) if session.streaming else 0
-        if session.streaming and msg.return_logprob and 0 <= msg.logprob_start_len < history + 1:
+        if history and msg.return_logprob and 0 <= msg.logprob_start_len < history:
             raise SessionError(f"A streaming session's turn reuses its history's KV: input logprobs start at "
-                               f"logprob_start_len >= {history + 1} (the history has {history} tokens)")
+                               f"logprob_start_len >= {history} (the history's length)")
         sp = msg.sampling_params
         if sp.max_new_tokens is not None and n + sp.max_new_tokens > self.context_len:
             if not self.server_args.allow_auto_truncate:

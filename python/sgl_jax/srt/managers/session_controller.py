@@ -149,6 +149,9 @@ class Session:
                     abort(parent.req.rid, "Aborted: replaced by a new turn of its session")
                 for child in list(parent.children):
                     self._drop(child, abort)
+        for n in self.req_nodes.values():
+            if n.req.finished():
+                _slim(n.req)
         node = SessionReqNode(req, parent)
         if parent is not None:
             parent.children.append(node)
@@ -162,6 +165,14 @@ class Session:
         if node.parent is not None and node in node.parent.children:
             node.parent.children.remove(node)
         self.req_nodes.pop(node.req.rid, None)
+
+
+def _slim(req) -> None:
+    """Drop what a finished turn no longer needs (a later turn reads only its token ids)."""
+    req.prefix_indices = req.prefix_indices[:0]
+    req.grammar = None
+    req.input_token_logprobs = req.input_top_logprobs = req.input_token_ids_logprobs = None
+    req.output_token_logprobs, req.output_top_logprobs, req.output_token_ids_logprobs = [], [], []
 
 
 def _strip_bos(ids: List[int], bos_token_id: Optional[int]) -> List[int]:

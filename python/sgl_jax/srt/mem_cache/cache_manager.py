@@ -10,7 +10,7 @@ request until `cache_unfinished_req` / `cache_finished_req` hand them to the cac
 
 Fields read: ``fill_ids``, ``req_pool_idx``, ``kv_committed_len``, ``kv_allocated_len``,
 ``cache_protected_len``, ``last_node``, ``cacheable_len``, ``fixed_prefix``, ``prefix_indices``,
-``max_prefix_len()``, ``session_kv``, ``kv_private``, ``swa_keep_from``. Fields written: ``last_node``, ``cache_protected_len`` (and the request's row).
+``max_prefix_len()``, ``session_kv``, ``kv_private``, ``swa_keep``, ``swa_evicted_hi``. Fields written: ``last_node``, ``cache_protected_len`` (and the request's row).
 """
 
 from __future__ import annotations
@@ -128,7 +128,9 @@ def release_swa_out_of_window(req, req_to_token_pool, allocator, window: int) ->
 
     Args:
         req: a running `Req` (``req_pool_idx``, ``kv_committed_len``, ``cache_protected_len``,
-            ``swa_evicted_len``, updated here).
+            ``swa_evicted_len``, updated here; a streaming session's turn: ``swa_keep`` = (lo, hi), page-aligned
+            positions whose SWA KV stays -- the session's window, needed if the turn is aborted -- and
+            ``swa_evicted_hi``, how far the pages from ``hi`` on are freed).
         req_to_token_pool: the request-slot table; allocator: a `SWAPagedAllocator`.
         window: the model's sliding window in tokens.
     Returns:
@@ -137,13 +139,18 @@ def release_swa_out_of_window(req, req_to_token_pool, allocator, window: int) ->
     ps = allocator.page_size
     dead = req.kv_committed_len - window + 1
     end = max(0, (dead // ps - 1) * ps)  # whole pages before the one holding `dead`, less one page of slack
-    keep = getattr(req, "swa_keep_from", None)
-    if keep is not None:  # a session turn: the session's own window stays live until the turn completes
-        end = min(end, keep // ps * ps)
     start = max(req.swa_evicted_len, -(-req.cache_protected_len // ps) * ps)
-    if req.req_pool_idx is None or end <= start:
+    if req.req_pool_idx is None:
         return 0
     row = req_to_token_pool.req_to_token[req.req_pool_idx]
-    freed = allocator.free_swa(allocator.pages_of(row[start:], end - start))
-    req.swa_evicted_len = end
+    keep = getattr(req, "swa_keep", None)  # a session turn: pages [lo, hi) keep the session's window
+    freed, below = 0, end if keep is None else min(end, keep[0])
+    if below > start:
+        freed += allocator.free_swa(allocator.pages_of(row[start:], below - start))
+        req.swa_evicted_len = below
+    if keep is not None:
+        above = max(keep[1], req.swa_evicted_hi, start)
+        if end > above:
+            freed += allocator.free_swa(allocator.pages_of(row[above:], end - above))
+            req.swa_evicted_hi = end
     return freed

@@ -18,14 +18,17 @@ turn that has them.
 A turn that finishes normally becomes the new holder. A turn that is aborted, fails or is retracted hands the
 row back with only its own new KV freed (pages from ``ceil(holder.kv_committed_len)``), so the session is as
 it was before the turn. While a turn has the row, SWA release (``release_swa_out_of_window``) never frees SWA
-pages the session's last ``window`` tokens need (``Req.swa_keep_from``), so that hand-back is exact on
-sliding-window models too. Closing (or the timeout) releases the holder through `common.release_kv_cache`,
+pages of the session's last ``window`` tokens (``Req.swa_keep``; the turn's own pages past them are released
+as usual), so that hand-back is exact on sliding-window models too; when a turn completes, its SWA KV out
+of the window is released at once. Closing (or the timeout) releases the holder through `common.release_kv_cache`,
 the one release path: its computed prefix goes to the prefix cache like any finished request's.
 """
 
 from __future__ import annotations
 
 from typing import Optional
+
+from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
 
 KV_FIELDS = ("req_pool_idx", "kv_committed_len", "kv_allocated_len", "cache_protected_len", "last_node",
              "swa_evicted_len")
@@ -114,7 +117,10 @@ class SessionKV:
         h.req_pool_idx, h.last_node = None, None  # the holder keeps its lengths: the state to hand back to
         req.kv_private = True
         req.kv_released = False
-        req.swa_keep_from = max(0, n - self.window + 1) if self.window else None
+        if self.window:
+            lo = max(0, n - self.window + 1) // tree_cache.page_size * tree_cache.page_size
+            req.swa_keep = (lo, _ceil(n, tree_cache.page_size))
+            req.swa_evicted_hi = req.swa_keep[1]
         self.lent_to = req
         return n
 
@@ -129,6 +135,10 @@ class SessionKV:
         fr = req.finished_reason
         if is_insert and fr is not None and fr.type != "abort":
             trim_kv(req, tree_cache, req.kv_committed_len)
+            req.swa_keep, req.swa_evicted_hi = None, 0
+            if self.window:  # the turn's SWA KV out of the window (the protected pages included) goes now
+                release_swa_out_of_window(req, tree_cache.req_to_token_pool, tree_cache.allocator, self.window)
+            req.prefix_indices = req.prefix_indices[:0]  # (only the token ids and the KV fields matter now)
             if self.holder is not None and self.holder is not req:
                 self.holder.session_kv = None
             self.holder, self.lent_to = req, None
@@ -145,7 +155,7 @@ class SessionKV:
         req.kv_allocated_len = req.kv_committed_len = req.cache_protected_len = req.swa_evicted_len = 0
         req.kv_released = True
         req.kv_private = False
-        req.swa_keep_from = None
+        req.swa_keep, req.swa_evicted_hi = None, 0
         self.lent_to = None
         return True
 
