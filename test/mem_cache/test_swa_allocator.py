@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_jax.srt.managers.schedule_batch import Req
-from sgl_jax.srt.managers.schedule_policy import swa_held_pages
+from sgl_jax.srt.mem_cache.cache_manager import own_swa_pages
 from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator, split_hybrid_budget
@@ -89,7 +89,7 @@ def test_release_frees_only_what_left_the_window(page_size):
     assert freed == end and req.swa_evicted_len == end and alloc.swa_available_size() == before + end
     assert not alloc.has_swa(alloc.pages_of(row, end)).any()
     assert alloc.has_swa(alloc.pages_of(row[end:], 40 - end)).all()
-    assert swa_held_pages(req, page_size) == -(-40 // page_size) - end // page_size
+    assert own_swa_pages(req, page_size) == -(-40 // page_size) - end // page_size
     assert release_swa_out_of_window(req, pool, alloc, window) == 0  # nothing new left the window
     req.cache_protected_len = 40  # a prefix the cache owns is never freed by the request
     req.swa_evicted_len = 0

@@ -25,7 +25,6 @@ from sgl_jax.srt.entrypoints.native_protocol import (
     validation_message,
 )
 from sgl_jax.srt.managers.errors import RequestError
-from sgl_jax.srt.managers.io_struct import OpenSessionReqInput
 from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import configure_logging, kill_processes
@@ -230,8 +229,7 @@ class Engine:
         """
         body = _validated(OpenSessionRequest, {"capacity_of_str_len": capacity_of_str_len, "session_id": session_id,
                                                "streaming": streaming, "timeout": timeout})
-        return self._run(self.tokenizer_manager.open_session(OpenSessionReqInput(
-            body.capacity_of_str_len, body.session_id, bool(body.streaming), body.timeout)))
+        return self._run(self.tokenizer_manager.open_session(body.to_input()))
 
     def close_session(self, session_id: str) -> None:
         """Close a session, releasing what it holds (now, or when its running turn finishes).

@@ -51,7 +51,6 @@ from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest, Compl
 from sgl_jax.srt.entrypoints.openai.serving_chat import create_chat_completion
 from sgl_jax.srt.entrypoints.openai.serving_completions import create_completion, gather_or_cancel
 from sgl_jax.srt.entrypoints.openai.utils import SSE_DONE, json_response, merge_streams, openai_error, sse
-from sgl_jax.srt.managers.io_struct import OpenSessionReqInput
 from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 from sgl_jax.srt.metrics.collector import METRICS_CONTENT_TYPE
 from sgl_jax.srt.server_args import ServerArgs
@@ -264,9 +263,7 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
     async def open_session(req: OpenSessionRequest):
         """SGLang's /open_session: the body is the new session's id as a JSON string. 400: the id is taken,
         streaming without --enable-streaming-session, or no room for another streaming session."""
-        return json_response(await tm.open_session(OpenSessionReqInput(
-            capacity_of_str_len=req.capacity_of_str_len, session_id=req.session_id, streaming=bool(req.streaming),
-            timeout=req.timeout)))
+        return json_response(await tm.open_session(req.to_input()))
 
     @app.api_route("/close_session", methods=["GET", "POST"])
     async def close_session(req: CloseSessionRequest):

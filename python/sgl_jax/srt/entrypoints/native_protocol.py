@@ -40,6 +40,7 @@ from sgl_jax.srt.entrypoints.field_types import (
     marked_fields,
 )
 from sgl_jax.srt.managers.errors import RequestError
+from sgl_jax.srt.managers.io_struct import OpenSessionReqInput
 from sgl_jax.srt.managers.scoring import ALGORITHMS, ScoreReqInput
 from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
@@ -280,6 +281,9 @@ class OpenSessionRequest(NullMeansDefault, StrictModel):
     session_id: Optional[Rid] = None
     streaming: Optional[bool] = False
     timeout: Optional[Annotated[float, Field(gt=0)]] = None
+
+    def to_input(self) -> OpenSessionReqInput:
+        return OpenSessionReqInput(self.capacity_of_str_len, self.session_id, bool(self.streaming), self.timeout)
 
 
 class CloseSessionRequest(StrictModel):

@@ -308,7 +308,7 @@ class RankScheduler:
         if self.scoring.handles or self.scoring.groups:
             return
         holders = list(self.running_batch.reqs) + ([self.chunked_req] if self.chunked_req is not None else [])
-        holders += [s.kv.holder for s in self.sessions() if s.kv is not None and s.kv.has_kv()]
+        holders += [s.kv.holder for s in self.sessions() if s.holds_kv()]
         problems = check_kv_invariants(self.allocator, self.tree_cache, self.req_to_token_pool, holders)
         if problems:
             self.memory_errors += 1
@@ -460,7 +460,7 @@ class RankScheduler:
             "num_score_groups": len(self.scoring.groups),
             "num_sessions": len(self.sessions()),
             "num_streaming_sessions": sum(s.streaming for s in self.sessions()),
-            "req_slots_session_held": sum(s.kv is not None and s.kv.has_kv() for s in self.sessions()),
+            "req_slots_session_held": sum(s.holds_kv() for s in self.sessions()),
             "sessions": [session_state(s, self.allocator.page_size) for s in self.sessions()],
         })
         return state
@@ -479,7 +479,7 @@ class RankScheduler:
         acc = self.kv_accounting()
         free, evictable = self.allocator.available_size(), self.tree_cache.evictable_size()
         protected, held = self.tree_cache.protected_size(), acc["kv_tokens_session_held"]
-        held_slots = sum(s.kv is not None and s.kv.has_kv() for s in self.sessions())
+        held_slots = sum(s.holds_kv() for s in self.sessions())
         slots_ok = self.req_to_token_pool.available_size() + held_slots == self.req_to_token_pool.size
         swa_ok = not self.swa_window or (acc["swa_tokens_in_use"] == 0 and
                                          (acc["swa_tokens_protected"] == 0 or held_slots > 0))

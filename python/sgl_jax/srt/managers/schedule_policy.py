@@ -27,7 +27,7 @@ from typing import List, Optional
 
 from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sgl_jax.srt.mem_cache.cache_manager import match_req
+from sgl_jax.srt.mem_cache.cache_manager import match_req, own_swa_pages
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -47,15 +47,6 @@ def swa_peak_tokens(req: Req, window: int, interval: int, page_size: int, ratio:
     """Most SWA KV tokens `req` holds at once when its SWA KV is freed as it leaves the window: the window,
     one step's tokens and two pages of slack, or its whole (estimated) length if shorter."""
     return min(req.seqlen + future_tokens(req, ratio), window + interval + 2 * page_size)
-
-
-def swa_held_pages(req: Req, page_size: int) -> int:
-    """SWA pages a request owns now: its own KV pages (past the prefix cache's) not yet freed by SWA release."""
-    if req.req_pool_idx is None:
-        return 0
-    start = max(req.swa_evicted_len, -(-req.cache_protected_len // page_size) * page_size)
-    freed_above = max(0, req.swa_evicted_hi - req.swa_keep[1]) // page_size if req.swa_keep else 0
-    return max(0, -(-req.kv_allocated_len // page_size) - start // page_size - freed_above)
 
 
 def ratio_after_retract(running: List[Req]) -> float:
@@ -103,7 +94,7 @@ class PrefillAdder:
                           - sum(self._pages(future_tokens(r, self.ratio)) for r in running))
         if swa_window:
             self.rem_swa_pages = allocator.swa_available_pages() + tree_cache.swa_evictable_size() // self.ps - sum(
-                max(0, self._swa_peak_pages(r, 1) - swa_held_pages(r, self.ps)) for r in running)
+                max(0, self._swa_peak_pages(r, 1) - own_swa_pages(r, self.ps)) for r in running)
         self.can_run: List[Req] = []
         self.num_tokens = 0
         self.new_chunked_req: Optional[Req] = None  # a request cut to a chunk in this batch
@@ -143,7 +134,7 @@ class PrefillAdder:
         if n == 0 or pages > available_now or not self._fits_bucket(n):
             return False
         if self.swa_window:
-            self.rem_swa_pages -= max(0, self._swa_peak_pages(req, n) - swa_held_pages(req, self.ps))
+            self.rem_swa_pages -= max(0, self._swa_peak_pages(req, n) - own_swa_pages(req, self.ps))
         self._accept(req, n, remaining)
         return True
 

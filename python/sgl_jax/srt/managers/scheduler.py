@@ -552,7 +552,7 @@ class Scheduler:
         if any(rank.holds_work() for rank in self.ranks) or self.grammar_queue:
             return FlushCacheReqOutput(False, "Cannot flush the cache while requests are running or waiting "
                                               "or scoring-cache handles are held")
-        if any(s.kv is not None and s.kv.has_kv() for s in self.sessions.sessions.values()):
+        if any(s.holds_kv() for s in self.sessions.sessions.values()):
             return FlushCacheReqOutput(False, "Cannot flush the cache while streaming sessions hold KV; close "
                                               "them first")
         for rank in self.ranks:

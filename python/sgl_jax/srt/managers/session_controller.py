@@ -77,6 +77,10 @@ class Session:
         self.kv: Optional[SessionKV] = SessionKV(window) if streaming else None
         self.turn = None  # streaming: the latest turn created (running until it finishes)
 
+    def holds_kv(self) -> bool:
+        """A streaming session holding its request slot and KV now (between turns)."""
+        return self.kv is not None and self.kv.has_kv()
+
     def busy(self) -> bool:
         """A turn of the session is queued or running."""
         if self.streaming:

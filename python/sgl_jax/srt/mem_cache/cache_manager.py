@@ -117,6 +117,17 @@ def cache_finished_req(req, tree_cache: BasePrefixCache, is_insert: bool = True)
     req.last_node = None
 
 
+def own_swa_pages(req, page_size: int) -> int:
+    """SWA pages `req` owns now: its own KV pages (past the prefix cache's) not yet freed by SWA release
+    (below ``swa_evicted_len``, and for a session's turn above its kept window up to ``swa_evicted_hi``)."""
+    if req.req_pool_idx is None:
+        return 0
+    start = max(req.swa_evicted_len, -(-req.cache_protected_len // page_size) * page_size)
+    keep = getattr(req, "swa_keep", None)
+    freed_above = max(0, req.swa_evicted_hi - keep[1]) // page_size if keep else 0
+    return max(0, -(-req.kv_allocated_len // page_size) - start // page_size - freed_above)
+
+
 def release_swa_out_of_window(req, req_to_token_pool, allocator, window: int) -> int:
     """Free the SWA pages of `req`'s own KV that no future query of it can see (hybrid SWA memory).
 

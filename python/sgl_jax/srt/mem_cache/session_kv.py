@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
+from sgl_jax.srt.mem_cache.cache_manager import own_swa_pages, release_swa_out_of_window
 
 KV_FIELDS = ("req_pool_idx", "kv_committed_len", "kv_allocated_len", "cache_protected_len", "last_node",
              "swa_evicted_len")
@@ -93,11 +93,7 @@ class SessionKV:
 
     def held_swa_tokens(self, page_size: int) -> int:
         """SWA-pool tokens the session owns while no turn has them (its own pages not yet SWA-released)."""
-        if not self.has_kv():
-            return 0
-        h = self.holder
-        start = max(h.swa_evicted_len, _ceil(h.cache_protected_len, page_size))
-        return max(0, _ceil(h.kv_allocated_len, page_size) - start // page_size * page_size)
+        return own_swa_pages(self.holder, page_size) * page_size if self.has_kv() else 0
 
     # ------------------------------------------------------------ turns
     def lend(self, req, tree_cache) -> int:
