@@ -394,6 +394,18 @@ def test_streaming_needs_the_flag_and_engine_sessions(hardened_server, shared_en
     r = httpx.post(hardened_server.url + "/open_session", json={"capacity_of_str_len": 10, "streaming": True},
                    headers=h, timeout=60)
     assert r.status_code == 400 and "--enable-streaming-session" in r.json()["error"]["message"]
+    for path, body, field in (
+            ("/generate", {"text": "a", "session_params": {"id": 5}}, "session_params.id"),
+            ("/generate", {"text": "a", "session_params": {"id": "s", "offset": "3"}}, "session_params.offset"),
+            ("/generate", {"text": "a", "session_params": {"id": "s", "offset": 2**31}}, "session_params.offset"),
+            ("/generate", {"text": "a", "session_params": {"id": "s", "other": 1}}, "session_params.other"),
+            ("/generate", {"text": "a", "session_params": {"rid": "r"}}, "session_params.id"),
+            ("/open_session", {"capacity_of_str_len": -1}, "capacity_of_str_len"),
+            ("/open_session", {"capacity_of_str_len": 1, "timeout": 0}, "timeout"),
+            ("/open_session", {"capacity_of_str_len": 1, "session_id": "a/b"}, "session_id"),
+            ("/close_session", {}, "session_id")):
+        r = httpx.post(hardened_server.url + path, json=body, headers=h, timeout=60)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (path, body, r.text)
     with pytest.raises(RequestError, match="enable-streaming-session"):
         shared_engine.open_session(100, streaming=True)
     sid = shared_engine.open_session(100, session_id="engine-session")
