@@ -130,13 +130,14 @@ class ServerProcess:
     """
 
     def __init__(self, extra_args: Optional[List[str]] = None, env: Optional[dict] = None,
-                 timeout: float = 900.0, engine_args: Optional[dict] = None):
+                 timeout: float = 900.0, engine_args: Optional[dict] = None, start_new_session: bool = False):
         self.port = find_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sgl_jax_server_", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "sgl_jax.launch_server", "--host", "127.0.0.1", "--port", str(self.port),
                *engine_cli_args(engine_args), *(extra_args or [])]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=server_env(env))
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=server_env(env),
+                                     start_new_session=start_new_session)  # (own process group: killpg)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

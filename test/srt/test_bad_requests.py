@@ -245,7 +245,7 @@ def test_keys_content_type_and_no_paths(hardened_server):
     schema = httpx.get(url + "/openapi.json", headers=AUTH, timeout=30).json()["components"]["schemas"]
     top_k = schema["SamplingParamsRequest"]["properties"]["top_k"]
     assert top_k["minimum"] == -1 and top_k["maximum"] == 2**31 - 1  # the document states each range
-    assert schema["CompletionRequest"]["properties"]["n"]["maximum"] == 128
+    assert schema["CompletionRequest"]["properties"]["n"]["maximum"] == 4096  # the ceiling of --max-n
     assert_still_serving(hardened_server)
 
 

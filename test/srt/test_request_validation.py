@@ -81,7 +81,7 @@ def test_kv_pool_limit_gives_413():
     info = {**INFO, "max_req_input_len": 511}
     tm = TokenizerManager(ServerArgs(), PortArgs.init_new(), info)
     e = err(tm, input_ids=[1] * 200)
-    assert e.status_code == 413 and "KV cache" in e.message
+    assert e.status_code == 413 and "needs 201 KV tokens" in e.message and "KV pool holds 100 tokens" in e.message
 
 
 @pytest.mark.parametrize("sp,fragment", [
@@ -102,7 +102,7 @@ def test_kv_pool_limit_gives_413():
     ({"temperature": float("inf")}, "sampling_params.temperature"),
     ({"temperature": 1e308}, "sampling_params.temperature: Input should be less than or equal to"),
     ({"top_p": -0.0}, "sampling_params.top_p"), ({"max_new_tokens": True}, "sampling_params.max_new_tokens"),
-    ({"n": 0}, "sampling_params.n"), ({"n": 129}, "sampling_params.n"), ({"min_new_tokens": 1.0}, "min_new_tokens"),
+    ({"n": 0}, "sampling_params.n"), ({"n": 4097}, "sampling_params.n"), ({"min_new_tokens": 1.0}, "min_new_tokens"),
     ({"stop_token_ids": [-1]}, "sampling_params.stop_token_ids.0"),
     ({"max_new_tokens": 600}, "exceeds the model's maximum context length of 512 tokens"),
 ])
@@ -322,7 +322,7 @@ def test_reduce_seed_keeps_small_seeds_and_hashes_the_rest():
     (CompletionRequest, {"prompt": "hi", "n": 0}, "n: Input should be greater than or equal to 1"),
     (CompletionRequest, {"prompt": "hi", "n": -1}, "n: Input should be greater than or equal to 1"),
     (CompletionRequest, {"prompt": "hi", "n": False}, "n: Input should be a valid integer"),
-    (CompletionRequest, {"prompt": "hi", "n": 129}, "n: Input should be less than or equal to 128"),
+    (CompletionRequest, {"prompt": "hi", "n": 4097}, "n: Input should be less than or equal to 4096"),
     (CompletionRequest, {"prompt": "hi", "seed": 2**64}, "seed"),
     (CompletionRequest, {"prompt": "hi", "max_tokens": 2**31}, "max_tokens"),
     (CompletionRequest, {"prompt": [1, -3]}, "prompt"),

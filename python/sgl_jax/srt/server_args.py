@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import tempfile
-import uuid
 from typing import List, Optional
 
 from sgl_jax.srt.model_loader.chat_templates import BUILTIN_CHAT_TEMPLATES, resolve_chat_template
@@ -60,6 +60,9 @@ class ServerArgs:
     max_top_logprobs_num: int = 20
     allow_auto_truncate: bool = False
     enable_metrics: bool = False
+    max_queued_requests: Optional[int] = None
+    max_n: int = 128
+    graceful_shutdown_timeout: float = 30.0
 
     # Structured output and tool calls
     grammar_backend: str = "llguidance"
@@ -158,6 +161,13 @@ class ServerArgs:
         self._check_positive("stream_interval")
         self._check_positive("max_request_body_bytes")
         self._check_positive("max_top_logprobs_num")
+        self._check_positive("max_n")
+        if self.max_queued_requests is not None:
+            self._check_positive("max_queued_requests")
+        for name in ("graceful_shutdown_timeout", "watchdog_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+                raise ValueError(f"--{_flag(name)} must be a finite number of seconds >= 0, got {value!r}")
         for name in ("api_key", "admin_api_key"):
             if getattr(self, name) is not None and not getattr(self, name):
                 raise ValueError(f"--{_flag(name)} must not be empty")
@@ -257,6 +267,15 @@ class ServerArgs:
                                f"{list(GRAMMAR_BACKENDS)}; none: such requests answer 400",
             "tool_call_parser": f"how tool calls are read from chat output, one of {list(TOOL_CALL_PARSERS)}; "
                                 "default: from the model's architecture",
+            "max_queued_requests": "most requests waiting to run (server-wide; a request's n / best_of / batch "
+                                   "fan-out counts as that many); beyond it new requests get 503 with Retry-After "
+                                   "(SGLang's flag; default: no limit)",
+            "max_n": "most sequences one request may ask for: OpenAI's n and best_of, /generate's sampling "
+                     "n (OpenAI's limit: 128)",
+            "graceful_shutdown_timeout": "seconds SIGTERM/SIGINT lets running requests finish (new ones get 503) "
+                                         "before the rest are aborted; a second signal exits at once",
+            "watchdog_timeout": "seconds one scheduler step (a forward of one batch) may take before the "
+                                "watchdog declares the scheduler stuck and takes the server down (0: off)",
             "max_top_logprobs_num": "most top logprobs per token a request may ask for (top_logprobs_num, OpenAI "
                                     "top_logprobs and logprobs)",
         }
@@ -302,22 +321,57 @@ def prepare_server_args(argv: List[str]) -> ServerArgs:
 
 @dataclasses.dataclass
 class PortArgs:
-    """ZMQ IPC endpoints between the three processes.
+    """ZMQ IPC endpoints between the three processes, in a private directory of this run.
 
     tokenizer_ipc_name: scheduler and detokenizer -> TokenizerManager (PUSH -> PULL).
     scheduler_input_ipc_name: TokenizerManager -> Scheduler.
     detokenizer_ipc_name: Scheduler -> DetokenizerManager.
+    ipc_dir: the directory holding the three socket files (mode 0700: the sockets carry pickled objects, so
+        no other user may connect); `cleanup` removes it, on every exit path of the server and the Engine.
     """
 
     tokenizer_ipc_name: str
     scheduler_input_ipc_name: str
     detokenizer_ipc_name: str
+    ipc_dir: Optional[str] = None
 
     @staticmethod
     def init_new() -> "PortArgs":
-        base = os.path.join(tempfile.gettempdir(), f"sgl_jax_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+        """New endpoints in a new private directory under the temp directory (``tempfile.mkdtemp``: 0700,
+        named after this process's pid; directories left by a process that is gone -- SIGKILL allows no
+        clean-up -- are removed first)."""
+        remove_stale_ipc_dirs()
+        ipc_dir = tempfile.mkdtemp(prefix=f"sgl_jax_ipc_{os.getpid()}_")
         return PortArgs(
-            tokenizer_ipc_name=f"ipc://{base}_tokenizer",
-            scheduler_input_ipc_name=f"ipc://{base}_scheduler",
-            detokenizer_ipc_name=f"ipc://{base}_detokenizer",
+            tokenizer_ipc_name=f"ipc://{ipc_dir}/tokenizer",
+            scheduler_input_ipc_name=f"ipc://{ipc_dir}/scheduler",
+            detokenizer_ipc_name=f"ipc://{ipc_dir}/detokenizer",
+            ipc_dir=ipc_dir,
         )
+
+    def cleanup(self) -> None:
+        """Remove the socket directory (idempotent; the processes may still hold the sockets open)."""
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def remove_stale_ipc_dirs() -> None:
+    """Remove this user's ``sgl_jax_ipc_<pid>_*`` directories whose process no longer exists."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("_")
+        if not name.startswith("sgl_jax_ipc_") or len(parts) < 5 or not parts[3].isdigit():
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(parts[3]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # (PermissionError: a live process of another user)
+            continue

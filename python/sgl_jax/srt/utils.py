@@ -38,15 +38,26 @@ def configure_logging(level: str, process_name: str) -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
+STOP_SIGNAL = signal.SIGUSR1  # how the server process stops its engine children (kill_processes)
+
+
 def prepare_child_process(parent_pid: int) -> None:
-    """Signal handling for an engine child process.
+    """Signal handling for an engine child process (scheduler, detokenizer).
 
     - exit when the parent dies (Linux PR_SET_PDEATHSIG, plus a polling fallback);
-    - ignore SIGINT: Ctrl-C reaches the whole process group, and stopping children is the parent's job;
-    - exit cleanly on SIGTERM (the parent's stop), so that finalizers run.
+    - ignore SIGINT and SIGTERM: Ctrl-C and ``kill -TERM -<pgid>`` reach the whole process group, and the
+      server process drains running requests first (entrypoints/shutdown.py), which needs its children;
+      stopping them is its job (one log line says so);
+    - exit cleanly (status 0, finalizers run) on `STOP_SIGNAL`, the server process's stop.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    def on_term(*_):
+        logging.getLogger(__name__).info("SIGTERM ignored: the server process (pid %d) drains requests and stops "
+                                         "this one", parent_pid)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(STOP_SIGNAL, lambda *_: sys.exit(0))
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -65,10 +76,13 @@ def prepare_child_process(parent_pid: int) -> None:
 
 
 def kill_processes(processes, timeout: float = 5.0) -> None:
-    """Terminate (then kill) multiprocessing children and reap them."""
+    """Stop multiprocessing children (`STOP_SIGNAL`, then SIGKILL after `timeout` seconds) and reap them."""
     for p in processes:
         if p.is_alive():
-            p.terminate()
+            try:
+                os.kill(p.pid, STOP_SIGNAL)
+            except ProcessLookupError:
+                pass
     deadline = time.time() + timeout
     for p in processes:
         p.join(max(0.0, deadline - time.time()))

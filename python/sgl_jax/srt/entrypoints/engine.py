@@ -78,7 +78,9 @@ class Engine:
         self._thread.start()
         self._procs = []
         self._closed = False
+        self._port_args = None
         port_args, self.scheduler_info, self._procs = launch_subprocesses(self.server_args)
+        self._port_args = port_args
         try:
             self.tokenizer_manager: TokenizerManager = self._run(self._create_tm(port_args))
         except BaseException:
@@ -247,6 +249,8 @@ class Engine:
         if getattr(self, "_watcher", None) is not None:
             self._watcher.stop()
         kill_processes(self._procs)
+        if getattr(self, "_port_args", None) is not None:
+            self._port_args.cleanup()
         tm = getattr(self, "tokenizer_manager", None)
         if tm is not None and self._thread.is_alive():
             self._run(tm.close())

@@ -26,7 +26,7 @@ INT32_MIN = -(2**31)
 FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
 SEED_MIN = -(2**63)  # int64 (OpenAI, vLLM) ...
 SEED_MAX = 2**64 - 1  # ... and uint64 (SGLang) seeds are both accepted
-MAX_N = 128  # OpenAI's limit on `n`
+MAX_N = 4096  # the most --max-n may allow (its default is OpenAI's limit, 128; the server checks its own)
 RID_MAX_LEN = 256
 
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]

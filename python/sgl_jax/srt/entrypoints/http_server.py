@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from typing import List, Optional, Union
@@ -50,7 +49,14 @@ from sgl_jax.srt.entrypoints.native_protocol import (
 from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sgl_jax.srt.entrypoints.openai.serving_chat import create_chat_completion
 from sgl_jax.srt.entrypoints.openai.serving_completions import create_completion, gather_or_cancel
-from sgl_jax.srt.entrypoints.openai.utils import SSE_DONE, json_response, merge_streams, openai_error, sse
+from sgl_jax.srt.entrypoints.openai.utils import (
+    SSE_DONE,
+    check_n,
+    json_response,
+    merge_streams,
+    openai_error,
+    sse,
+)
 from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 from sgl_jax.srt.metrics.collector import METRICS_CONTENT_TYPE
 from sgl_jax.srt.server_args import ServerArgs
@@ -186,7 +192,10 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
 
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError):
-        return _error_for(request, exc.message, exc.status_code)
+        response = _error_for(request, exc.message, exc.status_code)
+        if exc.retry_after_s:  # 503 while overloaded or shutting down (RFC 9110 Retry-After, seconds)
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
@@ -197,6 +206,8 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
     async def health():
         if tm.dead_reason is not None:
             return Response(f"unhealthy: {tm.dead_reason}", status_code=503)
+        if tm.draining is not None:  # (so that load balancers stop sending work here)
+            return Response(f"shutting down: {tm.draining}", status_code=503)
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -230,7 +241,7 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
         state = await tm.get_internal_state()  # internal_states: one entry per DP rank (SGLang's shape)
         return json_response({**public_server_args(server_args, tm.served_model_name),
                               "scheduler_info": scheduler_info, "internal_states": state["dp_ranks"],
-                              "version": __version__})
+                              "version": __version__, **admission_state(tm, state)})
 
     @app.get("/get_load")
     async def get_load():
@@ -298,22 +309,26 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
     # ---------------------------------------------------------------- native generation
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(req: GenerateRequest, request: Request):
+        check_n("sampling_params.n", req.samples_per_prompt(), tm.server_args.max_n)
         objs = req.to_inputs()
         batch = isinstance(objs, list)
         items = objs if batch else [objs]
+        tm.check_admission(len(items))  # the whole fan-out (batch x n), before tokenizing
         for o in items:  # refuse a taken rid before any prompt of the batch starts
             if o.rid is not None:
                 tm.reserve_rid(o.rid)
         prepared = [await tm.prepare_async(o) for o in items]
+        tm.check_admission(len(items), reserve=True)
         if not items[0].stream:
-            results = await until_disconnect(request, gather_or_cancel(tm.generate(p) for p in prepared))
+            results = await until_disconnect(request, gather_or_cancel(tm.generate(p, admitted=True)
+                                                                       for p in prepared))
             if results is None:
                 return Response(status_code=499)
             return json_response(results if batch else results[0])
 
         async def stream():
             try:
-                async for i, r in merge_streams([tm.generate_request(p) for p in prepared]):
+                async for i, r in merge_streams([tm.generate_request(p, admitted=True) for p in prepared]):
                     if batch:
                         r = {**r, "index": i}
                     yield sse(r)
@@ -350,6 +365,15 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
     return app
 
 
+def admission_state(tm: TokenizerManager, state: dict) -> dict:
+    """/get_server_info's view of admission: requests queued (waiting in the scheduler, all ranks), in flight
+    (sent, not finished), refused because the queue was full (since start), the queue's capacity
+    (--max-queued-requests; None: unbounded) and whether the server is draining (shutting down)."""
+    return {"num_queued_reqs": state["num_waiting_reqs"], "num_in_flight_reqs": tm.num_in_flight(),
+            "num_rejected_reqs": tm.num_rejected_reqs, "queue_capacity": tm.queue_capacity(),
+            "draining": tm.draining is not None}
+
+
 async def until_disconnect(request: Request, coro, poll_s: float = 0.25) -> Optional[object]:
     """Await `coro`, cancelling it (which aborts its work in the scheduler) if the client disconnects
     first; returns None then (SGLang checks ``request.is_disconnected()`` the same way)."""
@@ -369,11 +393,13 @@ async def until_disconnect(request: Request, coro, poll_s: float = 0.25) -> Opti
 
 
 def launch_server(server_args: ServerArgs) -> None:
-    """Start the engine processes and serve HTTP until interrupted. Exits the process non-zero if a
-    child process dies."""
+    """Start the engine processes and serve HTTP until a signal: SIGTERM/SIGINT drain running requests (up to
+    --graceful-shutdown-timeout s; entrypoints/shutdown.py), then the processes stop and the exit status is 0.
+    Exits non-zero (within ~1 s, every process gone) if a child process dies."""
     import uvicorn
 
     from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_subprocesses
+    from sgl_jax.srt.entrypoints.shutdown import DrainingServer
     from sgl_jax.srt.utils import configure_logging, kill_processes
 
     if server_args.node_rank > 0:  # a multi-host follower: only a scheduler, fed by node 0
@@ -385,6 +411,7 @@ def launch_server(server_args: ServerArgs) -> None:
     port_args, info, procs = launch_subprocesses(server_args)
     tm = TokenizerManager(server_args, port_args, info)
     app = build_app(tm, server_args, info)
+
     def on_death(name: str, exitcode: int) -> None:
         logger.error("%s exited unexpectedly with code %s; shutting the server down", name, exitcode)
         if tm.loop is not None:
@@ -392,22 +419,33 @@ def launch_server(server_args: ServerArgs) -> None:
 
         def finish():
             kill_processes(procs)
+            port_args.cleanup()
             logging.shutdown()
             os._exit(1)
 
         threading.Timer(1.0, finish).start()
 
+    def exit_now(sig, _frame) -> None:  # a signal while the processes are being stopped: do not wait
+        logger.info("%s received while stopping: exiting now", signal.Signals(sig).name)
+        kill_processes(procs, timeout=0.0)
+        port_args.cleanup()
+        logging.shutdown()
+        os._exit(0)
+
     watcher = ChildWatcher(procs, on_death)
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the previous
-    # handler: make that a clean exit so the children are stopped below and the status is 0.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     logger.info("Serving %s on http://%s:%d", tm.served_model_name, server_args.host, server_args.port)
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level="warning",
+                            timeout_keep_alive=5, loop="uvloop", timeout_graceful_shutdown=5)
+    server = DrainingServer(config, tm, server_args.graceful_shutdown_timeout)
     try:
-        uvicorn.run(app, host=server_args.host, port=server_args.port, log_level="warning",
-                    timeout_keep_alive=5, loop="uvloop")
+        server.run()  # (uvicorn installs the drain's SIGTERM/SIGINT handlers while it serves)
     except KeyboardInterrupt:
         pass
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, exit_now)
         watcher.stop()
         kill_processes(procs)
-        logger.info("Server stopped")
+        port_args.cleanup()
+        logger.info("Server stopped: engine processes %s", "stopped" if not any(p.is_alive() for p in procs)
+                    else "still running")

@@ -36,6 +36,7 @@ def _detokenizer_main(*args) -> None:
 
 def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, dict, List[mp.Process]]:
     """Start scheduler + detokenizer; return (port_args, scheduler_info, processes) once the scheduler is ready.
+    The caller stops the processes (utils.kill_processes) and removes ``port_args.ipc_dir`` (`PortArgs.cleanup`).
 
     Raises:
         RuntimeError: a child failed during start-up (the message carries its traceback).
@@ -58,6 +59,7 @@ def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, dict, List[m
         info = _wait_ready(reader, procs)
     except BaseException:
         kill_processes(procs)
+        port_args.cleanup()
         raise
     logger.info("Scheduler ready: %s", {k: info[k] for k in ("max_total_tokens", "max_running_requests",
                                                              "context_len")})

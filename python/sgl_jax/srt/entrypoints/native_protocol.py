@@ -219,6 +219,14 @@ class GenerateRequest(NullMeansDefault, SGLangSharedFields, StrictModel):
         return [self._one(p if self.text is not None else None, p if self.input_ids is not None else None, i,
                           len(prompts), j, n) for i, p in enumerate(prompts) for j in range(n)]
 
+    def samples_per_prompt(self) -> int:
+        """Sequences per prompt (sampling_params.n; every prompt of a batch must ask for the same n).
+
+        Raises:
+            RequestError: prompts of a batch ask for different n.
+        """
+        return self._samples_per_prompt()
+
     def _samples_per_prompt(self) -> int:
         sp = self.sampling_params
         ns = {s.n for s in sp} if isinstance(sp, list) else {1 if sp is None else sp.n}

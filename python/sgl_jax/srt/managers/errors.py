@@ -4,7 +4,8 @@
 class RequestError(Exception):
     """A request the server refuses: `status_code` is the HTTP status (400 invalid, 413 too large, 503 down)."""
 
-    def __init__(self, message: str, status_code: int = 400):
+    def __init__(self, message: str, status_code: int = 400, retry_after_s: int = 0):
         super().__init__(message)
         self.message = message
         self.status_code = status_code
+        self.retry_after_s = retry_after_s  # > 0: the HTTP answer carries ``Retry-After`` (503 when overloaded)

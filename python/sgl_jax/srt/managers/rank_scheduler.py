@@ -21,7 +21,9 @@ import time
 from typing import Callable, List, Optional
 
 from sgl_jax.srt.managers import fault_injection
+from sgl_jax.srt.managers.errors import RequestError
 from sgl_jax.srt.managers.io_struct import AbortReq, ScorePrefillReq, ScoreReleaseReq, TokenizedScoreReqInput
+from sgl_jax.srt.managers.preflight import KVLimits, check_fits
 from sgl_jax.srt.managers.schedule_batch import FinishReason, Req, ScheduleBatch, finish_abort
 from sgl_jax.srt.managers.schedule_policy import (
     INIT_NEW_TOKEN_RATIO,
@@ -140,15 +142,19 @@ class RankScheduler:
     def enqueue(self, req: Req) -> None:
         self.waiting_queue.append(req)
 
-    def handle_score_request(self, msg: TokenizedScoreReqInput, max_req_input_len: int) -> None:
+    def handle_score_request(self, msg: TokenizedScoreReqInput, limits: KVLimits) -> None:
         """Queue the sequences of a score request (see scheduler_scoring)."""
-        self.waiting_queue.extend(self.scoring.handle_score_request(msg, max_req_input_len, self.allocator.size))
+        self.waiting_queue.extend(self.scoring.handle_score_request(msg, limits))
 
-    def handle_score_prefill(self, msg: ScorePrefillReq, max_req_input_len: int) -> None:
+    def handle_score_prefill(self, msg: ScorePrefillReq, limits: KVLimits) -> None:
+        """Queue a scoring-cache query's prefill; 400 for an empty query, 413 when it cannot fit (preflight)."""
         n = len(msg.input_ids)
-        if n == 0 or n > max_req_input_len or n + 1 > self.allocator.size:
-            self.scoring.fail(msg.rid, f"query of {n} tokens is outside [1, {max_req_input_len}] or does "
-                                       f"not fit the KV cache", 400)
+        try:
+            if n == 0:
+                raise RequestError("the scoring query is empty")
+            check_fits(limits, n, what="the scoring query")
+        except RequestError as e:
+            self.scoring.fail(msg.rid, e.message, e.status_code)
             return
         self.waiting_queue.append(self.scoring.handle_prefill_request(msg))
 

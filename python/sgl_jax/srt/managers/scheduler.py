@@ -34,6 +34,7 @@ import zmq
 from sgl_jax.srt.configs.model_config import ModelConfig, load_tokenizer
 from sgl_jax.srt.constrained.grammar_backend import GrammarBackend
 from sgl_jax.srt.managers import fault_injection
+from sgl_jax.srt.managers.errors import RequestError
 from sgl_jax.srt.managers.grammar_queue import GrammarQueue
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
@@ -55,11 +56,13 @@ from sgl_jax.srt.managers.io_struct import (
 )
 from sgl_jax.srt.managers.load_balance import choose_rank
 from sgl_jax.srt.managers.node_link import NodeLink, SchedulerTick
+from sgl_jax.srt.managers.preflight import KVLimits, check_fits
 from sgl_jax.srt.managers.rank_scheduler import RankScheduler
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort, step_shape
 from sgl_jax.srt.managers.scheduler_output import token_out
 from sgl_jax.srt.managers.scheduler_scoring import SchedulerScoring
 from sgl_jax.srt.managers.session_controller import Session, SessionController, SessionError
+from sgl_jax.srt.managers.watchdog import StepWatchdog
 from sgl_jax.srt.mem_cache import create_prefix_cache
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
@@ -75,6 +78,10 @@ IDLE_POLL_MS = 1000
 GRAMMAR_POLL_MS = 2  # while only grammars compile: how long the loop waits for input before checking them
 # Test hook: raise inside the scheduler loop at this forward step (checks crash reporting end to end).
 CRASH_AT_STEP_ENV = "SGL_JAX_TEST_CRASH_AT_STEP"
+# Test hook: sleep (hang) inside the scheduler loop's step at this forward step (checks the watchdog).
+HANG_AT_STEP_ENV = "SGL_JAX_TEST_HANG_AT_STEP"
+# Test hook: add this many seconds to every step (a slow device: the watchdog must time steps, not requests).
+STEP_DELAY_ENV = "SGL_JAX_TEST_STEP_DELAY_S"
 # Test hook: when "1", retract the latest half of the running requests every few decode steps
 # (SGLang's SGLANG_TEST_RETRACT is accepted too).
 TEST_RETRACT_ENV = "SGL_JAX_TEST_RETRACT"
@@ -185,6 +192,7 @@ class Scheduler:
         test_retract = "1" in (os.environ.get(TEST_RETRACT_ENV), os.environ.get("SGLANG_TEST_RETRACT"))
         self.ranks: List[RankScheduler] = [self._new_rank(r, test_retract) for r in range(self.dp_size)]
         self.kv_size = self.ranks[0].allocator.size  # tokens of KV per rank
+        self.kv_limits = KVLimits(self.context_len, self.max_req_input_len, self.kv_size, self.page_size)
         runner = self.model_runner
         if self.dp_size > 1:
             logger.info("%d data-parallel attention ranks (--load-balance-method %s), %d KV tokens and %d request "
@@ -239,6 +247,7 @@ class Scheduler:
             "max_prefill_tokens": self.max_prefill_tokens,
             "max_req_input_len": self.max_req_input_len,
             "context_len": self.context_len,
+            "page_size": self.page_size,
             "chunked_prefill_size": self.chunk_size or -1,
             "radix_cache": type(self.ranks[0].tree_cache).__name__ == "RadixCache",
             "vocab_size": self.model_config.vocab_size,
@@ -252,7 +261,12 @@ class Scheduler:
 
     # ------------------------------------------------------------ loop
     def event_loop(self) -> None:
+        """Serve forever: take inputs, schedule, run one step per iteration. Each step runs under the
+        watchdog (managers/watchdog.py, --watchdog-timeout)."""
         crash_at = int(os.environ.get(CRASH_AT_STEP_ENV, "0"))
+        hang_at = int(os.environ.get(HANG_AT_STEP_ENV, "0"))
+        step_delay_s = float(os.environ.get(STEP_DELAY_ENV, "0"))
+        watchdog = StepWatchdog(self.server_args.watchdog_timeout)
         step = 0
         try:
             while True:
@@ -266,7 +280,15 @@ class Scheduler:
                 step += 1
                 if step == crash_at:
                     raise RuntimeError(f"injected crash at step {step} ({CRASH_AT_STEP_ENV})")
+                watchdog.step_started(step, ", ".join(f"rank {r}: {b.forward_mode.name.lower()} of {len(b.reqs)}"
+                                                      for r, b in enumerate(batches) if b is not None))
+                if step == hang_at:
+                    logger.warning("Injected hang at step %d (%s)", step, HANG_AT_STEP_ENV)
+                    time.sleep(3600)
+                if step_delay_s:
+                    time.sleep(step_delay_s)
                 self.run_step(batches)
+                watchdog.step_finished()
         finally:
             if self.link is not None:
                 self.link.close()
@@ -385,9 +407,9 @@ class Scheduler:
                 elif isinstance(msg, TokenizedScoreReqInput):
                     rank = (self.rank_of_handle(msg.handle) if msg.handle is not None
                             else self.assign_rank(msg.seqs[0].input_ids if msg.seqs else []))
-                    rank.handle_score_request(msg, self.max_req_input_len)
+                    rank.handle_score_request(msg, self.kv_limits)
                 elif isinstance(msg, ScorePrefillReq):
-                    self.assign_rank(msg.input_ids).handle_score_prefill(msg, self.max_req_input_len)
+                    self.assign_rank(msg.input_ids).handle_score_prefill(msg, self.kv_limits)
                 elif isinstance(msg, ScoreReleaseReq):
                     self.rank_of_handle(msg.handle).scoring.release_request(msg)
                 elif isinstance(msg, AbortReq):
@@ -438,13 +460,15 @@ class Scheduler:
                 self._send_abort(msg.rid, e.message, e.status_code)
                 return
         n = len(input_ids)
-        if n == 0 or n > self.max_req_input_len:
-            self._send_abort(msg.rid, f"input of {n} tokens is outside [1, {self.max_req_input_len}]", 400)
-            return
-        if n + 1 > self.kv_size:
-            self._send_abort(msg.rid, f"input of {n} tokens does not fit the KV cache ({self.kv_size} tokens)", 413)
+        if n == 0:
+            self._send_abort(msg.rid, "The prompt is empty", 400)
             return
         sp = msg.sampling_params
+        try:  # (a session's turn: its whole prompt, history included)
+            check_fits(self.kv_limits, n, min_output=max(1, sp.min_new_tokens))
+        except RequestError as e:
+            self._send_abort(msg.rid, e.message, e.status_code)
+            return
         # SGLang's rule: generation stops at the context length (and here also at the KV pool size)
         room = min(self.context_len, self.kv_size) - n
         sp.max_new_tokens = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)

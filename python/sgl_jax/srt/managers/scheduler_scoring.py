@@ -36,6 +36,8 @@ from sgl_jax.srt.managers.io_struct import (
     ScoreReleaseReq,
     TokenizedScoreReqInput,
 )
+from sgl_jax.srt.managers.errors import RequestError
+from sgl_jax.srt.managers.preflight import KVLimits, check_fits
 from sgl_jax.srt.managers.schedule_batch import Req, ScoreSpec
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
@@ -145,9 +147,9 @@ class SchedulerScoring:
         sp = SamplingParams(max_new_tokens=0, temperature=0.0)
         return Req(rid, input_ids, sp, eos_token_ids=self.eos_token_ids, seed=0, score=spec)
 
-    def handle_score_request(self, msg: TokenizedScoreReqInput, max_input_len: int, kv_size: int) -> List[Req]:
+    def handle_score_request(self, msg: TokenizedScoreReqInput, limits: KVLimits) -> List[Req]:
         """Turn a score request into Reqs to queue; [] when it fails at once (the error is sent: 400 for a
-        sequence over `max_input_len` tokens or a missing handle, 413 when one cannot fit `kv_size`)."""
+        missing handle, 413 when a sequence -- with its handle's query -- cannot fit: preflight.check_fits)."""
         handle = None
         prefix: List[int] = []
         if msg.handle is not None:
@@ -161,13 +163,10 @@ class SchedulerScoring:
         reqs = []
         for i, seq in enumerate(msg.seqs):
             ids = prefix + list(seq.input_ids)
-            if len(ids) > max_input_len:
-                self.fail(msg.rid, f"a scored sequence of {len(ids)} tokens exceeds the maximum input "
-                                    f"length ({max_input_len} tokens)", 400)
-                return []
-            if len(ids) + 1 > kv_size:
-                self.fail(msg.rid, f"a scored sequence of {len(ids)} tokens does not fit the KV cache "
-                                   f"({kv_size} tokens)", 413)
+            try:
+                check_fits(limits, len(ids), what="a scored sequence")
+            except RequestError as e:
+                self.fail(msg.rid, e.message, e.status_code)
                 return []
             spec = ScoreSpec(
                 group=msg.rid, label_token_ids=list(msg.label_token_ids),

@@ -18,6 +18,7 @@ from sgl_jax.srt.managers.io_struct import (
     ScoreReleaseReq,
     TokenizedScoreReqInput,
 )
+from sgl_jax.srt.managers.preflight import check_fits
 from sgl_jax.srt.managers.scoring import (
     ScoreReqInput,
     build_layout,
@@ -52,6 +53,10 @@ class ScoreClient:
 
     def is_live(self, rid: str) -> bool:
         return rid in self._live
+
+    def num_live(self) -> int:
+        """Score requests in flight."""
+        return len(self._live)
 
     # ------------------------------------------------------------ messages
     def on_message(self, msg) -> bool:
@@ -125,10 +130,10 @@ class ScoreClient:
 
         Raises:
             RequestError: 400 for an invalid request (or a missing/expired scoring-cache handle), 413 when
-                a scored sequence cannot fit, 503 when the server is down.
+                a scored sequence cannot fit, 503 when the server is down, shutting down or its queue is full.
         """
         tm = self.tm
-        tm._check_alive()
+        tm.check_admission(1)  # (503 when shutting down or the queue is full)
         validate_score_input(obj, tm.vocab_size, self.args.max_multi_item_count)
         bound = tm.max_chars_per_token
         if bound and isinstance(obj.query, str):
@@ -144,9 +149,7 @@ class ScoreClient:
             if len(seq) >= tm.context_len:
                 raise RequestError(f"a scored sequence of {len(seq)} tokens is longer than the model's "
                                    f"context length ({tm.context_len} tokens)")
-            if len(seq) > tm.info["max_req_input_len"] or len(seq) + 1 > tm.info["max_total_tokens"]:
-                raise RequestError(f"a scored sequence of {len(seq)} tokens cannot fit this server "
-                                   f"(max input {tm.info['max_req_input_len']} tokens)", 413)
+            check_fits(tm.kv_limits, len(seq), what="A scored query + item")  # 413: memory preflight
         rid = obj.rid or uuid.uuid4().hex
         tm.reserve_rid(rid)
         self._live.add(rid)
@@ -173,7 +176,8 @@ class ScoreClient:
         return out
 
     async def _packed(self, rid, layout, labels) -> List[List[float]]:
-        max_len = min(self.args.max_multi_item_seq_len, self.tm.info["max_req_input_len"])
+        limits = self.tm.kv_limits  # a pack must fit one prefill and the KV pool (preflight.check_fits)
+        max_len = min(self.args.max_multi_item_seq_len, limits.max_req_input_len, limits.kv_pool_tokens - 1)
         packs, where = pack_seqs(layout, max_len)
         res = await self._score(TokenizedScoreReqInput(f"{rid}/p", packs, list(labels)))
         return [res.label_logprobs[p][i] for p, i in where]

@@ -7,6 +7,7 @@ BatchStrOut stream into SGLang-shaped response dicts: ``{"text", "output_ids", "
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -35,6 +36,7 @@ from sgl_jax.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from sgl_jax.srt.managers.errors import RequestError  # noqa: F401  (re-exported)
+from sgl_jax.srt.managers.preflight import KVLimits, check_fits
 from sgl_jax.srt.managers.score_client import ScoreClient
 from sgl_jax.srt.managers.scoring import ScoreReqInput
 from sgl_jax.srt.metrics.collector import MetricsCollector, RequestTimes
@@ -170,6 +172,7 @@ class ReqState:
 
 
 ORPHAN_TTL_S = 120.0  # an aborted request's rid is freed at the latest this long after its abort
+RESERVATION_TTL_S = 5.0  # room reserved for an admitted request's sequences is held at most this long
 
 
 _LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
@@ -198,6 +201,7 @@ class TokenizerManager:
         self.info = scheduler_info
         self.context_len = scheduler_info["context_len"]
         self.vocab_size = scheduler_info["vocab_size"]
+        self.kv_limits = KVLimits.from_info(scheduler_info)
         ctx = zmq.asyncio.Context(2)
         self.recv_from_detokenizer = ctx.socket(zmq.PULL)
         self.recv_from_detokenizer.bind(port_args.tokenizer_ipc_name)
@@ -209,6 +213,9 @@ class TokenizerManager:
         self._loop_task: Optional[asyncio.Task] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the loop serving this manager, once started
         self.dead_reason: Optional[str] = None
+        self.draining: Optional[str] = None  # why new requests are refused (SIGTERM: graceful shutdown)
+        self.num_rejected_reqs = 0  # requests refused with 503 because the queue was full (--max-queued-requests)
+        self._reservations: collections.deque = collections.deque()  # check_admission(reserve=True) times
         self.score_client = ScoreClient(self)
         self.metrics: Optional[MetricsCollector] = (MetricsCollector(self.served_model_name)
                                                     if server_args.enable_metrics else None)
@@ -244,6 +251,58 @@ class TokenizerManager:
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
             raise RequestError(f"Server unavailable: {self.dead_reason}", 503)
+
+    def num_in_flight(self) -> int:
+        """Requests sent to the scheduler and not yet finished there (aborted ones too, until the scheduler
+        has let them go; a /v1/score request counts once)."""
+        return len(self.rid_to_state) + self.score_client.num_live()
+
+    def queue_capacity(self) -> Optional[int]:
+        """The most requests in flight before new ones are refused: what the scheduler runs at once
+        (max_running_requests x dp_size) plus --max-queued-requests; None without that flag."""
+        limit = self.server_args.max_queued_requests
+        if limit is None:
+            return None
+        return self.info["max_running_requests"] * self.info.get("dp_size", 1) + limit
+
+    def check_admission(self, num_seqs: int = 1, reserve: bool = False) -> None:
+        """Backpressure: may a request of `num_seqs` sequences (its whole n / best_of / batch fan-out) be sent now?
+
+        A request is queued when it is in flight beyond what the scheduler runs at once: with
+        --max-queued-requests N, a new request is refused when in flight + `num_seqs` would exceed
+        max_running_requests x dp_size + N (SGLang's flag counts its waiting queue; this bound is checked
+        before anything is sent, for the whole fan-out at once, so no request is ever half admitted).
+        With `reserve`, room for the `num_seqs` sequences is held until each is sent (``generate_request``
+        with ``admitted=True``) or for RESERVATION_TTL_S at most, so concurrent requests cannot overshoot.
+
+        Raises:
+            RequestError: 503 with Retry-After while the server shuts down (SIGTERM) or the queue is full;
+                413 when the fan-out alone is larger than the queue can ever hold.
+        """
+        self._check_alive()
+        if self.draining is not None:
+            raise RequestError(f"The server is shutting down ({self.draining}); not accepting new requests", 503,
+                               retry_after_s=5)
+        cap = self.queue_capacity()
+        if cap is None:
+            return
+        if num_seqs > cap:
+            raise RequestError(f"The request has {num_seqs} sequences; this server holds at most {cap} requests "
+                               f"running or queued (--max-queued-requests {self.server_args.max_queued_requests})",
+                               413)
+        now = time.monotonic()
+        while self._reservations and now - self._reservations[0] > RESERVATION_TTL_S:
+            self._reservations.popleft()
+        live = self.num_in_flight() + len(self._reservations)
+        if live + num_seqs > cap:
+            self.num_rejected_reqs += 1
+            if self.metrics is not None:
+                self.metrics.num_rejected_requests.inc()
+            raise RequestError(f"The request queue is full ({live} requests in flight, at most {cap}: "
+                               f"--max-queued-requests {self.server_args.max_queued_requests}); retry later", 503,
+                               retry_after_s=1)
+        if reserve:
+            self._reservations.extend([now] * num_seqs)
 
     async def _handle_loop(self) -> None:
         while True:
@@ -385,13 +444,17 @@ class TokenizerManager:
         (`max_chars_per_token`) is refused without tokenizing it.
 
         Raises:
-            RequestError: 400, the text is longer than the context.
+            RequestError: 400, the text is longer than the context; 413, it cannot fit the KV pool (memory
+                preflight, `preflight.check_fits`) -- both without tokenizing when its length alone tells.
         """
-        if self.max_chars_per_token and len(text) > self.context_len * self.max_chars_per_token \
-                and not self.server_args.allow_auto_truncate and \
-                (n := min_token_count(text, self.max_chars_per_token, self.droppable_chars)) > self.context_len:
-            raise RequestError(f"The input ({len(text)} characters, at least {n} tokens) is longer than the "
-                               f"model's context length ({self.context_len} tokens).")
+        cap = self.max_chars_per_token
+        if cap and len(text) > min(self.context_len, self.kv_limits.kv_pool_tokens) * cap \
+                and not self.server_args.allow_auto_truncate:
+            n = min_token_count(text, cap, self.droppable_chars)
+            if n >= self.context_len:
+                raise RequestError(f"The input ({len(text)} characters, at least {n} tokens) is longer than the "
+                                   f"model's context length ({self.context_len} tokens).")
+            check_fits(self.kv_limits, n, what=f"The input of {len(text)} characters", at_least=True)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, truncation=True,
                                      max_length=self.context_len + 1)
 
@@ -416,19 +479,13 @@ class TokenizerManager:
             more = "at least " if n > self.context_len and obj.input_ids is None else ""
             raise RequestError(f"The input ({more}{n} tokens) is longer than the model's context length "
                                f"({self.context_len} tokens).")
-        if n > self.info["max_req_input_len"]:
-            raise RequestError(f"The input ({n} tokens) exceeds the largest prefill this server compiled "
-                               f"({self.info['max_req_input_len']} tokens); raise --precompile-token-paddings",
-                               413)
-        if n + 1 > self.info["max_total_tokens"]:
-            raise RequestError(f"The input ({n} tokens) does not fit the KV cache "
-                               f"({self.info['max_total_tokens']} tokens)", 413)
         try:
             sp = SamplingParams.from_dict(obj.sampling_params)
             sp.verify(self.vocab_size)
         except (TypeError, ValueError) as e:
             raise RequestError(str(e)) from None
         sp.normalize(self.vocab_size)
+        check_fits(self.kv_limits, n, min_output=max(1, sp.min_new_tokens))  # 413 (memory preflight)
         explicit = (obj.sampling_params or {}).get("max_new_tokens") is not None
         if explicit and n + sp.max_new_tokens > self.context_len:  # SGLang's rule (a default is clipped)
             if not truncate:
@@ -469,17 +526,26 @@ class TokenizerManager:
         req.received_time = received
         return req
 
-    async def generate_request(self, req: Union[GenerateReqInput, "PreparedReq"]) -> AsyncIterator[dict]:
+    async def generate_request(self, req: Union[GenerateReqInput, "PreparedReq"],
+                               admitted: bool = False) -> AsyncIterator[dict]:
         """Run one request; yields response dicts (every update when streaming, else only the final one).
 
+        Args:
+            admitted: the caller has passed `check_admission` for this request's whole fan-out (else it is
+                checked here, for this sequence alone).
         On cancellation (client gone) the request is aborted in the scheduler, with one INFO log line.
         Raises:
-            RequestError: invalid request or duplicate rid (400), a failure of this request inside the
-                engine (500, with the reason), or the server is down (503).
+            RequestError: invalid request or duplicate rid (400), 413 (preflight, or a fan-out larger than the
+                queue), a failure of this request inside the engine (500, with the reason), or 503 (the server
+                is down, shutting down, or its queue is full: `check_admission`).
         """
         if not isinstance(req, PreparedReq):
             req = await self.prepare_async(req)
         self._check_alive()
+        if not admitted:
+            self.check_admission(1)
+        elif self._reservations:
+            self._reservations.popleft()  # (its room is now taken by the request itself)
         self.start()
         obj, input_ids, sp = req.obj, req.input_ids, req.sampling_params
         rid = obj.rid or uuid.uuid4().hex
@@ -594,9 +660,9 @@ class TokenizerManager:
             "meta_info": meta,
         }
 
-    async def generate(self, req: Union[GenerateReqInput, "PreparedReq"]) -> dict:
-        """Run one request to completion and return its final response dict."""
+    async def generate(self, req: Union[GenerateReqInput, "PreparedReq"], admitted: bool = False) -> dict:
+        """Run one request to completion and return its final response dict (`generate_request`)."""
         result = None
-        async for out in self.generate_request(req):
+        async for out in self.generate_request(req, admitted):
             result = out
         return result

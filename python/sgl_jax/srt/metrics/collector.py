@@ -9,7 +9,8 @@ What is measured where (SGLang's TokenizerMetricsCollector and SchedulerMetricsC
   ``sglang:e2e_request_latency_seconds``, ``sglang:prompt_tokens_total``, ``sglang:generation_tokens_total``,
   ``sglang:cached_tokens_total``, ``sglang:num_requests_total`` (and ``sglang:num_aborted_requests_total``
   when it finished by an abort). A request whose client went away before its end is not counted, nor are
-  /v1/score requests (they do not generate).
+  /v1/score requests (they do not generate). ``sglang:num_rejected_requests_total`` counts the requests
+  refused with 503 because the queue was full (--max-queued-requests; TokenizerManager.check_admission).
 - At scrape time, from the scheduler's internal state (`update_gauges`): ``sglang:num_running_reqs``,
   ``sglang:num_queue_reqs``, ``sglang:num_used_tokens``, ``sglang:max_total_num_tokens`` and
   ``sglang:token_usage`` = used / total KV tokens, where used = total - free - evictable (SGLang's
@@ -86,6 +87,9 @@ class MetricsCollector:
         self.cached_tokens = counter("sglang:cached_tokens_total", "Number of cached prompt tokens.")
         self.num_requests = counter("sglang:num_requests_total", "Number of requests processed.")
         self.num_aborted_requests = counter("sglang:num_aborted_requests_total", "Number of requests aborted.")
+        self.num_rejected_requests = counter("sglang:num_rejected_requests_total",
+                                             "Number of requests refused with 503 because the queue was full "
+                                             "(--max-queued-requests).")
         self.ttft = histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               TTFT_BUCKETS)
         self.itl = histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",

@@ -15,6 +15,7 @@ from sgl_jax.srt.entrypoints.openai.serving_completions import Wait, gather_or_c
 from sgl_jax.srt.entrypoints.openai.serving_tools import ToolPlan, ToolStream, message_for, plan_tools
 from sgl_jax.srt.entrypoints.openai.utils import (
     SSE_DONE,
+    check_n,
     check_top_logprobs,
     finish_reason_str,
     json_response,
@@ -114,6 +115,8 @@ def _chat_logprobs(entries, tops, top_n: int) -> dict:
 async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionRequest,
                                  wait: Optional[Wait] = None) -> Response:
     """Serve one /v1/chat/completions request (`wait`: see serving_completions.create_completion)."""
+    check_n("n", req.n, tm.server_args.max_n)
+    tm.check_admission(req.n)  # the whole fan-out, before rendering and tokenizing
     plan = plan_tools(req, tm.server_args.tool_call_parser, tm.info.get("architecture", ""))
     # the template renders off the event loop
     input_ids = await tm.run_blocking(chat_prompt_ids, tm, req, plan.template_tools if plan else None)
@@ -132,12 +135,13 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
         rid=f"{req.rid}-{k}" if req.rid else None,
         session_params=session_params_of(req, req.n),
     )) for k in range(req.n)]
+    tm.check_admission(len(prepared), reserve=True)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = tm.served_model_name
 
     if not req.stream:
-        work = gather_or_cancel(tm.generate(p) for p in prepared)
+        work = gather_or_cancel(tm.generate(p, admitted=True) for p in prepared)
         results = await (wait(work) if wait is not None else work)
         if results is None:
             return Response(status_code=499)
@@ -174,7 +178,7 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         try:
-            async for i, r in merge_streams([tm.generate_request(p) for p in prepared]):
+            async for i, r in merge_streams([tm.generate_request(p, admitted=True) for p in prepared]):
                 meta = r["meta_info"]
                 fr = finish_reason_str(meta["finish_reason"])
                 if tool_streams[i] is not None:

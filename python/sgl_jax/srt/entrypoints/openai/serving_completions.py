@@ -12,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from sgl_jax.srt.entrypoints.openai.protocol import CompletionRequest
 from sgl_jax.srt.entrypoints.openai.utils import (
     SSE_DONE,
+    check_n,
     check_top_logprobs,
     finish_reason_str,
     json_response,
@@ -53,14 +54,16 @@ def _legacy_logprobs(meta: dict, echo: bool, top_n: int, offset0: int) -> dict:
     }
 
 
-def candidates_per_prompt(req: CompletionRequest) -> int:
+def candidates_per_prompt(req: CompletionRequest, cap: int = 128) -> int:
     """How many completions are generated per prompt: OpenAI's ``best_of`` when given (at least ``n``; more than n
     only without streaming, as OpenAI), else ``n``.
 
     Raises:
-        RequestError: best_of < n, or best_of > n with stream.
+        RequestError: best_of < n, best_of > n with stream, or n / best_of above `cap` (--max-n).
     """
     best_of = req.best_of if req.best_of is not None else req.n
+    check_n("n", req.n, cap)
+    check_n("best_of", req.best_of, cap)
     if best_of < req.n:
         raise RequestError(f"best_of ({best_of}) must be at least n ({req.n})")
     if best_of > req.n and req.stream:
@@ -85,9 +88,9 @@ def best_completions(results: list, n: int, per_prompt: int) -> list:
     return chosen
 
 
-def _objs(req: CompletionRequest, prompts, top_logprobs_cap: int) -> List[GenerateReqInput]:
+def _objs(req: CompletionRequest, prompts, top_logprobs_cap: int, max_n: int = 128) -> List[GenerateReqInput]:
     check_top_logprobs("logprobs", req.logprobs, top_logprobs_cap)
-    per_prompt = candidates_per_prompt(req)
+    per_prompt = candidates_per_prompt(req, max_n)
     objs = []
     for p in prompts:
         for k in range(per_prompt):
@@ -122,7 +125,10 @@ async def create_completion(tm: TokenizerManager, req: CompletionRequest, wait: 
     """Serve one /v1/completions request; `wait` awaits the non-streaming work (the HTTP server passes
     one that aborts it when the client disconnects; a None result means it did)."""
     prompts = _prompts(req.prompt)
-    prepared = [await tm.prepare_async(o) for o in _objs(req, prompts, tm.server_args.max_top_logprobs_num)]
+    objs = _objs(req, prompts, tm.server_args.max_top_logprobs_num, tm.server_args.max_n)
+    tm.check_admission(len(objs))  # the whole fan-out (prompts x best_of), before tokenizing
+    prepared = [await tm.prepare_async(o) for o in objs]
+    tm.check_admission(len(prepared), reserve=True)
     prompt_texts = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompts]
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -133,7 +139,7 @@ async def create_completion(tm: TokenizerManager, req: CompletionRequest, wait: 
         return prompt_texts[i // req.n]
 
     if not req.stream:
-        work = gather_or_cancel(tm.generate(p) for p in prepared)
+        work = gather_or_cancel(tm.generate(p, admitted=True) for p in prepared)
         results = await (wait(work) if wait is not None else work)
         if results is None:
             return Response(status_code=499)
@@ -164,7 +170,7 @@ async def create_completion(tm: TokenizerManager, req: CompletionRequest, wait: 
         completion_tokens = [0] * len(prepared)
         cached: dict = {}
         try:
-            async for i, r in merge_streams([tm.generate_request(p) for p in prepared]):
+            async for i, r in merge_streams([tm.generate_request(p, admitted=True) for p in prepared]):
                 meta = r["meta_info"]
                 delta = r["text"][sent_text[i]:]
                 if req.echo and not started[i]:

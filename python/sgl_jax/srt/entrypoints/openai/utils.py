@@ -135,6 +135,13 @@ def check_top_logprobs(name: str, value: Optional[int], cap: int) -> None:
         raise RequestError(f"{name} ({value}) exceeds the limit of {cap} (--max-top-logprobs-num)")
 
 
+def check_n(name: str, value: Optional[int], cap: int) -> None:
+    """Raises RequestError (400) when `value` (OpenAI's n or best_of, /generate's sampling n: sequences per
+    prompt) exceeds --max-n (default 128, OpenAI's limit)."""
+    if value is not None and value > cap:
+        raise RequestError(f"{name} ({value}) exceeds this server's limit of {cap} sequences per prompt (--max-n)")
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
