@@ -432,6 +432,7 @@ def main() -> int:
     p.add_argument("--url", help="a running server on loopback (else one is started)")
     p.add_argument("--server-pid", type=int, help="with --url: the server's pid, for RSS")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    commit = git_commit()  # (at the start: the code a self-started server runs)
     proc, log = None, None
     if args.url:
         url = args.url.rstrip("/")
@@ -466,7 +467,7 @@ def main() -> int:
     if log:
         with open(log, errors="replace") as f:
             log_errors = [ln.rstrip()[:300] for ln in f if " ERROR " in ln or ln.startswith("Traceback")][:10]
-    meta = {"date": str(datetime.date.today()), "commit": git_commit(), "machine": machine(), "command": command,
+    meta = {"date": str(datetime.date.today()), "commit": commit, "machine": machine(), "command": command,
             "server": server, "server_log": log, "server_log_errors": log_errors, "floors": FLOORS,
             "args": vars(args)}
     write_report(args, meta, res, verdicts)

@@ -357,3 +357,32 @@ def test_second_signal_exits_at_once(tiny_model):
         assert not ipc_dirs(s.proc.pid)
     finally:
         s.stop()
+
+
+def test_sigterm_during_startup_stops_cleanly(tiny_model, tmp_path):
+    """SIGTERM while the scheduler still loads and compiles: exit 0, no child, no socket directory."""
+    import subprocess
+    import sys
+
+    from sgl_jax.srt.utils import find_free_port
+    from srt_helpers import engine_cli_args, server_env
+
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "sgl_jax.launch_server", "--host", "127.0.0.1", "--port",
+                                 str(find_free_port()), *engine_cli_args(tiny_args(tiny_model))],
+                                stdout=out, stderr=subprocess.STDOUT, env=server_env())
+    try:
+        deadline = time.time() + 120
+        while "Started scheduler" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        children = child_pids(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, log.read_text()[-3000:]
+        assert "SIGTERM received during start-up: stopping" in log.read_text()
+        assert not alive_after(children, timeout=5.0)
+        assert not ipc_dirs(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -408,9 +408,21 @@ def launch_server(server_args: ServerArgs) -> None:
         run_follower_node(server_args)
         return
     configure_logging(server_args.log_level, "Server")
+
+    def stop_during_startup(sig, _frame) -> None:  # (launch_subprocesses stops the children it started)
+        logger.info("%s received during start-up: stopping", signal.Signals(sig).name)
+        raise SystemExit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop_during_startup)
     port_args, info, procs = launch_subprocesses(server_args)
-    tm = TokenizerManager(server_args, port_args, info)
-    app = build_app(tm, server_args, info)
+    try:
+        tm = TokenizerManager(server_args, port_args, info)
+        app = build_app(tm, server_args, info)
+    except BaseException:
+        kill_processes(procs)
+        port_args.cleanup()
+        raise
 
     def on_death(name: str, exitcode: int) -> None:
         logger.error("%s exited unexpectedly with code %s; shutting the server down", name, exitcode)
