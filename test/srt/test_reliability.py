@@ -386,3 +386,18 @@ def test_sigterm_during_startup_stops_cleanly(tiny_model, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_stale_socket_leftovers_of_dead_processes_are_removed(tmp_path, monkeypatch):
+    """What a dead process left (a socket directory, or the loose socket files of versions before it) goes;
+    what a live process uses stays."""
+    from sgl_jax.srt.server_args import remove_stale_ipc_dirs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = next(p for p in range(4_000_000, 4_100_000) if not pid_alive(p))
+    names = [f"sgl_jax_ipc_{dead}_abc", f"sgl_jax_{dead}_0123abcd_tokenizer", f"sgl_jax_ipc_{os.getpid()}_live",
+             f"sgl_jax_{os.getpid()}_0123abcd_scheduler", "sgl_jax_other_file"]
+    for n in names:
+        (tmp_path / n).mkdir() if "_ipc_" in n else (tmp_path / n).write_text("")
+    remove_stale_ipc_dirs()
+    assert sorted(os.listdir(tmp_path)) == sorted(names[2:])

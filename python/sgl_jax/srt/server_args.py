@@ -7,6 +7,7 @@ so that users of SGLang find what they know. Validation errors name the flag and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -356,7 +357,9 @@ class PortArgs:
 
 
 def remove_stale_ipc_dirs() -> None:
-    """Remove this user's ``sgl_jax_ipc_<pid>_*`` directories whose process no longer exists."""
+    """Remove this user's ``sgl_jax_ipc_<pid>_*`` directories whose process no longer exists (and the socket
+    files ``sgl_jax_<pid>_<hex>_{tokenizer,scheduler,detokenizer}`` that versions before them left in the temp
+    directory itself)."""
     root = tempfile.gettempdir()
     try:
         names = os.listdir(root)
@@ -364,14 +367,23 @@ def remove_stale_ipc_dirs() -> None:
         return
     for name in names:
         parts = name.split("_")
-        if not name.startswith("sgl_jax_ipc_") or len(parts) < 5 or not parts[3].isdigit():
+        if name.startswith("sgl_jax_ipc_") and len(parts) >= 5 and parts[3].isdigit():
+            pid = int(parts[3])
+        elif len(parts) == 5 and name.startswith("sgl_jax_") and parts[2].isdigit() and \
+                parts[4] in ("tokenizer", "scheduler", "detokenizer"):
+            pid = int(parts[2])
+        else:
             continue
         path = os.path.join(root, name)
         try:
-            if os.stat(path).st_uid != os.getuid():
+            if os.lstat(path).st_uid != os.getuid():
                 continue
-            os.kill(int(parts[3]), 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         except OSError:  # (PermissionError: a live process of another user)
             continue
