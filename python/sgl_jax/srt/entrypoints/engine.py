@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Union
 
 import pydantic
 
-from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_subprocesses
+from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_subprocesses, stop_subprocesses
 from sgl_jax.srt.entrypoints.native_protocol import (
     GenerateRequest,
     OpenSessionRequest,
@@ -27,7 +27,7 @@ from sgl_jax.srt.entrypoints.native_protocol import (
 from sgl_jax.srt.managers.errors import RequestError
 from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.server_args import ServerArgs
-from sgl_jax.srt.utils import configure_logging, kill_processes
+from sgl_jax.srt.utils import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -248,9 +248,7 @@ class Engine:
         self._closed = True
         if getattr(self, "_watcher", None) is not None:
             self._watcher.stop()
-        kill_processes(self._procs)
-        if getattr(self, "_port_args", None) is not None:
-            self._port_args.cleanup()
+        stop_subprocesses(self._procs, getattr(self, "_port_args", None))
         tm = getattr(self, "tokenizer_manager", None)
         if tm is not None and self._thread.is_alive():
             self._run(tm.close())

@@ -313,12 +313,10 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
         objs = req.to_inputs()
         batch = isinstance(objs, list)
         items = objs if batch else [objs]
-        tm.check_admission(len(items))  # the whole fan-out (batch x n), before tokenizing
         for o in items:  # refuse a taken rid before any prompt of the batch starts
             if o.rid is not None:
                 tm.reserve_rid(o.rid)
-        prepared = [await tm.prepare_async(o) for o in items]
-        tm.check_admission(len(items), reserve=True)
+        prepared = await tm.prepare_fanout(items)  # the whole fan-out (batch x n) is admitted or refused
         if not items[0].stream:
             results = await until_disconnect(request, gather_or_cancel(tm.generate(p, admitted=True)
                                                                        for p in prepared))
@@ -398,9 +396,9 @@ def launch_server(server_args: ServerArgs) -> None:
     Exits non-zero (within ~1 s, every process gone) if a child process dies."""
     import uvicorn
 
-    from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_subprocesses
+    from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_subprocesses, stop_subprocesses
     from sgl_jax.srt.entrypoints.shutdown import DrainingServer
-    from sgl_jax.srt.utils import configure_logging, kill_processes
+    from sgl_jax.srt.utils import configure_logging
 
     if server_args.node_rank > 0:  # a multi-host follower: only a scheduler, fed by node 0
         from sgl_jax.srt.managers.scheduler import run_follower_node
@@ -420,8 +418,7 @@ def launch_server(server_args: ServerArgs) -> None:
         tm = TokenizerManager(server_args, port_args, info)
         app = build_app(tm, server_args, info)
     except BaseException:
-        kill_processes(procs)
-        port_args.cleanup()
+        stop_subprocesses(procs, port_args)
         raise
 
     def on_death(name: str, exitcode: int) -> None:
@@ -430,8 +427,7 @@ def launch_server(server_args: ServerArgs) -> None:
             tm.loop.call_soon_threadsafe(tm.mark_dead, f"{name} exited with code {exitcode}")
 
         def finish():
-            kill_processes(procs)
-            port_args.cleanup()
+            stop_subprocesses(procs, port_args)
             logging.shutdown()
             os._exit(1)
 
@@ -439,8 +435,7 @@ def launch_server(server_args: ServerArgs) -> None:
 
     def exit_now(sig, _frame) -> None:  # a signal while the processes are being stopped: do not wait
         logger.info("%s received while stopping: exiting now", signal.Signals(sig).name)
-        kill_processes(procs, timeout=0.0)
-        port_args.cleanup()
+        stop_subprocesses(procs, port_args, timeout=0.0)
         logging.shutdown()
         os._exit(0)
 
@@ -457,7 +452,6 @@ def launch_server(server_args: ServerArgs) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, exit_now)
         watcher.stop()
-        kill_processes(procs)
-        port_args.cleanup()
+        stop_subprocesses(procs, port_args)
         logger.info("Server stopped: engine processes %s", "stopped" if not any(p.is_alive() for p in procs)
                     else "still running")

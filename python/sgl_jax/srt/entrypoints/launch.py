@@ -12,7 +12,7 @@ import multiprocessing.connection
 import os
 import threading
 import time
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from sgl_jax.srt.configs.model_config import resolve_model_path
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
@@ -36,7 +36,7 @@ def _detokenizer_main(*args) -> None:
 
 def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, dict, List[mp.Process]]:
     """Start scheduler + detokenizer; return (port_args, scheduler_info, processes) once the scheduler is ready.
-    The caller stops the processes (utils.kill_processes) and removes ``port_args.ipc_dir`` (`PortArgs.cleanup`).
+    The caller stops them with `stop_subprocesses`.
 
     Raises:
         RuntimeError: a child failed during start-up (the message carries its traceback).
@@ -58,12 +58,19 @@ def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, dict, List[m
     try:
         info = _wait_ready(reader, procs)
     except BaseException:
-        kill_processes(procs)
-        port_args.cleanup()
+        stop_subprocesses(procs, port_args)
         raise
     logger.info("Scheduler ready: %s", {k: info[k] for k in ("max_total_tokens", "max_running_requests",
                                                              "context_len")})
     return port_args, info, procs
+
+
+def stop_subprocesses(procs: List[mp.Process], port_args: Optional[PortArgs], timeout: float = 5.0) -> None:
+    """Stop the engine processes (`utils.kill_processes`: the stop signal, SIGKILL after `timeout` seconds)
+    and remove their socket directory (`PortArgs.cleanup`). Idempotent."""
+    kill_processes(procs, timeout)
+    if port_args is not None:
+        port_args.cleanup()
 
 
 def _wait_ready(reader, procs: List[mp.Process]) -> dict:

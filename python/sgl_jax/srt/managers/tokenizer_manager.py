@@ -526,6 +526,19 @@ class TokenizerManager:
         req.received_time = received
         return req
 
+    async def prepare_fanout(self, objs: List[GenerateReqInput]) -> List["PreparedReq"]:
+        """Admit a request's whole fan-out (its prompts x n sequences) and prepare each sequence:
+        `check_admission` for all of them before tokenizing, `prepare_async` each, then `check_admission` again,
+        reserving their room until they are sent. Run them with ``generate_request(p, admitted=True)``.
+
+        Raises:
+            RequestError: from `check_admission` (503, 413) and `prepare` (400, 413).
+        """
+        self.check_admission(len(objs))
+        prepared = [await self.prepare_async(o) for o in objs]
+        self.check_admission(len(prepared), reserve=True)
+        return prepared
+
     async def generate_request(self, req: Union[GenerateReqInput, "PreparedReq"],
                                admitted: bool = False) -> AsyncIterator[dict]:
         """Run one request; yields response dicts (every update when streaming, else only the final one).
@@ -541,11 +554,12 @@ class TokenizerManager:
         """
         if not isinstance(req, PreparedReq):
             req = await self.prepare_async(req)
-        self._check_alive()
         if not admitted:
             self.check_admission(1)
-        elif self._reservations:
-            self._reservations.popleft()  # (its room is now taken by the request itself)
+        else:
+            self._check_alive()
+            if self._reservations:
+                self._reservations.popleft()  # (its room is now taken by the request itself)
         self.start()
         obj, input_ids, sp = req.obj, req.input_ids, req.sampling_params
         rid = obj.rid or uuid.uuid4().hex

@@ -125,7 +125,7 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
     if top_n and not req.logprobs:
         raise RequestError("top_logprobs requires logprobs to be true")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    prepared = [await tm.prepare_async(GenerateReqInput(
+    prepared = await tm.prepare_fanout([GenerateReqInput(
         input_ids=input_ids,
         sampling_params=with_tool_grammar(sampling_params_from(req, max_tokens, seed_offset=k), plan),
         return_logprob=req.logprobs,
@@ -134,8 +134,7 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
         stream=req.stream,
         rid=f"{req.rid}-{k}" if req.rid else None,
         session_params=session_params_of(req, req.n),
-    )) for k in range(req.n)]
-    tm.check_admission(len(prepared), reserve=True)
+    ) for k in range(req.n)])
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = tm.served_model_name

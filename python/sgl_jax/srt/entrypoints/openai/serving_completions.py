@@ -126,9 +126,7 @@ async def create_completion(tm: TokenizerManager, req: CompletionRequest, wait: 
     one that aborts it when the client disconnects; a None result means it did)."""
     prompts = _prompts(req.prompt)
     objs = _objs(req, prompts, tm.server_args.max_top_logprobs_num, tm.server_args.max_n)
-    tm.check_admission(len(objs))  # the whole fan-out (prompts x best_of), before tokenizing
-    prepared = [await tm.prepare_async(o) for o in objs]
-    tm.check_admission(len(prepared), reserve=True)
+    prepared = await tm.prepare_fanout(objs)  # the whole fan-out (prompts x best_of) is admitted or refused
     prompt_texts = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompts]
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
