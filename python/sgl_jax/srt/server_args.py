@@ -18,6 +18,7 @@ from sgl_jax.srt.model_loader.chat_templates import BUILTIN_CHAT_TEMPLATES, reso
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16")
 DEVICES = ("auto", "cpu", "tpu", "gpu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MULTI_ITEM_ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
@@ -71,6 +72,7 @@ class ServerArgs:
 
     # Memory and scheduling
     page_size: int = 1
+    kv_cache_dtype: str = "auto"
     max_total_tokens: Optional[int] = None
     mem_fraction_static: Optional[float] = None
     max_running_requests: Optional[int] = None
@@ -117,6 +119,7 @@ class ServerArgs:
     def __post_init__(self):
         self._check_choice("load_format", LOAD_FORMATS)
         self._check_choice("dtype", DTYPES)
+        self._check_choice("kv_cache_dtype", KV_CACHE_DTYPES)
         self._check_choice("device", DEVICES)
         self._check_choice("attention_backend", ATTENTION_BACKENDS)
         self._check_choice("log_level", LOG_LEVELS)
@@ -212,6 +215,8 @@ class ServerArgs:
             "load_format": f"weight format, one of {list(LOAD_FORMATS)}; dummy builds random weights from config.json",
             "dtype": "float32 | bfloat16 | auto (bfloat16 on TPU/GPU, float32 on CPU)",
             "page_size": "tokens per KV cache page",
+            "kv_cache_dtype": "KV cache storage: auto (the model's --dtype) | bfloat16 (bf16) | float32; "
+                              "attention still computes in the model's dtype",
             "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static)",
             "mem_fraction_static": "fraction of device memory for weights + KV pool (on CPU: of available host memory)",
             "max_running_requests": "upper bound on concurrently running requests",

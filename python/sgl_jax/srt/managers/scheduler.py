@@ -248,6 +248,7 @@ class Scheduler:
             "max_req_input_len": self.max_req_input_len,
             "context_len": self.context_len,
             "page_size": self.page_size,
+            "kv_cache_dtype": self.model_runner.kv_cache_dtype.name,
             "chunked_prefill_size": self.chunk_size or -1,
             "radix_cache": type(self.ranks[0].tree_cache).__name__ == "RadixCache",
             "vocab_size": self.model_config.vocab_size,
@@ -559,6 +560,7 @@ class Scheduler:
         """The server's state: per-rank counters summed over the ranks, plus ``dp_ranks``, one full entry
         per rank (its own queues and KV accounting; /get_server_info's ``internal_states``)."""
         shared = {"num_compiles_after_warmup": self.model_runner.num_compiles_after_warmup,
+                  "warmup": self.model_runner.warmup_stats,
                   "page_size": self.page_size, **self.init_info()}
         per_rank = [{**rank.internal_state(), **shared} for rank in self.ranks]
         state = {k: v for k, v in per_rank[0].items() if k != "dp_rank"}

@@ -6,6 +6,7 @@ logits at each sequence's last token + sampling, in a single compiled program pe
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -29,6 +30,7 @@ from sgl_jax.srt.kernels.ragged_paged_attention import resolve_attention_backend
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
 from sgl_jax.srt.mem_cache.swa_allocator import split_hybrid_budget
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+from sgl_jax.srt.model_executor.compile_stats import compile_counts, describe
 from sgl_jax.srt.model_executor.forward_batch_info import (
     ForwardBatch,
     ForwardMode,
@@ -66,16 +68,31 @@ def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def kv_bytes_per_token(model_config, tp_size: int = 1) -> int:
+def kv_cache_dtype(model_config, kv_cache_dtype: str = "auto"):
+    """The KV cache's storage dtype for ``--kv-cache-dtype`` ("auto": the model's dtype; "bf16" is
+    SGLang's spelling of "bfloat16")."""
+    if kv_cache_dtype in (None, "auto"):
+        return JNP_DTYPES[model_config.dtype]
+    return JNP_DTYPES["bfloat16" if kv_cache_dtype == "bf16" else kv_cache_dtype]
+
+
+def kv_bytes_per_token(model_config, tp_size: int = 1, kv_dtype: str = "auto") -> int:
     """Bytes of K and V per token on one device (all layers) with the KV heads split `tp_size` ways
-    (replicated heads counted: see distributed/sharding.padded_kv_heads)."""
-    itemsize = jnp.dtype(JNP_DTYPES[model_config.dtype]).itemsize
+    (replicated heads counted: see distributed/sharding.padded_kv_heads), stored as ``--kv-cache-dtype``
+    `kv_dtype`."""
+    itemsize = jnp.dtype(kv_cache_dtype(model_config, kv_dtype)).itemsize
     heads = padded_kv_heads(model_config.num_key_value_heads, tp_size) // tp_size
     return 2 * model_config.num_hidden_layers * heads * model_config.head_dim * itemsize
 
 
+TEST_AVAILABLE_MEMORY_ENV = "SGL_JAX_TEST_AVAILABLE_MEMORY_BYTES"  # tests: pretend this much memory is free
+
+
 def _available_memory_bytes(platform: str) -> int:
-    """Device memory limit on TPU/GPU; MemAvailable of the host on CPU."""
+    """Device memory limit on TPU/GPU; MemAvailable of the host on CPU (or $SGL_JAX_TEST_AVAILABLE_MEMORY_BYTES,
+    a test hook simulating free memory that moves between restarts)."""
+    if os.environ.get(TEST_AVAILABLE_MEMORY_ENV):
+        return int(os.environ[TEST_AVAILABLE_MEMORY_ENV])
     if platform != "cpu":
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
@@ -102,11 +119,25 @@ def compute_max_total_tokens(server_args, model_config, weight_bytes: int, platf
         budget = int(_available_memory_bytes(platform) * frac) // (server_args.tp_size * server_args.dp_size)
     else:
         budget = int(_available_memory_bytes(platform) * frac) - weight_bytes
-    tokens = budget // kv_bytes_per_token(model_config, server_args.tp_size)
+    tokens = budget // kv_bytes_per_token(model_config, server_args.tp_size, server_args.kv_cache_dtype)
     if tokens <= 0:
         raise ValueError("--mem-fraction-static leaves no memory for the KV cache; raise it or pass "
                          "--max-total-tokens")
-    return int(tokens)
+    stable = stable_pool_tokens(int(tokens), server_args.page_size)
+    logger.info("KV pool auto-sized to %d tokens (the budget of %d tokens rounded down to 4 significant bits, "
+                "so that a restart compiles the same shapes; --max-total-tokens sets it exactly)", stable, tokens)
+    return stable
+
+
+def stable_pool_tokens(tokens: int, page_size: int) -> int:
+    """`tokens` rounded down to its 4 leading binary digits (a multiple of 2**(bit_length - 4): 8 sizes per
+    power of two, losing at most a ninth) and to whole pages, so the auto-sized pool, which follows free
+    memory, keeps one size (and so one set of compiled programs: the pool's shape is in every step program)
+    across restarts of a server. Returns at least one page.
+    """
+    granule = max(page_size, 1 << max(0, tokens.bit_length() - 4))
+    granule = -(-granule // page_size) * page_size
+    return max(page_size, tokens // granule * granule)
 
 
 class ModelRunner:
@@ -130,6 +161,7 @@ class ModelRunner:
 
     def __init__(self, server_args, model_config, *, buckets: ShapeBuckets, max_context_len: int,
                  max_total_tokens_fn, num_request_slots: int = 1):
+        compile_counts()  # start counting compilations (warm-up reports them; serving must not add any)
         self.server_args = server_args
         self.model_config = model_config
         self.buckets = buckets
@@ -167,7 +199,12 @@ class ModelRunner:
         self.max_total_tokens = self.num_pages * self.page_size
         self.swa_max_total_tokens = self.num_swa_pages * self.page_size
         self.pages_per_seq = math.ceil(max_context_len / self.page_size)
-        dtype = JNP_DTYPES[model_config.dtype]
+        dtype = kv_cache_dtype(model_config, server_args.kv_cache_dtype)
+        self.kv_cache_dtype = jnp.dtype(dtype)
+        if self.attention_backend == "pallas" and self.kv_cache_dtype != jnp.dtype(JNP_DTYPES[model_config.dtype]):
+            raise ValueError(f"--kv-cache-dtype {server_args.kv_cache_dtype} differs from the model's dtype "
+                             f"({model_config.dtype}); the pallas attention kernels need them equal: pass "
+                             f"--attention-backend native or --dtype {self.kv_cache_dtype.name}")
         kv_heads = padded_kv_heads(model_config.num_key_value_heads, self.tp_size)
         self._kv_sharding = NamedSharding(self.mesh, KV_CACHE)
 
@@ -190,8 +227,9 @@ class ModelRunner:
                         self.max_total_tokens, num_layers - len(swa_layers), self.swa_max_total_tokens,
                         len(swa_layers), model_config.sliding_window, self.page_size, kv_bytes / 2**30)
         else:
-            logger.info("KV cache: %d tokens in %d pages of %d per rank (%.2f GiB per device)",
-                        self.max_total_tokens, self.num_pages, self.page_size, kv_bytes / 2**30)
+            logger.info("KV cache: %d tokens in %d pages of %d per rank, %s (%.2f GiB per device)",
+                        self.max_total_tokens, self.num_pages, self.page_size, self.kv_cache_dtype.name,
+                        kv_bytes / 2**30)
         eos = model_config.eos_token_ids or [model_config.vocab_size]  # out of range -> no-op mask
         self.eos_token_ids = jnp.asarray(eos, jnp.int32)
         self.max_context_len = max_context_len
@@ -212,6 +250,7 @@ class ModelRunner:
         self._label_logprobs = jax.jit(self._label_logprobs_impl)
         self._compiled_after_warmup: Optional[int] = None
         self.num_compiles_after_warmup = 0
+        self.warmup_stats: Dict[str, float] = {}  # what warm-up compiled and loaded (see warmup)
 
     # ---- compiled functions
     def _step_impl(self, params, kv_caches, penalty_state, fb: ForwardBatch, sampling: SamplingMetadata):
@@ -251,6 +290,13 @@ class ModelRunner:
             sampling = dataclasses.replace(sampling, vocab_mask=self._all_allowed[s_pad])
         return jax.device_put(batch.forward_batch, self._rank_rows), jax.device_put(sampling, self._replicated)
 
+    def _step_inputs(self, batches: Sequence[Optional[ModelWorkerBatch]]):
+        """Device (ForwardBatch, SamplingMetadata) of one step: idle ranks (None) run an all-padding batch of
+        the real batches' padded shape."""
+        mode, t_pad, s_pad = next(b for b in batches if b is not None).padded_shape
+        full = [b if b is not None else self.dummy_batch(mode, t_pad, s_pad) for b in batches]
+        return self.device_inputs(stack_ranks(full, self.num_request_slots))
+
     def forward(self, batch: ModelWorkerBatch) -> StepOutput:
         """Run one step of `batch` on rank 0 (the other ranks idle). The KV cache is updated in place."""
         return self.forward_ranks([batch] + [None] * (self.dp_size - 1))[0]
@@ -267,9 +313,7 @@ class ModelRunner:
         if not real:
             raise ValueError("a step needs at least one rank batch")
         mode, t_pad, s_pad = real[0].padded_shape
-        full = [b if b is not None else self.dummy_batch(mode, t_pad, s_pad) for b in batches]
-        stacked = stack_ranks(full, self.num_request_slots)
-        fb, sampling = self.device_inputs(stacked)
+        fb, sampling = self._step_inputs(batches)
         self.kv_caches, self.penalty_state, next_ids, next_lp, logprobs, hidden = self._step(
             self.params, self.kv_caches, self.penalty_state, fb, sampling)
         self._check_no_new_compile(real[0])
@@ -340,18 +384,15 @@ class ModelRunner:
                 self._check_no_new_compile(None)
         return out
 
-    def _num_compiled(self) -> int:
-        return (self._step._cache_size() + self._logprobs._cache_size() + self._label_logprobs._cache_size()
-                + self._init_penalty_row._cache_size())
-
     def _check_no_new_compile(self, batch: Optional[ModelWorkerBatch]) -> None:
+        """Count (and warn about) any program the process handed to XLA since warm-up ended."""
         if self._compiled_after_warmup is None:
             return
-        size = self._num_compiled()
-        if size > self._compiled_after_warmup:
-            self.num_compiles_after_warmup += size - self._compiled_after_warmup
-            self._compiled_after_warmup = size
-            shape = batch.padded_shape if batch is not None else "input-logprob chunk"
+        programs = compile_counts().programs
+        if programs > self._compiled_after_warmup:
+            self.num_compiles_after_warmup += programs - self._compiled_after_warmup
+            self._compiled_after_warmup = programs
+            shape = batch.padded_shape if batch is not None else "logprob/penalty program"
             logger.warning("Compiled a new program while serving (%s); add the shape to the precompile "
                            "paddings", shape)
 
@@ -377,27 +418,60 @@ class ModelRunner:
         return ModelWorkerBatch(forward_batch=fb, sampling=sampling, num_tokens=0, num_seqs=0)
 
     def warmup(self) -> None:
-        """Compile every bucket (and the logprob chunk program) before serving, with a progress bar."""
+        """Compile every bucket's step program (and the logprob, label-logprob and penalty-row programs) ahead
+        of time (``jit(...).lower(...).compile()``: nothing runs), with a progress bar and one log line per
+        program saying whether XLA compiled it or it was loaded from the persistent compilation cache.
+
+        Serving then finds each program in jit's in-memory cache; any later compile is counted in
+        ``num_compiles_after_warmup`` (see compile_stats).
+        """
         shapes = self.buckets.all_shapes()
-        t0 = time.time()
-        extra = 2 + len(SCORE_ROW_PADDINGS)
-        with tqdm(total=len(shapes) + extra, desc="Compiling buckets", unit="shape") as bar:
-            for mode, t_pad, s_pad in shapes:
-                bar.set_postfix_str(f"{mode.name.lower()} T={t_pad} S={s_pad}")
-                self.forward_ranks([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
+        hidden_dim = self.model_config.hidden_size
+        dtype = np.dtype(JNP_DTYPES[self.model_config.dtype])
+        programs = [(f"{mode.name.lower()} T={t} S={s}", self._lower_step(mode, t, s)) for mode, t, s in shapes]
+        programs.append((f"input logprobs R={LOGPROB_CHUNK_ROWS}", lambda: self._logprobs.lower(
+            self.params, np.zeros((LOGPROB_CHUNK_ROWS, hidden_dim), dtype))))
+        programs.append(("penalty row", lambda: self._init_penalty_row.lower(
+            self.penalty_state, np.int32(0), np.zeros(self.max_context_len, np.int32), np.int32(0), np.int32(0),
+            np.zeros(self.model_config.vocab_size, np.float32))))
+        for r in SCORE_ROW_PADDINGS:
+            programs.append((f"label logprobs R={r}", lambda r=r: self._label_logprobs.lower(
+                self.params, np.zeros((r, hidden_dim), dtype), np.zeros(SCORE_LABEL_CHUNK, np.int32))))
+        t0, start = time.time(), compile_counts()
+        # tracing is Python (one thread); XLA compiles (or loads) off the GIL: trace the next program while the
+        # previous ones compile, on as many threads as the host has cores (at least 2)
+        workers = max(2, min(8, os.cpu_count() or 2))
+        with tqdm(total=len(programs), desc="Compiling buckets", unit="shape") as bar, \
+                concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+            def compile_one(name, lowered, traced_s):
+                t1, before = time.time(), compile_counts(this_thread=True)
+                lowered.compile()
+                logger.info("Bucket %s: %s in %.1f s (traced in %.1f s)", name,
+                            describe(compile_counts(this_thread=True) - before), time.time() - t1, traced_s)
                 bar.update()
-            hidden_dim = self.model_config.hidden_size
-            dtype = np.dtype(JNP_DTYPES[self.model_config.dtype])
-            self.full_logprobs(np.zeros((1, hidden_dim), dtype))
-            bar.update()
-            self.init_penalty_row(0, [0], 1, None)  # row 0 is set up again by its first real user
-            bar.update()
-            for r in SCORE_ROW_PADDINGS:
-                bar.set_postfix_str(f"label logprobs R={r}")
-                self.label_logprobs(np.zeros((r, hidden_dim), dtype), [0])
-                bar.update()
-        self._compiled_after_warmup = self._num_compiled()
-        logger.info("Warm-up compiled %d shapes in %.1f s", len(shapes) + extra, time.time() - t0)
+            futures = []
+            for name, lower in programs:
+                bar.set_postfix_str(name)
+                t1 = time.time()
+                lowered = lower()
+                futures.append(pool.submit(compile_one, name, lowered, time.time() - t1))
+            for f in futures:
+                f.result()
+        done = compile_counts()
+        self._compiled_after_warmup = done.programs
+        delta = done - start
+        self.warmup_stats = {"programs": len(programs), "compiled": delta.compiled,
+                             "loaded_from_cache": delta.cache_hits, "seconds": round(time.time() - t0, 2)}
+        logger.info("Warm-up: %d programs in %.1f s (%d compiled, %d loaded from the compilation cache)",
+                    len(programs), time.time() - t0, delta.compiled, delta.cache_hits)
+
+    def _lower_step(self, mode: ForwardMode, t_pad: int, s_pad: int):
+        """A thunk lowering the step program of one padded shape with serving's exact inputs (shardings
+        included), so the compiled program is the one jit finds when serving."""
+        def lower():
+            fb, sampling = self._step_inputs([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
+            return self._step.lower(self.params, self.kv_caches, self.penalty_state, fb, sampling)
+        return lower
 
 
 def setup_jax(server_args) -> str:
@@ -409,6 +483,6 @@ def setup_jax(server_args) -> str:
     if server_args.compilation_cache_dir:
         os.makedirs(server_args.compilation_cache_dir, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", server_args.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return jax.devices()[0].platform

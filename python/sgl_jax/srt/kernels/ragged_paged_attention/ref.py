@@ -125,8 +125,8 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, page_indices, num_seqs, sm_s
     def body(kb, carry):
         cols = jnp.minimum(kb * ppb + jnp.arange(ppb), P - 1)
         pages = page_indices[:, cols]  # [S, ppb]
-        kblk = k_pages[pages].reshape(S, bk, KVH, D)
-        vblk = v_pages[pages].reshape(S, bk, KVH, D)
+        kblk = k_pages[pages].reshape(S, bk, KVH, D).astype(q.dtype)
+        vblk = v_pages[pages].reshape(S, bk, KVH, D).astype(q.dtype)
         kpos = kb * bk + jnp.arange(bk)
         mask = (kpos[None, :] < kv_len[:, None]) & (kpos[None, :] >= lo[:, None])  # [S, bk]
         s = _scores(qs, kblk, sm_scale, soft_cap)  # [S, KVH, G, 1, bk]
@@ -190,8 +190,8 @@ def _shared_prefix_state(q, k_pages, v_pages, page_row, shared_len, num_rows, qp
         def kv_body(kb, carry):
             cols = jnp.minimum(kb * ppb + jnp.arange(ppb), P - 1)
             pages = page_row[cols]
-            kblk = k_pages[pages].reshape(bk, KVH, D)
-            vblk = v_pages[pages].reshape(bk, KVH, D)
+            kblk = k_pages[pages].reshape(bk, KVH, D).astype(q.dtype)
+            vblk = v_pages[pages].reshape(bk, KVH, D).astype(q.dtype)
             kpos = kb * bk + jnp.arange(bk)
             mask = kpos[None, :] < shared_len
             if lo is not None:
@@ -263,8 +263,8 @@ def _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num
                 kb = jnp.where(i < n_a, kb_lo + i, b_lo + i - n_a)
                 cols = jnp.minimum(kb * ppb + jnp.arange(ppb), P - 1)
                 pages = page_row[cols]
-                kblk = k_pages[pages].reshape(bk, KVH, D)
-                vblk = v_pages[pages].reshape(bk, KVH, D)
+                kblk = k_pages[pages].reshape(bk, KVH, D).astype(q.dtype)
+                vblk = v_pages[pages].reshape(bk, KVH, D).astype(q.dtype)
                 kpos = kb * bk + jnp.arange(bk)
                 mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < kv_len) & (kpos[None, :] >= lo[:, None])
                 mask &= (kpos[None, :] < prefix_len) | (kpos[None, :] >= seg_start[:, None])
@@ -307,7 +307,8 @@ def ragged_paged_attention(
     Args:
         q: [T, num_heads, head_dim] queries of all sequences, concatenated in sequence order; rows past
             ``cu_q_lens[num_seqs]`` are padding.
-        k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim]; already hold this step's K/V.
+        k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim]; already hold this step's K/V. Any
+            float dtype (the cache's storage dtype, --kv-cache-dtype): blocks read are converted to q.dtype.
         kv_lens: int32[S] tokens of KV per sequence, this step's tokens included.
         page_indices: int32[S, pages_per_seq] page table; entries past a sequence's pages are ignored.
         cu_q_lens: int32[S + 1] cumulative query lengths (cu_q_lens[0] = 0).

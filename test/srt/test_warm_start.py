@@ -1,0 +1,73 @@
+"""Restarting with the same flags loads every compiled program from the persistent compilation cache.
+
+Two real Engine starts (scheduler + detokenizer processes) on a tiny random Llama, each in a fresh Python
+process, sharing one compilation-cache directory. The KV pool is auto-sized (no --max-total-tokens) and the free
+memory it follows moves between the starts by the amount issue #17 saw on this machine (a pool of 103,192
+tokens the first time, 102,011 the second): the test hook SGL_JAX_TEST_AVAILABLE_MEMORY_BYTES stands in for
+MemAvailable so the move is exact. The second start must compile nothing, load every program from the cache,
+serve without compiling, and generate the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sgl_jax.srt.model_executor.model_runner import TEST_AVAILABLE_MEMORY_ENV, stable_pool_tokens
+from srt_helpers import save_tiny_llama, server_env
+
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny Llama: K and V, 2 layers, 2 KV heads of 16, float32
+CPU_MEM_FRACTION = 0.2  # compute_max_total_tokens' CPU default
+
+CHILD = r"""
+import json, sys
+from sgl_jax import Engine
+args = json.loads(sys.argv[1])
+with Engine(**args) as engine:
+    out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+    state = engine.get_server_info()["internal_states"][0]
+print("RESULT " + json.dumps({"ids": out["output_ids"], "max_total_tokens": state["max_total_tokens"],
+                              "warmup": state["warmup"], "after": state["num_compiles_after_warmup"]}))
+"""
+
+
+def _start(model_dir, tok_dir, cache_dir, pool_tokens: int) -> dict:
+    args = dict(model_path=model_dir, tokenizer_path=tok_dir, compilation_cache_dir=str(cache_dir),
+                precompile_token_paddings=[64, 128], max_running_requests=4, chunked_prefill_size=128,
+                context_length=512, grammar_backend="none", log_level="warning")
+    memory = int(pool_tokens * KV_BYTES_PER_TOKEN / CPU_MEM_FRACTION) + 1
+    env = server_env({TEST_AVAILABLE_MEMORY_ENV: str(memory), "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_restart_with_moved_free_memory_loads_everything_from_cache(tmp_path):
+    model_dir, tok_dir = save_tiny_llama(tmp_path / "model")
+    cache = tmp_path / "jax_cache"
+    first = _start(model_dir, tok_dir, cache, 103_192)
+    second = _start(model_dir, tok_dir, cache, 102_011)
+    assert first["max_total_tokens"] == second["max_total_tokens"] == 98_304, (first, second)
+    assert first["warmup"]["compiled"] > 0  # a fresh cache directory
+    w = second["warmup"]
+    assert w["programs"] >= 6 and w["compiled"] == 0 and w["loaded_from_cache"] == w["programs"], w
+    assert first["after"] == second["after"] == 0  # nothing compiled while serving
+    assert second["ids"] == first["ids"] and len(first["ids"]) == 8
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_stable_pool_tokens(page_size):
+    assert stable_pool_tokens(103_192, page_size) == stable_pool_tokens(102_011, page_size) == 98_304
+    for tokens in list(range(page_size, 5000, 7)) + [2**20 - 1, 2**20, 10**7 + 3]:
+        got = stable_pool_tokens(tokens, page_size)
+        assert got % page_size == 0 and got <= tokens, (tokens, got)
+        if tokens >= 16 * page_size:
+            assert got >= tokens * 8 / 9 - page_size, (tokens, got)  # loses at most a ninth
+    # every value maps to one of few sizes: 8 per power of two
+    assert len({stable_pool_tokens(t, 1) for t in range(2**16, 2**17)}) == 8
