@@ -1,0 +1,374 @@
+"""Prefill and decode latency of one static batch, straight through the ModelRunner (no HTTP, no ZMQ).
+
+SGLang's ``bench_one_batch``: for each batch size B and input length L, B requests of L random token ids
+(seeded) are prefilled, then decoded step by step; every step is built by the scheduler's own structures
+(Req, ScheduleBatch.prepare_for_extend / prepare_for_decode, build_model_worker_batch, ModelRunner.forward)::
+
+    JAX_PLATFORMS=cpu python -m sgl_jax.bench_one_batch --batch-size 1 16 64 --input-len 1500 --output-len 16
+    python -m sgl_jax.bench_one_batch --load-format dummy --batch-size 1 4 --input-len 64 --output-len 4 \
+        --result-filename results.jsonl --report one_batch.md
+
+Every ServerArgs flag works (``--model-path``, ``--dtype``, ``--page-size``, ``--max-total-tokens`` ...).
+Compilation is excluded: ModelRunner.warmup() compiles every bucket first, and ``--warmup-steps`` untimed
+decode steps run before the ``--output-len`` timed ones. A step's time includes its host work (allocation,
+batch building) as the scheduler pays it; ``host ms`` is that part. A batch whose prompts exceed one prefill
+step's token budget (--chunked-prefill-size, else --max-prefill-tokens) is prefilled in several steps (whole
+requests, the last one cut to a page-aligned chunk), and the prefill time is their sum. The KV pool is sized
+to B x (L + warm-up + output) tokens unless --max-total-tokens or --mem-fraction-static is given. A
+ChunkCache (no prefix sharing) is used whatever the radix flag says: random prompts share nothing.
+
+Floors (per device, for the real tokens, padding excluded): what the step must at least cost at the machine's
+peak rates ``--peak-gflops`` and ``--peak-gbps``.
+  FLOPs = 2 x (parameters except embedding and lm-head) x tokens + 2 x vocab x hidden x sequences (the lm-head
+          runs on each sequence's last token only) + 4 x layers x heads x head_dim x sum over query tokens of
+          the context each sees (causal: position p sees p + 1 tokens, a sliding-window layer at most its window).
+  bytes = weights read once (the parameters' bytes on device; an untied embedding table is only gathered, so
+          it is left out) + per layer and sequence: KV read of its whole context after the step (window-capped)
+          and KV written for its new tokens, at the bytes per token of the runner's KV buffers (their dtype).
+  floor = max(FLOPs / peak FLOP/s, bytes / peak B/s), marked F (compute-bound) or B (bandwidth-bound);
+  ``x floor`` = measured / floor. Decode: the median step against the median step's floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from typing import List, Optional, Tuple
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
+from sgl_jax.srt.managers.scheduler import derive_limits
+from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
+from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
+from sgl_jax.srt.mem_cache.common import release_kv_cache
+from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
+from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_jax.srt.model_executor.model_runner import ModelRunner, compute_max_total_tokens, setup_jax
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.srt.utils import configure_logging
+
+COLUMNS = ("bs", "in", "out", "prefill s", "steps", "prefill tok/s", "floor s", "x floor", "decode p50 ms",
+           "p90 ms", "host ms", "decode tok/s", "floor ms", "x floor")
+
+
+@dataclasses.dataclass
+class ModelCost:
+    """What the floors need, per device. token_params / head_params: parameters each token / each sequence's
+    logits row multiplies (head: vocab x hidden); weight_bytes: bytes one step reads; layer_windows: per layer,
+    its sliding window (None: full); layer_kv_bytes: per layer, K+V bytes per token; q_heads x head_dim: the
+    query width on this device."""
+
+    token_params: int
+    head_params: int
+    weight_bytes: int
+    layer_windows: List[Optional[int]]
+    layer_kv_bytes: List[int]
+    q_heads: int
+    head_dim: int
+
+
+def model_cost(runner: ModelRunner) -> ModelCost:
+    """ModelCost of `runner`: parameter counts from its params tree, KV bytes from its KV buffers (so a KV
+    dtype that differs from the weights' is counted as stored)."""
+    mc, tp = runner.model_config, runner.tp_size
+    total = embed = embed_bytes = 0
+    weight_bytes, untied = 0, False
+    for path, leaf in jax.tree_util.tree_flatten_with_path(runner.params)[0]:
+        name = jax.tree_util.keystr(path)
+        untied |= "lm_head" in name
+        nbytes = leaf.addressable_shards[0].data.nbytes
+        weight_bytes += nbytes
+        total += leaf.size
+        if "embed_tokens" in name:
+            embed, embed_bytes = embed + leaf.size, embed_bytes + nbytes
+    head = mc.vocab_size * mc.hidden_size
+    kv = [2 * k.shape[2] // tp * k.shape[3] * k.dtype.itemsize for k, _ in runner.kv_caches]
+    return ModelCost(token_params=(total - embed - (head if untied else 0)) // tp, head_params=head // tp,
+                     weight_bytes=weight_bytes - (embed_bytes if untied else 0),
+                     layer_windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)], layer_kv_bytes=kv,
+                     q_heads=max(1, mc.num_attention_heads // tp), head_dim=mc.head_dim)
+
+
+def _context_sum(start: int, n: int, window: Optional[int]) -> int:
+    """Sum of the contexts of queries at positions [start, start + n): position p sees min(p + 1, window)."""
+    a, b = start + 1, start + n
+    if window is None or b <= window:
+        return (a + b) * n // 2
+    if a > window:
+        return window * n
+    return (a + window) * (window - a + 1) // 2 + window * (b - window)
+
+
+def step_floor(cost: ModelCost, seqs: List[Tuple[int, int]], peak_gflops: float, peak_gbps: float
+               ) -> Tuple[float, str, float, float]:
+    """(floor seconds, "F" or "B", FLOPs, bytes) of one step over `seqs` = [(tokens already in KV, new tokens)]."""
+    tokens = sum(n for _, n in seqs)
+    flops = 2 * cost.token_params * tokens + 2 * cost.head_params * len(seqs)
+    nbytes = cost.weight_bytes
+    for window, kv in zip(cost.layer_windows, cost.layer_kv_bytes):
+        flops += 4 * cost.q_heads * cost.head_dim * sum(_context_sum(s, n, window) for s, n in seqs)
+        nbytes += kv * sum(min(s + n, window or s + n) + n for s, n in seqs)
+    t_flop, t_byte = flops / (peak_gflops * 1e9), nbytes / (peak_gbps * 1e9)
+    return max(t_flop, t_byte), "F" if t_flop >= t_byte else "B", float(flops), float(nbytes)
+
+
+def plan_prefill(prompt_lens: List[int], budget: int, max_seqs: int, page: int) -> List[List[Tuple[int, int]]]:
+    """Extend steps that prefill prompts of `prompt_lens` tokens in order, as the scheduler admits them: at most
+    `budget` tokens and `max_seqs` sequences a step, the last request of a step cut to whole pages when it does
+    not fit (it goes on in the next step). Returns per step [(request index, new tokens)]."""
+    steps, i, done = [], 0, 0  # done: tokens of request i planned so far
+    while i < len(prompt_lens):
+        step, room = [], budget
+        while i < len(prompt_lens) and len(step) < max_seqs:
+            left = prompt_lens[i] - done
+            n = left if left <= room else room // page * page
+            if n == 0:
+                break
+            step.append((i, n))
+            room -= n
+            if n < left:
+                done += n
+                break
+            i, done = i + 1, 0
+        steps.append(step)
+    return steps
+
+
+class OneBatchRunner:
+    """The model runner with one rank's pools, driven step by step as the scheduler drives it."""
+
+    def __init__(self, sa: ServerArgs, args: argparse.Namespace):
+        platform = setup_jax(sa)
+        self.mc = mc = ModelConfig.from_server_args(sa, platform)
+        self.page = sa.page_size
+        max_bs, self.warmup_steps = max(args.batch_size), args.warmup_steps
+        per_seq = max(args.input_len) + args.warmup_steps + args.output_len
+        if per_seq > mc.context_len:
+            sys.exit(f"--input-len + --warmup-steps + --output-len = {per_seq} exceeds the context length "
+                     f"{mc.context_len}; raise --context-length")
+        max_running, buckets, max_prefill, chunk = derive_limits(sa, mc, platform)
+        if max_running < max_bs:
+            if sa.max_running_requests is not None or sa.precompile_bs_paddings is not None:
+                sys.exit(f"--batch-size {max_bs} exceeds --max-running-requests / the largest "
+                         f"--precompile-bs-paddings ({max_running}); raise them")
+            sa = dataclasses.replace(sa, max_running_requests=max_bs)  # re-validated
+            max_running, buckets, max_prefill, chunk = derive_limits(sa, mc, platform)
+        self.buckets, self.budget = buckets, chunk or max_prefill
+        if self.budget < self.page:
+            sys.exit(f"a prefill step's token budget ({self.budget}) is less than --page-size {self.page}")
+        self.need = max(b * math.ceil((i + args.warmup_steps + args.output_len) / self.page) * self.page
+                        for b in args.batch_size for i in args.input_len)
+        hybrid = bool(mc.swa_layer_ids) and not sa.disable_hybrid_swa_memory
+        if sa.max_total_tokens is None and sa.mem_fraction_static is None:  # both pools must hold `need`
+            ratio = min(sa.swa_full_tokens_ratio, 1.0) if hybrid else 1.0
+            sa = dataclasses.replace(sa, max_total_tokens=math.ceil(self.need / ratio) + 2 * self.page)
+        self.server_args = sa
+        self.runner = runner = ModelRunner(
+            sa, mc, buckets=buckets, max_context_len=mc.context_len, num_request_slots=max_running,
+            max_total_tokens_fn=lambda wb: compute_max_total_tokens(sa, mc, wb, platform))
+        pools = [runner.max_total_tokens] + ([runner.swa_max_total_tokens] if runner.hybrid_swa else [])
+        if min(pools) < self.need:
+            sys.exit(f"the KV pool ({' / '.join(map(str, pools))} tokens) cannot hold the largest batch: "
+                     f"{self.need} tokens (batch x (input + warm-up + output), pages of {self.page}); raise "
+                     "--max-total-tokens (or leave it and --mem-fraction-static unset to size it from the batch)")
+        self.pool = ReqToTokenPool(max_running, mc.context_len)
+        self.alloc = (SWAPagedAllocator(runner.max_total_tokens, runner.swa_max_total_tokens, self.page)
+                      if runner.hybrid_swa else PagedTokenToKVPoolAllocator(runner.max_total_tokens, self.page))
+        self.cache = ChunkCache(self.pool, self.alloc)
+        self.cost = model_cost(runner)
+        if not sa.disable_precompile:
+            runner.warmup()
+
+    def _step(self, batch: ScheduleBatch) -> Tuple[list, float]:
+        """Build and run one prepared step, then commit its KV and take the sampled tokens as the scheduler does.
+        Returns ([(tokens in KV before, new tokens)] per sequence, seconds spent building the batch)."""
+        seqs = [(r.kv_committed_len, r.kv_allocated_len - r.kv_committed_len) for r in batch.reqs]
+        t0 = time.perf_counter()
+        swa_map = self.alloc.full_to_swa if self.runner.hybrid_swa else None
+        wb = batch.build_model_worker_batch(self.buckets, self.pool, self.page, swa_page_map=swa_map)
+        host = time.perf_counter() - t0
+        out = self.runner.forward(wb)  # returns host arrays of the sampled ids: the step has finished
+        for i, r in enumerate(batch.reqs):
+            r.kv_committed_len = r.kv_allocated_len
+            if r.kv_committed_len >= r.seqlen:  # prompt fully prefilled, or a decode step: take the token
+                r.output_ids.append(int(out.next_token_ids[i]))
+            if self.runner.hybrid_swa:
+                release_swa_out_of_window(r, self.pool, self.alloc, self.mc.sliding_window)
+        return seqs, host
+
+    def prefill(self, reqs: List[Req]) -> Tuple[float, List[list]]:
+        """Run the extend steps of `plan_prefill` (each padded shape run once untimed first).
+        Returns (seconds, per step [(tokens in KV before, new tokens)] per sequence)."""
+        plan = plan_prefill([len(r.origin_input_ids) for r in reqs], self.budget, self.buckets.max_bs, self.page)
+        for t, s in {self.buckets.extend_shape(sum(n for _, n in st), len(st)) for st in plan}:
+            self.runner.forward(self.runner.dummy_batch(ForwardMode.EXTEND, t, s))
+        steps, t0 = [], time.perf_counter()
+        for step in plan:
+            for i, n in step:
+                reqs[i].extend_input_len = n
+            batch = ScheduleBatch([reqs[i] for i, _ in step], ForwardMode.EXTEND)
+            batch.prepare_for_extend(self.pool, self.alloc, self.cache)
+            steps.append(self._step(batch)[0])
+        return time.perf_counter() - t0, steps
+
+    def decode(self, reqs: List[Req]) -> Tuple[float, float, list]:
+        """One decode step. Returns (step seconds, host seconds, [(tokens in KV before, 1)] per sequence)."""
+        t0 = time.perf_counter()
+        batch = ScheduleBatch(reqs, ForwardMode.DECODE)
+        if not batch.prepare_for_decode(self.pool, self.alloc, self.cache):
+            raise RuntimeError("KV pool ran out during decode (sizing bug)")
+        prep = time.perf_counter() - t0
+        seqs, host = self._step(batch)
+        return time.perf_counter() - t0, prep + host, seqs
+
+    def run_row(self, bs: int, input_len: int, output_len: int, seed: int, peaks: Tuple[float, float]) -> dict:
+        """Prefill B x L random prompts, run the warm-up decode steps, time `output_len` decode steps, free all."""
+        rng = np.random.default_rng([seed, bs, input_len])
+        ids = rng.integers(0, self.mc.vocab_size, size=(bs, input_len)).tolist()
+        sp = SamplingParams(max_new_tokens=self.warmup_steps + output_len + 1, ignore_eos=True)
+        reqs = [Req(f"bench-{bs}-{input_len}-{i}", p, sp, eos_token_ids=self.mc.eos_token_ids, seed=seed + i)
+                for i, p in enumerate(ids)]
+        compiles = self.runner.num_compiles_after_warmup
+        prefill_s, steps = self.prefill(reqs)
+        prefill_floors = [step_floor(self.cost, s, *peaks) for s in steps]
+        t, s = self.buckets.decode_shape(bs)
+        self.runner.forward(self.runner.dummy_batch(ForwardMode.DECODE, t, s))  # first run of the shape
+        for _ in range(self.warmup_steps):
+            self.decode(reqs)
+        times, hosts, floors = [], [], []
+        for _ in range(output_len):
+            t, h, seqs = self.decode(reqs)
+            times.append(t), hosts.append(h), floors.append(step_floor(self.cost, seqs, *peaks))
+        compiles = self.runner.num_compiles_after_warmup - compiles
+        for r in reqs:
+            release_kv_cache(r, self.cache)
+        assert self.alloc.available_size() == self.alloc.size, "KV pages leaked"
+        p_floor = sum(f[0] for f in prefill_floors)
+        p_flops, p_bytes = sum(f[2] for f in prefill_floors), sum(f[3] for f in prefill_floors)
+        p_bound = "F" if p_flops / peaks[0] >= p_bytes / peaks[1] else "B"
+        med = float(np.median(times))
+        d_floor = sorted(floors)[len(floors) // 2]
+        return {"batch_size": bs, "input_len": input_len, "output_len": output_len,
+                "prefill_latency_s": prefill_s, "prefill_steps": len(steps),
+                "prefill_throughput_tok_s": bs * input_len / prefill_s, "prefill_floor_s": p_floor,
+                "prefill_bound": p_bound, "prefill_x_floor": prefill_s / p_floor, "prefill_flops": p_flops,
+                "prefill_bytes": p_bytes,
+                "decode_median_ms": 1e3 * med, "decode_p90_ms": 1e3 * float(np.percentile(times, 90)),
+                "decode_host_median_ms": 1e3 * float(np.median(hosts)), "decode_throughput_tok_s": bs / med,
+                "decode_floor_ms": 1e3 * d_floor[0], "decode_bound": d_floor[1],
+                "decode_x_floor": med / d_floor[0], "decode_step_flops": d_floor[2], "decode_step_bytes": d_floor[3],
+                "compiles_after_warmup": compiles}
+
+
+def format_row(r: dict) -> str:
+    """One markdown table row of a result of `OneBatchRunner.run_row`."""
+    cells = [r["batch_size"], r["input_len"], r["output_len"], f"{r['prefill_latency_s']:.3f}", r["prefill_steps"],
+             f"{r['prefill_throughput_tok_s']:.0f}", f"{r['prefill_floor_s']:.4f} {r['prefill_bound']}",
+             f"{r['prefill_x_floor']:.1f}", f"{r['decode_median_ms']:.2f}", f"{r['decode_p90_ms']:.2f}",
+             f"{r['decode_host_median_ms']:.2f}", f"{r['decode_throughput_tok_s']:.1f}",
+             f"{r['decode_floor_ms']:.3f} {r['decode_bound']}", f"{r['decode_x_floor']:.1f}"]
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def git_commit() -> str:
+    """HEAD of the checkout this script lives in (``-dirty`` with uncommitted changes to tracked files)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def parse_args(argv: List[str]) -> Tuple[ServerArgs, argparse.Namespace]:
+    """Every ServerArgs flag plus the benchmark's own."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ServerArgs.add_cli_args(parser)
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--input-len", type=int, nargs="+", default=[1500], help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=16, help="decode steps timed")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before the timed ones")
+    parser.add_argument("--run-name", default="default")
+    parser.add_argument("--result-filename", help="JSONL file: one line per row is appended")
+    parser.add_argument("--report", help="markdown report to write (table, command, commit, date, CPUs)")
+    parser.add_argument("--peak-gflops", type=float, default=400.0, help="peak FLOP/s of the device, in GFLOP/s")
+    parser.add_argument("--peak-gbps", type=float, default=42.0, help="peak memory bandwidth, in GB/s")
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "input_len"):
+        if min(getattr(args, name)) < 1:
+            parser.error(f"--{name.replace('_', '-')} values must be >= 1")
+    if args.output_len < 1 or args.warmup_steps < 0 or min(args.peak_gflops, args.peak_gbps) <= 0:
+        parser.error("--output-len must be >= 1, --warmup-steps >= 0, --peak-gflops and --peak-gbps > 0")
+    if args.random_seed is None:
+        args.random_seed = 0  # random prompts and dummy weights reproducible by default
+    try:
+        return ServerArgs.from_cli_args(args), args
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Run every (batch size, input length) row; print the table, append JSONL lines, write the report."""
+    argv = sys.argv[1:] if argv is None else argv
+    sa, args = parse_args(argv)
+    configure_logging(sa.log_level, "bench_one_batch")
+    bench = OneBatchRunner(sa, args)
+    sa, mc, runner, cost = bench.server_args, bench.mc, bench.runner, bench.cost
+    kv_dtype = runner.kv_caches[0][0].dtype
+    weights = "dummy" if sa.load_format == "dummy" else os.path.basename(mc.model_path)
+    header = [f"model {mc.architecture} ({weights} weights, {mc.dtype}), KV {kv_dtype} "
+              f"{sum(cost.layer_kv_bytes)} B/token, page {sa.page_size}, tp {runner.tp_size}, "
+              f"{jax.devices()[0].device_kind} ({runner.attention_backend} attention), {os.cpu_count()} CPUs",
+              f"per step: {cost.weight_bytes / 1e6:.1f} MB of weights read, {2 * cost.token_params / 1e6:.1f} "
+              f"MFLOP per token + {2 * cost.head_params / 1e6:.1f} MFLOP lm-head per sequence (per device)",
+              f"floors at --peak-gflops {args.peak_gflops:g} --peak-gbps {args.peak_gbps:g}; F: compute-bound, "
+              f"B: bandwidth-bound; x floor = measured / floor; decode: median of {args.output_len} steps after "
+              f"{args.warmup_steps} warm-up"]
+    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    print("\n".join(header + [""] + table), flush=True)
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    commit = git_commit()
+    shapes = [(b, i) for b in args.batch_size for i in args.input_len]
+    for bs, input_len in tqdm(shapes, desc="bench_one_batch", unit="row"):
+        row = bench.run_row(bs, input_len, args.output_len, args.random_seed, (args.peak_gflops, args.peak_gbps))
+        table.append(format_row(row))
+        tqdm.write(table[-1])
+        if args.result_filename:
+            extra = {"run_name": args.run_name, "model": mc.model_path, "dtype": mc.dtype, "kv_dtype": str(kv_dtype),
+                     "page_size": sa.page_size, "peak_gflops": args.peak_gflops, "peak_gbps": args.peak_gbps,
+                     "commit": commit, "date": now}
+            with open(args.result_filename, "a") as f:
+                f.write(json.dumps({**extra, **row}) + "\n")
+    if runner.num_compiles_after_warmup:
+        print(f"warning: {runner.num_compiles_after_warmup} programs compiled after warm-up (before the timed "
+              "steps of their shape, untimed; see compiles_after_warmup per row)", flush=True)
+    if args.report:
+        env = " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in ("JAX_PLATFORMS", "XLA_FLAGS") if k in os.environ)
+        command = (env + " " if env else "") + "python -m sgl_jax.bench_one_batch " + shlex.join(argv)
+        lines = [f"# bench_one_batch: {args.run_name}", "", *[f"- {h}" for h in header], "", *table, "",
+                 "Command:", "", f"    {command}", "", f"Commit {commit}, {now}, {os.cpu_count()} CPUs "
+                 f"({len(os.sched_getaffinity(0))} usable), jax {jax.__version__}.", ""]
+        os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
+        with open(args.report, "w") as f:
+            f.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

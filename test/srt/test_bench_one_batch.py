@@ -1,0 +1,51 @@
+"""bench_one_batch (python -m sgl_jax.bench_one_batch) at small scale on a tiny random Llama: every row is
+measured through the real ModelRunner and scheduler structures, the floors are computed from the model's
+shapes, nothing compiles after warm-up, no KV page leaks (the script asserts it), and the report holds the
+table and the command that reproduces it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from srt_helpers import save_tiny_llama, server_env
+
+# tiny Llama: 2 layers, hidden 64, 4 heads of 16, 2 KV heads, MLP 128, tied 49,152 x 64 embedding
+LAYER_PARAMS = 4 * 64 * 64 // 1 - 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64  # q,o 64x64; k,v 64x32; MLP; 2 norms
+TOKEN_PARAMS = 2 * LAYER_PARAMS + 64  # + final norm
+KV_BYTES = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, float32
+
+
+def test_bench_one_batch_tiny(tmp_path):
+    model, tok = save_tiny_llama(tmp_path / "model")
+    jsonl, report = tmp_path / "rows.jsonl", tmp_path / "report.md"
+    args = ["--model-path", model, "--tokenizer-path", tok, "--context-length", "256",
+            "--precompile-token-paddings", "64", "128", "--chunked-prefill-size", "64", "--batch-size", "1", "3",
+            "--input-len", "40", "--output-len", "3", "--warmup-steps", "1", "--result-filename", str(jsonl),
+            "--report", str(report), "--compilation-cache-dir", str(tmp_path / "cache")]
+    proc = subprocess.run([sys.executable, "-m", "sgl_jax.bench_one_batch", *args], capture_output=True, text=True,
+                          env=server_env({"JAX_PLATFORMS": "cpu"}), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [(r["batch_size"], r["input_len"]) for r in rows] == [(1, 40), (3, 40)]
+    one, three = rows
+    assert one["prefill_steps"] == 1 and three["prefill_steps"] == 2  # 120 prompt tokens, 64 per step
+    for r in rows:
+        assert r["compiles_after_warmup"] == 0
+        assert r["prefill_latency_s"] > 0 and r["decode_median_ms"] > 0 and r["decode_p90_ms"] >= r["decode_median_ms"]
+        assert r["decode_x_floor"] == r["decode_median_ms"] / r["decode_floor_ms"]
+        assert r["decode_bound"] == "B" and r["kv_dtype"] == "float32"
+    # decode floor: weights read once (the tied embedding is the lm-head) + per sequence its KV after the step
+    # (context c) read and 1 token written; FLOPs 2 x token params + 2 x lm-head + attention 4 x heads x dim x c
+    # per layer. The median timed step follows prefill (40 tokens) and 1 warm-up step: c is 42 to 44.
+    weights = (49152 * 64 + TOKEN_PARAMS) * 4
+    kv_one = one["decode_step_bytes"] - weights
+    assert kv_one % KV_BYTES == 0 and 43 <= kv_one // KV_BYTES <= 45, kv_one
+    c = kv_one // KV_BYTES - 1
+    assert three["decode_step_bytes"] - weights == 3 * kv_one
+    assert one["decode_step_flops"] == 2 * TOKEN_PARAMS + 2 * 49152 * 64 + 2 * 4 * 4 * 16 * c
+    text = report.read_text()
+    assert "python -m sgl_jax.bench_one_batch " in text and "--batch-size 1 3" in text
+    assert text.count("\n| 1 | 40 | 3 |") == 1 and text.count("\n| 3 | 40 | 3 |") == 1
+    assert "--peak-gflops 400 --peak-gbps 42" in text
