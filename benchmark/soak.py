@@ -52,6 +52,8 @@ from typing import Dict, List, Optional
 
 import httpx
 
+from sgl_jax.bench_utils import git_commit
+
 FLOORS = "CPU floors: ~380-420 GFLOP/s float32 matmul, ~42 GB/s memory"
 DEFAULT_SERVER_ARGS = ["--max-running-requests", "16", "--max-total-tokens", "8192"]
 WEIGHTS = {"gen": 24, "gen_stream": 14, "chat": 10, "chat_stream": 8, "score": 10, "disc_stream": 8,
@@ -354,12 +356,6 @@ def machine() -> str:
     return f"{cpu}, nproc {os.cpu_count()}, {mem:.1f} GiB memory, Python {sys.version.split()[0]}"
 
 
-def git_commit() -> str:
-    def git(*a):
-        return subprocess.run(["git", "--no-optional-locks", *a], capture_output=True, text=True).stdout.strip()
-    return (git("rev-parse", "--short", "HEAD") or "?") + ("-dirty" if git("status", "--porcelain") else "")
-
-
 def rss_verdict(rows: List[dict], warmup_min: float) -> str:
     after = lambda r: r["t_min"] is None or r["t_min"] > warmup_min + 1e-9  # noqa: E731 ("end": None)
     warm = [r["rss_mib"] for r in rows if r["rss_mib"] and not after(r)]
@@ -432,7 +428,7 @@ def main() -> int:
     p.add_argument("--url", help="a running server on loopback (else one is started)")
     p.add_argument("--server-pid", type=int, help="with --url: the server's pid, for RSS")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    commit = git_commit()  # (at the start: the code a self-started server runs)
+    commit = git_commit(short=True)  # (at the start: the code a self-started server runs)
     proc, log = None, None
     if args.url:
         url = args.url.rstrip("/")

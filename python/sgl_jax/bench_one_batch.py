@@ -38,7 +38,6 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
 from typing import List, Optional, Tuple
@@ -47,9 +46,10 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from sgl_jax.bench_utils import git_commit
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
-from sgl_jax.srt.managers.scheduler import derive_limits
+from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
@@ -283,18 +283,6 @@ def format_row(r: dict) -> str:
              f"{r['decode_host_median_ms']:.2f}", f"{r['decode_throughput_tok_s']:.1f}",
              f"{r['decode_floor_ms']:.3f} {r['decode_bound']}", f"{r['decode_x_floor']:.1f}"]
     return "| " + " | ".join(map(str, cells)) + " |"
-
-
-def git_commit() -> str:
-    """HEAD of the checkout this script lives in (``-dirty`` with uncommitted changes to tracked files)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True)
-        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def parse_args(argv: List[str]) -> Tuple[ServerArgs, argparse.Namespace]:

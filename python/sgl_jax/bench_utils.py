@@ -1,10 +1,11 @@
-"""Small helpers shared by the benchmarks: timing, the machine's name, XLA's measured matmul rate."""
+"""Small helpers shared by the benchmarks: timing, the machine's name, XLA's measured matmul rate, the commit."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import subprocess
 import time
 
 
@@ -43,3 +44,19 @@ def write_json(path: str, obj) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
+
+
+def git_commit(short: bool = False) -> str:
+    """HEAD of the checkout sgl_jax is installed from (``-dirty`` with uncommitted changes to tracked files;
+    "unknown" outside a git checkout)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args):
+        return subprocess.run(["git", "--no-optional-locks", *args], cwd=here, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", *(["--short"] if short else []), "HEAD")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

@@ -67,7 +67,7 @@ from sgl_jax.srt.mem_cache import create_prefix_cache
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
-from sgl_jax.srt.model_executor.buckets import ShapeBuckets, default_bs_paddings, default_token_paddings
+from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, compute_max_total_tokens, setup_jax
 from sgl_jax.srt.utils import configure_logging, prepare_child_process
@@ -99,38 +99,6 @@ SUMMED_STATE_KEYS = ("kv_tokens_total", "kv_tokens_free", "kv_tokens_cached", "k
                      "kv_tokens_protected", "num_retracted_reqs", "num_assigned_reqs", "num_score_handles",
                      "num_expired_score_handles", "num_score_groups", "kv_tokens_session_held", "num_sessions",
                      "num_streaming_sessions", "req_slots_session_held")
-
-
-def derive_limits(server_args, model_config, platform: str):
-    """(max_running_requests, ShapeBuckets, max_prefill_tokens, chunk_size) from the flags and the model.
-
-    Default token paddings reach the chunk size (or the context length without chunking).
-    Raises:
-        ValueError: --max-running-requests exceeds the largest --precompile-bs-paddings, or
-            --chunked-prefill-size exceeds the largest --precompile-token-paddings.
-    """
-    bs = server_args.precompile_bs_paddings
-    max_running = server_args.max_running_requests
-    if max_running is None:
-        max_running = bs[-1] if bs else (64 if platform == "cpu" else 256)
-    if bs is None:
-        bs = default_bs_paddings(max_running)
-    elif max_running > bs[-1]:
-        raise ValueError(f"--max-running-requests ({max_running}) exceeds the largest "
-                         f"--precompile-bs-paddings ({bs[-1]})")
-    chunk = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
-    if chunk is not None:
-        chunk = min(chunk, model_config.context_len)
-    tokens = server_args.precompile_token_paddings or default_token_paddings(chunk or model_config.context_len)
-    if chunk is not None and chunk > tokens[-1]:
-        raise ValueError(f"--chunked-prefill-size ({chunk}) exceeds the largest --precompile-token-paddings "
-                         f"({tokens[-1]})")
-    buckets = ShapeBuckets(tuple(tokens), tuple(bs))
-    if server_args.dp_size > 1 and buckets.max_tokens < max_running:
-        raise ValueError(f"--dp-size {server_args.dp_size} runs a rank's decode batch inside another rank's extend "
-                         f"step: the largest --precompile-token-paddings ({buckets.max_tokens}) must hold "
-                         f"--max-running-requests ({max_running})")
-    return max_running, buckets, min(server_args.max_prefill_tokens, buckets.max_tokens), chunk
 
 
 class _Discard:

@@ -76,3 +76,35 @@ def default_bs_paddings(max_running_requests: int) -> List[int]:
         b *= 4
     out.append(max_running_requests)
     return out
+
+
+def derive_limits(server_args, model_config, platform: str):
+    """(max_running_requests, ShapeBuckets, max_prefill_tokens, chunk_size) from the flags and the model.
+
+    Default token paddings reach the chunk size (or the context length without chunking).
+    Raises:
+        ValueError: --max-running-requests exceeds the largest --precompile-bs-paddings, or
+            --chunked-prefill-size exceeds the largest --precompile-token-paddings.
+    """
+    bs = server_args.precompile_bs_paddings
+    max_running = server_args.max_running_requests
+    if max_running is None:
+        max_running = bs[-1] if bs else (64 if platform == "cpu" else 256)
+    if bs is None:
+        bs = default_bs_paddings(max_running)
+    elif max_running > bs[-1]:
+        raise ValueError(f"--max-running-requests ({max_running}) exceeds the largest "
+                         f"--precompile-bs-paddings ({bs[-1]})")
+    chunk = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
+    if chunk is not None:
+        chunk = min(chunk, model_config.context_len)
+    tokens = server_args.precompile_token_paddings or default_token_paddings(chunk or model_config.context_len)
+    if chunk is not None and chunk > tokens[-1]:
+        raise ValueError(f"--chunked-prefill-size ({chunk}) exceeds the largest --precompile-token-paddings "
+                         f"({tokens[-1]})")
+    buckets = ShapeBuckets(tuple(tokens), tuple(bs))
+    if server_args.dp_size > 1 and buckets.max_tokens < max_running:
+        raise ValueError(f"--dp-size {server_args.dp_size} runs a rank's decode batch inside another rank's extend "
+                         f"step: the largest --precompile-token-paddings ({buckets.max_tokens}) must hold "
+                         f"--max-running-requests ({max_running})")
+    return max_running, buckets, min(server_args.max_prefill_tokens, buckets.max_tokens), chunk

@@ -33,6 +33,10 @@ class CompileCounts:
         """Programs XLA really compiled (not loaded from the persistent cache)."""
         return self.programs - self.cache_hits
 
+    def __add__(self, other: "CompileCounts") -> "CompileCounts":
+        return CompileCounts(self.programs + other.programs, self.cache_hits + other.cache_hits,
+                             self.seconds + other.seconds)
+
     def __sub__(self, other: "CompileCounts") -> "CompileCounts":
         return CompileCounts(self.programs - other.programs, self.cache_hits - other.cache_hits,
                              self.seconds - other.seconds)
@@ -44,22 +48,21 @@ _local = threading.local()  # the calling thread's own counts (JAX records the e
 _registered = False
 
 
-def _add(**inc) -> None:
+def _add(inc: CompileCounts) -> None:
     global _counts
     with _lock:
-        _counts = CompileCounts(*(getattr(_counts, f) + inc.get(f, 0) for f in ("programs", "cache_hits", "seconds")))
-    mine = getattr(_local, "counts", CompileCounts())
-    _local.counts = CompileCounts(*(getattr(mine, f) + inc.get(f, 0) for f in ("programs", "cache_hits", "seconds")))
+        _counts = _counts + inc
+    _local.counts = getattr(_local, "counts", CompileCounts()) + inc
 
 
 def _on_event(event: str, **_) -> None:
     if event == CACHE_HIT_EVENT:
-        _add(cache_hits=1)
+        _add(CompileCounts(cache_hits=1))
 
 
 def _on_duration(event: str, seconds: float, **_) -> None:
     if event == BACKEND_COMPILE_EVENT:
-        _add(programs=1, seconds=seconds)
+        _add(CompileCounts(programs=1, seconds=seconds))
 
 
 def compile_counts(this_thread: bool = False) -> CompileCounts:

@@ -68,12 +68,12 @@ def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def kv_cache_dtype(model_config, kv_cache_dtype: str = "auto"):
-    """The KV cache's storage dtype for ``--kv-cache-dtype`` ("auto": the model's dtype; "bf16" is
+def kv_cache_dtype(model_config, flag: str = "auto"):
+    """The KV cache's storage dtype for ``--kv-cache-dtype`` `flag` ("auto": the model's dtype; "bf16" is
     SGLang's spelling of "bfloat16")."""
-    if kv_cache_dtype in (None, "auto"):
+    if flag in (None, "auto"):
         return JNP_DTYPES[model_config.dtype]
-    return JNP_DTYPES["bfloat16" if kv_cache_dtype == "bf16" else kv_cache_dtype]
+    return JNP_DTYPES["bfloat16" if flag == "bf16" else flag]
 
 
 def kv_bytes_per_token(model_config, tp_size: int = 1, kv_dtype: str = "auto") -> int:
