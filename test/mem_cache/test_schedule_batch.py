@@ -54,6 +54,48 @@ def test_extend_then_decode_layout():
     assert fb.out_cache_loc[0] == pool.req_to_token[a.req_pool_idx, 3]
 
 
+def test_mixed_batch_carries_decode_rows_after_prefill_rows():
+    """--enable-mixed-chunk: running requests ride in an EXTEND batch as one-token rows that sample as in a
+    decode step (their penalty counts take in the input token, once)."""
+    pool = ReqToTokenPool(4, 64)
+    alloc = PagedTokenToKVPoolAllocator(256, 4)
+    buckets = ShapeBuckets((16, 64), (1, 4))
+    cache = ChunkCache(pool, alloc)
+    a = _req([10, 11, 12], rid="a")
+    a.extend_input_len = 3
+    first = ScheduleBatch([a], ForwardMode.EXTEND)
+    first.prepare_for_extend(pool, alloc, cache)
+    a.kv_committed_len = a.kv_allocated_len  # the step ran and sampled 99
+    a.output_ids.append(99)
+    running = ScheduleBatch([a], ForwardMode.DECODE)
+    assert running.prepare_for_decode(pool, alloc, cache)
+    free = alloc.available_size()
+    assert running.prepare_for_decode(pool, alloc, cache) and alloc.available_size() == free  # taken once
+
+    b = _req([20, 21, 22, 23, 24], rid="b")
+    b.extend_input_len = 5
+    mixed = ScheduleBatch([b], ForwardMode.EXTEND)
+    mixed.prepare_for_extend(pool, alloc, cache)
+    mixed.mix_with_running(running.reqs)
+    assert mixed.reqs == [b, a] and running.reqs == [a]  # the running batch's list is not the mixed batch's
+    assert [mixed.is_decode_row(r) for r in mixed.reqs] == [False, True] and mixed.num_decode_rows == 1
+    mwb = mixed.build_model_worker_batch(buckets, pool, 4)
+    fb, sm = mwb.forward_batch, mwb.sampling
+    assert fb.forward_mode == ForwardMode.EXTEND and mwb.num_tokens == 6
+    assert fb.input_ids[:6].tolist() == [20, 21, 22, 23, 24, 99]
+    assert fb.positions[:6].tolist() == [0, 1, 2, 3, 4, 3]
+    assert fb.cu_q_lens.tolist() == [0, 5, 6, 6, 6] and fb.kv_lens[:2].tolist() == [5, 4]
+    assert fb.logits_indices[:2].tolist() == [4, 5]
+    assert fb.out_cache_loc[5] == pool.req_to_token[a.req_pool_idx, 3]
+    assert sm.last_token[:2].tolist() == [0, 99] and sm.last_token_index[:2].tolist() == [-1, 0]
+    # the same request in a DECODE batch gets the same sampling inputs
+    dsm = running.build_model_worker_batch(buckets, pool, 4).sampling
+    assert dsm.last_token[0] == 99 and dsm.last_token_index[0] == 0
+    alone = mixed.subset([a])
+    assert alone.is_decode_row(a) and alone.build_model_worker_batch(buckets, pool, 4).forward_batch.cu_q_lens[1] == 1
+    assert not mixed.subset([b]).is_decode_row(b)
+
+
 def _adder(alloc, cache, buckets, running=(), chunk=None, slots=8, ratio=1.0, max_prefill=64):
     return PrefillAdder(buckets, alloc, cache, list(running), max_prefill_tokens=max_prefill, chunk_size=chunk,
                         free_req_slots=slots, new_token_ratio=ratio)
@@ -132,3 +174,25 @@ def test_extend_batch_sharing_a_radix_prefix_reports_it():
     for reqs, expected in (([b, c], 48), ([b, c, d], 0), ([d], 0)):
         fb = ScheduleBatch(reqs, ForwardMode.EXTEND).build_model_worker_batch(buckets, pool, 16).forward_batch
         assert int(fb.shared_prefix_len) == expected
+
+
+def test_prefill_adder_leaves_room_for_mixed_decode_rows():
+    """Decode rows riding in the batch take a token of the budget and a sequence of the bucket each; the
+    step-budget limit caps the prefill tokens on top."""
+    pool = ReqToTokenPool(8, 512)
+    alloc = PagedTokenToKVPoolAllocator(4096, 4)
+    cache = ChunkCache(pool, alloc)
+    buckets = ShapeBuckets((64, 256), (1, 4, 8))
+    running = [_req([1, 2, 3], rid=f"run{i}") for i in range(3)]
+    adder = PrefillAdder(buckets, alloc, cache, running, max_prefill_tokens=256, chunk_size=100, free_req_slots=5,
+                         new_token_ratio=1.0, decode_rows=3)
+    big = _req(list(range(300)), rid="big")
+    assert adder.add(big) and big.extend_input_len == 96  # 100 - 3 decode rows, cut to whole pages
+    adder = PrefillAdder(buckets, alloc, cache, running, max_prefill_tokens=256, chunk_size=100, free_req_slots=5,
+                         new_token_ratio=1.0, decode_rows=3, token_limit=40)
+    big = _req(list(range(300)), rid="big")
+    assert adder.add(big) and big.extend_input_len == 40
+    # a bucket of 8 sequences holds 3 decode rows and 5 new requests, not 6
+    adder = PrefillAdder(buckets, alloc, cache, running, max_prefill_tokens=256, chunk_size=256, free_req_slots=8,
+                         new_token_ratio=1.0, decode_rows=3)
+    assert sum(adder.add(_req([5, 6], rid=f"n{i}")) for i in range(6)) == 5

@@ -78,6 +78,8 @@ class ServerArgs:
     max_running_requests: Optional[int] = None
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 2048
+    enable_mixed_chunk: bool = False
+    max_prefill_step_ms: float = 500.0
     disable_radix_cache: bool = False
     swa_full_tokens_ratio: float = 0.8
     disable_hybrid_swa_memory: bool = False
@@ -168,6 +170,9 @@ class ServerArgs:
         self._check_positive("max_n")
         if self.max_queued_requests is not None:
             self._check_positive("max_queued_requests")
+        if not isinstance(self.max_prefill_step_ms, (int, float)) or not 0 <= self.max_prefill_step_ms < float("inf"):
+            raise ValueError(f"--max-prefill-step-ms must be a finite number of ms >= 0 (0: off), got "
+                             f"{self.max_prefill_step_ms!r}")
         for name in ("graceful_shutdown_timeout", "watchdog_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
@@ -223,6 +228,13 @@ class ServerArgs:
             "max_prefill_tokens": "token budget of one prefill (extend) batch without chunked prefill",
             "chunked_prefill_size": "tokens per prefill step; longer prompts are prefilled in chunks "
                                     "interleaved with decoding (-1: off)",
+            "enable_mixed_chunk": "mixed chunked prefill: running requests' decode rows ride in each prefill step, "
+                                  "so streams get a token every step while long prompts prefill (SGLang's flag; "
+                                  "needs chunked prefill)",
+            "max_prefill_step_ms": "while requests decode, cut prefill chunks so that a prefill adds at most this "
+                                   "many ms to their inter-token latency beyond their own decode step (step costs "
+                                   "are learned from the steps run; 0: off, chunks are always "
+                                   "--chunked-prefill-size)",
             "disable_radix_cache": "no prefix sharing between requests (ChunkCache instead of RadixCache)",
             "swa_full_tokens_ratio": "sliding-window models: tokens of the SWA KV pool per token of the full pool; "
                                      "both pools share the memory one pool for every layer would take",

@@ -9,7 +9,11 @@ whole scheduling policy.
 
 Batches: prefill first, but one decode step of the running batch after every prefill step (between two
 chunks of a long prompt too). Chunked prefill: a prompt longer than --chunked-prefill-size is prefilled a
-chunk per step. Retract: when a decode step cannot get KV pages even after evicting cached prefixes, the
+chunk per step. Mixed chunked prefill (--enable-mixed-chunk): the running requests' decode rows ride in
+the prefill step itself, so running streams get a token every step. --max-prefill-step-ms: while requests
+run, the chunk is cut so that it adds at most the budget to their inter-token latency
+(managers/step_budget.py).
+Retract: when a decode step cannot get KV pages even after evicting cached prefixes, the
 latest admitted requests are retracted (KV released, requeued) and resume later from prompt + generated
 tokens.
 """
@@ -34,6 +38,7 @@ from sgl_jax.srt.managers.schedule_policy import (
 )
 from sgl_jax.srt.managers.scheduler_output import extend_offsets, process_batch_result, token_out
 from sgl_jax.srt.managers.scheduler_scoring import SchedulerScoring
+from sgl_jax.srt.managers.step_budget import PrefillStepBudget
 from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.kv_invariants import check_kv_invariants
@@ -85,6 +90,8 @@ class RankScheduler:
         swa_window: the model's sliding window when `allocator` has a separate SWA pool (hybrid SWA memory):
             admission then accounts for the SWA pool and, with `swa_release`, each running request's SWA KV
             that left the window is freed after every step.
+        enable_mixed_chunk: mix the running requests' decode rows into prefill steps (needs chunked prefill).
+        step_budget: the --max-prefill-step-ms chunk limit (None: chunks are --chunked-prefill-size).
     """
 
     def __init__(self, rank: int, dp_size: int, *, req_to_token_pool, allocator, tree_cache,
@@ -92,7 +99,8 @@ class RankScheduler:
                  chunk_size: Optional[int], stream_interval: int, send: Callable[[list], None],
                  decode_tail: Callable[[Req, List[int]], str], full_logprobs, label_logprobs,
                  kv_cache_lost: Callable[[], bool], test_retract: bool = False, swa_window: Optional[int] = None,
-                 swa_release: bool = True):
+                 swa_release: bool = True, enable_mixed_chunk: bool = False,
+                 step_budget: Optional[PrefillStepBudget] = None):
         self.rank = rank
         self.tag = f"[DP {rank}] " if dp_size > 1 else ""
         self.req_to_token_pool = req_to_token_pool
@@ -112,10 +120,14 @@ class RankScheduler:
         self.test_retract = test_retract
         self.swa_window = swa_window
         self.swa_release = swa_release
+        self.enable_mixed_chunk = enable_mixed_chunk and chunk_size is not None
+        self.step_budget = step_budget if chunk_size is not None else None
         self.waiting_queue: List[Req] = []
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE)
         self.chunked_req: Optional[Req] = None  # a request whose prompt is being prefilled in chunks
         self.last_mode: Optional[ForwardMode] = None
+        self.last_mixed = False  # the last step carried the running requests' decode rows
+        self.num_mixed_steps = 0
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retracted_reqs = 0
         self.num_assigned_reqs = 0  # requests (and scoring groups) the load balancer gave this rank
@@ -199,20 +211,43 @@ class RankScheduler:
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
         """Prefill first, but one decode step of the running batch after every prefill step (between two
         chunks of a long prompt too), so a flood of prefill work -- long prompts, scoring requests --
-        delays each running stream by at most one prefill step per token."""
-        after_prefill = self.last_mode == ForwardMode.EXTEND
+        delays each running stream by at most one prefill step per token. A mixed prefill step (decode rows
+        included) needs no decode step after it."""
+        after_prefill = self.last_mode == ForwardMode.EXTEND and not self.last_mixed
         if not (after_prefill and not self.running_batch.is_empty()):
-            batch = self.get_new_batch_prefill()
+            batch = None
+            if self.enable_mixed_chunk and not self.running_batch.is_empty() and self.has_prefill_work():
+                batch = self.get_new_batch_prefill(mixed=True)
+            if batch is None:
+                batch = self.get_new_batch_prefill()
             if batch is not None:
                 return batch
         return self.get_decode_batch()
 
-    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+    def has_prefill_work(self) -> bool:
+        return bool(self.waiting_queue) or self.chunked_req is not None
+
+    def prefill_token_limit(self, mixed: bool) -> Optional[int]:
+        """The --max-prefill-step-ms chunk limit for the next prefill step (None: no limit)."""
+        running = self.running_batch.reqs
+        if self.step_budget is None or not running:
+            return None
+        prefix = self.chunked_req.kv_committed_len if self.chunked_req is not None else 0
+        return self.step_budget.chunk_limit(self.chunk_size, prefix, [r.seqlen for r in running], mixed)
+
+    def get_new_batch_prefill(self, mixed: bool = False) -> Optional[ScheduleBatch]:
         """The next extend batch: the chunked request first, then waiting requests in admission order
         (items of live scoring-cache handles first, then first come first served; see
         SchedulerScoring.admission_order), stopping at the first that does not fit. A new handle's query
-        is skipped, not waited for, while the handle reserve is used up."""
-        if not self.waiting_queue and self.chunked_req is None:
+        is skipped, not waited for, while the handle reserve is used up.
+
+        mixed: the running requests' decode rows ride in the batch (each takes a token of the budget and a
+        sequence of the bucket). Their KV slots are taken first (`prepare_for_decode`, evicting cached
+        prefixes if needed); None when they cannot be had or nothing is admitted (the caller then asks again
+        without mixing; slots already taken serve the next decode step, which takes only the missing ones)."""
+        if not self.has_prefill_work():
+            return None
+        if mixed and not self._prepare_decode_slots():
             return None
         running = self.running_batch.reqs
         in_flight = len(running) + (1 if self.chunked_req is not None else 0)
@@ -221,7 +256,8 @@ class RankScheduler:
                              free_req_slots=self.req_to_token_pool.available_size(),
                              free_running=self.max_running_requests - in_flight,
                              new_token_ratio=self.new_token_ratio, swa_window=self.swa_window,
-                             swa_release=self.swa_release)
+                             swa_release=self.swa_release, decode_rows=len(running) if mixed else 0,
+                             token_limit=self.prefill_token_limit(mixed))
         if self.chunked_req is not None and not adder.add_chunked(self.chunked_req):
             return None
         handle_room = self.scoring.handle_room(self.chunked_req, self.max_running_requests, self.allocator.size)
@@ -255,7 +291,14 @@ class RankScheduler:
         in_flight = {id(r) for r in self.running_batch.reqs + adder.can_run}
         self.peak_running_reqs = max(self.peak_running_reqs, len(in_flight))
         batch.prepare_for_extend(self.req_to_token_pool, self.allocator, self.tree_cache)
+        if mixed:
+            batch.mix_with_running(self.running_batch.reqs)
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch
+
+    def _prepare_decode_slots(self) -> bool:
+        """Each running request's KV slot for its next decode row (True when every one has it)."""
+        return self.running_batch.prepare_for_decode(self.req_to_token_pool, self.allocator, self.tree_cache)
 
     def get_decode_batch(self) -> Optional[ScheduleBatch]:
         """The running batch, with a KV slot per request; retracts requests when pages run out."""
@@ -290,6 +333,8 @@ class RankScheduler:
         """Apply this rank's part of a step (`out`: its StepOutput; None when every request of the batch
         failed before running), then stream progress and release the finished."""
         self.last_mode = batch.forward_mode
+        self.last_mixed = batch.forward_mode == ForwardMode.EXTEND and batch.num_decode_rows > 0
+        self.num_mixed_steps += self.last_mixed
         self.idle_checked = False
         if out is not None:
             starts = [r.kv_committed_len for r in batch.reqs]  # positions this step computed start here
@@ -347,6 +392,8 @@ class RankScheduler:
     def fail_in_batch(self, batch: ScheduleBatch, req: Req, exc: BaseException) -> None:
         """Fail a request of a batch that has not run: drop it, answer 500, free its KV."""
         batch.reqs.remove(req)
+        if req in self.running_batch.reqs:  # a decode row of a mixed batch
+            self.running_batch.reqs.remove(req)
         if req is self.chunked_req:
             self.chunked_req = None
         req.finished_reason = fail_reason(req, "running the request's step", exc)
@@ -371,9 +418,16 @@ class RankScheduler:
         acc = self.kv_accounting()
         used = 100.0 * acc["kv_tokens_in_use"] / max(acc["kv_tokens_total"], 1)
         if batch.forward_mode == ForwardMode.EXTEND:
-            logger.info("%sPrefill batch: %d new seqs, %d new tokens, %d running, %d waiting, KV %.1f%% used",
-                        self.tag, len(batch.reqs), sum(r.extend_input_len for r in batch.reqs),
-                        len(self.running_batch.reqs), len(self.waiting_queue), used)
+            n_dec = batch.num_decode_rows
+            prefill = [r for r in batch.reqs if not batch.is_decode_row(r)]
+            limit = ""
+            if self.step_budget is not None and self.step_budget.last_limit is not None:
+                limit = f", chunk limit {self.step_budget.last_limit} (step budget {self.step_budget.budget_ms:g} ms)"
+            logger.info("%sPrefill batch: %d new seqs, %d new tokens, %d running%s, %d waiting, KV %.1f%% used%s",
+                        self.tag, len(prefill), sum(r.extend_input_len for r in prefill),
+                        len(self.running_batch.reqs), f" ({n_dec} decoding in this step)" if n_dec else "",
+                        len(self.waiting_queue), used, limit)
+            self.num_generated_tokens += n_dec
             return
         self._decode_steps += 1
         self.num_generated_tokens += len(batch.reqs)
@@ -407,7 +461,9 @@ class RankScheduler:
                     continue  # a query prefill that became a scoring-cache handle keeps its KV
                 release_kv_cache(req, self.tree_cache)
         if batch.forward_mode == ForwardMode.EXTEND:
-            done = [r for r in batch.reqs if not r.finished() and not r.is_chunked]
+            if batch.num_decode_rows:  # (the mixed-in running requests)
+                self.running_batch.filter_finished()
+            done = [r for r in batch.reqs if not r.finished() and not r.is_chunked and not batch.is_decode_row(r)]
             self.running_batch.merge(ScheduleBatch(done, ForwardMode.DECODE))
         else:
             self.running_batch.filter_finished()
@@ -460,6 +516,7 @@ class RankScheduler:
             "num_retracted_reqs": self.num_retracted_reqs,
             "num_assigned_reqs": self.num_assigned_reqs,
             "peak_running_reqs": self.peak_running_reqs,
+            "num_mixed_steps": self.num_mixed_steps,
             "new_token_ratio": self.new_token_ratio,
             "num_score_handles": len(self.scoring.handles),
             "num_expired_score_handles": self.scoring.num_expired_handles,

@@ -287,11 +287,42 @@ class ScheduleBatch:
     Args:
         reqs: requests in batch order.
         forward_mode: EXTEND (prefill from each request's cached prefix) or DECODE (one token each).
+
+    Mixed chunked prefill (SGLang's ``--enable-mixed-chunk``): an EXTEND batch may also carry running
+    requests' decode rows (`mix_with_running`), after its prefill rows; each is a one-token extend of the
+    request's last sampled token, and samples the request's next token as a decode step would.
     """
 
     def __init__(self, reqs: List[Req], forward_mode: ForwardMode):
         self.reqs = reqs
         self.forward_mode = forward_mode
+        self._decode_ids: set = set()  # id() of the decode rows of a mixed EXTEND batch
+
+    def mix_with_running(self, running: List[Req]) -> None:
+        """Append running requests as decode rows of this EXTEND batch. Each must have the KV slot of its
+        last sampled token allocated and not yet written (`prepare_for_decode`)."""
+        assert self.forward_mode == ForwardMode.EXTEND
+        for req in running:
+            assert req.kv_allocated_len == req.seqlen == req.kv_committed_len + 1, "prepare_for_decode first"
+            req.extend_input_len = 1
+            self._decode_ids.add(id(req))
+        self.reqs = self.reqs + list(running)
+
+    def is_decode_row(self, req: Req) -> bool:
+        """Whether `req` runs a decode step in this batch (every row of a DECODE batch; the mixed-in running
+        requests of an EXTEND batch)."""
+        return self.forward_mode == ForwardMode.DECODE or id(req) in self._decode_ids
+
+    @property
+    def num_decode_rows(self) -> int:
+        return len(self.reqs) if self.forward_mode == ForwardMode.DECODE else \
+            sum(id(r) in self._decode_ids for r in self.reqs)
+
+    def subset(self, reqs: List[Req]) -> "ScheduleBatch":
+        """A batch of some of this batch's requests, each in the same role (prefill or decode row)."""
+        out = ScheduleBatch(list(reqs), self.forward_mode)
+        out._decode_ids = {id(r) for r in reqs if id(r) in self._decode_ids}
+        return out
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -329,14 +360,16 @@ class ScheduleBatch:
             req.kv_allocated_len = end
 
     def prepare_for_decode(self, pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator, tree_cache) -> bool:
-        """One KV slot per request for its last sampled token, evicting cached KV if needed.
+        """One KV slot per request for its last sampled token, evicting cached KV if needed. Requests that
+        already have it (taken for a mixed batch that then admitted nothing) are skipped.
 
         Returns False (nothing taken) when even eviction cannot free enough pages: the caller retracts.
         """
-        need = sum(allocator.pages_needed(r.seqlen - 1, r.seqlen) for r in self.reqs)
+        reqs = [r for r in self.reqs if r.kv_allocated_len < r.seqlen]
+        need = sum(allocator.pages_needed(r.seqlen - 1, r.seqlen) for r in reqs)
         if not evict_for_pages(allocator, tree_cache, need):
             return False
-        for req in self.reqs:
+        for req in reqs:
             row = pool.req_to_token[req.req_pool_idx]
             pos = req.seqlen - 1
             pool.write(req.req_pool_idx, pos, allocator.alloc_token_slots(row, pos, pos + 1))
@@ -438,8 +471,8 @@ class ScheduleBatch:
             fb.swa_out_cache_loc = (swa_page_map[fb.out_cache_loc // page_size] * page_size
                                     + fb.out_cache_loc % page_size).astype(np.int32)
         sps = [r.sampling_params for r in reqs]
-        decode = self.forward_mode == ForwardMode.DECODE
-        samples = [decode or r.kv_committed_len + r.extend_input_len >= r.seqlen for r in reqs]
+        decode_rows = [self.is_decode_row(r) for r in reqs]
+        samples = [d or r.kv_committed_len + r.extend_input_len >= r.seqlen for r, d in zip(reqs, decode_rows)]
         vocab_mask = None
         constrained = [r.grammar is not None and s for r, s in zip(reqs, samples)]
         if any(constrained):
@@ -449,7 +482,9 @@ class ScheduleBatch:
                 if constrained[i]:
                     r.grammar.fill_vocab_mask(vocab_mask, i)
         penalized = [p.uses_penalties() for p in sps]
-        last_index = [len(r.output_ids) - 1 if decode else -1 for r in reqs]
+        # a decode row's input is its newest output token: the penalty counts take it in (once)
+        last_index = [len(r.output_ids) - 1 if d else -1 for r, d in zip(reqs, decode_rows)]
+        last_token = [input_ids[cu[i + 1] - 1] if d else 0 for i, d in enumerate(decode_rows)]
         sampling = SamplingMetadata(
             temperatures=pad([p.temperature for p in sps], S_pad, np.float32),
             top_ps=pad([p.top_p for p in sps], S_pad, np.float32, 1.0),
@@ -464,7 +499,7 @@ class ScheduleBatch:
             frequency_penalties=pad([p.frequency_penalty for p in sps], S_pad, np.float32),
             presence_penalties=pad([p.presence_penalty for p in sps], S_pad, np.float32),
             repetition_penalties=pad([p.repetition_penalty for p in sps], S_pad, np.float32, 1.0),
-            last_token=pad(input_ids[:S] if decode else [], S_pad),
+            last_token=pad(last_token, S_pad),
             last_token_index=pad(last_index, S_pad, np.int32, -1),
             constrained=pad(constrained, S_pad, bool, False),
             vocab_mask=vocab_mask,

@@ -10,6 +10,10 @@ A request is admitted when, together with the ones already picked,
   every running request. The ratio starts at 0.7 and decays to 0.1 while decoding goes well; when decode
   runs out of pages anyway, requests are retracted and the ratio is raised (SGLang's scheme).
 
+With mixed chunked prefill the running requests' decode rows ride in the batch: each takes one token of the
+budget and one sequence of the bucket (`decode_rows`). While requests decode, --max-prefill-step-ms may cut
+the budget further (`token_limit`, from managers/step_budget.py).
+
 Sliding-window models with a separate SWA pool (hybrid SWA memory) are admitted against both pools: the
 full pool as above (free plus evictable), and the SWA pool (free plus SWA-evictable) for each request's peak
 SWA use, ``window + interval + 2 pages``
@@ -72,12 +76,17 @@ class PrefillAdder:
             else None.
         swa_release: running requests' SWA KV is freed as it leaves the window (else a request holds SWA KV
             for its whole length, and admission reserves that).
+        decode_rows: running requests whose decode rows ride in this batch (mixed chunked prefill): each takes
+            one token of the step's budget and one sequence of its bucket.
+        token_limit: at most this many prefill tokens in this step (the --max-prefill-step-ms chunk limit, decode
+            rows not counted; None: no limit).
     """
 
     def __init__(self, buckets: ShapeBuckets, allocator: PagedTokenToKVPoolAllocator, tree_cache,
                  running: List[Req], *, max_prefill_tokens: int, chunk_size: Optional[int], free_req_slots: int,
                  new_token_ratio: float, swa_window: Optional[int] = None,
-                 swa_release: bool = True, free_running: Optional[int] = None):
+                 swa_release: bool = True, free_running: Optional[int] = None, decode_rows: int = 0,
+                 token_limit: Optional[int] = None):
         self.buckets = buckets
         self.allocator = allocator
         self.tree_cache = tree_cache
@@ -89,6 +98,8 @@ class PrefillAdder:
         self.free_running = free_req_slots if free_running is None else free_running
         self.swa_window = swa_window
         self.swa_release = swa_release
+        self.decode_rows = decode_rows
+        self.token_limit = token_limit
         full_free = allocator.full_available_pages() if swa_window else allocator.available_pages()
         self.rem_pages = (full_free + tree_cache.evictable_size() // self.ps
                           - sum(self._pages(future_tokens(r, self.ratio)) for r in running))
@@ -104,12 +115,15 @@ class PrefillAdder:
 
     def _budget(self) -> int:
         if self.chunk_size is not None:
-            return self.chunk_size
-        return self.max_prefill_tokens if self.can_run else self.buckets.max_tokens
+            budget = self.chunk_size
+        else:
+            budget = self.max_prefill_tokens if self.can_run else self.buckets.max_tokens
+        budget -= self.decode_rows
+        return budget if self.token_limit is None else min(budget, self.token_limit)
 
     def _fits_bucket(self, tokens: int) -> bool:
         try:
-            self.buckets.extend_shape(tokens, len(self.can_run) + 1)
+            self.buckets.extend_shape(tokens + self.decode_rows, len(self.can_run) + 1 + self.decode_rows)
             return True
         except ValueError:
             return False

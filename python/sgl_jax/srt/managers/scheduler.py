@@ -14,7 +14,9 @@ that fail on their own. Only a fault that is not one request's (or that lost the
 error after the cache was donated) ends the process, which then exits non-zero.
 
 Chunked prefill: a prompt longer than --chunked-prefill-size is prefilled a chunk per step, with a decode
-step of the running batch between chunks, so a long prompt does not stall every stream. Retract: when a
+step of the running batch between chunks (or, with --enable-mixed-chunk, the running requests' decode rows
+inside each chunk's step), so a long prompt does not stall every stream; --max-prefill-step-ms cuts the
+chunks while requests decode (managers/step_budget.py, fitted to the wall time of every step run here). Retract: when a
 decode step cannot get KV pages even after evicting cached prefixes, the latest admitted requests are
 retracted (KV released, requeued) and resume later from prompt + generated tokens.
 """
@@ -62,6 +64,7 @@ from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort
 from sgl_jax.srt.managers.scheduler_output import token_out
 from sgl_jax.srt.managers.scheduler_scoring import SchedulerScoring
 from sgl_jax.srt.managers.session_controller import Session, SessionController, SessionError
+from sgl_jax.srt.managers.step_budget import PrefillStepBudget, RowWork, StepTimeModel, step_features
 from sgl_jax.srt.managers.watchdog import StepWatchdog
 from sgl_jax.srt.mem_cache import create_prefix_cache
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
@@ -98,7 +101,7 @@ SUMMED_STATE_KEYS = ("kv_tokens_total", "kv_tokens_free", "kv_tokens_cached", "k
                      "num_waiting_reqs", "req_slots_free", "memory_errors", "kv_tokens_evictable",
                      "kv_tokens_protected", "num_retracted_reqs", "num_assigned_reqs", "num_score_handles",
                      "num_expired_score_handles", "num_score_groups", "kv_tokens_session_held", "num_sessions",
-                     "num_streaming_sessions", "req_slots_session_held")
+                     "num_streaming_sessions", "req_slots_session_held", "num_mixed_steps")
 
 
 class _Discard:
@@ -106,6 +109,17 @@ class _Discard:
 
     def send_pyobj(self, obj) -> None:
         return None
+
+
+def step_cost_features(batches: List[Optional[ScheduleBatch]], buckets):
+    """The step-time model's features of one step (managers/step_budget.py), before it runs."""
+    live = [b for b in batches if b is not None and b.reqs]
+    if not live:
+        return None
+    mode, t_pad, _ = step_shape(live, buckets)
+    rows = [RowWork(b.is_decode_row(r), 1 if b.is_decode_row(r) else r.extend_input_len,
+                    r.seqlen - 1 if b.is_decode_row(r) else r.kv_committed_len) for b in live for r in b.reqs]
+    return step_features(t_pad, mode == ForwardMode.DECODE, rows)
 
 
 class Scheduler:
@@ -158,6 +172,10 @@ class Scheduler:
             self.recv_from_tokenizer = None
             self.send_to_detokenizer = self.send_to_tokenizer = _Discard()
         test_retract = "1" in (os.environ.get(TEST_RETRACT_ENV), os.environ.get("SGLANG_TEST_RETRACT"))
+        self.step_time_model = StepTimeModel()
+        budget_ms = server_args.max_prefill_step_ms
+        self.step_budget = (PrefillStepBudget(budget_ms, self.buckets, server_args.page_size, self.step_time_model)
+                            if budget_ms > 0 and self.chunk_size else None)
         self.ranks: List[RankScheduler] = [self._new_rank(r, test_retract) for r in range(self.dp_size)]
         self.kv_size = self.ranks[0].allocator.size  # tokens of KV per rank
         self.kv_limits = KVLimits(self.context_len, self.max_req_input_len, self.kv_size, self.page_size)
@@ -205,7 +223,8 @@ class Scheduler:
             full_logprobs=self.model_runner.full_logprobs, label_logprobs=self.model_runner.label_logprobs,
             kv_cache_lost=self.model_runner.kv_cache_lost, test_retract=test_retract,
             swa_window=self.model_config.sliding_window if runner.hybrid_swa else None,
-            swa_release=os.environ.get(DISABLE_SWA_RELEASE_ENV) != "1")
+            swa_release=os.environ.get(DISABLE_SWA_RELEASE_ENV) != "1",
+            enable_mixed_chunk=self.server_args.enable_mixed_chunk, step_budget=self.step_budget)
 
     def init_info(self) -> dict:
         """Facts the TokenizerManager needs (validation limits, pool sizes: per rank)."""
@@ -226,6 +245,8 @@ class Scheduler:
             "dp_size": self.dp_size,
             "tp_size": self.model_runner.tp_size,
             "load_balance_method": self.load_balance_method,
+            "enable_mixed_chunk": bool(self.server_args.enable_mixed_chunk and self.chunk_size),
+            "max_prefill_step_ms": self.step_budget.budget_ms if self.step_budget is not None else 0,
         }
 
     # ------------------------------------------------------------ loop
@@ -292,11 +313,16 @@ class Scheduler:
 
     def run_step(self, batches: List[Optional[ScheduleBatch]]) -> None:
         """Run one step of every rank's batch (None: the rank idles) and hand each rank its results;
-        requests that fail on their own are failed and dropped."""
+        requests that fail on their own are failed and dropped. The step's wall time (forward and result
+        processing) feeds the --max-prefill-step-ms model."""
+        t0 = time.perf_counter()
+        x = step_cost_features(batches, self.buckets)
         outs = self.forward_isolating_faults(batches)
         for rank, batch, out in zip(self.ranks, batches, outs):
             if batch is not None:
                 rank.apply_step(batch, out)
+        if x is not None:
+            self.step_time_model.observe(x, (time.perf_counter() - t0) * 1e3)
 
     # ------------------------------------------------------------ fault isolation
     def _step(self, batches: List[Optional[ScheduleBatch]]) -> list:
@@ -335,7 +361,7 @@ class Scheduler:
                 if len(live) == 1:
                     culprits = live
                 else:
-                    culprits = [(r, req) for r, req in live if self._fails_alone(r, req, batches[r].forward_mode)]
+                    culprits = [(r, req) for r, req in live if self._fails_alone(r, req, batches)]
                 if not culprits:
                     raise
                 for r, req in culprits:
@@ -343,11 +369,11 @@ class Scheduler:
                 if all(b is None or b.is_empty() for b in batches):
                     return [None] * self.dp_size
 
-    def _fails_alone(self, rank: int, req: Req, mode: ForwardMode) -> bool:
+    def _fails_alone(self, rank: int, req: Req, batches: List[Optional[ScheduleBatch]]) -> bool:
         """Run `req`'s part of the step alone on its rank (it rewrites only its own KV slots, with the same
         values)."""
         alone = [None] * self.dp_size
-        alone[rank] = ScheduleBatch([req], mode)
+        alone[rank] = batches[rank].subset([req])
         try:
             self._step(alone)
             return False
@@ -529,6 +555,7 @@ class Scheduler:
         per rank (its own queues and KV accounting; /get_server_info's ``internal_states``)."""
         shared = {"num_compiles_after_warmup": self.model_runner.num_compiles_after_warmup,
                   "warmup": self.model_runner.warmup_stats,
+                  "prefill_step_budget": None if self.step_budget is None else self.step_budget.state(),
                   "page_size": self.page_size, **self.init_info()}
         per_rank = [{**rank.internal_state(), **shared} for rank in self.ranks]
         state = {k: v for k, v in per_rank[0].items() if k != "dp_rank"}

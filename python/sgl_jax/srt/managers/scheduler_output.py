@@ -81,6 +81,7 @@ def process_batch_result(
 
     A request whose prompt is only partly prefilled (a chunk) samples nothing; its computed prefix is
     handed to the prefix cache (`cache_manager.cache_unfinished_req`) and it stays out of the running batch.
+    The decode rows of a mixed batch (`ScheduleBatch.mix_with_running`) are processed as in a decode step.
 
     Args:
         tree_cache: the prefix cache.
@@ -99,8 +100,8 @@ def process_batch_result(
         start = req.kv_committed_len
         req.kv_committed_len = req.kv_allocated_len
         try:
-            _process_one(req, i, start, is_extend, out, rows, hidden, offsets, tree_cache, full_logprobs,
-                         decode_tail, check)
+            _process_one(req, i, start, is_extend and not batch.is_decode_row(req), out, rows, hidden, offsets,
+                         tree_cache, full_logprobs, decode_tail, check)
         except Exception as exc:
             if on_error is None:
                 raise
