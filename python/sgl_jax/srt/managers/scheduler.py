@@ -16,9 +16,9 @@ error after the cache was donated) ends the process, which then exits non-zero.
 Chunked prefill: a prompt longer than --chunked-prefill-size is prefilled a chunk per step, with a decode
 step of the running batch between chunks (or, with --enable-mixed-chunk, the running requests' decode rows
 inside each chunk's step), so a long prompt does not stall every stream; --max-prefill-step-ms cuts the
-chunks while requests decode (managers/step_budget.py, fitted to the wall time of every step run here). Retract: when a
-decode step cannot get KV pages even after evicting cached prefixes, the latest admitted requests are
-retracted (KV released, requeued) and resume later from prompt + generated tokens.
+chunks while requests decode (managers/step_budget.py, fitted to the wall time of every step run here).
+Retract: when a decode step cannot get KV pages even after evicting cached prefixes, the latest admitted
+requests are retracted (KV released, requeued) and resume later from prompt + generated tokens.
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ def step_cost_features(batches: List[Optional[ScheduleBatch]], buckets):
     if not live:
         return None
     mode, t_pad, _ = step_shape(live, buckets)
-    rows = [RowWork(b.is_decode_row(r), 1 if b.is_decode_row(r) else r.extend_input_len,
-                    r.seqlen - 1 if b.is_decode_row(r) else r.kv_committed_len) for b in live for r in b.reqs]
+    rows = [RowWork(b.is_decode_row(r), r.seqlen - r.kv_committed_len if b.is_decode_row(r) else r.extend_input_len,
+                    r.kv_committed_len) for b in live for r in b.reqs]
     return step_features(t_pad, mode == ForwardMode.DECODE, rows)
 
 
@@ -314,9 +314,9 @@ class Scheduler:
     def run_step(self, batches: List[Optional[ScheduleBatch]]) -> None:
         """Run one step of every rank's batch (None: the rank idles) and hand each rank its results;
         requests that fail on their own are failed and dropped. The step's wall time (forward and result
-        processing) feeds the --max-prefill-step-ms model."""
+        processing) feeds the --max-prefill-step-ms model (when the budget is on)."""
         t0 = time.perf_counter()
-        x = step_cost_features(batches, self.buckets)
+        x = step_cost_features(batches, self.buckets) if self.step_budget is not None else None
         outs = self.forward_isolating_faults(batches)
         for rank, batch, out in zip(self.ranks, batches, outs):
             if batch is not None:
