@@ -66,6 +66,9 @@ CASES = [
     ("prefill-one-long", [300], [300], False),
     ("extend-with-prefix", [5, 40, 1], [100, 40, 260], False),
     ("mixed-short", [1, 3, 17, 2], [64, 3, 17, 90], False),
+    # rows past q_len % LONG_Q_BLOCK run in large blocks: 520 = 8 small rows + 2 large blocks, after a
+    # cached prefix; 300 = 44 small rows + 1 large block
+    ("extend-long-blocks", [520, 3, 300], [700, 3, 300], False),
 ]
 
 
@@ -91,10 +94,10 @@ def test_matches_reference(page_size, name, q_lens, kv_lens, decode_only, heads)
 @pytest.mark.parametrize("decode_only", [True, False])
 def test_sliding_window_and_soft_cap(decode_only):
     rng = np.random.default_rng(7)
-    q_lens = [1, 1, 1] if decode_only else [20, 1, 64]
-    kv_lens = [50, 300, 9] if decode_only else [70, 300, 64]
+    q_lens = [1, 1, 1] if decode_only else [20, 1, 600]  # 600: large query blocks (LONG_Q_BLOCK) too
+    kv_lens = [50, 300, 9] if decode_only else [70, 300, 640]
     H, KVH, D = 4, 2, 16
-    S_pad, T_pad = 4, (4 if decode_only else 96)
+    S_pad, T_pad = 4, (4 if decode_only else 630)
     q, kp, vp, kl, pi, cu = make_batch(rng, q_lens, kv_lens, 16, H, KVH, D, S_pad, T_pad)
     kwargs = dict(sm_scale=0.3, sliding_window=33, soft_cap=5.0)
     out = ragged_paged_attention(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(kl),

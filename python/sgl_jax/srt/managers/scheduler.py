@@ -390,9 +390,10 @@ class Scheduler:
         msgs = []
         while True:
             try:
-                msgs.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
+                msg = self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK)
             except zmq.Again:
                 return msgs
+            msgs.extend(msg if isinstance(msg, list) else [msg])  # a list: requests sent to be admitted together
 
     def process_input_requests(self, msgs: list) -> None:
         for msg in msgs:
