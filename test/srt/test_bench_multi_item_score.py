@@ -62,6 +62,8 @@ class BenchConfig:
     report: Optional[str] = None
     full: bool = False  # engine settings for long sequences (default buckets, chunk 2048); else the test suite's
     seed: int = 0
+    dtype: str = "auto"  # the engine's --dtype (auto: float32 on CPU)
+    kv_cache_dtype: str = "auto"  # the engine's --kv-cache-dtype
 
 
 @dataclasses.dataclass
@@ -102,7 +104,8 @@ def engine_args(cfg: BenchConfig, radix: bool) -> dict:
     else:  # the test suite's shapes, so the persistent compilation cache is shared; scoring never decodes, so
         # of the decode buckets only the largest (it sets the extend buckets' batch padding) is compiled
         args = dict(SMALL_ENGINE_ARGS, precompile_bs_paddings=SMALL_ENGINE_ARGS["precompile_bs_paddings"][-1:])
-    return dict(args, disable_radix_cache=not radix, enable_scoring_cache=True, log_level="warning")
+    extra = {k: getattr(cfg, k) for k in ("dtype", "kv_cache_dtype") if getattr(cfg, k) != "auto"}
+    return dict(args, disable_radix_cache=not radix, enable_scoring_cache=True, log_level="warning", **extra)
 
 
 def model_flops(mc, query_tokens: int, num_items: int, item_tokens: int) -> float:
@@ -248,7 +251,9 @@ def run(cfg: BenchConfig, command: str, hf_model=None) -> str:
     by = {r.name: r for r in rows}
     lines = [f"# Multi-item scoring benchmark ({datetime.date.today().isoformat()})", "",
              f"Workload: query {cfg.query_tokens} tokens, {cfg.num_items} items x {cfg.item_tokens} tokens, "
-             f"2 labels; SmolLM2-135M-Instruct (GGUF Q4_1 dequantized), float32, CPU.", "",
+             f"2 labels; SmolLM2-135M-Instruct (GGUF Q4_1 dequantized), engine weights "
+             f"{'float32' if cfg.dtype == 'auto' else cfg.dtype}, KV cache "
+             f"{cfg.kv_cache_dtype if cfg.kv_cache_dtype != 'auto' else 'as the weights'}, CPU.", "",
              f"Command: `{command}`", "", f"Machine: {machine()}", "",
              f"Engine flags: {engine_args(cfg, True)} (radix off for the first row)", "",
              "| mode | items timed | items/s | ms/item | total s | note |", "|---|---|---|---|---|---|"]
@@ -274,9 +279,13 @@ def run(cfg: BenchConfig, command: str, hf_model=None) -> str:
         with open(cfg.report, "w") as f:
             f.write(report)
         print(f"report written to {cfg.report}")
-    assert agree["packed"] < 1e-4 and agree["prefill_extend"] < 1e-4 and agree["serial-nocache"] < 1e-4, agree
-    assert agree["transformers float32 (batched)"] < 1e-3, agree
-    assert agree["transformers float32 (reused KV)"] < 1e-3, agree
+    # bfloat16 weights round differently with each batch's composition and differ from the float32 reference:
+    # measured at the headline shape (reports/multi-item-score-bf16-cpu-2026-11-24.md) up to 0.32 between
+    # modes and 0.096 from transformers float32; a wrong item order or mask is off by whole nats
+    modes_tol, ref_tol = (1e-4, 1e-3) if cfg.dtype in ("auto", "float32") else (0.5, 0.2)
+    assert max(agree[m] for m in ("packed", "prefill_extend", "serial-nocache")) < modes_tol, agree
+    assert agree["transformers float32 (batched)"] < ref_tol, agree
+    assert agree["transformers float32 (reused KV)"] < ref_tol, agree
     return report
 
 

@@ -42,6 +42,7 @@ class RunnerHarness:
         page_size: tokens per KV page.
         max_total_tokens: the KV budget (one pool for every layer; the hybrid split shares it).
         dtype: "float32" or "bfloat16".
+        kv_cache_dtype: --kv-cache-dtype ("auto": the model's dtype).
         context_length: tokens per sequence.
         token_paddings: the extend buckets (the largest must hold all prompts of one `prefill`).
         swa_full_tokens_ratio: None: one KV pool, windows only masked; a ratio: hybrid SWA memory (a separate
@@ -50,12 +51,14 @@ class RunnerHarness:
     """
 
     def __init__(self, model_path: str, page_size: int = 1, max_total_tokens: int = 4096, dtype: str = "float32",
-                 context_length: int = 512, token_paddings=(64, 256), swa_full_tokens_ratio: float = None):
+                 context_length: int = 512, token_paddings=(64, 256), swa_full_tokens_ratio: float = None,
+                 kv_cache_dtype: str = "auto"):
         # the hybrid pool runs with the chunk cache only, until SWARadixCache lands
         swa = ({"disable_hybrid_swa_memory": True} if swa_full_tokens_ratio is None else
                {"swa_full_tokens_ratio": swa_full_tokens_ratio, "disable_radix_cache": True})
         args = ServerArgs(model_path=model_path, page_size=page_size, max_total_tokens=max_total_tokens,
-                          context_length=context_length, disable_precompile=True, dtype=dtype, **swa)
+                          context_length=context_length, disable_precompile=True, dtype=dtype,
+                          kv_cache_dtype=kv_cache_dtype, **swa)
         setup_jax(args)  # as a server does: the persistent compilation cache serves later runs
         self.mc = ModelConfig.from_server_args(args, "cpu")
         self.buckets = ShapeBuckets(tuple(token_paddings), (1, 4))
@@ -267,17 +270,45 @@ def test_tiny_qwen3_logit_parity(tmp_path):
     check_parity(harness, model, _random_prompts(0, 512, [5, 40, 130]))
 
 
-def test_tiny_qwen3_bfloat16_stays_close(tmp_path):
-    """--dtype bfloat16 (weights, activations and KV cache) against the float32 reference: bf16's
-    8-bit mantissa allows differences of a few 1e-2 in logprobs; a wrong layer would be far off."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
+def test_tiny_qwen3_bfloat16_stays_close(tmp_path, kv_cache_dtype):
+    """--dtype bfloat16 (weights and activations; the KV cache too, or float32 with --kv-cache-dtype float32,
+    where the native attention then computes in float32) against the float32 reference: bf16's 8-bit
+    mantissa allows differences of a few 1e-2 in logprobs; a wrong layer would be far off."""
     from transformers import Qwen3Config
 
     config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
     model = _save_tiny(tmp_path, config, seed=2)
-    harness = RunnerHarness(str(tmp_path), dtype="bfloat16")
-    assert harness.runner.kv_caches[0][0].dtype == jnp.bfloat16
+    harness = RunnerHarness(str(tmp_path), dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+    want = jnp.float32 if kv_cache_dtype == "float32" else jnp.bfloat16
+    assert harness.runner.kv_caches[0][0].dtype == want
     check_parity(harness, model, _random_prompts(2, 512, [30, 7]), tol=0.1)
+
+
+def test_attention_compute_dtype():
+    from sgl_jax.srt.layers.attention import attention_compute_dtype
+
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    assert attention_compute_dtype(bf16, f32, "native") == f32  # --dtype bfloat16 --kv-cache-dtype float32
+    assert attention_compute_dtype(bf16, bf16, "native") == bf16
+    assert attention_compute_dtype(f32, bf16, "native") == f32
+    assert attention_compute_dtype(bf16, f32, "pallas") == bf16  # the kernels keep the model's dtype
+
+
+def test_bfloat16_linear_accumulates_in_float32():
+    """A bfloat16 Linear returns bfloat16 computed from a float32 accumulation of the bfloat16 operands (the
+    result equals the float32 product of the rounded operands, rounded once)."""
+    from flax import nnx
+
+    from sgl_jax.srt.layers.linear import Linear
+
+    layer = Linear(512, 96, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 512)), jnp.float32)
+    y = layer(x)
+    assert y.dtype == jnp.bfloat16
+    want = (np.asarray(x.astype(jnp.bfloat16), np.float32) @ np.asarray(layer.weight[...], np.float32).T)
+    np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=1e-2, atol=1e-3)
 
 
 def test_tiny_llama3_rope_scaling_logit_parity(tmp_path):

@@ -221,7 +221,8 @@ class ServerArgs:
             "dtype": "float32 | bfloat16 | auto (bfloat16 on TPU/GPU, float32 on CPU)",
             "page_size": "tokens per KV cache page",
             "kv_cache_dtype": "KV cache storage: auto (the model's --dtype) | bfloat16 (bf16) | float32; "
-                              "attention still computes in the model's dtype",
+                              "attention computes in the model's dtype, or in float32 on the native (CPU) "
+                              "backend when the cache is float32",
             "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static)",
             "mem_fraction_static": "fraction of device memory for weights + KV pool (on CPU: of available host memory)",
             "max_running_requests": "upper bound on concurrently running requests",
