@@ -18,10 +18,11 @@ LayerKV = Tuple[jax.Array, jax.Array]  # (k_pages, v_pages), each [num_pages, pa
 
 
 def attention_compute_dtype(model_dtype, kv_dtype, backend: str):
-    """The dtype attention computes in: the model's, except that the native (pure-JAX, CPU) backend computes
-    in float32 when the KV cache is stored in float32 under a bfloat16 model (``--dtype bfloat16
-    --kv-cache-dtype float32``). XLA's CPU backend runs bfloat16 linear layers about twice as fast as float32
-    on CPUs with AVX512-BF16, but bfloat16 attention (its gathers, casts and softmax) slower than float32:
+    """The dtype attention computes in: the model's, except that the native (pure-JAX; CPU, or forced with
+    --attention-backend on TPU/GPU) backend computes in float32 when the KV cache is stored in float32 under a
+    bfloat16 model (``--dtype bfloat16 --kv-cache-dtype float32``). XLA's CPU backend runs bfloat16 linear
+    layers about twice as fast as float32 on CPUs with AVX512-BF16, but bfloat16 attention (its gathers,
+    casts and softmax) slower than float32:
     2,000-token query, 500 x 20-token items, SmolLM2, /v1/score prefill_extend: 18.5 items/s with bfloat16
     weights and float32 attention, 12.8 all bfloat16, 15.2 all float32. The Pallas kernels keep the model's
     dtype. Output rows are cast back to the model's dtype."""

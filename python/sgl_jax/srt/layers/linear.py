@@ -28,12 +28,14 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., in_features] -> [..., out_features] in the parameter dtype.
 
-        The product accumulates in float32 and is cast back: asked for a bfloat16 result, XLA's CPU backend
-        took a path 2x slower than float32 (2048 x 576 x 1536: 19 ms), while a float32 result from
-        bfloat16 operands ran 2x faster than float32 (9 ms) on a CPU with AVX512-BF16."""
+        On CPU the product accumulates in float32 and is cast back: asked for a bfloat16 result, XLA's CPU
+        backend took a path 2x slower than float32 (2048 x 576 x 1536: 19 ms), while a float32 result from
+        bfloat16 operands ran 2x faster than float32 (9 ms) on a CPU with AVX512-BF16. TPU/GPU keep the
+        parameter dtype's result (their dots accumulate in float32 anyway), so a tensor-parallel row layer's
+        partial sums cross devices in bfloat16."""
         w = self.weight[...]
-        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+        acc = jnp.float32 if jax.default_backend() == "cpu" else None
+        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=acc)
         if self.bias is not None:
             y = y + self.bias[...]
         return y.astype(w.dtype)

@@ -122,10 +122,13 @@ class ScoreClient:
                         raise RequestError(out.error, out.status_code)
             return [fut.result() for fut in futs]
         except BaseException:
-            if self.tm.dead_reason is None:
-                for msg, fut in zip(msgs, futs):
-                    if not fut.done():
+            for msg, fut in zip(msgs, futs):
+                if not fut.done():
+                    if self.tm.dead_reason is None:
                         self.tm.send_to_scheduler.send_pyobj(AbortReq(msg.rid, "score request aborted"))
+                    fut.cancel()
+                elif not fut.cancelled():
+                    fut.exception()  # retrieved: fail_all may have set one on every batch
             raise
         finally:
             for msg in msgs:
