@@ -50,12 +50,10 @@ from sgl_jax.bench_utils import git_commit
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.model_executor.buckets import derive_limits
-from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
-from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, compute_max_total_tokens, setup_jax
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
@@ -187,8 +185,7 @@ class OneBatchRunner:
                      f"{self.need} tokens (batch x (input + warm-up + output), pages of {self.page}); raise "
                      "--max-total-tokens (or leave it and --mem-fraction-static unset to size it from the batch)")
         self.pool = ReqToTokenPool(max_running, mc.context_len)
-        self.alloc = (SWAPagedAllocator(runner.max_total_tokens, runner.swa_max_total_tokens, self.page)
-                      if runner.hybrid_swa else PagedTokenToKVPoolAllocator(runner.max_total_tokens, self.page))
+        self.alloc = runner.new_kv_allocator()
         self.cache = ChunkCache(self.pool, self.alloc)
         self.cost = model_cost(runner)
         if not sa.disable_precompile:

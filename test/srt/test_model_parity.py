@@ -18,12 +18,10 @@ import torch
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
-from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
-from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode, stack_ranks
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
@@ -65,10 +63,7 @@ class RunnerHarness:
         self.runner = ModelRunner(args, self.mc, buckets=self.buckets, max_context_len=context_length,
                                   max_total_tokens_fn=lambda _: max_total_tokens)
         self.pool = ReqToTokenPool(4, context_length)
-        if self.runner.hybrid_swa:
-            self.alloc = SWAPagedAllocator(self.runner.max_total_tokens, self.runner.swa_max_total_tokens, page_size)
-        else:
-            self.alloc = PagedTokenToKVPoolAllocator(max_total_tokens, page_size)
+        self.alloc = self.runner.new_kv_allocator()
         self.cache = ChunkCache(self.pool, self.alloc)
         self.page_size = page_size
         self.swa_tokens_released = 0

@@ -67,8 +67,6 @@ from sgl_jax.srt.managers.session_controller import Session, SessionController, 
 from sgl_jax.srt.managers.step_budget import PrefillStepBudget, RowWork, StepTimeModel, step_features
 from sgl_jax.srt.managers.watchdog import StepWatchdog
 from sgl_jax.srt.mem_cache import create_prefix_cache
-from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
@@ -205,10 +203,7 @@ class Scheduler:
         """Rank `rank`'s pools (its own KV block, request slots and prefix cache) and scheduling state."""
         pool = ReqToTokenPool(self.max_running_requests, self.context_len)
         runner = self.model_runner
-        if runner.hybrid_swa:
-            allocator = SWAPagedAllocator(runner.max_total_tokens, runner.swa_max_total_tokens, self.page_size)
-        else:
-            allocator = PagedTokenToKVPoolAllocator(runner.max_total_tokens, self.page_size)
+        allocator = runner.new_kv_allocator()
         tree_cache = create_prefix_cache(self.server_args, pool, allocator,
                                          self.model_config.sliding_window if runner.hybrid_swa else None)
         scoring = SchedulerScoring(tree_cache, pool, self.page_size,

@@ -28,7 +28,8 @@ from sgl_jax.srt.distributed.sharding import KV_CACHE, RANK_ROWS, REPLICATED, ch
 
 from sgl_jax.srt.kernels.ragged_paged_attention import resolve_attention_backend
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
-from sgl_jax.srt.mem_cache.swa_allocator import split_hybrid_budget
+from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator, split_hybrid_budget
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.compile_stats import compile_counts, describe
 from sgl_jax.srt.model_executor.forward_batch_info import (
@@ -253,6 +254,14 @@ class ModelRunner:
         self.warmup_stats: Dict[str, float] = {}  # what warm-up compiled and loaded (see warmup)
 
     # ---- compiled functions
+    def new_kv_allocator(self) -> PagedTokenToKVPoolAllocator:
+        """A host allocator for one rank's pages of this runner's KV pool: a `SWAPagedAllocator` (full and SWA
+        pools) when the model runs with hybrid SWA memory, else a `PagedTokenToKVPoolAllocator` of
+        ``max_total_tokens`` tokens in pages of ``page_size``. Each DP rank gets its own."""
+        if self.hybrid_swa:
+            return SWAPagedAllocator(self.max_total_tokens, self.swa_max_total_tokens, self.page_size)
+        return PagedTokenToKVPoolAllocator(self.max_total_tokens, self.page_size)
+
     def _step_impl(self, params, kv_caches, penalty_state, fb: ForwardBatch, sampling: SamplingMetadata):
         model = nnx.merge(self.graphdef, params)
         fb = dataclasses.replace(fb, attention_backend=self.attention_backend)  # trace time only
