@@ -16,6 +16,8 @@ one compiled program serves every batch of the same padded (T, S) shape.
   2024): when every sequence of an extend batch starts with the same cached pages, all query rows attend
   to those keys together in large blocks (one matmul per block for the whole batch instead of one per
   sequence); the per-sequence loop then continues from that online-softmax state over the rest.
+- extend blocks whose mask keeps every entry (below the causal diagonal, inside the prefix) skip the
+  masking pass over their scores.
 """
 
 from __future__ import annotations
@@ -94,6 +96,14 @@ def _matmul_step(carry, x, kblk, vblk, mask, soft_cap):
     vt = vblk.transpose(1, 0, 2)
     pv = jnp.matmul(p.astype(vt.dtype), vt, preferred_element_type=jnp.float32)
     return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+
+def _step_skipping_full_masks(carry, x, kblk, vblk, mask, soft_cap):
+    """`_matmul_step`, without the masking pass over the [KVH, R, bk] scores when `mask` keeps every entry
+    (most blocks of a long prefix or prompt): on CPU that pass is a read and write of the whole score tensor,
+    about 7% of the shared-prefix loop of an item batch (1,920 rows over 1,984 keys: 72 -> 67 ms a layer)."""
+    return jax.lax.cond(jnp.all(mask), lambda c: _matmul_step(c, x, kblk, vblk, True, soft_cap),
+                        lambda c: _matmul_step(c, x, kblk, vblk, mask, soft_cap), carry)
 
 
 def _queries_for_matmul(qblk, sm_scale):
@@ -201,7 +211,7 @@ def _shared_prefix_state(q, k_pages, v_pages, page_row, shared_len, num_rows, qp
             mask = kpos[None, :] < shared_len
             if lo is not None:
                 mask = mask & (kpos[None, :] >= lo[:, None])
-            return _matmul_step(carry, x, kblk, vblk, mask, soft_cap)
+            return _step_skipping_full_masks(carry, x, kblk, vblk, mask, soft_cap)
 
         init = (
             jnp.full((KVH, G * bq), MASK_VALUE, jnp.float32),
@@ -261,7 +271,7 @@ def _block_attention(q_padded, seg_padded, k_pages, v_pages, page_row, shared, q
         mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < kv_len) & (kpos[None, :] >= lo[:, None])
         mask &= (kpos[None, :] < prefix_len) | (kpos[None, :] >= seg_start[:, None])
         mask &= kpos[None, :] >= shared_len
-        return _matmul_step(carry, x, kblk, vblk, jnp.tile(mask, (G, 1)), soft_cap)
+        return _step_skipping_full_masks(carry, x, kblk, vblk, jnp.tile(mask, (G, 1)), soft_cap)
 
     m0, l0, acc0 = (jax.lax.dynamic_slice_in_dim(a, q_start + r0, bq, axis=2) for a in shared)
     init = (m0.reshape(KVH, G * bq), l0.reshape(KVH, G * bq), acc0.reshape(KVH, G * bq, D))
