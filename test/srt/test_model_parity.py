@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -304,6 +305,27 @@ def test_bfloat16_linear_accumulates_in_float32():
     assert y.dtype == jnp.bfloat16
     want = (np.asarray(x.astype(jnp.bfloat16), np.float32) @ np.asarray(layer.weight[...], np.float32).T)
     np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=1e-2, atol=1e-3)
+    # one row (a batch-1 decode step) goes through the two-row padding on CPU: same values as in the batch,
+    # same shapes for [1, in] and [in]
+    assert jax.default_backend() == "cpu"
+    np.testing.assert_array_equal(np.asarray(layer(x[:1]), np.float32), np.asarray(y[:1], np.float32))
+    assert layer(x[0]).shape == (96,) and layer(x[None, :1]).shape == (1, 1, 96)
+    np.testing.assert_array_equal(np.asarray(layer(x[0]), np.float32), np.asarray(y[0], np.float32))
+
+
+def test_bfloat16_logits_of_one_row_equal_the_batch_rows():
+    """compute_logits pads a single bfloat16 row to two on CPU (layers/linear.dot_weight_t); the row's logits
+    equal the same row's in a batch and the float32 product of the rounded operands."""
+    from sgl_jax.srt.layers.logits_processor import compute_logits
+
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((1000, 64)), jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    batch, one = compute_logits(h, w), compute_logits(h[1:2], w)
+    assert one.dtype == jnp.float32 and one.shape == (1, 1000)
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(batch[1:2]))
+    want = np.asarray(h[1:2].astype(jnp.bfloat16), np.float32) @ np.asarray(w, np.float32).T
+    np.testing.assert_allclose(np.asarray(one), want, rtol=1e-5, atol=1e-4)
 
 
 def test_tiny_llama3_rope_scaling_logit_parity(tmp_path):

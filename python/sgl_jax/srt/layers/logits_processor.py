@@ -7,6 +7,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from sgl_jax.srt.layers.linear import dot_weight_t
+
 
 def compute_logits(hidden: jax.Array, lm_head_weight: jax.Array, soft_cap: Optional[float] = None) -> jax.Array:
     """Logits = hidden @ W.T, accumulated in float32.
@@ -18,8 +20,7 @@ def compute_logits(hidden: jax.Array, lm_head_weight: jax.Array, soft_cap: Optio
     Returns:
         float32 [N, vocab_size].
     """
-    logits = jax.lax.dot_general(hidden.astype(lm_head_weight.dtype), lm_head_weight, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+    logits = dot_weight_t(hidden, lm_head_weight, jnp.float32)
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     return logits
