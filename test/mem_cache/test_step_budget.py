@@ -70,7 +70,11 @@ def test_chunk_limit_is_the_largest_bucket_within_the_budget():
     # unmixed: the prefill step's own time (10 + 2 ms per padded token) is the delay
     limit = budget.chunk_limit(2048, 0, running, mixed=False)
     assert limit == 256 and 10 + 2 * 256 <= 600 < 10 + 2 * 512
-    assert budget.last_limit == 256 and budget.num_limited == 1
+    assert budget.last_limit == 256 and budget.num_limited == 0  # a decision; steps are counted when formed
+    budget.record_step(limit, 2048)
+    budget.record_step(None, 2048)  # no limit (nothing running)
+    budget.record_step(2048, 2048)  # the limit was the chunk size
+    assert budget.num_limited == 1
     # mixed: the step of T_pad = the bucket holding chunk + 8 decode rows, less the same step without the
     # chunk (the 64-token bucket): 2 * (256 - 64) = 384 ms; the 512 bucket would add 896
     limit = budget.chunk_limit(2048, 0, running, mixed=True)

@@ -251,13 +251,14 @@ class RankScheduler:
             return None
         running = self.running_batch.reqs
         in_flight = len(running) + (1 if self.chunked_req is not None else 0)
+        token_limit = self.prefill_token_limit(mixed)
         adder = PrefillAdder(self.buckets, self.allocator, self.tree_cache, running,
                              max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size,
                              free_req_slots=self.req_to_token_pool.available_size(),
                              free_running=self.max_running_requests - in_flight,
                              new_token_ratio=self.new_token_ratio, swa_window=self.swa_window,
                              swa_release=self.swa_release, decode_rows=len(running) if mixed else 0,
-                             token_limit=self.prefill_token_limit(mixed))
+                             token_limit=token_limit)
         if self.chunked_req is not None and not adder.add_chunked(self.chunked_req):
             return None
         handle_room = self.scoring.handle_room(self.chunked_req, self.max_running_requests, self.allocator.size)
@@ -287,6 +288,8 @@ class RankScheduler:
         admitted = set(id(r) for r in adder.can_run)
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
         self.chunked_req = adder.new_chunked_req
+        if self.step_budget is not None:
+            self.step_budget.record_step(token_limit, self.chunk_size)
         batch = ScheduleBatch(adder.can_run, ForwardMode.EXTEND)
         in_flight = {id(r) for r in self.running_batch.reqs + adder.can_run}
         self.peak_running_reqs = max(self.peak_running_reqs, len(in_flight))

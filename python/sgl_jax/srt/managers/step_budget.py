@@ -159,7 +159,7 @@ class PrefillStepBudget:
         self.model = model
         self.last_limit: Optional[int] = None
         self.last_predicted_ms: Optional[float] = None
-        self.num_limited = 0  # prefill decisions the budget cut below the chunk size
+        self.num_limited = 0  # prefill steps run under a limit below the chunk size (record_step)
 
     def predicted_delay_ms(self, chunk: int, prefix_len: int, running_kv: Sequence[int], mixed: bool
                            ) -> Optional[float]:
@@ -214,9 +214,14 @@ class PrefillStepBudget:
             else:
                 best, best_ms = c, ms
         self.last_limit, self.last_predicted_ms = best, best_ms
-        if best < chunk_size:
-            self.num_limited += 1
         return best
+
+    def record_step(self, limit: Optional[int], chunk_size: int) -> None:
+        """Count a prefill step that was formed under `limit` (a `chunk_limit` result; None: no limit) when it
+        is below `chunk_size`. Counted here rather than in `chunk_limit`: a decision whose batch admitted
+        nothing (the scheduler then asks again without mixing) is not a step."""
+        if limit is not None and limit < chunk_size:
+            self.num_limited += 1
 
     def state(self) -> dict:
         """For /get_server_info: the budget, the fit and the last decision."""
