@@ -159,7 +159,8 @@ class PrefillStepBudget:
         self.model = model
         self.last_limit: Optional[int] = None
         self.last_predicted_ms: Optional[float] = None
-        self.num_limited = 0  # prefill steps run under a limit below the chunk size (record_step)
+        self.num_limited = 0  # prefill batches formed under a limit below the chunk size (record_step; with
+        # DP attention each rank's batch counts, and the ranks share this object)
 
     def predicted_delay_ms(self, chunk: int, prefix_len: int, running_kv: Sequence[int], mixed: bool
                            ) -> Optional[float]:
