@@ -21,7 +21,6 @@ from flax import nnx  # noqa: E402
 
 from sgl_jax.srt.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
-from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache  # noqa: E402
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool  # noqa: E402
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets  # noqa: E402
@@ -37,7 +36,7 @@ CONTEXT = 512
 def greedy(runner: ModelRunner, buckets: ShapeBuckets, prompts, steps: int, page_size: int):
     """Prefill all prompts in one batch, then `steps` - 1 decode steps: (tokens [steps][n], logprobs)."""
     pool = ReqToTokenPool(len(prompts), CONTEXT)
-    alloc = PagedTokenToKVPoolAllocator(MAX_TOTAL_TOKENS, page_size)
+    alloc = runner.new_kv_allocator()
     cache = ChunkCache(pool, alloc)
     reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=steps, temperature=0.0), eos_token_ids=[], seed=0)
             for i, p in enumerate(prompts)]
