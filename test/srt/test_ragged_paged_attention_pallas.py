@@ -3,10 +3,8 @@
 Random ragged batches come from hypothesis (batch kind, page size, head dim, GQA ratio, sliding window,
 soft-cap, segment mask, dtype); explicit examples make sure every value the kernels promise to support is
 run on every CI run. Both kernels are also lowered for their real targets (Mosaic TPU, Triton) through
-jax.export, which needs no device: a kernel that only works in the interpreter fails there.
-
-Tolerances (max |kernel - reference| over the output): float32 2e-5 + 2e-5 * |ref|; bfloat16 2e-2 + 2e-2
-* |ref| (both sides round P to bfloat16 before P @ V and the output to bfloat16, in different orders).
+jax.export, which needs no device: a kernel that only works in the interpreter fails there. The batches and
+the tolerances are `rpa_batches`'; test_ragged_paged_attention_gpu.py runs the GPU kernel compiled, on a GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +26,8 @@ from sgl_jax.srt.kernels.ragged_paged_attention.gpu import ragged_paged_attentio
 from sgl_jax.srt.kernels.ragged_paged_attention.ref import ragged_paged_attention as reference
 from sgl_jax.srt.kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
+from rpa_batches import assert_matches_reference, make_batch
+
 # The TPU kernel runs in Pallas' TPU interpreter, which simulates its DMAs and semaphores: a copy lands only
 # when it is waited on, VMEM starts as NaN (reading a buffer before its copy completes shows), and reads
 # and writes racing with an in-flight DMA are detected.
@@ -37,64 +37,6 @@ KERNELS = {
     "tpu": functools.partial(ragged_paged_attention_tpu, interpret=TPU_INTERPRET, blocks=BlockSizes(8, 32)),
     "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True, blocks=BlockSizes(16, 32)),
 }
-TOL = {"float32": 2e-5, "bfloat16": 2e-2}
-S_PAD, T_PAD = 5, 48  # fixed padded shapes: fewer distinct programs to compile
-
-
-def make_batch(seed, kind, page_size, head_dim, group, num_kv_heads, dtype, segments):
-    """A random ragged batch: (args, kwargs) for ragged_paged_attention; pages scattered over the cache."""
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(1, S_PAD))  # 1 .. S_PAD - 1 sequences; the rest is padding
-    q_lens, kv_lens = [], []
-    for i in range(n):
-        decode = kind == "decode" or (kind == "mixed" and i % 2 == 0)
-        q_len = 1 if decode else int(rng.integers(1, 24))
-        q_lens.append(q_len)
-        kv_lens.append(q_len + int(rng.integers(0, 160)))
-    if kind != "decode":
-        while sum(q_lens) > T_PAD:
-            q_lens[q_lens.index(max(q_lens))] //= 2
-        kv_lens = [max(k, q) for k, q in zip(kv_lens, q_lens)]
-    pages_per_seq = -(-max(kv_lens) // page_size) + 1
-    num_pages = 1 + sum(-(-k // page_size) for k in kv_lens) + 2
-    H, D = num_kv_heads * group, head_dim
-    k_pages = rng.standard_normal((num_pages, page_size, num_kv_heads, D)).astype(np.float32)
-    v_pages = rng.standard_normal((num_pages, page_size, num_kv_heads, D)).astype(np.float32)
-    free = list(rng.permutation(np.arange(1, num_pages)))
-    # garbage past each sequence's pages (the contract says those entries are ignored)
-    page_indices = rng.integers(-5, 10**6, (S_PAD, pages_per_seq)).astype(np.int32)
-    for s, L in enumerate(kv_lens):
-        for p in range(-(-L // page_size)):
-            page_indices[s, p] = free.pop()
-    cu = np.zeros(S_PAD + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(q_lens)
-    cu[n + 1:] = T_PAD if kind != "decode" else S_PAD
-    kl = np.zeros(S_PAD, np.int32)
-    kl[:n] = kv_lens
-    T = T_PAD if kind != "decode" else S_PAD
-    q = rng.standard_normal((T, H, D)).astype(np.float32)
-    prefix_lens = np.zeros(S_PAD, np.int32)
-    seg = np.zeros(T, np.int32)
-    if segments:  # sequence 0 becomes a packed multi-item sequence: a prefix, then items of 2..9 tokens
-        L, q_len = kv_lens[0], q_lens[0]
-        prefix = int(rng.integers(1, L)) if L > 1 else 0
-        prefix_lens[0] = prefix
-        starts, pos = [], prefix
-        while pos < L:
-            starts.append(pos)
-            pos += int(rng.integers(2, 10))
-        for i in range(q_len):
-            qpos = L - q_len + i
-            seg[i] = 0 if qpos < prefix else max(s for s in starts if s <= qpos)
-    dt = jnp.dtype(dtype)
-    args = (jnp.asarray(q, dt), jnp.asarray(k_pages, dt), jnp.asarray(v_pages, dt), jnp.asarray(kl),
-            jnp.asarray(page_indices), jnp.asarray(cu), jnp.asarray(n, jnp.int32))
-    kwargs = dict(sm_scale=D ** -0.5, decode_only=kind == "decode")
-    if segments:
-        kwargs.update(prefix_lens=jnp.asarray(prefix_lens), segment_starts=jnp.asarray(seg))
-    return args, kwargs, int(cu[n])
-
-
 def check(kernel, seed, kind, page_size, head_dim, group, dtype, sliding_window, soft_cap, segments,
           num_kv_heads=1):
     args, kwargs, rows = make_batch(seed, kind, page_size, head_dim, group, num_kv_heads, dtype, segments)
@@ -102,14 +44,7 @@ def check(kernel, seed, kind, page_size, head_dim, group, dtype, sliding_window,
     out = np.asarray(KERNELS[kernel](*args, **kwargs).astype(jnp.float32))
     if kernel == "tpu":
         assert not tpu_interpreter.races.races_found, "the TPU interpreter found a data race"
-    # the reference in float32 on the same (possibly bfloat16-rounded) inputs
-    ref_args = tuple(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args)
-    ref = np.asarray(reference(*ref_args, **kwargs))
-    tol = TOL[dtype]
-    err = np.abs(out - ref)
-    assert np.all(err <= tol + tol * np.abs(ref)), (
-        f"{kernel} max error {err.max():.3g} (tolerance {tol}) at {np.unravel_index(err.argmax(), err.shape)}")
-    assert np.all(out[rows:] == 0), "padding rows must be zero"
+    assert_matches_reference(kernel, out, args, kwargs, rows, dtype)
 
 
 # 6 drawn examples + the 6 explicit ones per kernel (every case costs a compile and an interpreted run, ~3-4 s)
@@ -218,3 +153,25 @@ def test_kernels_lower_for_their_devices(target, case):
         jax.ShapeDtypeStruct((T, H, D), dt), kv, kv, i32(S), i32(S, P), i32(S + 1), i32(), i32(S), i32(T))
     text = exported.mlir_module()
     assert ("tpu_custom_call" in text) if target == "tpu" else ("__gpu$xla.gpu.triton" in text)
+
+
+def test_gpu_kernel_float32_dots_ask_for_ieee_precision():
+    """Pallas' Triton lowering (jax/_src/pallas/triton/lowering.py) runs a DEFAULT-precision float32 dot in TF32
+    (10-bit mantissas: errors near 1e-3, fifty times the float32 tolerance), a HIGHEST one in IEEE float32:
+    every dot of the float32 kernel asks for HIGHEST, the bfloat16 kernel's for none (bfloat16 products are
+    exact either way)."""
+    import re
+
+    def dot_precisions(dtype):
+        T, H, KVH, D, S, P = 64, 8, 2, 64, 4, 8
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        kv = jax.ShapeDtypeStruct((64, 16, KVH, D), dtype)
+        f = functools.partial(ragged_paged_attention_gpu, sm_scale=D ** -0.5, interpret=True)
+        text = str(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((T, H, D), dtype), kv, kv, i32(S), i32(S, P), i32(S + 1),
+                                     i32()))
+        return text.count("dot_general["), re.findall(r"precision=\(Precision\.(\w+), Precision\.(\w+)\)", text)
+
+    n, precisions = dot_precisions(jnp.float32)
+    assert n >= 2 and precisions == [("HIGHEST", "HIGHEST")] * n
+    n, precisions = dot_precisions(jnp.bfloat16)
+    assert n >= 2 and precisions == []

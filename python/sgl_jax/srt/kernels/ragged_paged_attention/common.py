@@ -229,13 +229,22 @@ def softmax_update(m, l, acc, scores, mask, v, soft_cap: Optional[float]):
     m_new = jnp.maximum(m, scores.max(axis=1, keepdims=True))
     p = jnp.where(mask, jnp.exp(scores - m_new), 0.0)
     corr = jnp.exp(m - m_new)
-    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_dot_precision(v.dtype),
+                             preferred_element_type=jnp.float32)
     return m_new, l * corr + p.sum(axis=1, keepdims=True), acc * corr + pv
 
 
+def _dot_precision(dtype):
+    """HIGHEST for float32 operands, else the default. Pallas' Triton lowering runs a DEFAULT-precision float32
+    dot in TF32 (10-bit mantissa inputs: errors near 1e-3); HIGHEST makes it IEEE float32.
+    bfloat16/float16 operands are exact in either."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def qk_scores(q, k):
-    """float32[R, bk] = q [R, D] @ k[bk, D]^T."""
-    return jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    """float32[R, bk] = q [R, D] @ k[bk, D]^T (float32 operands multiplied in full float32)."""
+    return jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_dot_precision(q.dtype),
+                               preferred_element_type=jnp.float32)
 
 
 def finish(l, acc):
