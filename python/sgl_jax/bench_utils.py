@@ -26,13 +26,14 @@ def cpu_name() -> str:
     return f"{cpu}, {os.cpu_count()} cores"
 
 
-def xla_matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """XLA's float32 matmul rate on the default device (n x n x n, best of `repeats`), GFLOP/s."""
+def xla_matmul_gflops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:
+    """XLA's matmul rate on the default device (n x n x n operands of `dtype`, best of `repeats` after one
+    warm-up; random normal data, not zeros), GFLOP/s."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32), dtype)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     best = min(timed(lambda: f(a).block_until_ready())[1] for _ in range(repeats))

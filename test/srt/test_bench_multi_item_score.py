@@ -20,6 +20,11 @@ prefill_extend achieves).
     # the headline shape, report under reports/
     python test/srt/test_bench_multi_item_score.py --query-tokens 2000 --num-items 500 --item-tokens 20 \\
         --report reports/multi-item-score-cpu.md
+    # on an accelerator: Qwen3-0.6B's shapes with random weights (its config.json in benchmark/configs),
+    # SmolLM2's tokenizer (its ids are valid Qwen3 ids); no transformers baselines for random weights
+    JAX_PLATFORMS=cuda python test/srt/test_bench_multi_item_score.py --query-tokens 2000 --num-items 500 \
+        --item-tokens 20 --model-path benchmark/configs/Qwen3-0.6B --load-format dummy --dtype bfloat16 \
+        --tokenizer-path <SmolLM2's HF dir> --report reports/multi-item-score-h100.md
 Environment variables SGL_JAX_BENCH_{QUERY_TOKENS,NUM_ITEMS,ITEM_TOKENS,SERIAL_ITEMS,HF_ITEMS,HF_BATCH,REPORT}
 set the same values for the pytest form.
 """
@@ -64,6 +69,16 @@ class BenchConfig:
     seed: int = 0
     dtype: str = "auto"  # the engine's --dtype (auto: float32 on CPU)
     kv_cache_dtype: str = "auto"  # the engine's --kv-cache-dtype
+    # another model (an HF directory; with --load-format dummy only its config.json is read) and its tokenizer:
+    # the transformers baselines need SmolLM2's real weights, so they run only on the default model
+    model_path: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    load_format: str = "auto"
+    attention_backend: str = "auto"
+
+    @property
+    def default_model(self) -> bool:
+        return self.model_path is None and self.load_format != "dummy"
 
 
 @dataclasses.dataclass
@@ -104,7 +119,9 @@ def engine_args(cfg: BenchConfig, radix: bool) -> dict:
     else:  # the test suite's shapes, so the persistent compilation cache is shared; scoring never decodes, so
         # of the decode buckets only the largest (it sets the extend buckets' batch padding) is compiled
         args = dict(SMALL_ENGINE_ARGS, precompile_bs_paddings=SMALL_ENGINE_ARGS["precompile_bs_paddings"][-1:])
-    extra = {k: getattr(cfg, k) for k in ("dtype", "kv_cache_dtype") if getattr(cfg, k) != "auto"}
+    extra = {k: getattr(cfg, k) for k in ("dtype", "kv_cache_dtype", "load_format", "attention_backend")
+             if getattr(cfg, k) != "auto"}
+    extra.update({k: getattr(cfg, k) for k in ("model_path", "tokenizer_path") if getattr(cfg, k) is not None})
     return dict(args, disable_radix_cache=not radix, enable_scoring_cache=True, log_level="warning", **extra)
 
 
@@ -216,12 +233,33 @@ def max_logprob_diff(a, b, apply_log: bool) -> float:
 
 def machine() -> str:
     import jax
-    import torch
     import transformers
 
-    return (f"{cpu_name()}, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB; Python "
-            f"{platform.python_version()}, jax {jax.__version__}, torch {torch.__version__}, "
+    dev = jax.devices()[0]
+    accel = "" if dev.platform == "cpu" else f"{dev.device_kind} ({dev.platform}); host "
+    try:
+        import torch
+
+        torch_version = f", torch {torch.__version__}"
+    except ImportError:
+        torch_version = ""
+    return (f"{accel}{cpu_name()}, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB; "
+            f"Python {platform.python_version()}, jax {jax.__version__}{torch_version}, "
             f"transformers {transformers.__version__}")
+
+
+# dense bfloat16 matmul TFLOP/s from the vendors' datasheets, for MFU beside the rate measured in the run
+DATASHEET_BF16_TFLOPS = {"NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "TPU v6 lite": 918.0, "TPU v5 lite": 197.0}
+
+
+def matmul_peak() -> Tuple[float, str]:
+    """(GFLOP/s, description): XLA's float32 2048^3 matmul on CPU; on an accelerator a bfloat16 8192^3 one
+    (the precision its matrix units serve), both measured in this run."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return xla_matmul_gflops(), "XLA float32 matmul (2048^3)"
+    return xla_matmul_gflops(8192, repeats=10, dtype="bfloat16"), "XLA bfloat16 matmul (8192^3)"
 
 
 def run(cfg: BenchConfig, command: str, hf_model=None) -> str:
@@ -229,31 +267,43 @@ def run(cfg: BenchConfig, command: str, hf_model=None) -> str:
     from sgl_jax.srt.configs.model_config import ModelConfig, load_tokenizer
     from sgl_jax.srt.server_args import ServerArgs
 
-    sa = ServerArgs(log_level="warning")
+    sa = ServerArgs(log_level="warning", model_path=cfg.model_path, tokenizer_path=cfg.tokenizer_path,
+                    load_format=cfg.load_format)
     tokenizer = load_tokenizer(sa)
     query, items, labels = workload(tokenizer, cfg)
     t_start = time.time()
+    # the engines run first: on an accelerator JAX in this process would take the device memory they need
     rows, scores = run_engine_modes(cfg, query, items, labels)
-    peak = xla_matmul_gflops()
-    mc = ModelConfig.from_server_args(sa, "cpu")
+    import jax
+
+    device = jax.devices()[0]
+    peak, peak_name = matmul_peak()
+    mc = ModelConfig.from_server_args(sa, device.platform)
     pe = next(r for r in rows if r.name == "prefill_extend")
     achieved = model_flops(mc, cfg.query_tokens, cfg.num_items, cfg.item_tokens) / pe.seconds / 1e9
-    hf_rows, hf_scores = hf_baselines(cfg, query, items, labels, hf_model)
-    rows += hf_rows
+    if cfg.default_model:
+        hf_rows, hf_scores = hf_baselines(cfg, query, items, labels, hf_model)
+        rows += hf_rows
     wall = time.time() - t_start
 
     # agreement: every mode against serial (log-probabilities), transformers float32 against serial
     ref = np.log(np.asarray(scores["serial"], np.float64))
     agree = {m: max_logprob_diff(scores[m], ref, True) for m in ("serial-nocache", "packed", "prefill_extend")}
-    agree["transformers float32 (batched)"] = max_logprob_diff(ref, hf_scores["hf-batched-float32"], False)
-    agree["transformers float32 (reused KV)"] = max_logprob_diff(ref, hf_scores["hf-reused-float32"], False)
+    if cfg.default_model:
+        agree["transformers float32 (batched)"] = max_logprob_diff(ref, hf_scores["hf-batched-float32"], False)
+        agree["transformers float32 (reused KV)"] = max_logprob_diff(ref, hf_scores["hf-reused-float32"], False)
+    model = ("SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)" if cfg.model_path is None else
+             os.path.basename(os.path.normpath(cfg.model_path))) + (
+        ", random (dummy) weights" if cfg.load_format == "dummy" else "")
+    weights = {"auto": "float32" if device.platform == "cpu" else "bfloat16"}.get(cfg.dtype, cfg.dtype)
+    datasheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if device.device_kind.startswith(k)), None)
 
     by = {r.name: r for r in rows}
     lines = [f"# Multi-item scoring benchmark ({datetime.date.today().isoformat()})", "",
              f"Workload: query {cfg.query_tokens} tokens, {cfg.num_items} items x {cfg.item_tokens} tokens, "
-             f"2 labels; SmolLM2-135M-Instruct (GGUF Q4_1 dequantized), engine weights "
-             f"{'float32' if cfg.dtype == 'auto' else cfg.dtype}, KV cache "
-             f"{cfg.kv_cache_dtype if cfg.kv_cache_dtype != 'auto' else 'as the weights'}, CPU.", "",
+             f"2 labels; {model}, engine weights {weights}, KV cache "
+             f"{cfg.kv_cache_dtype if cfg.kv_cache_dtype != 'auto' else 'as the weights'}, "
+             f"{device.platform.upper()}.", "",
              f"Command: `{command}`", "", f"Machine: {machine()}", "",
              f"Engine flags: {engine_args(cfg, True)} (radix off for the first row)", "",
              "| mode | items timed | items/s | ms/item | total s | note |", "|---|---|---|---|---|---|"]
@@ -266,8 +316,10 @@ def run(cfg: BenchConfig, command: str, hf_model=None) -> str:
     for r in rows:
         if r.name != "prefill_extend":
             lines.append(f"- vs {r.name}: {pe_rate / r.items_per_s:.1f}x")
-    lines += ["", f"XLA float32 matmul (2048^3) measured in this run: {peak:.1f} GFLOP/s; prefill_extend "
-                  f"achieves {achieved:.1f} GFLOP/s of model FLOPs ({100 * achieved / peak:.0f}% of it).", "",
+    lines += ["", f"{peak_name} measured in this run: {peak:.1f} GFLOP/s; prefill_extend achieves "
+                  f"{achieved:.1f} GFLOP/s of model FLOPs ({100 * achieved / peak:.1f}% of it)"
+                  + (f", MFU {100 * achieved / (datasheet * 1e3):.2f}% of the datasheet's {datasheet:.0f} TFLOP/s "
+                     f"dense bfloat16" if datasheet else "") + ".", "",
               "Agreement (max |delta log-probability| vs serial with the radix cache on, over the items "
               "both scored):", ""]
     lines += [f"- {k}: {v:.2e}" for k, v in agree.items()]
@@ -282,10 +334,11 @@ def run(cfg: BenchConfig, command: str, hf_model=None) -> str:
     # bfloat16 weights round differently with each batch's composition and differ from the float32 reference:
     # measured at the headline shape (reports/multi-item-score-bf16-cpu-2026-11-24.md) up to 0.32 between
     # modes and 0.096 from transformers float32; a wrong item order or mask is off by whole nats
-    modes_tol, ref_tol = (1e-4, 1e-3) if cfg.dtype in ("auto", "float32") else (0.5, 0.2)
+    modes_tol, ref_tol = (1e-4, 1e-3) if weights == "float32" else (0.5, 0.2)
     assert max(agree[m] for m in ("packed", "prefill_extend", "serial-nocache")) < modes_tol, agree
-    assert agree["transformers float32 (batched)"] < ref_tol, agree
-    assert agree["transformers float32 (reused KV)"] < ref_tol, agree
+    if cfg.default_model:
+        assert agree["transformers float32 (batched)"] < ref_tol, agree
+        assert agree["transformers float32 (reused KV)"] < ref_tol, agree
     return report
 
 
@@ -322,7 +375,7 @@ def main(argv=None):
     engine = args.pop("engine")
     cfg = BenchConfig(**args)
     cfg.full = engine == "full" or (engine == "auto" and cfg.query_tokens + cfg.item_tokens > 1024)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # JAX_PLATFORMS=cuda (or tpu) to run on an accelerator
     run(cfg, "python " + " ".join(shlex.quote(a) for a in [sys.argv[0]] + sys.argv[1:]))
 
 
