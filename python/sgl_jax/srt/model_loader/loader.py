@@ -23,7 +23,7 @@ from sgl_jax.srt.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
-JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def _path_name(path) -> str:

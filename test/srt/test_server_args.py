@@ -1,0 +1,60 @@
+"""ServerArgs: the flags SGLang users expect (issue #20) and their validation."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from sgl_jax.srt.server_args import ServerArgs, prepare_server_args
+
+
+def test_compilation_cache_dir_flag_then_environment_then_default(monkeypatch, tmp_path):
+    monkeypatch.setenv("SGL_JAX_CACHE_DIR", str(tmp_path / "root"))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    assert ServerArgs().compilation_cache_dir == str(tmp_path / "root" / "jax_compilation_cache")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+    assert ServerArgs().compilation_cache_dir == str(tmp_path / "env")
+    assert prepare_server_args([]).compilation_cache_dir == str(tmp_path / "env")
+    flag = prepare_server_args(["--compilation-cache-dir", str(tmp_path / "flag")])
+    assert flag.compilation_cache_dir == str(tmp_path / "flag")
+
+
+def test_jax_uses_the_environment_cache_dir(tmp_path):
+    """setup_jax hands the resolved directory to JAX (run in a child: jax's config is process-wide)."""
+    import subprocess
+    import sys
+
+    code = ("import jax; from sgl_jax.srt.server_args import ServerArgs; "
+            "from sgl_jax.srt.model_executor.model_runner import setup_jax; setup_jax(ServerArgs()); "
+            "print(jax.config.jax_compilation_cache_dir)")
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "env"), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == str(tmp_path / "env")
+    assert (tmp_path / "env").is_dir()
+
+
+@pytest.mark.parametrize("flag,want", [("float16", "float16"), ("half", "float16"), ("bfloat16", "bfloat16"),
+                                       ("float32", "float32"), ("auto", "auto")])
+def test_dtype_names(flag, want):
+    assert prepare_server_args(["--dtype", flag]).dtype == want
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("dtype", "float8", "--dtype must be one of"),
+    ("reasoning_parser", "kimi", "--reasoning-parser must be one of"),
+    ("tokenizer_mode", "fast", "--tokenizer-mode must be one of"),
+])
+def test_bad_choices_name_the_flag(field, value, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        ServerArgs(**{field: value})
+
+
+def test_hub_and_request_log_flags_parse():
+    a = prepare_server_args(["--model-path", "org/name", "--revision", "v1", "--download-dir", "/tmp/hub",
+                             "--gguf-file", "m.Q4_K_M.gguf", "--tokenizer-mode", "slow", "--reasoning-parser",
+                             "deepseek-r1", "--enable-request-log", "--trust-remote-code"])
+    assert (a.model_path, a.revision, a.download_dir, a.gguf_file) == ("org/name", "v1", "/tmp/hub", "m.Q4_K_M.gguf")
+    assert (a.tokenizer_mode, a.reasoning_parser, a.enable_request_log, a.trust_remote_code) == (
+        "slow", "deepseek-r1", True, True)
