@@ -334,15 +334,14 @@ def format_comparison(a: dict, b: dict, label_a: str = "A", label_b: str = "B") 
 
 # ---------------------------------------------------------------------------------------------- main
 def load_tokenizer_for(path: Optional[str]):
-    """The served model's tokenizer: an HF directory / tokenizer name, or a .gguf file (its metadata),
+    """The served model's tokenizer: an HF directory, a .gguf file (its metadata), an installed model package or a
+    hub id org/name (its tokenizer files, through huggingface_hub's cache: `model_config.resolve_tokenizer_path`),
     default SmolLM2-135M-Instruct's GGUF."""
     from transformers import AutoTokenizer
 
-    from sgl_jax.srt.configs.model_config import resolve_model_path
+    from sgl_jax.srt.configs.model_config import resolve_tokenizer_path
 
-    if path and not path.endswith(".gguf") and not os.path.isdir(path):
-        return AutoTokenizer.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(resolve_model_path(path).hf_dir)
+    return AutoTokenizer.from_pretrained(resolve_tokenizer_path(path))
 
 
 async def _served_model(client, base_url: str) -> str:

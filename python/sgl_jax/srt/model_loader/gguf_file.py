@@ -179,7 +179,7 @@ def gguf_generation_config(config: dict, tokenizer) -> dict:
     token as a second EOS (the GGUF names one EOS; llama.cpp ends generation at a token spelled
     ``<end_of_turn>`` too, and so do Gemma 3's own generation configs)."""
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
-    if config["model_type"] != "gemma3_text" or "eos_token_id" not in gen:
+    if config["model_type"] != "gemma3_text" or "eos_token_id" not in gen or tokenizer is None:
         return gen
     end_of_turn = tokenizer.convert_tokens_to_ids(GEMMA3_END_OF_TURN)
     if end_of_turn is not None and end_of_turn != tokenizer.unk_token_id:
@@ -197,14 +197,31 @@ def _cache_dir_for(path: str) -> str:
     return os.path.join(_default_cache_root(), "gguf", f"{name}-{digest}")
 
 
+UNSUPPORTED_TOKENIZER_FILE = "tokenizer_unsupported.txt"
+
+
+def check_gguf_tokenizer_dir(path: str) -> None:
+    """Raise `UnsupportedGGUFTokenizer` (its message names the GGUF, the reason and --tokenizer-path) when
+    `path` is a directory `prepare_gguf_hf_dir` built without a tokenizer; otherwise do nothing."""
+    from sgl_jax.srt.model_loader.gguf_tokenizer import UnsupportedGGUFTokenizer
+
+    marker = os.path.join(path, UNSUPPORTED_TOKENIZER_FILE)
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            raise UnsupportedGGUFTokenizer(f.read().strip())
+
+
 def prepare_gguf_hf_dir(path: str) -> str:
     """An HF-style directory (config.json + tokenizer files) describing the GGUF file at `path`.
 
     Built once and cached under ``$SGL_JAX_CACHE_DIR/gguf`` (default ``~/.cache/sgl_jax``); later calls
     return the cached directory. The tokenizer's chat template is the file's ``tokenizer.chat_template``, else
-    the built-in template of its architecture (`BUILTIN_CHAT_TEMPLATES`; logged), else none. Written atomically (temp dir + rename) so concurrent processes are safe.
+    the built-in template of its architecture (`BUILTIN_CHAT_TEMPLATES`; logged), else none. A tokenizer that
+    cannot be rebuilt (`UnsupportedGGUFTokenizer`) is not written; `UNSUPPORTED_TOKENIZER_FILE` holds why, and
+    `check_gguf_tokenizer_dir` raises it when that directory is used as the tokenizer. Written atomically
+    (temp dir + rename) so concurrent processes are safe.
     """
-    from sgl_jax.srt.model_loader.gguf_tokenizer import build_gguf_tokenizer
+    from sgl_jax.srt.model_loader.gguf_tokenizer import UnsupportedGGUFTokenizer, build_gguf_tokenizer
 
     out = _cache_dir_for(path)
     if os.path.exists(os.path.join(out, "config.json")):
@@ -213,12 +230,20 @@ def prepare_gguf_hf_dir(path: str) -> str:
     reader = open_gguf(path)
     tmp = f"{out}.tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
-    tokenizer = build_gguf_tokenizer(reader)
     arch = reader.metadata["general.architecture"]
-    if not tokenizer.chat_template and arch in BUILTIN_CHAT_TEMPLATES:
-        logger.info("%s has no chat template: using the built-in %s chat template", os.path.basename(path), arch)
-        tokenizer.chat_template = BUILTIN_CHAT_TEMPLATES[arch]
-    tokenizer.save_pretrained(tmp)
+    try:
+        tokenizer = build_gguf_tokenizer(reader)
+    except UnsupportedGGUFTokenizer as e:
+        logger.warning("%s: %s", os.path.basename(path), e)
+        tokenizer = None
+        with open(os.path.join(tmp, UNSUPPORTED_TOKENIZER_FILE), "w") as f:
+            f.write(f"{os.path.basename(path)}: {e}\n")
+    if tokenizer is not None:
+        if not tokenizer.chat_template and arch in BUILTIN_CHAT_TEMPLATES:
+            logger.info("%s has no chat template: using the built-in %s chat template", os.path.basename(path),
+                        arch)
+            tokenizer.chat_template = BUILTIN_CHAT_TEMPLATES[arch]
+        tokenizer.save_pretrained(tmp)
     config = gguf_to_hf_config(reader)
     for name, contents in (("config.json", config),
                            ("generation_config.json", gguf_generation_config(config, tokenizer))):
