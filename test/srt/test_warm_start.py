@@ -71,3 +71,15 @@ def test_stable_pool_tokens(page_size):
             assert got >= tokens * 8 / 9 - page_size, (tokens, got)  # loses at most a ninth
     # every value maps to one of few sizes: 8 per power of two
     assert len({stable_pool_tokens(t, 1) for t in range(2**16, 2**17)}) == 8
+
+
+def test_device_kv_budget_counts_the_weights_once():
+    """--mem-fraction-static is the share of a TPU/GPU's memory for weights + KV (SGLang's meaning): on a device
+    whose allocator limit is 60 GB, with 16 GB of weights loaded (in use), 0.8 leaves 48 - 16 = 32 GB of KV. The
+    old formula, 0.8 x (60 - 16) - 16 = 19.2 GB, counted the weights twice."""
+    from sgl_jax.srt.model_executor.model_runner import device_kv_budget_bytes
+
+    GB = 10**9
+    assert device_kv_budget_bytes(60 * GB, 16 * GB, 16 * GB, 0.8) == 32 * GB
+    assert device_kv_budget_bytes(60 * GB, 17 * GB, 16 * GB, 0.8) == 31 * GB  # other buffers in use count too
+    assert device_kv_budget_bytes(60 * GB, 0, 16 * GB, 0.8) == 32 * GB  # an allocator reporting nothing in use

@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -89,15 +89,30 @@ def kv_bytes_per_token(model_config, tp_size: int = 1, kv_dtype: str = "auto") -
 TEST_AVAILABLE_MEMORY_ENV = "SGL_JAX_TEST_AVAILABLE_MEMORY_BYTES"  # tests: pretend this much memory is free
 
 
+def _device_memory_bytes() -> Optional[Tuple[int, int]]:
+    """(bytes_limit, bytes_in_use) of the first local TPU/GPU from JAX's allocator, None if it reports none."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
+def device_kv_budget_bytes(limit: int, in_use: int, weight_bytes: int, frac: float) -> int:
+    """KV bytes per TPU/GPU device: `frac` of the device's memory `limit` is for weights and the KV pool
+    (SGLang's --mem-fraction-static), less what is in use once the weights are loaded (`in_use`, which holds
+    them; `weight_bytes` when the allocator reports less). All in bytes."""
+    return int(limit * frac) - max(in_use, weight_bytes)
+
+
 def _available_memory_bytes(platform: str) -> int:
-    """Device memory limit on TPU/GPU; MemAvailable of the host on CPU (or $SGL_JAX_TEST_AVAILABLE_MEMORY_BYTES,
+    """Free device memory on TPU/GPU; MemAvailable of the host on CPU (or $SGL_JAX_TEST_AVAILABLE_MEMORY_BYTES,
     a test hook simulating free memory that moves between restarts)."""
     if os.environ.get(TEST_AVAILABLE_MEMORY_ENV):
         return int(os.environ[TEST_AVAILABLE_MEMORY_ENV])
     if platform != "cpu":
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        mem = _device_memory_bytes()
+        if mem is not None:
+            return mem[0] - mem[1]
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
@@ -107,10 +122,11 @@ def _available_memory_bytes(platform: str) -> int:
 
 def compute_max_total_tokens(server_args, model_config, weight_bytes: int, platform: str) -> int:
     """KV pool size in tokens: --max-total-tokens, or what --mem-fraction-static leaves after weights
-    (`weight_bytes`: on one device; every device of the mesh holds the same share).
+    (`weight_bytes`: on one device; every device of the mesh holds the same share; called once they are loaded).
 
-    Defaults for the fraction: 0.8 on TPU/GPU (of device memory), 0.2 on CPU (of available host memory, split
-    among the mesh's virtual devices, which share it).
+    Defaults for the fraction: 0.8 on TPU/GPU (of the device's memory, weights included, less what is already in
+    use: `device_kv_budget_bytes`), 0.2 on CPU (of available host memory, split among the mesh's virtual
+    devices, which share it).
     Raises ValueError when the budget holds no KV at all.
     """
     if server_args.max_total_tokens is not None:
@@ -119,7 +135,11 @@ def compute_max_total_tokens(server_args, model_config, weight_bytes: int, platf
     if platform == "cpu":  # virtual CPU devices share the host's memory: each gets its share of the budget
         budget = int(_available_memory_bytes(platform) * frac) // (server_args.tp_size * server_args.dp_size)
     else:
-        budget = int(_available_memory_bytes(platform) * frac) - weight_bytes
+        mem = None if os.environ.get(TEST_AVAILABLE_MEMORY_ENV) else _device_memory_bytes()
+        if mem is not None:
+            budget = device_kv_budget_bytes(*mem, weight_bytes, frac)
+        else:  # no allocator statistics: the fraction of what is free (host memory, or the test hook)
+            budget = int(_available_memory_bytes(platform) * frac) - weight_bytes
     tokens = budget // kv_bytes_per_token(model_config, server_args.tp_size, server_args.kv_cache_dtype)
     if tokens <= 0:
         raise ValueError("--mem-fraction-static leaves no memory for the KV cache; raise it or pass "
