@@ -203,6 +203,9 @@ class TokenizerManager:
         self.vocab_size = scheduler_info["vocab_size"]
         self.kv_limits = KVLimits.from_info(scheduler_info)
         ctx = zmq.asyncio.Context(2)
+        # no linger, as close() does: a manager dropped without close() (a test's) must not block the
+        # interpreter's exit in Context.term() on messages for a scheduler that is gone
+        ctx.linger = 0
         self.recv_from_detokenizer = ctx.socket(zmq.PULL)
         self.recv_from_detokenizer.bind(port_args.tokenizer_ipc_name)
         self.send_to_scheduler = ctx.socket(zmq.PUSH)
