@@ -399,8 +399,7 @@ CHAT_UNSUPPORTED = {
 COMPLETION_UNSUPPORTED = {**OPENAI_UNSUPPORTED, "suffix": "and then"}
 OPENAI_IGNORED = {"user": "u", "session_id": "s", "ngram_corpus_id": "c", "priority": 3, "custom_labels": {"a": "b"}}
 CHAT_IGNORED = {**OPENAI_IGNORED, "metadata": {"k": "v"}, "prediction": {"type": "content", "content": "x"},
-                "prompt_cache_key": "k", "safety_identifier": "s", "separate_reasoning": False,
-                "stream_reasoning": False}
+                "prompt_cache_key": "k", "safety_identifier": "s"}
 
 
 def openai_inputs(tm, model, body) -> list:

@@ -187,7 +187,8 @@ class ChatCompletionRequest(OpenAIRequest):
     ``reasoning_effort`` is handed to the chat template as SGLang does (``thinking`` and ``enable_thinking`` in
     ``chat_template_kwargs``: false for "none", else true, unless set there). ``continue_final_message``
     continues a final assistant message instead of starting a new one; ``input_ids`` bypasses the chat
-    template (SGLang's pre-tokenized prompt).
+    template (SGLang's pre-tokenized prompt). With ``--reasoning-parser``, ``separate_reasoning`` and
+    ``stream_reasoning`` decide how the thinking part is returned (see openai/serving_chat.py).
     """
 
     messages: List[ChatMessage]
@@ -219,10 +220,12 @@ class ChatCompletionRequest(OpenAIRequest):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[Dict[str, Any]] = Field(None, description="extra variables of the chat template")
     input_ids: Optional[List[TokenId]] = Field(None, description="the prompt's token ids: no chat template")
-    separate_reasoning: ignored(bool, "no --reasoning-parser: the output is never split into reasoning_content") \
-        = True
-    stream_reasoning: ignored(bool, "no --reasoning-parser: the output is never split into reasoning_content") \
-        = True
+    separate_reasoning: bool = Field(True, description="with --reasoning-parser: the thinking part of the output in "
+                                                      "reasoning_content (false: all of it in content); without "
+                                                      "one, ignored")
+    stream_reasoning: bool = Field(True, description="with --reasoning-parser and stream: reasoning_content deltas "
+                                                    "as it is generated (false: in one delta when the thinking "
+                                                    "part ends); without one, ignored")
     max_dynamic_patch: default_only(Optional[int], description="multimodal input") = None
     min_dynamic_patch: default_only(Optional[int], description="multimodal input") = None
     use_audio_in_video: default_only(bool, False, description="multimodal input") = False

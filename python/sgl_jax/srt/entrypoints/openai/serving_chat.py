@@ -1,4 +1,14 @@
-"""POST /v1/chat/completions: the model's chat template, streaming (SSE, ``[DONE]``) and not, usage."""
+"""POST /v1/chat/completions: the model's chat template, streaming (SSE, ``[DONE]``) and not, usage.
+
+With ``--reasoning-parser`` (parsers/reasoning_parser.py), the thinking part of each choice's output is split
+off as SGLang does: ``message.reasoning_content`` (non-streaming) or ``delta.reasoning_content`` chunks
+(streaming), the rest being ``content``; the tool-call parser reads only the content. The request's
+``separate_reasoning`` false keeps all output in ``content``; ``stream_reasoning`` false sends the reasoning in
+one delta when it ends. A grammar-constrained output (response_format, json_schema, regex, ebnf, a forced tool
+call) is never split: the grammar decides the whole output, which has no free thinking part. With a
+reasoning parser, every message carries ``reasoning_content`` (null when there is none), and an empty content
+is null (SGLang's response).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +16,11 @@ import functools
 import inspect
 import time
 import uuid
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from fastapi.responses import Response, StreamingResponse
 
-from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest
+from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest, ContentPart
 from sgl_jax.srt.entrypoints.openai.serving_completions import Wait, gather_or_cancel
 from sgl_jax.srt.entrypoints.openai.serving_tools import ToolPlan, ToolStream, message_for, plan_tools
 from sgl_jax.srt.entrypoints.openai.utils import (
@@ -25,6 +35,7 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     sse,
     usage,
 )
+from sgl_jax.srt.entrypoints.parsers.reasoning_parser import ReasoningDetector, get_detector
 from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 
 
@@ -35,23 +46,42 @@ def _template_params(tokenizer_class) -> frozenset:
     return frozenset(params | {"messages"})
 
 
-def chat_template_kwargs(tok, req: ChatCompletionRequest) -> dict:
+def template_vars(req: ChatCompletionRequest) -> dict:
     """The extra variables the chat template renders with, as SGLang passes them: ``chat_template_kwargs``,
     plus ``thinking`` and ``enable_thinking`` (the names models' templates read) from ``reasoning_effort``
-    (false for "none", else true) unless chat_template_kwargs sets them.
-
-    Raises:
-        RequestError: a key that names a parameter of the tokenizer's apply_chat_template (set by the server).
-    """
+    (false for "none", else true) unless chat_template_kwargs sets them."""
     kwargs = dict(req.chat_template_kwargs or {})
-    reserved = sorted(set(kwargs) & _template_params(type(tok)))
-    if reserved:
-        raise RequestError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set (the server sets them)")
     if req.reasoning_effort is not None:
         thinking = req.reasoning_effort != "none"
         kwargs.setdefault("thinking", thinking)
         kwargs.setdefault("enable_thinking", thinking)
     return kwargs
+
+
+def chat_template_kwargs(tok, req: ChatCompletionRequest) -> dict:
+    """`template_vars`, checked against the tokenizer's apply_chat_template.
+
+    Raises:
+        RequestError: a key that names a parameter of the tokenizer's apply_chat_template (set by the server).
+    """
+    kwargs = template_vars(req)
+    reserved = sorted(set(req.chat_template_kwargs or {}) & _template_params(type(tok)))
+    if reserved:
+        raise RequestError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set (the server sets them)")
+    return kwargs
+
+
+def message_text(content: Union[None, str, List[ContentPart]]) -> str:
+    """A message's content as text (text parts joined).
+
+    Raises:
+        RequestError: a content part that is not text.
+    """
+    if isinstance(content, list):
+        if any(p.type != "text" for p in content):
+            raise RequestError("only text content parts are supported")
+        content = "".join(p.text or "" for p in content)
+    return content or ""
 
 
 def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest, tools: Optional[List[dict]] = None) -> List[int]:
@@ -71,12 +101,7 @@ def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest, tools: Opt
         raise RequestError("This model has no chat template; use /v1/completions")
     messages = []
     for m in req.messages:
-        content = m.content
-        if isinstance(content, list):
-            if any(p.type != "text" for p in content):
-                raise RequestError("only text content parts are supported")
-            content = "".join(p.text or "" for p in content)
-        message = {"role": m.role, "content": content or ""}
+        message = {"role": m.role, "content": message_text(m.content)}
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
@@ -97,6 +122,26 @@ def with_tool_grammar(sampling_params: dict, plan: Optional[ToolPlan]) -> dict:
     if plan is not None and plan.forced_schema is not None:
         sampling_params = {**sampling_params, "json_schema": plan.forced_schema}
     return sampling_params
+
+
+def is_constrained(sampling_params: dict) -> bool:
+    """Whether a grammar (json_schema, regex, ebnf) decides the whole output."""
+    return any(sampling_params.get(k) is not None for k in ("json_schema", "regex", "ebnf"))
+
+
+def reasoning_detectors(parser_name: Optional[str], req: ChatCompletionRequest, n: int,
+                        constrained: bool) -> List[Optional[ReasoningDetector]]:
+    """One reasoning detector per choice (SGLang keeps one per choice index), each None where the output is
+    not split: no --reasoning-parser, ``separate_reasoning`` false, a grammar-constrained output, or a
+    template rendered without thinking (qwen3 with ``enable_thinking`` false, also from ``reasoning_effort``
+    "none")."""
+    if parser_name is None or not req.separate_reasoning or constrained:
+        return [None] * n
+    previous = ""
+    if req.continue_final_message and req.messages and req.messages[-1].role == "assistant":
+        previous = message_text(req.messages[-1].content)
+    return [get_detector(parser_name, stream_reasoning=req.stream_reasoning, template_kwargs=template_vars(req),
+                         previous_content=previous) for _ in range(n)]
 
 
 def _chat_logprobs(entries, tops, top_n: int) -> dict:
@@ -125,9 +170,13 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
     if top_n and not req.logprobs:
         raise RequestError("top_logprobs requires logprobs to be true")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    sampling_params = [with_tool_grammar(sampling_params_from(req, max_tokens, seed_offset=k), plan)
+                       for k in range(req.n)]
+    reasoning_parser = tm.server_args.reasoning_parser
+    detectors = reasoning_detectors(reasoning_parser, req, req.n, is_constrained(sampling_params[0]))
     prepared = await tm.prepare_fanout([GenerateReqInput(
         input_ids=input_ids,
-        sampling_params=with_tool_grammar(sampling_params_from(req, max_tokens, seed_offset=k), plan),
+        sampling_params=sampling_params[k],
         return_logprob=req.logprobs,
         top_logprobs_num=top_n,
         return_text_in_logprobs=True,
@@ -147,7 +196,14 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
         choices = []
         for i, r in enumerate(results):
             meta = r["meta_info"]
-            message, finish_reason = message_for(plan, r["text"], finish_reason_str(meta["finish_reason"]))
+            text, reasoning = r["text"], None
+            if detectors[i] is not None:
+                reasoning, text = detectors[i].parse_non_stream(text)
+            message, finish_reason = message_for(plan, text, finish_reason_str(meta["finish_reason"]))
+            if reasoning_parser is not None:
+                message["reasoning_content"] = reasoning or None
+                if detectors[i] is not None and not message["content"]:
+                    message["content"] = None
             choices.append({
                 "index": i,
                 "message": message,
@@ -169,6 +225,7 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
 
     async def stream():
         sent_text = [0] * len(prepared)
+        content_text = [""] * len(prepared)  # each choice's content so far (its output less the reasoning)
         sent_lp = [0] * len(prepared)
         completion_tokens = [0] * len(prepared)
         prompt_tokens = cached = 0
@@ -180,11 +237,16 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
             async for i, r in merge_streams([tm.generate_request(p, admitted=True) for p in prepared]):
                 meta = r["meta_info"]
                 fr = finish_reason_str(meta["finish_reason"])
-                if tool_streams[i] is not None:
-                    delta = tool_streams[i].feed(r["text"])
-                else:
-                    delta = r["text"][sent_text[i]:]
-                    sent_text[i] = len(r["text"])
+                new_text = r["text"][sent_text[i]:]
+                sent_text[i] = len(r["text"])
+                reasoning_delta, content_delta = "", new_text
+                if detectors[i] is not None:
+                    reasoning_delta, content_delta = detectors[i].parse_stream_chunk(new_text)
+                    if fr is not None:  # what the detector still holds back
+                        r_end, c_end = detectors[i].parse_stream_end()
+                        reasoning_delta, content_delta = reasoning_delta + r_end, content_delta + c_end
+                content_text[i] += content_delta
+                delta = tool_streams[i].feed(content_text[i]) if tool_streams[i] is not None else content_delta
                 logprobs = None
                 if req.logprobs:
                     entries = meta.get("output_token_logprobs", [])
@@ -193,9 +255,11 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
                     sent_lp[i] = len(entries)
                 prompt_tokens, cached = meta["prompt_tokens"], meta["cached_tokens"]
                 completion_tokens[i] = meta["completion_tokens"]
-                message = {"content": delta} if delta else {}
+                message = {"reasoning_content": reasoning_delta} if reasoning_delta else {}
+                if delta:
+                    message["content"] = delta
                 if fr is not None and tool_streams[i] is not None:
-                    if delta:
+                    if message:
                         yield chunk([{"index": i, "delta": message, "logprobs": None, "finish_reason": None}])
                     message, fr = tool_streams[i].finish(fr)
                 if message or fr or (logprobs and logprobs["content"]):

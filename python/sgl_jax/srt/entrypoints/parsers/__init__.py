@@ -1,1 +1,2 @@
-"""Readers of model output: tool calls (tool_call_parser)."""
+"""Readers of model output: tool calls (tool_call_parser) and the thinking part of reasoning models
+(reasoning_parser)."""
