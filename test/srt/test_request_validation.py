@@ -509,6 +509,8 @@ def test_chat_template_kwargs_reasoning_effort_continue_and_input_ids(tm):
     fresh, cont = text(), text(continue_final_message=True)
     assert fresh.endswith("<|im_start|>assistant\n") and cont.endswith("The color is") and cont in fresh
     assert text(chat_template_kwargs={"unused_variable": 1}) == fresh
+    bare = text(add_generation_prompt=False)  # vLLM's field: no assistant turn opened after the last message
+    assert fresh == bare + "<|im_start|>assistant\n" and bare.endswith("The color is<|im_end|>\n")
     req = ChatCompletionRequest.model_validate({"messages": msgs, "reasoning_effort": "none",
                                                 "chat_template_kwargs": {"thinking": True}})
     assert chat_template_kwargs(tm.tokenizer, req) == {"thinking": True, "enable_thinking": False}

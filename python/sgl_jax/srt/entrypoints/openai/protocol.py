@@ -186,7 +186,8 @@ class ChatCompletionRequest(OpenAIRequest):
 
     ``reasoning_effort`` is handed to the chat template as SGLang does (``thinking`` and ``enable_thinking`` in
     ``chat_template_kwargs``: false for "none", else true, unless set there). ``continue_final_message``
-    continues a final assistant message instead of starting a new one; ``input_ids`` bypasses the chat
+    continues a final assistant message instead of starting a new one, and ``add_generation_prompt: false``
+    (vLLM's) leaves the template's generation prompt out; ``input_ids`` bypasses the chat
     template (SGLang's pre-tokenized prompt). With ``--reasoning-parser``, ``separate_reasoning`` and
     ``stream_reasoning`` decide how the thinking part is returned (see openai/serving_chat.py).
     """
@@ -218,6 +219,8 @@ class ChatCompletionRequest(OpenAIRequest):
                                 description="deprecated; use tool_choice") = None
     # SGLang's chat extensions
     continue_final_message: bool = False
+    add_generation_prompt: bool = Field(True, description="vLLM's: false renders the messages without the "
+                                                         "template's generation prompt (an assistant turn opened)")
     chat_template_kwargs: Optional[Dict[str, Any]] = Field(None, description="extra variables of the chat template")
     input_ids: Optional[List[TokenId]] = Field(None, description="the prompt's token ids: no chat template")
     separate_reasoning: bool = Field(True, description="with --reasoning-parser: the thinking part of the output in "

@@ -110,7 +110,8 @@ def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest, tools: Opt
     # SGLang's continue_final_message: continue a final assistant message rather than start a new one
     cont = req.continue_final_message and messages[-1]["role"] == "assistant"
     try:
-        text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=not cont,
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                       add_generation_prompt=req.add_generation_prompt and not cont,
                                        continue_final_message=cont, **kwargs)
     except Exception as e:  # jinja2 errors: unsupported roles and the like
         raise RequestError(f"Chat template error: {e}") from None
