@@ -127,6 +127,13 @@ def test_continue_final_message_starts_where_the_message_stopped():
     assert get_detector("deepseek-r1", previous_content="a</think>").parse_non_stream("b</think>c") == (
         "", "b</think>c")
     assert get_detector("qwen3", previous_content="Sure,").parse_non_stream(" 4") == ("", " 4")
+    # deepseek-r1 with no generation prompt (a continued message, add_generation_prompt false): its template
+    # opened no thinking part, so a tag-less continuation is content; one that opens the tag is reasoning
+    assert get_detector("deepseek-r1", previous_content="Sure,", new_turn=False).parse_non_stream(" 4") == ("", " 4")
+    assert get_detector("deepseek-r1", new_turn=False).parse_non_stream("<think>a</think>b") == ("a", "b")
+    assert get_detector("deepseek-r1", previous_content="<think>Let", new_turn=False).parse_non_stream(
+        " me</think>4") == (" me", "4")
+    assert get_detector("deepseek-r1").parse_non_stream(" 4") == (" 4", "")  # a new turn: forced
 
 
 def test_unknown_parser():

@@ -36,7 +36,7 @@ def test_jax_uses_the_environment_cache_dir(tmp_path):
 
 
 @pytest.mark.parametrize("flag,want", [("float16", "float16"), ("half", "float16"), ("bfloat16", "bfloat16"),
-                                       ("float32", "float32"), ("auto", "auto")])
+                                       ("float32", "float32"), ("float", "float32"), ("auto", "auto")])
 def test_dtype_names(flag, want):
     assert prepare_server_args(["--dtype", flag]).dtype == want
 

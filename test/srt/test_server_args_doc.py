@@ -45,7 +45,7 @@ def test_table_rows():
     assert "| `--page-size INT` | `1` | tokens per KV cache page |" in text
     assert "| `--precompile-bs-paddings INT [INT ...]` | `None` |" in text
     assert "| `--enable-metrics` | `False` |" in text
-    assert "| `--dtype STR` | `auto` | float32 \\| bfloat16 \\|" in text  # '|' escaped inside a cell
+    assert "| `--dtype STR` | `auto` | float32 (float) \\| bfloat16 \\|" in text  # '|' escaped inside a cell
     for name in FIELDS:
         flag = "--" + name.replace("_", "-")
         assert len(re.findall(rf"^\| `{flag}[ `]", text, flags=re.M)) == 1, flag

@@ -83,3 +83,20 @@ def test_device_kv_budget_counts_the_weights_once():
     assert device_kv_budget_bytes(60 * GB, 16 * GB, 16 * GB, 0.8) == 32 * GB
     assert device_kv_budget_bytes(60 * GB, 17 * GB, 16 * GB, 0.8) == 31 * GB  # other buffers in use count too
     assert device_kv_budget_bytes(60 * GB, 0, 16 * GB, 0.8) == 32 * GB  # an allocator reporting nothing in use
+
+
+def test_compute_max_total_tokens_on_a_device_uses_the_allocator_figures(monkeypatch):
+    """The TPU/GPU path of compute_max_total_tokens: the allocator's (limit, in use) go through
+    device_kv_budget_bytes (JAX's own figures replaced by fixed numbers: this machine has no accelerator)."""
+    from types import SimpleNamespace
+
+    from sgl_jax.srt.model_executor import model_runner
+    from sgl_jax.srt.server_args import ServerArgs
+
+    monkeypatch.delenv(model_runner.TEST_AVAILABLE_MEMORY_ENV, raising=False)
+    monkeypatch.setattr(model_runner, "_device_memory_bytes", lambda: (60 * 2**30, 16 * 2**30))
+    monkeypatch.setattr(model_runner, "kv_bytes_per_token", lambda *a, **k: 2**20)  # 1 MiB per token
+    mc = SimpleNamespace()
+    tokens = model_runner.compute_max_total_tokens(ServerArgs(), mc, 16 * 2**30, "gpu")
+    budget = int(0.8 * 60 * 1024) - 16 * 1024  # MiB: 0.8 of the limit, less what is in use = 32,768 tokens
+    assert tokens == stable_pool_tokens(budget, 1) == 32768

@@ -17,7 +17,7 @@ from typing import List, Optional
 from sgl_jax.srt.model_loader.chat_templates import BUILTIN_CHAT_TEMPLATES, resolve_chat_template
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-DTYPES = ("auto", "float32", "bfloat16", "float16", "half")  # half: float16 (SGLang's alias)
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")  # SGLang's aliases: half, float
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16")
 DEVICES = ("auto", "cpu", "tpu", "gpu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -129,8 +129,7 @@ class ServerArgs:
     def __post_init__(self):
         self._check_choice("load_format", LOAD_FORMATS)
         self._check_choice("dtype", DTYPES)
-        if self.dtype == "half":
-            self.dtype = "float16"
+        self.dtype = {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
         self._check_choice("tokenizer_mode", TOKENIZER_MODES)
         self._check_choice("kv_cache_dtype", KV_CACHE_DTYPES)
         self._check_choice("device", DEVICES)
@@ -278,7 +277,7 @@ FLAG_HELP = {
     "chat_template": f"chat template for /v1/chat/completions instead of the model's own: a built-in "
                      f"one ({', '.join(sorted(BUILTIN_CHAT_TEMPLATES))}) or the path of a Jinja file",
     "load_format": f"weight format, one of {list(LOAD_FORMATS)}; dummy builds random weights from config.json",
-    "dtype": "float32 | bfloat16 | float16 (half) | auto (bfloat16 on TPU/GPU, float32 on CPU)",
+    "dtype": "float32 (float) | bfloat16 | float16 (half) | auto (bfloat16 on TPU/GPU, float32 on CPU)",
     "page_size": "tokens per KV cache page",
     "kv_cache_dtype": "KV cache storage: auto (the model's --dtype) | bfloat16 (bf16) | float32; "
                       "attention computes in the model's dtype, or in float32 on the native (CPU) "

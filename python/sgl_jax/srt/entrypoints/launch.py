@@ -15,6 +15,7 @@ import time
 from typing import Callable, List, Optional, Tuple
 
 from sgl_jax.srt.configs.model_config import resolve_model, tokenizer_path_for
+from sgl_jax.srt.model_loader.gguf_file import check_gguf_tokenizer_dir
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.utils import kill_processes
 
@@ -46,7 +47,9 @@ def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, dict, List[m
     # Once, before the children, which then find it all cached: a hub model's download (huggingface_hub's cache),
     # a GGUF's HF directory (built from its metadata), a hub --tokenizer-path's files.
     resolve_model(server_args)
-    tokenizer_path_for(server_args)
+    tokenizer_dir = tokenizer_path_for(server_args)
+    if os.path.isdir(tokenizer_dir):  # a GGUF whose tokenizer cannot be rebuilt: refuse before any child starts
+        check_gguf_tokenizer_dir(tokenizer_dir)
     port_args = PortArgs.init_new()
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)

@@ -32,7 +32,8 @@ from sgl_jax.srt.model_loader.gguf_reader import open_gguf
 
 logger = logging.getLogger(__name__)
 
-_CACHE_FORMAT_VERSION = "3"  # 2: gemma3 support, generation_config.json; 3: built-in chat template fallback
+_CACHE_FORMAT_VERSION = "4"  # 2: gemma3 support, generation_config.json; 3: built-in chat template fallback;
+# 4: no tokenizer for an unknown tokenizer.ggml.pre (UNSUPPORTED_TOKENIZER_FILE instead of an approximation)
 
 # GGUF architecture -> (HF architectures entry, HF model_type)
 _ARCHS = {

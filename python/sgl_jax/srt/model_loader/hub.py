@@ -93,8 +93,8 @@ def _fetch(repo_id: str, revision: Optional[str], cache_dir: Optional[str], what
     """``fetch(local_only)``: first with local_only=True (the cache), then, unless HF_HUB_OFFLINE is set, from the
     hub. Turns huggingface_hub's failures into one-line FileNotFoundErrors naming `what`, the id, the revision
     and the cache directory."""
-    from huggingface_hub.errors import (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     where = f"hub {what} {repo_id!r} (revision {revision or 'main'!r})"
     cache = hub_cache_dir(cache_dir)
@@ -120,6 +120,8 @@ def _fetch(repo_id: str, revision: Optional[str], cache_dir: Optional[str], what
                                 f"HF_TOKEN; {_first_line(e)}) (cache {cache})") from None
     except EntryNotFoundError as e:
         raise FileNotFoundError(f"{where}: {_first_line(e)} (cache {cache})") from None
+    except (HfHubHTTPError, OSError) as e:  # rate limits, server errors, broken connections, a full disk
+        raise FileNotFoundError(f"{where} could not be downloaded into the cache {cache} ({_first_line(e)})") from None
 
 
 def _local_files(folder: str) -> List[str]:

@@ -139,10 +139,12 @@ def reasoning_detectors(parser_name: Optional[str], req: ChatCompletionRequest, 
     if parser_name is None or not req.separate_reasoning or constrained:
         return [None] * n
     previous = ""
-    if req.continue_final_message and req.messages and req.messages[-1].role == "assistant":
+    continuing = req.continue_final_message and req.messages and req.messages[-1].role == "assistant"
+    if continuing:
         previous = message_text(req.messages[-1].content)
+    new_turn = req.add_generation_prompt and not continuing
     return [get_detector(parser_name, stream_reasoning=req.stream_reasoning, template_kwargs=template_vars(req),
-                         previous_content=previous) for _ in range(n)]
+                         previous_content=previous, new_turn=new_turn) for _ in range(n)]
 
 
 def _chat_logprobs(entries, tops, top_n: int) -> dict:

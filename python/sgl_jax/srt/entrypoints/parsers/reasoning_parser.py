@@ -79,6 +79,7 @@ class ReasoningDetector:
 
     @property
     def in_reasoning(self) -> bool:
+        """Whether the output seen so far ends inside the thinking part."""
         return self._state == _REASONING
 
     def _end_marker(self, text: str) -> Tuple[int, str]:
@@ -161,10 +162,12 @@ class ReasoningDetector:
 
 
 class DeepSeekR1Detector(ReasoningDetector):
-    """``deepseek-r1``: always starts inside the thinking part (its template opens it); see the module doc."""
+    """``deepseek-r1``: a new assistant turn starts inside the thinking part (its template opens it); see the
+    module doc. `force_reasoning` false (no generation prompt: a continued message, or add_generation_prompt
+    false) leaves it to `previous_content` and the output's own opening tag."""
 
-    def __init__(self, stream_reasoning: bool = True, previous_content: str = ""):
-        super().__init__(THINK_START, THINK_END, force_reasoning=True, stream_reasoning=stream_reasoning,
+    def __init__(self, stream_reasoning: bool = True, previous_content: str = "", force_reasoning: bool = True):
+        super().__init__(THINK_START, THINK_END, force_reasoning=force_reasoning, stream_reasoning=stream_reasoning,
                          previous_content=previous_content)
 
 
@@ -186,7 +189,7 @@ def thinking_disabled(parser_name: str, template_kwargs: Optional[dict]) -> bool
 
 
 def get_detector(parser_name: str, *, stream_reasoning: bool = True, template_kwargs: Optional[dict] = None,
-                 previous_content: str = "") -> Optional[ReasoningDetector]:
+                 previous_content: str = "", new_turn: bool = True) -> Optional[ReasoningDetector]:
     """A fresh detector for one choice of a request, or None when the request's template has no thinking part
     (`thinking_disabled`).
 
@@ -195,6 +198,9 @@ def get_detector(parser_name: str, *, stream_reasoning: bool = True, template_kw
         stream_reasoning: the request's ``stream_reasoning``.
         template_kwargs: the variables the chat template rendered with (``enable_thinking``).
         previous_content: with continue_final_message, the assistant message the output continues.
+        new_turn: the prompt ends with the template's generation prompt (a new assistant turn); false with
+            continue_final_message or add_generation_prompt false, where deepseek-r1's template opened no
+            thinking part, so its output is not forced into one.
 
     Raises:
         ValueError: an unknown parser name.
@@ -204,4 +210,6 @@ def get_detector(parser_name: str, *, stream_reasoning: bool = True, template_kw
         raise ValueError(f"unknown reasoning parser {parser_name!r}; choose one of {sorted(DETECTORS)}")
     if thinking_disabled(parser_name, template_kwargs):
         return None
+    if cls is DeepSeekR1Detector:
+        return cls(stream_reasoning=stream_reasoning, previous_content=previous_content, force_reasoning=new_turn)
     return cls(stream_reasoning=stream_reasoning, previous_content=previous_content)
