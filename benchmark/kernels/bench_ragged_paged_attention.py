@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from sgl_jax.bench_utils import cpu_name, timed, xla_matmul_gflops
+from sgl_jax.bench_utils import accelerator_matmul_gflops, cpu_name, datasheet_peaks, timed, xla_matmul_gflops
 from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention
 
 MODELS = {  # num_heads, num_kv_heads, head_dim (from the models' config.json)
@@ -65,15 +65,6 @@ SHAPES = [
     Shape("extend", 4, 512, 1536),  # 1,024 cached tokens per sequence, 512 new
 ]
 
-# (dense bf16 matmul TFLOP/s, HBM GB/s) from the vendors' datasheets
-DEVICE_PEAKS = {
-    "TPU v6 lite": (918.0, 1640.0),
-    "TPU v5 lite": (197.0, 819.0),
-    "NVIDIA H100 80GB HBM3": (989.0, 3350.0),
-    "NVIDIA H200": (989.0, 4800.0),
-}
-
-
 def measured_cpu_peaks() -> tuple:
     """(XLA float32 matmul GFLOP/s at 2048^3, GB/s summing a 1 GiB float32 array), best of 5 each."""
     x = jnp.ones((2**28,), jnp.float32)
@@ -90,7 +81,7 @@ def measured_accelerator_peaks() -> tuple:
     f = jax.jit(lambda a: a + 1)
     f(x).block_until_ready()
     tb = min(timed(lambda: f(x).block_until_ready())[1] for _ in range(10))
-    return xla_matmul_gflops(8192, repeats=10, dtype="bfloat16"), 2 * x.nbytes / tb / 1e9
+    return accelerator_matmul_gflops(), 2 * x.nbytes / tb / 1e9
 
 
 def device_peaks(device) -> tuple:
@@ -101,9 +92,9 @@ def device_peaks(device) -> tuple:
         return flops, bw, "measured in this run (XLA f32 matmul 2048^3; sum of 1 GiB)"
     flops, bw = measured_accelerator_peaks()
     src = "measured in this run (XLA bf16 matmul 8192^3; copy of 1 GiB, read + write)"
-    for kind, (tflops, gbs) in DEVICE_PEAKS.items():
-        if device.device_kind.startswith(kind):
-            src += f"; {kind} datasheet: {tflops:.0f} TFLOP/s dense bf16, {gbs:.0f} GB/s HBM"
+    sheet = datasheet_peaks(device.device_kind)
+    if sheet is not None:
+        src += f"; {sheet[0]} datasheet: {sheet[1]:.0f} TFLOP/s dense bf16, {sheet[2]:.0f} GB/s HBM"
     return flops, bw, src
 
 

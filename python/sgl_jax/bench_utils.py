@@ -40,6 +40,25 @@ def xla_matmul_gflops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -
     return 2 * n ** 3 / best / 1e9
 
 
+# (dense bf16 matmul TFLOP/s, HBM GB/s) from the vendors' datasheets, by the start of jax's device_kind
+DEVICE_PEAKS = {
+    "TPU v6 lite": (918.0, 1640.0),
+    "TPU v5 lite": (197.0, 819.0),
+    "NVIDIA H100 80GB HBM3": (989.0, 3350.0),
+    "NVIDIA H200": (989.0, 4800.0),
+}
+
+
+def datasheet_peaks(device_kind: str):
+    """(kind, dense bf16 TFLOP/s, HBM GB/s) of DEVICE_PEAKS for a jax ``device_kind``; None when unknown."""
+    return next(((k, *v) for k, v in DEVICE_PEAKS.items() if device_kind.startswith(k)), None)
+
+
+def accelerator_matmul_gflops() -> float:
+    """XLA's bfloat16 matmul rate on the default TPU/GPU (8192^3, the precision its matrix units serve), GFLOP/s."""
+    return xla_matmul_gflops(8192, repeats=10, dtype="bfloat16")
+
+
 def write_json(path: str, obj) -> None:
     """Write `obj` as indented JSON to `path`, creating its directory."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from sgl_jax.bench_utils import cpu_name, timed, xla_matmul_gflops
+from sgl_jax.bench_utils import accelerator_matmul_gflops, cpu_name, datasheet_peaks, timed, xla_matmul_gflops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -248,10 +248,6 @@ def machine() -> str:
             f"transformers {transformers.__version__}")
 
 
-# dense bfloat16 matmul TFLOP/s from the vendors' datasheets, for MFU beside the rate measured in the run
-DATASHEET_BF16_TFLOPS = {"NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "TPU v6 lite": 918.0, "TPU v5 lite": 197.0}
-
-
 def matmul_peak() -> Tuple[float, str]:
     """(GFLOP/s, description): XLA's float32 2048^3 matmul on CPU; on an accelerator a bfloat16 8192^3 one
     (the precision its matrix units serve), both measured in this run."""
@@ -259,7 +255,7 @@ def matmul_peak() -> Tuple[float, str]:
 
     if jax.default_backend() == "cpu":
         return xla_matmul_gflops(), "XLA float32 matmul (2048^3)"
-    return xla_matmul_gflops(8192, repeats=10, dtype="bfloat16"), "XLA bfloat16 matmul (8192^3)"
+    return accelerator_matmul_gflops(), "XLA bfloat16 matmul (8192^3)"
 
 
 def run(cfg: BenchConfig, command: str, hf_model=None) -> str:
@@ -296,7 +292,8 @@ def run(cfg: BenchConfig, command: str, hf_model=None) -> str:
              os.path.basename(os.path.normpath(cfg.model_path))) + (
         ", random (dummy) weights" if cfg.load_format == "dummy" else "")
     weights = {"auto": "float32" if device.platform == "cpu" else "bfloat16"}.get(cfg.dtype, cfg.dtype)
-    datasheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if device.device_kind.startswith(k)), None)
+    sheet = datasheet_peaks(device.device_kind)
+    datasheet = sheet[1] if sheet else None  # dense bfloat16 TFLOP/s, for MFU beside the measured rate
 
     by = {r.name: r for r in rows}
     lines = [f"# Multi-item scoring benchmark ({datetime.date.today().isoformat()})", "",

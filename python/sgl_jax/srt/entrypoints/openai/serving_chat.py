@@ -20,6 +20,7 @@ from typing import List, Optional, Union
 
 from fastapi.responses import Response, StreamingResponse
 
+from sgl_jax.srt.constrained.grammar_backend import GRAMMAR_KINDS
 from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest, ContentPart
 from sgl_jax.srt.entrypoints.openai.serving_completions import Wait, gather_or_cancel
 from sgl_jax.srt.entrypoints.openai.serving_tools import ToolPlan, ToolStream, message_for, plan_tools
@@ -107,8 +108,7 @@ def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest, tools: Opt
                 message[key] = getattr(m, key)
         messages.append(message)
     kwargs = chat_template_kwargs(tok, req)
-    # SGLang's continue_final_message: continue a final assistant message rather than start a new one
-    cont = req.continue_final_message and messages[-1]["role"] == "assistant"
+    cont = continues_final_message(req)
     try:
         text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                        add_generation_prompt=req.add_generation_prompt and not cont,
@@ -125,9 +125,15 @@ def with_tool_grammar(sampling_params: dict, plan: Optional[ToolPlan]) -> dict:
     return sampling_params
 
 
+def continues_final_message(req: ChatCompletionRequest) -> bool:
+    """SGLang's continue_final_message: the output continues a final assistant message instead of starting a new
+    turn."""
+    return bool(req.continue_final_message and req.messages and req.messages[-1].role == "assistant")
+
+
 def is_constrained(sampling_params: dict) -> bool:
     """Whether a grammar (json_schema, regex, ebnf) decides the whole output."""
-    return any(sampling_params.get(k) is not None for k in ("json_schema", "regex", "ebnf"))
+    return any(sampling_params.get(k) is not None for k in GRAMMAR_KINDS)
 
 
 def reasoning_detectors(parser_name: Optional[str], req: ChatCompletionRequest, n: int,
@@ -138,10 +144,8 @@ def reasoning_detectors(parser_name: Optional[str], req: ChatCompletionRequest, 
     "none")."""
     if parser_name is None or not req.separate_reasoning or constrained:
         return [None] * n
-    previous = ""
-    continuing = req.continue_final_message and req.messages and req.messages[-1].role == "assistant"
-    if continuing:
-        previous = message_text(req.messages[-1].content)
+    continuing = continues_final_message(req)
+    previous = message_text(req.messages[-1].content) if continuing else ""
     new_turn = req.add_generation_prompt and not continuing
     return [get_detector(parser_name, stream_reasoning=req.stream_reasoning, template_kwargs=template_vars(req),
                          previous_content=previous, new_turn=new_turn) for _ in range(n)]
