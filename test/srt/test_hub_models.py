@@ -398,12 +398,21 @@ def test_engine_from_hub_id(offline):
     ids = AutoTokenizer.from_pretrained(offline["tok_dir"]).encode(prompt)
     torch.set_num_threads(1)
     expected = hf_greedy(LlamaForCausalLM.from_pretrained(offline["model_dir"]).eval(), ids, 6)
+    from srt_helpers import alive_after, child_pids, cmdline
+
+    before = set(child_pids(os.getpid()))
     engine = start_engine(model_path=LLAMA, context_length=256, max_total_tokens=2048,
                           precompile_token_paddings=[64], precompile_bs_paddings=[1], chunked_prefill_size=64,
                           max_running_requests=1, grammar_backend="none", log_level="warning", random_seed=0)
+    ours = {p for p in set(child_pids(os.getpid())) - before if "resource_tracker" not in cmdline(p)}
     try:
         out = engine.generate(prompt, {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        state = engine._run(engine.tokenizer_manager.get_internal_state())
     finally:
         engine.shutdown()
+    # the KV pool is back to free + cached, and the engine's processes are gone
+    assert state["kv_tokens_in_use"] == 0 and state["memory_errors"] == 0, state
+    assert state["kv_tokens_free"] + state["kv_tokens_cached"] == state["kv_tokens_total"], state
+    assert ours and not alive_after(ours), "the engine left child processes behind"
     assert out["meta_info"]["prompt_tokens"] == len(ids)
     assert out["output_ids"] == expected
