@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from sgl_jax.bench_utils import git_commit
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch
+from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_jax.srt.managers.load_balance import CACHE_AWARE_MIN_MATCH, choose_rank
-from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, step_shape
+from sgl_jax.srt.scheduler.load_balance import CACHE_AWARE_MIN_MATCH, choose_rank
+from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, step_shape
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache

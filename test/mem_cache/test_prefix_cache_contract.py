@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import sgl_jax.srt.mem_cache as mem_cache
-from sgl_jax.srt.managers.schedule_batch import Req
+from sgl_jax.srt.scheduler.schedule_batch import Req
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, CacheNode
 from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req, match_req

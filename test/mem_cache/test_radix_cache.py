@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sgl_jax.srt.managers.schedule_batch import Req
+from sgl_jax.srt.scheduler.schedule_batch import Req
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req
 from sgl_jax.srt.mem_cache.common import release_kv_cache

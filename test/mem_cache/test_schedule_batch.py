@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, shared_prefix_len
-from sgl_jax.srt.managers.schedule_policy import PrefillAdder
+from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, shared_prefix_len
+from sgl_jax.srt.scheduler.admission import PrefillAdder
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.cache_manager import cache_finished_req
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache

@@ -17,8 +17,8 @@ held once; cache_protected_len page-aligned), and:
 import numpy as np
 import pytest
 
-from sgl_jax.srt.managers.schedule_batch import FinishReason, Req, ScheduleBatch, finish_abort
-from sgl_jax.srt.managers.schedule_policy import PrefillAdder
+from sgl_jax.srt.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, finish_abort
+from sgl_jax.srt.scheduler.admission import PrefillAdder
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req, release_swa_out_of_window
 from sgl_jax.srt.mem_cache.common import release_kv_cache

@@ -3,7 +3,7 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from sgl_jax.srt.managers.step_budget import (
+from sgl_jax.srt.scheduler.step_budget import (
     PrefillStepBudget,
     RowWork,
     StepTimeModel,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_jax.srt.managers.schedule_batch import Req
+from sgl_jax.srt.scheduler.schedule_batch import Req
 from sgl_jax.srt.mem_cache.cache_manager import own_swa_pages
 from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool

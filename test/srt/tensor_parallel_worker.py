@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from sgl_jax.srt.configs.model_config import ModelConfig  # noqa: E402
-from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch  # noqa: E402
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache  # noqa: E402
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool  # noqa: E402
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets  # noqa: E402

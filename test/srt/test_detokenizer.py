@@ -2,8 +2,8 @@
 
 import pytest
 
-from sgl_jax.srt.managers.detokenizer_manager import IncrementalDetokenizer, stop_holdback
-from sgl_jax.srt.managers.io_struct import DecodeConfig
+from sgl_jax.srt.tokenizer.detokenizer_manager import IncrementalDetokenizer, stop_holdback
+from sgl_jax.srt.io_struct import DecodeConfig
 
 TEXT = "Café au lait ☕, 日本語のテキスト, emoji 🎉🚀 and ½ — done."
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sgl_jax.srt.managers.tokenizer_manager import RequestError
+from sgl_jax.srt.tokenizer.tokenizer_manager import RequestError
 from srt_helpers import hf_greedy
 
 GREEDY_32 = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}

@@ -1,4 +1,4 @@
-"""The memory preflight (managers/preflight.py) alone: its page count against a direct count of the pages the
+"""The memory preflight (preflight.py) alone: its page count against a direct count of the pages the
 sequences hold, and its limits, messages and statuses. No model, no server."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sgl_jax.srt.managers.errors import RequestError
-from sgl_jax.srt.managers.preflight import KVLimits, check_fits, kv_tokens_needed
+from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.preflight import KVLimits, check_fits, kv_tokens_needed
 
 
 def pages_held(prompt: int, out: int, seqs: int, page: int) -> int:

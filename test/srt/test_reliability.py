@@ -244,7 +244,7 @@ def test_sigterm_to_the_process_group_drains_and_exits_zero(guarded_server):
 
 # ---------------------------------------------------------------- tiny_server: memory preflight
 def test_memory_preflight_answers_413_with_both_numbers(tiny_server, smollm2_tokenizer):
-    from sgl_jax.srt.managers.tokenizer_manager import max_chars_per_token
+    from sgl_jax.srt.tokenizer.tokenizer_manager import max_chars_per_token
 
     url = tiny_server.url
 

@@ -25,7 +25,7 @@ from sgl_jax.srt.entrypoints.openai.serving_chat import chat_prompt_ids, chat_te
 from sgl_jax.srt.entrypoints.openai.serving_completions import _objs as completion_objs
 from sgl_jax.srt.entrypoints.openai.serving_completions import best_completions, candidates_per_prompt
 from sgl_jax.srt.entrypoints.openai.utils import sampling_params_from
-from sgl_jax.srt.managers.tokenizer_manager import (
+from sgl_jax.srt.tokenizer.tokenizer_manager import (
     GenerateReqInput,
     RequestError,
     TokenizerManager,

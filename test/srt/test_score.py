@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from srt_helpers import API_KEY, SHARED_ENGINE_ARGS
-from sgl_jax.srt.managers.io_struct import ScoreSeq
-from sgl_jax.srt.managers.tokenizer_manager import RequestError
+from sgl_jax.srt.io_struct import ScoreSeq
+from sgl_jax.srt.tokenizer.tokenizer_manager import RequestError
 
 MODES = ("serial", "packed", "prefill_extend")
 TTL_S = SHARED_ENGINE_ARGS["multi_item_prefill_extend_cache_timeout"]

@@ -388,7 +388,7 @@ def test_stress_sessions_and_plain_requests(p4_server):
 def test_streaming_needs_the_flag_and_engine_sessions(hardened_server, shared_engine):
     from srt_helpers import API_KEY
 
-    from sgl_jax.srt.managers.errors import RequestError
+    from sgl_jax.srt.errors import RequestError
 
     h = {"Authorization": f"Bearer {API_KEY}"}
     r = httpx.post(hardened_server.url + "/open_session", json={"capacity_of_str_len": 10, "streaming": True},

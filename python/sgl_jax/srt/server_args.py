@@ -27,7 +27,7 @@ GRAMMAR_BACKENDS = ("llguidance", "none")
 TOOL_CALL_PARSERS = ("llama3", "qwen25", "hermes")  # SGLang's --tool-call-parser names for these formats
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # SGLang's --reasoning-parser names for these formats
 TOKENIZER_MODES = ("auto", "slow")
-LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")  # managers/load_balance.py
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")  # scheduler/load_balance.py
 
 
 def _default_cache_root() -> str:

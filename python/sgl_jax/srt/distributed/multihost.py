@@ -1,6 +1,6 @@
 """Multi-host start-up: one JAX process per host, all hosts' devices in one mesh (``jax.distributed``).
 
-The scheduler inputs that keep the hosts in step travel separately (managers/node_link.py).
+The scheduler inputs that keep the hosts in step travel separately (scheduler/node_link.py).
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from sgl_jax.srt.entrypoints.native_protocol import (
     ScoreRequest,
     validation_message,
 )
-from sgl_jax.srt.managers.errors import RequestError
-from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
+from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import configure_logging
 
@@ -163,7 +163,7 @@ class Engine:
     def score(self, query=None, items=None, label_token_ids=None, apply_softmax: bool = False,
               item_first: bool = False, algorithm: Optional[str] = None) -> List[List[float]]:
         """Score items against a query (SGLang's Engine.score): per item, the probability of each label
-        token as the next token after query + item (see managers/scoring.py).
+        token as the next token after query + item (see tokenizer/score_request.py).
 
         Args:
             query: text or token ids; items: list of texts or of token-id lists (same kind as query).
@@ -223,7 +223,7 @@ class Engine:
     def open_session(self, capacity_of_str_len: int = 0, session_id: Optional[str] = None,
                      streaming: bool = False, timeout: Optional[float] = None) -> str:
         """Open a session (SGLang's Engine.open_session); returns its id. Its turns pass
-        ``session_params={"id": ..., "rid": ...}`` to `generate` (managers/session_controller.py).
+        ``session_params={"id": ..., "rid": ...}`` to `generate` (scheduler/sessions.py).
 
         Raises:
             RequestError: 400 -- the id is taken, streaming without --enable-streaming-session (upstream

@@ -147,7 +147,7 @@ class NullMeansDefault(BaseModel):
 
 class SessionParamsRequest(BaseModel):
     """``session_params`` (SGLang's SessionParams): the session `id`, the turn it continues (`rid`), and how
-    (see managers/session_controller.py). Unknown keys: 400."""
+    (see scheduler/sessions.py). Unknown keys: 400."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 

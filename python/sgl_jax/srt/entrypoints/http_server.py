@@ -57,7 +57,7 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     openai_error,
     sse,
 )
-from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
+from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 from sgl_jax.srt.metrics.collector import METRICS_CONTENT_TYPE
 from sgl_jax.srt.server_args import ServerArgs
 
@@ -401,7 +401,7 @@ def launch_server(server_args: ServerArgs) -> None:
     from sgl_jax.srt.utils import configure_logging
 
     if server_args.node_rank > 0:  # a multi-host follower: only a scheduler, fed by node 0
-        from sgl_jax.srt.managers.scheduler import run_follower_node
+        from sgl_jax.srt.scheduler.scheduler import run_follower_node
 
         run_follower_node(server_args)
         return

@@ -24,13 +24,13 @@ logger = logging.getLogger(__name__)
 
 def _scheduler_main(*args) -> None:
     # imported here so that the HTTP process never imports JAX
-    from sgl_jax.srt.managers.scheduler import run_scheduler_process
+    from sgl_jax.srt.scheduler.scheduler import run_scheduler_process
 
     run_scheduler_process(*args)
 
 
 def _detokenizer_main(*args) -> None:
-    from sgl_jax.srt.managers.detokenizer_manager import run_detokenizer_process
+    from sgl_jax.srt.tokenizer.detokenizer_manager import run_detokenizer_process
 
     run_detokenizer_process(*args)
 

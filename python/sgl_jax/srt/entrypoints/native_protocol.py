@@ -39,10 +39,10 @@ from sgl_jax.srt.entrypoints.field_types import (
     logit_bias_ids,
     marked_fields,
 )
-from sgl_jax.srt.managers.errors import RequestError
-from sgl_jax.srt.managers.io_struct import OpenSessionReqInput
-from sgl_jax.srt.managers.scoring import ALGORITHMS, ScoreReqInput
-from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput
+from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.io_struct import OpenSessionReqInput
+from sgl_jax.srt.tokenizer.score_request import ALGORITHMS, ScoreReqInput
+from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 _SP = SamplingParams()  # defaults come from the one dataclass

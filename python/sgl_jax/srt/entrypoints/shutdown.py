@@ -20,7 +20,7 @@ import time
 
 import uvicorn
 
-from sgl_jax.srt.managers.errors import RequestError
+from sgl_jax.srt.errors import RequestError
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     usage,
 )
 from sgl_jax.srt.entrypoints.parsers.reasoning_parser import ReasoningDetector, get_detector
-from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
+from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 
 
 @functools.lru_cache(maxsize=8)

@@ -22,7 +22,7 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     sse,
     usage,
 )
-from sgl_jax.srt.managers.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
+from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 
 Wait = Callable[[Awaitable], Awaitable[Optional[object]]]  # awaits work, None when the client went away
 

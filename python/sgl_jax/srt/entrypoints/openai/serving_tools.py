@@ -21,7 +21,7 @@ from sgl_jax.srt.entrypoints.parsers.tool_call_parser import (
     named_call_schema,
     required_calls_schema,
 )
-from sgl_jax.srt.managers.errors import RequestError
+from sgl_jax.srt.errors import RequestError
 
 
 @dataclasses.dataclass

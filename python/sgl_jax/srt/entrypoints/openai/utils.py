@@ -9,7 +9,7 @@ import orjson
 from fastapi.responses import Response
 
 from sgl_jax.srt.entrypoints.field_types import logit_bias_ids
-from sgl_jax.srt.managers.tokenizer_manager import RequestError
+from sgl_jax.srt.tokenizer.tokenizer_manager import RequestError
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError", 500: "InternalServerError",

@@ -11,8 +11,8 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from sgl_jax.srt.managers.io_struct import DecodeConfig, LogprobDelta, TokenOut
-from sgl_jax.srt.managers.schedule_batch import FinishReason, Req, ScheduleBatch
+from sgl_jax.srt.io_struct import DecodeConfig, LogprobDelta, TokenOut
+from sgl_jax.srt.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
 from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req
 from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
 from sgl_jax.srt.model_executor.model_runner import StepOutput

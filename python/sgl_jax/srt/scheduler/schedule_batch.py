@@ -58,7 +58,7 @@ def finish_abort(message: str, status_code: Optional[int] = None) -> FinishReaso
 # ---------------------------------------------------------------- scoring
 @dataclasses.dataclass
 class ScoreSpec:
-    """What a scoring request computes instead of generating (see managers/scoring.py).
+    """What a scoring request computes instead of generating (see tokenizer/score_request.py).
 
     group: the score request (TokenizedScoreReqInput.rid) this sequence belongs to.
     label_token_ids: labels whose log-probabilities (full-vocabulary log-softmax) are returned.

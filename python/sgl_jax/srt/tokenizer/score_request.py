@@ -22,8 +22,8 @@ import dataclasses
 import math
 from typing import List, Optional, Sequence, Tuple, Union
 
-from sgl_jax.srt.managers.errors import RequestError
-from sgl_jax.srt.managers.io_struct import ScoreSeq
+from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.io_struct import ScoreSeq
 
 ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
 

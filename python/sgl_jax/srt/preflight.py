@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sgl_jax.srt.managers.errors import RequestError
+from sgl_jax.srt.errors import RequestError
 
 
 @dataclasses.dataclass(frozen=True)

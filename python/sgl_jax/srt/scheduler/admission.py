@@ -12,7 +12,7 @@ A request is admitted when, together with the ones already picked,
 
 With mixed chunked prefill the running requests' decode rows ride in the batch: each takes one token of the
 budget and one sequence of the bucket (`decode_rows`). While requests decode, --max-prefill-step-ms may cut
-the budget further (`token_limit`, from managers/step_budget.py).
+the budget further (`token_limit`, from scheduler/step_budget.py).
 
 Sliding-window models with a separate SWA pool (hybrid SWA memory) are admitted against both pools: the
 full pool as above (free plus evictable), and the SWA pool (free plus SWA-evictable) for each request's peak
@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from typing import List, Optional
 
-from sgl_jax.srt.managers.schedule_batch import Req
+from sgl_jax.srt.scheduler.schedule_batch import Req
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.cache_manager import match_req, own_swa_pages
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets

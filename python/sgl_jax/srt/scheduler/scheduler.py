@@ -3,7 +3,7 @@ batching.
 
 Loop: receive requests (each new one is given a DP rank by --load-balance-method) -> ask every rank for its
 next batch (a prefill of newly admitted requests if any fit, otherwise one decode step of its running
-requests; managers/rank_scheduler.py) -> run all ranks' batches as one step of one compiled program (idle
+requests; scheduler/rank.py) -> run all ranks' batches as one step of one compiled program (idle
 ranks run padding) -> each rank appends tokens, finishes and releases requests, and sends progress to the
 detokenizer. New requests join between decode steps; finished ones leave. ``--dp-size 1``: one rank.
 
@@ -16,7 +16,7 @@ error after the cache was donated) ends the process, which then exits non-zero.
 Chunked prefill: a prompt longer than --chunked-prefill-size is prefilled a chunk per step, with a decode
 step of the running batch between chunks (or, with --enable-mixed-chunk, the running requests' decode rows
 inside each chunk's step), so a long prompt does not stall every stream; --max-prefill-step-ms cuts the
-chunks while requests decode (managers/step_budget.py, fitted to the wall time of every step run here).
+chunks while requests decode (scheduler/step_budget.py, fitted to the wall time of every step run here).
 Retract: when a decode step cannot get KV pages even after evicting cached prefixes, the latest admitted
 requests are retracted (KV released, requeued) and resume later from prompt + generated tokens.
 """
@@ -35,10 +35,10 @@ import zmq
 
 from sgl_jax.srt.configs.model_config import ModelConfig, load_tokenizer
 from sgl_jax.srt.constrained.grammar_backend import GrammarBackend
-from sgl_jax.srt.managers import fault_injection
-from sgl_jax.srt.managers.errors import RequestError
-from sgl_jax.srt.managers.grammar_queue import GrammarQueue
-from sgl_jax.srt.managers.io_struct import (
+from sgl_jax.srt import fault_injection
+from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.scheduler.grammar_queue import GrammarQueue
+from sgl_jax.srt.io_struct import (
     AbortReq,
     BatchTokenIDOut,
     DecodeConfig,
@@ -56,16 +56,16 @@ from sgl_jax.srt.managers.io_struct import (
     TokenizedScoreReqInput,
     TokenOut,
 )
-from sgl_jax.srt.managers.load_balance import choose_rank
-from sgl_jax.srt.managers.node_link import NodeLink, SchedulerTick
-from sgl_jax.srt.managers.preflight import KVLimits, check_fits
-from sgl_jax.srt.managers.rank_scheduler import RankScheduler
-from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort, step_shape
-from sgl_jax.srt.managers.scheduler_output import token_out
-from sgl_jax.srt.managers.scheduler_scoring import SchedulerScoring
-from sgl_jax.srt.managers.session_controller import Session, SessionController, SessionError
-from sgl_jax.srt.managers.step_budget import PrefillStepBudget, RowWork, StepTimeModel, step_features
-from sgl_jax.srt.managers.watchdog import StepWatchdog
+from sgl_jax.srt.scheduler.load_balance import choose_rank
+from sgl_jax.srt.scheduler.node_link import NodeLink, SchedulerTick
+from sgl_jax.srt.preflight import KVLimits, check_fits
+from sgl_jax.srt.scheduler.rank import RankScheduler
+from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_abort, step_shape
+from sgl_jax.srt.scheduler.output import token_out
+from sgl_jax.srt.scheduler.scoring import SchedulerScoring
+from sgl_jax.srt.scheduler.sessions import Session, SessionController, SessionError
+from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget, RowWork, StepTimeModel, step_features
+from sgl_jax.srt.scheduler.watchdog import StepWatchdog
 from sgl_jax.srt.mem_cache import create_prefix_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.model_executor.buckets import derive_limits
@@ -110,7 +110,7 @@ class _Discard:
 
 
 def step_cost_features(batches: List[Optional[ScheduleBatch]], buckets):
-    """The step-time model's features of one step (managers/step_budget.py), before it runs."""
+    """The step-time model's features of one step (scheduler/step_budget.py), before it runs."""
     live = [b for b in batches if b is not None and b.reqs]
     if not live:
         return None
@@ -122,7 +122,7 @@ def step_cost_features(batches: List[Optional[ScheduleBatch]], buckets):
 
 class Scheduler:
     """Continuous-batching scheduler over ``--dp-size`` data-parallel attention ranks (see the module
-    docstring for the loop and managers/rank_scheduler.py for one rank's policy).
+    docstring for the loop and scheduler/rank.py for one rank's policy).
 
     Args:
         server_args: `ServerArgs`.
@@ -247,7 +247,7 @@ class Scheduler:
     # ------------------------------------------------------------ loop
     def event_loop(self) -> None:
         """Serve forever: take inputs, schedule, run one step per iteration. Each step runs under the
-        watchdog (managers/watchdog.py, --watchdog-timeout)."""
+        watchdog (scheduler/watchdog.py, --watchdog-timeout)."""
         crash_at = int(os.environ.get(CRASH_AT_STEP_ENV, "0"))
         hang_at = int(os.environ.get(HANG_AT_STEP_ENV, "0"))
         step_delay_s = float(os.environ.get(STEP_DELAY_ENV, "0"))
@@ -440,7 +440,7 @@ class Scheduler:
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         """Queue a request (the TokenizerManager has validated it; limits are re-checked here, on the whole
-        prompt of a session's turn, which is built here: managers/session_controller.py)."""
+        prompt of a session's turn, which is built here: scheduler/sessions.py)."""
         input_ids, session, parent = msg.input_ids, None, None
         if msg.session_params is not None:
             try:
@@ -618,7 +618,7 @@ def run_scheduler_process(server_args, port_args, pipe_writer, parent_pid: int) 
 
 def run_follower_node(server_args) -> None:
     """``launch_server`` on a host with --node-rank > 0: no HTTP, no tokenizer or detokenizer; the scheduler
-    runs node 0's schedule on this host's devices (managers/node_link.py). Exits 0 when node 0 stops, non-zero
+    runs node 0's schedule on this host's devices (scheduler/node_link.py). Exits 0 when node 0 stops, non-zero
     when a node dies or this one fails."""
     configure_logging(server_args.log_level, f"Node{server_args.node_rank}")
     try:

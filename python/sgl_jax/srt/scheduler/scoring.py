@@ -29,16 +29,16 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from sgl_jax.srt.managers.io_struct import (
+from sgl_jax.srt.io_struct import (
     ScoreOut,
     ScorePrefillReq,
     ScoreReleaseOut,
     ScoreReleaseReq,
     TokenizedScoreReqInput,
 )
-from sgl_jax.srt.managers.errors import RequestError
-from sgl_jax.srt.managers.preflight import KVLimits, check_fits
-from sgl_jax.srt.managers.schedule_batch import Req, ScoreSpec
+from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.preflight import KVLimits, check_fits
+from sgl_jax.srt.scheduler.schedule_batch import Req, ScoreSpec
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 

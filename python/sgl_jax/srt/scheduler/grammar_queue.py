@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from sgl_jax.srt.constrained.grammar_backend import GrammarBackend, grammar_spec
-from sgl_jax.srt.managers.schedule_batch import Req
+from sgl_jax.srt.scheduler.schedule_batch import Req
 
 
 class GrammarQueue:

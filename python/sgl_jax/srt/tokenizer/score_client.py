@@ -1,6 +1,6 @@
 """The TokenizerManager's side of /v1/score: tokenize, pick the algorithm, drive the scheduler, and turn
-label log-probabilities into scores. See managers/scoring.py for what is scored and
-managers/scheduler_scoring.py for the scheduler's side (including scoring-cache handles)."""
+label log-probabilities into scores. See tokenizer/score_request.py for what is scored and
+scheduler/scoring.py for the scheduler's side (including scoring-cache handles)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import logging
 import uuid
 from typing import Dict, List
 
-from sgl_jax.srt.managers.errors import RequestError
-from sgl_jax.srt.managers.io_struct import (
+from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.io_struct import (
     AbortReq,
     ScoreOut,
     ScorePrefillReq,
@@ -18,8 +18,8 @@ from sgl_jax.srt.managers.io_struct import (
     ScoreReleaseReq,
     TokenizedScoreReqInput,
 )
-from sgl_jax.srt.managers.preflight import check_fits
-from sgl_jax.srt.managers.scoring import (
+from sgl_jax.srt.preflight import check_fits
+from sgl_jax.srt.tokenizer.score_request import (
     ScoreReqInput,
     build_layout,
     choose_algorithm,

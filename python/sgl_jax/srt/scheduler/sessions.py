@@ -31,7 +31,7 @@ import logging
 import uuid
 from typing import Callable, Dict, List, Optional
 
-from sgl_jax.srt.managers.io_struct import OpenSessionReqInput, SessionParams
+from sgl_jax.srt.io_struct import OpenSessionReqInput, SessionParams
 from sgl_jax.srt.mem_cache.session_kv import SessionKV
 
 logger = logging.getLogger(__name__)

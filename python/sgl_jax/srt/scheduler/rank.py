@@ -2,7 +2,7 @@
 
 Each rank owns a ReqToTokenPool, a paged KV allocator over its own block of the KV cache, a prefix cache
 (a radix hit on rank 0 is not a hit on rank 1), a waiting queue, a running batch, a chunked request and its
-scoring groups and handles. The `Scheduler` (managers/scheduler.py) owns the ranks, the model runner and
+scoring groups and handles. The `Scheduler` (scheduler/scheduler.py) owns the ranks, the model runner and
 the sockets: it assigns each request a rank, asks every rank for its next batch, runs them all as one step
 and hands each rank its results (`apply_step`). With ``--dp-size 1`` there is one rank and this is the
 whole scheduling policy.
@@ -12,7 +12,7 @@ chunks of a long prompt too). Chunked prefill: a prompt longer than --chunked-pr
 chunk per step. Mixed chunked prefill (--enable-mixed-chunk): the running requests' decode rows ride in
 the prefill step itself, so running streams get a token every step. --max-prefill-step-ms: while requests
 run, the chunk is cut so that it adds at most the budget to their inter-token latency
-(managers/step_budget.py).
+(scheduler/step_budget.py).
 Retract: when a decode step cannot get KV pages even after evicting cached prefixes, the
 latest admitted requests are retracted (KV released, requeued) and resume later from prompt + generated
 tokens.
@@ -24,21 +24,21 @@ import logging
 import time
 from typing import Callable, List, Optional
 
-from sgl_jax.srt.managers import fault_injection
-from sgl_jax.srt.managers.errors import RequestError
-from sgl_jax.srt.managers.io_struct import AbortReq, ScorePrefillReq, ScoreReleaseReq, TokenizedScoreReqInput
-from sgl_jax.srt.managers.preflight import KVLimits, check_fits
-from sgl_jax.srt.managers.schedule_batch import FinishReason, Req, ScheduleBatch, finish_abort
-from sgl_jax.srt.managers.schedule_policy import (
+from sgl_jax.srt import fault_injection
+from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.io_struct import AbortReq, ScorePrefillReq, ScoreReleaseReq, TokenizedScoreReqInput
+from sgl_jax.srt.preflight import KVLimits, check_fits
+from sgl_jax.srt.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, finish_abort
+from sgl_jax.srt.scheduler.admission import (
     INIT_NEW_TOKEN_RATIO,
     MIN_NEW_TOKEN_RATIO,
     NEW_TOKEN_RATIO_DECAY,
     PrefillAdder,
     ratio_after_retract,
 )
-from sgl_jax.srt.managers.scheduler_output import extend_offsets, process_batch_result, token_out
-from sgl_jax.srt.managers.scheduler_scoring import SchedulerScoring
-from sgl_jax.srt.managers.step_budget import PrefillStepBudget
+from sgl_jax.srt.scheduler.output import extend_offsets, process_batch_result, token_out
+from sgl_jax.srt.scheduler.scoring import SchedulerScoring
+from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget
 from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.kv_invariants import check_kv_invariants

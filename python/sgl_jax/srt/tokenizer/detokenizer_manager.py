@@ -18,8 +18,8 @@ from typing import Dict, List
 import zmq
 
 from sgl_jax.srt.configs.model_config import load_tokenizer
-from sgl_jax.srt.managers import fault_injection
-from sgl_jax.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, DecodeConfig, StrOut, TokenOut
+from sgl_jax.srt import fault_injection
+from sgl_jax.srt.io_struct import BatchStrOut, BatchTokenIDOut, DecodeConfig, StrOut, TokenOut
 from sgl_jax.srt.utils import configure_logging, prepare_child_process
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from sgl_jax.srt.configs.model_config import load_tokenizer, served_model_name, tokenizer_path_for
-from sgl_jax.srt.managers.io_struct import (
+from sgl_jax.srt.io_struct import (
     AbortReq,
     BatchStrOut,
     FlushCacheReq,
@@ -35,10 +35,10 @@ from sgl_jax.srt.managers.io_struct import (
     StrOut,
     TokenizedGenerateReqInput,
 )
-from sgl_jax.srt.managers.errors import RequestError  # noqa: F401  (re-exported)
-from sgl_jax.srt.managers.preflight import KVLimits, check_fits
-from sgl_jax.srt.managers.score_client import ScoreClient
-from sgl_jax.srt.managers.scoring import ScoreReqInput
+from sgl_jax.srt.errors import RequestError  # noqa: F401  (re-exported)
+from sgl_jax.srt.preflight import KVLimits, check_fits
+from sgl_jax.srt.tokenizer.score_client import ScoreClient
+from sgl_jax.srt.tokenizer.score_request import ScoreReqInput
 from sgl_jax.srt.metrics.collector import MetricsCollector, RequestTimes
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
@@ -64,7 +64,7 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[str] = None
-    session_params: Optional[dict] = None  # SGLang's SessionParams fields (managers/session_controller.py)
+    session_params: Optional[dict] = None  # SGLang's SessionParams fields (scheduler/sessions.py)
 
 
 _KEEPING_PRE_TOKENIZERS = {"Sequence", "ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"}
@@ -420,7 +420,7 @@ class TokenizerManager:
     async def score_request(self, obj: ScoreReqInput) -> dict:
         """Run a /v1/score request: {"scores": [[float per label] per item], "prompt_tokens", "algorithm"}.
 
-        Raises RequestError (400 invalid, 413 cannot fit, 503 server down). See managers/score_client.py.
+        Raises RequestError (400 invalid, 413 cannot fit, 503 server down). See tokenizer/score_client.py.
         """
         self.start()
         return await self.score_client.score(obj)
