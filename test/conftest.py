@@ -17,7 +17,7 @@ except ImportError:  # the runtime does not need torch; only reference tests do
 # server start-up with a cold compile cache); these unit-test files get a short limit per test.
 UNIT_TEST_TIMEOUT_S = 120
 UNIT_TEST_FILES = ("test_detokenizer.py", "test_request_validation.py", "test_ragged_paged_attention.py",
-                   "test_sampler.py", "test_tool_call_parser.py", "test_bench_sharding.py", "test_gguf_gemma3.py")
+                   "test_sampler.py", "test_tool_call_parser.py", "test_import_layers.py", "test_bench_sharding.py", "test_gguf_gemma3.py")
 
 
 def pytest_collection_modifyitems(config, items):

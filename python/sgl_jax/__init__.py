@@ -1,6 +1,6 @@
 """sgl-jax: a JAX-first LLM serving engine (OpenAI-compatible server, offline Engine)."""
 
-__version__ = "0.1.0"
+from sgl_jax.version import __version__
 
 
 def __getattr__(name):

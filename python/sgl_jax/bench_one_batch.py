@@ -50,11 +50,8 @@ from sgl_jax.bench_utils import git_commit
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.model_executor.buckets import derive_limits
-from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
-from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
-from sgl_jax.srt.mem_cache.common import release_kv_cache
-from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
+from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, compute_max_total_tokens, setup_jax
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import ServerArgs
@@ -178,15 +175,15 @@ class OneBatchRunner:
         self.server_args = sa
         self.runner = runner = ModelRunner(
             sa, mc, buckets=buckets, max_context_len=mc.context_len, num_request_slots=max_running,
-            max_total_tokens_fn=lambda wb: compute_max_total_tokens(sa, mc, wb, platform))
-        pools = [runner.max_total_tokens] + ([runner.swa_max_total_tokens] if runner.hybrid_swa else [])
+            kv_spec_fn=lambda wb: kv_spec_for(sa, mc, compute_max_total_tokens(sa, mc, wb, platform)))
+        pools = runner.kv_spec.pool_tokens
         if min(pools) < self.need:
             sys.exit(f"the KV pool ({' / '.join(map(str, pools))} tokens) cannot hold the largest batch: "
                      f"{self.need} tokens (batch x (input + warm-up + output), pages of {self.page}); raise "
                      "--max-total-tokens (or leave it and --mem-fraction-static unset to size it from the batch)")
-        self.pool = ReqToTokenPool(max_running, mc.context_len)
-        self.alloc = runner.new_kv_allocator()
-        self.cache = ChunkCache(self.pool, self.alloc)
+        # the scheduler's KV memory without prefix sharing (every row is timed from scratch)
+        self.memory = KVMemory.create(runner.kv_spec, num_request_slots=max_running, context_len=mc.context_len,
+                                      disable_radix_cache=True, sliding_window=mc.sliding_window)
         self.cost = model_cost(runner)
         if not sa.disable_precompile:
             runner.warmup()
@@ -196,16 +193,14 @@ class OneBatchRunner:
         Returns ([(tokens in KV before, new tokens)] per sequence, seconds spent building the batch)."""
         seqs = [(r.kv_committed_len, r.kv_allocated_len - r.kv_committed_len) for r in batch.reqs]
         t0 = time.perf_counter()
-        swa_map = self.alloc.full_to_swa if self.runner.hybrid_swa else None
-        wb = batch.build_model_worker_batch(self.buckets, self.pool, self.page, swa_page_map=swa_map)
+        wb = batch.build_model_worker_batch(self.buckets, self.memory)
         host = time.perf_counter() - t0
         out = self.runner.forward(wb)  # returns host arrays of the sampled ids: the step has finished
         for i, r in enumerate(batch.reqs):
             r.kv_committed_len = r.kv_allocated_len
             if r.kv_committed_len >= r.seqlen:  # prompt fully prefilled, or a decode step: take the token
                 r.output_ids.append(int(out.next_token_ids[i]))
-            if self.runner.hybrid_swa:
-                release_swa_out_of_window(r, self.pool, self.alloc, self.mc.sliding_window)
+        self.memory.after_step(batch.reqs)
         return seqs, host
 
     def prefill(self, reqs: List[Req]) -> Tuple[float, List[list]]:
@@ -219,7 +214,7 @@ class OneBatchRunner:
             for i, n in step:
                 reqs[i].extend_input_len = n
             batch = ScheduleBatch([reqs[i] for i, _ in step], ForwardMode.EXTEND)
-            batch.prepare_for_extend(self.pool, self.alloc, self.cache)
+            batch.prepare_for_extend(self.memory)
             steps.append(self._step(batch)[0])
         return time.perf_counter() - t0, steps
 
@@ -227,7 +222,7 @@ class OneBatchRunner:
         """One decode step. Returns (step seconds, host seconds, [(tokens in KV before, 1)] per sequence)."""
         t0 = time.perf_counter()
         batch = ScheduleBatch(reqs, ForwardMode.DECODE)
-        if not batch.prepare_for_decode(self.pool, self.alloc, self.cache):
+        if not batch.prepare_for_decode(self.memory):
             raise RuntimeError("KV pool ran out during decode (sizing bug)")
         prep = time.perf_counter() - t0
         seqs, host = self._step(batch)
@@ -253,8 +248,8 @@ class OneBatchRunner:
             times.append(t), hosts.append(h), floors.append(step_floor(self.cost, seqs, *peaks))
         compiles = self.runner.num_compiles_after_warmup - compiles
         for r in reqs:
-            release_kv_cache(r, self.cache)
-        assert self.alloc.available_size() == self.alloc.size, "KV pages leaked"
+            self.memory.release(r)
+        assert self.memory.free_tokens() == self.memory.size, "KV pages leaked"
         p_floor = sum(f[0] for f in prefill_floors)
         p_flops, p_bytes = sum(f[2] for f in prefill_floors), sum(f[3] for f in prefill_floors)
         p_bound = "F" if p_flops / peaks[0] >= p_bytes / peaks[1] else "B"

@@ -1,5 +1,5 @@
 """Data-parallel rank pieces without a model: rank choice (load_balance.py), the shape of a step over several
-ranks (schedule_batch.step_shape), stacking the ranks' batches (forward_batch_info.stack_ranks) and the
+ranks (schedule_batch.step_shape), stacking the ranks' batches (forward_batch.stack_ranks) and the
 read-only prefix match cache-aware assignment compares (RadixCache.prefix_match_len)."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from sgl_jax.srt.scheduler.load_balance import CACHE_AWARE_MIN_MATCH, choose_ran
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, step_shape
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
+from sgl_jax.srt.mem_cache.kv_memory import KVMemory
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode, stack_ranks
+from sgl_jax.srt.forward_batch import ForwardMode, stack_ranks
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 
@@ -66,27 +67,28 @@ def test_step_shape_and_stacked_ranks():
     pools = [ReqToTokenPool(4, 64) for _ in range(2)]
     allocs = [PagedTokenToKVPoolAllocator(128, 4) for _ in range(2)]
     caches = [ChunkCache(p, a) for p, a in zip(pools, allocs)]
+    mems = [KVMemory(p, a, c) for p, a, c in zip(pools, allocs, caches)]
     # rank 0 extends a prompt of 6 tokens; rank 1 decodes 3 requests (prefilled earlier)
     ext = ScheduleBatch([_req([5, 6, 7, 8, 9, 10], "e")], ForwardMode.EXTEND)
-    ext.prepare_for_extend(pools[0], allocs[0], caches[0])
+    ext.prepare_for_extend(mems[0])
     dec_reqs = [_req([20 + i, 21 + i], f"d{i}") for i in range(3)]
     pre = ScheduleBatch(dec_reqs, ForwardMode.EXTEND)
-    pre.prepare_for_extend(pools[1], allocs[1], caches[1])
+    pre.prepare_for_extend(mems[1])
     for r in dec_reqs:
         r.kv_committed_len = r.kv_allocated_len
         r.output_ids.append(40)
     dec = ScheduleBatch(dec_reqs, ForwardMode.DECODE)
-    assert dec.prepare_for_decode(pools[1], allocs[1], caches[1])
+    assert dec.prepare_for_decode(mems[1])
 
     assert step_shape([dec], buckets) == (ForwardMode.DECODE, 4, 4)
     assert step_shape([ext], buckets) == (ForwardMode.EXTEND, 16, 4)
     shape = step_shape([ext, None, dec], buckets)
     assert shape == (ForwardMode.EXTEND, 16, 4)  # the decode rank runs as one-token extends
     with pytest.raises(ValueError, match="does not fit the step shape"):
-        ext.build_model_worker_batch(buckets, pools[0], 4, (ForwardMode.DECODE, 4, 4))
+        ext.build_model_worker_batch(buckets, mems[0], (ForwardMode.DECODE, 4, 4))
 
-    b0 = ext.build_model_worker_batch(buckets, pools[0], 4, shape)
-    b1 = dec.build_model_worker_batch(buckets, pools[1], 4, shape)
+    b0 = ext.build_model_worker_batch(buckets, mems[0], shape)
+    b1 = dec.build_model_worker_batch(buckets, mems[1], shape)
     assert b1.forward_batch.forward_mode == ForwardMode.EXTEND and b1.forward_batch.cu_q_lens.tolist() == [0, 1, 2, 3, 3]
     assert b1.sampling.last_token[:3].tolist() == [40, 40, 40]  # still a decode row for the sampler
     s = stack_ranks([b0, b1], slots_per_rank=4)
@@ -99,4 +101,4 @@ def test_step_shape_and_stacked_ranks():
     assert s.sampling.slots[4:7].tolist() == [4 + r.req_pool_idx for r in dec_reqs]
     assert s.sampling.vocab_mask is None and s.num_seqs == 4
     with pytest.raises(ValueError, match="share one padded shape"):
-        stack_ranks([b0, dec.build_model_worker_batch(buckets, pools[1], 4)], 4)
+        stack_ranks([b0, dec.build_model_worker_batch(buckets, mems[1])], 4)

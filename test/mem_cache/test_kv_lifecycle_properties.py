@@ -14,7 +14,12 @@ heals them), and after every step additionally:
   live tree node or a live request owns (free full pages and tombstones map to none);
 - swa free + swa_evictable + swa_protected + requests' own live SWA tokens == swa total;
 - every live request can read its window: positions [committed - W + 1, committed) have live SWA KV;
-- SWA locks sit only on live nodes. These configurations run >= 10,000 operations each.
+- SWA locks sit only on live nodes.
+
+The operations go through the rank's `KVMemory` (its admission budget, allocation, SWA release and release
+path), whose exact page-ownership check (`check_invariants`, what SGL_JAX_CHECK_KV_INVARIANTS runs in a server)
+must agree after every step. Every configuration -- page sizes, one pool or hybrid, radix or chunk cache --
+runs >= 10,000 counted operations, with derandomized (fixed) examples.
 """
 
 import numpy as np
@@ -26,15 +31,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.scheduler.admission import PrefillAdder
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req, release_swa_out_of_window
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
-from sgl_jax.srt.mem_cache.common import release_kv_cache
+from sgl_jax.srt.mem_cache.kv_memory import KVMemory
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 from sgl_jax.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 # A few shared "system prompts" so that requests really share prefixes.
@@ -58,6 +62,7 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
                 self.alloc = PagedTokenToKVPoolAllocator(24 * 16, page_size)  # tight: eviction and retract happen
                 self.cache = RadixCache(self.pool, self.alloc, page_size) if radix else \
                     ChunkCache(self.pool, self.alloc)
+            self.memory = KVMemory(self.pool, self.alloc, self.cache, sliding_window=window or None)
             self.buckets = ShapeBuckets((64, 256), (1, 8))
             self.running = []  # fully prefilled requests
             self.chunked = []  # requests between chunks
@@ -77,10 +82,10 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
         @rule(chunk=st.sampled_from([None, 16, 48]), ratio=st.sampled_from([0.1, 0.7, 1.0]))
         def prefill(self, chunk, ratio):
             self._op()
-            adder = PrefillAdder(self.buckets, self.alloc, self.cache, self.running, max_prefill_tokens=256,
+            adder = PrefillAdder(self.buckets, self.memory, self.running, max_prefill_tokens=256,
                                  chunk_size=chunk if not self.chunked else (chunk or 48),
                                  free_req_slots=min(self.pool.available_size(), 6 - len(self.running) - len(self.chunked)),
-                                 new_token_ratio=ratio, swa_window=window or None)
+                                 new_token_ratio=ratio)
             if self.chunked and not adder.add_chunked(self.chunked[0]):
                 return
             for req in self.waiting:
@@ -89,12 +94,12 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
             if not adder.can_run:
                 return
             self.waiting = [r for r in self.waiting if r not in adder.can_run]
-            ScheduleBatch(adder.can_run, ForwardMode.EXTEND).prepare_for_extend(self.pool, self.alloc, self.cache)
+            ScheduleBatch(adder.can_run, ForwardMode.EXTEND).prepare_for_extend(self.memory)
             self.chunked = []
             for req in adder.can_run:  # the "forward pass": K/V of the extended tokens are now written
                 req.kv_committed_len = req.kv_allocated_len
                 if req.kv_committed_len < req.seqlen:
-                    cache_unfinished_req(req, self.cache)
+                    self.memory.cache_unfinished(req)
                     self.chunked.append(req)
                 else:
                     req.output_ids.append(7)
@@ -106,7 +111,7 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
         def decode(self):
             self._op()
             batch = ScheduleBatch(self.running, ForwardMode.DECODE)
-            while self.running and not batch.prepare_for_decode(self.pool, self.alloc, self.cache):
+            while self.running and not batch.prepare_for_decode(self.memory):
                 self._retract(self.running[-1])
             for req in self.running:
                 req.kv_committed_len = req.kv_allocated_len
@@ -118,7 +123,7 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
         def finish(self, i, insert):
             self._op()
             req = self.running.pop(i % len(self.running))
-            release_kv_cache(req, self.cache, is_insert=insert)
+            self.memory.release(req, is_insert=insert)
             self.released.append(req)
 
         @precondition(lambda self: self.running)
@@ -127,10 +132,10 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
             """Slots for a decode step are taken, then the request ends before the step commits them."""
             self._op()
             req = self.running[i % len(self.running)]
-            if ScheduleBatch([req], ForwardMode.DECODE).prepare_for_decode(self.pool, self.alloc, self.cache):
+            if ScheduleBatch([req], ForwardMode.DECODE).prepare_for_decode(self.memory):
                 assert req.kv_allocated_len == req.kv_committed_len + 1
             self.running.remove(req)
-            release_kv_cache(req, self.cache)
+            self.memory.release(req)
             self.released.append(req)
 
         @precondition(lambda self: self.running)
@@ -141,7 +146,7 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
 
         def _retract(self, req):
             self.running.remove(req)
-            release_kv_cache(req, self.cache, is_insert=False)
+            self.memory.release(req, is_insert=False)
             req.reset_for_retract()
             self.waiting.insert(0, req)
 
@@ -149,14 +154,14 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
         @rule(i=st.integers(0, 100))
         def double_release(self, i):
             self._op()
-            release_kv_cache(self.released[i % len(self.released)], self.cache)  # must be a no-op
+            self.memory.release(self.released[i % len(self.released)])  # must be a no-op
 
         @rule(n=st.integers(0, 200))
         def evict(self, n):
             self._op()
             self.cache.evict(n)
 
-        @precondition(lambda self: window)
+        @precondition(lambda self: window and radix)
         @rule(n=st.integers(0, 200))
         def evict_swa(self, n):
             self._op()
@@ -168,10 +173,7 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
 
         def _release_swa(self, reqs):
             """What the scheduler does after each step: free SWA KV that left the window."""
-            if window:
-                for req in reqs:
-                    if req.req_pool_idx is not None:
-                        release_swa_out_of_window(req, self.pool, self.alloc, window)
+            self.memory.after_step([r for r in reqs if r.req_pool_idx is not None])
 
         # ---------------------------------------------------------------- invariants
         def _own_pages(self, req):
@@ -195,6 +197,11 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
             assert total + own_tokens == self.alloc.size
             assert self.cache.evictable_size() + self.cache.protected_size() == tree_tokens
             assert self.pool.available_size() == self.pool.size - len(live)
+
+        @invariant()
+        def the_exact_check_agrees(self):
+            problems = self.memory.check_invariants(self.running + self.chunked)
+            assert not problems, problems
 
         @invariant()
         def rows_start_with_the_cached_prefix(self):
@@ -233,17 +240,20 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
                 assert a.has_swa(window_pages).all(), f"{req.rid} lost SWA KV inside its window"
             swa_pages = np.concatenate(mapped + [a.swa.free_page_ids()])
             assert sorted(swa_pages.tolist()) == list(range(1, a.swa.num_pages + 1)), "an SWA page lost or shared"
-            assert self.cache.swa_evictable_size() + self.cache.swa_protected_size() == tree_swa
+            acc = self.memory.accounting()
+            assert acc["swa_tokens_cached"] == tree_swa
             assert a.swa_available_size() + tree_swa + own_swa == a.swa_size
 
         def teardown(self):
             for req in self.running + self.chunked:
-                release_kv_cache(req, self.cache)
+                self.memory.release(req)
             assert self.cache.protected_size() == 0
             assert self.alloc.available_size() + self.cache.evictable_size() == self.alloc.size
+            assert not self.memory.idle_problems([])
             if window:
-                assert self.cache.swa_protected_size() == 0
-                assert self.alloc.swa_available_size() + self.cache.swa_evictable_size() == self.alloc.swa_size
+                acc = self.memory.accounting()
+                assert acc["swa_tokens_protected"] == 0
+                assert acc["swa_tokens_free"] + acc["swa_tokens_evictable"] == acc["swa_tokens_total"]
                 self.cache.reset()
                 assert self.alloc.swa_available_size() == self.alloc.swa_size
                 assert self.alloc.available_size() == self.alloc.size
@@ -251,24 +261,20 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
     return KVLifecycle
 
 
-_settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow])
+MIN_OPS = 10_000  # random operations per configuration, at least
 
-TestRadixPage1 = _settings(lifecycle_machine(1, radix=True)).TestCase
-TestRadixPage16 = _settings(lifecycle_machine(16, radix=True)).TestCase
-TestChunkCachePage1 = _settings(lifecycle_machine(1, radix=False)).TestCase
-TestChunkCachePage16 = _settings(lifecycle_machine(16, radix=False)).TestCase
+CONFIGS = [(1, True, 0), (16, True, 0), (1, False, 0), (16, False, 0),
+           (1, True, 8), (4, True, 8), (16, True, 16), (4, False, 8)]
 
 
-SWA_OPS = 10_000  # random operations per hybrid configuration, at least
-
-
-@pytest.mark.parametrize("page_size,radix,window", [(1, True, 8), (4, True, 8), (16, True, 16), (4, False, 8)],
-                         ids=["swa-radix-page1", "swa-radix-page4", "swa-radix-page16", "swa-chunk-page4"])
-def test_hybrid_swa_lifecycle(page_size, radix, window):
-    """Hybrid SWA pools + SWARadixCache / ChunkCache: >= 10,000 random operations, invariants after each."""
+@pytest.mark.parametrize("page_size,radix,window", CONFIGS,
+                         ids=["radix-page1", "radix-page16", "chunk-page1", "chunk-page16",
+                              "swa-radix-page1", "swa-radix-page4", "swa-radix-page16", "swa-chunk-page4"])
+def test_kv_lifecycle(page_size, radix, window):
+    """Every pool layout and cache kind (one pool: RadixCache / ChunkCache; hybrid SWA pools: SWARadixCache /
+    ChunkCache), driven through KVMemory: >= MIN_OPS random operations, the invariants after each."""
     ops = []
     machine = lifecycle_machine(page_size, radix, window, ops)
     run_state_machine_as_test(machine, settings=settings(max_examples=150, stateful_step_count=100, deadline=None,
-                                                          suppress_health_check=list(HealthCheck)))
-    assert len(ops) >= SWA_OPS, f"only {len(ops)} operations ran"
+                                                          derandomize=True, suppress_health_check=list(HealthCheck)))
+    assert len(ops) >= MIN_OPS, f"only {len(ops)} operations ran"

@@ -18,13 +18,15 @@ from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req, match_req
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache, TreeNode
+from sgl_jax.srt.mem_cache.registry import cache_kind_for, cache_kinds, create_prefix_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 from sgl_jax.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
-CONTRACT = {"match_prefix", "prefix_match_len", "insert", "free_slots", "inc_lock_ref", "dec_lock_ref", "evict",
-            "evict_swa",             "evictable_size", "protected_size", "swa_evictable_size", "swa_protected_size", "reset"}
+CONTRACT = {"create", "match_prefix", "prefix_match_len", "insert", "free_slots", "inc_lock_ref", "dec_lock_ref",
+            "evict", "evictable_size", "protected_size", "reset"}
+SWA_METHODS = {"evict_swa", "swa_evictable_size", "swa_protected_size"}  # only a kind that keeps SWA KV has them
 REQ_FIELDS = {"fill_ids", "req_pool_idx", "kv_committed_len", "kv_allocated_len", "cache_protected_len",
               "cacheable_len", "fixed_prefix", "prefix_indices", "kv_released"}
 
@@ -48,6 +50,24 @@ def test_every_contract_method_is_abstract_and_documented():
         doc = inspect.getdoc(getattr(BasePrefixCache, name))
         assert doc and len(doc) > 20, name
     assert issubclass(TreeNode, CacheNode)
+
+
+def test_kinds_come_from_the_registry():
+    """Every kind is registered under its name and built by create_prefix_cache; the SWA methods exist exactly on
+    the kinds that keep SWA KV; a kind that cannot serve a pool layout says so."""
+    assert set(cache_kinds()) == set(KINDS)
+    for kind in KINDS:
+        pool, alloc, built = make(kind, 4)
+        cache = create_prefix_cache(kind, pool, alloc, 4, 8)
+        assert type(cache) is type(built) and cache.kind == kind
+        assert all(hasattr(cache, m) for m in SWA_METHODS) == cache.keeps_swa == (kind == "swa_radix")
+    assert cache_kind_for(True, True) == "chunk" and cache_kind_for(False, True) == "swa_radix"
+    assert cache_kind_for(False, False) == "radix"
+    pool, alloc, _ = make("radix", 4)
+    with pytest.raises(ValueError, match="hybrid SWA KV pool"):
+        create_prefix_cache("swa_radix", pool, alloc, 4, 8)
+    with pytest.raises(ValueError, match="unknown prefix cache kind 'lru'"):
+        create_prefix_cache("lru", pool, alloc, 4, None)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -7,10 +7,11 @@ from sgl_jax.srt.scheduler.admission import PrefillAdder
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.cache_manager import cache_finished_req
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
+from sgl_jax.srt.mem_cache.kv_memory import KVMemory
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 
@@ -27,8 +28,8 @@ def test_extend_then_decode_layout():
     a, b = _req([10, 11, 12], rid="a"), _req([20, 21, 22, 23, 24], rid="b", temperature=0.7)
     a.extend_input_len, b.extend_input_len = 3, 5
     batch = ScheduleBatch([a, b], ForwardMode.EXTEND)
-    batch.prepare_for_extend(pool, alloc, cache)
-    mwb = batch.build_model_worker_batch(buckets, pool, 4)
+    batch.prepare_for_extend(KVMemory(pool, alloc, cache))
+    mwb = batch.build_model_worker_batch(buckets, KVMemory(pool, alloc, cache))
     fb = mwb.forward_batch
     assert fb.input_ids.shape == (16,) and fb.kv_lens.shape == (4,)  # T bucket 16, S = bs bucket 4
     assert fb.input_ids[:8].tolist() == [10, 11, 12, 20, 21, 22, 23, 24] and not fb.input_ids[8:].any()
@@ -38,7 +39,7 @@ def test_extend_then_decode_layout():
     np.testing.assert_array_equal(fb.out_cache_loc[:3], pool.req_to_token[a.req_pool_idx, :3])
     assert (fb.out_cache_loc[8:] == 0).all()  # padding tokens write the reserved page
     assert fb.page_indices[0, 0] == pool.req_to_token[a.req_pool_idx, 0] // 4
-    assert mwb.sampling.temperatures[:2].tolist() == [0.0, np.float32(0.7)]
+    assert mwb.sampling.params["temperature"][:2].tolist() == [0.0, np.float32(0.7)]
     assert mwb.sampling.seeds[:2].tolist() == [5, 5]
 
     for r in (a, b):
@@ -46,8 +47,8 @@ def test_extend_then_decode_layout():
     a.output_ids.append(99)
     b.output_ids.append(98)
     dec = ScheduleBatch([a, b], ForwardMode.DECODE)
-    assert dec.prepare_for_decode(pool, alloc, cache)
-    fb = dec.build_model_worker_batch(buckets, pool, 4).forward_batch
+    assert dec.prepare_for_decode(KVMemory(pool, alloc, cache))
+    fb = dec.build_model_worker_batch(buckets, KVMemory(pool, alloc, cache)).forward_batch
     assert fb.input_ids.shape == (4,) and fb.input_ids[:2].tolist() == [99, 98]
     assert fb.positions[:2].tolist() == [3, 5] and fb.kv_lens[:2].tolist() == [4, 6]
     assert fb.cu_q_lens.tolist() == [0, 1, 2, 2, 2]
@@ -64,22 +65,22 @@ def test_mixed_batch_carries_decode_rows_after_prefill_rows():
     a = _req([10, 11, 12], rid="a")
     a.extend_input_len = 3
     first = ScheduleBatch([a], ForwardMode.EXTEND)
-    first.prepare_for_extend(pool, alloc, cache)
+    first.prepare_for_extend(KVMemory(pool, alloc, cache))
     a.kv_committed_len = a.kv_allocated_len  # the step ran and sampled 99
     a.output_ids.append(99)
     running = ScheduleBatch([a], ForwardMode.DECODE)
-    assert running.prepare_for_decode(pool, alloc, cache)
+    assert running.prepare_for_decode(KVMemory(pool, alloc, cache))
     free = alloc.available_size()
-    assert running.prepare_for_decode(pool, alloc, cache) and alloc.available_size() == free  # taken once
+    assert running.prepare_for_decode(KVMemory(pool, alloc, cache)) and alloc.available_size() == free  # taken once
 
     b = _req([20, 21, 22, 23, 24], rid="b")
     b.extend_input_len = 5
     mixed = ScheduleBatch([b], ForwardMode.EXTEND)
-    mixed.prepare_for_extend(pool, alloc, cache)
+    mixed.prepare_for_extend(KVMemory(pool, alloc, cache))
     mixed.mix_with_running(running.reqs)
     assert mixed.reqs == [b, a] and running.reqs == [a]  # the running batch's list is not the mixed batch's
     assert [mixed.is_decode_row(r) for r in mixed.reqs] == [False, True] and mixed.num_decode_rows == 1
-    mwb = mixed.build_model_worker_batch(buckets, pool, 4)
+    mwb = mixed.build_model_worker_batch(buckets, KVMemory(pool, alloc, cache))
     fb, sm = mwb.forward_batch, mwb.sampling
     assert fb.forward_mode == ForwardMode.EXTEND and mwb.num_tokens == 6
     assert fb.input_ids[:6].tolist() == [20, 21, 22, 23, 24, 99]
@@ -89,15 +90,15 @@ def test_mixed_batch_carries_decode_rows_after_prefill_rows():
     assert fb.out_cache_loc[5] == pool.req_to_token[a.req_pool_idx, 3]
     assert sm.last_token[:2].tolist() == [0, 99] and sm.last_token_index[:2].tolist() == [-1, 0]
     # the same request in a DECODE batch gets the same sampling inputs
-    dsm = running.build_model_worker_batch(buckets, pool, 4).sampling
+    dsm = running.build_model_worker_batch(buckets, KVMemory(pool, alloc, cache)).sampling
     assert dsm.last_token[0] == 99 and dsm.last_token_index[0] == 0
     alone = mixed.subset([a])
-    assert alone.is_decode_row(a) and alone.build_model_worker_batch(buckets, pool, 4).forward_batch.cu_q_lens[1] == 1
+    assert alone.is_decode_row(a) and alone.build_model_worker_batch(buckets, KVMemory(pool, alloc, cache)).forward_batch.cu_q_lens[1] == 1
     assert not mixed.subset([b]).is_decode_row(b)
 
 
 def _adder(alloc, cache, buckets, running=(), chunk=None, slots=8, ratio=1.0, max_prefill=64):
-    return PrefillAdder(buckets, alloc, cache, list(running), max_prefill_tokens=max_prefill, chunk_size=chunk,
+    return PrefillAdder(buckets, KVMemory(cache.req_to_token_pool, alloc, cache), list(running), max_prefill_tokens=max_prefill, chunk_size=chunk,
                         free_req_slots=slots, new_token_ratio=ratio)
 
 
@@ -160,7 +161,7 @@ def test_extend_batch_sharing_a_radix_prefix_reports_it():
     first = _req(list(range(60)), rid="first")
     adder = _adder(alloc, cache, buckets, max_prefill=256)
     assert adder.add(first)
-    ScheduleBatch([first], ForwardMode.EXTEND).prepare_for_extend(pool, alloc, cache)
+    ScheduleBatch([first], ForwardMode.EXTEND).prepare_for_extend(KVMemory(pool, alloc, cache))
     first.kv_committed_len = first.kv_allocated_len
     cache_finished_req(first, cache)
     pool.free(first.req_pool_idx)
@@ -170,9 +171,9 @@ def test_extend_batch_sharing_a_radix_prefix_reports_it():
     adder = _adder(alloc, cache, buckets, max_prefill=256)
     assert adder.add(b) and adder.add(c) and adder.add(d)
     assert len(b.prefix_indices) == len(c.prefix_indices) == 48  # whole pages of the 50 shared tokens
-    ScheduleBatch([b, c, d], ForwardMode.EXTEND).prepare_for_extend(pool, alloc, cache)
+    ScheduleBatch([b, c, d], ForwardMode.EXTEND).prepare_for_extend(KVMemory(pool, alloc, cache))
     for reqs, expected in (([b, c], 48), ([b, c, d], 0), ([d], 0)):
-        fb = ScheduleBatch(reqs, ForwardMode.EXTEND).build_model_worker_batch(buckets, pool, 16).forward_batch
+        fb = ScheduleBatch(reqs, ForwardMode.EXTEND).build_model_worker_batch(buckets, KVMemory(pool, alloc, cache)).forward_batch
         assert int(fb.shared_prefix_len) == expected
 
 
@@ -184,15 +185,15 @@ def test_prefill_adder_leaves_room_for_mixed_decode_rows():
     cache = ChunkCache(pool, alloc)
     buckets = ShapeBuckets((64, 256), (1, 4, 8))
     running = [_req([1, 2, 3], rid=f"run{i}") for i in range(3)]
-    adder = PrefillAdder(buckets, alloc, cache, running, max_prefill_tokens=256, chunk_size=100, free_req_slots=5,
+    adder = PrefillAdder(buckets, KVMemory(pool, alloc, cache), running, max_prefill_tokens=256, chunk_size=100, free_req_slots=5,
                          new_token_ratio=1.0, decode_rows=3)
     big = _req(list(range(300)), rid="big")
     assert adder.add(big) and big.extend_input_len == 96  # 100 - 3 decode rows, cut to whole pages
-    adder = PrefillAdder(buckets, alloc, cache, running, max_prefill_tokens=256, chunk_size=100, free_req_slots=5,
+    adder = PrefillAdder(buckets, KVMemory(pool, alloc, cache), running, max_prefill_tokens=256, chunk_size=100, free_req_slots=5,
                          new_token_ratio=1.0, decode_rows=3, token_limit=40)
     big = _req(list(range(300)), rid="big")
     assert adder.add(big) and big.extend_input_len == 40
     # a bucket of 8 sequences holds 3 decode rows and 5 new requests, not 6
-    adder = PrefillAdder(buckets, alloc, cache, running, max_prefill_tokens=256, chunk_size=256, free_req_slots=8,
+    adder = PrefillAdder(buckets, KVMemory(pool, alloc, cache), running, max_prefill_tokens=256, chunk_size=256, free_req_slots=8,
                          new_token_ratio=1.0, decode_rows=3)
     assert sum(adder.add(_req([5, 6], rid=f"n{i}")) for i in range(6)) == 5

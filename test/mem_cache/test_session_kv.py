@@ -23,13 +23,14 @@ from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req, release_swa_out_of_window
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.kv_invariants import check_kv_invariants
+from sgl_jax.srt.mem_cache.kv_memory import KVMemory
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.session_kv import SessionKV
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 from sgl_jax.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 W = 8
@@ -48,7 +49,8 @@ class Sim:
             self.alloc = PagedTokenToKVPoolAllocator(64 * 16, page_size)
             self.cache = RadixCache(self.pool, self.alloc, page_size)
         self.buckets = ShapeBuckets((64, 256), (1, 8))
-        self.kv = SessionKV(self.window)
+        self.memory = KVMemory(self.pool, self.alloc, self.cache, sliding_window=self.window)
+        self.kv = self.memory.new_session_kv()
         self.n = 0
 
     def req(self, ids, session=True, max_new=64) -> Req:
@@ -68,13 +70,12 @@ class Sim:
         """Admit and prefill `req` (chunk by chunk); returns the prefix it reused."""
         prefix = None
         while True:
-            adder = PrefillAdder(self.buckets, self.alloc, self.cache, [], max_prefill_tokens=256, chunk_size=chunk,
-                                 free_req_slots=self.pool.available_size(), free_running=4, new_token_ratio=0.1,
-                                 swa_window=self.window)
+            adder = PrefillAdder(self.buckets, self.memory, [], max_prefill_tokens=256, chunk_size=chunk,
+                                 free_req_slots=self.pool.available_size(), free_running=4, new_token_ratio=0.1)
             assert (adder.add_chunked(req) if req.req_pool_idx is not None else adder.add(req))
             if prefix is None:
                 prefix = len(req.prefix_indices)
-            ScheduleBatch([req], ForwardMode.EXTEND).prepare_for_extend(self.pool, self.alloc, self.cache)
+            ScheduleBatch([req], ForwardMode.EXTEND).prepare_for_extend(self.memory)
             req.kv_committed_len = req.kv_allocated_len
             self.swa_release(req)
             if req.kv_committed_len < req.seqlen:
@@ -87,7 +88,7 @@ class Sim:
 
     def decode(self, req, steps: int) -> None:
         for i in range(steps):
-            assert ScheduleBatch([req], ForwardMode.DECODE).prepare_for_decode(self.pool, self.alloc, self.cache)
+            assert ScheduleBatch([req], ForwardMode.DECODE).prepare_for_decode(self.memory)
             req.kv_committed_len = req.kv_allocated_len
             req.output_ids.append(20 + i % 7)
             self.swa_release(req)

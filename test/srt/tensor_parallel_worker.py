@@ -21,10 +21,9 @@ from flax import nnx  # noqa: E402
 
 from sgl_jax.srt.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch  # noqa: E402
-from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache  # noqa: E402
-from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool  # noqa: E402
+from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for  # noqa: E402
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets  # noqa: E402
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sgl_jax.srt.forward_batch import ForwardMode  # noqa: E402
 from sgl_jax.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sgl_jax.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sgl_jax.srt.server_args import ServerArgs  # noqa: E402
@@ -35,18 +34,17 @@ CONTEXT = 512
 
 def greedy(runner: ModelRunner, buckets: ShapeBuckets, prompts, steps: int, page_size: int):
     """Prefill all prompts in one batch, then `steps` - 1 decode steps: (tokens [steps][n], logprobs)."""
-    pool = ReqToTokenPool(len(prompts), CONTEXT)
-    alloc = runner.new_kv_allocator()
-    cache = ChunkCache(pool, alloc)
+    memory = KVMemory.create(runner.kv_spec, num_request_slots=len(prompts), context_len=CONTEXT,
+                             disable_radix_cache=True)
     reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=steps, temperature=0.0), eos_token_ids=[], seed=0)
             for i, p in enumerate(prompts)]
     for r in reqs:
         r.extend_input_len = len(r.origin_input_ids)
     batch = ScheduleBatch(reqs, ForwardMode.EXTEND)
-    batch.prepare_for_extend(pool, alloc, cache)
+    batch.prepare_for_extend(memory)
     tokens, logprobs = [], []
     for step in range(steps):
-        out = runner.forward(batch.build_model_worker_batch(buckets, pool, page_size))
+        out = runner.forward(batch.build_model_worker_batch(buckets, memory))
         tokens.append(out.next_token_ids.tolist())
         logprobs.append(out.next_token_logprobs.tolist())
         if step == steps - 1:
@@ -55,7 +53,7 @@ def greedy(runner: ModelRunner, buckets: ShapeBuckets, prompts, steps: int, page
             r.kv_committed_len = r.kv_allocated_len
             r.output_ids.append(int(t))
         batch = ScheduleBatch(reqs, ForwardMode.DECODE)
-        assert batch.prepare_for_decode(pool, alloc, cache)
+        assert batch.prepare_for_decode(memory)
     return tokens, logprobs
 
 
@@ -93,7 +91,7 @@ def main():
         t_pad = 1 << (args.prompts * args.max_prompt_len - 1).bit_length()  # fits the prefill of every prompt
         buckets = ShapeBuckets((t_pad,), (args.prompts,))
         runner = ModelRunner(sa, mc, buckets=buckets, max_context_len=CONTEXT,
-                             max_total_tokens_fn=lambda _: MAX_TOTAL_TOKENS)
+                             kv_spec_fn=lambda _: kv_spec_for(sa, mc, MAX_TOTAL_TOKENS))
         runner.warmup()  # every shape compiled first: serving must not compile again
         tokens, logprobs = greedy(runner, buckets, prompts, args.steps, args.page_size)
         results[str(tp)] = {"tokens": tokens, "logprobs": logprobs, **describe(runner),

@@ -64,7 +64,7 @@ def _harness(gguf_path, page_size, swa_full_tokens_ratio=None):
 
 def test_one_pool_page_size_1_parity(gguf_path, reference):
     harness = _harness(gguf_path, 1)
-    assert not harness.runner.hybrid_swa
+    assert harness.runner.kv_spec.num_pools == 1
     assert [harness.mc.layer_window(i) for i in (0, 5, 6, 17)] == [WINDOW, None, WINDOW, None]
     check_against_reference(harness, reference)
 
@@ -74,7 +74,7 @@ def test_hybrid_swa_memory_page_size_4_parity(gguf_path, reference):
     of 3,508 (15 layers); after the prefill each prompt keeps only about a window of SWA KV."""
     harness = _harness(gguf_path, 4, swa_full_tokens_ratio=0.5)
     runner = harness.runner
-    assert runner.hybrid_swa and (runner.max_total_tokens, runner.swa_max_total_tokens) == (7020, 3508)
+    assert runner.kv_spec.pool_tokens == (7020, 3508)
     assert runner.kv_caches[0][0].shape[0] == 3508 // 4 + 1 and runner.kv_caches[5][0].shape[0] == 7020 // 4 + 1
     check_against_reference(harness, reference)
     # the 1,100-token prompt's first 584 positions (whole pages before 1,100 - 512 + 1, less one page of slack)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from sgl_jax.srt.configs.model_config import resolve_model_path
-from sgl_jax.srt.model_loader.chat_templates import GEMMA3_CHAT_TEMPLATE
+from sgl_jax.srt.chat_templates import GEMMA3_CHAT_TEMPLATE
 from sgl_jax.srt.model_loader.default_model import (GEMMA3_270M_PACKAGE, _sha256, find_default_model_path,
                                                      find_packaged_gguf)
 from sgl_jax.srt.model_loader.gguf_file import (GEMMA3_NORM_SHIFT, iterate_gguf_tensors, prepare_gguf_hf_dir,

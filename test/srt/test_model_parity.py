@@ -18,12 +18,9 @@ import torch
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
-from sgl_jax.srt.mem_cache.cache_manager import release_swa_out_of_window
-from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
-from sgl_jax.srt.mem_cache.common import release_kv_cache
-from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode, stack_ranks
+from sgl_jax.srt.forward_batch import ForwardMode, stack_ranks
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import ServerArgs
@@ -61,22 +58,17 @@ class RunnerHarness:
         self.mc = ModelConfig.from_server_args(args, "cpu")
         self.buckets = ShapeBuckets(tuple(token_paddings), (1, 4))
         self.runner = ModelRunner(args, self.mc, buckets=self.buckets, max_context_len=context_length,
-                                  max_total_tokens_fn=lambda _: max_total_tokens)
-        self.pool = ReqToTokenPool(4, context_length)
-        self.alloc = self.runner.new_kv_allocator()
-        self.cache = ChunkCache(self.pool, self.alloc)
+                                  kv_spec_fn=lambda _: kv_spec_for(args, self.mc, max_total_tokens))
+        self.memory = KVMemory.create(self.runner.kv_spec, num_request_slots=4, context_len=context_length,
+                                      disable_radix_cache=True, sliding_window=self.mc.sliding_window)
         self.page_size = page_size
         self.swa_tokens_released = 0
 
     def _run(self, batch):
-        swa_map = self.alloc.full_to_swa if self.runner.hybrid_swa else None
-        out = self.runner.forward(batch.build_model_worker_batch(self.buckets, self.pool, self.page_size,
-                                                                 swa_page_map=swa_map))
+        out = self.runner.forward(batch.build_model_worker_batch(self.buckets, self.memory))
         for r in batch.reqs:
             r.kv_committed_len = r.kv_allocated_len
-            if self.runner.hybrid_swa:
-                self.swa_tokens_released += release_swa_out_of_window(r, self.pool, self.alloc,
-                                                                      self.mc.sliding_window)
+        self.swa_tokens_released += self.memory.after_step(batch.reqs)
         return out
 
     def prefill(self, prompts):
@@ -86,7 +78,7 @@ class RunnerHarness:
         for r in reqs:
             r.extend_input_len = len(r.origin_input_ids)  # no cached prefix: extend the whole prompt
         batch = ScheduleBatch(reqs, ForwardMode.EXTEND)
-        batch.prepare_for_extend(self.pool, self.alloc, self.cache)
+        batch.prepare_for_extend(self.memory)
         out = self._run(batch)
         hidden = np.asarray(out.hidden)
         per_req, o = [], 0
@@ -101,16 +93,16 @@ class RunnerHarness:
         for r, t in zip(reqs, tokens):
             r.output_ids.append(int(t))
         batch = ScheduleBatch(reqs, ForwardMode.DECODE)
-        assert batch.prepare_for_decode(self.pool, self.alloc, self.cache)
+        assert batch.prepare_for_decode(self.memory)
         out = self._run(batch)
         return np.asarray(out.logprobs)[:len(reqs)]
 
     def release(self, reqs):
         for r in reqs:
-            release_kv_cache(r, self.cache)
-        assert self.alloc.available_size() == self.alloc.size
-        if self.runner.hybrid_swa:
-            assert self.alloc.swa_available_size() == self.alloc.swa_size
+            self.memory.release(r)
+        acc = self.memory.accounting()
+        assert acc["kv_tokens_free"] == acc["kv_tokens_total"]
+        assert acc.get("swa_tokens_free") == acc.get("swa_tokens_total")
 
 
 @dataclasses.dataclass

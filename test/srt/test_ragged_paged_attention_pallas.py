@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter  # races_found
 from jax.experimental.pallas import tpu as pltpu
 
-from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention, resolve_attention_backend
+from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention
+from sgl_jax.srt.server_args import resolve_attention_backend
 from sgl_jax.srt.kernels.ragged_paged_attention.common import BlockSizes, q_block_metadata
 from sgl_jax.srt.kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from sgl_jax.srt.kernels.ragged_paged_attention.ref import ragged_paged_attention as reference

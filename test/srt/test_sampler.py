@@ -7,13 +7,15 @@ subtracted, then logit_bias added, then disallowed tokens of the packed grammar 
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from sgl_jax.srt.layers.sampler import adjust_logits, count_last_tokens, init_penalty_row, new_penalty_state, sample
-from sgl_jax.srt.model_executor.forward_batch_info import SamplingMetadata
+from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from srt_helpers import penalized_logits
 
 V = 300
@@ -38,26 +40,18 @@ def pack(allowed: np.ndarray) -> np.ndarray:
 
 
 def meta_for(rows, s_pad):
-    """SamplingMetadata for rows of dicts (slot, freq, pres, rep, penalized, last, last_index, allowed)."""
-    def col(key, default, dtype):
-        out = np.full(s_pad, default, dtype)
-        out[:len(rows)] = [r.get(key, default) for r in rows]
-        return out
+    """A greedy SamplingBatch for rows of dicts (slot, freq, pres, rep, penalized, last, last_index, allowed),
+    built as the scheduler builds one (SamplingBatch.build)."""
     mask = np.full((s_pad, -(-V // 32)), -1, np.int32)
-    constrained = np.zeros(s_pad, bool)
     for i, r in enumerate(rows):
         if r.get("allowed") is not None:
             mask[i] = pack(r["allowed"])
-            constrained[i] = True
-    z = np.zeros(s_pad)
-    return SamplingMetadata(
-        temperatures=z.astype(np.float32), top_ps=np.ones(s_pad, np.float32), top_ks=np.full(s_pad, -1, np.int32),
-        min_ps=z.astype(np.float32), seeds=z.astype(np.int32), steps=z.astype(np.int32),
-        suppress_eos=np.zeros(s_pad, bool), slots=col("slot", 0, np.int32), penalized=col("penalized", False, bool),
-        frequency_penalties=col("freq", 0.0, np.float32), presence_penalties=col("pres", 0.0, np.float32),
-        repetition_penalties=col("rep", 1.0, np.float32), last_token=col("last", 0, np.int32),
-        last_token_index=col("last_index", -1, np.int32), constrained=constrained, vocab_mask=mask,
-    )
+    params = [SamplingParams(temperature=0.0, frequency_penalty=r.get("freq", 0.0), presence_penalty=r.get("pres", 0.0),
+                             repetition_penalty=r.get("rep", 1.0)) for r in rows]
+    engine = {"slots": [r.get("slot", 0) for r in rows], "penalized": [r.get("penalized", False) for r in rows],
+              "last_token": [r.get("last", 0) for r in rows], "last_token_index": [r.get("last_index", -1) for r in rows],
+              "constrained": [r.get("allowed") is not None for r in rows]}
+    return SamplingBatch.build(params, engine, s_pad, mask)
 
 
 def setup_row(state, slot, prompt, output, bias):
@@ -156,6 +150,6 @@ def test_bitmask_layout_matches_llguidance():
     ref = logits.copy()
     llguidance.numpy.apply_token_bitmask_inplace(ref, mask)
     meta = meta_for([dict(), dict(), dict()], 3)
-    meta = SamplingMetadata(**{**meta.__dict__, "vocab_mask": mask, "constrained": np.ones(3, bool)})
+    meta = dataclasses.replace(meta, vocab_mask=mask, constrained=np.ones(3, bool))
     got = np.asarray(adjust_logits(jnp.asarray(logits), new_penalty_state(1, V), meta))
     np.testing.assert_array_equal(got, ref)

@@ -5,7 +5,8 @@ ScoreReleaseReq, AbortReq, FlushCacheReq, GetInternalStateReq, OpenSessionReqInp
 Scheduler -> DetokenizerManager: BatchTokenIDOut (new token ids per request).
 DetokenizerManager -> TokenizerManager: BatchStrOut (new text per request).
 Scheduler -> TokenizerManager: ScoreOut, ScoreReleaseOut, FlushCacheReqOutput, GetInternalStateReqOutput,
-OpenSessionReqOutput, CloseSessionReqOutput.
+OpenSessionReqOutput, CloseSessionReqOutput (a ZMQ PUSH socket of its own, straight to the TokenizerManager).
+Scheduler -> launcher, once, over the start-up pipe: SchedulerInfo.
 """
 
 from __future__ import annotations
@@ -235,3 +236,41 @@ class ScoreReleaseOut:
     handle: str
     success: bool
     message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerInfo:
+    """What the scheduler reports once ready (sent over the start-up pipe; the TokenizerManager validates
+    requests against it, /get_server_info shows it as ``scheduler_info``). Sizes are per DP rank.
+
+    max_total_tokens: KV tokens of a rank's full pool; max_running_requests: requests (and request slots) per
+    rank; max_prefill_tokens: the prefill token budget; max_req_input_len: the longest prompt; context_len: the
+    model's context in tokens; page_size: tokens per KV page; kv_cache_dtype: the KV storage dtype's name;
+    chunked_prefill_size: -1 when off; prefix_cache: the prefix cache kind (mem_cache/registry.py);
+    vocab_size, architecture: the model's; token_paddings / bs_paddings: the compiled buckets; dp_size,
+    tp_size: the mesh; load_balance_method; enable_mixed_chunk; max_prefill_step_ms: 0 when off.
+    """
+
+    max_total_tokens: int
+    max_running_requests: int
+    max_prefill_tokens: int
+    max_req_input_len: int
+    context_len: int
+    page_size: int
+    kv_cache_dtype: str
+    chunked_prefill_size: int
+    prefix_cache: str
+    vocab_size: int
+    architecture: str
+    token_paddings: List[int]
+    bs_paddings: List[int]
+    dp_size: int
+    tp_size: int
+    load_balance_method: str
+    enable_mixed_chunk: bool
+    max_prefill_step_ms: float
+
+    def to_json(self) -> dict:
+        """The JSON object of /get_server_info's ``scheduler_info`` (``radix_cache``: whether prefixes are shared,
+        SGLang's name)."""
+        return {**dataclasses.asdict(self), "radix_cache": self.prefix_cache != "chunk"}

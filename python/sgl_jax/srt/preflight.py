@@ -33,10 +33,9 @@ class KVLimits:
     page_size: int = 1
 
     @classmethod
-    def from_info(cls, info: dict) -> "KVLimits":
-        """From the scheduler's readiness message (``Scheduler.init_info``)."""
-        return cls(info["context_len"], info["max_req_input_len"], info["max_total_tokens"],
-                   info.get("page_size", 1))
+    def from_info(cls, info) -> "KVLimits":
+        """From what the scheduler reported when ready (`io_struct.SchedulerInfo`)."""
+        return cls(info.context_len, info.max_req_input_len, info.max_total_tokens, info.page_size)
 
 
 def kv_tokens_needed(prompt_tokens: int, min_output: int, num_seqs: int, page_size: int) -> int:

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from typing import List, Optional
 
-from sgl_jax.srt.model_loader.chat_templates import BUILTIN_CHAT_TEMPLATES, resolve_chat_template
+from sgl_jax.srt.chat_templates import BUILTIN_CHAT_TEMPLATES, resolve_chat_template
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")  # SGLang's aliases: half, float
@@ -22,12 +22,27 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16")
 DEVICES = ("auto", "cpu", "tpu", "gpu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MULTI_ITEM_ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
-ATTENTION_BACKENDS = ("auto", "native", "pallas")  # resolved in sgl_jax.srt.kernels.ragged_paged_attention.backend
+ATTENTION_BACKENDS = ("auto", "native", "pallas")  # "auto" is resolved by resolve_attention_backend
 GRAMMAR_BACKENDS = ("llguidance", "none")
 TOOL_CALL_PARSERS = ("llama3", "qwen25", "hermes")  # SGLang's --tool-call-parser names for these formats
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # SGLang's --reasoning-parser names for these formats
 TOKENIZER_MODES = ("auto", "slow")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")  # scheduler/load_balance.py
+
+
+def resolve_attention_backend(name: str, platform: str) -> str:
+    """The ragged paged attention implementation ("native" or "pallas", kernels/ragged_paged_attention) that
+    ``--attention-backend NAME`` means on a JAX platform ("cpu", "tpu", "gpu"): auto is pallas on TPU and GPU,
+    native on CPU.
+
+    Raises:
+        ValueError: for a name outside ATTENTION_BACKENDS.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {list(ATTENTION_BACKENDS)}, got {name!r}")
+    if name == "auto":
+        return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "native"
+    return name
 
 
 def _default_cache_root() -> str:

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Dict, List, Optional
 
-from sgl_jax.srt.model_loader.chat_templates import resolve_chat_template
+from sgl_jax.srt.chat_templates import resolve_chat_template
 from sgl_jax.srt.model_loader.default_model import find_default_model_path, packaged_gguf_for
 
 

@@ -35,7 +35,7 @@ from fastapi.routing import APIRoute
 from pydantic import Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sgl_jax import __version__
+from sgl_jax.version import __version__
 from sgl_jax.srt.entrypoints.field_types import LenientModel, TokenId
 from sgl_jax.srt.entrypoints.http_guards import GuardMiddleware, KeyChecker
 from sgl_jax.srt.entrypoints.native_protocol import (
@@ -59,6 +59,7 @@ from sgl_jax.srt.entrypoints.openai.utils import (
 )
 from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 from sgl_jax.srt.metrics.collector import METRICS_CONTENT_TYPE
+from sgl_jax.srt.io_struct import SchedulerInfo
 from sgl_jax.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ def public_server_args(server_args: ServerArgs, served_model_name: str) -> dict:
     return out
 
 
-def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dict) -> FastAPI:
+def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: SchedulerInfo) -> FastAPI:
     """The FastAPI application serving `tm`."""
 
     @contextlib.asynccontextmanager
@@ -240,7 +241,7 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dic
     async def get_server_info():
         state = await tm.get_internal_state()  # internal_states: one entry per DP rank (SGLang's shape)
         return json_response({**public_server_args(server_args, tm.served_model_name),
-                              "scheduler_info": scheduler_info, "internal_states": state["dp_ranks"],
+                              "scheduler_info": scheduler_info.to_json(), "internal_states": state["dp_ranks"],
                               "version": __version__, **admission_state(tm, state)})
 
     @app.get("/get_load")

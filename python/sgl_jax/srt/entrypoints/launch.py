@@ -16,6 +16,7 @@ from typing import Callable, List, Optional, Tuple
 
 from sgl_jax.srt.configs.model_config import resolve_model, tokenizer_path_for
 from sgl_jax.srt.model_loader.gguf_file import check_gguf_tokenizer_dir
+from sgl_jax.srt.io_struct import SchedulerInfo
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.utils import kill_processes
 
@@ -35,7 +36,7 @@ def _detokenizer_main(*args) -> None:
     run_detokenizer_process(*args)
 
 
-def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, dict, List[mp.Process]]:
+def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, SchedulerInfo, List[mp.Process]]:
     """Start scheduler + detokenizer; return (port_args, scheduler_info, processes) once the scheduler is ready.
     The caller stops them with `stop_subprocesses`.
 
@@ -68,8 +69,8 @@ def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, dict, List[m
     except BaseException:
         stop_subprocesses(procs, port_args)
         raise
-    logger.info("Scheduler ready: %s", {k: info[k] for k in ("max_total_tokens", "max_running_requests",
-                                                             "context_len")})
+    logger.info("Scheduler ready: %d KV tokens, %d running requests, context %d tokens (per DP rank)",
+                info.max_total_tokens, info.max_running_requests, info.context_len)
     return port_args, info, procs
 
 
@@ -81,7 +82,7 @@ def stop_subprocesses(procs: List[mp.Process], port_args: Optional[PortArgs], ti
         port_args.cleanup()
 
 
-def _wait_ready(reader, procs: List[mp.Process]) -> dict:
+def _wait_ready(reader, procs: List[mp.Process]) -> SchedulerInfo:
     while True:
         if reader.poll(0.5):
             try:
@@ -89,7 +90,7 @@ def _wait_ready(reader, procs: List[mp.Process]) -> dict:
             except EOFError:
                 msg = {"status": "error", "error": "scheduler exited during start-up"}
             if msg.get("status") == "ready":
-                return msg
+                return msg["info"]
             raise RuntimeError(f"Scheduler failed to start:\n{msg.get('error')}")
         for p in procs:
             if not p.is_alive():

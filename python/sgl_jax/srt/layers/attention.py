@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from sgl_jax.srt.distributed.sharding import HEADS, KV_CACHE, RANK_ROWS
 from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention, write_kv_to_pages
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode
 
 LayerKV = Tuple[jax.Array, jax.Array]  # (k_pages, v_pages), each [num_pages, page_size, num_kv_heads, head_dim]
 

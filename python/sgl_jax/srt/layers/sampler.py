@@ -23,7 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from sgl_jax.srt.model_executor.forward_batch_info import SamplingMetadata
+from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
 
 NEG_INF = -jnp.inf
 
@@ -33,22 +33,22 @@ def _row_gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
     return jax.random.gumbel(key, (vocab,), jnp.float32)
 
 
-def _gumbel(meta: SamplingMetadata, vocab: int) -> jax.Array:
+def _gumbel(meta: SamplingBatch, vocab: int) -> jax.Array:
     return jax.vmap(_row_gumbel, in_axes=(0, 0, None))(meta.seeds, meta.steps, vocab)
 
 
-def _sample_filtered(scaled: jax.Array, meta: SamplingMetadata) -> jax.Array:
+def _sample_filtered(scaled: jax.Array, meta: SamplingBatch) -> jax.Array:
     """Sample after top-k / top-p / min-p filtering (sorts each row once)."""
     S, V = scaled.shape
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     rank = jnp.arange(V)[None, :]
-    top_k = jnp.where(meta.top_ks > 0, meta.top_ks, V)[:, None]
+    top_k = jnp.where(meta.params["top_k"] > 0, meta.params["top_k"], V)[:, None]
     keep = rank < top_k
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < meta.top_ps[:, None]
-    keep &= probs >= meta.min_ps[:, None] * probs[:, :1]
+    keep &= mass_before < meta.params["top_p"][:, None]
+    keep &= probs >= meta.params["min_p"][:, None] * probs[:, :1]
     keep = keep.at[:, 0].set(True)
     filtered = jnp.where(keep, sorted_logits, NEG_INF)
     choice = jnp.argmax(filtered + _gumbel(meta, V), axis=-1)
@@ -67,7 +67,7 @@ class PenaltyState:
 
     A row is (re)initialised from the host by `init_penalty_row` when a request with penalties or a bias
     takes the slot (admission, or re-admission after a retract); rows of other requests hold garbage that
-    is never read (``SamplingMetadata.penalized`` is false for them).
+    is never read (``SamplingBatch.penalized`` is false for them).
     """
 
     counts: jax.Array
@@ -108,7 +108,7 @@ def init_penalty_row(state: PenaltyState, slot: jax.Array, token_ids: jax.Array,
                         last_counted=state.last_counted.at[slot].set(num_tokens - num_prompt - 1))
 
 
-def count_last_tokens(state: PenaltyState, meta: SamplingMetadata) -> PenaltyState:
+def count_last_tokens(state: PenaltyState, meta: SamplingBatch) -> PenaltyState:
     """Add each penalized row's newest output token (``last_token`` at output index ``last_token_index``)
     to its slot's counts, once."""
     add = meta.penalized & (meta.last_token_index > state.last_counted[meta.slots])
@@ -117,19 +117,19 @@ def count_last_tokens(state: PenaltyState, meta: SamplingMetadata) -> PenaltySta
     return dataclasses.replace(state, counts=counts, last_counted=last)
 
 
-def _penalize(logits: jax.Array, state: PenaltyState, meta: SamplingMetadata) -> jax.Array:
+def _penalize(logits: jax.Array, state: PenaltyState, meta: SamplingBatch) -> jax.Array:
     counts = state.counts[meta.slots]
     in_output = counts > 0
     seen = state.seen[meta.slots] | in_output
-    rep = meta.repetition_penalties[:, None]
+    rep = meta.params["repetition_penalty"][:, None]
     out = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    out = (out - meta.frequency_penalties[:, None] * counts.astype(jnp.float32)
-           - meta.presence_penalties[:, None] * in_output.astype(jnp.float32))
+    out = (out - meta.params["frequency_penalty"][:, None] * counts.astype(jnp.float32)
+           - meta.params["presence_penalty"][:, None] * in_output.astype(jnp.float32))
     out = out + state.bias[meta.slots]
     return jnp.where(meta.penalized[:, None], out, logits)
 
 
-def _mask_vocab(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+def _mask_vocab(logits: jax.Array, meta: SamplingBatch) -> jax.Array:
     V = logits.shape[1]
     idx = jnp.arange(V, dtype=jnp.int32)
     words = jnp.asarray(meta.vocab_mask)[:, idx // 32]
@@ -137,19 +137,19 @@ def _mask_vocab(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     return jnp.where(allowed | ~meta.constrained[:, None], logits, NEG_INF)
 
 
-def adjust_logits(logits: jax.Array, state: PenaltyState, meta: SamplingMetadata) -> jax.Array:
+def adjust_logits(logits: jax.Array, state: PenaltyState, meta: SamplingBatch) -> jax.Array:
     """Penalties, logit bias and grammar masks (see the module docstring); each skipped at run time when no
     row of the batch uses it. float32[S, V] -> float32[S, V]."""
     logits = jax.lax.cond(jnp.any(meta.penalized), lambda x: _penalize(x, state, meta), lambda x: x, logits)
     return jax.lax.cond(jnp.any(meta.constrained), lambda x: _mask_vocab(x, meta), lambda x: x, logits)
 
 
-def sample(logits: jax.Array, meta: SamplingMetadata, eos_token_ids: jax.Array, state: PenaltyState):
+def sample(logits: jax.Array, meta: SamplingBatch, eos_token_ids: jax.Array, state: PenaltyState):
     """Pick the next token of every row.
 
     Args:
         logits: float32[S, V] next-token logits.
-        meta: per-row parameters (see SamplingMetadata).
+        meta: per-row parameters (see SamplingBatch).
         eos_token_ids: int32[E] ids masked for rows with ``suppress_eos``.
         state: the penalty state (see PenaltyState); updated with each row's newest output token.
     Returns:
@@ -163,10 +163,11 @@ def sample(logits: jax.Array, meta: SamplingMetadata, eos_token_ids: jax.Array, 
     logits = adjust_logits(logits, state, meta)
     is_eos = jnp.zeros((V,), bool).at[eos_token_ids].set(True)
     logits = jnp.where(meta.suppress_eos[:, None] & is_eos[None, :], NEG_INF, logits)
-    greedy_rows = (meta.temperatures <= 0.0) | (meta.top_ks == 1)
+    greedy_rows = (meta.params["temperature"] <= 0.0) | (meta.params["top_k"] == 1)
     greedy = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.where(greedy_rows, 1.0, meta.temperatures)[:, None]
-    needs_filter = (meta.top_ps < 1.0) | ((meta.top_ks > 0) & (meta.top_ks < V)) | (meta.min_ps > 0.0)
+    scaled = logits / jnp.where(greedy_rows, 1.0, meta.params["temperature"])[:, None]
+    top_k = meta.params["top_k"]
+    needs_filter = (meta.params["top_p"] < 1.0) | ((top_k > 0) & (top_k < V)) | (meta.params["min_p"] > 0.0)
     branch = jnp.where(jnp.all(greedy_rows), 0, jnp.where(jnp.any(needs_filter & ~greedy_rows), 2, 1))
     sampled = jax.lax.switch(
         branch,

@@ -16,17 +16,21 @@ for every cache kind, which calls nothing but the methods below.
 - free_slots(kv_slots): give request-owned slots back to the pool(s) this cache allocates from.
 - inc_lock_ref / dec_lock_ref(node): protect / unprotect a matched path from eviction (returns the tokens
   that moved between evictable and protected).
-- evict(num_tokens) -> int: free at least num_tokens of unlocked cached KV if possible; evict_swa(num_tokens):
-  the same for the SWA pool of hybrid SWA memory (SWARadixCache; the others keep no SWA KV).
+- evict(num_tokens) -> int: free at least num_tokens of unlocked cached KV if possible.
 - evictable_size(): tokens cached and unlocked; protected_size(): tokens cached and locked.
 - reset(): drop everything cached (only when no request holds a lock).
+- create(req_to_token_pool, allocator, page_size, sliding_window): the factory the registry calls
+  (`registry.register_cache`); ``kind`` is the registered name.
+- keeps_swa: whether the cache also keeps SWA-pool KV (hybrid SWA memory); such a cache adds evict_swa,
+  swa_evictable_size and swa_protected_size (SWARadixCache). The others hold full-pool pages only, so the SWA
+  pool's cached share is 0 for them (`kv_memory.KVMemory` asks).
 - page_size: tokens per KV page; matches and inserts are whole pages. req_to_token_pool: the request-slot
   table whose rows the hand-off reads (the cache itself never does).
 
 Accounting invariant (checked when idle): allocator free + evictable + protected == total; while requests
 run, their own positions [cache_protected_len, kv_allocated_len) make up the difference. With hybrid SWA
-memory the same holds for the SWA pool with swa_evictable / swa_protected (and the requests' own pages that
-still hold SWA KV).
+memory the same holds for the SWA pool with swa_evictable / swa_protected of a cache that keeps SWA KV (and the
+requests' own pages that still hold SWA KV).
 """
 
 from __future__ import annotations
@@ -79,6 +83,18 @@ class BasePrefixCache(abc.ABC):
 
     page_size: int
     req_to_token_pool: ReqToTokenPool
+    kind: str = ""  # the registered name (registry.register_cache)
+    keeps_swa: bool = False
+
+    @classmethod
+    @abc.abstractmethod
+    def create(cls, req_to_token_pool: ReqToTokenPool, allocator, page_size: int,
+               sliding_window: Optional[int]) -> "BasePrefixCache":
+        """Build the cache for a rank (the registry's factory).
+
+        Raises:
+            ValueError: this kind cannot serve `allocator` / `sliding_window`.
+        """
 
     @abc.abstractmethod
     def match_prefix(self, token_ids: TokenIds) -> MatchResult:
@@ -146,29 +162,12 @@ class BasePrefixCache(abc.ABC):
         """
 
     @abc.abstractmethod
-    def evict_swa(self, num_tokens: int) -> int:
-        """Free cached SWA-pool KV (hybrid SWA memory), least recently used first, until `num_tokens` SWA
-        tokens are freed or nothing evictable is left; full KV may stay (a tombstone). 0 for a cache that
-        keeps no SWA KV.
-
-        Returns: SWA tokens freed.
-        """
-
-    @abc.abstractmethod
     def evictable_size(self) -> int:
         """Tokens cached and unlocked (the allocator can get them back by `evict`)."""
 
     @abc.abstractmethod
     def protected_size(self) -> int:
         """Tokens cached and locked by running requests."""
-
-    @abc.abstractmethod
-    def swa_evictable_size(self) -> int:
-        """SWA-pool tokens cached and unlocked (hybrid SWA memory; 0 for a cache that keeps no SWA KV)."""
-
-    @abc.abstractmethod
-    def swa_protected_size(self) -> int:
-        """SWA-pool tokens cached and locked (hybrid SWA memory; 0 for a cache that keeps no SWA KV)."""
 
     @abc.abstractmethod
     def reset(self) -> None:

@@ -13,9 +13,11 @@ import numpy as np
 
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, CacheNode, MatchResult, TokenIds
+from sgl_jax.srt.mem_cache.registry import register_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 
 
+@register_cache("chunk")
 class ChunkCache(BasePrefixCache):
     """Never matches a prefix and keeps nothing inserted: a finished request's pages go straight back to
     the allocator (through `cache_manager.cache_finished_req`). Its node handle is always None.
@@ -29,6 +31,12 @@ class ChunkCache(BasePrefixCache):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = allocator.page_size
+
+    @classmethod
+    def create(cls, req_to_token_pool: ReqToTokenPool, allocator, page_size: int,
+               sliding_window: Optional[int] = None) -> "ChunkCache":
+        """Either pool layout; the page size is the allocator's."""
+        return cls(req_to_token_pool, allocator)
 
     def match_prefix(self, token_ids: TokenIds) -> MatchResult:
         """Always the empty match (no slots, no node)."""
@@ -61,18 +69,6 @@ class ChunkCache(BasePrefixCache):
 
     def evictable_size(self) -> int:
         """Always 0."""
-        return 0
-
-    def evict_swa(self, num_tokens: int) -> int:
-        """Keeps no SWA KV: returns 0."""
-        return 0
-
-    def swa_evictable_size(self) -> int:
-        """Keeps no SWA KV: 0."""
-        return 0
-
-    def swa_protected_size(self) -> int:
-        """Keeps no SWA KV: 0."""
         return 0
 
     def protected_size(self) -> int:

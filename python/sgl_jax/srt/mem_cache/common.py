@@ -20,7 +20,7 @@ def evict_for_pages(allocator, tree_cache, pages: int) -> bool:
     full_free = allocator.full_available_pages() if hybrid else allocator.available_pages()
     if pages > full_free:
         tree_cache.evict((pages - full_free) * ps)
-    if hybrid and pages > allocator.swa_available_pages():
+    if hybrid and pages > allocator.swa_available_pages() and tree_cache.keeps_swa:
         tree_cache.evict_swa((pages - allocator.swa_available_pages()) * ps)
     return pages <= allocator.available_pages()
 

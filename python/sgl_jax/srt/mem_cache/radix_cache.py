@@ -22,7 +22,9 @@ import numpy as np
 
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, CacheNode, MatchResult, TokenIds
+from sgl_jax.srt.mem_cache.registry import register_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 
 _ids = itertools.count()
 
@@ -51,6 +53,7 @@ def _common_len(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+@register_cache("radix")
 class RadixCache(BasePrefixCache):
     """Prefix cache over a paged KV pool.
 
@@ -68,6 +71,18 @@ class RadixCache(BasePrefixCache):
         self.allocator = allocator
         self.page_size = page_size
         self.reset_tree()
+
+    @classmethod
+    def create(cls, req_to_token_pool: ReqToTokenPool, allocator, page_size: int,
+               sliding_window: Optional[int] = None) -> "RadixCache":
+        """A radix cache over a single (full) pool.
+
+        Raises:
+            ValueError: a hybrid SWA allocator (its cache kind is "swa_radix").
+        """
+        if isinstance(allocator, SWAPagedAllocator):
+            raise ValueError("a hybrid SWA KV pool needs the \"swa_radix\" prefix cache kind")
+        return cls(req_to_token_pool, allocator, page_size)
 
     # ------------------------------------------------------------ tree basics
     node_cls = TreeNode
@@ -223,18 +238,6 @@ class RadixCache(BasePrefixCache):
     def evictable_size(self) -> int:
         """Tokens in unlocked nodes."""
         return self._evictable
-
-    def evict_swa(self, num_tokens: int) -> int:
-        """Keeps no SWA KV: returns 0."""
-        return 0
-
-    def swa_evictable_size(self) -> int:
-        """Keeps no SWA KV: 0."""
-        return 0
-
-    def swa_protected_size(self) -> int:
-        """Keeps no SWA KV: 0."""
-        return 0
 
     def protected_size(self) -> int:
         """Tokens in locked nodes."""

@@ -37,6 +37,7 @@ import numpy as np
 
 from sgl_jax.srt.mem_cache.base_prefix_cache import MatchResult, TokenIds
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache, TreeNode, _common_len
+from sgl_jax.srt.mem_cache.registry import register_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 
@@ -53,6 +54,7 @@ class SWATreeNode(TreeNode):
         self.swa_lock_ref = 0
 
 
+@register_cache("swa_radix")
 class SWARadixCache(RadixCache):
     """Radix cache over a full + SWA paged pool (see the module docstring).
 
@@ -73,6 +75,15 @@ class SWARadixCache(RadixCache):
         super().__init__(req_to_token_pool, allocator, page_size)
 
     node_cls = SWATreeNode
+    keeps_swa = True
+
+    @classmethod
+    def create(cls, req_to_token_pool: ReqToTokenPool, allocator, page_size: int,
+               sliding_window: Optional[int] = None) -> "SWARadixCache":
+        """Raises ValueError without a hybrid allocator (`SWAPagedAllocator`) and the model's sliding window."""
+        if not isinstance(allocator, SWAPagedAllocator) or not sliding_window:
+            raise ValueError("the swa_radix prefix cache needs a hybrid SWA KV pool and the model's sliding window")
+        return cls(req_to_token_pool, allocator, page_size, sliding_window)
 
     def reset_tree(self) -> None:
         super().reset_tree()

@@ -11,7 +11,7 @@ import bisect
 import dataclasses
 from typing import List, Tuple
 
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_jax.srt.forward_batch import ForwardMode
 
 
 def _smallest_at_least(sorted_values: List[int], n: int) -> int:

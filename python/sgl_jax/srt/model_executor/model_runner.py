@@ -26,20 +26,13 @@ from sgl_jax.srt.distributed.mesh import create_mesh, tp_size_of
 from sgl_jax.srt.distributed.multihost import init_distributed
 from sgl_jax.srt.distributed.sharding import KV_CACHE, RANK_ROWS, REPLICATED, check_tp, padded_kv_heads
 
-from sgl_jax.srt.kernels.ragged_paged_attention import resolve_attention_backend
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
-from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator, split_hybrid_budget
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.compile_stats import compile_counts, describe
-from sgl_jax.srt.model_executor.forward_batch_info import (
-    ForwardBatch,
-    ForwardMode,
-    ModelWorkerBatch,
-    SamplingMetadata,
-    stack_ranks,
-)
+from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch, stack_ranks
+from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES, load_model
+from sgl_jax.srt.server_args import resolve_attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -175,13 +168,14 @@ class ModelRunner:
         model_config: `ModelConfig`.
         buckets: the compiled shapes (per rank).
         max_context_len: tokens per sequence (sizes the page table width).
-        max_total_tokens_fn: weight bytes -> KV pool capacity of one rank in tokens (rounded down to whole
-            pages; page 0 is added on top as the padding sink).
+        kv_spec_fn: weight bytes -> the `KVCacheSpec` of one rank's KV buffers (mem_cache/kv_memory.plan_kv_cache:
+            pools, their usable tokens, the pool of each layer; page 0 of every pool is added on top as the
+            padding sink). Called once the weights are loaded, so it can size the pools from what is left.
         num_request_slots: ReqToTokenPool rows of one rank.
     """
 
     def __init__(self, server_args, model_config, *, buckets: ShapeBuckets, max_context_len: int,
-                 max_total_tokens_fn, num_request_slots: int = 1):
+                 kv_spec_fn, num_request_slots: int = 1):
         compile_counts()  # start counting compilations (warm-up reports them; serving must not add any)
         self.server_args = server_args
         self.model_config = model_config
@@ -198,6 +192,7 @@ class ModelRunner:
         self.dp_size = int(self.mesh.shape["data"])
         self.num_request_slots = num_request_slots
         self._replicated = NamedSharding(self.mesh, REPLICATED)
+        self._kv_sharding = NamedSharding(self.mesh, KV_CACHE)
         self._rank_rows = NamedSharding(self.mesh, RANK_ROWS)
         if self.tp_size > 1 or self.dp_size > 1:
             logger.info("Mesh: %d data-parallel ranks x %d tensor-parallel devices %s", self.dp_size, self.tp_size,
@@ -205,20 +200,11 @@ class ModelRunner:
         self.graphdef, self.params = load_model(model_config, server_args.load_format, server_args.random_seed,
                                                 mesh=self.mesh)
         weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.params))
-        budget_tokens = max_total_tokens_fn(weight_bytes)
-        swa_layers = set(model_config.swa_layer_ids)
-        # hybrid SWA memory: sliding-window layers get their own, smaller pool (mem_cache/swa_allocator.py)
-        self.hybrid_swa = bool(swa_layers) and not server_args.disable_hybrid_swa_memory
-        num_layers = model_config.num_hidden_layers
-        self.num_swa_pages = 0
-        if self.hybrid_swa:
-            full, swa = split_hybrid_budget(budget_tokens, num_layers - len(swa_layers), len(swa_layers),
-                                            server_args.swa_full_tokens_ratio, self.page_size)
-            self.num_pages, self.num_swa_pages = full // self.page_size, swa // self.page_size
-        else:
-            self.num_pages = budget_tokens // self.page_size
-        self.max_total_tokens = self.num_pages * self.page_size
-        self.swa_max_total_tokens = self.num_swa_pages * self.page_size
+        self.kv_spec = spec = kv_spec_fn(weight_bytes)
+        if spec.page_size != self.page_size or len(spec.layer_pool) != model_config.num_hidden_layers:
+            raise ValueError(f"the KV spec ({spec}) does not match --page-size {self.page_size} and "
+                             f"{model_config.num_hidden_layers} layers")
+        self.max_total_tokens = spec.pool_tokens[0]  # tokens of a rank's first (full-attention) pool
         self.pages_per_seq = math.ceil(max_context_len / self.page_size)
         dtype = kv_cache_dtype(model_config, server_args.kv_cache_dtype)
         self.kv_cache_dtype = jnp.dtype(dtype)
@@ -226,31 +212,11 @@ class ModelRunner:
             raise ValueError(f"--kv-cache-dtype {server_args.kv_cache_dtype} differs from the model's dtype "
                              f"({model_config.dtype}); the pallas attention kernels need them equal: pass "
                              f"--attention-backend native or --dtype {self.kv_cache_dtype.name}")
-        kv_heads = padded_kv_heads(model_config.num_key_value_heads, self.tp_size)
-        self._kv_sharding = NamedSharding(self.mesh, KV_CACHE)
-
-        zeros_programs = {}  # pages -> jitted allocation: one compile per buffer shape, not two per layer
-
-        def zeros(pages):
-            if pages not in zeros_programs:
-                shape = (self.dp_size * (pages + 1), self.page_size, kv_heads, model_config.head_dim)
-                zeros_programs[pages] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)
-            return zeros_programs[pages]()
-
-        self.kv_caches = []
-        for i in range(num_layers):
-            pages = self.num_swa_pages if self.hybrid_swa and i in swa_layers else self.num_pages
-            self.kv_caches.append((zeros(pages), zeros(pages)))
+        self.kv_caches = self._allocate_kv(spec, padded_kv_heads(model_config.num_key_value_heads, self.tp_size),
+                                           model_config.head_dim, dtype)
         kv_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / self.tp_size / self.dp_size
-        if self.hybrid_swa:
-            logger.info("KV cache (hybrid SWA): full pool %d tokens for %d full-attention layers, SWA pool %d tokens "
-                        "for %d sliding-window layers (window %d), pages of %d, per rank (%.2f GiB per device)",
-                        self.max_total_tokens, num_layers - len(swa_layers), self.swa_max_total_tokens,
-                        len(swa_layers), model_config.sliding_window, self.page_size, kv_bytes / 2**30)
-        else:
-            logger.info("KV cache: %d tokens in %d pages of %d per rank, %s (%.2f GiB per device)",
-                        self.max_total_tokens, self.num_pages, self.page_size, self.kv_cache_dtype.name,
-                        kv_bytes / 2**30)
+        logger.info("KV cache: %s, %s, per rank (%.2f GiB per device)", spec.describe(), self.kv_cache_dtype.name,
+                    kv_bytes / 2**30)
         eos = model_config.eos_token_ids or [model_config.vocab_size]  # out of range -> no-op mask
         self.eos_token_ids = jnp.asarray(eos, jnp.int32)
         self.max_context_len = max_context_len
@@ -274,15 +240,21 @@ class ModelRunner:
         self.warmup_stats: Dict[str, float] = {}  # what warm-up compiled and loaded (see warmup)
 
     # ---- compiled functions
-    def new_kv_allocator(self) -> PagedTokenToKVPoolAllocator:
-        """A host allocator for one rank's pages of this runner's KV pool: a `SWAPagedAllocator` (full and SWA
-        pools) when the model runs with hybrid SWA memory, else a `PagedTokenToKVPoolAllocator` of
-        ``max_total_tokens`` tokens in pages of ``page_size``. Each DP rank gets its own."""
-        if self.hybrid_swa:
-            return SWAPagedAllocator(self.max_total_tokens, self.swa_max_total_tokens, self.page_size)
-        return PagedTokenToKVPoolAllocator(self.max_total_tokens, self.page_size)
+    def _allocate_kv(self, spec, kv_heads: int, head_dim: int, dtype) -> list:
+        """Zeroed (K, V) device buffers per layer, [dp * (pages + 1), page_size, kv_heads, head_dim] each, of the
+        pool `spec` gives the layer (every rank's block holds its padding page 0), sharded by KV_CACHE."""
+        programs = {}  # pages -> jitted allocation: one compile per buffer shape, not two per layer
 
-    def _step_impl(self, params, kv_caches, penalty_state, fb: ForwardBatch, sampling: SamplingMetadata):
+        def zeros(pages):
+            if pages not in programs:
+                shape = (self.dp_size * (pages + 1), self.page_size, kv_heads, head_dim)
+                programs[pages] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)
+            return programs[pages]()
+
+        pages = [spec.pool_pages(pool) for pool in spec.layer_pool]
+        return [(zeros(n), zeros(n)) for n in pages]
+
+    def _step_impl(self, params, kv_caches, penalty_state, fb: ForwardBatch, sampling: SamplingBatch):
         model = nnx.merge(self.graphdef, params)
         fb = dataclasses.replace(fb, attention_backend=self.attention_backend)  # trace time only
         hidden, kv_caches = model(fb, kv_caches)
@@ -307,12 +279,12 @@ class ModelRunner:
 
     # ---- running
     def device_inputs(self, batch: ModelWorkerBatch):
-        """(ForwardBatch, SamplingMetadata) of a rank-stacked batch (`stack_ranks`) on device: the step's
+        """(ForwardBatch, SamplingBatch) of a rank-stacked batch (`stack_ranks`) on device: the step's
         metadata sharded over the ranks, sampling rows replicated; a batch without grammar rows gets the cached
         all-allowed vocabulary mask of its padded size."""
         sampling = batch.sampling
         if sampling.vocab_mask is None:
-            s_pad = int(np.shape(sampling.temperatures)[0])
+            s_pad = int(np.shape(sampling.slots)[0])
             if s_pad not in self._all_allowed:
                 self._all_allowed[s_pad] = jax.device_put(np.full((s_pad, self.vocab_mask_width), -1, np.int32),
                                                           self._replicated)
@@ -320,7 +292,7 @@ class ModelRunner:
         return jax.device_put(batch.forward_batch, self._rank_rows), jax.device_put(sampling, self._replicated)
 
     def _step_inputs(self, batches: Sequence[Optional[ModelWorkerBatch]]):
-        """Device (ForwardBatch, SamplingMetadata) of one step: idle ranks (None) run an all-padding batch of
+        """Device (ForwardBatch, SamplingBatch) of one step: idle ranks (None) run an all-padding batch of
         the real batches' padded shape."""
         mode, t_pad, s_pad = next(b for b in batches if b is not None).padded_shape
         full = [b if b is not None else self.dummy_batch(mode, t_pad, s_pad) for b in batches]
@@ -428,23 +400,8 @@ class ModelRunner:
     # ---- warm-up
     def dummy_batch(self, mode: ForwardMode, t_pad: int, s_pad: int) -> ModelWorkerBatch:
         """An all-padding batch of the given padded shape (num_seqs = 0; writes only the padding page)."""
-        z = lambda n, dt=np.int32: np.zeros(n, dt)  # noqa: E731
-        fb = ForwardBatch(
-            input_ids=z(t_pad), positions=z(t_pad), out_cache_loc=z(t_pad), cu_q_lens=z(s_pad + 1),
-            kv_lens=z(s_pad), page_indices=np.zeros((s_pad, self.pages_per_seq), np.int32),
-            num_seqs=np.asarray(0, np.int32), logits_indices=z(s_pad), prefix_lens=z(s_pad),
-            segment_starts=z(t_pad), shared_prefix_len=np.asarray(0, np.int32), forward_mode=mode,
-        )
-        if self.hybrid_swa:
-            fb.swa_out_cache_loc, fb.swa_page_indices = fb.out_cache_loc, fb.page_indices
-        sampling = SamplingMetadata(
-            temperatures=z(s_pad, np.float32), top_ps=np.ones(s_pad, np.float32), top_ks=np.full(s_pad, -1, np.int32),
-            min_ps=z(s_pad, np.float32), seeds=z(s_pad), steps=z(s_pad), suppress_eos=z(s_pad, bool),
-            slots=z(s_pad), penalized=z(s_pad, bool), frequency_penalties=z(s_pad, np.float32),
-            presence_penalties=z(s_pad, np.float32), repetition_penalties=np.ones(s_pad, np.float32),
-            last_token=z(s_pad), last_token_index=np.full(s_pad, -1, np.int32), constrained=z(s_pad, bool),
-        )
-        return ModelWorkerBatch(forward_batch=fb, sampling=sampling, num_tokens=0, num_seqs=0)
+        fb = ForwardBatch.padding(mode, t_pad, s_pad, self.pages_per_seq, num_pools=self.kv_spec.num_pools)
+        return ModelWorkerBatch(forward_batch=fb, sampling=SamplingBatch.padding(s_pad), num_tokens=0, num_seqs=0)
 
     def warmup(self) -> None:
         """Compile every bucket's step program (and the logprob, label-logprob and penalty-row programs) ahead

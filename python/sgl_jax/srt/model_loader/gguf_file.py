@@ -27,7 +27,7 @@ from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
-from sgl_jax.srt.model_loader.chat_templates import BUILTIN_CHAT_TEMPLATES
+from sgl_jax.srt.chat_templates import BUILTIN_CHAT_TEMPLATES
 from sgl_jax.srt.model_loader.gguf_reader import open_gguf
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from sgl_jax.srt.layers.embedding import Embedding
 from sgl_jax.srt.layers.layernorm import GemmaRMSNorm
 from sgl_jax.srt.layers.linear import Linear
 from sgl_jax.srt.layers.logits_processor import compute_logits
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch
+from sgl_jax.srt.forward_batch import ForwardBatch
 from sgl_jax.srt.models.llama import LlamaAttention, LlamaMLP, run_layers
 
 

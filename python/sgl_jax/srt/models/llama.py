@@ -24,7 +24,7 @@ from sgl_jax.srt.layers.layernorm import RMSNorm
 from sgl_jax.srt.layers.linear import Linear
 from sgl_jax.srt.layers.logits_processor import compute_logits
 from sgl_jax.srt.layers.rotary_embedding import apply_rope, rope_inv_freq
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardBatch
+from sgl_jax.srt.forward_batch import ForwardBatch
 
 
 ACTIVATIONS = {

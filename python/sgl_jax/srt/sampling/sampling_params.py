@@ -4,11 +4,36 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
+
+import numpy as np
 
 TOP_LOGPROBS_MAX = 20  # default of --max-top-logprobs-num (OpenAI's limit on top_logprobs)
 LOGIT_BIAS_MAX = 100.0  # OpenAI: logit_bias values in [-100, 100]
 DEVICE_SEED_LIMIT = 2**31  # device seeds are int32 in [0, 2**31)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRow:
+    """How a `SamplingParams` field reaches the sampler: one entry per batch row of a ``dtype`` array in
+    ``SamplingBatch.params[name]`` (sampling/sampling_batch.py); rows that pad the batch to its bucket hold
+    ``pad`` (a value that changes nothing: greedy, no filter, no penalty)."""
+
+    dtype: Any
+    pad: Any
+
+
+def device_row(default, dtype, pad=None):
+    """A `SamplingParams` field whose value the sampler reads on device, per row (see `DeviceRow`); `pad`
+    defaults to the field's own default. Declaring a field this way is all batch building and warm-up need:
+    the arrays, their padding and the pytree follow from it."""
+    return dataclasses.field(default=default, metadata={"device_row": DeviceRow(np.dtype(dtype),
+                                                                                default if pad is None else pad)})
+
+
+def device_rows() -> Dict[str, DeviceRow]:
+    """The `SamplingParams` fields the sampler reads on device, by name, with their dtype and padding value."""
+    return {f.name: f.metadata["device_row"] for f in dataclasses.fields(SamplingParams) if "device_row" in f.metadata}
 
 
 def reduce_seed(seed: int) -> int:
@@ -42,6 +67,10 @@ class SamplingParams:
     ignore_eos: keep generating past EOS. sampling_seed: per-request seed (also accepted as ``seed``),
     reduced to the device's width by `reduce_seed` in `normalize`.
 
+    The fields declared with `device_row` (temperature, top_p, top_k, min_p and the penalties) reach the sampler
+    as per-row arrays of the same name (`sampling_batch.SamplingBatch.params`): adding such a field takes the
+    protocols, this dataclass and layers/sampler.py, nothing else.
+
     Types and single-field ranges are checked at the edge (``entrypoints/native_protocol.py`` and the
     OpenAI protocol); `verify` checks what needs the model (vocabulary) or several fields at once.
     """
@@ -50,13 +79,13 @@ class SamplingParams:
     min_new_tokens: int = 0
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float = device_row(1.0, np.float32, pad=0.0)  # padding rows are greedy
+    top_p: float = device_row(1.0, np.float32)
+    top_k: int = device_row(-1, np.int32)
+    min_p: float = device_row(0.0, np.float32)
+    frequency_penalty: float = device_row(0.0, np.float32)
+    presence_penalty: float = device_row(0.0, np.float32)
+    repetition_penalty: float = device_row(1.0, np.float32)
     logit_bias: Optional[Dict[int, float]] = None
     json_schema: Optional[str] = None
     regex: Optional[str] = None

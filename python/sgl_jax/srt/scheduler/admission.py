@@ -1,38 +1,43 @@
-"""Prefill admission: which waiting requests join the next extend batch (first come, first served).
+"""Admission: the one policy that decides which waiting requests join a rank's next extend batch.
 
-A request is admitted when, together with the ones already picked,
-- its extend tokens fit the step's token budget: --chunked-prefill-size when chunking (the last admitted
-  request may be cut to a page-aligned chunk and continue next step), else --max-prefill-tokens (a lone
-  request may use the largest bucket); and some compiled extend bucket holds the batch;
-- running + admitted requests stay within --max-running-requests and the ReqToTokenPool;
-- the KV pool (free pages plus evictable cached pages) holds its uncached prompt plus an estimate of the
-  tokens it will generate: ``new_token_ratio * max_new_tokens``, the same estimate being reserved for
-  every running request. The ratio starts at 0.7 and decays to 0.1 while decoding goes well; when decode
-  runs out of pages anyway, requests are retracted and the ratio is raised (SGLang's scheme).
+`AdmissionPolicy.admit` decides, in one place:
+
+- **order**: the chunked request first; then the items of live scoring-cache handles (they free their handle's
+  slot and KV), then generation requests, then new scoring work, queue order within each (`admission_order`);
+  admission stops at the first request that does not fit (first come, first served);
+- **fit**: a request is admitted when, together with the ones already picked,
+  - its extend tokens fit the step's token budget: --chunked-prefill-size when chunking (the last admitted
+    request may be cut to a page-aligned chunk and continue next step), else --max-prefill-tokens (a lone
+    request may use the largest bucket); and some compiled extend bucket holds the batch;
+  - running + admitted requests stay within --max-running-requests and the ReqToTokenPool;
+  - the KV memory holds its uncached prompt plus an estimate of the tokens it will generate:
+    ``new_token_ratio * max_new_tokens``, the same estimate being reserved for every running request
+    (`mem_cache/kv_memory.KVBudget` counts the pages, in every pool). The ratio starts at 0.7 and decays to
+    0.1 while decoding goes well; when decode runs out of pages anyway, requests are retracted and the ratio
+    is raised (SGLang's scheme);
+- **the scoring-handle reserve** (`HandleRoom`): a new handle's query is skipped, not waited for, while at most
+  max_running_requests / 2 live handles hold at most half the KV pool, so their items always find slots;
+- **the prefill step budget** (--max-prefill-step-ms, scheduler/step_budget.py): while requests decode, the
+  chunk is cut so that the step adds at most the budget to their inter-token latency.
 
 With mixed chunked prefill the running requests' decode rows ride in the batch: each takes one token of the
-budget and one sequence of the bucket (`decode_rows`). While requests decode, --max-prefill-step-ms may cut
-the budget further (`token_limit`, from scheduler/step_budget.py).
+budget and one sequence of the bucket (`decode_rows`).
 
-Sliding-window models with a separate SWA pool (hybrid SWA memory) are admitted against both pools: the
-full pool as above (free plus evictable), and the SWA pool (free plus SWA-evictable) for each request's peak
-SWA use, ``window + interval + 2 pages``
-(interval: the tokens one step adds, a chunk or the whole prompt when prefilled at once; never more than the
-request's final length), minus the SWA pages a running request already holds (SGLang's accounting).
-
-Admitting a request locks its matched prefix in the prefix cache (those pages stop being evictable);
-a rejected request's lock is released at once.
+Admitting a request locks its matched prefix in the prefix cache (those pages stop being evictable); a
+rejected request's lock is released at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
-from sgl_jax.srt.scheduler.schedule_batch import Req
-from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sgl_jax.srt.mem_cache.cache_manager import match_req, own_swa_pages
+from sgl_jax.srt import fault_injection
+from sgl_jax.srt.mem_cache.kv_memory import KVBudget, KVMemory
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+from sgl_jax.srt.scheduler.schedule_batch import Req
+from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
@@ -47,12 +52,6 @@ def future_tokens(req: Req, ratio: float) -> int:
     return math.ceil(min(max(remaining, 0), CLIP_MAX_NEW_TOKENS) * ratio)
 
 
-def swa_peak_tokens(req: Req, window: int, interval: int, page_size: int, ratio: float) -> int:
-    """Most SWA KV tokens `req` holds at once when its SWA KV is freed as it leaves the window: the window,
-    one step's tokens and two pages of slack, or its whole (estimated) length if shorter."""
-    return min(req.seqlen + future_tokens(req, ratio), window + interval + 2 * page_size)
-
-
 def ratio_after_retract(running: List[Req]) -> float:
     """SGLang's estimate after a retract: room for RETRACT_DECODE_STEPS more tokens of each request."""
     decoded = sum(len(r.output_ids) for r in running)
@@ -60,58 +59,97 @@ def ratio_after_retract(running: List[Req]) -> float:
     return min(1.0, (decoded + RETRACT_DECODE_STEPS * len(running)) / max(total, 1))
 
 
+def is_handle_prefill(req: Req) -> bool:
+    return req.score is not None and req.score.is_handle_prefill
+
+
+def admission_order(waiting: List[Req], scoring) -> List[Req]:
+    """`waiting` in admission order: the items of live handles (they free their handle's slot and KV), then
+    generation requests, then new scoring work; queue order within each. `scoring`: the rank's
+    `SchedulerScoring` (its live groups and handles)."""
+    if not scoring.groups and not scoring.handles:
+        return waiting
+    live_items, generation, new_scoring = [], [], []
+    for r in waiting:
+        if r.score is None:
+            generation.append(r)
+        elif not r.score.is_handle_prefill and r.score.handle is not None and r.score.handle in scoring.handles:
+            live_items.append(r)
+        else:
+            new_scoring.append(r)
+    return live_items + generation + new_scoring
+
+
+@dataclasses.dataclass
+class HandleRoom:
+    """What new scoring-cache handles may still take in one admission round.
+
+    live / held_tokens: handles alive or being prefilled, and their query tokens. A handle's query is
+    admitted when none is live (one handle and its items always fit: every scored sequence fits the pool),
+    else while fewer than `max_handles` are live and their queries stay within `max_tokens`.
+    """
+
+    live: int
+    held_tokens: int
+    max_handles: int
+    max_tokens: int
+
+    @classmethod
+    def of(cls, scoring, chunked_req: Optional[Req], max_running_requests: int, kv_size: int) -> "HandleRoom":
+        """The reserve for the next round: `scoring`'s live handles, plus `chunked_req` when it is a handle's
+        query being chunk-prefilled; at most max_running_requests / 2 handles holding half of `kv_size`."""
+        live = len(scoring.handles)
+        held = sum(len(h.req.origin_input_ids) for h in scoring.handles.values())
+        if chunked_req is not None and is_handle_prefill(chunked_req):
+            live += 1
+            held += len(chunked_req.origin_input_ids)
+        return cls(live, held, max(1, max_running_requests // 2), kv_size // 2)
+
+    def admits(self, req: Req) -> bool:
+        if self.live == 0:
+            return True
+        return self.live < self.max_handles and self.held_tokens + len(req.origin_input_ids) <= self.max_tokens
+
+    def take(self, req: Req) -> None:
+        self.live += 1
+        self.held_tokens += len(req.origin_input_ids)
+
+
 class PrefillAdder:
-    """Accumulates admissible requests for one extend batch.
+    """Accumulates admissible requests for one extend batch: the token budget and buckets here, the pages in
+    the KV memory's `KVBudget`.
 
     Args:
         buckets: compiled shapes (the batch must fit one).
-        allocator: KV allocator; tree_cache: the prefix cache (match, lock, evictable size).
+        memory: the rank's `KVMemory`.
         running: requests currently decoding (their future tokens are reserved).
         max_prefill_tokens: token budget without chunking; chunk_size: token budget with chunking (None: off).
         free_req_slots: free ReqToTokenPool slots (a streaming session's turn needs none: it runs in the
             session's); free_running: requests that may still join the running ones (--max-running-requests;
             None: free_req_slots).
         new_token_ratio: the current future-token estimate factor.
-        swa_window: the sliding window when the allocator has a separate SWA pool (`SWAPagedAllocator`),
-            else None.
-        swa_release: running requests' SWA KV is freed as it leaves the window (else a request holds SWA KV
-            for its whole length, and admission reserves that).
         decode_rows: running requests whose decode rows ride in this batch (mixed chunked prefill): each takes
             one token of the step's budget and one sequence of its bucket.
         token_limit: at most this many prefill tokens in this step (the --max-prefill-step-ms chunk limit, decode
             rows not counted; None: no limit).
     """
 
-    def __init__(self, buckets: ShapeBuckets, allocator: PagedTokenToKVPoolAllocator, tree_cache,
-                 running: List[Req], *, max_prefill_tokens: int, chunk_size: Optional[int], free_req_slots: int,
-                 new_token_ratio: float, swa_window: Optional[int] = None,
-                 swa_release: bool = True, free_running: Optional[int] = None, decode_rows: int = 0,
-                 token_limit: Optional[int] = None):
+    def __init__(self, buckets: ShapeBuckets, memory: KVMemory, running: List[Req], *, max_prefill_tokens: int,
+                 chunk_size: Optional[int], free_req_slots: int, new_token_ratio: float,
+                 free_running: Optional[int] = None, decode_rows: int = 0, token_limit: Optional[int] = None):
         self.buckets = buckets
-        self.allocator = allocator
-        self.tree_cache = tree_cache
-        self.ps = allocator.page_size
+        self.ps = memory.page_size
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_size = chunk_size
         self.ratio = new_token_ratio
         self.free_req_slots = free_req_slots
         self.free_running = free_req_slots if free_running is None else free_running
-        self.swa_window = swa_window
-        self.swa_release = swa_release
         self.decode_rows = decode_rows
         self.token_limit = token_limit
-        full_free = allocator.full_available_pages() if swa_window else allocator.available_pages()
-        self.rem_pages = (full_free + tree_cache.evictable_size() // self.ps
-                          - sum(self._pages(future_tokens(r, self.ratio)) for r in running))
-        if swa_window:
-            self.rem_swa_pages = allocator.swa_available_pages() + tree_cache.swa_evictable_size() // self.ps - sum(
-                max(0, self._swa_peak_pages(r, 1) - own_swa_pages(r, self.ps)) for r in running)
+        self.kv: KVBudget = memory.budget([(r, future_tokens(r, self.ratio)) for r in running], chunk_size)
         self.can_run: List[Req] = []
         self.num_tokens = 0
         self.new_chunked_req: Optional[Req] = None  # a request cut to a chunk in this batch
-
-    def _pages(self, tokens: int) -> int:
-        return -(-tokens // self.ps)
 
     def _budget(self) -> int:
         if self.chunk_size is not None:
@@ -128,8 +166,8 @@ class PrefillAdder:
         except ValueError:
             return False
 
-    def _take(self, req: Req, extend: int) -> int:
-        """Tokens of `req` this batch can extend (page-aligned when cut), or 0."""
+    def _take(self, extend: int) -> int:
+        """Tokens of a request this batch can extend (page-aligned when cut), or 0."""
         room = self._budget() - self.num_tokens
         if extend <= room:
             return extend
@@ -140,72 +178,39 @@ class PrefillAdder:
     def add_chunked(self, req: Req) -> bool:
         """Continue a request whose prompt is being prefilled in chunks (always first in the batch)."""
         remaining = req.seqlen - req.kv_committed_len
-        n = self._take(req, remaining)
-        pages = self.allocator.pages_needed(req.kv_allocated_len, req.kv_committed_len + n)
-        self.rem_pages -= self.allocator.pages_needed(req.kv_allocated_len, req.seqlen) + \
-            self._pages(future_tokens(req, self.ratio))
-        available_now = self._available_pages_now()
-        if n == 0 or pages > available_now or not self._fits_bucket(n):
+        n = self._take(remaining)
+        fits = self.kv.reserve_chunk(req, n, future_tokens(req, self.ratio))
+        if n == 0 or not fits or not self._fits_bucket(n):
             return False
-        if self.swa_window:
-            self.rem_swa_pages -= max(0, self._swa_peak_pages(req, n) - own_swa_pages(req, self.ps))
         self._accept(req, n, remaining)
         return True
 
     def add(self, req: Req) -> bool:
         """Admit a waiting request if everything fits; returns False (and admits nothing) otherwise."""
-        session = req.session_kv if req.session_kv is not None and req.session_kv.has_kv() else None
-        if self.new_chunked_req is not None or self.free_running <= 0 or (self.free_req_slots <= 0 and
-                                                                          session is None):
+        session = req.session_kv is not None and req.session_kv.has_kv()
+        if self.new_chunked_req is not None or self.free_running <= 0 or (self.free_req_slots <= 0 and not session):
             return False
-        swa_before = self.tree_cache.swa_evictable_size()
-        match, moved = match_req(req, self.tree_cache)  # locked; a prefill_extend item reuses its handle's KV
-        swa_moved = swa_before - self.tree_cache.swa_evictable_size()  # the lock's window, SWA pool
+        m = self.kv.match(req)  # locked; a prefill_extend item reuses its handle's KV
         try:
-            prefix = match.length
-            extend = len(req.fill_ids) - prefix
-            n = self._take(req, extend)
-            need = self.allocator.pages_needed(prefix, req.seqlen) + self._pages(future_tokens(req, self.ratio))
-            fits = n > 0 and self._fits_bucket(self.num_tokens + n) and need <= self.rem_pages - moved // self.ps
-            swa_need = 0
-            if self.swa_window:  # (a session's turn already holds the session's SWA pages)
-                held = session.held_swa_tokens(self.ps) // self.ps if session is not None else 0
-                swa_need = max(0, self._swa_peak_pages(req, n) - held)
-            fits = fits and (not self.swa_window or swa_need <= self.rem_swa_pages - swa_moved // self.ps)
-            if session is not None:  # its first extend's pages must be there now (its window is already held)
-                fits = fits and self.allocator.pages_needed(prefix, prefix + n) <= self._available_pages_now()
+            extend = len(req.fill_ids) - m.length
+            n = self._take(extend)
+            fits = n > 0 and self._fits_bucket(self.num_tokens + n) and \
+                self.kv.reserve(req, m, n, future_tokens(req, self.ratio))
         except BaseException:  # never leave the prefix locked
-            self.tree_cache.dec_lock_ref(match.last_node)
+            self.kv.unlock(m)
             raise
         if not fits:
-            self.tree_cache.dec_lock_ref(match.last_node)
+            self.kv.unlock(m)
             return False
-        self.rem_pages -= need + moved // self.ps
-        if self.swa_window:
-            self.rem_swa_pages -= swa_need + swa_moved // self.ps
         self.free_running -= 1
-        if session is None:  # (a session's turn runs in the session's request slot)
+        if not session:  # (a session's turn runs in the session's request slot)
             self.free_req_slots -= 1
-        req.prefix_indices = match.device_indices
-        req.last_node = match.last_node
+        req.prefix_indices = m.match.device_indices
+        req.last_node = m.match.last_node
         if req.num_retractions == 0 and not req.output_ids:
-            req.cached_tokens = prefix
+            req.cached_tokens = m.length
         self._accept(req, n, extend)
         return True
-
-    def _available_pages_now(self) -> int:
-        """Pages an allocation could get now: free plus evictable (in both pools with hybrid SWA memory)."""
-        if not self.swa_window:
-            return self.allocator.available_pages() + self.tree_cache.evictable_size() // self.ps
-        full = self.allocator.full_available_pages() + self.tree_cache.evictable_size() // self.ps
-        return min(full, self.allocator.swa_available_pages() + self.tree_cache.swa_evictable_size() // self.ps)
-
-    def _swa_peak_pages(self, req: Req, n: int) -> int:
-        """Peak SWA pages of a request extending n tokens per step (a chunk, or its whole prompt)."""
-        if not self.swa_release:
-            return self._pages(req.seqlen + future_tokens(req, self.ratio))
-        interval = n if n == 1 or self.chunk_size is None else self.chunk_size
-        return self._pages(swa_peak_tokens(req, self.swa_window, interval, self.ps, self.ratio))
 
     def _accept(self, req: Req, n: int, remaining: int) -> None:
         req.extend_input_len = n
@@ -213,3 +218,83 @@ class PrefillAdder:
         self.can_run.append(req)
         if n < remaining:
             self.new_chunked_req = req
+
+
+@dataclasses.dataclass
+class Admission:
+    """What one admission round decided: `can_run` joins the extend batch (in order; `new_chunked_req`, if
+    any, was cut to a chunk), `failed` could not be scheduled at all ((req, exception): the rank fails them),
+    `token_limit` the step budget's chunk limit it ran under (None: none)."""
+
+    can_run: List[Req]
+    new_chunked_req: Optional[Req]
+    failed: List[Tuple[Req, BaseException]]
+    token_limit: Optional[int] = None
+
+
+class AdmissionPolicy:
+    """The admission policy of one rank (see the module docstring): order, fit, the scoring-handle reserve and
+    the prefill step budget, behind `admit`.
+
+    Args:
+        buckets, max_running_requests, max_prefill_tokens, chunk_size: the rank's limits.
+        memory: the rank's `KVMemory`; scoring: its `SchedulerScoring` (live handles and groups).
+        step_budget: the --max-prefill-step-ms chunk limit (None: chunks are --chunked-prefill-size; ignored
+            without chunking).
+    """
+
+    def __init__(self, *, buckets: ShapeBuckets, max_running_requests: int, max_prefill_tokens: int,
+                 chunk_size: Optional[int], memory: KVMemory, scoring,
+                 step_budget: Optional[PrefillStepBudget] = None):
+        self.buckets = buckets
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunk_size = chunk_size
+        self.memory = memory
+        self.scoring = scoring
+        self.step_budget = step_budget if chunk_size is not None else None
+
+    def token_limit(self, running: List[Req], chunked_req: Optional[Req], mixed: bool) -> Optional[int]:
+        """The --max-prefill-step-ms chunk limit for the next prefill step (None: no limit)."""
+        if self.step_budget is None or not running:
+            return None
+        prefix = chunked_req.kv_committed_len if chunked_req is not None else 0
+        return self.step_budget.chunk_limit(self.chunk_size, prefix, [r.seqlen for r in running], mixed)
+
+    def admit(self, waiting: List[Req], running: List[Req], chunked_req: Optional[Req], new_token_ratio: float,
+              mixed: bool = False) -> Optional[Admission]:
+        """Which requests join the next extend batch: the chunked request first, then `waiting` in admission
+        order, stopping at the first that does not fit; a new handle's query is skipped while the handle
+        reserve is used up. `mixed`: the running requests' decode rows ride in the batch.
+
+        Returns None when the chunked request's next chunk cannot run (nothing else is admitted then). A request
+        whose admission raises is returned in ``failed`` (the fault-injection "schedule" stage raises here too),
+        the others go on. The step budget counts a limited step only when something was admitted.
+        """
+        in_flight = len(running) + (1 if chunked_req is not None else 0)
+        limit = self.token_limit(running, chunked_req, mixed)
+        adder = PrefillAdder(self.buckets, self.memory, running, max_prefill_tokens=self.max_prefill_tokens,
+                             chunk_size=self.chunk_size, free_req_slots=self.memory.free_req_slots(),
+                             free_running=self.max_running_requests - in_flight, new_token_ratio=new_token_ratio,
+                             decode_rows=len(running) if mixed else 0, token_limit=limit)
+        if chunked_req is not None and not adder.add_chunked(chunked_req):
+            return None
+        room = HandleRoom.of(self.scoring, chunked_req, self.max_running_requests, self.memory.size)
+        failed = []
+        for req in admission_order(waiting, self.scoring):
+            handle = is_handle_prefill(req)
+            if handle and not room.admits(req):
+                continue
+            try:
+                fault_injection.check("schedule", (req.rid,))
+                admitted = adder.add(req)
+            except Exception as exc:  # this request cannot be scheduled: fail it, go on with the others
+                failed.append((req, exc))
+                continue
+            if not admitted:
+                break
+            if handle:
+                room.take(req)
+        if adder.can_run and self.step_budget is not None:
+            self.step_budget.record_step(limit, self.chunk_size)
+        return Admission(adder.can_run, adder.new_chunked_req, failed, limit)

@@ -13,8 +13,7 @@ import numpy as np
 
 from sgl_jax.srt.io_struct import DecodeConfig, LogprobDelta, TokenOut
 from sgl_jax.srt.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
-from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
+from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.model_executor.model_runner import StepOutput
 
 
@@ -71,7 +70,7 @@ def extend_offsets(batch: ScheduleBatch) -> List[int]:
 def process_batch_result(
     batch: ScheduleBatch,
     out: StepOutput,
-    tree_cache,
+    memory,
     full_logprobs: Callable[[np.ndarray], np.ndarray],
     decode_tail: Callable[[Req, List[int]], str],
     on_error: Optional[Callable[[Req, Exception], None]] = None,
@@ -80,11 +79,11 @@ def process_batch_result(
     """Apply one step's results to the batch's requests (tokens, logprobs, finish reasons).
 
     A request whose prompt is only partly prefilled (a chunk) samples nothing; its computed prefix is
-    handed to the prefix cache (`cache_manager.cache_unfinished_req`) and it stays out of the running batch.
+    handed to the prefix cache (`KVMemory.cache_unfinished`) and it stays out of the running batch.
     The decode rows of a mixed batch (`ScheduleBatch.mix_with_running`) are processed as in a decode step.
 
     Args:
-        tree_cache: the prefix cache.
+        memory: the rank's `KVMemory`.
         full_logprobs: hidden rows [N, hidden] -> float32[N, V] logprobs (for input-token logprobs).
         decode_tail: (req, token ids) -> text, for stop strings.
         on_error: called with (req, exception) when one request's processing raises; the others go on
@@ -101,7 +100,7 @@ def process_batch_result(
         req.kv_committed_len = req.kv_allocated_len
         try:
             _process_one(req, i, start, is_extend and not batch.is_decode_row(req), out, rows, hidden, offsets,
-                         tree_cache, full_logprobs, decode_tail, check)
+                         memory, full_logprobs, decode_tail, check)
         except Exception as exc:
             if on_error is None:
                 raise
@@ -109,7 +108,7 @@ def process_batch_result(
 
 
 def _process_one(req: Req, i: int, start: int, is_extend: bool, out: StepOutput, rows, hidden: list, offsets,
-                 tree_cache, full_logprobs, decode_tail, check) -> None:
+                 memory, full_logprobs, decode_tail, check) -> None:
     if is_extend and req.wants_input_logprobs():
         if hidden[0] is None:
             hidden[0] = np.asarray(out.hidden)
@@ -119,7 +118,7 @@ def _process_one(req: Req, i: int, start: int, is_extend: bool, out: StepOutput,
         req.finished_reason = req.to_abort
         return
     if req.is_chunked:
-        cache_unfinished_req(req, tree_cache)
+        memory.cache_unfinished(req)
         return
     if req.sampling_params.max_new_tokens == 0:
         req.check_finished(lambda ids, r=req: decode_tail(r, ids))

@@ -12,16 +12,9 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sgl_jax.srt.mem_cache.common import alloc_with_evict, evict_for_pages
-from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
-from sgl_jax.srt.model_executor.forward_batch_info import (
-    ForwardBatch,
-    ForwardMode,
-    ModelWorkerBatch,
-    SamplingMetadata,
-)
+from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
+from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 
@@ -331,50 +324,22 @@ class ScheduleBatch:
         return not self.reqs
 
     # ---- allocation
-    def prepare_for_extend(self, pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator, tree_cache) -> None:
-        """Give each request a pool row (first time: with its matched prefix; a streaming session's turn:
-        the session's row) and KV slots for its next ``extend_input_len`` tokens, evicting cached KV if
-        needed.
+    def prepare_for_extend(self, memory) -> None:
+        """Give each request a request slot and KV slots for its next ``extend_input_len`` tokens
+        (`KVMemory.allocate_extend`, evicting cached KV if needed).
 
         Raises RuntimeError when the pools run out (admission control must prevent that).
         """
         for req in self.reqs:
-            if req.req_pool_idx is None and req.session_kv is not None and req.session_kv.has_kv():
-                n = req.session_kv.lend(req, tree_cache)  # a streaming session's turn: the session's row and KV
-                assert n == len(req.prefix_indices), "the session's KV changed between admission and extend"
-            elif req.req_pool_idx is None:
-                req.req_pool_idx = pool.alloc()
-                if req.req_pool_idx is None:
-                    raise RuntimeError("ReqToTokenPool is full; admission should have prevented this")
-                n = len(req.prefix_indices)
-                pool.write(req.req_pool_idx, 0, req.prefix_indices)
-                req.kv_allocated_len = req.kv_committed_len = req.cache_protected_len = req.swa_evicted_len = n
-                req.kv_released = False
-            assert req.kv_allocated_len == req.kv_committed_len
-            end = req.kv_committed_len + req.extend_input_len
-            row = pool.req_to_token[req.req_pool_idx]
-            slots = alloc_with_evict(allocator, tree_cache, row, req.kv_allocated_len, end)
-            if slots is None:
-                raise RuntimeError("KV pool is full; admission should have prevented this")
-            pool.write(req.req_pool_idx, req.kv_allocated_len, slots)
-            req.kv_allocated_len = end
+            memory.allocate_extend(req)
 
-    def prepare_for_decode(self, pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator, tree_cache) -> bool:
-        """One KV slot per request for its last sampled token, evicting cached KV if needed. Requests that
+    def prepare_for_decode(self, memory) -> bool:
+        """One KV slot per request for its last sampled token (`KVMemory.allocate_decode`); requests that
         already have it (taken for a mixed batch that then admitted nothing) are skipped.
 
         Returns False (nothing taken) when even eviction cannot free enough pages: the caller retracts.
         """
-        reqs = [r for r in self.reqs if r.kv_allocated_len < r.seqlen]
-        need = sum(allocator.pages_needed(r.seqlen - 1, r.seqlen) for r in reqs)
-        if not evict_for_pages(allocator, tree_cache, need):
-            return False
-        for req in reqs:
-            row = pool.req_to_token[req.req_pool_idx]
-            pos = req.seqlen - 1
-            pool.write(req.req_pool_idx, pos, allocator.alloc_token_slots(row, pos, pos + 1))
-            req.kv_allocated_len = req.seqlen
-        return True
+        return memory.allocate_decode(self.reqs)
 
     def filter_finished(self) -> None:
         self.reqs = [r for r in self.reqs if not r.finished()]
@@ -389,15 +354,15 @@ class ScheduleBatch:
             return len(self.reqs)
         return sum(r.extend_input_len for r in self.reqs)
 
-    def build_model_worker_batch(self, buckets: ShapeBuckets, pool: ReqToTokenPool, page_size: int,
-                                 padded_shape: Optional[tuple] = None,
-                                 swa_page_map: Optional[np.ndarray] = None) -> ModelWorkerBatch:
+    def build_model_worker_batch(self, buckets: ShapeBuckets, memory, padded_shape: Optional[tuple] = None
+                                 ) -> ModelWorkerBatch:
         """Host arrays for the step, padded to the bucket `buckets` picks (see ForwardBatch), or to
         ``padded_shape`` = (step mode, T_pad, S_pad) when the step of several DP ranks is larger (see
         `step_shape`; a decode batch is laid out the same in an EXTEND step: one query token each).
-        ``swa_page_map`` (int32[num_pages + 1], `SWAPagedAllocator.full_to_swa`): the model has a separate SWA
-        KV pool; the batch then carries the SWA slots and page table too."""
+        `memory`: the rank's `KVMemory` (request rows, page size, and the page tables of layers that read another
+        pool: `KVMemory.layer_pool_fields`)."""
         reqs = self.reqs
+        pool, page_size = memory.req_to_token_pool, memory.page_size
         S = len(reqs)
         if self.forward_mode == ForwardMode.DECODE:
             T = S
@@ -466,10 +431,14 @@ class ScheduleBatch:
             shared_prefix_len=np.asarray(shared, np.int32),
             forward_mode=step_mode,
         )
-        if swa_page_map is not None:
-            fb.swa_page_indices = swa_page_map[page_indices]
-            fb.swa_out_cache_loc = (swa_page_map[fb.out_cache_loc // page_size] * page_size
-                                    + fb.out_cache_loc % page_size).astype(np.int32)
+        fb = dataclasses.replace(fb, **memory.layer_pool_fields(fb.page_indices, fb.out_cache_loc))
+        sampling = self._sampling_batch(input_ids, cu, rows, S_pad)
+        return ModelWorkerBatch(forward_batch=fb, sampling=sampling, num_tokens=T, num_seqs=S)
+
+    def _sampling_batch(self, input_ids: np.ndarray, cu: np.ndarray, rows: np.ndarray, S_pad: int) -> SamplingBatch:
+        """The step's sampling rows (see SamplingBatch): `input_ids` the step's tokens, `cu` the cumulative query
+        lengths, `rows` each request's ReqToTokenPool row."""
+        reqs = self.reqs
         sps = [r.sampling_params for r in reqs]
         decode_rows = [self.is_decode_row(r) for r in reqs]
         samples = [d or r.kv_committed_len + r.extend_input_len >= r.seqlen for r, d in zip(reqs, decode_rows)]
@@ -485,23 +454,13 @@ class ScheduleBatch:
         # a decode row's input is its newest output token: the penalty counts take it in (once)
         last_index = [len(r.output_ids) - 1 if d else -1 for r, d in zip(reqs, decode_rows)]
         last_token = [input_ids[cu[i + 1] - 1] if d else 0 for i, d in enumerate(decode_rows)]
-        sampling = SamplingMetadata(
-            temperatures=pad([p.temperature for p in sps], S_pad, np.float32),
-            top_ps=pad([p.top_p for p in sps], S_pad, np.float32, 1.0),
-            top_ks=pad([p.top_k for p in sps], S_pad, np.int32, -1),
-            min_ps=pad([p.min_p for p in sps], S_pad, np.float32),
-            seeds=pad([r.seed for r in reqs], S_pad),
-            steps=pad([len(r.output_ids) for r in reqs], S_pad),
-            suppress_eos=pad([len(r.output_ids) < p.min_new_tokens for r, p in zip(reqs, sps)], S_pad, bool,
-                             False),
-            slots=pad(rows, S_pad),
-            penalized=pad(penalized, S_pad, bool, False),
-            frequency_penalties=pad([p.frequency_penalty for p in sps], S_pad, np.float32),
-            presence_penalties=pad([p.presence_penalty for p in sps], S_pad, np.float32),
-            repetition_penalties=pad([p.repetition_penalty for p in sps], S_pad, np.float32, 1.0),
-            last_token=pad(last_token, S_pad),
-            last_token_index=pad(last_index, S_pad, np.int32, -1),
-            constrained=pad(constrained, S_pad, bool, False),
-            vocab_mask=vocab_mask,
-        )
-        return ModelWorkerBatch(forward_batch=fb, sampling=sampling, num_tokens=T, num_seqs=S)
+        return SamplingBatch.build(sps, {
+            "seeds": [r.seed for r in reqs],
+            "steps": [len(r.output_ids) for r in reqs],
+            "suppress_eos": [len(r.output_ids) < p.min_new_tokens for r, p in zip(reqs, sps)],
+            "slots": rows,
+            "penalized": penalized,
+            "last_token": last_token,
+            "last_token_index": last_index,
+            "constrained": constrained,
+        }, S_pad, vocab_mask)

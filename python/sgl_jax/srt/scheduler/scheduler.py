@@ -33,44 +33,45 @@ from typing import List, Optional
 
 import zmq
 
+from sgl_jax.srt import fault_injection
 from sgl_jax.srt.configs.model_config import ModelConfig, load_tokenizer
 from sgl_jax.srt.constrained.grammar_backend import GrammarBackend
-from sgl_jax.srt import fault_injection
 from sgl_jax.srt.errors import RequestError
-from sgl_jax.srt.scheduler.grammar_queue import GrammarQueue
+from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    CloseSessionReqInput,
+    CloseSessionReqOutput,
     DecodeConfig,
     FlushCacheReq,
     FlushCacheReqOutput,
-    CloseSessionReqInput,
-    CloseSessionReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    SchedulerInfo,
     ScorePrefillReq,
     ScoreReleaseReq,
     TokenizedGenerateReqInput,
     TokenizedScoreReqInput,
     TokenOut,
 )
+from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
+from sgl_jax.srt.model_executor.buckets import derive_limits
+from sgl_jax.srt.model_executor.model_runner import ModelRunner, compute_max_total_tokens, setup_jax
+from sgl_jax.srt.preflight import KVLimits, check_fits
+from sgl_jax.srt.scheduler.admission import AdmissionPolicy
+from sgl_jax.srt.scheduler.grammar_queue import GrammarQueue
 from sgl_jax.srt.scheduler.load_balance import choose_rank
 from sgl_jax.srt.scheduler.node_link import NodeLink, SchedulerTick
-from sgl_jax.srt.preflight import KVLimits, check_fits
-from sgl_jax.srt.scheduler.rank import RankScheduler
-from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_abort, step_shape
 from sgl_jax.srt.scheduler.output import token_out
+from sgl_jax.srt.scheduler.rank import RankConfig, RankScheduler
+from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_abort, step_shape
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
 from sgl_jax.srt.scheduler.sessions import Session, SessionController, SessionError
 from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget, RowWork, StepTimeModel, step_features
 from sgl_jax.srt.scheduler.watchdog import StepWatchdog
-from sgl_jax.srt.mem_cache import create_prefix_cache
-from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
-from sgl_jax.srt.model_executor.buckets import derive_limits
-from sgl_jax.srt.model_executor.forward_batch_info import ForwardMode
-from sgl_jax.srt.model_executor.model_runner import ModelRunner, compute_max_total_tokens, setup_jax
 from sgl_jax.srt.utils import configure_logging, prepare_child_process
 
 logger = logging.getLogger(__name__)
@@ -92,14 +93,10 @@ DISABLE_SWA_RELEASE_ENV = "SGL_JAX_DISABLE_SWA_RELEASE"
 # Test hook: when "1", check every rank's page ownership exactly after every step (mem_cache/kv_invariants.py);
 # a violation counts in memory_errors. Costs a pass over the pools per step: for tests, not for serving.
 CHECK_KV_INVARIANTS_ENV = "SGL_JAX_CHECK_KV_INVARIANTS"
-# per-rank entries of the internal state that the server-wide state sums
-SWA_STATE_KEYS = ("swa_tokens_total", "swa_tokens_free", "swa_tokens_cached", "swa_tokens_in_use",
-                  "swa_tokens_evictable", "swa_tokens_protected", "swa_tokens_session_held")  # hybrid SWA memory only
-SUMMED_STATE_KEYS = ("kv_tokens_total", "kv_tokens_free", "kv_tokens_cached", "kv_tokens_in_use", "num_running_reqs",
-                     "num_waiting_reqs", "req_slots_free", "memory_errors", "kv_tokens_evictable",
-                     "kv_tokens_protected", "num_retracted_reqs", "num_assigned_reqs", "num_score_handles",
-                     "num_expired_score_handles", "num_score_groups", "kv_tokens_session_held", "num_sessions",
-                     "num_streaming_sessions", "req_slots_session_held", "num_mixed_steps")
+# per-rank entries of the internal state that the server-wide state sums (besides the KV accounting's)
+SUMMED_STATE_KEYS = ("num_running_reqs", "num_waiting_reqs", "req_slots_free", "memory_errors", "num_retracted_reqs",
+                     "num_assigned_reqs", "num_score_handles", "num_expired_score_handles", "num_score_groups",
+                     "num_sessions", "num_streaming_sessions", "req_slots_session_held", "num_mixed_steps")
 
 
 class _Discard:
@@ -148,47 +145,30 @@ class Scheduler:
                     platform, self.context_len)
         self.model_runner = ModelRunner(
             server_args, mc, buckets=self.buckets, max_context_len=self.context_len,
-            max_total_tokens_fn=lambda weight_bytes: compute_max_total_tokens(server_args, mc, weight_bytes,
-                                                                              platform),
+            kv_spec_fn=lambda weight_bytes: kv_spec_for(
+                server_args, mc, compute_max_total_tokens(server_args, mc, weight_bytes, platform)),
             num_request_slots=self.max_running_requests,
         )
         self.page_size = server_args.page_size
         self.dp_size = server_args.dp_size
         self.load_balance_method = server_args.load_balance_method
         self.rng = random.Random(server_args.random_seed)
-
         self.tick_now = time.time()  # the clock of the loop iteration (node 0's on every node)
-        if self.is_leader:
-            ctx = zmq.Context(2)
-            self.recv_from_tokenizer = ctx.socket(zmq.PULL)
-            self.recv_from_tokenizer.bind(port_args.scheduler_input_ipc_name)
-            self.send_to_detokenizer = ctx.socket(zmq.PUSH)
-            self.send_to_detokenizer.connect(port_args.detokenizer_ipc_name)
-            self.send_to_tokenizer = ctx.socket(zmq.PUSH)
-            self.send_to_tokenizer.connect(port_args.tokenizer_ipc_name)
-        else:  # a multi-host follower: inputs come from node 0 (NodeLink), outputs are node 0's to send
-            self.recv_from_tokenizer = None
-            self.send_to_detokenizer = self.send_to_tokenizer = _Discard()
-        test_retract = "1" in (os.environ.get(TEST_RETRACT_ENV), os.environ.get("SGLANG_TEST_RETRACT"))
+        self._open_sockets(port_args)
         self.step_time_model = StepTimeModel()
         budget_ms = server_args.max_prefill_step_ms
         self.step_budget = (PrefillStepBudget(budget_ms, self.buckets, server_args.page_size, self.step_time_model)
                             if budget_ms > 0 and self.chunk_size else None)
-        self.ranks: List[RankScheduler] = [self._new_rank(r, test_retract) for r in range(self.dp_size)]
-        self.kv_size = self.ranks[0].allocator.size  # tokens of KV per rank
+        self.ranks: List[RankScheduler] = [self._new_rank(r) for r in range(self.dp_size)]
+        self.kv_size = self.ranks[0].memory.size  # tokens of KV per rank
         self.kv_limits = KVLimits(self.context_len, self.max_req_input_len, self.kv_size, self.page_size)
-        runner = self.model_runner
         if self.dp_size > 1:
             logger.info("%d data-parallel attention ranks (--load-balance-method %s), %d KV tokens and %d request "
                         "slots each", self.dp_size, self.load_balance_method, self.kv_size,
                         self.max_running_requests)
-
-        self.sessions = SessionController(
-            self.dp_size, max(0, self.max_running_requests - 1),
-            self.model_config.sliding_window if runner.hybrid_swa else None, server_args.enable_streaming_session)
-        for rank in self.ranks:
-            rank.sessions = lambda r=rank.rank: self.sessions.on_rank(r)
-            rank.check_invariants = os.environ.get(CHECK_KV_INVARIANTS_ENV) == "1"
+        self.sessions = SessionController(self.dp_size, max(0, self.max_running_requests - 1),
+                                          [rank.memory.new_session_kv for rank in self.ranks],
+                                          server_args.enable_streaming_session)
         # a leading BOS of a session turn's new ids is dropped only when the tokenizer adds one itself
         bos = getattr(self.tokenizer, "bos_token_id", None)
         self.session_bos_id = bos if bos is not None and self.tokenizer.encode("a")[:1] == [bos] else None
@@ -199,50 +179,78 @@ class Scheduler:
         if self.grammar_queue.backend is not None:
             self.grammar_queue.backend.warmup()
 
-    def _new_rank(self, rank: int, test_retract: bool) -> RankScheduler:
-        """Rank `rank`'s pools (its own KV block, request slots and prefix cache) and scheduling state."""
-        pool = ReqToTokenPool(self.max_running_requests, self.context_len)
-        runner = self.model_runner
-        allocator = runner.new_kv_allocator()
-        tree_cache = create_prefix_cache(self.server_args, pool, allocator,
-                                         self.model_config.sliding_window if runner.hybrid_swa else None)
-        scoring = SchedulerScoring(tree_cache, pool, self.page_size,
-                                   self.server_args.multi_item_prefill_extend_cache_timeout,
-                                   self.send_to_tokenizer.send_pyobj, self.model_config.eos_token_ids,
-                                   clock=lambda: self.tick_now)
-        return RankScheduler(
-            rank, self.dp_size, req_to_token_pool=pool, allocator=allocator, tree_cache=tree_cache, scoring=scoring,
-            buckets=self.buckets, max_running_requests=self.max_running_requests,
-            max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size,
-            stream_interval=self.server_args.stream_interval, send=self._send, decode_tail=self.decode_tail,
-            full_logprobs=self.model_runner.full_logprobs, label_logprobs=self.model_runner.label_logprobs,
-            kv_cache_lost=self.model_runner.kv_cache_lost, test_retract=test_retract,
-            swa_window=self.model_config.sliding_window if runner.hybrid_swa else None,
-            swa_release=os.environ.get(DISABLE_SWA_RELEASE_ENV) != "1",
-            enable_mixed_chunk=self.server_args.enable_mixed_chunk, step_budget=self.step_budget)
+    def _open_sockets(self, port_args) -> None:
+        """The ZMQ sockets: requests in from the TokenizerManager, tokens out to the DetokenizerManager, control
+        replies and scores straight back to the TokenizerManager. A multi-host follower has none: its inputs come
+        from node 0 (NodeLink) and its outputs are node 0's to send."""
+        if self.is_leader:
+            ctx = zmq.Context(2)
+            self.recv_from_tokenizer = ctx.socket(zmq.PULL)
+            self.recv_from_tokenizer.bind(port_args.scheduler_input_ipc_name)
+            self.send_to_detokenizer = ctx.socket(zmq.PUSH)
+            self.send_to_detokenizer.connect(port_args.detokenizer_ipc_name)
+            self.send_to_tokenizer = ctx.socket(zmq.PUSH)
+            self.send_to_tokenizer.connect(port_args.tokenizer_ipc_name)
+        else:
+            self.recv_from_tokenizer = None
+            self.send_to_detokenizer = self.send_to_tokenizer = _Discard()
 
-    def init_info(self) -> dict:
+    def _new_rank(self, rank: int) -> RankScheduler:
+        """Rank `rank`: its KV memory (its own block of the KV buffers, request slots and prefix cache), its
+        scoring state, its admission policy and its scheduling state."""
+        sa, mc = self.server_args, self.model_config
+        memory = KVMemory.create(self.model_runner.kv_spec, num_request_slots=self.max_running_requests,
+                                 context_len=self.context_len, disable_radix_cache=sa.disable_radix_cache,
+                                 sliding_window=mc.sliding_window,
+                                 swa_release=os.environ.get(DISABLE_SWA_RELEASE_ENV) != "1")
+        scoring = SchedulerScoring(memory, sa.multi_item_prefill_extend_cache_timeout,
+                                   self.send_to_tokenizer.send_pyobj, mc.eos_token_ids, clock=lambda: self.tick_now)
+        admission = AdmissionPolicy(buckets=self.buckets, max_running_requests=self.max_running_requests,
+                                    max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size,
+                                    memory=memory, scoring=scoring, step_budget=self.step_budget)
+        config = RankConfig(
+            rank=rank, dp_size=self.dp_size, buckets=self.buckets, max_running_requests=self.max_running_requests,
+            max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size,
+            stream_interval=sa.stream_interval, enable_mixed_chunk=sa.enable_mixed_chunk,
+            test_retract="1" in (os.environ.get(TEST_RETRACT_ENV), os.environ.get("SGLANG_TEST_RETRACT")),
+            check_invariants=os.environ.get(CHECK_KV_INVARIANTS_ENV) == "1")
+        return RankScheduler(config, memory, scoring, admission, hooks=self)
+
+    def info(self) -> SchedulerInfo:
         """Facts the TokenizerManager needs (validation limits, pool sizes: per rank)."""
-        return {
-            "max_total_tokens": self.kv_size,
-            "max_running_requests": self.max_running_requests,
-            "max_prefill_tokens": self.max_prefill_tokens,
-            "max_req_input_len": self.max_req_input_len,
-            "context_len": self.context_len,
-            "page_size": self.page_size,
-            "kv_cache_dtype": self.model_runner.kv_cache_dtype.name,
-            "chunked_prefill_size": self.chunk_size or -1,
-            "radix_cache": type(self.ranks[0].tree_cache).__name__ == "RadixCache",
-            "vocab_size": self.model_config.vocab_size,
-            "architecture": self.model_config.architecture,
-            "token_paddings": list(self.buckets.token_paddings),
-            "bs_paddings": list(self.buckets.bs_paddings),
-            "dp_size": self.dp_size,
-            "tp_size": self.model_runner.tp_size,
-            "load_balance_method": self.load_balance_method,
-            "enable_mixed_chunk": bool(self.server_args.enable_mixed_chunk and self.chunk_size),
-            "max_prefill_step_ms": self.step_budget.budget_ms if self.step_budget is not None else 0,
-        }
+        return SchedulerInfo(
+            max_total_tokens=self.kv_size,
+            max_running_requests=self.max_running_requests,
+            max_prefill_tokens=self.max_prefill_tokens,
+            max_req_input_len=self.max_req_input_len,
+            context_len=self.context_len,
+            page_size=self.page_size,
+            kv_cache_dtype=self.model_runner.kv_cache_dtype.name,
+            chunked_prefill_size=self.chunk_size or -1,
+            prefix_cache=self.ranks[0].memory.cache_kind,
+            vocab_size=self.model_config.vocab_size,
+            architecture=self.model_config.architecture,
+            token_paddings=list(self.buckets.token_paddings),
+            bs_paddings=list(self.buckets.bs_paddings),
+            dp_size=self.dp_size,
+            tp_size=self.model_runner.tp_size,
+            load_balance_method=self.load_balance_method,
+            enable_mixed_chunk=bool(self.server_args.enable_mixed_chunk and self.chunk_size),
+            max_prefill_step_ms=self.step_budget.budget_ms if self.step_budget is not None else 0,
+        )
+
+    # ------------------------------------------------------------ RankHooks
+    def full_logprobs(self, hidden_rows):
+        return self.model_runner.full_logprobs(hidden_rows)
+
+    def label_logprobs(self, hidden_rows, label_ids):
+        return self.model_runner.label_logprobs(hidden_rows, label_ids)
+
+    def kv_cache_lost(self) -> bool:
+        return self.model_runner.kv_cache_lost()
+
+    def sessions_on_rank(self, rank: int) -> list:
+        return self.sessions.on_rank(rank)
 
     # ------------------------------------------------------------ loop
     def event_loop(self) -> None:
@@ -334,9 +342,7 @@ class Scheduler:
         worker_batches = [None] * self.dp_size
         for r, batch in live:
             rank = self.ranks[r]
-            swa_map = rank.allocator.full_to_swa if rank.swa_window else None
-            worker_batches[r] = batch.build_model_worker_batch(self.buckets, rank.req_to_token_pool, self.page_size,
-                                                               shape, swa_page_map=swa_map)
+            worker_batches[r] = batch.build_model_worker_batch(self.buckets, rank.memory, shape)
         return self.model_runner.forward_ranks(worker_batches)
 
     def forward_isolating_faults(self, batches: List[Optional[ScheduleBatch]]) -> list:
@@ -428,7 +434,7 @@ class Scheduler:
             loads = [rank.num_reqs() for rank in self.ranks]
             matches = None
             if self.load_balance_method == "cache_aware":
-                matches = [rank.tree_cache.prefix_match_len(token_ids) for rank in self.ranks]
+                matches = [rank.memory.prefix_match_len(token_ids) for rank in self.ranks]
             turn = sum(rank.num_assigned_reqs for rank in self.ranks)  # requests given a rank so far
             r = choose_rank(self.load_balance_method, loads, matches, turn, len(token_ids))
         self.ranks[r].num_assigned_reqs += 1
@@ -529,15 +535,15 @@ class Scheduler:
         req = self.grammar_queue.remove(msg.rid)
         if req is not None:
             req.finished_reason = finish_abort(msg.message)
-            self._send([token_out(req, self.server_args.stream_interval)])
+            self.send([token_out(req, self.server_args.stream_interval)])
 
     # ------------------------------------------------------------ output
     def _send_abort(self, rid: str, message: str, status_code: Optional[int] = None) -> None:
         out = TokenOut(rid=rid, new_token_ids=[], finished_reason=finish_abort(message, status_code).to_json(),
                        prompt_tokens=0, completion_tokens=0, cached_tokens=0, decode=DecodeConfig())
-        self._send([out])
+        self.send([out])
 
-    def _send(self, outs) -> None:
+    def send(self, outs) -> None:
         outs = [o for o in outs if o is not None]
         if outs:
             self.send_to_detokenizer.send_pyobj(BatchTokenIDOut(outs))
@@ -547,17 +553,18 @@ class Scheduler:
 
     # ------------------------------------------------------------ state
     def internal_state(self) -> dict:
-        """The server's state: per-rank counters summed over the ranks, plus ``dp_ranks``, one full entry
-        per rank (its own queues and KV accounting; /get_server_info's ``internal_states``)."""
+        """The server's state: per-rank counters and KV accounting summed over the ranks, plus ``dp_ranks``, one
+        full entry per rank (its own queues and KV accounting; /get_server_info's ``internal_states``).
+        ``num_compiles_after_warmup`` is None when compiles are not counted (--disable-precompile)."""
         shared = {"num_compiles_after_warmup": self.model_runner.num_compiles_after_warmup,
                   "warmup": self.model_runner.warmup_stats,
                   "prefill_step_budget": None if self.step_budget is None else self.step_budget.state(),
-                  "page_size": self.page_size, **self.init_info()}
+                  **self.info().to_json()}
         per_rank = [{**rank.internal_state(), **shared} for rank in self.ranks]
         state = {k: v for k, v in per_rank[0].items() if k != "dp_rank"}
-        for key in SUMMED_STATE_KEYS + SWA_STATE_KEYS:
-            if key in per_rank[0]:
-                state[key] = sum(p[key] for p in per_rank)
+        summed = SUMMED_STATE_KEYS + tuple(self.ranks[0].kv_accounting())  # every accounting entry is a count
+        for key in summed:
+            state[key] = sum(p[key] for p in per_rank)
         state["new_token_ratio"] = min(p["new_token_ratio"] for p in per_rank)
         state["sessions"] = [s for p in per_rank for s in p["sessions"]]
         state["dp_ranks"] = per_rank
@@ -573,7 +580,7 @@ class Scheduler:
             return FlushCacheReqOutput(False, "Cannot flush the cache while streaming sessions hold KV; close "
                                               "them first")
         for rank in self.ranks:
-            rank.tree_cache.reset()
+            rank.memory.flush()
         return FlushCacheReqOutput(True, "Cache flushed.")
 
 
@@ -595,7 +602,7 @@ class Scheduler:
     def release_session(self, session: Session) -> None:
         """Free what a closed session holds (a streaming session's slot and KV, via release_kv_cache)."""
         if session.kv is not None:
-            session.kv.release(self.ranks[session.rank].tree_cache)
+            self.ranks[session.rank].memory.release_session(session.kv)
 
 
 def run_scheduler_process(server_args, port_args, pipe_writer, parent_pid: int) -> None:
@@ -604,7 +611,7 @@ def run_scheduler_process(server_args, port_args, pipe_writer, parent_pid: int) 
     prepare_child_process(parent_pid)
     try:
         scheduler = Scheduler(server_args, port_args)
-        pipe_writer.send({"status": "ready", **scheduler.init_info()})
+        pipe_writer.send({"status": "ready", "info": scheduler.info()})
         scheduler.event_loop()
     except Exception:
         tb = traceback.format_exc()

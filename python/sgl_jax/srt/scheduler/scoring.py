@@ -14,9 +14,9 @@ query KV (``Req.fixed_prefix``), so the query is computed once. A handle is rele
 --multi-item-prefill-extend-cache-timeout seconds (TTL, touched on every access; never while its items
 run). A sequence naming a missing or expired handle fails its group with a clear error.
 
-Handles cannot starve the server: a new handle's query is admitted only while the handle reserve has room
-(`HandleRoom`: at most max_running_requests / 2 live handles holding at most half the KV pool, so their
-items always find request slots and KV), and items of live handles are admitted before anything else
+Handles cannot starve the server: admission (scheduler/admission.py) admits a new handle's query only while
+the handle reserve has room (`HandleRoom`: at most max_running_requests / 2 live handles holding at most half
+the KV pool, so their items always find request slots and KV), and items of live handles before anything else
 (`admission_order`), so a live handle is done and released before new ones pile up.
 """
 
@@ -39,7 +39,6 @@ from sgl_jax.srt.io_struct import (
 from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.preflight import KVLimits, check_fits
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScoreSpec
-from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,30 +52,6 @@ class ScoreGroup:
     reqs: List[Req]
     pending: int
     cached_tokens: int = 0
-
-
-@dataclasses.dataclass
-class HandleRoom:
-    """What new scoring-cache handles may still take in one admission round.
-
-    live / held_tokens: handles alive or being prefilled, and their query tokens. A handle's query is
-    admitted when none is live (one handle and its items always fit: every scored sequence fits the pool),
-    else while fewer than `max_handles` are live and their queries stay within `max_tokens`.
-    """
-
-    live: int
-    held_tokens: int
-    max_handles: int
-    max_tokens: int
-
-    def admits(self, req: Req) -> bool:
-        if self.live == 0:
-            return True
-        return self.live < self.max_handles and self.held_tokens + len(req.origin_input_ids) <= self.max_tokens
-
-    def take(self, req: Req) -> None:
-        self.live += 1
-        self.held_tokens += len(req.origin_input_ids)
 
 
 @dataclasses.dataclass
@@ -94,53 +69,25 @@ class SchedulerScoring:
     """Scoring groups and handles of one scheduler.
 
     Args:
-        tree_cache: the prefix cache (for releases).
-        pool: the ReqToTokenPool (a handle's item sequences copy its query's slots from it).
-        page_size: KV page size (items share the page-aligned part of the query).
+        memory: the rank's `KVMemory` (a handle's item sequences copy its query's slots from its request
+            slot; releases go through it; items share the page-aligned part of the query).
         handle_timeout_s: TTL of an unused handle, in seconds.
         send: sends a message to the TokenizerManager.
         eos_token_ids: the model's EOS ids (for Req construction).
         clock: seconds now, for handle TTLs (the scheduler's loop clock: node 0's on every host).
     """
 
-    def __init__(self, tree_cache, pool, page_size: int, handle_timeout_s: float, send: Callable,
-                 eos_token_ids: List[int], clock: Callable[[], float] = time.time):
-        self.tree_cache = tree_cache
+    def __init__(self, memory, handle_timeout_s: float, send: Callable, eos_token_ids: List[int],
+                 clock: Callable[[], float] = time.time):
+        self.memory = memory
         self.clock = clock
-        self.pool = pool
-        self.page_size = page_size
+        self.page_size = memory.page_size
         self.handle_timeout_s = handle_timeout_s
         self.send = send
         self.eos_token_ids = eos_token_ids
         self.groups: Dict[str, ScoreGroup] = {}
         self.handles: Dict[str, ScoreHandle] = {}
         self.num_expired_handles = 0
-
-    # ------------------------------------------------------------ admission
-    def handle_room(self, chunked_req: Optional[Req], max_running_requests: int, kv_size: int) -> HandleRoom:
-        """The handle reserve for the next admission round (`chunked_req`: the request being chunk-
-        prefilled, which may be a handle's query)."""
-        live = len(self.handles)
-        held = sum(len(h.req.origin_input_ids) for h in self.handles.values())
-        if chunked_req is not None and chunked_req.score is not None and chunked_req.score.is_handle_prefill:
-            live += 1
-            held += len(chunked_req.origin_input_ids)
-        return HandleRoom(live, held, max(1, max_running_requests // 2), kv_size // 2)
-
-    def admission_order(self, waiting: List[Req]) -> List[Req]:
-        """`waiting` in admission order: the items of live handles (they free their handle's slot and KV),
-        then generation requests, then new scoring work; queue order within each."""
-        if not self.groups and not self.handles:
-            return waiting
-        live_items, generation, scoring = [], [], []
-        for r in waiting:
-            if r.score is None:
-                generation.append(r)
-            elif not r.score.is_handle_prefill and r.score.handle is not None and r.score.handle in self.handles:
-                live_items.append(r)
-            else:
-                scoring.append(r)
-        return live_items + generation + scoring
 
     # ------------------------------------------------------------ requests
     def _new_req(self, rid: str, input_ids: List[int], spec: ScoreSpec) -> Req:
@@ -178,7 +125,7 @@ class SchedulerScoring:
             req = self._new_req(f"{msg.rid}/{i}", ids, spec)
             if handle is not None:
                 aligned = len(prefix) // self.page_size * self.page_size
-                req.prefix_indices = self.pool.req_to_token[handle.req.req_pool_idx][:aligned].copy()
+                req.prefix_indices = self.memory.row(handle.req)[:aligned].copy()
                 req.fixed_prefix = True
                 req.cacheable_len = 0  # the handle owns the query's KV: never hand it to the prefix cache
             reqs.append(req)
@@ -288,7 +235,7 @@ class SchedulerScoring:
 
     def _release(self, handle: ScoreHandle) -> None:
         self.handles.pop(handle.handle, None)
-        release_kv_cache(handle.req, self.tree_cache)
+        self.memory.release(handle.req)
 
     def expire_handles(self, now: Optional[float] = None) -> int:
         """Release handles unused for longer than the TTL (none while its items run). Returns how many."""

@@ -61,11 +61,11 @@ class Session:
     Args:
         session_id: its id; rank: the DP rank holding it; streaming: a streaming session.
         timeout: seconds of inactivity before it is closed (None: never); now: the scheduler clock (s).
-        window: the model's sliding window when the KV has a separate SWA pool (streaming sessions).
+        kv: a streaming session's KV holder (its rank's `KVMemory.new_session_kv`); None for a classic session.
     """
 
     def __init__(self, session_id: str, rank: int, streaming: bool, timeout: Optional[float], now: float,
-                 capacity_of_str_len: int = 0, window: Optional[int] = None):
+                 capacity_of_str_len: int = 0, kv: Optional[SessionKV] = None):
         self.session_id = session_id
         self.rank = rank
         self.streaming = streaming
@@ -74,7 +74,7 @@ class Session:
         self.last_active = now
         self.close_on_finish = False
         self.req_nodes: Dict[str, SessionReqNode] = {}  # classic: every turn by rid
-        self.kv: Optional[SessionKV] = SessionKV(window) if streaming else None
+        self.kv: Optional[SessionKV] = kv if streaming else None
         self.turn = None  # streaming: the latest turn created (running until it finishes)
 
     def holds_kv(self) -> bool:
@@ -192,17 +192,17 @@ class SessionController:
     Args:
         num_ranks: DP ranks (a new session goes to the one with the fewest sessions, lowest first).
         max_streaming_per_rank: streaming sessions one rank may hold (each keeps a request slot).
-        window: the model's sliding window when the KV has a separate SWA pool, else None.
+        new_session_kv: per rank, what builds a streaming session's KV holder (`KVMemory.new_session_kv`).
         enable_streaming: --enable-streaming-session.
     """
 
     REAP_INTERVAL_S = 1.0
 
-    def __init__(self, num_ranks: int, max_streaming_per_rank: int, window: Optional[int],
+    def __init__(self, num_ranks: int, max_streaming_per_rank: int, new_session_kv: List[Callable[[], SessionKV]],
                  enable_streaming: bool):
         self.num_ranks = num_ranks
         self.max_streaming_per_rank = max_streaming_per_rank
-        self.window = window
+        self.new_session_kv = new_session_kv
         self.enable_streaming = enable_streaming
         self.sessions: Dict[str, Session] = {}
         self.num_timed_out = 0
@@ -236,7 +236,7 @@ class SessionController:
                                    f"{self.max_streaming_per_rank} per rank leave one for other requests "
                                    "(raise --max-running-requests or close sessions)")
         session = Session(sid, rank, bool(req.streaming), req.timeout, now, req.capacity_of_str_len,
-                          self.window if req.streaming else None)
+                          self.new_session_kv[rank]() if req.streaming else None)
         self.sessions[sid] = session
         logger.info("Session %s opened (%s%s)", sid, "streaming" if session.streaming else "classic",
                     f", timeout {req.timeout:g} s" if req.timeout is not None else "")

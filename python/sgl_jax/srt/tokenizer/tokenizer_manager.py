@@ -31,6 +31,7 @@ from sgl_jax.srt.io_struct import (
     CloseSessionReqOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    SchedulerInfo,
     SessionParams,
     StrOut,
     TokenizedGenerateReqInput,
@@ -185,10 +186,11 @@ class TokenizerManager:
     Args:
         server_args: `ServerArgs`.
         port_args: `PortArgs`.
-        scheduler_info: the scheduler's readiness message (limits such as max_req_input_len, context_len).
+        scheduler_info: what the scheduler reported when ready (`SchedulerInfo`: limits such as
+            max_req_input_len, context_len).
     """
 
-    def __init__(self, server_args, port_args, scheduler_info: dict):
+    def __init__(self, server_args, port_args, scheduler_info: SchedulerInfo):
         self.server_args = server_args
         self.tokenizer_path = tokenizer_path_for(server_args)
         self.tokenizer = load_tokenizer(server_args)
@@ -199,8 +201,8 @@ class TokenizerManager:
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)
         self.droppable_chars = droppable_chars(self.tokenizer) or ""
         self.info = scheduler_info
-        self.context_len = scheduler_info["context_len"]
-        self.vocab_size = scheduler_info["vocab_size"]
+        self.context_len = scheduler_info.context_len
+        self.vocab_size = scheduler_info.vocab_size
         self.kv_limits = KVLimits.from_info(scheduler_info)
         ctx = zmq.asyncio.Context(2)
         # no linger, as close() does: a manager dropped without close() (a test's) must not block the
@@ -266,7 +268,7 @@ class TokenizerManager:
         limit = self.server_args.max_queued_requests
         if limit is None:
             return None
-        return self.info["max_running_requests"] * self.info.get("dp_size", 1) + limit
+        return self.info.max_running_requests * self.info.dp_size + limit
 
     def check_admission(self, num_seqs: int = 1, reserve: bool = False) -> None:
         """Backpressure: may a request of `num_seqs` sequences (its whole n / best_of / batch fan-out) be sent now?

@@ -169,7 +169,7 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
     """Serve one /v1/chat/completions request (`wait`: see serving_completions.create_completion)."""
     check_n("n", req.n, tm.server_args.max_n)
     tm.check_admission(req.n)  # the whole fan-out, before rendering and tokenizing
-    plan = plan_tools(req, tm.server_args.tool_call_parser, tm.info.get("architecture", ""))
+    plan = plan_tools(req, tm.server_args.tool_call_parser, tm.info.architecture)
     # the template renders off the event loop
     input_ids = await tm.run_blocking(chat_prompt_ids, tm, req, plan.template_tools if plan else None)
     top_n = req.top_logprobs or 0

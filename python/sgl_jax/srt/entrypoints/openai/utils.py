@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import AsyncIterator, List, Optional, Tuple
 
 import orjson
 from fastapi.responses import Response
 
 from sgl_jax.srt.entrypoints.field_types import logit_bias_ids
-from sgl_jax.srt.tokenizer.tokenizer_manager import RequestError
+from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError", 500: "InternalServerError",
@@ -55,6 +57,15 @@ def session_params_of(req, num_sequences: int) -> Optional[dict]:
     return req.session_params.model_dump()
 
 
+# SamplingParams fields an OpenAI request carries under the same name, copied as they are (a new sampling field
+# declared in both places flows through); the others are converted by sampling_params_from: n (choices, not
+# sampling), the grammars, logit_bias (keys to ids), max_new_tokens (max_tokens / max_completion_tokens),
+# min_new_tokens (min_tokens) and sampling_seed (seed, offset per choice).
+_SAME_NAME_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                          if f.name not in ("n", "json_schema", "regex", "ebnf", "logit_bias", "max_new_tokens",
+                                            "min_new_tokens", "sampling_seed"))
+
+
 def sampling_params_from(req, max_tokens: Optional[int], seed_offset: int = 0) -> dict:
     """Native sampling params from a validated OpenAI request (completions or chat; field types and ranges
     are checked by its pydantic model), as SGLang's ``to_sampling_params``: ``response_format`` json_object /
@@ -73,23 +84,13 @@ def sampling_params_from(req, max_tokens: Optional[int], seed_offset: int = 0) -
     if len(given) > 1:
         raise RequestError(f"Only one of response_format (json_object / json_schema), json_schema, regex and ebnf "
                            f"may be given, got {', '.join(given)}")
+    same_name = {name: getattr(req, name) for name in _SAME_NAME_FIELDS if name in type(req).model_fields}
     return {
+        **same_name,
         **grammars,
         "logit_bias": logit_bias_ids(req.logit_bias),
         "max_new_tokens": max_tokens,
         "min_new_tokens": req.min_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "min_p": req.min_p,
-        "stop": req.stop,
-        "stop_token_ids": req.stop_token_ids,
-        "ignore_eos": req.ignore_eos,
-        "skip_special_tokens": req.skip_special_tokens,
-        "no_stop_trim": req.no_stop_trim,
-        "frequency_penalty": req.frequency_penalty,
-        "presence_penalty": req.presence_penalty,
-        "repetition_penalty": req.repetition_penalty,
         "sampling_seed": None if req.seed is None else req.seed + seed_offset,
     }
 

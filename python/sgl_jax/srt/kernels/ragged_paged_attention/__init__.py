@@ -5,9 +5,7 @@
 `backend` the choice between them.
 """
 
-from sgl_jax.srt.kernels.ragged_paged_attention.backend import (
-    ATTENTION_BACKENDS, ragged_paged_attention, resolve_attention_backend,
-)
+from sgl_jax.srt.kernels.ragged_paged_attention.backend import IMPLEMENTATIONS, ragged_paged_attention
 from sgl_jax.srt.kernels.ragged_paged_attention.ref import write_kv_to_pages
 
-__all__ = ["ATTENTION_BACKENDS", "ragged_paged_attention", "resolve_attention_backend", "write_kv_to_pages"]
+__all__ = ["IMPLEMENTATIONS", "ragged_paged_attention", "write_kv_to_pages"]

@@ -1,9 +1,9 @@
-"""Choosing the ragged paged attention implementation: ``--attention-backend auto|native|pallas``.
+"""Choosing the ragged paged attention implementation ("native" or "pallas"; the ``--attention-backend`` flag's
+"auto" is resolved to one of them by `server_args.resolve_attention_backend`).
 
 - native: the pure-JAX implementation (`ref`), which XLA compiles for any device.
 - pallas: the Pallas kernel of the platform: Mosaic TPU (`tpu`) on TPU, Triton (`gpu`) on GPU; on CPU the
   TPU kernel in Pallas' interpreter (slow; for verifying the kernel end to end, not for serving).
-- auto: pallas on TPU and GPU, native on CPU.
 
 Every implementation has the signature and contract of `ref.ragged_paged_attention`, so the model code
 calls `ragged_paged_attention(..., backend=...)` and does not know which one runs.
@@ -16,20 +16,8 @@ from typing import Optional
 import jax
 
 from sgl_jax.srt.kernels.ragged_paged_attention import ref
-from sgl_jax.srt.server_args import ATTENTION_BACKENDS
 
-
-def resolve_attention_backend(name: str, platform: str) -> str:
-    """"native" or "pallas" for a ``--attention-backend`` value on a JAX platform ("cpu", "tpu", "gpu").
-
-    Raises:
-        ValueError: for a name outside ATTENTION_BACKENDS.
-    """
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"--attention-backend must be one of {list(ATTENTION_BACKENDS)}, got {name!r}")
-    if name == "auto":
-        return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "native"
-    return name
+IMPLEMENTATIONS = ("native", "pallas")
 
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
@@ -43,8 +31,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if backend == "native":
         return ref.ragged_paged_attention(*args, shared_prefix_len=shared_prefix_len, **kwargs)
-    if backend != "pallas":
-        raise ValueError(f"unknown attention backend {backend!r} (expected 'native' or 'pallas')")
+    if backend not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention backend {backend!r} (expected one of {list(IMPLEMENTATIONS)})")
     platform = jax.default_backend()
     if platform in ("gpu", "cuda", "rocm"):
         from sgl_jax.srt.kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu

@@ -1,0 +1,157 @@
+"""ForwardBatch: the description of one model step that models and layers read (JAX-free: host numpy arrays
+when the scheduler builds it, the same fields as device arrays inside the jitted step).
+
+The chain is ScheduleBatch (scheduler, Python objects) -> ModelWorkerBatch (host numpy arrays padded to a
+compiled bucket, built by `scheduler/schedule_batch.py`) -> ForwardBatch + SamplingBatch on device (the
+model runner's ``device_inputs``) -> model and sampler. This module sits below the layers and models that
+read it; layers/pytrees.py registers the dataclasses as JAX pytrees (fields marked ``static`` are part of the
+compiled program's identity, every other field is an array leaf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, List, Optional
+
+import numpy as np
+
+from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
+
+
+class ForwardMode(enum.IntEnum):
+    """EXTEND: prefill / extend of one or more sequences (any query lengths). DECODE: one token each."""
+
+    EXTEND = 1
+    DECODE = 2
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+
+def static_field(default):
+    """A field that is part of the compiled program's identity (a pytree meta field), not an array."""
+    return dataclasses.field(default=default, metadata={"static": True})
+
+
+@dataclasses.dataclass
+class ForwardBatch:
+    """Arrays for one forward step, padded to a bucket (T tokens, S sequences).
+
+    input_ids: int32[T]; positions: int32[T] absolute positions; out_cache_loc: int32[T] KV slot per token
+    (padding -> slot 0, a reserved page).
+    cu_q_lens: int32[S + 1]; kv_lens: int32[S]; page_indices: int32[S, pages_per_seq]; num_seqs: int32[]
+    -- the ragged paged attention metadata.
+    (With data-parallel ranks the model sees D such batches stacked along axis 0, `stack_ranks`.)
+    logits_indices: int32[S] row of each sequence's last token in the T axis (where next-token logits
+    are taken).
+    prefix_lens: int32[S], segment_starts: int32[T] -- the multi-item scoring segment mask (see
+    `ragged_paged_attention`); zeros for ordinary sequences. ``positions`` are then the rotary positions,
+    which restart after the shared prefix, while causality follows the KV position.
+    shared_prefix_len: int32[] KV positions at the start of every sequence that are the same pages in all
+    of them and precede every query (see `shared_prefix_len`); 0: none. Attention then reads them once
+    for the whole batch.
+    swa_out_cache_loc: int32[T], swa_page_indices: int32[S, pages_per_seq] -- what sliding-window layers use
+    instead of out_cache_loc / page_indices when the model has a separate SWA KV pool (hybrid SWA memory): the
+    same slots and pages translated through the full-to-SWA page mapping (page 0 where a page's SWA KV is
+    gone, which only positions outside every query's window have). None without a separate SWA pool.
+    forward_mode, attention_backend: static (part of the compiled program's identity); attention_backend is
+    the resolved ``--attention-backend`` ("native" or "pallas"), set by the model runner.
+    """
+
+    input_ids: Any
+    positions: Any
+    out_cache_loc: Any
+    cu_q_lens: Any
+    kv_lens: Any
+    page_indices: Any
+    num_seqs: Any
+    logits_indices: Any
+    prefix_lens: Any
+    segment_starts: Any
+    shared_prefix_len: Any
+    swa_out_cache_loc: Optional[Any] = None
+    swa_page_indices: Optional[Any] = None
+    forward_mode: ForwardMode = static_field(ForwardMode.EXTEND)
+    attention_backend: str = static_field("native")
+
+    @classmethod
+    def padding(cls, mode: ForwardMode, t_pad: int, s_pad: int, pages_per_seq: int,
+                num_pools: int = 1) -> "ForwardBatch":
+        """An all-padding batch of the padded shape (T_pad tokens, S_pad sequences): num_seqs 0, every token
+        writes the padding page 0. `num_pools` 2 (a KV spec with a second pool, read by the sliding-window
+        layers): the second pool's slot and page fields too."""
+        z = lambda n: np.zeros(n, np.int32)  # noqa: E731
+        fb = cls(input_ids=z(t_pad), positions=z(t_pad), out_cache_loc=z(t_pad), cu_q_lens=z(s_pad + 1),
+                 kv_lens=z(s_pad), page_indices=np.zeros((s_pad, pages_per_seq), np.int32),
+                 num_seqs=np.asarray(0, np.int32), logits_indices=z(s_pad), prefix_lens=z(s_pad),
+                 segment_starts=z(t_pad), shared_prefix_len=np.asarray(0, np.int32), forward_mode=mode)
+        if num_pools > 1:
+            fb.swa_out_cache_loc, fb.swa_page_indices = fb.out_cache_loc, fb.page_indices
+        return fb
+
+
+def array_fields(cls) -> List[str]:
+    """The pytree data fields of a batch dataclass: every field not marked static."""
+    return [f.name for f in dataclasses.fields(cls) if not f.metadata.get("static")]
+
+
+def static_fields(cls) -> List[str]:
+    """The pytree meta fields of a batch dataclass (part of the compiled program's identity)."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("static")]
+
+
+@dataclasses.dataclass
+class ModelWorkerBatch:
+    """Host (numpy) ForwardBatch + SamplingBatch of one step, plus the unpadded sizes.
+
+    num_tokens / num_seqs: real (unpadded) token and sequence counts.
+    """
+
+    forward_batch: ForwardBatch
+    sampling: SamplingBatch
+    num_tokens: int
+    num_seqs: int
+
+    @property
+    def padded_shape(self) -> tuple:
+        fb = self.forward_batch
+        return (fb.forward_mode, int(np.shape(fb.input_ids)[0]), int(np.shape(fb.kv_lens)[0]))
+
+
+_PER_RANK_SCALARS = ("num_seqs", "shared_prefix_len")
+
+
+def stack_ranks(batches: List[ModelWorkerBatch], slots_per_rank: int) -> ModelWorkerBatch:
+    """The batches of D data-parallel ranks (one padded shape, T_pad tokens and S_pad sequences each) as one
+    batch whose arrays are the ranks' stacked along axis 0: rank r's tokens at rows [r*T_pad, (r+1)*T_pad),
+    its sequences at [r*S_pad, (r+1)*S_pad). KV slots and page indices stay local to the rank's KV block (the
+    cache is sharded over ranks, see distributed/sharding.py); ``num_seqs`` and ``shared_prefix_len`` become
+    int32[D]; ``logits_indices`` point into the stacked token axis and sampling ``slots`` into the stacked
+    penalty-state rows (rank r's slot s -> ``r * slots_per_rank + s``). A single rank gives the same arrays
+    (its two scalars as int32[1]).
+
+    Raises:
+        ValueError: the batches' padded shapes differ.
+    """
+    shapes = {b.padded_shape for b in batches}
+    if len(shapes) != 1:
+        raise ValueError(f"rank batches must share one padded shape, got {sorted(map(str, shapes))}")
+    _, t_pad, s_pad = shapes.pop()
+    fbs = [b.forward_batch for b in batches]
+    fields = {}
+    for name in array_fields(ForwardBatch):
+        if getattr(fbs[0], name) is None:  # an optional field (no SWA pool): absent in every rank's batch
+            continue
+        parts = [np.asarray(getattr(fb, name)) for fb in fbs]
+        if name in _PER_RANK_SCALARS:
+            fields[name] = np.stack([p.reshape(()) for p in parts]).astype(np.int32)
+        elif name == "logits_indices":
+            fields[name] = np.concatenate([p + r * t_pad for r, p in enumerate(parts)]).astype(np.int32)
+        else:
+            fields[name] = np.concatenate(parts)
+    fb = ForwardBatch(**fields, forward_mode=fbs[0].forward_mode, attention_backend=fbs[0].attention_backend)
+    sampling = SamplingBatch.stack([b.sampling for b in batches], s_pad, slots_per_rank)
+    return ModelWorkerBatch(forward_batch=fb, sampling=sampling,
+                            num_tokens=sum(b.num_tokens for b in batches),
+                            num_seqs=sum(b.num_seqs for b in batches))

@@ -1,0 +1,407 @@
+"""KVMemory: one DP rank's KV memory behind one object (vLLM's KV cache manager plays this part).
+
+It owns the rank's `ReqToTokenPool`, its paged allocator (full pool, plus the SWA pool of hybrid sliding-window
+memory), its prefix cache (a kind from `registry`), the accounting and the out-of-window SWA release, and it
+answers the scheduler's questions about memory: what an admission round may still promise (`KVBudget`),
+whether a request's next step can be allocated (`allocate_extend` / `allocate_decode`, which answer with
+slots or False after evicting cached KV, like vLLM's ``allocate_slots``), how much is free, cached or held,
+and whether every page has exactly one owner. The scheduler never reads the allocators or the cache itself,
+and the sliding window is known here and in the models only.
+
+The device buffers are not built here: `plan_kv_cache` describes them as a `KVCacheSpec` (pools, pages, which
+layer reads which pool), which the model runner allocates and this object mirrors on the host.
+
+Room is left for what comes next: a rollback of unaccepted draft tokens (speculative decoding) is a trim of a
+request's own positions (`session_kv.trim_kv` already does it for a session's turn), and adapter-keyed
+prefixes (LoRA) a cache kind whose keys carry the adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.base_prefix_cache import MatchResult
+from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req, match_req, own_swa_pages, \
+    release_swa_out_of_window
+from sgl_jax.srt.mem_cache.common import alloc_with_evict, evict_for_pages, release_kv_cache
+from sgl_jax.srt.mem_cache.kv_invariants import check_kv_invariants
+from sgl_jax.srt.mem_cache.registry import cache_kind_for, create_prefix_cache
+from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.mem_cache.session_kv import SessionKV
+from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator, split_hybrid_budget
+
+FULL_POOL, SWA_POOL = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """The KV buffers of one rank, as the model runner allocates them.
+
+    page_size: tokens per page. pool_tokens: usable tokens of each pool (pool 0 holds full-attention layers; pool
+    1, with hybrid SWA memory, the sliding-window layers); each pool's buffers have one more page per rank, page
+    0, the padding sink. layer_pool: the pool of each layer's K and V buffers.
+    """
+
+    page_size: int
+    pool_tokens: Tuple[int, ...]
+    layer_pool: Tuple[int, ...]
+
+    @property
+    def num_pools(self) -> int:
+        return len(self.pool_tokens)
+
+    def pool_pages(self, pool: int) -> int:
+        """Usable pages of `pool` (page 0 not counted)."""
+        return self.pool_tokens[pool] // self.page_size
+
+    def describe(self) -> str:
+        """One log line's worth: the pools and how many layers read each."""
+        names = ("full", "SWA")
+        parts = [f"{names[p]} pool {self.pool_tokens[p]} tokens for {self.layer_pool.count(p)} layers"
+                 for p in range(self.num_pools)]
+        return ", ".join(parts) + f", pages of {self.page_size}"
+
+
+def plan_kv_cache(budget_tokens: int, page_size: int, num_layers: int, swa_layer_ids: Iterable[int], *,
+                  hybrid_swa_memory: bool = True, swa_full_tokens_ratio: float = 0.8) -> KVCacheSpec:
+    """The KV buffers a budget of `budget_tokens` tokens of every layer buys.
+
+    Sliding-window layers (`swa_layer_ids`) get their own, smaller pool when `hybrid_swa_memory` (not
+    --disable-hybrid-swa-memory): the budget is split by `split_hybrid_budget` (--swa-full-tokens-ratio).
+    Otherwise every layer reads one pool of `budget_tokens` rounded down to whole pages.
+
+    Raises:
+        ValueError: the budget leaves less than a page in a pool.
+    """
+    swa = set(swa_layer_ids)
+    if swa and hybrid_swa_memory:
+        full, swa_tokens = split_hybrid_budget(budget_tokens, num_layers - len(swa), len(swa), swa_full_tokens_ratio,
+                                               page_size)
+        return KVCacheSpec(page_size, (full, swa_tokens),
+                           tuple(SWA_POOL if i in swa else FULL_POOL for i in range(num_layers)))
+    tokens = budget_tokens // page_size * page_size
+    if tokens < page_size:
+        raise ValueError(f"a KV budget of {budget_tokens} tokens is less than one page ({page_size})")
+    return KVCacheSpec(page_size, (tokens,), (FULL_POOL,) * num_layers)
+
+
+def kv_spec_for(server_args, model_config, budget_tokens: int) -> KVCacheSpec:
+    """`plan_kv_cache` with the model's layers and sliding-window layers and the flags (--page-size,
+    --disable-hybrid-swa-memory, --swa-full-tokens-ratio)."""
+    return plan_kv_cache(budget_tokens, server_args.page_size, model_config.num_hidden_layers,
+                         model_config.swa_layer_ids, hybrid_swa_memory=not server_args.disable_hybrid_swa_memory,
+                         swa_full_tokens_ratio=server_args.swa_full_tokens_ratio)
+
+
+@dataclasses.dataclass
+class PrefixMatch:
+    """A waiting request's reusable prefix, locked in the prefix cache until admitted or released.
+
+    match: the slots and node (`MatchResult`); moved / swa_moved: tokens the lock moved from evictable to
+    protected (full pool / SWA pool); session: the streaming session whose KV the turn reuses (None: none).
+    """
+
+    match: MatchResult
+    moved: int
+    swa_moved: int
+    session: Optional[SessionKV]
+
+    @property
+    def length(self) -> int:
+        return self.match.length
+
+
+class KVMemory:
+    """One rank's KV memory (see the module docstring).
+
+    Args:
+        req_to_token_pool: the request-slot table.
+        allocator: the paged allocator (a `SWAPagedAllocator` with hybrid SWA memory).
+        tree_cache: the prefix cache over them (any registered kind).
+        sliding_window: the model's window in tokens; used only when `allocator` has a separate SWA pool.
+        swa_release: free each running request's SWA KV as it leaves the window (SGL_JAX_DISABLE_SWA_RELEASE turns
+            it off, for measuring what it buys).
+    """
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator, tree_cache, *,
+                 sliding_window: Optional[int] = None, swa_release: bool = True):
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.hybrid = isinstance(allocator, SWAPagedAllocator)
+        self.window = sliding_window if self.hybrid else None
+        self.swa_release = swa_release
+        self.page_size = allocator.page_size
+
+    @classmethod
+    def create(cls, spec: KVCacheSpec, *, num_request_slots: int, context_len: int,
+               disable_radix_cache: bool = False, sliding_window: Optional[int] = None,
+               swa_release: bool = True) -> "KVMemory":
+        """The host side of a rank's KV buffers `spec`: request slots, allocator(s) and the prefix cache kind
+        `registry.cache_kind_for` picks."""
+        pool = ReqToTokenPool(num_request_slots, context_len)
+        ps = spec.page_size
+        if spec.num_pools > 1:
+            allocator = SWAPagedAllocator(spec.pool_tokens[FULL_POOL], spec.pool_tokens[SWA_POOL], ps)
+        else:
+            allocator = PagedTokenToKVPoolAllocator(spec.pool_tokens[FULL_POOL], ps)
+        kind = cache_kind_for(disable_radix_cache, spec.num_pools > 1)
+        cache = create_prefix_cache(kind, pool, allocator, ps, sliding_window)
+        return cls(pool, allocator, cache, sliding_window=sliding_window, swa_release=swa_release)
+
+    # ------------------------------------------------------------ sizes
+    @property
+    def size(self) -> int:
+        """Usable KV tokens (the full pool)."""
+        return self.allocator.size
+
+    @property
+    def cache_kind(self) -> str:
+        return self.tree_cache.kind
+
+    def free_tokens(self) -> int:
+        return self.allocator.available_size()
+
+    def free_req_slots(self) -> int:
+        return self.req_to_token_pool.available_size()
+
+    def prefix_match_len(self, token_ids) -> int:
+        """Tokens of `token_ids` the prefix cache would serve (read-only; cache-aware DP assignment)."""
+        return self.tree_cache.prefix_match_len(token_ids)
+
+    def row(self, req) -> np.ndarray:
+        """`req`'s ReqToTokenPool row (KV slot per position)."""
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx]
+
+    # ------------------------------------------------------------ admission and allocation
+    def budget(self, running: Sequence[Tuple[object, int]], chunk_size: Optional[int]) -> "KVBudget":
+        """What one admission round may still promise, after reserving each running request's estimated future
+        tokens (`running`: (req, future tokens) pairs)."""
+        return KVBudget(self, running, chunk_size)
+
+    def allocate_extend(self, req) -> None:
+        """Give `req` a request slot (first time: with its matched prefix; a streaming session's turn: the
+        session's row) and KV slots for its next ``extend_input_len`` tokens, evicting cached KV if needed.
+
+        Raises:
+            RuntimeError: the pools ran out (admission, through `KVBudget`, prevents that).
+        """
+        pool = self.req_to_token_pool
+        if req.req_pool_idx is None and req.session_kv is not None and req.session_kv.has_kv():
+            n = req.session_kv.lend(req, self.tree_cache)  # a streaming session's turn: the session's row and KV
+            assert n == len(req.prefix_indices), "the session's KV changed between admission and extend"
+        elif req.req_pool_idx is None:
+            req.req_pool_idx = pool.alloc()
+            if req.req_pool_idx is None:
+                raise RuntimeError("ReqToTokenPool is full; admission should have prevented this")
+            n = len(req.prefix_indices)
+            pool.write(req.req_pool_idx, 0, req.prefix_indices)
+            req.kv_allocated_len = req.kv_committed_len = req.cache_protected_len = req.swa_evicted_len = n
+            req.kv_released = False
+        assert req.kv_allocated_len == req.kv_committed_len
+        end = req.kv_committed_len + req.extend_input_len
+        slots = alloc_with_evict(self.allocator, self.tree_cache, self.row(req), req.kv_allocated_len, end)
+        if slots is None:
+            raise RuntimeError("KV pool is full; admission should have prevented this")
+        pool.write(req.req_pool_idx, req.kv_allocated_len, slots)
+        req.kv_allocated_len = end
+
+    def allocate_decode(self, reqs: Sequence) -> bool:
+        """One KV slot per request for its last sampled token, evicting cached KV if needed (requests that have
+        it already are skipped). False, with nothing taken, when even eviction cannot free enough pages: the
+        caller retracts."""
+        reqs = [r for r in reqs if r.kv_allocated_len < r.seqlen]
+        need = sum(self.allocator.pages_needed(r.seqlen - 1, r.seqlen) for r in reqs)
+        if not evict_for_pages(self.allocator, self.tree_cache, need):
+            return False
+        for req in reqs:
+            pos = req.seqlen - 1
+            self.req_to_token_pool.write(req.req_pool_idx, pos,
+                                         self.allocator.alloc_token_slots(self.row(req), pos, pos + 1))
+            req.kv_allocated_len = req.seqlen
+        return True
+
+    def layer_pool_fields(self, page_indices: np.ndarray, out_cache_loc: np.ndarray) -> Dict[str, np.ndarray]:
+        """The ForwardBatch fields of the layers that read another pool than the full one: with hybrid SWA memory,
+        ``swa_page_indices`` and ``swa_out_cache_loc`` (the full pages and slots translated through the
+        full-to-SWA page map; page 0 where a page's SWA KV is gone); {} otherwise."""
+        if not self.hybrid:
+            return {}
+        return {"swa_page_indices": self.allocator.swa_page_table(page_indices),
+                "swa_out_cache_loc": self.allocator.swa_slots(out_cache_loc)}
+
+    # ------------------------------------------------------------ after a step, release
+    def cache_unfinished(self, req) -> None:
+        """Hand a chunk-prefilled request's computed, page-aligned prefix to the prefix cache."""
+        cache_unfinished_req(req, self.tree_cache)
+
+    def after_step(self, reqs: Iterable) -> int:
+        """Free the SWA KV of running requests that left the window (hybrid SWA memory with SWA release); returns
+        the SWA tokens freed."""
+        if not (self.window and self.swa_release):
+            return 0
+        return sum(release_swa_out_of_window(req, self.req_to_token_pool, self.allocator, self.window)
+                   for req in reqs if not req.finished())
+
+    def release(self, req, is_insert: bool = True) -> None:
+        """Free what `req` holds through the one release path (`common.release_kv_cache`)."""
+        release_kv_cache(req, self.tree_cache, is_insert=is_insert)
+
+    def new_session_kv(self) -> SessionKV:
+        """The KV holder of a new streaming session on this rank."""
+        return SessionKV(self.window)
+
+    def release_session(self, session_kv: SessionKV) -> None:
+        """Free what a closed streaming session holds (through `common.release_kv_cache`)."""
+        session_kv.release(self.tree_cache)
+
+    def flush(self) -> None:
+        """Drop everything the prefix cache holds (only when no request holds a lock)."""
+        self.tree_cache.reset()
+
+    # ------------------------------------------------------------ accounting and checks
+    def accounting(self, sessions: Sequence[SessionKV] = ()) -> Dict[str, int]:
+        """KV tokens by owner, summable over ranks: free, cached (the prefix cache's: evictable + locked), held by
+        streaming sessions between turns (whole pages past their cached prefix), in use (running requests,
+        scoring handles); with hybrid SWA memory the same for the SWA pool (``swa_*``)."""
+        a, c, ps = self.allocator, self.tree_cache, self.page_size
+        evictable, protected = c.evictable_size(), c.protected_size()
+        held = sum(kv.held_tokens(ps) for kv in sessions)
+        acc = {"kv_tokens_total": a.size, "kv_tokens_free": a.available_size(),
+               "kv_tokens_cached": evictable + protected, "kv_tokens_session_held": held,
+               "kv_tokens_in_use": a.size - a.available_size() - evictable - protected - held,
+               "kv_tokens_evictable": evictable, "kv_tokens_protected": protected}
+        if self.hybrid:
+            swa_evictable, swa_protected = self._swa_cached()
+            swa_held = sum(kv.held_swa_tokens(ps) for kv in sessions)
+            acc.update({"swa_tokens_total": a.swa_size, "swa_tokens_free": a.swa_available_size(),
+                        "swa_tokens_cached": swa_evictable + swa_protected, "swa_tokens_session_held": swa_held,
+                        "swa_tokens_in_use": a.swa_size - a.swa_available_size() - swa_evictable - swa_protected
+                        - swa_held,
+                        "swa_tokens_evictable": swa_evictable, "swa_tokens_protected": swa_protected})
+        return acc
+
+    def _swa_cached(self) -> Tuple[int, int]:
+        """(evictable, protected) SWA tokens of the prefix cache (0, 0 for a kind that keeps no SWA KV)."""
+        c = self.tree_cache
+        return (c.swa_evictable_size(), c.swa_protected_size()) if c.keeps_swa else (0, 0)
+
+    def check_invariants(self, holders: Iterable) -> List[str]:
+        """The exact page-ownership check (kv_invariants.py): every page owned once, by the free list, a cache node
+        or one of `holders` (objects holding a row: running requests, session holders); [] when exact."""
+        return check_kv_invariants(self.allocator, self.tree_cache, self.req_to_token_pool, holders)
+
+    def idle_problems(self, sessions: Sequence[SessionKV]) -> List[str]:
+        """What is wrong when nothing runs on the rank: the exact ownership check with the sessions' holders as
+        the only holders (a leaked page and a twice-owned page cannot cancel out), no prefix locked but by
+        streaming sessions, every request slot free but theirs, and free + cached + session-held == total in
+        each pool."""
+        holders = [s.holder for s in sessions if s.has_kv()]
+        problems = self.check_invariants(holders)
+        acc = self.accounting(sessions)
+        if acc["kv_tokens_in_use"] != 0:
+            problems.append(f"{acc['kv_tokens_in_use']} KV tokens in use with nothing running")
+        if acc["kv_tokens_protected"] != 0 and not holders:
+            problems.append(f"{acc['kv_tokens_protected']} cached tokens still locked with nothing running")
+        pool = self.req_to_token_pool
+        if pool.available_size() + len(holders) != pool.size:
+            problems.append(f"request slots: {pool.available_size()} free + {len(holders)} held by sessions != "
+                            f"{pool.size}")
+        if self.hybrid and (acc["swa_tokens_in_use"] != 0 or (acc["swa_tokens_protected"] != 0 and not holders)):
+            problems.append("SWA KV accounting: " + str({k: v for k, v in acc.items() if k.startswith("swa_")}))
+        return problems
+
+
+class KVBudget:
+    """The pages one admission round may still promise (SGLang's PrefillAdder accounting), in both pools with
+    hybrid SWA memory.
+
+    Each running request keeps a reserve for its estimated future tokens; each admitted request takes its
+    uncached prompt plus its estimate. With hybrid SWA memory the SWA pool is budgeted for each request's peak
+    SWA use, ``window + interval + 2 pages`` (interval: the tokens one step adds, a chunk or the whole prompt;
+    never more than the request's final length), minus the SWA pages it already holds. Free plus evictable
+    cached pages count as available.
+
+    Args:
+        memory: the rank's `KVMemory`.
+        running: (req, estimated future tokens) of every running request.
+        chunk_size: --chunked-prefill-size (None: prompts are prefilled whole).
+    """
+
+    def __init__(self, memory: KVMemory, running: Sequence[Tuple[object, int]], chunk_size: Optional[int]):
+        self.memory = memory
+        self.chunk_size = chunk_size
+        a, c = memory.allocator, memory.tree_cache
+        self.ps = ps = memory.page_size
+        full_free = a.full_available_pages() if memory.hybrid else a.available_pages()
+        self.rem_pages = full_free + c.evictable_size() // ps - sum(self._pages(f) for _, f in running)
+        self.rem_swa_pages = 0
+        if memory.window:
+            swa_evictable, _ = memory._swa_cached()
+            self.rem_swa_pages = a.swa_available_pages() + swa_evictable // ps - sum(
+                max(0, self._swa_peak_pages(r, 1, f) - own_swa_pages(r, ps)) for r, f in running)
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.ps)
+
+    def _swa_peak_pages(self, req, n: int, future: int) -> int:
+        """Peak SWA pages of a request extending n tokens per step (a chunk, or its whole prompt)."""
+        if not self.memory.swa_release:
+            return self._pages(req.seqlen + future)
+        interval = n if n == 1 or self.chunk_size is None else self.chunk_size
+        return self._pages(min(req.seqlen + future, self.memory.window + interval + 2 * self.ps))
+
+    def available_pages_now(self) -> int:
+        """Pages an allocation could get now: free plus evictable (in both pools with hybrid SWA memory)."""
+        m = self.memory
+        a, c = m.allocator, m.tree_cache
+        if not m.hybrid:
+            return a.available_pages() + c.evictable_size() // self.ps
+        full = a.full_available_pages() + c.evictable_size() // self.ps
+        return min(full, a.swa_available_pages() + m._swa_cached()[0] // self.ps)
+
+    def match(self, req) -> PrefixMatch:
+        """Match and lock `req`'s reusable prefix (the prefix cache's, a scoring handle's, or its streaming
+        session's); undo with `unlock` when it is not admitted."""
+        swa_before = self.memory._swa_cached()[0]
+        match, moved = match_req(req, self.memory.tree_cache)
+        session = req.session_kv if req.session_kv is not None and req.session_kv.has_kv() else None
+        return PrefixMatch(match, moved, swa_before - self.memory._swa_cached()[0], session)
+
+    def unlock(self, m: PrefixMatch) -> None:
+        self.memory.tree_cache.dec_lock_ref(m.match.last_node)
+
+    def reserve(self, req, m: PrefixMatch, n: int, future: int) -> bool:
+        """Take the pages of admitting `req` (prefix `m`, `n` tokens this step, `future` estimated tokens after
+        its prompt) if they fit; False (nothing taken, the lock kept: the caller unlocks) otherwise."""
+        a = self.memory.allocator
+        need = a.pages_needed(m.length, req.seqlen) + self._pages(future)
+        fits = need <= self.rem_pages - m.moved // self.ps
+        swa_need = 0
+        if self.memory.window:  # (a session's turn already holds the session's SWA pages)
+            held = m.session.held_swa_tokens(self.ps) // self.ps if m.session is not None else 0
+            swa_need = max(0, self._swa_peak_pages(req, n, future) - held)
+            fits = fits and swa_need <= self.rem_swa_pages - m.swa_moved // self.ps
+        if m.session is not None:  # its first extend's pages must be there now (its window is already held)
+            fits = fits and a.pages_needed(m.length, m.length + n) <= self.available_pages_now()
+        if fits:
+            self.rem_pages -= need + m.moved // self.ps
+            self.rem_swa_pages -= swa_need + m.swa_moved // self.ps
+        return fits
+
+    def reserve_chunk(self, req, n: int, future: int) -> bool:
+        """Take the pages of the next `n`-token chunk of a request being prefilled in chunks (its whole remaining
+        prompt and `future` estimated tokens stay reserved for it either way). False when the chunk's pages
+        cannot be had now."""
+        a = self.memory.allocator
+        pages = a.pages_needed(req.kv_allocated_len, req.kv_committed_len + n)
+        self.rem_pages -= a.pages_needed(req.kv_allocated_len, req.seqlen) + self._pages(future)
+        if pages > self.available_pages_now():
+            return False
+        if self.memory.window:
+            self.rem_swa_pages -= max(0, self._swa_peak_pages(req, n, future) - own_swa_pages(req, self.ps))
+        return True

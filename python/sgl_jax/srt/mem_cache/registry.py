@@ -1,0 +1,59 @@
+"""The prefix-cache kinds, by name (mini-sglang's ``@register`` registry): each kind's module registers a factory
+with `register_cache`; `KVMemory` builds its rank's cache with `create_prefix_cache`.
+
+Kinds: "radix" (RadixCache, prefix sharing), "swa_radix" (SWARadixCache: radix over a full + SWA pool), "chunk"
+(ChunkCache: nothing shared, either pool layout). A new kind is a module with a `BasePrefixCache` subclass and
+a `register_cache` line, plus its case in `cache_kind_for`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+# name -> factory(req_to_token_pool, allocator, page_size, sliding_window) -> BasePrefixCache
+_FACTORIES: Dict[str, Callable] = {}
+
+
+def register_cache(name: str):
+    """Class decorator: register a prefix-cache kind under `name`. The class is built as
+    ``cls.create(req_to_token_pool, allocator, page_size, sliding_window)`` (a classmethod of the contract).
+
+    Raises:
+        ValueError: `name` is taken.
+    """
+    def deco(cls):
+        if name in _FACTORIES:
+            raise ValueError(f"prefix cache kind {name!r} is registered twice")
+        _FACTORIES[name] = cls.create
+        cls.kind = name
+        return cls
+    return deco
+
+
+def cache_kinds() -> Dict[str, Callable]:
+    """The registered kinds (name -> factory); importing the cache modules registers them."""
+    from sgl_jax.srt.mem_cache import chunk_cache, radix_cache, swa_radix_cache  # noqa: F401  (registration)
+
+    return dict(_FACTORIES)
+
+
+def cache_kind_for(disable_radix_cache: bool, hybrid_swa: bool) -> str:
+    """The kind a rank uses: "chunk" with --disable-radix-cache, else "swa_radix" when the KV has a separate SWA
+    pool (hybrid SWA memory), else "radix"."""
+    if disable_radix_cache:
+        return "chunk"
+    return "swa_radix" if hybrid_swa else "radix"
+
+
+def create_prefix_cache(kind: str, req_to_token_pool, allocator, page_size: int,
+                        sliding_window: Optional[int] = None):
+    """A new prefix cache of kind `kind` over a rank's request slots and allocator.
+
+    Raises:
+        ValueError: an unknown kind, or a kind that cannot serve this allocator (e.g. "swa_radix" without a
+            hybrid allocator and a sliding window).
+    """
+    kinds = cache_kinds()
+    if kind not in kinds:
+        raise ValueError(f"unknown prefix cache kind {kind!r}; registered: {sorted(kinds)}")
+    return kinds[kind](req_to_token_pool, allocator, page_size, sliding_window)
