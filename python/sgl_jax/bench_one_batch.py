@@ -235,7 +235,7 @@ class OneBatchRunner:
         sp = SamplingParams(max_new_tokens=self.warmup_steps + output_len + 1, ignore_eos=True)
         reqs = [Req(f"bench-{bs}-{input_len}-{i}", p, sp, eos_token_ids=self.mc.eos_token_ids, seed=seed + i)
                 for i, p in enumerate(ids)]
-        compiles = self.runner.num_compiles_after_warmup
+        compiles = self.runner.num_compiles_after_warmup or 0
         prefill_s, steps = self.prefill(reqs)
         prefill_floors = [step_floor(self.cost, s, *peaks) for s in steps]
         t, s = self.buckets.decode_shape(bs)
@@ -246,7 +246,7 @@ class OneBatchRunner:
         for _ in range(output_len):
             t, h, seqs = self.decode(reqs)
             times.append(t), hosts.append(h), floors.append(step_floor(self.cost, seqs, *peaks))
-        compiles = self.runner.num_compiles_after_warmup - compiles
+        compiles = (self.runner.num_compiles_after_warmup or 0) - compiles
         for r in reqs:
             self.memory.release(r)
         assert self.memory.free_tokens() == self.memory.size, "KV pages leaked"

@@ -25,7 +25,8 @@ def shared_engine():
     """One in-process Engine (srt_helpers.SHARED_ENGINE_ARGS), shared by test_engine.py and test_score.py: an
     Engine start costs ~25 s on a 2-core CPU. At the end of the session it must have no memory error, and
     leaving its context manager must stop both of its child processes (the context-manager shutdown check)."""
-    from srt_helpers import SHARED_ENGINE_ARGS, alive_after, child_pids, cmdline, pid_alive, start_engine
+    from srt_helpers import SHARED_ENGINE_ARGS, alive_after, check_engine_clean, child_pids, cmdline, pid_alive, \
+        start_engine
 
     def children():  # multiprocessing's resource tracker lives as long as this process; it is not ours to stop
         return {p for p in child_pids(os.getpid()) if "resource_tracker" not in cmdline(p)}
@@ -35,7 +36,7 @@ def shared_engine():
         ours = children() - before
         assert len(ours) == 2 and all(pid_alive(p) for p in ours)  # scheduler + detokenizer
         yield e
-        assert e._run(e.tokenizer_manager.get_internal_state())["memory_errors"] == 0
+        check_engine_clean(e)
     assert not alive_after(ours), "the Engine's context manager left child processes behind"
 
 
@@ -53,7 +54,7 @@ def hardened_server(scoring_delimiter):
     max_running_requests 8 (so 32 concurrent requests are 4x what it runs at once). Shared by
     test_bad_requests.py, test_bad_requests_fuzz.py, test_metrics_and_tokenize.py (whose metric checks look at
     differences, not at a fresh server's counters) and test_score.py's HTTP tests."""
-    from srt_helpers import ADMIN_API_KEY, API_KEY, SERVED_MODEL_NAME, SMALL_ENGINE_ARGS, ServerProcess, alive_after
+    from srt_helpers import ADMIN_API_KEY, API_KEY, SERVED_MODEL_NAME, SMALL_ENGINE_ARGS, ServerProcess
 
     s = ServerProcess(env={"SGL_JAX_TEST_FAULT_INJECTION": "1"},
                       engine_args={**SMALL_ENGINE_ARGS, "max_running_requests": 8, "enable_scoring_cache": True,
@@ -61,9 +62,7 @@ def hardened_server(scoring_delimiter):
                                    "api_key": API_KEY, "admin_api_key": ADMIN_API_KEY, "enable_metrics": True,
                                    "served_model_name": SERVED_MODEL_NAME})
     yield s
-    code = s.stop()
-    assert code == 0, f"server exited with {code}"
-    assert not alive_after(s.children), "child processes left behind"
+    s.stop_checked({"authorization": f"Bearer {API_KEY}"})
 
 
 @pytest.fixture(scope="session")

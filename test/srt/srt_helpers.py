@@ -33,9 +33,15 @@ SMALL_ENGINE_ARGS = dict(
 RUNTIME_ENV_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime_env")
 
 
+# The exact page-ownership check after every step (mem_cache/kv_invariants.py) is on for every test server and
+# engine: a violation counts in memory_errors, which every teardown asserts is 0 (check_clean).
+CHECK_KV_ENV = {"SGL_JAX_CHECK_KV_INVARIANTS": "1"}
+
+
 def server_env(env: Optional[dict] = None) -> dict:
-    """The environment of a server process: os.environ plus `env`, RUNTIME_ENV_DIR first on PYTHONPATH."""
-    out = {**os.environ, **(env or {})}
+    """The environment of a server process: os.environ plus CHECK_KV_ENV plus `env`, RUNTIME_ENV_DIR first on
+    PYTHONPATH."""
+    out = {**os.environ, **CHECK_KV_ENV, **(env or {})}
     out["PYTHONPATH"] = os.pathsep.join(p for p in (RUNTIME_ENV_DIR, out.get("PYTHONPATH")) if p)
     return out
 
@@ -46,15 +52,18 @@ def start_engine(**kwargs):
     keeps its modules and its environment."""
     from sgl_jax import Engine
 
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = server_env()["PYTHONPATH"]
+    env = server_env()
+    names = ["PYTHONPATH", *CHECK_KV_ENV]
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update({k: env[k] for k in names})
     try:
         return Engine(**kwargs)
     finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 # conftest.shared_engine's configuration: the suite's, plus the scoring flags test_score.py exercises (a small pack
@@ -160,6 +169,17 @@ class ServerProcess:
         """SIGTERM, then SIGKILL after 20 s; returns the exit status."""
         return stop_process(self.proc)
 
+    def stop_checked(self, headers: Optional[dict] = None) -> None:
+        """The teardown of every test server that is still up: `check_clean` (pool back to free + cached, the
+        exact ownership and idle checks clean, no compile after warm-up), then a stop with exit 0 and no child
+        process left."""
+        try:
+            check_clean(self.url, headers)
+        finally:
+            code = self.stop()
+        assert code == 0, f"server exited with {code}:\n{self.log_text()[-3000:]}"
+        assert not alive_after(self.children), "child processes left behind"
+
 
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> int:
     """Send `sig` (if it still runs), SIGKILL after `grace_s` seconds; returns the exit status."""
@@ -210,16 +230,48 @@ class RouterProcess:
         return stop_process(self.proc, signal.SIGINT)
 
 
-def module_server(extra_args: Optional[List[str]] = None, **kwargs):
+def module_server(extra_args: Optional[List[str]] = None, headers: Optional[dict] = None, **kwargs):
     """Body of a module-scoped pytest fixture: ``yield from module_server(...)`` yields a `ServerProcess`,
-    then checks it stops cleanly (exit 0) and leaves no child process behind."""
+    then checks it is clean and stops cleanly (`ServerProcess.stop_checked`; `headers`: the API key, if any)."""
     s = ServerProcess(extra_args, **kwargs)
     try:
         yield s
-    finally:
-        code = s.stop()
-    assert code == 0, f"server exited with {code}"
-    assert not alive_after(s.children), "child processes left behind"
+    except BaseException:
+        s.stop()
+        raise
+    s.stop_checked(headers)
+
+
+def check_clean(url: str, headers: Optional[dict] = None) -> dict:
+    """What every test server must be once its tests are done: nothing running, every DP rank's KV pool back to
+    free + cached with nothing locked and every request slot free, no memory error (the exact page-ownership
+    check after every step and the idle check, which is exact too), and no program compiled after warm-up
+    (``num_compiles_after_warmup`` 0, or None when the server counts none: --disable-precompile). Returns rank
+    0's internal state (`wait_pool_idle`)."""
+    state = wait_pool_idle(url, headers)
+    info = httpx.get(url + "/get_server_info", headers=headers, timeout=30).json()
+    expected = None if info["disable_precompile"] else 0
+    for st in info["internal_states"]:
+        assert st["num_compiles_after_warmup"] == expected and st["memory_errors"] == 0, st
+    return state
+
+
+def check_engine_clean(engine) -> dict:
+    """`check_clean` for an in-process Engine (its first rank's state)."""
+    deadline = time.time() + 60
+    while True:
+        ranks = engine.get_server_info()["internal_states"]
+        if all(st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0 and st["num_score_handles"] == 0
+               for st in ranks) or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    expected = None if engine.server_args.disable_precompile else 0
+    for st in ranks:
+        assert st["kv_tokens_in_use"] == 0 and st["kv_tokens_protected"] == 0, st
+        assert st["kv_tokens_free"] + st["kv_tokens_cached"] == st["kv_tokens_total"], st
+        assert st["req_slots_free"] == st["max_running_requests"] and st["memory_errors"] == 0, st
+        assert st["num_compiles_after_warmup"] == expected, st
+    return ranks[0]
 
 
 def wait_pool_idle(url: str, headers: Optional[dict] = None, timeout: float = 60.0) -> dict:

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from srt_helpers import SMALL_ENGINE_ARGS, ServerProcess, alive_after
+from srt_helpers import SMALL_ENGINE_ARGS, ServerProcess
 
 # Few shapes: every layer of every compiled shape holds an interpreted kernel.
 ARGS = dict(SMALL_ENGINE_ARGS, precompile_token_paddings=[64], precompile_bs_paddings=[1, 4],
@@ -41,8 +41,7 @@ def native_ids(default_server):
 def pallas_server():
     s = ServerProcess(engine_args=dict(ARGS, attention_backend="pallas"))
     yield s
-    assert s.stop() == 0
-    assert not alive_after(s.children), "child processes left behind"
+    s.stop_checked()
 
 
 def test_pallas_interpret_generation_equals_native(pallas_server, native_ids):

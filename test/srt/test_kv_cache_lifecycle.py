@@ -75,8 +75,10 @@ def run_scenario(prompts, engine_args: dict, env: dict, radix: bool):
     try:
         outs = run_workload(server, prompts)
         state = check_idle_accounting(server, radix)
-    finally:
-        assert server.stop() == 0
+    except BaseException:
+        server.stop()
+        raise
+    server.stop_checked()
     return outs, state
 
 

@@ -8,11 +8,10 @@ bucket less the decode rows riding along, so a long prompt is prefilled in many 
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
-from srt_helpers import SMALL_ENGINE_ARGS, hf_greedy, hf_greedy_penalized, start_engine
+from srt_helpers import SMALL_ENGINE_ARGS, check_engine_clean, hf_greedy, hf_greedy_penalized, start_engine
 
 MIXED_ARGS = dict(SMALL_ENGINE_ARGS, log_level="warning", enable_mixed_chunk=True, max_prefill_step_ms=1.0)
 SHORT = ["The capital of France is", "def fibonacci(n):\n", "Here is a list of fruits: apple, banana,"]
@@ -33,20 +32,12 @@ def _assert_idle_and_exact(engine) -> None:
 
 @pytest.fixture(scope="module")
 def engine():
-    saved = os.environ.get("SGL_JAX_CHECK_KV_INVARIANTS")
-    os.environ["SGL_JAX_CHECK_KV_INVARIANTS"] = "1"  # the exact page-ownership check after every step
-    try:
-        e = start_engine(**MIXED_ARGS)
-    finally:
-        if saved is None:
-            del os.environ["SGL_JAX_CHECK_KV_INVARIANTS"]
-        else:
-            os.environ["SGL_JAX_CHECK_KV_INVARIANTS"] = saved
-    with e:
+    with start_engine(**MIXED_ARGS) as e:  # (the exact page-ownership check runs after every step)
         # steps for the step-time model to fit (it predicts nothing from fewer than 8)
         e.generate(SHORT[:2], {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
         yield e
         _assert_idle_and_exact(e)
+        check_engine_clean(e)
 
 
 def test_flags_reach_the_scheduler(engine):

@@ -50,9 +50,10 @@ def ipc_dirs(pid: int) -> list:
 
 
 def stop_checked(server: ServerProcess) -> None:
-    """Teardown of a module's server: if a test has not stopped it, stop it; it must exit 0, childless."""
+    """Teardown of a module's server: if a test has not stopped it, it must be clean and stop with exit 0,
+    childless (`ServerProcess.stop_checked`); if a test stopped it, no child may be left."""
     if server.proc.poll() is None:
-        assert server.stop() == 0, server.log_text()[-3000:]
+        server.stop_checked()
     assert not alive_after(server.children)
 
 

@@ -33,3 +33,46 @@ def check(stage: str, rids: Iterable[str]) -> None:
     for rid in rids:
         if rid.startswith(f"fault-{stage}"):
             raise InjectedFault(f"injected {stage} fault for request {rid}")
+
+
+# ---------------------------------------------------------------- planted faults (checks that must fire)
+# Each is off unless its environment variable is set for the engine's processes, and fires once per rank (the
+# compile once per process); the tests of test/srt/test_planted_faults.py show that the exact page-ownership
+# check, the idle check, /get_server_info's memory_errors and num_compiles_after_warmup report them.
+LEAK_PAGES_ENV = "SGL_JAX_TEST_LEAK_PAGES"  # N: at the first finished request, N free pages are taken and dropped
+DOUBLE_FREE_ENV = "SGL_JAX_TEST_DOUBLE_FREE"  # 1: at the first finished request, a free page is freed again
+DOUBLE_LOCK_ENV = "SGL_JAX_TEST_DOUBLE_LOCK"  # 1: the first cached prefix an admission locks is locked twice
+COMPILE_ENV = "SGL_JAX_TEST_COMPILE_WHILE_SERVING"  # 1: the first step after warm-up compiles a new program
+
+
+class PlantedFaults:
+    """The planted faults one rank's KV memory (or the model runner) carries out, read from the environment.
+
+    leak_pages: pages to leak at the first finished request (owned by nobody afterwards); double_free: put a
+    free page on the free list a second time at the first finished request (owned twice); double_lock: lock the
+    first matched cached prefix twice (it stays locked when its request ends); compile_while_serving: compile a
+    program the warm-up never saw, at the first step after it.
+    """
+
+    def __init__(self, leak_pages: int = 0, double_free: bool = False, double_lock: bool = False,
+                 compile_while_serving: bool = False):
+        self.leak_pages = leak_pages
+        self.double_free = double_free
+        self.double_lock = double_lock
+        self.compile_while_serving = compile_while_serving
+        self._fired = set()
+
+    @classmethod
+    def from_env(cls) -> "PlantedFaults":
+        """The faults the environment asks for (none in a server that is not under test)."""
+        env = os.environ
+        return cls(leak_pages=int(env.get(LEAK_PAGES_ENV, "0") or 0), double_free=env.get(DOUBLE_FREE_ENV) == "1",
+                   double_lock=env.get(DOUBLE_LOCK_ENV) == "1", compile_while_serving=env.get(COMPILE_ENV) == "1")
+
+    def fire(self, name: str) -> bool:
+        """True the first time the fault `name` ("leak_pages", "double_free", "double_lock",
+        "compile_while_serving") is asked for and is on; False afterwards or when it is off."""
+        if not getattr(self, name) or name in self._fired:
+            return False
+        self._fired.add(name)
+        return True

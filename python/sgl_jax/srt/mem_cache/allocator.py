@@ -64,6 +64,12 @@ class PagedTokenToKVPoolAllocator:
         self._is_free[pages] = True
         self._free = np.concatenate([self._free, pages])
 
+    def plant_double_free(self) -> None:
+        """Test hook (fault_injection.DOUBLE_FREE_ENV): put the last free page on the free list once more, as a
+        double free that got past `free_pages` would; the ownership checks must then report a page owned twice."""
+        if len(self._free):
+            self._free = np.concatenate([self._free, self._free[-1:]])
+
     def pages_needed(self, have_tokens: int, want_tokens: int) -> int:
         """New pages to grow a sequence's KV from have_tokens to want_tokens slots."""
         ps = self.page_size

@@ -23,6 +23,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from sgl_jax.srt.fault_injection import PlantedFaults
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.base_prefix_cache import MatchResult
 from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req, match_req, own_swa_pages, \
@@ -136,6 +137,7 @@ class KVMemory:
         self.window = sliding_window if self.hybrid else None
         self.swa_release = swa_release
         self.page_size = allocator.page_size
+        self.faults = PlantedFaults.from_env()  # test hooks (fault_injection.py); none outside tests
 
     @classmethod
     def create(cls, spec: KVCacheSpec, *, num_request_slots: int, context_len: int,
@@ -248,8 +250,13 @@ class KVMemory:
                    for req in reqs if not req.finished())
 
     def release(self, req, is_insert: bool = True) -> None:
-        """Free what `req` holds through the one release path (`common.release_kv_cache`)."""
+        """Free what `req` holds through the one release path (`common.release_kv_cache`). Under test, a planted
+        fault may then leak pages or free a page twice (`fault_injection.PlantedFaults`)."""
         release_kv_cache(req, self.tree_cache, is_insert=is_insert)
+        if self.faults.fire("leak_pages"):
+            self.allocator.alloc_pages(min(self.faults.leak_pages, self.allocator.available_pages()))
+        if self.faults.fire("double_free"):
+            self.allocator.plant_double_free()
 
     def new_session_kv(self) -> SessionKV:
         """The KV holder of a new streaming session on this rank."""
@@ -369,6 +376,8 @@ class KVBudget:
         session's); undo with `unlock` when it is not admitted."""
         swa_before = self.memory._swa_cached()[0]
         match, moved = match_req(req, self.memory.tree_cache)
+        if match.length and self.memory.faults.fire("double_lock"):
+            self.memory.tree_cache.inc_lock_ref(match.last_node)  # a planted fault: the lock is never undone
         session = req.session_kv if req.session_kv is not None and req.session_kv.has_kv() else None
         return PrefixMatch(match, moved, swa_before - self.memory._swa_cached()[0], session)
 

@@ -29,6 +29,7 @@ from sgl_jax.srt.distributed.sharding import KV_CACHE, RANK_ROWS, REPLICATED, ch
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.compile_stats import compile_counts, describe
+from sgl_jax.srt.fault_injection import PlantedFaults
 from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch, stack_ranks
 from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES, load_model
@@ -236,7 +237,8 @@ class ModelRunner:
         self._logprobs = jax.jit(self._logprobs_impl)
         self._label_logprobs = jax.jit(self._label_logprobs_impl)
         self._compiled_after_warmup: Optional[int] = None
-        self.num_compiles_after_warmup = 0
+        self._num_compiles_after_warmup = 0
+        self.faults = PlantedFaults.from_env()  # test hooks (fault_injection.py); none outside tests
         self.warmup_stats: Dict[str, float] = {}  # what warm-up compiled and loaded (see warmup)
 
     # ---- compiled functions
@@ -317,6 +319,8 @@ class ModelRunner:
         fb, sampling = self._step_inputs(batches)
         self.kv_caches, self.penalty_state, next_ids, next_lp, logprobs, hidden = self._step(
             self.params, self.kv_caches, self.penalty_state, fb, sampling)
+        if self._compiled_after_warmup is not None and self.faults.fire("compile_while_serving"):
+            jax.jit(lambda x: x * 3.0 + 1.0)(np.zeros(7, np.float32)).block_until_ready()  # a planted fault
         self._check_no_new_compile(real[0])
         next_ids, next_lp = np.asarray(next_ids), np.asarray(next_lp)
         outs = []
@@ -385,13 +389,19 @@ class ModelRunner:
                 self._check_no_new_compile(None)
         return out
 
+    @property
+    def num_compiles_after_warmup(self) -> Optional[int]:
+        """Programs compiled (or loaded from the persistent cache) since warm-up ended; None when compiles are
+        not counted (no warm-up ran: --disable-precompile)."""
+        return None if self._compiled_after_warmup is None else self._num_compiles_after_warmup
+
     def _check_no_new_compile(self, batch: Optional[ModelWorkerBatch]) -> None:
         """Count (and warn about) any program the process handed to XLA since warm-up ended."""
         if self._compiled_after_warmup is None:
             return
         programs = compile_counts().programs
         if programs > self._compiled_after_warmup:
-            self.num_compiles_after_warmup += programs - self._compiled_after_warmup
+            self._num_compiles_after_warmup += programs - self._compiled_after_warmup
             self._compiled_after_warmup = programs
             shape = batch.padded_shape if batch is not None else "logprob/penalty program"
             logger.warning("Compiled a new program while serving (%s); add the shape to the precompile "

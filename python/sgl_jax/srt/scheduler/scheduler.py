@@ -555,7 +555,10 @@ class Scheduler:
     def internal_state(self) -> dict:
         """The server's state: per-rank counters and KV accounting summed over the ranks, plus ``dp_ranks``, one
         full entry per rank (its own queues and KV accounting; /get_server_info's ``internal_states``).
-        ``num_compiles_after_warmup`` is None when compiles are not counted (--disable-precompile)."""
+        ``num_compiles_after_warmup`` is None when compiles are not counted (--disable-precompile). An idle rank runs
+        its idle check first (once per idle period), so the state never predates it."""
+        for rank in self.ranks:
+            rank.on_idle()
         shared = {"num_compiles_after_warmup": self.model_runner.num_compiles_after_warmup,
                   "warmup": self.model_runner.warmup_stats,
                   "prefill_step_budget": None if self.step_budget is None else self.step_budget.state(),

@@ -1,0 +1,34 @@
+"""OpenAI's routes: /v1/models, /v1/completions, /v1/chat/completions (the work is in entrypoints/openai/)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Depends, Request
+
+from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from sgl_jax.srt.entrypoints.openai.serving_chat import create_chat_completion
+from sgl_jax.srt.entrypoints.openai.serving_completions import create_completion
+from sgl_jax.srt.entrypoints.openai.utils import json_response
+from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager, until_disconnect
+from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager
+
+router = new_router()
+
+
+@router.get("/v1/models")
+async def models(tm: TokenizerManager = Depends(tokenizer_manager)):
+    return json_response({"object": "list", "data": [{
+        "id": tm.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "sgl-jax",
+        "root": tm.served_model_name, "max_model_len": tm.context_len}]})
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request, tm: TokenizerManager = Depends(tokenizer_manager)):
+    return await create_completion(tm, req, lambda coro: until_disconnect(request, coro))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request,
+                           tm: TokenizerManager = Depends(tokenizer_manager)):
+    return await create_chat_completion(tm, req, lambda coro: until_disconnect(request, coro))
