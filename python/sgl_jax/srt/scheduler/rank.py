@@ -180,7 +180,7 @@ class RankScheduler:
         self.waiting_queue.append(req)
 
     def handle_score_request(self, msg: TokenizedScoreReqInput, limits: KVLimits) -> None:
-        """Queue the sequences of a score request (see scheduler_scoring)."""
+        """Queue the sequences of a score request (see scheduler/scoring.py)."""
         self.waiting_queue.extend(self.scoring.handle_score_request(msg, limits))
 
     def handle_score_prefill(self, msg: ScorePrefillReq, limits: KVLimits) -> None:
