@@ -23,6 +23,7 @@ from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 from sgl_jax.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.srt.server_args import ServerArgs
 
 CONTRACT = {"create", "match_prefix", "prefix_match_len", "insert", "free_slots", "inc_lock_ref", "dec_lock_ref",
             "evict", "evictable_size", "protected_size", "reset"}
@@ -61,8 +62,9 @@ def test_kinds_come_from_the_registry():
         cache = create_prefix_cache(kind, pool, alloc, 4, 8)
         assert type(cache) is type(built) and cache.kind == kind
         assert all(hasattr(cache, m) for m in SWA_METHODS) == cache.keeps_swa == (kind == "swa_radix")
-    assert cache_kind_for(True, True) == "chunk" and cache_kind_for(False, True) == "swa_radix"
-    assert cache_kind_for(False, False) == "radix"
+    flags = lambda disable: ServerArgs(disable_radix_cache=disable)  # noqa: E731
+    assert cache_kind_for(flags(True), True) == "chunk" and cache_kind_for(flags(False), True) == "swa_radix"
+    assert cache_kind_for(flags(False), False) == "radix"
     pool, alloc, _ = make("radix", 4)
     with pytest.raises(ValueError, match="hybrid SWA KV pool"):
         create_prefix_cache("swa_radix", pool, alloc, 4, 8)

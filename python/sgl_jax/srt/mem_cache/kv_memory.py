@@ -98,6 +98,13 @@ def kv_spec_for(server_args, model_config, budget_tokens: int) -> KVCacheSpec:
                          swa_full_tokens_ratio=server_args.swa_full_tokens_ratio)
 
 
+@dataclasses.dataclass(frozen=True)
+class _CacheFlags:
+    """The cache flags of ServerArgs, for callers without one (benchmarks and tests)."""
+
+    disable_radix_cache: bool = False
+
+
 @dataclasses.dataclass
 class PrefixMatch:
     """A waiting request's reusable prefix, locked in the prefix cache until admitted or released.
@@ -140,18 +147,20 @@ class KVMemory:
         self.faults = PlantedFaults.from_env()  # test hooks (fault_injection.py); none outside tests
 
     @classmethod
-    def create(cls, spec: KVCacheSpec, *, num_request_slots: int, context_len: int,
+    def create(cls, spec: KVCacheSpec, *, num_request_slots: int, context_len: int, server_args=None,
                disable_radix_cache: bool = False, sliding_window: Optional[int] = None,
                swa_release: bool = True) -> "KVMemory":
         """The host side of a rank's KV buffers `spec`: request slots, allocator(s) and the prefix cache kind
-        `registry.cache_kind_for` picks."""
+        `registry.cache_kind_for` picks from the flags (`server_args`; without it, radix or, with
+        `disable_radix_cache`, chunk)."""
         pool = ReqToTokenPool(num_request_slots, context_len)
         ps = spec.page_size
         if spec.num_pools > 1:
             allocator = SWAPagedAllocator(spec.pool_tokens[FULL_POOL], spec.pool_tokens[SWA_POOL], ps)
         else:
             allocator = PagedTokenToKVPoolAllocator(spec.pool_tokens[FULL_POOL], ps)
-        kind = cache_kind_for(disable_radix_cache, spec.num_pools > 1)
+        flags = server_args if server_args is not None else _CacheFlags(disable_radix_cache)
+        kind = cache_kind_for(flags, spec.num_pools > 1)
         cache = create_prefix_cache(kind, pool, allocator, ps, sliding_window)
         return cls(pool, allocator, cache, sliding_window=sliding_window, swa_release=swa_release)
 

@@ -3,7 +3,7 @@ with `register_cache`; `KVMemory` builds its rank's cache with `create_prefix_ca
 
 Kinds: "radix" (RadixCache, prefix sharing), "swa_radix" (SWARadixCache: radix over a full + SWA pool), "chunk"
 (ChunkCache: nothing shared, either pool layout). A new kind is a module with a `BasePrefixCache` subclass and
-a `register_cache` line, plus its case in `cache_kind_for`.
+a `register_cache` line, plus its case in `cache_kind_for` (and the flag that selects it in server_args.py).
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ def cache_kinds() -> Dict[str, Callable]:
     return dict(_FACTORIES)
 
 
-def cache_kind_for(disable_radix_cache: bool, hybrid_swa: bool) -> str:
-    """The kind a rank uses: "chunk" with --disable-radix-cache, else "swa_radix" when the KV has a separate SWA
-    pool (hybrid SWA memory), else "radix"."""
-    if disable_radix_cache:
+def cache_kind_for(server_args, hybrid_swa: bool) -> str:
+    """The kind a rank uses, from the flags (`server_args`: a ServerArgs, or anything with its cache fields):
+    "chunk" with --disable-radix-cache, else "swa_radix" when the KV has a separate SWA pool (hybrid SWA memory),
+    else "radix"."""
+    if server_args.disable_radix_cache:
         return "chunk"
     return "swa_radix" if hybrid_swa else "radix"
 

@@ -200,7 +200,7 @@ class Scheduler:
         scoring state, its admission policy and its scheduling state."""
         sa, mc = self.server_args, self.model_config
         memory = KVMemory.create(self.model_runner.kv_spec, num_request_slots=self.max_running_requests,
-                                 context_len=self.context_len, disable_radix_cache=sa.disable_radix_cache,
+                                 context_len=self.context_len, server_args=sa,
                                  sliding_window=mc.sliding_window,
                                  swa_release=os.environ.get(DISABLE_SWA_RELEASE_ENV) != "1")
         scoring = SchedulerScoring(memory, sa.multi_item_prefill_extend_cache_timeout,
