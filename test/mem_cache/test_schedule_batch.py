@@ -3,7 +3,8 @@
 import numpy as np
 
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, shared_prefix_len
-from sgl_jax.srt.scheduler.admission import PrefillAdder
+from sgl_jax.srt.scheduler.admission import LPM_MAX_WAITING, AdmissionPolicy, PrefillAdder, by_policy
+from sgl_jax.srt.scheduler.scoring import SchedulerScoring
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.cache_manager import cache_finished_req
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
@@ -197,3 +198,32 @@ def test_prefill_adder_leaves_room_for_mixed_decode_rows():
     adder = PrefillAdder(buckets, KVMemory(pool, alloc, cache), running, max_prefill_tokens=256, chunk_size=256, free_req_slots=8,
                          new_token_ratio=1.0, decode_rows=3)
     assert sum(adder.add(_req([5, 6], rid=f"n{i}")) for i in range(6)) == 5
+
+
+def test_schedule_policy_lpm_admits_the_longest_cached_prefix_first():
+    """--schedule-policy lpm: of two waiting requests, the one whose prompt the radix cache holds goes first (both
+    fit); fcfs keeps arrival order; beyond LPM_MAX_WAITING waiting requests lpm falls back to arrival order."""
+    pool = ReqToTokenPool(8, 512)
+    alloc = PagedTokenToKVPoolAllocator(4096, 16)
+    cache = RadixCache(pool, alloc, 16)
+    memory = KVMemory(pool, alloc, cache)
+    cached = list(range(64))
+    warm = _req(cached + [1], rid="warm")
+    assert _adder(alloc, cache, ShapeBuckets((64, 256), (1, 8)), max_prefill=256).add(warm)
+    ScheduleBatch([warm], ForwardMode.EXTEND).prepare_for_extend(memory)
+    warm.kv_committed_len = warm.kv_allocated_len
+    memory.release(warm)  # its prompt stays cached
+    scoring = SchedulerScoring(memory, 60.0, lambda msg: None, [2])
+    for policy, first in (("fcfs", "cold"), ("lpm", "hot")):
+        cold, hot = _req([900 + i for i in range(40)], rid="cold"), _req(cached + [7, 8], rid="hot")
+        admission = AdmissionPolicy(buckets=ShapeBuckets((64, 256), (1, 8)), max_running_requests=8,
+                                    max_prefill_tokens=256, chunk_size=None, memory=memory, scoring=scoring,
+                                    schedule_policy=policy)
+        decided = admission.admit([cold, hot], [], None, 1.0)
+        assert [r.rid for r in decided.can_run][0] == first, policy
+        assert len(hot.prefix_indices) == 64
+        for r in decided.can_run:
+            memory.tree_cache.dec_lock_ref(r.last_node)
+    many = [_req([5], rid=f"w{i}") for i in range(LPM_MAX_WAITING)] + [_req(cached + [3], rid="late")]
+    assert by_policy(many, "lpm", memory) == many  # too many to order: arrival order
+    assert by_policy(many[-3:], "lpm", memory)[0].rid == "late"

@@ -28,6 +28,7 @@ TOOL_CALL_PARSERS = ("llama3", "qwen25", "hermes")  # SGLang's --tool-call-parse
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # SGLang's --reasoning-parser names for these formats
 TOKENIZER_MODES = ("auto", "slow")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")  # scheduler/load_balance.py
+SCHEDULE_POLICIES = ("fcfs", "lpm")  # scheduler/admission.py
 
 
 def resolve_attention_backend(name: str, platform: str) -> str:
@@ -126,6 +127,7 @@ class ServerArgs:
     tp_size: int = 1
     dp_size: int = 1
     load_balance_method: str = "round_robin"
+    schedule_policy: str = "fcfs"
     device_indexes: Optional[List[int]] = None
     nnodes: int = 1
     node_rank: int = 0
@@ -170,6 +172,7 @@ class ServerArgs:
         self._check_positive("tp_size")
         self._check_positive("dp_size")
         self._check_choice("load_balance_method", LOAD_BALANCE_METHODS)
+        self._check_choice("schedule_policy", SCHEDULE_POLICIES)
         self._check_positive("nnodes")
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank!r}")
@@ -327,6 +330,9 @@ FLAG_HELP = {
                "the mesh has dp x tp devices",
     "load_balance_method": f"which DP rank a new request goes to, one of {list(LOAD_BALANCE_METHODS)}; "
                            "cache_aware: the rank caching the longest prefix, ties to the shorter queue",
+    "schedule_policy": f"the order waiting generation requests are admitted in, one of {list(SCHEDULE_POLICIES)}; "
+                       "fcfs: arrival order; lpm: the longest cached prefix first (SGLang's longest-prefix-match, "
+                       "fcfs beyond 128 waiting requests)",
     "device_indexes": "which of jax.devices() the mesh uses (default: the first tp x dp)",
     "nnodes": "hosts the mesh spans (multi-host: jax.distributed); node 0 serves HTTP",
     "node_rank": "this host's index in [0, nnodes)",

@@ -3,8 +3,8 @@
 `AdmissionPolicy.admit` decides, in one place:
 
 - **order**: the chunked request first; then the items of live scoring-cache handles (they free their handle's
-  slot and KV), then generation requests, then new scoring work, queue order within each (`admission_order`);
-  admission stops at the first request that does not fit (first come, first served);
+  slot and KV), then generation requests (arrival order, or with --schedule-policy lpm the longest cached prefix
+  first), then new scoring work (`admission_order`); admission stops at the first request that does not fit;
 - **fit**: a request is admitted when, together with the ones already picked,
   - its extend tokens fit the step's token budget: --chunked-prefill-size when chunking (the last admitted
     request may be cut to a page-aligned chunk and continue next step), else --max-prefill-tokens (a lone
@@ -63,12 +63,25 @@ def is_handle_prefill(req: Req) -> bool:
     return req.score is not None and req.score.is_handle_prefill
 
 
-def admission_order(waiting: List[Req], scoring) -> List[Req]:
+LPM_MAX_WAITING = 128  # lpm orders at most this many waiting requests (SGLang's threshold); fcfs beyond
+
+
+def by_policy(reqs: List[Req], policy: str, memory: KVMemory) -> List[Req]:
+    """Generation requests in the order --schedule-policy gives: "fcfs" keeps arrival order; "lpm" puts the
+    longest cached prefix (`KVMemory.prefix_match_len`, read-only) first, arrival order among equals, and falls
+    back to arrival order beyond LPM_MAX_WAITING requests (the matching would cost more than it saves)."""
+    if policy == "fcfs" or len(reqs) > LPM_MAX_WAITING:
+        return reqs
+    return sorted(reqs, key=lambda r: -memory.prefix_match_len(r.fill_ids))
+
+
+def admission_order(waiting: List[Req], scoring, policy: str = "fcfs", memory: Optional[KVMemory] = None
+                    ) -> List[Req]:
     """`waiting` in admission order: the items of live handles (they free their handle's slot and KV), then
-    generation requests, then new scoring work; queue order within each. `scoring`: the rank's
-    `SchedulerScoring` (its live groups and handles)."""
+    generation requests (in --schedule-policy order, `by_policy`), then new scoring work; queue order within the
+    others. `scoring`: the rank's `SchedulerScoring` (its live groups and handles)."""
     if not scoring.groups and not scoring.handles:
-        return waiting
+        return waiting if policy == "fcfs" else by_policy(waiting, policy, memory)
     live_items, generation, new_scoring = [], [], []
     for r in waiting:
         if r.score is None:
@@ -77,7 +90,7 @@ def admission_order(waiting: List[Req], scoring) -> List[Req]:
             live_items.append(r)
         else:
             new_scoring.append(r)
-    return live_items + generation + new_scoring
+    return live_items + by_policy(generation, policy, memory) + new_scoring
 
 
 @dataclasses.dataclass
@@ -241,11 +254,13 @@ class AdmissionPolicy:
         memory: the rank's `KVMemory`; scoring: its `SchedulerScoring` (live handles and groups).
         step_budget: the --max-prefill-step-ms chunk limit (None: chunks are --chunked-prefill-size; ignored
             without chunking).
+        schedule_policy: --schedule-policy ("fcfs" or "lpm", `by_policy`).
     """
 
     def __init__(self, *, buckets: ShapeBuckets, max_running_requests: int, max_prefill_tokens: int,
                  chunk_size: Optional[int], memory: KVMemory, scoring,
-                 step_budget: Optional[PrefillStepBudget] = None):
+                 step_budget: Optional[PrefillStepBudget] = None, schedule_policy: str = "fcfs"):
+        self.schedule_policy = schedule_policy
         self.buckets = buckets
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
@@ -281,7 +296,7 @@ class AdmissionPolicy:
             return None
         room = HandleRoom.of(self.scoring, chunked_req, self.max_running_requests, self.memory.size)
         failed = []
-        for req in admission_order(waiting, self.scoring):
+        for req in admission_order(waiting, self.scoring, self.schedule_policy, self.memory):
             handle = is_handle_prefill(req)
             if handle and not room.admits(req):
                 continue

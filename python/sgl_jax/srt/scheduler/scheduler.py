@@ -207,7 +207,8 @@ class Scheduler:
                                    self.send_to_tokenizer.send_pyobj, mc.eos_token_ids, clock=lambda: self.tick_now)
         admission = AdmissionPolicy(buckets=self.buckets, max_running_requests=self.max_running_requests,
                                     max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size,
-                                    memory=memory, scoring=scoring, step_budget=self.step_budget)
+                                    memory=memory, scoring=scoring, step_budget=self.step_budget,
+                                    schedule_policy=sa.schedule_policy)
         config = RankConfig(
             rank=rank, dp_size=self.dp_size, buckets=self.buckets, max_running_requests=self.max_running_requests,
             max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size,
