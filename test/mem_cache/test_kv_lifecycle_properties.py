@@ -33,6 +33,7 @@ from sgl_jax.srt.scheduler.admission import PrefillAdder
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory
+from sgl_jax.srt.mem_cache.lfu_radix_cache import LFURadixCache
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
@@ -45,9 +46,9 @@ from sgl_jax.srt.sampling.sampling_params import SamplingParams
 BASES = [list(range(100, 100 + n)) for n in (0, 20, 37, 70)]
 
 
-def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = None):
-    """The state machine class; `window` > 0: hybrid SWA memory with that sliding window; `ops` (a list)
-    gets one entry per operation run."""
+def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = None, lfu: bool = False):
+    """The state machine class; `window` > 0: hybrid SWA memory with that sliding window; `lfu`: the radix cache
+    evicts least frequently used first (LFURadixCache); `ops` (a list) gets one entry per operation run."""
 
     class KVLifecycle(RuleBasedStateMachine):
         def __init__(self):
@@ -60,8 +61,8 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
                     ChunkCache(self.pool, self.alloc)
             else:
                 self.alloc = PagedTokenToKVPoolAllocator(24 * 16, page_size)  # tight: eviction and retract happen
-                self.cache = RadixCache(self.pool, self.alloc, page_size) if radix else \
-                    ChunkCache(self.pool, self.alloc)
+                radix_cls = LFURadixCache if lfu else RadixCache
+                self.cache = radix_cls(self.pool, self.alloc, page_size) if radix else ChunkCache(self.pool, self.alloc)
             self.memory = KVMemory(self.pool, self.alloc, self.cache, sliding_window=window or None)
             self.buckets = ShapeBuckets((64, 256), (1, 8))
             self.running = []  # fully prefilled requests
@@ -263,18 +264,18 @@ def lifecycle_machine(page_size: int, radix: bool, window: int = 0, ops: list = 
 
 MIN_OPS = 10_000  # random operations per configuration, at least
 
-CONFIGS = [(1, True, 0), (16, True, 0), (1, False, 0), (16, False, 0),
-           (1, True, 8), (4, True, 8), (16, True, 16), (4, False, 8)]
+CONFIGS = [(1, True, 0, False), (16, True, 0, False), (4, True, 0, True), (1, False, 0, False), (16, False, 0, False),
+           (1, True, 8, False), (4, True, 8, False), (16, True, 16, False), (4, False, 8, False)]
 
 
-@pytest.mark.parametrize("page_size,radix,window", CONFIGS,
-                         ids=["radix-page1", "radix-page16", "chunk-page1", "chunk-page16",
+@pytest.mark.parametrize("page_size,radix,window,lfu", CONFIGS,
+                         ids=["radix-page1", "radix-page16", "lfu-radix-page4", "chunk-page1", "chunk-page16",
                               "swa-radix-page1", "swa-radix-page4", "swa-radix-page16", "swa-chunk-page4"])
-def test_kv_lifecycle(page_size, radix, window):
+def test_kv_lifecycle(page_size, radix, window, lfu):
     """Every pool layout and cache kind (one pool: RadixCache / ChunkCache; hybrid SWA pools: SWARadixCache /
     ChunkCache), driven through KVMemory: >= MIN_OPS random operations, the invariants after each."""
     ops = []
-    machine = lifecycle_machine(page_size, radix, window, ops)
+    machine = lifecycle_machine(page_size, radix, window, ops, lfu)
     run_state_machine_as_test(machine, settings=settings(max_examples=150, stateful_step_count=100, deadline=None,
                                                           derandomize=True, suppress_health_check=list(HealthCheck)))
     assert len(ops) >= MIN_OPS, f"only {len(ops)} operations ran"

@@ -17,6 +17,7 @@ from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, CacheNode
 from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req, match_req
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
+from sgl_jax.srt.mem_cache.lfu_radix_cache import LFURadixCache
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache, TreeNode
 from sgl_jax.srt.mem_cache.registry import cache_kind_for, cache_kinds, create_prefix_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -38,11 +39,12 @@ def make(kind, page_size):
         alloc = SWAPagedAllocator(512, 256, page_size)
         return pool, alloc, SWARadixCache(pool, alloc, page_size, 8)
     alloc = PagedTokenToKVPoolAllocator(512, page_size)
-    cache = RadixCache(pool, alloc, page_size) if kind == "radix" else ChunkCache(pool, alloc)
+    cls = {"radix": RadixCache, "lfu_radix": LFURadixCache}.get(kind)
+    cache = cls(pool, alloc, page_size) if cls is not None else ChunkCache(pool, alloc)
     return pool, alloc, cache
 
 
-KINDS = ["radix", "chunk", "swa_radix"]
+KINDS = ["radix", "lfu_radix", "chunk", "swa_radix"]
 
 
 def test_every_contract_method_is_abstract_and_documented():
@@ -62,9 +64,12 @@ def test_kinds_come_from_the_registry():
         cache = create_prefix_cache(kind, pool, alloc, 4, 8)
         assert type(cache) is type(built) and cache.kind == kind
         assert all(hasattr(cache, m) for m in SWA_METHODS) == cache.keeps_swa == (kind == "swa_radix")
-    flags = lambda disable: ServerArgs(disable_radix_cache=disable)  # noqa: E731
+    flags = lambda disable, policy="lru": ServerArgs(disable_radix_cache=disable,  # noqa: E731
+                                                     radix_eviction_policy=policy)
     assert cache_kind_for(flags(True), True) == "chunk" and cache_kind_for(flags(False), True) == "swa_radix"
     assert cache_kind_for(flags(False), False) == "radix"
+    assert cache_kind_for(flags(False, "lfu"), False) == "lfu_radix"
+    assert cache_kind_for(flags(False, "lfu"), True) == "swa_radix"  # (LFU is for one pool only)
     pool, alloc, _ = make("radix", 4)
     with pytest.raises(ValueError, match="hybrid SWA KV pool"):
         create_prefix_cache("swa_radix", pool, alloc, 4, 8)

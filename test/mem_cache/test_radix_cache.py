@@ -120,3 +120,29 @@ def test_chunk_handoff_keeps_row_consistent():
     release_kv_cache(req, cache, is_insert=False)  # retract: the request's own pages are freed
     assert cache.protected_size() == 0 and cache.evictable_size() == 20
     assert alloc.size - alloc.available_size() == 20
+
+
+def test_lfu_evicts_the_least_matched_prefix_first():
+    """--radix-eviction-policy lfu (LFURadixCache): a prefix matched often survives eviction although matched
+    longest ago; LRU (RadixCache) evicts it first. Hits survive a node split."""
+    from sgl_jax.srt.mem_cache.lfu_radix_cache import LFURadixCache
+
+    for cls, survivor in ((LFURadixCache, "shared"), (RadixCache, "recent")):
+        pool = ReqToTokenPool(4, 512)
+        alloc = PagedTokenToKVPoolAllocator(256, 1)
+        cache = cls(pool, alloc, 1)
+        shared, recent = [1, 2, 3, 4], [7, 8, 9, 10]
+        cache.insert(shared, slots_for(alloc, 4))
+        for _ in range(3):
+            cache.match_prefix(shared + [5])  # three hits
+        cache.insert(recent, slots_for(alloc, 4))
+        cache.match_prefix(recent)  # one hit, the latest access
+        assert cache.evict(4) == 4
+        kept = "shared" if cache.match_prefix(shared).length == 4 else "recent"
+        assert kept == survivor, cls.__name__
+    cache.match_prefix([7, 8, 11])  # split the RadixCache survivor: nothing to count there
+    lfu = LFURadixCache(ReqToTokenPool(4, 512), PagedTokenToKVPoolAllocator(256, 1), 1)
+    lfu.insert([1, 2, 3, 4], slots_for(lfu.allocator, 4))
+    lfu.match_prefix([1, 2, 3, 4])
+    m = lfu.match_prefix([1, 2, 9])  # splits [1, 2 | 3, 4]: the upper node keeps the hit and adds this one
+    assert m.last_node.hit_count == 2 and next(iter(m.last_node.children.values())).hit_count == 1

@@ -29,6 +29,7 @@ REASONING_PARSERS = ("qwen3", "deepseek-r1")  # SGLang's --reasoning-parser name
 TOKENIZER_MODES = ("auto", "slow")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")  # scheduler/load_balance.py
 SCHEDULE_POLICIES = ("fcfs", "lpm")  # scheduler/admission.py
+RADIX_EVICTION_POLICIES = ("lru", "lfu")  # mem_cache/registry.cache_kind_for
 
 
 def resolve_attention_backend(name: str, platform: str) -> str:
@@ -104,6 +105,7 @@ class ServerArgs:
     enable_mixed_chunk: bool = False
     max_prefill_step_ms: float = 500.0
     disable_radix_cache: bool = False
+    radix_eviction_policy: str = "lru"
     swa_full_tokens_ratio: float = 0.8
     disable_hybrid_swa_memory: bool = False
     enable_streaming_session: bool = False
@@ -173,6 +175,7 @@ class ServerArgs:
         self._check_positive("dp_size")
         self._check_choice("load_balance_method", LOAD_BALANCE_METHODS)
         self._check_choice("schedule_policy", SCHEDULE_POLICIES)
+        self._check_choice("radix_eviction_policy", RADIX_EVICTION_POLICIES)
         self._check_positive("nnodes")
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank!r}")
@@ -314,6 +317,9 @@ FLAG_HELP = {
                            "are learned from the steps run; 0: off, chunks are always "
                            "--chunked-prefill-size)",
     "disable_radix_cache": "no prefix sharing between requests (ChunkCache instead of RadixCache)",
+    "radix_eviction_policy": f"which cached prefix the radix cache evicts first, one of {list(RADIX_EVICTION_POLICIES)}: "
+                             "the least recently used, or the least frequently matched (LFURadixCache; one KV pool "
+                             "only, sliding-window models with hybrid SWA memory keep lru)",
     "swa_full_tokens_ratio": "sliding-window models: tokens of the SWA KV pool per token of the full pool; "
                              "both pools share the memory one pool for every layer would take",
     "disable_hybrid_swa_memory": "sliding-window models: one KV pool for every layer (windows only masked) "

@@ -1,8 +1,8 @@
 """The prefix-cache kinds, by name (mini-sglang's ``@register`` registry): each kind's module registers a factory
 with `register_cache`; `KVMemory` builds its rank's cache with `create_prefix_cache`.
 
-Kinds: "radix" (RadixCache, prefix sharing), "swa_radix" (SWARadixCache: radix over a full + SWA pool), "chunk"
-(ChunkCache: nothing shared, either pool layout). A new kind is a module with a `BasePrefixCache` subclass and
+Kinds: "radix" (RadixCache, prefix sharing, LRU eviction), "lfu_radix" (LFURadixCache: LFU eviction), "swa_radix"
+(SWARadixCache: radix over a full + SWA pool), "chunk" (ChunkCache: nothing shared, either pool layout). A new kind is a module with a `BasePrefixCache` subclass and
 a `register_cache` line, plus its case in `cache_kind_for` (and the flag that selects it in server_args.py).
 """
 
@@ -32,7 +32,7 @@ def register_cache(name: str):
 
 def cache_kinds() -> Dict[str, Callable]:
     """The registered kinds (name -> factory); importing the cache modules registers them."""
-    from sgl_jax.srt.mem_cache import chunk_cache, radix_cache, swa_radix_cache  # noqa: F401  (registration)
+    from sgl_jax.srt.mem_cache import chunk_cache, lfu_radix_cache, radix_cache, swa_radix_cache  # noqa: F401
 
     return dict(_FACTORIES)
 
@@ -40,10 +40,12 @@ def cache_kinds() -> Dict[str, Callable]:
 def cache_kind_for(server_args, hybrid_swa: bool) -> str:
     """The kind a rank uses, from the flags (`server_args`: a ServerArgs, or anything with its cache fields):
     "chunk" with --disable-radix-cache, else "swa_radix" when the KV has a separate SWA pool (hybrid SWA memory),
-    else "radix"."""
+    else "lfu_radix" with --radix-eviction-policy lfu, else "radix"."""
     if server_args.disable_radix_cache:
         return "chunk"
-    return "swa_radix" if hybrid_swa else "radix"
+    if hybrid_swa:
+        return "swa_radix"
+    return "lfu_radix" if getattr(server_args, "radix_eviction_policy", "lru") == "lfu" else "radix"
 
 
 def create_prefix_cache(kind: str, req_to_token_pool, allocator, page_size: int,

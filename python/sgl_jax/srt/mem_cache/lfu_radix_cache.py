@@ -1,0 +1,58 @@
+"""LFURadixCache: the radix cache that evicts the least frequently used prefix first (``--radix-eviction-policy
+lfu``, SGLang's flag; the default, lru, is RadixCache).
+
+Every node counts the matches that ran through it (``hit_count``: each `match_prefix` adds one to every node
+of the matched path); eviction frees unlocked leaves with the fewest hits first, least recently used among
+equals. A prefix many requests share (a system prompt) then outlives one-off prompts that arrived after it, where
+LRU would evict it first under a burst of new prompts. Everything else -- page-aligned nodes, locking, the
+accounting, the `BasePrefixCache` contract -- is RadixCache's. Kind "lfu_radix" (registry.py); one full pool
+only (hybrid SWA memory uses "swa_radix").
+
+Source: SGLang's ``--radix-eviction-policy lfu`` (python/sglang/srt/mem_cache/evict_policy.py); code our own.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from sgl_jax.srt.mem_cache.base_prefix_cache import MatchResult, TokenIds
+from sgl_jax.srt.mem_cache.radix_cache import RadixCache, TreeNode
+from sgl_jax.srt.mem_cache.registry import register_cache
+
+
+class LFUTreeNode(TreeNode):
+    """A TreeNode with ``hit_count``, the matches that ran through it; heap order: fewest hits, then least
+    recently used."""
+
+    __slots__ = ("hit_count",)
+
+    def __init__(self, key: np.ndarray, value: np.ndarray, parent: Optional["LFUTreeNode"]):
+        super().__init__(key, value, parent)
+        self.hit_count = 0
+
+    def __lt__(self, other: "LFUTreeNode") -> bool:
+        return (self.hit_count, self.last_access_time, self.id) < (other.hit_count, other.last_access_time, other.id)
+
+
+@register_cache("lfu_radix")
+class LFURadixCache(RadixCache):
+    """RadixCache with least-frequently-used eviction (see the module docstring); same arguments."""
+
+    node_cls = LFUTreeNode
+
+    def match_prefix(self, token_ids: TokenIds) -> MatchResult:
+        """RadixCache's match; every node of the matched path counts one more hit."""
+        match = super().match_prefix(token_ids)
+        node = match.last_node
+        while node is not None and node is not self.root:
+            node.hit_count += 1
+            node = node.parent
+        return match
+
+    def _split(self, child: LFUTreeNode, n: int) -> LFUTreeNode:
+        """RadixCache's split; the new upper node keeps the hits of the node it was cut from."""
+        upper = super()._split(child, n)
+        upper.hit_count = child.hit_count
+        return upper
