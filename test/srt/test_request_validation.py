@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sgl_jax.srt.io_struct import SchedulerInfo
 from sgl_jax.srt.entrypoints.field_types import SEED_MAX, SEED_MIN
 from sgl_jax.srt.entrypoints.http_guards import KeyChecker, is_json_content_type
 from sgl_jax.srt.entrypoints.field_types import DefaultOnly, Ignored, marked_fields
@@ -37,7 +38,17 @@ from sgl_jax.srt.sampling.sampling_params import DEVICE_SEED_LIMIT, SamplingPara
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 
 # the scheduler's readiness facts for a server with a 64-token prefill bucket and a 100-token KV pool
-INFO = {"context_len": 512, "vocab_size": 49152, "max_req_input_len": 64, "max_total_tokens": 100}
+def scheduler_info(**overrides) -> SchedulerInfo:
+    """What a scheduler would report (io_struct.SchedulerInfo), small limits, with `overrides`."""
+    return SchedulerInfo(**{
+        "max_total_tokens": 100, "max_running_requests": 8, "max_prefill_tokens": 512, "max_req_input_len": 64,
+        "context_len": 512, "page_size": 1, "kv_cache_dtype": "float32", "chunked_prefill_size": -1,
+        "prefix_cache": "radix", "vocab_size": 49152, "architecture": "LlamaForCausalLM", "token_paddings": [64],
+        "bs_paddings": [1, 8], "dp_size": 1, "tp_size": 1, "load_balance_method": "round_robin",
+        "enable_mixed_chunk": False, "max_prefill_step_ms": 0.0, **overrides})
+
+
+INFO = scheduler_info()
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +89,7 @@ def test_limits_give_400_or_413(tm):
 
 
 def test_kv_pool_limit_gives_413():
-    info = {**INFO, "max_req_input_len": 511}
+    info = scheduler_info(max_req_input_len=511)
     tm = TokenizerManager(ServerArgs(), PortArgs.init_new(), info)
     e = err(tm, input_ids=[1] * 200)
     assert e.status_code == 413 and "needs 201 KV tokens" in e.message and "KV pool holds 100 tokens" in e.message
@@ -170,10 +181,10 @@ GENERATE_IGNORED = {"log_metrics": False, "session_id": "s", "conversation_id": 
 
 
 def test_every_sglang_field_is_declared_and_classified():
-    """The models declare exactly SGLang's fields (plus `seed`, our alias, and the router's `model`); every field that does not reach the
+    """The models declare exactly SGLang's fields (plus `seed`, our alias, `typical_p`, our extension, and the router's `model`); every field that does not reach the
     engine is marked default-only or ignored, and the test tables cover each of them."""
     assert set(GenerateRequest.model_fields) == set(SGLANG_GENERATE_DEFAULTS) | {"model"}
-    assert set(SamplingParamsRequest.model_fields) == set(SGLANG_SAMPLING_DEFAULTS) | {"seed"}
+    assert set(SamplingParamsRequest.model_fields) == set(SGLANG_SAMPLING_DEFAULTS) | {"seed", "typical_p"}
     assert marked_fields(GenerateRequest, DefaultOnly) == set(GENERATE_UNSUPPORTED)
     assert marked_fields(GenerateRequest, Ignored) == set(GENERATE_IGNORED)
     assert marked_fields(SamplingParamsRequest, DefaultOnly) == set(SAMPLING_UNSUPPORTED)
@@ -600,7 +611,7 @@ def test_too_long_text_is_refused_without_tokenizing(tm):
 
 def test_tokenization_runs_off_the_event_loop():
     """prepare_async tokenizes on the tokenizer thread; the event loop keeps ticking meanwhile."""
-    info = {**INFO, "context_len": 10**8, "max_req_input_len": 10**8, "max_total_tokens": 10**8}
+    info = scheduler_info(context_len=10**8, max_req_input_len=10**8, max_total_tokens=10**8)
     tm = TokenizerManager(ServerArgs(), PortArgs.init_new(), info)
     threads = []
     original = tm.tokenize
