@@ -66,6 +66,8 @@ class SamplingParamsRequest(NullMeansDefault, StrictModel):
     top_p: TopP = _SP.top_p
     top_k: int = Field(_SP.top_k, ge=-1, le=INT32_MAX, description="-1 or 0: disabled")
     min_p: Probability = _SP.min_p
+    typical_p: TopP = Field(_SP.typical_p, description="locally typical sampling mass (transformers' / TGI's "
+                                                       "typical_p, an extension of SGLang's keys); 1: off")
     frequency_penalty: Penalty = _SP.frequency_penalty
     presence_penalty: Penalty = _SP.presence_penalty
     repetition_penalty: RepetitionPenalty = _SP.repetition_penalty

@@ -1,10 +1,11 @@
 """Next-token sampling on device: penalties, logit bias, grammar masks, greedy, temperature, top-k, top-p
-(nucleus), min-p, per-request seeds.
+(nucleus), min-p, typical-p, per-request seeds.
 
 Semantics follow SGLang's sampler: temperature 0 (or top_k 1) is greedy argmax; otherwise logits are
 divided by the temperature and filtered by top-k, top-p (keep the smallest prefix of tokens, by
-probability, whose mass reaches top_p; Holtzman et al. 2019) and min-p (keep tokens with probability
->= min_p * max probability). Each request draws from its own stream, fold_in(key(seed), step), so a
+probability, whose mass reaches top_p; Holtzman et al. 2019), min-p (keep tokens with probability
+>= min_p * max probability) and typical-p (keep the locally typical set of mass typical_p; Meister et al. 2022),
+each computed on the whole temperature-scaled distribution and the kept sets intersected. Each request draws from its own stream, fold_in(key(seed), step), so a
 seeded request samples the same tokens alone or inside any batch.
 
 Before that, in this order (`adjust_logits`): repetition penalty over prompt + output tokens (CTRL, Keskar
@@ -37,8 +38,23 @@ def _gumbel(meta: SamplingBatch, vocab: int) -> jax.Array:
     return jax.vmap(_row_gumbel, in_axes=(0, 0, None))(meta.seeds, meta.steps, vocab)
 
 
+def _typical_keep(scaled: jax.Array, typical_p: jax.Array) -> jax.Array:
+    """bool[S, V] (vocabulary order): the locally typical set of each row (Meister et al. 2022, transformers'
+    TypicalLogitsWarper): tokens ordered by |-log p - entropy|, ascending, kept while the mass before them is
+    below typical_p (so the set reaches typical_p; the most typical token always stays). typical_p 1 keeps all."""
+    S, V = scaled.shape
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    p = jnp.exp(logp)
+    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1, keepdims=True)
+    order = jnp.argsort(jnp.abs(-logp - entropy), axis=-1)
+    sorted_p = jnp.take_along_axis(p, order, axis=-1)
+    keep_sorted = ((jnp.cumsum(sorted_p, axis=-1) - sorted_p) < typical_p[:, None]).at[:, 0].set(True)
+    return jnp.zeros((S, V), bool).at[jnp.arange(S)[:, None], order].set(keep_sorted)
+
+
 def _sample_filtered(scaled: jax.Array, meta: SamplingBatch) -> jax.Array:
-    """Sample after top-k / top-p / min-p filtering (sorts each row once)."""
+    """Sample after top-k / top-p / min-p / typical-p filtering (sorts each row once; a second sort only when a
+    row uses typical_p)."""
     S, V = scaled.shape
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -49,7 +65,12 @@ def _sample_filtered(scaled: jax.Array, meta: SamplingBatch) -> jax.Array:
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep &= mass_before < meta.params["top_p"][:, None]
     keep &= probs >= meta.params["min_p"][:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)
+    keep = keep.at[:, 0].set(True)  # (the most likely token survives top-k, top-p and min-p)
+    typical_p = meta.params["typical_p"]
+    keep &= jax.lax.cond(jnp.any(typical_p < 1.0),
+                         lambda: jnp.take_along_axis(_typical_keep(scaled, typical_p), order, axis=-1),
+                         lambda: jnp.ones((S, V), bool))
+    keep = keep | (~jnp.any(keep, axis=-1, keepdims=True) & (rank == 0))  # never an empty set
     filtered = jnp.where(keep, sorted_logits, NEG_INF)
     choice = jnp.argmax(filtered + _gumbel(meta, V), axis=-1)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
@@ -167,7 +188,8 @@ def sample(logits: jax.Array, meta: SamplingBatch, eos_token_ids: jax.Array, sta
     greedy = jnp.argmax(logits, axis=-1)
     scaled = logits / jnp.where(greedy_rows, 1.0, meta.params["temperature"])[:, None]
     top_k = meta.params["top_k"]
-    needs_filter = (meta.params["top_p"] < 1.0) | ((top_k > 0) & (top_k < V)) | (meta.params["min_p"] > 0.0)
+    needs_filter = ((meta.params["top_p"] < 1.0) | ((top_k > 0) & (top_k < V)) | (meta.params["min_p"] > 0.0)
+                    | (meta.params["typical_p"] < 1.0))
     branch = jnp.where(jnp.all(greedy_rows), 0, jnp.where(jnp.any(needs_filter & ~greedy_rows), 2, 1))
     sampled = jax.lax.switch(
         branch,

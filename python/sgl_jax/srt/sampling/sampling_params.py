@@ -58,7 +58,8 @@ class SamplingParams:
     min_new_tokens: EOS is masked and stop conditions are ignored until this many tokens exist.
     stop: stop strings (the output is cut before the first match unless no_stop_trim).
     stop_token_ids: extra token ids that end generation.
-    temperature: 0 for greedy. top_p in (0, 1]. top_k: -1 (or 0) disables. min_p in [0, 1].
+    temperature: 0 for greedy. top_p in (0, 1]. top_k: -1 (or 0) disables. min_p in [0, 1]. typical_p in (0, 1]:
+    locally typical sampling (Meister et al. 2022; transformers' / TGI's ``typical_p``), 1 = off.
     frequency_penalty / presence_penalty: subtracted from a token's logit per occurrence in the output / once
     if it occurs in the output (OpenAI, SGLang; in [-2, 2]). repetition_penalty: logits of tokens in the
     prompt or output are divided by it when positive, multiplied when negative (CTRL, Keskar et al. 2019;
@@ -67,7 +68,7 @@ class SamplingParams:
     ignore_eos: keep generating past EOS. sampling_seed: per-request seed (also accepted as ``seed``),
     reduced to the device's width by `reduce_seed` in `normalize`.
 
-    The fields declared with `device_row` (temperature, top_p, top_k, min_p and the penalties) reach the sampler
+    The fields declared with `device_row` (temperature, top_p, top_k, min_p, typical_p and the penalties) reach the sampler
     as per-row arrays of the same name (`sampling_batch.SamplingBatch.params`): adding such a field takes the
     protocols, this dataclass and layers/sampler.py, nothing else.
 
@@ -83,6 +84,7 @@ class SamplingParams:
     top_p: float = device_row(1.0, np.float32)
     top_k: int = device_row(-1, np.int32)
     min_p: float = device_row(0.0, np.float32)
+    typical_p: float = device_row(1.0, np.float32)
     frequency_penalty: float = device_row(0.0, np.float32)
     presence_penalty: float = device_row(0.0, np.float32)
     repetition_penalty: float = device_row(1.0, np.float32)

@@ -133,6 +133,8 @@ class OpenAIRequest(NullMeansDefault, SGLangSharedFields, LenientModel):
     # SGLang's extensions
     top_k: int = Field(-1, ge=-1, le=INT32_MAX, description="-1 or 0: disabled")
     min_p: Probability = 0.0
+    typical_p: TopP = Field(1.0, description="locally typical sampling mass (transformers' / TGI's typical_p); "
+                                             "1: off")
     min_tokens: NonNegInt32 = 0
     json_schema: Optional[str] = Field(None, description="a JSON schema the output must satisfy")
     regex: Optional[str] = Field(None, description="a regular expression the whole output must match")
