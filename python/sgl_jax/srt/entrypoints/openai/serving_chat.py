@@ -12,6 +12,7 @@ is null (SGLang's response).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import time
@@ -164,6 +165,24 @@ def _chat_logprobs(entries, tops, top_n: int) -> dict:
     return {"content": content}
 
 
+@dataclasses.dataclass
+class _ChatCall:
+    """One /v1/chat/completions call once its requests are prepared: what building its response needs."""
+
+    tm: TokenizerManager
+    req: ChatCompletionRequest
+    plan: Optional[ToolPlan]  # None without tools
+    detectors: list  # per choice, its reasoning detector (None: no split)
+    prepared: list  # the admitted GenerateReqInputs, one per choice
+    top_n: int
+    rid: str = dataclasses.field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def chunk(self, choices, **extra) -> bytes:
+        return sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.tm.served_model_name, "choices": choices, **extra})
+
+
 async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionRequest,
                                  wait: Optional[Wait] = None) -> Response:
     """Serve one /v1/chat/completions request (`wait`: see serving_completions.create_completion)."""
@@ -179,8 +198,7 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sampling_params = [with_tool_grammar(sampling_params_from(req, max_tokens, seed_offset=k), plan)
                        for k in range(req.n)]
-    reasoning_parser = tm.server_args.reasoning_parser
-    detectors = reasoning_detectors(reasoning_parser, req, req.n, is_constrained(sampling_params[0]))
+    detectors = reasoning_detectors(tm.server_args.reasoning_parser, req, req.n, is_constrained(sampling_params[0]))
     prepared = await tm.prepare_fanout([GenerateReqInput(
         input_ids=input_ids,
         sampling_params=sampling_params[k],
@@ -191,90 +209,83 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
         rid=f"{req.rid}-{k}" if req.rid else None,
         session_params=session_params_of(req, req.n),
     ) for k in range(req.n)])
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    model = tm.served_model_name
+    call = _ChatCall(tm, req, plan, detectors, prepared, top_n)
+    if req.stream:
+        return StreamingResponse(_chat_stream(call), media_type="text/event-stream")
+    work = gather_or_cancel(tm.generate(p, admitted=True) for p in prepared)
+    results = await (wait(work) if wait is not None else work)
+    if results is None:
+        return Response(status_code=499)
+    meta0 = results[0]["meta_info"]
+    return json_response({
+        "id": call.rid, "object": "chat.completion", "created": call.created, "model": tm.served_model_name,
+        "choices": [_choice(call, i, r) for i, r in enumerate(results)],
+        "usage": usage(meta0["prompt_tokens"], sum(r["meta_info"]["completion_tokens"] for r in results),
+                       meta0["cached_tokens"]),
+    })
 
-    if not req.stream:
-        work = gather_or_cancel(tm.generate(p, admitted=True) for p in prepared)
-        results = await (wait(work) if wait is not None else work)
-        if results is None:
-            return Response(status_code=499)
-        choices = []
-        for i, r in enumerate(results):
+
+def _choice(call: _ChatCall, i: int, result: dict) -> dict:
+    """Choice `i` of a non-streamed response: the message (reasoning split, tool calls parsed), logprobs, finish."""
+    meta = result["meta_info"]
+    text, reasoning = result["text"], None
+    if call.detectors[i] is not None:
+        reasoning, text = call.detectors[i].parse_non_stream(text)
+    message, finish_reason = message_for(call.plan, text, finish_reason_str(meta["finish_reason"]))
+    if call.tm.server_args.reasoning_parser is not None:
+        message["reasoning_content"] = reasoning or None
+        if call.detectors[i] is not None and not message["content"]:
+            message["content"] = None
+    logprobs = None
+    if call.req.logprobs:
+        logprobs = _chat_logprobs(meta.get("output_token_logprobs", []), meta.get("output_top_logprobs", []),
+                                  call.top_n)
+    return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "matched_stop": (meta["finish_reason"] or {}).get("matched")}
+
+
+async def _chat_stream(call: _ChatCall):
+    """The SSE chunks of a streamed response: a role chunk per choice, then each choice's deltas (reasoning
+    split and tool calls streamed as they parse), the usage chunk with include_usage, then [DONE]."""
+    n = len(call.prepared)
+    sent_text, content_text, sent_lp, completion_tokens = [0] * n, [""] * n, [0] * n, [0] * n
+    prompt_tokens = cached = 0
+    tool_streams = [ToolStream(call.plan) if call.plan else None for _ in range(n)]
+    for i in range(n):
+        yield call.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}])
+    try:
+        async for i, r in merge_streams([call.tm.generate_request(p, admitted=True) for p in call.prepared]):
             meta = r["meta_info"]
-            text, reasoning = r["text"], None
-            if detectors[i] is not None:
-                reasoning, text = detectors[i].parse_non_stream(text)
-            message, finish_reason = message_for(plan, text, finish_reason_str(meta["finish_reason"]))
-            if reasoning_parser is not None:
-                message["reasoning_content"] = reasoning or None
-                if detectors[i] is not None and not message["content"]:
-                    message["content"] = None
-            choices.append({
-                "index": i,
-                "message": message,
-                "logprobs": _chat_logprobs(meta.get("output_token_logprobs", []),
-                                           meta.get("output_top_logprobs", []), top_n) if req.logprobs else None,
-                "finish_reason": finish_reason,
-                "matched_stop": (meta["finish_reason"] or {}).get("matched"),
-            })
-        meta0 = results[0]["meta_info"]
-        return json_response({
-            "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(meta0["prompt_tokens"], sum(r["meta_info"]["completion_tokens"] for r in results),
-                           meta0["cached_tokens"]),
-        })
-
-    def chunk(choices, **extra):
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": choices, **extra})
-
-    async def stream():
-        sent_text = [0] * len(prepared)
-        content_text = [""] * len(prepared)  # each choice's content so far (its output less the reasoning)
-        sent_lp = [0] * len(prepared)
-        completion_tokens = [0] * len(prepared)
-        prompt_tokens = cached = 0
-        tool_streams = [ToolStream(plan) if plan else None for _ in prepared]
-        for i in range(len(prepared)):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-        try:
-            async for i, r in merge_streams([tm.generate_request(p, admitted=True) for p in prepared]):
-                meta = r["meta_info"]
-                fr = finish_reason_str(meta["finish_reason"])
-                new_text = r["text"][sent_text[i]:]
-                sent_text[i] = len(r["text"])
-                reasoning_delta, content_delta = "", new_text
-                if detectors[i] is not None:
-                    reasoning_delta, content_delta = detectors[i].parse_stream_chunk(new_text)
-                    if fr is not None:  # what the detector still holds back
-                        r_end, c_end = detectors[i].parse_stream_end()
-                        reasoning_delta, content_delta = reasoning_delta + r_end, content_delta + c_end
-                content_text[i] += content_delta
-                delta = tool_streams[i].feed(content_text[i]) if tool_streams[i] is not None else content_delta
-                logprobs = None
-                if req.logprobs:
-                    entries = meta.get("output_token_logprobs", [])
-                    tops = meta.get("output_top_logprobs", [])
-                    logprobs = _chat_logprobs(entries[sent_lp[i]:], tops[sent_lp[i]:], top_n)
-                    sent_lp[i] = len(entries)
-                prompt_tokens, cached = meta["prompt_tokens"], meta["cached_tokens"]
-                completion_tokens[i] = meta["completion_tokens"]
-                message = {"reasoning_content": reasoning_delta} if reasoning_delta else {}
-                if delta:
-                    message["content"] = delta
-                if fr is not None and tool_streams[i] is not None:
-                    if message:
-                        yield chunk([{"index": i, "delta": message, "logprobs": None, "finish_reason": None}])
-                    message, fr = tool_streams[i].finish(fr)
-                if message or fr or (logprobs and logprobs["content"]):
-                    yield chunk([{"index": i, "delta": message, "logprobs": logprobs, "finish_reason": fr}])
-            if req.stream_options and req.stream_options.include_usage:
-                yield chunk([], usage=usage(prompt_tokens, sum(completion_tokens), cached))
-        except RequestError as e:
-            yield sse({"error": {"message": e.message, "code": e.status_code}})
-        yield SSE_DONE
-
-    return StreamingResponse(stream(), media_type="text/event-stream")
+            fr = finish_reason_str(meta["finish_reason"])
+            new_text = r["text"][sent_text[i]:]
+            sent_text[i] = len(r["text"])
+            reasoning_delta, content_delta = "", new_text
+            if call.detectors[i] is not None:
+                reasoning_delta, content_delta = call.detectors[i].parse_stream_chunk(new_text)
+                if fr is not None:  # what the detector still holds back
+                    r_end, c_end = call.detectors[i].parse_stream_end()
+                    reasoning_delta, content_delta = reasoning_delta + r_end, content_delta + c_end
+            content_text[i] += content_delta
+            delta = tool_streams[i].feed(content_text[i]) if tool_streams[i] is not None else content_delta
+            logprobs = None
+            if call.req.logprobs:
+                entries, tops = meta.get("output_token_logprobs", []), meta.get("output_top_logprobs", [])
+                logprobs = _chat_logprobs(entries[sent_lp[i]:], tops[sent_lp[i]:], call.top_n)
+                sent_lp[i] = len(entries)
+            prompt_tokens, cached = meta["prompt_tokens"], meta["cached_tokens"]
+            completion_tokens[i] = meta["completion_tokens"]
+            message = {"reasoning_content": reasoning_delta} if reasoning_delta else {}
+            if delta:
+                message["content"] = delta
+            if fr is not None and tool_streams[i] is not None:
+                if message:
+                    yield call.chunk([{"index": i, "delta": message, "logprobs": None, "finish_reason": None}])
+                message, fr = tool_streams[i].finish(fr)
+            if message or fr or (logprobs and logprobs["content"]):
+                yield call.chunk([{"index": i, "delta": message, "logprobs": logprobs, "finish_reason": fr}])
+        if call.req.stream_options and call.req.stream_options.include_usage:
+            yield call.chunk([], usage=usage(prompt_tokens, sum(completion_tokens), cached))
+    except RequestError as e:
+        yield sse({"error": {"message": e.message, "code": e.status_code}})
+    yield SSE_DONE
