@@ -19,6 +19,7 @@ prefixes (LoRA) a cache kind whose keys carry the adapter.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -36,6 +37,9 @@ from sgl_jax.srt.mem_cache.session_kv import SessionKV
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator, split_hybrid_budget
 
 FULL_POOL, SWA_POOL = 0, 1
+# Keep every running request's SWA KV until it finishes (hybrid SWA memory without SWA release): for measuring
+# what SWA release buys, not for serving.
+DISABLE_SWA_RELEASE_ENV = "SGL_JAX_DISABLE_SWA_RELEASE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,10 +153,12 @@ class KVMemory:
     @classmethod
     def create(cls, spec: KVCacheSpec, *, num_request_slots: int, context_len: int, server_args=None,
                disable_radix_cache: bool = False, sliding_window: Optional[int] = None,
-               swa_release: bool = True) -> "KVMemory":
+               swa_release: Optional[bool] = None) -> "KVMemory":
         """The host side of a rank's KV buffers `spec`: request slots, allocator(s) and the prefix cache kind
         `registry.cache_kind_for` picks from the flags (`server_args`; without it, radix or, with
-        `disable_radix_cache`, chunk)."""
+        `disable_radix_cache`, chunk). `swa_release` None: on unless SGL_JAX_DISABLE_SWA_RELEASE=1."""
+        if swa_release is None:
+            swa_release = os.environ.get(DISABLE_SWA_RELEASE_ENV) != "1"
         pool = ReqToTokenPool(num_request_slots, context_len)
         ps = spec.page_size
         if spec.num_pools > 1:

@@ -34,6 +34,7 @@ from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.io_struct import AbortReq, ScorePrefillReq, ScoreReleaseReq, TokenizedScoreReqInput
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory
+from sgl_jax.srt.mem_cache.req_kv import kv_fields
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.preflight import KVLimits, check_fits
 from sgl_jax.srt.scheduler.admission import (
@@ -63,8 +64,7 @@ def session_state(session, page_size: int) -> dict:
                     "last_turn_rid": None if h is None else h.rid,
                     "kv_tokens_session_held": kv.held_tokens(page_size)})
         if h is not None:
-            out.update({f: getattr(h, f) for f in ("kv_committed_len", "kv_allocated_len", "cache_protected_len",
-                                                    "swa_evicted_len")})
+            out.update(kv_fields(h))
     return out
 
 

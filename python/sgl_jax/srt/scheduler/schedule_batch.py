@@ -12,6 +12,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
+from sgl_jax.srt.mem_cache.req_kv import forget_kv, init_req_kv
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
@@ -119,27 +120,10 @@ class Req:
         self.finished_reason: Optional[FinishReason] = None
         self.to_abort: Optional[FinishReason] = None
 
-        # KV ownership (see mem_cache/cache_manager.py): positions [0, cache_protected_len) belong to the
-        # prefix cache (locked through last_node); [cache_protected_len, kv_allocated_len) to this request.
-        self.req_pool_idx: Optional[int] = None
-        self.kv_allocated_len = 0  # positions that have a KV slot
-        # hybrid SWA memory: positions [cache_protected_len, swa_evicted_len) of this request's own KV have had
-        # their SWA pages freed (out of every future query's window); their full KV stays
-        self.swa_evicted_len = 0
-        self.kv_committed_len = 0  # positions whose K/V are written
-        self.cache_protected_len = 0
-        self.last_node = None
-        self.kv_released = False  # set by release_kv_cache; a second release is a no-op
-        # streaming sessions (mem_cache/session_kv.py): the session's KV this turn extends (None: no session);
-        # kv_private: positions past cache_protected_len stay the session's (never handed to the prefix
-        # cache); swa_keep: (lo, hi) page-aligned positions whose SWA KV SWA release spares while the turn runs
-        # (the session's window at the turn's start); swa_evicted_hi: positions [hi, swa_evicted_hi) freed
-        self.session_kv = None
+        # KV bookkeeping (req_pool_idx, kv_allocated_len, kv_committed_len, cache_protected_len, last_node,
+        # prefix_indices, session_kv, ...): owned by mem_cache (mem_cache/req_kv.py)
+        init_req_kv(self)
         self.dp_rank: Optional[int] = None  # the DP rank it must run on (its session's), None: any
-        self.kv_private = False
-        self.swa_keep: Optional[tuple] = None
-        self.swa_evicted_hi = 0
-        self.prefix_indices = np.zeros(0, np.int32)  # matched prefix slots, written to the row at admission
         self.extend_input_len = 0  # tokens of the next extend (a chunk, or the whole uncached rest)
         self.is_chunked = False  # between two chunks of its prompt's prefill
         self.cached_tokens = 0
@@ -191,9 +175,7 @@ class Req:
     def reset_for_retract(self) -> None:
         """Forget KV state after a retract (KV already released); generation resumes from fill_ids."""
         assert self.req_pool_idx is None, "release the request's KV before resetting it"
-        self.kv_allocated_len = self.kv_committed_len = self.cache_protected_len = self.swa_evicted_len = 0
-        self.last_node = None
-        self.prefix_indices = np.zeros(0, np.int32)
+        forget_kv(self)
         self.extend_input_len = 0
         self.is_chunked = False
         self.penalty_slot = None

@@ -87,9 +87,6 @@ STEP_DELAY_ENV = "SGL_JAX_TEST_STEP_DELAY_S"
 # Test hook: when "1", retract the latest half of the running requests every few decode steps
 # (SGLang's SGLANG_TEST_RETRACT is accepted too).
 TEST_RETRACT_ENV = "SGL_JAX_TEST_RETRACT"
-# Keep every running request's SWA KV until it finishes (hybrid SWA memory without SWA release): for
-# measuring what SWA release buys, not for serving.
-DISABLE_SWA_RELEASE_ENV = "SGL_JAX_DISABLE_SWA_RELEASE"
 # Test hook: when "1", check every rank's page ownership exactly after every step (mem_cache/kv_invariants.py);
 # a violation counts in memory_errors. Costs a pass over the pools per step: for tests, not for serving.
 CHECK_KV_INVARIANTS_ENV = "SGL_JAX_CHECK_KV_INVARIANTS"
@@ -201,8 +198,7 @@ class Scheduler:
         sa, mc = self.server_args, self.model_config
         memory = KVMemory.create(self.model_runner.kv_spec, num_request_slots=self.max_running_requests,
                                  context_len=self.context_len, server_args=sa,
-                                 sliding_window=mc.sliding_window,
-                                 swa_release=os.environ.get(DISABLE_SWA_RELEASE_ENV) != "1")
+                                 sliding_window=mc.sliding_window)
         scoring = SchedulerScoring(memory, sa.multi_item_prefill_extend_cache_timeout,
                                    self.send_to_tokenizer.send_pyobj, mc.eos_token_ids, clock=lambda: self.tick_now)
         admission = AdmissionPolicy(buckets=self.buckets, max_running_requests=self.max_running_requests,
