@@ -27,6 +27,11 @@ At the end: stop sending, wait for an idle pool (nothing running or waiting, kv_
 check free + cached == total, req_slots_free == max_running_requests, memory_errors == 0, POST /flush_cache, check
 free == total. RSS growth = (max RSS after the warm-up - last RSS within it) / the latter; flat when <= 5%. Exit
 status 1 on a failed leak check, any error, or a self-started server not exiting with 0.
+
+The report's .json keeps the server's raw /get_server_info after the final flush (``server_info_end``; the
+report's compile and memory-error line is read from it) and the machine rates measured at the start, before the
+server (``rates``: `bench_utils.machine_rates_in_subprocess`, printed beside, never a constant). Both files are
+generated; notes go in the .notes.md beside them.
 """
 
 from __future__ import annotations
@@ -52,9 +57,8 @@ from typing import Dict, List, Optional
 
 import httpx
 
-from sgl_jax.bench_utils import git_commit
-
-FLOORS = "CPU floors: ~380-420 GFLOP/s float32 matmul, ~42 GB/s memory"
+from sgl_jax.bench_utils import (MachineRates, format_server_claims, git_commit, machine_rates_in_subprocess,
+                                 notes_path)
 DEFAULT_SERVER_ARGS = ["--max-running-requests", "16", "--max-total-tokens", "8192"]
 WEIGHTS = {"gen": 24, "gen_stream": 14, "chat": 10, "chat_stream": 8, "score": 10, "disc_stream": 8,
            "disc_cancel": 8, "abort": 10, "flush": 8}
@@ -386,13 +390,19 @@ async def soak(args, url: str, pid: Optional[int], labels: List[int]) -> dict:
             ctx.add("worker", "error", "hung_past_timeout", "a worker did not finish its last request")
         failures, idle, flushed = await drain_and_check(ctx, client, args.idle_timeout_s)
         rows.append(await make_row(ctx, client, pid, "end"))
+        r = await client.get(url + "/get_server_info", timeout=120)
+        r.raise_for_status()
     return {"rows": rows, "total": ctx.total, "failures": failures, "idle_state": idle, "after_flush": flushed,
-            "prompt_tokens": ctx.prompt_tokens, "cached_tokens": ctx.cached_tokens}
+            "prompt_tokens": ctx.prompt_tokens, "cached_tokens": ctx.cached_tokens, "server_info_end": r.json()}
 
 
 def write_report(args, meta: dict, res: dict, verdicts: List[str]) -> None:
     t: Tally = res["total"]
-    lines = [f"# Soak test ({meta['date']})", "", f"Commit {meta['commit']}; machine: {meta['machine']}. {FLOORS}.",
+    rates = MachineRates.from_json(meta["rates"]).describe()
+    json_path = os.path.splitext(args.report)[0] + ".json"
+    lines = [f"# Soak test ({meta['date']})", "", f"Commit {meta['commit']}; machine: {meta['machine']}; machine "
+             f"rates {rates}.", "", f"Generated with its raw output in `{os.path.basename(json_path)}`; not edited "
+             f"by hand (notes go in `{os.path.basename(notes_path(args.report))}`).",
              "", "Command:", "", f"    {meta['command']}", "", f"Server: `{meta['server']}`", "",
              f"{args.duration_min:g} min, {args.concurrency} workers, a row every {args.interval_s:g} s, warm-up "
              f"{args.warmup_min:g} min, seed {args.seed}; operation weights {WEIGHTS}. Counts are within each row's "
@@ -403,7 +413,8 @@ def write_report(args, meta: dict, res: dict, verdicts: List[str]) -> None:
              f"{res['prompt_tokens'][0]}-{res['prompt_tokens'][1]} tokens; {res['cached_tokens']} prompt tokens of "
              f"non-streaming /generate served from the prefix cache.", "",
              f"Idle pool before the final flush: `{json.dumps(res['idle_state'])}`", "",
-             *[f"**{v}**  " for v in verdicts]]
+             "Server after the final flush (raw /get_server_info in the .json):", "",
+             format_server_claims(res["server_info_end"]), "", *[f"**{v}**  " for v in verdicts]]
     if t.samples:
         lines += ["", "First request of each error kind:", ""] + [f"- `{k}`: `{v}`" for k, v in t.samples.items()]
     if meta["server_log_errors"]:
@@ -411,7 +422,7 @@ def write_report(args, meta: dict, res: dict, verdicts: List[str]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
     with open(args.report, "w") as f:
         f.write("\n".join(lines) + "\n")
-    with open(os.path.splitext(args.report)[0] + ".json", "w") as f:
+    with open(json_path, "w") as f:
         json.dump({**meta, "verdicts": verdicts, **{k: v for k, v in res.items() if k != "total"},
                    "totals": {"ok": t.ok, "expected": t.expected, "errors": t.errors}, "error_samples": t.samples},
                   f, indent=2)
@@ -429,6 +440,7 @@ def main() -> int:
     p.add_argument("--server-pid", type=int, help="with --url: the server's pid, for RSS")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     commit = git_commit(short=True)  # (at the start: the code a self-started server runs)
+    rates = machine_rates_in_subprocess()  # before a self-started server: the machine to itself
     proc, log = None, None
     if args.url:
         url = args.url.rstrip("/")
@@ -443,7 +455,7 @@ def main() -> int:
     vocab = httpx.get(url + "/get_server_info", timeout=60).json()["scheduler_info"].get("vocab_size", 0)
     labels = [9805, 787] if vocab > 9805 else [1, 2]  # " yes", " no" in SmolLM2's vocabulary
     command = " ".join(shlex.quote(a) for a in ["python", "benchmark/soak.py", *sys.argv[1:]])
-    print(f"{FLOORS}\nsoak: {command}\nserver: {server}", flush=True)
+    print(f"machine rates {rates.describe()}\nsoak: {command}\nserver: {server}", flush=True)
     code = None
     try:
         res = asyncio.run(soak(args, url, pid, labels))
@@ -464,7 +476,7 @@ def main() -> int:
         with open(log, errors="replace") as f:
             log_errors = [ln.rstrip()[:300] for ln in f if " ERROR " in ln or ln.startswith("Traceback")][:10]
     meta = {"date": str(datetime.date.today()), "commit": commit, "machine": machine(), "command": command,
-            "server": server, "server_log": log, "server_log_errors": log_errors, "floors": FLOORS,
+            "server": server, "server_log": log, "server_log_errors": log_errors, "rates": rates.to_json(),
             "args": vars(args)}
     write_report(args, meta, res, verdicts)
     print("\n".join(verdicts + [f"report: {args.report} (+ .json)"]), flush=True)

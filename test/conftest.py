@@ -5,12 +5,9 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-try:
-    import torch
+import torch  # the test extra's reference (a missing test extra fails, never skips)
 
-    torch.set_num_threads(1)
-except ImportError:  # the runtime does not need torch; only reference tests do
-    pass
+torch.set_num_threads(1)
 
 
 # pytest-timeout: server tests run under the `timeout` of pyproject.toml (900 s: it covers a module's

@@ -6,8 +6,10 @@ and writes a markdown report with the command that produced it.
 
 FLOPs count the attention matmuls only, causal pairs only: 4 * H * D per (query, visible key) pair
 (QK^T and PV, 2 FLOPs per multiply-add). Bytes count K and V of every visible KV token read once, plus the
-queries and the output. Peaks: on TPU/GPU from the vendor's datasheet (dense bf16 matmul, HBM bandwidth);
-on CPU measured in the same run (XLA float32 matmul 2048^3, and the bandwidth of summing a 1 GiB array).
+queries and the output. Peaks: the machine's matmul and memory read rates measured in the same run
+(`bench_utils.measure_machine_rates`, the matmul in the benchmark's dtype); on TPU/GPU the datasheet's figures are
+printed beside them, never used. The .md and its .json (the command, the measured rates, every result) are
+generated together (`bench_utils.write_report`); notes go in the .notes.md beside them.
 
     python benchmark/kernels/bench_ragged_paged_attention.py                 # every shape, this device
     python benchmark/kernels/bench_ragged_paged_attention.py --scale 0.125 --backends native pallas
@@ -18,8 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
-import os
 import shlex
 import sys
 from typing import Dict, List, Optional
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from sgl_jax.bench_utils import accelerator_matmul_gflops, cpu_name, datasheet_peaks, timed, xla_matmul_gflops
+from sgl_jax.bench_utils import MachineRates, cpu_name, measure_machine_rates, timed, write_report
 from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention
 
 MODELS = {  # num_heads, num_kv_heads, head_dim (from the models' config.json)
@@ -64,39 +64,6 @@ SHAPES = [
     Shape("prefill", 1, 2048, 2048),
     Shape("extend", 4, 512, 1536),  # 1,024 cached tokens per sequence, 512 new
 ]
-
-def measured_cpu_peaks() -> tuple:
-    """(XLA float32 matmul GFLOP/s at 2048^3, GB/s summing a 1 GiB float32 array), best of 5 each."""
-    x = jnp.ones((2**28,), jnp.float32)
-    s = jax.jit(jnp.sum)
-    s(x).block_until_ready()
-    tb = min(timed(lambda: s(x).block_until_ready())[1] for _ in range(5))
-    return xla_matmul_gflops(), x.nbytes / tb / 1e9
-
-
-def measured_accelerator_peaks() -> tuple:
-    """(XLA bfloat16 matmul GFLOP/s at 8192^3, GB/s of a 1 GiB bfloat16 array copied with +1: bytes read plus
-    bytes written), best of 10 each, on the default device."""
-    x = jax.random.normal(jax.random.PRNGKey(0), (2**29,), jnp.bfloat16)
-    f = jax.jit(lambda a: a + 1)
-    f(x).block_until_ready()
-    tb = min(timed(lambda: f(x).block_until_ready())[1] for _ in range(10))
-    return accelerator_matmul_gflops(), 2 * x.nbytes / tb / 1e9
-
-
-def device_peaks(device) -> tuple:
-    """(peak GFLOP/s, peak GB/s, where the numbers come from): measured in this run (on TPU/GPU the
-    datasheet's figures are named beside them)."""
-    if device.platform == "cpu":
-        flops, bw = measured_cpu_peaks()
-        return flops, bw, "measured in this run (XLA f32 matmul 2048^3; sum of 1 GiB)"
-    flops, bw = measured_accelerator_peaks()
-    src = "measured in this run (XLA bf16 matmul 8192^3; copy of 1 GiB, read + write)"
-    sheet = datasheet_peaks(device.device_kind)
-    if sheet is not None:
-        src += f"; {sheet[0]} datasheet: {sheet[1]:.0f} TFLOP/s dense bf16, {sheet[2]:.0f} GB/s HBM"
-    return flops, bw, src
-
 
 def make_inputs(model: str, shape: Shape, page_size: int, dtype, seed: int = 0):
     """Random q and a paged cache holding exactly the batch's KV (pages shuffled); returns (args, kwargs)."""
@@ -186,7 +153,9 @@ def run(models: List[str], shapes: List[Shape], backends: List[str], page_size: 
     return results
 
 
-def table(results: List[Result], peak_gflops: float, peak_gbs: float) -> List[str]:
+def table(results: List[Result], rates: MachineRates) -> List[str]:
+    """Markdown rows of `results`, each rate also as a percentage of the measured machine rate."""
+    peak_gflops, peak_gbs = rates.matmul_gflops, rates.memory_gbps
     lines = ["| model | shape | seqs x (new / context) | backend | dtype | ms/call | GFLOP/s | % peak FLOP/s | GB/s "
              "| % peak GB/s | max diff vs first backend |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -223,25 +192,21 @@ def main(argv: Optional[List[str]] = None) -> List[Result]:
     dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
     shapes = [s.scaled(args.scale) for s in SHAPES]
     args.iters = args.iters or (5 if on_cpu else 50)
-    peak_gflops, peak_gbs, peak_src = device_peaks(device)
+    rates = measure_machine_rates(dtype.name)
     results = run(args.models, shapes, backends, args.page_size, dtype, args.iters)
     date = datetime.date.today().isoformat()
     output = args.output or f"reports/ragged-paged-attention-{device.platform}-{date}.md"
     cli = sys.argv[1:] if argv is None else argv
     command = " ".join(["python benchmark/kernels/bench_ragged_paged_attention.py", shlex.join(cli)]).strip()
-    lines = [f"# Ragged paged attention, one layer per call ({date})", "",
-             f"Device: {machine(device)}. Page size {args.page_size}, {dtype.name}; per call: the median of 3 "
-             f"rounds of {args.iters} back-to-back calls, after one warm-up call.", "",
-             f"Peaks: {peak_gflops:.1f} GFLOP/s, {peak_gbs:.1f} GB/s ({peak_src}).", "",
-             "```bash", command, "```", "", *table(results, peak_gflops, peak_gbs), ""]
-    print("\n".join(lines))
-    os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
-    with open(output, "w") as f:
-        f.write("\n".join(lines))
-    with open(os.path.splitext(output)[0] + ".json", "w") as f:
-        json.dump({"command": command, "machine": machine(device), "peak_gflops": peak_gflops, "peak_gbs": peak_gbs,
-                   "peak_source": peak_src, "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
-    print(f"wrote {output}")
+    body = "\n".join([
+        f"Device: {machine(device)}. Page size {args.page_size}, {dtype.name}; per call: the median of 3 rounds of "
+        f"{args.iters} back-to-back calls, after one warm-up call.", "",
+        f"Peaks: {rates.describe()}.", "", *table(results, rates)])
+    write_report(output, f"Ragged paged attention, one layer per call ({date})", command, body,
+                 {"machine": machine(device), "date": date, "rates": rates.to_json(),
+                  "results": [dataclasses.asdict(r) for r in results]})
+    print(body)
+    print(f"wrote {output} (+ .json)")
     return results
 
 

@@ -18,15 +18,20 @@ to B x (L + warm-up + output) tokens unless --max-total-tokens or --mem-fraction
 ChunkCache (no prefix sharing) is used whatever the radix flag says: random prompts share nothing.
 
 Floors (per device, for the real tokens, padding excluded): what the step must at least cost at the machine's
-peak rates ``--peak-gflops`` and ``--peak-gbps``.
+rates, both measured at the start of the run by ``bench_utils.measure_machine_rates`` (XLA's matmul rate in the
+model's dtype, GFLOP/s; the memory read rate, GB/s), never a constant.
   FLOPs = 2 x (parameters except embedding and lm-head) x tokens + 2 x vocab x hidden x sequences (the lm-head
           runs on each sequence's last token only) + 4 x layers x heads x head_dim x sum over query tokens of
           the context each sees (causal: position p sees p + 1 tokens, a sliding-window layer at most its window).
   bytes = weights read once (the parameters' bytes on device; an untied embedding table is only gathered, so
           it is left out) + per layer and sequence: KV read of its whole context after the step (window-capped)
           and KV written for its new tokens, at the bytes per token of the runner's KV buffers (their dtype).
-  floor = max(FLOPs / peak FLOP/s, bytes / peak B/s), marked F (compute-bound) or B (bandwidth-bound);
-  ``x floor`` = measured / floor. Decode: the median step against the median step's floor.
+  floor = max(FLOPs / matmul rate, bytes / memory rate) (``MachineRates.floor``), marked F (compute-bound) or B
+  (bandwidth-bound); ``x floor`` = measured / floor. Decode: the median step against the median step's floor.
+
+Every JSONL line holds its row, the measured rates and the programs compiled after warm-up (the runner's own
+count). ``--report NAME.md`` writes a generated report (``bench_utils.write_report``): NAME.md (computed from the
+rows alone) and NAME.json (the command and the rows); notes go in NAME.notes.md.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from sgl_jax.bench_utils import git_commit
+from sgl_jax.bench_utils import MachineRates, git_commit, measure_machine_rates, write_report
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.model_executor.buckets import derive_limits
@@ -109,17 +114,17 @@ def _context_sum(start: int, n: int, window: Optional[int]) -> int:
     return (a + window) * (window - a + 1) // 2 + window * (b - window)
 
 
-def step_floor(cost: ModelCost, seqs: List[Tuple[int, int]], peak_gflops: float, peak_gbps: float
+def step_floor(cost: ModelCost, seqs: List[Tuple[int, int]], rates: MachineRates
                ) -> Tuple[float, str, float, float]:
-    """(floor seconds, "F" or "B", FLOPs, bytes) of one step over `seqs` = [(tokens already in KV, new tokens)]."""
+    """(floor seconds, "F" or "B", FLOPs, bytes) of one step over `seqs` = [(tokens already in KV, new tokens)]
+    at the measured `rates`."""
     tokens = sum(n for _, n in seqs)
     flops = 2 * cost.token_params * tokens + 2 * cost.head_params * len(seqs)
     nbytes = cost.weight_bytes
     for window, kv in zip(cost.layer_windows, cost.layer_kv_bytes):
         flops += 4 * cost.q_heads * cost.head_dim * sum(_context_sum(s, n, window) for s, n in seqs)
         nbytes += kv * sum(min(s + n, window or s + n) + n for s, n in seqs)
-    t_flop, t_byte = flops / (peak_gflops * 1e9), nbytes / (peak_gbps * 1e9)
-    return max(t_flop, t_byte), "F" if t_flop >= t_byte else "B", float(flops), float(nbytes)
+    return (*rates.floor(flops, nbytes), float(flops), float(nbytes))
 
 
 def plan_prefill(prompt_lens: List[int], budget: int, max_seqs: int, page: int) -> List[List[Tuple[int, int]]]:
@@ -150,6 +155,7 @@ class OneBatchRunner:
     def __init__(self, sa: ServerArgs, args: argparse.Namespace):
         platform = setup_jax(sa)
         self.mc = mc = ModelConfig.from_server_args(sa, platform)
+        self.rates = measure_machine_rates(mc.dtype)  # the device is still free: nothing loaded yet
         self.page = sa.page_size
         max_bs, self.warmup_steps = max(args.batch_size), args.warmup_steps
         per_seq = max(args.input_len) + args.warmup_steps + args.output_len
@@ -228,7 +234,7 @@ class OneBatchRunner:
         seqs, host = self._step(batch)
         return time.perf_counter() - t0, prep + host, seqs
 
-    def run_row(self, bs: int, input_len: int, output_len: int, seed: int, peaks: Tuple[float, float]) -> dict:
+    def run_row(self, bs: int, input_len: int, output_len: int, seed: int) -> dict:
         """Prefill B x L random prompts, run the warm-up decode steps, time `output_len` decode steps, free all."""
         rng = np.random.default_rng([seed, bs, input_len])
         ids = rng.integers(0, self.mc.vocab_size, size=(bs, input_len)).tolist()
@@ -237,7 +243,7 @@ class OneBatchRunner:
                 for i, p in enumerate(ids)]
         compiles = self.runner.num_compiles_after_warmup or 0
         prefill_s, steps = self.prefill(reqs)
-        prefill_floors = [step_floor(self.cost, s, *peaks) for s in steps]
+        prefill_floors = [step_floor(self.cost, s, self.rates) for s in steps]
         t, s = self.buckets.decode_shape(bs)
         self.runner.forward(self.runner.dummy_batch(ForwardMode.DECODE, t, s))  # first run of the shape
         for _ in range(self.warmup_steps):
@@ -245,14 +251,14 @@ class OneBatchRunner:
         times, hosts, floors = [], [], []
         for _ in range(output_len):
             t, h, seqs = self.decode(reqs)
-            times.append(t), hosts.append(h), floors.append(step_floor(self.cost, seqs, *peaks))
+            times.append(t), hosts.append(h), floors.append(step_floor(self.cost, seqs, self.rates))
         compiles = (self.runner.num_compiles_after_warmup or 0) - compiles
         for r in reqs:
             self.memory.release(r)
         assert self.memory.free_tokens() == self.memory.size, "KV pages leaked"
         p_floor = sum(f[0] for f in prefill_floors)
         p_flops, p_bytes = sum(f[2] for f in prefill_floors), sum(f[3] for f in prefill_floors)
-        p_bound = "F" if p_flops / peaks[0] >= p_bytes / peaks[1] else "B"
+        p_bound = self.rates.floor(p_flops, p_bytes)[1]
         med = float(np.median(times))
         d_floor = sorted(floors)[len(floors) // 2]
         return {"batch_size": bs, "input_len": input_len, "output_len": output_len,
@@ -287,21 +293,31 @@ def parse_args(argv: List[str]) -> Tuple[ServerArgs, argparse.Namespace]:
     parser.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before the timed ones")
     parser.add_argument("--run-name", default="default")
     parser.add_argument("--result-filename", help="JSONL file: one line per row is appended")
-    parser.add_argument("--report", help="markdown report to write (table, command, commit, date, CPUs)")
-    parser.add_argument("--peak-gflops", type=float, default=400.0, help="peak FLOP/s of the device, in GFLOP/s")
-    parser.add_argument("--peak-gbps", type=float, default=42.0, help="peak memory bandwidth, in GB/s")
+    parser.add_argument("--report", help="generated report NAME.md (table, command, commit, date, CPUs, rates) "
+                                         "and NAME.json (its raw rows) to write")
     args = parser.parse_args(argv)
     for name in ("batch_size", "input_len"):
         if min(getattr(args, name)) < 1:
             parser.error(f"--{name.replace('_', '-')} values must be >= 1")
-    if args.output_len < 1 or args.warmup_steps < 0 or min(args.peak_gflops, args.peak_gbps) <= 0:
-        parser.error("--output-len must be >= 1, --warmup-steps >= 0, --peak-gflops and --peak-gbps > 0")
+    if args.output_len < 1 or args.warmup_steps < 0:
+        parser.error("--output-len must be >= 1, --warmup-steps >= 0")
     if args.random_seed is None:
         args.random_seed = 0  # random prompts and dummy weights reproducible by default
     try:
         return ServerArgs.from_cli_args(args), args
     except ValueError as e:
         parser.error(str(e))
+
+
+def report_body(raw: dict) -> str:
+    """The report's markdown body, computed from `raw` alone (the .json of `write_report`: header, rows)."""
+    rows = raw["rows"]
+    compiles = sum(r["compiles_after_warmup"] for r in rows)
+    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)] + [format_row(r) for r in rows]
+    rates = MachineRates.from_json(rows[0]["rates"])
+    return "\n".join([*[f"- {h}" for h in raw["header"]], f"- machine rates {rates.describe()}", "", *table, "",
+                      f"Programs compiled after warm-up, over every row (the runner's count): {compiles}.", "",
+                      f"Commit {raw['commit']}, {raw['date']}, {raw['cpus']}, jax {raw['jax']}."])
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -318,36 +334,31 @@ def main(argv: Optional[List[str]] = None) -> None:
               f"{jax.devices()[0].device_kind} ({runner.attention_backend} attention), {os.cpu_count()} CPUs",
               f"per step: {cost.weight_bytes / 1e6:.1f} MB of weights read, {2 * cost.token_params / 1e6:.1f} "
               f"MFLOP per token + {2 * cost.head_params / 1e6:.1f} MFLOP lm-head per sequence (per device)",
-              f"floors at --peak-gflops {args.peak_gflops:g} --peak-gbps {args.peak_gbps:g}; F: compute-bound, "
-              f"B: bandwidth-bound; x floor = measured / floor; decode: median of {args.output_len} steps after "
-              f"{args.warmup_steps} warm-up"]
-    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    print("\n".join(header + [""] + table), flush=True)
+              f"floors at the machine rates measured in this run; F: compute-bound, B: bandwidth-bound; x floor = "
+              f"measured / floor; decode: median of {args.output_len} steps after {args.warmup_steps} warm-up"]
+    print("\n".join(header + [f"machine rates {bench.rates.describe()}", "", "| " + " | ".join(COLUMNS) + " |",
+                              "|" + "---|" * len(COLUMNS)]), flush=True)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     commit = git_commit()
+    extra = {"run_name": args.run_name, "model": mc.model_path, "dtype": mc.dtype, "kv_dtype": str(kv_dtype),
+             "page_size": sa.page_size, "rates": bench.rates.to_json(), "commit": commit, "date": now}
+    rows = []
     shapes = [(b, i) for b in args.batch_size for i in args.input_len]
     for bs, input_len in tqdm(shapes, desc="bench_one_batch", unit="row"):
-        row = bench.run_row(bs, input_len, args.output_len, args.random_seed, (args.peak_gflops, args.peak_gbps))
-        table.append(format_row(row))
-        tqdm.write(table[-1])
+        rows.append({**extra, **bench.run_row(bs, input_len, args.output_len, args.random_seed)})
+        tqdm.write(format_row(rows[-1]))
         if args.result_filename:
-            extra = {"run_name": args.run_name, "model": mc.model_path, "dtype": mc.dtype, "kv_dtype": str(kv_dtype),
-                     "page_size": sa.page_size, "peak_gflops": args.peak_gflops, "peak_gbps": args.peak_gbps,
-                     "commit": commit, "date": now}
             with open(args.result_filename, "a") as f:
-                f.write(json.dumps({**extra, **row}) + "\n")
+                f.write(json.dumps(rows[-1]) + "\n")
     if runner.num_compiles_after_warmup:
         print(f"warning: {runner.num_compiles_after_warmup} programs compiled after warm-up (before the timed "
               "steps of their shape, untimed; see compiles_after_warmup per row)", flush=True)
     if args.report:
         env = " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in ("JAX_PLATFORMS", "XLA_FLAGS") if k in os.environ)
         command = (env + " " if env else "") + "python -m sgl_jax.bench_one_batch " + shlex.join(argv)
-        lines = [f"# bench_one_batch: {args.run_name}", "", *[f"- {h}" for h in header], "", *table, "",
-                 "Command:", "", f"    {command}", "", f"Commit {commit}, {now}, {os.cpu_count()} CPUs "
-                 f"({len(os.sched_getaffinity(0))} usable), jax {jax.__version__}.", ""]
-        os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
-        with open(args.report, "w") as f:
-            f.write("\n".join(lines))
+        raw = {"header": header, "commit": commit, "date": now, "jax": jax.__version__,
+               "cpus": f"{os.cpu_count()} CPUs ({len(os.sched_getaffinity(0))} usable)", "rows": rows}
+        write_report(args.report, f"bench_one_batch: {args.run_name}", command, report_body(raw), raw)
 
 
 if __name__ == "__main__":

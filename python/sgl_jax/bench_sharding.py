@@ -151,10 +151,11 @@ def format_table(rows: List[dict]) -> str:
 
 
 def write_report(path: str, rows: List[dict], command: str) -> None:
-    """Write the markdown report (command, date, assumptions, table) to `path`."""
+    """Write the generated markdown report (command, date, assumptions, table) to `path` and its raw rows with the
+    command to the .json beside it; notes go in the .notes.md beside them (`bench_utils.notes_path`)."""
     import jax
 
-    from sgl_jax.bench_utils import cpu_name
+    from sgl_jax.bench_utils import cpu_name, notes_path, write_json
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     today = datetime.date.today().isoformat()
@@ -167,7 +168,8 @@ parameter's per-device shard taken from `distributed/sharding.py:param_spec` (di
 tp ways, the rest replicated), KV bytes per token from `model_runner.kv_bytes_per_token` (K and V, all
 layers, the device's KV heads). Shapes from the models' HF `config.json`; bfloat16 weights and KV cache.
 
-Command:
+Generated with its raw rows in `{os.path.basename(os.path.splitext(path)[0])}.json`; not edited by hand (notes go
+in `{os.path.basename(notes_path(path))}`). Command:
 
     {command}
 
@@ -180,6 +182,9 @@ workspace; the server's own default `--mem-fraction-static` is 0.8); TPU v6e = 3
 
 {format_table(rows)}
 """)
+    write_json(os.path.splitext(path)[0] + ".json", {"command": command, "date": today, "rows": rows,
+                                                    "mem_fraction": MEM_FRACTION, "devices_hbm_bytes": DEVICES,
+                                                    "seq_len": SEQ_LEN})
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -1,12 +1,18 @@
 """Structured-output benchmark: JSON-schema decoding of concurrent requests against the same load unconstrained.
 
-``python -m sgl_jax.bench_structured_output --base-url http://127.0.0.1:30000 [--num-requests 16]``
+``python -m sgl_jax.bench_structured_output --base-url http://127.0.0.1:30000 [--num-requests 16]
+[--output-file result.json | --report NAME.md]``
 
 Sends `num_requests` concurrent /generate requests, each with a JSON schema (four schemas in turn, sampled
 with per-request seeds), validates every output against its schema (`jsonschema`), then sends the same
 prompts unconstrained with ``max_new_tokens = min_new_tokens =`` each constrained request's output length,
 so both runs generate exactly the same number of tokens per request. Reports output tok/s of both and the
-ratio (issue #12's target: constrained >= 80% of unconstrained), with the machine's floors beside them.
+ratio (issue #12's target: constrained >= 80% of unconstrained), with the machine's rates beside them: measured
+in the same run, before the requests, on the machine that runs the benchmark
+(`bench_utils.machine_rates_in_subprocess`), never a constant. The result keeps the server's raw /get_server_info
+after both passes (``server_info``), from which its claims (compiles after warm-up, memory errors) are printed.
+``--report NAME.md`` writes the generated pair NAME.md / NAME.json (`bench_utils.write_report`); notes go in
+NAME.notes.md.
 """
 
 from __future__ import annotations
@@ -15,15 +21,15 @@ import argparse
 import concurrent.futures
 import datetime
 import json
+import shlex
+import sys
 import time
 from typing import List, Optional
 
 import httpx
 
-from sgl_jax.bench_utils import cpu_name, write_json
-
-MEMORY_GBPS_FLOOR = 42.0  # measured host memory bandwidth of the development machine (DEVELOPERS.md)
-MATMUL_GFLOPS_FLOOR = "380-420"  # XLA float32 large-matmul rate on the development machine
+from sgl_jax.bench_utils import (MachineRates, cpu_name, fetch_server_info, format_server_claims,
+                                 machine_rates_in_subprocess, write_json, write_report)
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
@@ -63,13 +69,15 @@ def _run(url: str, bodies: List[dict]) -> tuple:
 
 
 def run_benchmark(base_url: str, num_requests: int = 16, max_new_tokens: int = 160, seed: int = 42) -> dict:
-    """Run both passes; returns the result dict (rows, ratio, validity).
+    """Run both passes; returns the result dict (rows, ratio, validity, the machine ``rates`` measured before
+    them, the server's raw /get_server_info after them: ``server_info``).
 
     Raises:
         AssertionError: an output that does not parse or validate (the count is also in the result).
     """
     import jsonschema
 
+    rates = machine_rates_in_subprocess()  # before any request: the machine is idle
     constrained = [{"text": CHAT.format(QUESTIONS[i % 4]),
                     "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.7, "seed": seed + i,
                                         "json_schema": json.dumps(SCHEMAS[i % 4])}} for i in range(num_requests)]
@@ -95,20 +103,26 @@ def run_benchmark(base_url: str, num_requests: int = 16, max_new_tokens: int = 1
          "tok_per_s": plain_tokens / t_plain, "valid": None},
     ]
     result = {"rows": rows, "ratio": rows[0]["tok_per_s"] / rows[1]["tok_per_s"], "invalid": invalid,
-              "num_requests": num_requests, "max_new_tokens": max_new_tokens, "cpu": cpu_name()}
+              "num_requests": num_requests, "max_new_tokens": max_new_tokens, "cpu": cpu_name(),
+              "rates": rates.to_json(), "server_info": fetch_server_info(base_url)}
     assert invalid == 0, f"{invalid} of {num_requests} outputs did not validate against their schema"
     return result
 
 
 def format_table(result: dict) -> str:
-    """A markdown table of `run_benchmark`'s result, with the machine's floors in every row."""
-    lines = ["| run | requests | output tokens | s | output tok/s | valid outputs | floors (mem GB/s, f32 matmul GFLOP/s) |",
-             "|---|---|---|---|---|---|---|"]
+    """A markdown table of `run_benchmark`'s result, computed from it alone: the machine rates measured in the
+    run in every row, the server's claims from its raw /get_server_info below."""
+    rates = MachineRates.from_json(result["rates"])
+    lines = ["| run | requests | output tokens | s | output tok/s | valid outputs | machine rates (mem GB/s, "
+             "matmul GFLOP/s) |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         valid = "-" if r["valid"] is None else f"{r['valid']}/{r['requests']}"
         lines.append(f"| {r['run']} | {r['requests']} | {r['output_tokens']} | {r['seconds']:.1f} | "
-                     f"{r['tok_per_s']:.1f} | {valid} | {MEMORY_GBPS_FLOOR:.0f}, {MATMUL_GFLOPS_FLOOR} |")
-    lines.append(f"\nconstrained / unconstrained output tok/s: **{result['ratio']:.3f}** (target >= 0.80)")
+                     f"{r['tok_per_s']:.1f} | {valid} | {rates.memory_gbps:.1f}, {rates.matmul_gflops:.1f} |")
+    lines += [f"\nconstrained / unconstrained output tok/s: **{result['ratio']:.3f}** (target >= 0.80)", "",
+              f"Machine rates {rates.describe()}.", "",
+              "Server after both passes (raw /get_server_info in the .json):", "",
+              format_server_claims(result["server_info"])]
     return "\n".join(lines)
 
 
@@ -119,12 +133,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--output-file", default=None, help="write the result as JSON here")
+    p.add_argument("--report", default=None, metavar="NAME.md", help="write the generated pair NAME.md (the table) "
+                   "and NAME.json (the result)")
     args = p.parse_args(argv)
     result = run_benchmark(args.base_url, args.num_requests, args.max_new_tokens, args.seed)
     result["date"] = datetime.date.today().isoformat()
+    result["command"] = ("python -m sgl_jax.bench_structured_output "
+                         + shlex.join(sys.argv[1:] if argv is None else argv))
     print(format_table(result))
     if args.output_file:
         write_json(args.output_file, result)
+    if args.report:
+        write_report(args.report, f"Structured-output benchmark ({result['date']})", result["command"],
+                     format_table(result), result)
 
 
 if __name__ == "__main__":

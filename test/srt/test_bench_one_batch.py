@@ -1,7 +1,8 @@
 """bench_one_batch (python -m sgl_jax.bench_one_batch) at small scale on a tiny random Llama: every row is
 measured through the real ModelRunner and scheduler structures, the floors are computed from the model's
-shapes, nothing compiles after warm-up, no KV page leaks (the script asserts it), and the report holds the
-table and the command that reproduces it."""
+shapes and the machine rates measured in the same run (bench_utils.measure_machine_rates, never a constant),
+nothing compiles after warm-up, no KV page leaks (the script asserts it), and the generated report (.md and
+.json) holds the table, computed from its raw rows, and the command that reproduces it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 
+from sgl_jax.bench_one_batch import report_body
 from srt_helpers import save_tiny_llama, server_env
 
 # tiny Llama: 2 layers, hidden 64, 4 heads of 16, 2 KV heads, MLP 128, tied 49,152 x 64 embedding
@@ -47,7 +49,19 @@ def test_bench_one_batch_tiny(tmp_path):
     c = kv_one // KV_BYTES - 1
     assert three["decode_step_bytes"] - weights == 3 * kv_one
     assert one["decode_step_flops"] == 2 * TOKEN_PARAMS + 2 * 49152 * 64 + 2 * 4 * 4 * 16 * c
+    # the floors use the rates measured in this run: max(FLOPs / matmul rate, bytes / memory rate)
+    rates = one["rates"]
+    assert rates["matmul_gflops"] > 0 and rates["memory_gbps"] > 0 and "float32" in rates["matmul_probe"]
+    assert all(r["rates"] == rates for r in rows)
+    for r in rows:
+        t_flop = r["decode_step_flops"] / (rates["matmul_gflops"] * 1e9)
+        t_byte = r["decode_step_bytes"] / (rates["memory_gbps"] * 1e9)
+        assert r["decode_floor_ms"] == pytest.approx(1e3 * max(t_flop, t_byte), rel=1e-12)
     text = report.read_text()
     assert "python -m sgl_jax.bench_one_batch " in text and "--batch-size 1 3" in text
     assert text.count("\n| 1 | 40 | 3 |") == 1 and text.count("\n| 3 | 40 | 3 |") == 1
-    assert "--peak-gflops 400 --peak-gbps 42" in text
+    assert f"{rates['matmul_gflops']:.1f} GFLOP/s" in text and f"{rates['memory_gbps']:.1f} GB/s" in text
+    raw = json.loads((tmp_path / "report.json").read_text())
+    assert raw["rows"] == rows and raw["command"] in text
+    assert report_body(raw) in text  # the .md is computed from its .json alone
+    assert "Programs compiled after warm-up, over every row (the runner's count): 0." in text

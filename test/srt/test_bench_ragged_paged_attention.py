@@ -1,5 +1,6 @@
 """The kernel benchmark at a small scale: both backends (the Pallas one in the interpreter on CPU) on every
-model and shape, outputs equal, a report written with its command."""
+model and shape, outputs equal, a generated report (.md and .json) with its command, and its peaks the machine
+rates measured in the run (bench_utils.measure_machine_rates), never a constant."""
 
 from __future__ import annotations
 
@@ -33,4 +34,12 @@ def test_bench_small_scale(tmp_path):
     text = out.read_text()
     assert "bench_ragged_paged_attention.py --scale 0.0625" in text and "| Llama-3-8B | prefill |" in text
     raw = json.loads((tmp_path / "report.json").read_text())
-    assert raw["peak_gflops"] > 0 and raw["peak_gbs"] > 0 and len(raw["results"]) == len(results)
+    assert raw["command"] in text and len(raw["results"]) == len(results)
+    rates = raw["rates"]
+    assert rates["matmul_gflops"] > 0 and rates["memory_gbps"] > 0 and "float32" in rates["matmul_probe"]
+    assert f"{rates['matmul_gflops']:.1f} GFLOP/s" in text and f"{rates['memory_gbps']:.1f} GB/s" in text
+    # every "% peak" cell is the row's rate over the measured one
+    row = next(line for line in text.splitlines() if line.startswith("| Qwen3-0.6B | decode |"))
+    r = raw["results"][0]
+    assert row.split("|")[8].strip() == f"{100 * r['gflops'] / rates['matmul_gflops']:.1f}"
+    assert row.split("|")[10].strip() == f"{100 * r['gbs'] / rates['memory_gbps']:.1f}"

@@ -1,5 +1,7 @@
-"""bench_serving against a launched server: every workload at small scale, both backends, --compare, and a
-peer that cuts its stream short."""
+"""bench_serving against a launched server: every workload at small scale, both backends, --compare, the
+server's raw /get_server_info saved in the report and the summary's claims (compiles after warm-up, memory
+errors, the prefill step budget's fit) read from it, the generated --report pair, and a peer that cuts its
+stream short (and has no /get_server_info)."""
 
 from __future__ import annotations
 
@@ -50,7 +52,38 @@ def test_every_workload_small_scale(sgl_report):
         assert m["num_requests"] == expected_counts[name]
     # the shared prefix (1024 / 4 tokens) is served from the radix cache after the warm-up requests
     assert report["workloads"]["prefix_caching"]["cached_tokens"] > 0
-    assert json.loads(out.read_text())["workloads"].keys() == report["workloads"].keys()
+    saved = json.loads(out.read_text())
+    assert saved["workloads"].keys() == report["workloads"].keys()
+    assert saved["command"].startswith("python -m sgl_jax.bench_serving --base-url ")
+
+
+def test_server_claims_come_from_the_saved_server_info(sgl_report, server):
+    saved = json.loads(sgl_report[1].read_text())
+    start, end = (saved["server_info"][k]["internal_states"] for k in ("start", "end"))
+    assert len(start) == len(end) >= 1
+    for s, e in zip(start, end):
+        assert e["num_compiles_after_warmup"] == s["num_compiles_after_warmup"]  # no compile during the run
+        assert e["memory_errors"] == 0
+        assert e["prefill_step_budget"]["samples"] > 0  # the budget's fit has seen steps (the run's, at least)
+    summary = bench_serving.format_server_summary(saved)
+    fit = end[0]["prefill_step_budget"]
+    assert (f"num_compiles_after_warmup {end[0]['num_compiles_after_warmup']}, memory_errors 0" in summary
+            and f"coefficients {fit['coefficients']}" in summary and f"from {fit['samples']} steps" in summary), summary
+    assert "per rank: [0]" in summary
+    # the summary follows the saved output, not the server: an edited copy changes it
+    edited = json.loads(json.dumps(saved))
+    edited["server_info"]["end"]["internal_states"][0]["memory_errors"] = 7
+    assert "memory_errors 7" in bench_serving.format_server_summary(edited)
+
+
+def test_generated_report_pair(server, tmp_path):
+    md = tmp_path / "serving.md"
+    report = bench_serving.main(["--base-url", server.url, "--workload", "baseline", *SMALL, "--report", str(md)])
+    raw = json.loads((tmp_path / "serving.json").read_text())
+    text = md.read_text()
+    assert raw["command"] in text and bench_serving.report_body(raw) in text  # the .md comes from the .json
+    assert raw["workloads"].keys() == report["workloads"].keys() == {"baseline"}
+    assert "server_info" in raw and "num_compiles_after_warmup" in text
 
 
 def test_openai_backend_and_compare(server, sgl_report, tmp_path, capsys):
@@ -60,6 +93,7 @@ def test_openai_backend_and_compare(server, sgl_report, tmp_path, capsys):
     m = report["workloads"]["prefix_caching"]
     _check_sane(m)
     assert m["cached_tokens"] > 0  # from usage.prompt_tokens_details
+    assert json.loads(out.read_text())["server_info"]["end"]["internal_states"]  # an sgl-jax server: saved too
     capsys.readouterr()
     bench_serving.main(["--compare", str(sgl_report[1]), str(out)])
     table = capsys.readouterr().out
@@ -131,3 +165,17 @@ def test_short_stream_with_http_200_is_an_error(prompt, error):
         assert not res.ok and error in res.error and res.output_tokens == 3
     finally:
         peer.shutdown()
+
+
+def test_openai_peer_without_server_info_is_recorded(tmp_path):
+    """An OpenAI-compatible peer with no /get_server_info: the report says why there is no server output."""
+    peer = ThreadingHTTPServer(("127.0.0.1", 0), _ShortStreamPeer)
+    threading.Thread(target=peer.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{peer.server_address[1]}"
+        report = bench_serving.main(["--base-url", url, "--backend", "openai", "--workload", "baseline", *SMALL,
+                                     "--model", "m", "--output-file", str(tmp_path / "peer.json")])
+    finally:
+        peer.shutdown()
+    assert "server_info" not in report and "HTTP" in report["server_info_error"]
+    assert bench_serving.format_server_summary(report).startswith("server: no /get_server_info (")

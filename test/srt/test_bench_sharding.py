@@ -1,4 +1,7 @@
-"""The sharding-plan benchmark (python/sgl_jax/bench_sharding.py): weight and KV bytes per device from shapes."""
+"""The sharding-plan benchmark (python/sgl_jax/bench_sharding.py): weight and KV bytes per device from shapes; the
+generated report with its raw rows in a .json beside it."""
+
+import json
 
 import pytest
 
@@ -43,3 +46,5 @@ def test_report_has_the_table(rows, tmp_path):
     assert TABLE_HEADER in text
     assert "computed from shapes, no device needed" in text.lower()
     assert "| Llama-3-8B | 1 | 14.96 | 128 |" in text
+    raw = json.loads((out.parent / "plan.json").read_text())  # the raw rows beside the generated .md
+    assert raw["command"] in text and raw["rows"] == list(rows.values())

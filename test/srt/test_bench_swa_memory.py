@@ -4,7 +4,8 @@ Gemma 3 (window 16 on 2 of 3 layers), a 1,024-token budget, 256-token requests, 
 - (a) bytes per token from the config: one pool 3 layers x K,V x 2 KV heads x 16 x 4 bytes; hybrid 1 layer in
   the full pool, 2 in the SWA pool; both servers' pools take the same memory (the budget);
 - (b) one pool admits exactly the requests whose full length fits the budget (1,024 / 256 = 4); hybrid at
-  ratio 0.25 (full pool 2,048 tokens, SWA pool 512) admits at least twice as many, with no memory error.
+  ratio 0.25 (full pool 2,048 tokens, SWA pool 512) admits at least twice as many, with no memory error;
+- every row's claims (pools, peak, retractions, memory errors) are read from the raw /get_server_info it keeps.
 """
 
 from __future__ import annotations
@@ -44,3 +45,13 @@ def test_concurrent_requests(result):
     assert hybrid["peak_running_reqs"] >= 2 * one["peak_running_reqs"]
     assert one["memory_errors"] == hybrid["memory_errors"] == 0
     assert TABLE_HEADER in format_table(result)
+
+
+def test_claims_come_from_the_raw_server_info(result):
+    table = format_table(result)
+    for r in result["rows"]:
+        start, end = (r["server_info"][k]["internal_states"][0] for k in ("start", "end"))
+        assert (r["full_tokens"], r["peak_running_reqs"], r["retracted"], r["memory_errors"]) == (
+            start["kv_tokens_total"], end["peak_running_reqs"], end["num_retracted_reqs"], end["memory_errors"])
+        assert r["swa_tokens"] == start.get("swa_tokens_total", 0)
+    assert table.count("memory_errors 0") == 2

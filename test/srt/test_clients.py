@@ -8,21 +8,27 @@
 - sglang-router (PyPI ``sglang-router``) in front of the server: native /generate (plain and streaming), the
   OpenAI endpoints through the openai client, /flush_cache.
 
-The OpenAI client itself is exercised in test_http_server.py. A section skips (with the reason) only when its
-client library is not installed at all; an installed library that fails to import fails its tests.
-scripts/setup.sh test installs all of them.
+The OpenAI client itself is exercised in test_http_server.py. Every client library is a test dependency
+(pyproject.toml's ``test`` extra; sglang and lm-eval through the --no-deps installs of scripts/setup.sh test),
+imported at the top of this file: a missing one is an error, never a skip.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import re
 
 import httpx
+import jsonschema
+import langchain_openai
+import lm_eval.models.openai_completions as lm_eval_api
+import openai
 import pytest
+import sglang as sgl
+import sglang_router  # noqa: F401  (RouterProcess runs `python -m sglang_router.launch_router`)
+from langchain_core.messages import HumanMessage, SystemMessage
+from lm_eval.api.instance import Instance
 
 from srt_helpers import RouterProcess, default_model_path
 
@@ -37,14 +43,6 @@ def server(default_server):
 def served_name() -> str:
     """The default served model name: the GGUF file's name without .gguf."""
     return os.path.basename(default_model_path())[:-len(".gguf")]
-
-
-def require(module: str, install: str):
-    """Import `module`, skipping the test only when its distribution is not installed at all (a library that is
-    installed but fails to import -- a missing dependency -- is an error, not a skip)."""
-    if importlib.util.find_spec(module.split(".")[0]) is None:
-        pytest.skip(f"{module.split('.')[0]} is not installed ({install}; scripts/setup.sh test installs it)")
-    return importlib.import_module(module)
 
 
 def server_log_tail(server, n: int = 3000) -> str:
@@ -68,16 +66,10 @@ def native_generate(server, text: str, **sampling_params) -> str:
 #   POST /generate {"text", "sampling_params": {"max_new_tokens": 0}}               (fork, select: the prefix)
 #   POST /generate {"text": [prefix + choice, ...], "sampling_params": {"max_new_tokens": 0, "temperature": 0},
 #        "return_logprob": true, "return_text_in_logprobs": true, "logprob_start_len": n}      (select)
-SGLANG_INSTALL = "pip install --no-deps sglang==0.5.10.post1 pybase64 IPython aiohttp"
 
 
 @pytest.fixture(scope="module")
-def sgl():
-    return require("sglang", SGLANG_INSTALL)
-
-
-@pytest.fixture(scope="module")
-def backend(sgl, server):
+def backend(server):
     be = sgl.RuntimeEndpoint(server.url)
     assert be.get_model_name() == served_name()
     return be
@@ -91,7 +83,7 @@ def run_ok(server, program, **kwargs):
     return state
 
 
-def capital_program(sgl):
+def capital_program():
     @sgl.function
     def capital(s, country):
         s += f"Q: What is the capital of {country}?\nA: The capital of {country} is"
@@ -100,8 +92,8 @@ def capital_program(sgl):
     return capital
 
 
-def test_sglang_gen_stop(sgl, backend, server):
-    state = run_ok(server, capital_program(sgl), country="France", backend=backend)
+def test_sglang_gen_stop(backend, server):
+    state = run_ok(server, capital_program(), country="France", backend=backend)
     answer = state["answer"]
     assert "Paris" in answer and "." not in answer and "\n" not in answer, answer
     assert state.text() == PROMPT_FRANCE + answer
@@ -111,7 +103,7 @@ def test_sglang_gen_stop(sgl, backend, server):
     assert meta["finish_reason"]["type"] == "stop" and meta["finish_reason"]["matched"] == "."
 
 
-def test_sglang_gen_regex(sgl, backend, server):
+def test_sglang_gen_regex(backend, server):
     pattern = r"1[0-9]{3}"
 
     @sgl.function
@@ -123,7 +115,7 @@ def test_sglang_gen_regex(sgl, backend, server):
     assert re.fullmatch(pattern, state["year"]), state["year"]
 
 
-def test_sglang_gen_dtype_int(sgl, backend, server):
+def test_sglang_gen_dtype_int(backend, server):
     """gen(dtype=int): the frontend sends its integer regex plus stop=[" ", "\\n"]."""
     @sgl.function
     def count(s):
@@ -134,7 +126,7 @@ def test_sglang_gen_dtype_int(sgl, backend, server):
     assert re.fullmatch(r"[-+]?[0-9]+", state["n"]), state["n"]
 
 
-def test_sglang_select(sgl, backend, server):
+def test_sglang_select(backend, server):
     choices = [" Paris", " London", " Berlin"]
 
     @sgl.function
@@ -150,7 +142,7 @@ def test_sglang_select(sgl, backend, server):
     assert max(meta["normalized_prompt_logprobs"]) == meta["normalized_prompt_logprobs"][0]
 
 
-def test_sglang_fork(sgl, backend, server):
+def test_sglang_fork(backend, server):
     fork_states = []
 
     @sgl.function
@@ -176,8 +168,8 @@ def test_sglang_fork(sgl, backend, server):
                                        max_new_tokens=12, stop="\n")
 
 
-def test_sglang_run_batch(sgl, backend, server):
-    capital = capital_program(sgl)
+def test_sglang_run_batch(backend, server):
+    capital = capital_program()
     countries = ["France", "Germany", "Italy", "Japan", "Spain"]
     states = capital.run_batch([{"country": c} for c in countries], backend=backend, num_threads=len(countries))
     assert len(states) == len(countries)
@@ -189,8 +181,8 @@ def test_sglang_run_batch(sgl, backend, server):
     assert states[0]["answer"] == single["answer"]
 
 
-def test_sglang_stream(sgl, backend, server):
-    capital = capital_program(sgl)
+def test_sglang_stream(backend, server):
+    capital = capital_program()
     full = run_ok(server, capital, country="France", backend=backend)["answer"]
     state = capital.run(country="France", backend=backend, stream=True)
     pieces = list(state.text_iter("answer"))
@@ -199,13 +191,11 @@ def test_sglang_stream(sgl, backend, server):
 
 
 # ---------------------------------------------------------------- LangChain (langchain-openai)
-LANGCHAIN_INSTALL = "pip install langchain-openai"
 
 
 @pytest.fixture(scope="module")
 def chat(server):
-    lc = require("langchain_openai", LANGCHAIN_INSTALL)
-    return lc.ChatOpenAI(base_url=server.url + "/v1", api_key="none", model=served_name(), temperature=0,
+    return langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="none", model=served_name(), temperature=0,
                          max_tokens=32, max_retries=0, timeout=120, stream_usage=True)
 
 
@@ -220,8 +210,6 @@ def test_langchain_invoke(chat):
 
 
 def test_langchain_stream(chat):
-    from langchain_core.messages import HumanMessage, SystemMessage
-
     messages = [SystemMessage("You are a concise assistant."), HumanMessage("What is the capital of France?")]
     full = chat.invoke(messages)
     chunks = list(chat.stream(messages))
@@ -252,7 +240,6 @@ def test_langchain_structured_output_pydantic(chat):
 
 
 def test_langchain_structured_output_json_schema(chat):
-    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a test dependency")
     schema = {
         "title": "city",
         "description": "A city and the country it is in.",
@@ -275,7 +262,6 @@ def test_langchain_structured_output_json_schema(chat):
 #   {"model", "prompt": [[token ids of context + continuation], ...], "temperature": 0, "max_tokens": 1,
 #    "logprobs": 1, "seed": 1234, "echo": true}
 # and sums choices[i].logprobs.token_logprobs[ctxlen:-1] (the last entry is the generated token).
-LM_EVAL_INSTALL = "pip install --no-deps lm-eval==0.4.13"
 LL_PAIRS = [("The capital of France is", " Paris"),
             ("Q: What is 2 + 2?\nA:", " 4"),
             ("The quick brown fox jumps over the", " lazy dog"),
@@ -289,12 +275,7 @@ def hf_dir() -> str:
 
 
 @pytest.fixture(scope="module")
-def lm_eval_api():
-    return require("lm_eval.models.openai_completions", LM_EVAL_INSTALL)
-
-
-@pytest.fixture(scope="module")
-def lm(lm_eval_api, server):
+def lm(server):
     # batch_size 2: prompts of different lengths in one request, as lm-eval does with --batch_size
     return lm_eval_api.LocalCompletionsAPI(model=served_name(), base_url=server.url + "/v1/completions",
                                            tokenizer_backend="huggingface", tokenizer=hf_dir(), max_length=2048,
@@ -315,8 +296,6 @@ def hf_continuation_logprob(model, context: list, continuation: list):
 
 
 def loglikelihood_instances(pairs):
-    from lm_eval.api.instance import Instance
-
     return [Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(pairs)]
 
 
@@ -331,7 +310,7 @@ def test_lm_eval_loglikelihood_matches_hf(lm, hf_smollm2):
     assert results[0][1] is True  # " Paris" is the greedy continuation
 
 
-def test_lm_eval_loglikelihood_payload(lm, lm_eval_api, server, hf_smollm2):
+def test_lm_eval_loglikelihood_payload(lm, server, hf_smollm2):
     """lm-eval's exact request (its own _create_payload), the response checked field by field and parsed by
     LocalCompletionsAPI.parse_logprobs."""
     ctx, cont = lm._encode_pair(*LL_PAIRS[3])
@@ -370,8 +349,6 @@ def test_lm_eval_loglikelihood_payload(lm, lm_eval_api, server, hf_smollm2):
 
 
 def test_lm_eval_generate_until(lm):
-    from lm_eval.api.instance import Instance
-
     reqs = [Instance(request_type="generate_until", doc={}, idx=0,
                      arguments=(PROMPT_FRANCE, {"until": ["."], "max_gen_toks": 16}))]
     (out,) = lm.generate_until(reqs, disable_tqdm=True)
@@ -381,12 +358,10 @@ def test_lm_eval_generate_until(lm):
 # ---------------------------------------------------------------- sglang-router
 # sglang-router (PyPI, a Rust binary) in front of the server: it re-sends /generate bodies with "model": null
 # added (accepted and ignored) and posts /flush_cache with no body and no content type (allowed there only).
-ROUTER_INSTALL = "pip install sglang-router==0.3.2"
 
 
 @pytest.fixture(scope="module")
 def router(server):
-    require("sglang_router", ROUTER_INSTALL)
     r = RouterProcess([server.url])
     try:
         yield r.url
@@ -407,7 +382,6 @@ def test_router_generate(router, server):
 
 
 def test_router_openai_chat_and_completions(router):
-    openai = require("openai", "pip install openai")
     client = openai.OpenAI(base_url=router + "/v1", api_key="none", max_retries=0, timeout=120)
     chat = client.chat.completions.create(model=served_name(), temperature=0, max_tokens=8,
                                           messages=[{"role": "user", "content": "What is the capital of France?"}])

@@ -15,10 +15,9 @@ import re
 
 import httpx
 import pytest
+import sglang_router  # noqa: F401  (a test dependency: RouterProcess runs `python -m sglang_router.launch_router`)
 
 from srt_helpers import RouterProcess, module_server, wait_pool_idle
-
-pytest.importorskip("sglang_router", reason="pip install sglang-router==0.3.2 (scripts/setup.sh test installs it)")
 
 WORKER_ARGS = ["--enable-metrics"]  # the flags of conftest.default_server, worker_a
 
