@@ -25,7 +25,7 @@ def engine():
         check_engine_clean(e)
 
 
-def test_logprobs_within_1e_2_of_float32_reference(engine, hf_smollm2, smollm2_tokenizer):
+def test_logprobs_mean_within_1e_2_max_within_5e_2_of_float32_reference(engine, hf_smollm2, smollm2_tokenizer):
     torch.set_num_threads(1)
     state = engine.get_server_info()["internal_states"][0]
     assert state["kv_cache_dtype"] == "bfloat16"

@@ -1,5 +1,7 @@
 """The pure-JAX ragged paged attention against a direct numpy implementation of its contract."""
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -78,7 +80,7 @@ CASES = [
 def test_matches_reference(page_size, name, q_lens, kv_lens, decode_only, heads):
     H, KVH = heads
     D = 16
-    rng = np.random.default_rng(hash((page_size, name, H)) % 2**32)
+    rng = np.random.default_rng([page_size, zlib.crc32(name.encode()), H])  # fixed: no hash() of strings
     S_pad = len(q_lens) + 2  # padding sequences must be ignored
     T_pad = sum(q_lens) + 5 if not decode_only else S_pad
     q, kp, vp, kl, pi, cu = make_batch(rng, q_lens, kv_lens, page_size, H, KVH, D, S_pad, T_pad)

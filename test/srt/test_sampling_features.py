@@ -1,7 +1,8 @@
 """Penalties, logit_bias and structured output (json_schema, regex, ebnf, response_format) on a real server.
 
 Penalties are checked token for token against transformers' SmolLM2 with the same adjustments applied in
-numpy (srt_helpers.penalized_logits); grammar outputs must parse / match on every request.
+the reference (srt_helpers.penalized_logits: transformers' RepetitionPenaltyLogitsProcessor, OpenAI's
+documented frequency/presence formula); grammar outputs must parse / match on every request.
 """
 
 from __future__ import annotations
