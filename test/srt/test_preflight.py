@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.io_struct import SchedulerInfo
 from sgl_jax.srt.preflight import KVLimits, check_fits, kv_tokens_needed
 
 
@@ -46,5 +47,9 @@ def test_check_fits_limits_and_messages():
     with pytest.raises(RequestError) as e:
         check_fits(small, 300, what="The input", at_least=True)
     assert e.value.status_code == 413 and "at least 300 tokens" in e.value.message and "largest prefill" in e.value.message
-    assert KVLimits.from_info({"context_len": 8, "max_req_input_len": 7, "max_total_tokens": 64, "page_size": 4}) == \
-        KVLimits(8, 7, 64, 4)
+    info = SchedulerInfo(max_total_tokens=64, max_running_requests=2, max_prefill_tokens=64, max_req_input_len=7,
+                         context_len=8, page_size=4, kv_cache_dtype="float32", chunked_prefill_size=-1,
+                         prefix_cache="radix", vocab_size=100, architecture="LlamaForCausalLM", token_paddings=[64],
+                         bs_paddings=[1, 2], dp_size=1, tp_size=1, load_balance_method="round_robin",
+                         enable_mixed_chunk=False, max_prefill_step_ms=0.0)
+    assert KVLimits.from_info(info) == KVLimits(8, 7, 64, 4)
