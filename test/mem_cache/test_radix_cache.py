@@ -122,27 +122,42 @@ def test_chunk_handoff_keeps_row_consistent():
     assert alloc.size - alloc.available_size() == 20
 
 
-def test_lfu_evicts_the_least_matched_prefix_first():
-    """--radix-eviction-policy lfu (LFURadixCache): a prefix matched often survives eviction although matched
-    longest ago; LRU (RadixCache) evicts it first. Hits survive a node split."""
+def test_lfu_evicts_the_least_reused_prefix_first():
+    """--radix-eviction-policy lfu (LFURadixCache): a prefix reused by three finished requests survives eviction
+    although used longest ago; LRU (RadixCache) evicts it first. A hit is one finished request (release_kv_cache),
+    not a match: re-matching (a request waiting for room) and a retract count nothing. Hits survive a split."""
     from sgl_jax.srt.mem_cache.lfu_radix_cache import LFURadixCache
+
+    def finish_one(pool, alloc, cache, ids, rid, insert=True):
+        req = Req(rid, ids, SamplingParams(max_new_tokens=1), eos_token_ids=[], seed=0)
+        match = cache.match_prefix(ids)
+        cache.inc_lock_ref(match.last_node)
+        req.req_pool_idx, req.last_node = pool.alloc(), match.last_node
+        pool.write(req.req_pool_idx, 0, match.device_indices)
+        row = pool.req_to_token[req.req_pool_idx]
+        pool.write(req.req_pool_idx, match.length, alloc.alloc_token_slots(row, match.length, len(ids)))
+        req.cache_protected_len = match.length
+        req.kv_allocated_len = req.kv_committed_len = len(ids)
+        release_kv_cache(req, cache, is_insert=insert)
 
     for cls, survivor in ((LFURadixCache, "shared"), (RadixCache, "recent")):
         pool = ReqToTokenPool(4, 512)
         alloc = PagedTokenToKVPoolAllocator(256, 1)
         cache = cls(pool, alloc, 1)
         shared, recent = [1, 2, 3, 4], [7, 8, 9, 10]
-        cache.insert(shared, slots_for(alloc, 4))
-        for _ in range(3):
-            cache.match_prefix(shared + [5])  # three hits
-        cache.insert(recent, slots_for(alloc, 4))
-        cache.match_prefix(recent)  # one hit, the latest access
+        finish_one(pool, alloc, cache, shared, "first")
+        for i in range(3):
+            finish_one(pool, alloc, cache, shared + [5 + i], f"reuse{i}")  # reuses [1, 2, 3, 4]
+        cache.evict(3)  # the three one-token suffixes ([5], [6], [7] leaves) go first in both orders
+        finish_one(pool, alloc, cache, recent, "recent")
+        for _ in range(5):
+            cache.match_prefix(recent)  # matched, never reused: no hit
         assert cache.evict(4) == 4
         kept = "shared" if cache.match_prefix(shared).length == 4 else "recent"
         assert kept == survivor, cls.__name__
-    cache.match_prefix([7, 8, 11])  # split the RadixCache survivor: nothing to count there
     lfu = LFURadixCache(ReqToTokenPool(4, 512), PagedTokenToKVPoolAllocator(256, 1), 1)
-    lfu.insert([1, 2, 3, 4], slots_for(lfu.allocator, 4))
-    lfu.match_prefix([1, 2, 3, 4])
-    m = lfu.match_prefix([1, 2, 9])  # splits [1, 2 | 3, 4]: the upper node keeps the hit and adds this one
-    assert m.last_node.hit_count == 2 and next(iter(m.last_node.children.values())).hit_count == 1
+    finish_one(lfu.req_to_token_pool, lfu.allocator, lfu, [1, 2, 3, 4], "a")
+    finish_one(lfu.req_to_token_pool, lfu.allocator, lfu, [1, 2, 3, 4, 9], "b")  # one hit on [1, 2, 3, 4]
+    finish_one(lfu.req_to_token_pool, lfu.allocator, lfu, [1, 2, 3, 4, 9], "c", insert=False)  # retract: none
+    m = lfu.match_prefix([1, 2, 8])  # splits [1, 2 | 3, 4]: the upper node keeps the hit
+    assert m.last_node.hit_count == 1 and next(iter(m.last_node.children.values())).hit_count == 1

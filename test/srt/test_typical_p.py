@@ -1,6 +1,7 @@
 """typical_p (locally typical sampling, Meister et al. 2022) against transformers' TypicalLogitsWarper: the
 tokens the compiled sampler can draw are exactly the set transformers keeps (512 rows of the same logits, one
-seed each), alone and combined with top-k; and the request field reaches it from both protocols."""
+seed each; ties at the boundary included), alone and combined with top-k; and the request field reaches it from
+both protocols."""
 
 from __future__ import annotations
 
@@ -46,6 +47,13 @@ def test_drawn_tokens_are_transformers_typical_set(mass):
     expected = kept_by_transformers(logits, mass)
     assert 1 < len(expected) < V
     assert drawn(logits, typical_p=mass) == expected
+
+
+def test_ties_at_the_boundary_all_stay():
+    """Equal shifts at the boundary (here uniform logits: every token equally typical) stay together, as in
+    transformers: all 32 tokens, not the first half of them."""
+    logits = np.zeros(V, np.float32)
+    assert kept_by_transformers(logits, 0.5) == set(range(V)) == drawn(logits, typical_p=0.5)
 
 
 def test_typical_p_combines_with_top_k_and_one_is_off():

@@ -40,9 +40,10 @@ def check(stage: str, rids: Iterable[str]) -> None:
 # compile once per process); test/mem_cache/test_kv_planted_faults.py and test/srt/test_planted_faults.py show
 # that the exact page-ownership check, the idle check, /get_server_info's memory_errors and
 # num_compiles_after_warmup report them.
+# (a finished request: released after finishing normally -- not aborted, failed or retracted -- while holding KV)
 LEAK_PAGES_ENV = "SGL_JAX_TEST_LEAK_PAGES"  # N: at the first finished request, N free pages are taken and dropped
 DOUBLE_FREE_ENV = "SGL_JAX_TEST_DOUBLE_FREE"  # 1: at the first finished request, a free page is freed again
-DOUBLE_LOCK_ENV = "SGL_JAX_TEST_DOUBLE_LOCK"  # 1: the first cached prefix an admission locks is locked twice
+DOUBLE_LOCK_ENV = "SGL_JAX_TEST_DOUBLE_LOCK"  # 1: the first prefix-cache node an admission locks is locked twice
 COMPILE_ENV = "SGL_JAX_TEST_COMPILE_WHILE_SERVING"  # 1: the first step after warm-up compiles a new program
 
 

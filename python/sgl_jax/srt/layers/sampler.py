@@ -39,17 +39,20 @@ def _gumbel(meta: SamplingBatch, vocab: int) -> jax.Array:
 
 
 def _typical_keep(scaled: jax.Array, typical_p: jax.Array) -> jax.Array:
-    """bool[S, V] (vocabulary order): the locally typical set of each row (Meister et al. 2022, transformers'
-    TypicalLogitsWarper): tokens ordered by |-log p - entropy|, ascending, kept while the mass before them is
-    below typical_p (so the set reaches typical_p; the most typical token always stays). typical_p 1 keeps all."""
-    S, V = scaled.shape
+    """bool[S, V] (vocabulary order): the locally typical set of each row (Meister et al. 2022), as transformers'
+    TypicalLogitsWarper computes it: tokens ordered by their shift |-log p - entropy|, ascending; the boundary
+    token is the first whose cumulative mass reaches typical_p, and every token whose shift is at most the
+    boundary's stays (ties included). typical_p 1 keeps all."""
+    V = scaled.shape[1]
     logp = jax.nn.log_softmax(scaled, axis=-1)
     p = jnp.exp(logp)
     entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1, keepdims=True)
-    order = jnp.argsort(jnp.abs(-logp - entropy), axis=-1)
-    sorted_p = jnp.take_along_axis(p, order, axis=-1)
-    keep_sorted = ((jnp.cumsum(sorted_p, axis=-1) - sorted_p) < typical_p[:, None]).at[:, 0].set(True)
-    return jnp.zeros((S, V), bool).at[jnp.arange(S)[:, None], order].set(keep_sorted)
+    shift = jnp.abs(-logp - entropy)
+    order = jnp.argsort(shift, axis=-1)
+    sorted_shift = jnp.take_along_axis(shift, order, axis=-1)
+    cum = jnp.cumsum(jnp.take_along_axis(p, order, axis=-1), axis=-1)
+    last = jnp.minimum(jnp.sum(cum < typical_p[:, None], axis=-1), V - 1)
+    return shift <= jnp.take_along_axis(sorted_shift, last[:, None], axis=-1)
 
 
 def _sample_filtered(scaled: jax.Array, meta: SamplingBatch) -> jax.Array:

@@ -19,6 +19,8 @@ for every cache kind, which calls nothing but the methods below.
 - evict(num_tokens) -> int: free at least num_tokens of unlocked cached KV if possible.
 - evictable_size(): tokens cached and unlocked; protected_size(): tokens cached and locked.
 - reset(): drop everything cached (only when no request holds a lock).
+- record_hit(node): a finished request reused the path to `node` (once per request; a no-op but for kinds that
+  count frequency).
 - create(req_to_token_pool, allocator, page_size, sliding_window): the factory the registry calls
   (`registry.register_cache`); ``kind`` is the registered name.
 - keeps_swa: whether the cache also keeps SWA-pool KV (hybrid SWA memory); such a cache adds evict_swa,
@@ -168,6 +170,11 @@ class BasePrefixCache(abc.ABC):
     @abc.abstractmethod
     def protected_size(self) -> int:
         """Tokens cached and locked by running requests."""
+
+    def record_hit(self, node: Optional[CacheNode]) -> None:
+        """A finished request reused the cached path root..`node` (called once per request by the hand-off,
+        `cache_manager.cache_finished_req`, before it unlocks). Frequency-aware kinds count it (LFURadixCache);
+        the others ignore it."""
 
     @abc.abstractmethod
     def reset(self) -> None:

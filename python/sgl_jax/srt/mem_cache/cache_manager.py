@@ -113,6 +113,8 @@ def cache_finished_req(req, tree_cache: BasePrefixCache, is_insert: bool = True)
         _free_row_range(tree_cache, row, n, req.kv_allocated_len)
     else:
         _free_row_range(tree_cache, row, protected, req.kv_allocated_len)
+    if is_insert:
+        tree_cache.record_hit(req.last_node)  # (the prefix it reused; once per finished request)
     tree_cache.dec_lock_ref(req.last_node)
     req.last_node = None
 

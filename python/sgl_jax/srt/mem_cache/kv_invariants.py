@@ -2,8 +2,8 @@
 ``SGL_JAX_CHECK_KV_INVARIANTS=1``; SGLang's ``SGLANG_CHECK_KV_PAGE_INVARIANTS`` plays the same role).
 
 Every usable full page is owned exactly once: by the free list, by one prefix-cache node, or by one holder of
-KV (a running or chunk-prefilled request, a streaming session between turns) through positions
-[cache_protected_len, kv_allocated_len) of its ReqToTokenPool row. With hybrid SWA memory every SWA page is
+KV (a running or chunk-prefilled request, a scoring-cache handle, a streaming session between turns) through
+positions [cache_protected_len, kv_allocated_len) of its ReqToTokenPool row. With hybrid SWA memory every SWA page is
 either free or mapped from exactly one full page that is not free. Each holder also keeps
 ``cache_protected_len`` page-aligned and ``kv_committed_len <= kv_allocated_len``.
 """
@@ -32,8 +32,8 @@ def check_kv_invariants(allocator, tree_cache, pool, holders: Iterable) -> List[
 
     Args:
         allocator: the rank's allocator; tree_cache: its prefix cache; pool: its ReqToTokenPool.
-        holders: every object holding a row (Reqs and session holders: ``req_pool_idx``,
-            ``cache_protected_len``, ``kv_committed_len``, ``kv_allocated_len``).
+        holders: every object holding a row (running requests, scoring-cache handles, session holders:
+            ``req_pool_idx``, ``cache_protected_len``, ``kv_committed_len``, ``kv_allocated_len``).
     """
     ps = allocator.page_size
     problems: List[str] = []

@@ -3,8 +3,9 @@
 It owns the rank's `ReqToTokenPool`, its paged allocator (full pool, plus the SWA pool of hybrid sliding-window
 memory), its prefix cache (a kind from `registry`), the accounting and the out-of-window SWA release, and it
 answers the scheduler's questions about memory: what an admission round may still promise (`KVBudget`),
-whether a request's next step can be allocated (`allocate_extend` / `allocate_decode`, which answer with
-slots or False after evicting cached KV, like vLLM's ``allocate_slots``), how much is free, cached or held,
+whether a request's next step can be allocated (`allocate_decode` answers False when even eviction leaves too
+few pages, so the rank retracts -- vLLM's ``allocate_slots`` answers None; `allocate_extend` gets what admission
+reserved, or raises), how much is free, cached or held,
 and whether every page has exactly one owner. The scheduler never reads the allocators or the cache itself,
 and the sliding window is known here and in the models only.
 
@@ -266,8 +267,13 @@ class KVMemory:
 
     def release(self, req, is_insert: bool = True) -> None:
         """Free what `req` holds through the one release path (`common.release_kv_cache`). Under test, a planted
-        fault may then leak pages or free a page twice (`fault_injection.PlantedFaults`)."""
+        fault may then leak pages or free a page twice at the first request that finished normally while holding KV
+        (`fault_injection.PlantedFaults`)."""
+        finished = (is_insert and req.req_pool_idx is not None and not req.kv_released
+                    and req.finished_reason is not None and req.finished_reason.type != "abort")
         release_kv_cache(req, self.tree_cache, is_insert=is_insert)
+        if not finished:
+            return
         if self.faults.fire("leak_pages"):
             self.allocator.alloc_pages(min(self.faults.leak_pages, self.allocator.available_pages()))
         if self.faults.fire("double_free"):
@@ -314,7 +320,8 @@ class KVMemory:
 
     def check_invariants(self, holders: Iterable) -> List[str]:
         """The exact page-ownership check (kv_invariants.py): every page owned once, by the free list, a cache node
-        or one of `holders` (objects holding a row: running requests, session holders); [] when exact."""
+        or one of `holders` (objects holding a row: running and chunk-prefilled requests, scoring-cache handles,
+        streaming sessions' holders); [] when exact."""
         return check_kv_invariants(self.allocator, self.tree_cache, self.req_to_token_pool, holders)
 
     def idle_problems(self, sessions: Sequence[SessionKV]) -> List[str]:
@@ -391,7 +398,7 @@ class KVBudget:
         session's); undo with `unlock` when it is not admitted."""
         swa_before = self.memory._swa_cached()[0]
         match, moved = match_req(req, self.memory.tree_cache)
-        if match.length and self.memory.faults.fire("double_lock"):
+        if match.length and match.last_node is not None and self.memory.faults.fire("double_lock"):
             self.memory.tree_cache.inc_lock_ref(match.last_node)  # a planted fault: the lock is never undone
         session = req.session_kv if req.session_kv is not None and req.session_kv.has_kv() else None
         return PrefixMatch(match, moved, swa_before - self.memory._swa_cached()[0], session)

@@ -1,9 +1,10 @@
 """LFURadixCache: the radix cache that evicts the least frequently used prefix first (``--radix-eviction-policy
 lfu``, SGLang's flag; the default, lru, is RadixCache).
 
-Every node counts the matches that ran through it (``hit_count``: each `match_prefix` adds one to every node
-of the matched path); eviction frees unlocked leaves with the fewest hits first, least recently used among
-equals. A prefix many requests share (a system prompt) then outlives one-off prompts that arrived after it, where
+Every node counts the finished requests that reused it (``hit_count``: the hand-off calls `record_hit` once
+per finished request with the prefix it matched, so neither re-matching a request that waits for room nor a
+chunked prefill's re-locks inflate it, as SGLang counts once per request); eviction frees unlocked leaves with
+the fewest hits first, least recently used among equals. A prefix many requests share (a system prompt) then outlives one-off prompts that arrived after it, where
 LRU would evict it first under a burst of new prompts. Everything else -- page-aligned nodes, locking, the
 accounting, the `BasePrefixCache` contract -- is RadixCache's. Kind "lfu_radix" (registry.py); one full pool
 only (hybrid SWA memory uses "swa_radix").
@@ -17,13 +18,12 @@ from typing import Optional
 
 import numpy as np
 
-from sgl_jax.srt.mem_cache.base_prefix_cache import MatchResult, TokenIds
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache, TreeNode
 from sgl_jax.srt.mem_cache.registry import register_cache
 
 
 class LFUTreeNode(TreeNode):
-    """A TreeNode with ``hit_count``, the matches that ran through it; heap order: fewest hits, then least
+    """A TreeNode with ``hit_count``, the finished requests that reused it; heap order: fewest hits, then least
     recently used."""
 
     __slots__ = ("hit_count",)
@@ -42,14 +42,11 @@ class LFURadixCache(RadixCache):
 
     node_cls = LFUTreeNode
 
-    def match_prefix(self, token_ids: TokenIds) -> MatchResult:
-        """RadixCache's match; every node of the matched path counts one more hit."""
-        match = super().match_prefix(token_ids)
-        node = match.last_node
+    def record_hit(self, node: Optional[LFUTreeNode]) -> None:
+        """Every node of the path root..`node` counts one more hit (a finished request reused it)."""
         while node is not None and node is not self.root:
             node.hit_count += 1
             node = node.parent
-        return match
 
     def _split(self, child: LFUTreeNode, n: int) -> LFUTreeNode:
         """RadixCache's split; the new upper node keeps the hits of the node it was cut from."""

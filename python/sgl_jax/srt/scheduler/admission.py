@@ -68,11 +68,13 @@ LPM_MAX_WAITING = 128  # lpm orders at most this many waiting requests (SGLang's
 
 def by_policy(reqs: List[Req], policy: str, memory: KVMemory) -> List[Req]:
     """Generation requests in the order --schedule-policy gives: "fcfs" keeps arrival order; "lpm" puts the
-    longest cached prefix (`KVMemory.prefix_match_len`, read-only) first, arrival order among equals, and falls
-    back to arrival order beyond LPM_MAX_WAITING requests (the matching would cost more than it saves)."""
+    longest reusable prefix the prefix cache holds first (`KVMemory.prefix_match_len` of what admission may
+    match, ``fill_ids[:max_prefix_len()]``; read-only), arrival order among equals, and falls back to arrival
+    order beyond LPM_MAX_WAITING requests (the matching would cost more than it saves). A streaming session's
+    turn is ranked by the prefix cache too, not by its session's KV."""
     if policy == "fcfs" or len(reqs) > LPM_MAX_WAITING:
         return reqs
-    return sorted(reqs, key=lambda r: -memory.prefix_match_len(r.fill_ids))
+    return sorted(reqs, key=lambda r: -memory.prefix_match_len(r.fill_ids[:r.max_prefix_len()]))
 
 
 def admission_order(waiting: List[Req], scoring, policy: str = "fcfs", memory: Optional[KVMemory] = None
@@ -80,8 +82,8 @@ def admission_order(waiting: List[Req], scoring, policy: str = "fcfs", memory: O
     """`waiting` in admission order: the items of live handles (they free their handle's slot and KV), then
     generation requests (in --schedule-policy order, `by_policy`), then new scoring work; queue order within the
     others. `scoring`: the rank's `SchedulerScoring` (its live groups and handles)."""
-    if not scoring.groups and not scoring.handles:
-        return waiting if policy == "fcfs" else by_policy(waiting, policy, memory)
+    if policy == "fcfs" and not scoring.groups and not scoring.handles:
+        return waiting
     live_items, generation, new_scoring = [], [], []
     for r in waiting:
         if r.score is None:

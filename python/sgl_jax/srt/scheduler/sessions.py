@@ -74,6 +74,8 @@ class Session:
         self.last_active = now
         self.close_on_finish = False
         self.req_nodes: Dict[str, SessionReqNode] = {}  # classic: every turn by rid
+        if streaming and kv is None:
+            raise ValueError("a streaming session needs its KV holder (KVMemory.new_session_kv)")
         self.kv: Optional[SessionKV] = kv if streaming else None
         self.turn = None  # streaming: the latest turn created (running until it finishes)
 
