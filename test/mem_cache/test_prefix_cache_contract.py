@@ -19,7 +19,7 @@ from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.lfu_radix_cache import LFURadixCache
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache, TreeNode
-from sgl_jax.srt.mem_cache.registry import cache_kind_for, cache_kinds, create_prefix_cache
+from sgl_jax.srt.mem_cache.registry import CACHE_KINDS, cache_kind_for, create_prefix_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 from sgl_jax.srt.mem_cache.swa_radix_cache import SWARadixCache
@@ -58,7 +58,7 @@ def test_every_contract_method_is_abstract_and_documented():
 def test_kinds_come_from_the_registry():
     """Every kind is registered under its name and built by create_prefix_cache; the SWA methods exist exactly on
     the kinds that keep SWA KV; a kind that cannot serve a pool layout says so."""
-    assert set(cache_kinds()) == set(KINDS)
+    assert set(CACHE_KINDS) == set(KINDS)
     for kind in KINDS:
         pool, alloc, built = make(kind, 4)
         cache = create_prefix_cache(kind, pool, alloc, 4, 8)

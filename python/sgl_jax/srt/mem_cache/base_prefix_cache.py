@@ -22,7 +22,7 @@ for every cache kind, which calls nothing but the methods below.
 - record_hit(node): a finished request reused the path to `node` (once per request; a no-op but for kinds that
   count frequency).
 - create(req_to_token_pool, allocator, page_size, sliding_window): the factory the registry calls
-  (`registry.register_cache`); ``kind`` is the registered name.
+  (`registry.CACHE_KINDS`); ``kind`` is the name it is listed under.
 - keeps_swa: whether the cache also keeps SWA-pool KV (hybrid SWA memory); such a cache adds evict_swa,
   swa_evictable_size and swa_protected_size (SWARadixCache). The others hold full-pool pages only, so the SWA
   pool's cached share is 0 for them (`kv_memory.KVMemory` asks).
@@ -85,7 +85,7 @@ class BasePrefixCache(abc.ABC):
 
     page_size: int
     req_to_token_pool: ReqToTokenPool
-    kind: str = ""  # the registered name (registry.register_cache)
+    kind: str = ""  # its name in registry.CACHE_KINDS
     keeps_swa: bool = False
 
     @classmethod

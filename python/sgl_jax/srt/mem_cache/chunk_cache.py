@@ -13,11 +13,9 @@ import numpy as np
 
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, CacheNode, MatchResult, TokenIds
-from sgl_jax.srt.mem_cache.registry import register_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 
 
-@register_cache("chunk")
 class ChunkCache(BasePrefixCache):
     """Never matches a prefix and keeps nothing inserted: a finished request's pages go straight back to
     the allocator (through `cache_manager.cache_finished_req`). Its node handle is always None.
@@ -26,6 +24,8 @@ class ChunkCache(BasePrefixCache):
         req_to_token_pool: the request-slot table.
         allocator: the KV page allocator (request pages are freed to it); its page size is the cache's.
     """
+
+    kind = "chunk"
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator):
         self.req_to_token_pool = req_to_token_pool

@@ -19,7 +19,6 @@ from typing import Optional
 import numpy as np
 
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache, TreeNode
-from sgl_jax.srt.mem_cache.registry import register_cache
 
 
 class LFUTreeNode(TreeNode):
@@ -36,9 +35,10 @@ class LFUTreeNode(TreeNode):
         return (self.hit_count, self.last_access_time, self.id) < (other.hit_count, other.last_access_time, other.id)
 
 
-@register_cache("lfu_radix")
 class LFURadixCache(RadixCache):
     """RadixCache with least-frequently-used eviction (see the module docstring); same arguments."""
+
+    kind = "lfu_radix"
 
     node_cls = LFUTreeNode
 

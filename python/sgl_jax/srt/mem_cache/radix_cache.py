@@ -22,7 +22,6 @@ import numpy as np
 
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, CacheNode, MatchResult, TokenIds
-from sgl_jax.srt.mem_cache.registry import register_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 
@@ -53,7 +52,6 @@ def _common_len(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-@register_cache("radix")
 class RadixCache(BasePrefixCache):
     """Prefix cache over a paged KV pool.
 
@@ -65,6 +63,8 @@ class RadixCache(BasePrefixCache):
         allocator: the KV page allocator (evicted pages go back to it).
         page_size: tokens per page; matches and inserts are truncated to whole pages.
     """
+
+    kind = "radix"
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator, page_size: int):
         self.req_to_token_pool = req_to_token_pool

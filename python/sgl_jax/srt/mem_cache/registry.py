@@ -1,40 +1,25 @@
-"""The prefix-cache kinds, by name (mini-sglang's ``@register`` registry): each kind's module registers a factory
-with `register_cache`; `KVMemory` builds its rank's cache with `create_prefix_cache`.
+"""The prefix-cache kinds, by name: one table (`CACHE_KINDS`, mini-sglang's registry as plain data) from which
+`KVMemory` builds its rank's cache with `create_prefix_cache`.
 
 Kinds: "radix" (RadixCache, prefix sharing, LRU eviction), "lfu_radix" (LFURadixCache: LFU eviction), "swa_radix"
-(SWARadixCache: radix over a full + SWA pool), "chunk" (ChunkCache: nothing shared, either pool layout). A new kind is a module with a `BasePrefixCache` subclass and
-a `register_cache` line, plus its case in `cache_kind_for` (and the flag that selects it in server_args.py).
+(SWARadixCache: radix over a full + SWA pool), "chunk" (ChunkCache: nothing shared, either pool layout). A new kind
+is a module with a `BasePrefixCache` subclass (its ``kind`` the name), its row in `CACHE_KINDS` and its case in
+`cache_kind_for`, plus the flag that selects it in server_args.py.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional, Type
 
-# name -> factory(req_to_token_pool, allocator, page_size, sliding_window) -> BasePrefixCache
-_FACTORIES: Dict[str, Callable] = {}
+from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache
+from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
+from sgl_jax.srt.mem_cache.lfu_radix_cache import LFURadixCache
+from sgl_jax.srt.mem_cache.radix_cache import RadixCache
+from sgl_jax.srt.mem_cache.swa_radix_cache import SWARadixCache
 
-
-def register_cache(name: str):
-    """Class decorator: register a prefix-cache kind under `name`. The class is built as
-    ``cls.create(req_to_token_pool, allocator, page_size, sliding_window)`` (a classmethod of the contract).
-
-    Raises:
-        ValueError: `name` is taken.
-    """
-    def deco(cls):
-        if name in _FACTORIES:
-            raise ValueError(f"prefix cache kind {name!r} is registered twice")
-        _FACTORIES[name] = cls.create
-        cls.kind = name
-        return cls
-    return deco
-
-
-def cache_kinds() -> Dict[str, Callable]:
-    """The registered kinds (name -> factory); importing the cache modules registers them."""
-    from sgl_jax.srt.mem_cache import chunk_cache, lfu_radix_cache, radix_cache, swa_radix_cache  # noqa: F401
-
-    return dict(_FACTORIES)
+# name -> class; each is built as ``cls.create(req_to_token_pool, allocator, page_size, sliding_window)``
+CACHE_KINDS: Dict[str, Type[BasePrefixCache]] = {
+    cls.kind: cls for cls in (RadixCache, LFURadixCache, SWARadixCache, ChunkCache)}
 
 
 def cache_kind_for(server_args, hybrid_swa: bool) -> str:
@@ -49,14 +34,13 @@ def cache_kind_for(server_args, hybrid_swa: bool) -> str:
 
 
 def create_prefix_cache(kind: str, req_to_token_pool, allocator, page_size: int,
-                        sliding_window: Optional[int] = None):
+                        sliding_window: Optional[int] = None) -> BasePrefixCache:
     """A new prefix cache of kind `kind` over a rank's request slots and allocator.
 
     Raises:
         ValueError: an unknown kind, or a kind that cannot serve this allocator (e.g. "swa_radix" without a
             hybrid allocator and a sliding window).
     """
-    kinds = cache_kinds()
-    if kind not in kinds:
-        raise ValueError(f"unknown prefix cache kind {kind!r}; registered: {sorted(kinds)}")
-    return kinds[kind](req_to_token_pool, allocator, page_size, sliding_window)
+    if kind not in CACHE_KINDS:
+        raise ValueError(f"unknown prefix cache kind {kind!r}; registered: {sorted(CACHE_KINDS)}")
+    return CACHE_KINDS[kind].create(req_to_token_pool, allocator, page_size, sliding_window)

@@ -37,7 +37,6 @@ import numpy as np
 
 from sgl_jax.srt.mem_cache.base_prefix_cache import MatchResult, TokenIds
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache, TreeNode, _common_len
-from sgl_jax.srt.mem_cache.registry import register_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 
@@ -54,7 +53,6 @@ class SWATreeNode(TreeNode):
         self.swa_lock_ref = 0
 
 
-@register_cache("swa_radix")
 class SWARadixCache(RadixCache):
     """Radix cache over a full + SWA paged pool (see the module docstring).
 
@@ -66,6 +64,8 @@ class SWARadixCache(RadixCache):
     Raises:
         ValueError: sliding_window < 1.
     """
+
+    kind = "swa_radix"
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: SWAPagedAllocator, page_size: int,
                  sliding_window: int):
