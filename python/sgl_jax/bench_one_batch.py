@@ -189,7 +189,7 @@ class OneBatchRunner:
                      "--max-total-tokens (or leave it and --mem-fraction-static unset to size it from the batch)")
         # the scheduler's KV memory without prefix sharing (every row is timed from scratch)
         self.memory = KVMemory.create(runner.kv_spec, num_request_slots=max_running, context_len=mc.context_len,
-                                      disable_radix_cache=True, sliding_window=mc.sliding_window)
+                                      disable_radix_cache=True)
         self.cost = model_cost(runner)
         if not sa.disable_precompile:
             runner.warmup()

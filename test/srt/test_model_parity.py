@@ -69,7 +69,7 @@ class RunnerHarness:
         self.runner = ModelRunner(args, self.mc, buckets=self.buckets, max_context_len=context_length,
                                   kv_spec_fn=lambda _: kv_spec_for(args, self.mc, max_total_tokens))
         self.memory = KVMemory.create(self.runner.kv_spec, num_request_slots=4, context_len=context_length,
-                                      disable_radix_cache=True, sliding_window=self.mc.sliding_window)
+                                      disable_radix_cache=True)
         self.page_size = page_size
         self.swa_tokens_released = 0
 

@@ -49,12 +49,14 @@ class KVCacheSpec:
 
     page_size: tokens per page. pool_tokens: usable tokens of each pool (pool 0 holds full-attention layers; pool
     1, with hybrid SWA memory, the sliding-window layers); each pool's buffers have one more page per rank, page
-    0, the padding sink. layer_pool: the pool of each layer's K and V buffers.
+    0, the padding sink. layer_pool: the pool of each layer's K and V buffers. sliding_window: the window (tokens)
+    of the layers that read the SWA pool; None without one (KV outside it is released, `KVMemory.after_step`).
     """
 
     page_size: int
     pool_tokens: Tuple[int, ...]
     layer_pool: Tuple[int, ...]
+    sliding_window: Optional[int] = None
 
     @property
     def num_pools(self) -> int:
@@ -73,12 +75,14 @@ class KVCacheSpec:
 
 
 def plan_kv_cache(budget_tokens: int, page_size: int, num_layers: int, swa_layer_ids: Iterable[int], *,
-                  hybrid_swa_memory: bool = True, swa_full_tokens_ratio: float = 0.8) -> KVCacheSpec:
+                  sliding_window: Optional[int] = None, hybrid_swa_memory: bool = True,
+                  swa_full_tokens_ratio: float = 0.8) -> KVCacheSpec:
     """The KV buffers a budget of `budget_tokens` tokens of every layer buys.
 
-    Sliding-window layers (`swa_layer_ids`) get their own, smaller pool when `hybrid_swa_memory` (not
-    --disable-hybrid-swa-memory): the budget is split by `split_hybrid_budget` (--swa-full-tokens-ratio).
-    Otherwise every layer reads one pool of `budget_tokens` rounded down to whole pages.
+    Sliding-window layers (`swa_layer_ids`, window `sliding_window` tokens) get their own, smaller pool when
+    `hybrid_swa_memory` (not --disable-hybrid-swa-memory): the budget is split by `split_hybrid_budget`
+    (--swa-full-tokens-ratio). Otherwise every layer reads one pool of `budget_tokens` rounded down to whole
+    pages (the windows are only masked).
 
     Raises:
         ValueError: the budget leaves less than a page in a pool.
@@ -87,8 +91,10 @@ def plan_kv_cache(budget_tokens: int, page_size: int, num_layers: int, swa_layer
     if swa and hybrid_swa_memory:
         full, swa_tokens = split_hybrid_budget(budget_tokens, num_layers - len(swa), len(swa), swa_full_tokens_ratio,
                                                page_size)
+        if sliding_window is None:
+            raise ValueError("sliding-window layers without a sliding_window")
         return KVCacheSpec(page_size, (full, swa_tokens),
-                           tuple(SWA_POOL if i in swa else FULL_POOL for i in range(num_layers)))
+                           tuple(SWA_POOL if i in swa else FULL_POOL for i in range(num_layers)), sliding_window)
     tokens = budget_tokens // page_size * page_size
     if tokens < page_size:
         raise ValueError(f"a KV budget of {budget_tokens} tokens is less than one page ({page_size})")
@@ -96,10 +102,11 @@ def plan_kv_cache(budget_tokens: int, page_size: int, num_layers: int, swa_layer
 
 
 def kv_spec_for(server_args, model_config, budget_tokens: int) -> KVCacheSpec:
-    """`plan_kv_cache` with the model's layers and sliding-window layers and the flags (--page-size,
+    """`plan_kv_cache` with the model's layers, sliding-window layers and window, and the flags (--page-size,
     --disable-hybrid-swa-memory, --swa-full-tokens-ratio)."""
     return plan_kv_cache(budget_tokens, server_args.page_size, model_config.num_hidden_layers,
-                         model_config.swa_layer_ids, hybrid_swa_memory=not server_args.disable_hybrid_swa_memory,
+                         model_config.swa_layer_ids, sliding_window=model_config.sliding_window,
+                         hybrid_swa_memory=not server_args.disable_hybrid_swa_memory,
                          swa_full_tokens_ratio=server_args.swa_full_tokens_ratio)
 
 
@@ -153,8 +160,7 @@ class KVMemory:
 
     @classmethod
     def create(cls, spec: KVCacheSpec, *, num_request_slots: int, context_len: int, server_args=None,
-               disable_radix_cache: bool = False, sliding_window: Optional[int] = None,
-               swa_release: Optional[bool] = None) -> "KVMemory":
+               disable_radix_cache: bool = False, swa_release: Optional[bool] = None) -> "KVMemory":
         """The host side of a rank's KV buffers `spec`: request slots, allocator(s) and the prefix cache kind
         `registry.cache_kind_for` picks from the flags (`server_args`; without it, radix or, with
         `disable_radix_cache`, chunk). `swa_release` None: on unless SGL_JAX_DISABLE_SWA_RELEASE=1."""
@@ -168,8 +174,8 @@ class KVMemory:
             allocator = PagedTokenToKVPoolAllocator(spec.pool_tokens[FULL_POOL], ps)
         flags = server_args if server_args is not None else _CacheFlags(disable_radix_cache)
         kind = cache_kind_for(flags, spec.num_pools > 1)
-        cache = create_prefix_cache(kind, pool, allocator, ps, sliding_window)
-        return cls(pool, allocator, cache, sliding_window=sliding_window, swa_release=swa_release)
+        cache = create_prefix_cache(kind, pool, allocator, ps, spec.sliding_window)
+        return cls(pool, allocator, cache, sliding_window=spec.sliding_window, swa_release=swa_release)
 
     # ------------------------------------------------------------ sizes
     @property

@@ -197,8 +197,7 @@ class Scheduler:
         scoring state, its admission policy and its scheduling state."""
         sa, mc = self.server_args, self.model_config
         memory = KVMemory.create(self.model_runner.kv_spec, num_request_slots=self.max_running_requests,
-                                 context_len=self.context_len, server_args=sa,
-                                 sliding_window=mc.sliding_window)
+                                 context_len=self.context_len, server_args=sa)
         scoring = SchedulerScoring(memory, sa.multi_item_prefill_extend_cache_timeout,
                                    self.send_to_tokenizer.send_pyobj, mc.eos_token_ids, clock=lambda: self.tick_now)
         admission = AdmissionPolicy(buckets=self.buckets, max_running_requests=self.max_running_requests,
