@@ -1,5 +1,6 @@
-"""The layering contract of pyproject.toml ([tool.importlinter]: imports point down) holds, and import-linter
-reports a planted upward import (a copy of the package where a layer imports the scheduler)."""
+"""The contracts of pyproject.toml ([tool.importlinter]: imports point down; the batch descriptions and the KV
+bookkeeping are JAX-free) hold, and import-linter reports a planted fault against each (a copy of the package
+where a layer imports the scheduler, or the shape buckets import jax)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,31 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     res = lint_imports(str(tmp_path))
     assert res.returncode != 0
     assert "BROKEN" in res.stdout and "sgl_jax.srt.layers.linear -> sgl_jax.srt.scheduler.schedule_batch" in res.stdout
+
+
+def test_an_import_of_jax_in_a_batch_description_breaks_the_contract(tmp_path):
+    copy = tmp_path / "sgl_jax"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    buckets = copy / "srt" / "model_executor" / "buckets.py"
+    buckets.write_text(buckets.read_text() + "\nimport jax  # planted\n")
+    res = lint_imports(str(tmp_path))
+    assert res.returncode != 0
+    assert "JAX-free" in res.stdout and "BROKEN" in res.stdout
+    assert "sgl_jax.srt.model_executor.buckets -> jax" in res.stdout, res.stdout
+
+
+JAX_FREE = ["sgl_jax.srt.scheduler.schedule_batch", "sgl_jax.srt.forward_batch",
+            "sgl_jax.srt.sampling.sampling_batch", "sgl_jax.srt.model_executor.buckets",
+            "sgl_jax.srt.mem_cache.kv_memory"]
+
+
+def test_the_batch_descriptions_load_without_jax():
+    """What the contract cannot see: importing them runs their packages' __init__ too, and none loads JAX."""
+    code = ("import importlib, sys\n"
+            f"for name in {JAX_FREE!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.path.join(REPO, "python")})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
