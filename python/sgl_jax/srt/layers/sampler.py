@@ -100,8 +100,7 @@ class PenaltyState:
     last_counted: jax.Array
 
 
-jax.tree_util.register_dataclass(PenaltyState, data_fields=["counts", "seen", "bias", "last_counted"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(PenaltyState)  # every field a leaf (the fields follow from the dataclass)
 
 
 def new_penalty_state(num_slots: int, vocab: int) -> PenaltyState:

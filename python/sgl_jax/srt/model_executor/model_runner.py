@@ -31,7 +31,7 @@ from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.compile_stats import compile_counts, describe
 from sgl_jax.srt.fault_injection import PlantedFaults
 from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch, stack_ranks
-from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
+from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask, vocab_mask_words
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES, load_model
 from sgl_jax.srt.server_args import resolve_attention_backend
 
@@ -221,7 +221,7 @@ class ModelRunner:
         eos = model_config.eos_token_ids or [model_config.vocab_size]  # out of range -> no-op mask
         self.eos_token_ids = jnp.asarray(eos, jnp.int32)
         self.max_context_len = max_context_len
-        self.vocab_mask_width = -(-model_config.vocab_size // 32)
+        self.vocab_mask_width = vocab_mask_words(model_config.vocab_size)
         self.penalty_state = jax.jit(lambda: new_penalty_state(self.dp_size * num_request_slots,
                                                                model_config.vocab_size),
                                      out_shardings=self._replicated)()
@@ -288,7 +288,7 @@ class ModelRunner:
         if sampling.vocab_mask is None:
             s_pad = int(np.shape(sampling.slots)[0])
             if s_pad not in self._all_allowed:
-                self._all_allowed[s_pad] = jax.device_put(np.full((s_pad, self.vocab_mask_width), -1, np.int32),
+                self._all_allowed[s_pad] = jax.device_put(all_allowed_mask(s_pad, self.vocab_mask_width),
                                                           self._replicated)
             sampling = dataclasses.replace(sampling, vocab_mask=self._all_allowed[s_pad])
         return jax.device_put(batch.forward_batch, self._rank_rows), jax.device_put(sampling, self._replicated)

@@ -18,6 +18,16 @@ import numpy as np
 from sgl_jax.srt.sampling.sampling_params import SamplingParams, device_rows
 
 
+def vocab_mask_words(vocab_size: int) -> int:
+    """int32 words per row of the packed vocabulary bitmask: ceil(vocab_size / 32) (llguidance's layout)."""
+    return -(-vocab_size // 32)
+
+
+def all_allowed_mask(rows: int, words: int) -> np.ndarray:
+    """int32[rows, words] of -1: every token allowed (a batch, or a rank's rows, without a grammar)."""
+    return np.full((rows, words), -1, np.int32)
+
+
 def _engine_row(dtype, pad):
     """A row the scheduler fills (not a request parameter): its dtype and the value of a padding row."""
     return dataclasses.field(metadata={"engine_row": (np.dtype(dtype), pad)})
@@ -98,7 +108,7 @@ class SamplingBatch:
         mask = None
         if any(m is not None for m in masks):
             width = next(np.shape(m)[1] for m in masks if m is not None)
-            mask = np.concatenate([np.full((s_pad, width), -1, np.int32) if m is None else np.asarray(m)
+            mask = np.concatenate([all_allowed_mask(s_pad, width) if m is None else np.asarray(m)
                                    for m in masks])
         cat = lambda parts: np.concatenate([np.asarray(p) for p in parts])  # noqa: E731
         engine = {name: cat([getattr(b, name) for b in batches]) for name in ENGINE_ROWS}

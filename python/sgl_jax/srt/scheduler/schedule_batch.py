@@ -15,7 +15,7 @@ import numpy as np
 from sgl_jax.srt.mem_cache.req_kv import forget_kv, init_req_kv
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
-from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
+from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 
@@ -428,7 +428,7 @@ class ScheduleBatch:
         constrained = [r.grammar is not None and s for r, s in zip(reqs, samples)]
         if any(constrained):
             width = next(r.grammar.mask_width for r, c in zip(reqs, constrained) if c)
-            vocab_mask = np.full((S_pad, width), -1, np.int32)
+            vocab_mask = all_allowed_mask(S_pad, width)
             for i, r in enumerate(reqs):
                 if constrained[i]:
                     r.grammar.fill_vocab_mask(vocab_mask, i)
