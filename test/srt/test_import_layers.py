@@ -28,22 +28,23 @@ def test_imports_point_down():
     assert "0 broken" in res.stdout
 
 
-def test_an_upward_import_breaks_the_contract(tmp_path):
+def lint_planted(tmp_path, module: str, line: str) -> subprocess.CompletedProcess:
+    """`lint_imports` on a copy of the package where `module` (a path under sgl_jax/) ends with `line`."""
     copy = tmp_path / "sgl_jax"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    linear = copy / "srt" / "layers" / "linear.py"
-    linear.write_text(linear.read_text() + "\nfrom sgl_jax.srt.scheduler import schedule_batch  # planted\n")
-    res = lint_imports(str(tmp_path))
+    planted = copy / module
+    planted.write_text(planted.read_text() + f"\n{line}  # planted\n")
+    return lint_imports(str(tmp_path))
+
+
+def test_an_upward_import_breaks_the_contract(tmp_path):
+    res = lint_planted(tmp_path, "srt/layers/linear.py", "from sgl_jax.srt.scheduler import schedule_batch")
     assert res.returncode != 0
     assert "BROKEN" in res.stdout and "sgl_jax.srt.layers.linear -> sgl_jax.srt.scheduler.schedule_batch" in res.stdout
 
 
 def test_an_import_of_jax_in_a_batch_description_breaks_the_contract(tmp_path):
-    copy = tmp_path / "sgl_jax"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    buckets = copy / "srt" / "model_executor" / "buckets.py"
-    buckets.write_text(buckets.read_text() + "\nimport jax  # planted\n")
-    res = lint_imports(str(tmp_path))
+    res = lint_planted(tmp_path, "srt/model_executor/buckets.py", "import jax")
     assert res.returncode != 0
     assert "JAX-free" in res.stdout and "BROKEN" in res.stdout
     assert "sgl_jax.srt.model_executor.buckets -> jax" in res.stdout, res.stdout
