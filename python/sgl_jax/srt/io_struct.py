@@ -6,7 +6,7 @@ Scheduler -> DetokenizerManager: BatchTokenIDOut (new token ids per request).
 DetokenizerManager -> TokenizerManager: BatchStrOut (new text per request).
 Scheduler -> TokenizerManager: ScoreOut, ScoreReleaseOut, FlushCacheReqOutput, GetInternalStateReqOutput,
 OpenSessionReqOutput, CloseSessionReqOutput (a ZMQ PUSH socket of its own, straight to the TokenizerManager).
-Scheduler -> launcher, once, over the start-up pipe: SchedulerInfo.
+Scheduler -> launcher, once, over the start-up pipe: SchedulerInfo (ready), or SchedulerStartupError.
 """
 
 from __future__ import annotations
@@ -274,3 +274,11 @@ class SchedulerInfo:
         """The JSON object of /get_server_info's ``scheduler_info`` (``radix_cache``: whether prefixes are shared,
         SGLang's name)."""
         return {**dataclasses.asdict(self), "radix_cache": self.prefix_cache != "chunk"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStartupError:
+    """What the scheduler sends over the start-up pipe instead of `SchedulerInfo` when it cannot start:
+    `traceback` is the formatted exception."""
+
+    traceback: str

@@ -16,7 +16,7 @@ from typing import Callable, List, Optional, Tuple
 
 from sgl_jax.srt.configs.model_config import resolve_model, tokenizer_path_for
 from sgl_jax.srt.model_loader.gguf_file import check_gguf_tokenizer_dir
-from sgl_jax.srt.io_struct import SchedulerInfo
+from sgl_jax.srt.io_struct import SchedulerInfo, SchedulerStartupError
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.utils import kill_processes
 
@@ -83,15 +83,20 @@ def stop_subprocesses(procs: List[mp.Process], port_args: Optional[PortArgs], ti
 
 
 def _wait_ready(reader, procs: List[mp.Process]) -> SchedulerInfo:
+    """The scheduler's `SchedulerInfo` from the start-up pipe `reader`.
+
+    Raises:
+        RuntimeError: the scheduler sent a `SchedulerStartupError` or closed the pipe, or a child exited first.
+    """
     while True:
         if reader.poll(0.5):
             try:
                 msg = reader.recv()
             except EOFError:
-                msg = {"status": "error", "error": "scheduler exited during start-up"}
-            if msg.get("status") == "ready":
-                return msg["info"]
-            raise RuntimeError(f"Scheduler failed to start:\n{msg.get('error')}")
+                msg = SchedulerStartupError("scheduler exited during start-up")
+            if isinstance(msg, SchedulerInfo):
+                return msg
+            raise RuntimeError(f"Scheduler failed to start:\n{msg.traceback}")
         for p in procs:
             if not p.is_alive():
                 raise RuntimeError(f"{p.name} exited during start-up with code {p.exitcode}")

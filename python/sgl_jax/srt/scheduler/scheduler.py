@@ -51,6 +51,7 @@ from sgl_jax.srt.io_struct import (
     OpenSessionReqInput,
     OpenSessionReqOutput,
     SchedulerInfo,
+    SchedulerStartupError,
     ScorePrefillReq,
     ScoreReleaseReq,
     TokenizedGenerateReqInput,
@@ -610,13 +611,13 @@ def run_scheduler_process(server_args, port_args, pipe_writer, parent_pid: int) 
     prepare_child_process(parent_pid)
     try:
         scheduler = Scheduler(server_args, port_args)
-        pipe_writer.send({"status": "ready", "info": scheduler.info()})
+        pipe_writer.send(scheduler.info())
         scheduler.event_loop()
     except Exception:
         tb = traceback.format_exc()
         logger.error("Scheduler process failed:\n%s", tb)
         try:
-            pipe_writer.send({"status": "error", "error": tb})
+            pipe_writer.send(SchedulerStartupError(tb))
         except Exception:
             pass
         sys.exit(1)
