@@ -51,6 +51,23 @@ def _default_cache_root() -> str:
     return os.environ.get("SGL_JAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "sgl_jax"))
 
 
+# the flags with a fixed set of values (validated in this order); the ones in _OPTIONAL_CHOICES may be None
+_CHOICES = {
+    "load_format": LOAD_FORMATS, "dtype": DTYPES, "tokenizer_mode": TOKENIZER_MODES,
+    "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
+    "log_level": LOG_LEVELS, "multi_item_algorithm": MULTI_ITEM_ALGORITHMS, "grammar_backend": GRAMMAR_BACKENDS,
+    "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
+    "load_balance_method": LOAD_BALANCE_METHODS, "schedule_policy": SCHEDULE_POLICIES,
+    "radix_eviction_policy": RADIX_EVICTION_POLICIES,
+}
+_OPTIONAL_CHOICES = ("tool_call_parser", "reasoning_parser")
+# positive ints; _POSITIVE_OR_NONE: positive when set
+_POSITIVE = ("max_multi_item_count", "max_multi_item_seq_len", "multi_item_extend_batch_size", "tp_size", "dp_size",
+             "nnodes", "page_size", "max_prefill_tokens", "stream_interval", "max_request_body_bytes",
+             "max_top_logprobs_num", "max_n")
+_POSITIVE_OR_NONE = ("max_queued_requests", "max_total_tokens", "max_running_requests", "context_length")
+
+
 @dataclasses.dataclass
 class ServerArgs:
     """All server configuration. Every field is also a ``--kebab-case`` CLI flag.
@@ -146,37 +163,32 @@ class ServerArgs:
     watchdog_timeout: float = 300.0
 
     def __post_init__(self):
-        self._check_choice("load_format", LOAD_FORMATS)
-        self._check_choice("dtype", DTYPES)
+        """Validate every flag (ValueError naming the flag and what it allows) and fill the derived defaults."""
+        for name, choices in _CHOICES.items():
+            if name not in _OPTIONAL_CHOICES or getattr(self, name) is not None:
+                self._check_choice(name, choices)
         self.dtype = {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
-        self._check_choice("tokenizer_mode", TOKENIZER_MODES)
-        self._check_choice("kv_cache_dtype", KV_CACHE_DTYPES)
-        self._check_choice("device", DEVICES)
-        self._check_choice("attention_backend", ATTENTION_BACKENDS)
-        self._check_choice("log_level", LOG_LEVELS)
-        self._check_choice("multi_item_algorithm", MULTI_ITEM_ALGORITHMS)
-        self._check_choice("grammar_backend", GRAMMAR_BACKENDS)
-        if self.tool_call_parser is not None:
-            self._check_choice("tool_call_parser", TOOL_CALL_PARSERS)
-        if self.reasoning_parser is not None:
-            self._check_choice("reasoning_parser", REASONING_PARSERS)
         if self.chat_template is not None:
             resolve_chat_template(self.chat_template)  # raises ValueError naming the flag
-        for name in ("max_multi_item_count", "max_multi_item_seq_len", "multi_item_extend_batch_size"):
+        for name in _POSITIVE:
             self._check_positive(name)
-        if self.multi_item_scoring_delimiter is not None and (not isinstance(self.multi_item_scoring_delimiter, int)
-                                                              or self.multi_item_scoring_delimiter < 0):
-            raise ValueError(f"--multi-item-scoring-delimiter must be a token id (>= 0), got "
-                             f"{self.multi_item_scoring_delimiter!r}")
+        for name in _POSITIVE_OR_NONE:
+            if getattr(self, name) is not None:
+                self._check_positive(name)
+        self._check_scoring()
+        self._check_multihost()
+        self._check_limits()
+        self._resolve_defaults()
+
+    def _check_scoring(self) -> None:
+        delimiter = self.multi_item_scoring_delimiter
+        if delimiter is not None and (not isinstance(delimiter, int) or delimiter < 0):
+            raise ValueError(f"--multi-item-scoring-delimiter must be a token id (>= 0), got {delimiter!r}")
         if not self.multi_item_prefill_extend_cache_timeout > 0:
             raise ValueError(f"--multi-item-prefill-extend-cache-timeout must be > 0 seconds, got "
                              f"{self.multi_item_prefill_extend_cache_timeout!r}")
-        self._check_positive("tp_size")
-        self._check_positive("dp_size")
-        self._check_choice("load_balance_method", LOAD_BALANCE_METHODS)
-        self._check_choice("schedule_policy", SCHEDULE_POLICIES)
-        self._check_choice("radix_eviction_policy", RADIX_EVICTION_POLICIES)
-        self._check_positive("nnodes")
+
+    def _check_multihost(self) -> None:
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank!r}")
         if self.nnodes > 1:
@@ -191,18 +203,12 @@ class ServerArgs:
                                                 or min(self.device_indexes) < 0):
             raise ValueError(f"--device-indexes must be {self.tp_size * self.dp_size} distinct device indexes "
                              f"(--tp-size x --dp-size), got {self.device_indexes}")
-        self._check_positive("page_size")
-        self._check_positive("max_prefill_tokens")
+
+    def _check_limits(self) -> None:
         if self.chunked_prefill_size != -1 and (not isinstance(self.chunked_prefill_size, int)
                                                 or self.chunked_prefill_size < self.page_size):
             raise ValueError(f"--chunked-prefill-size must be -1 (off) or at least --page-size "
                              f"({self.page_size}), got {self.chunked_prefill_size!r}")
-        self._check_positive("stream_interval")
-        self._check_positive("max_request_body_bytes")
-        self._check_positive("max_top_logprobs_num")
-        self._check_positive("max_n")
-        if self.max_queued_requests is not None:
-            self._check_positive("max_queued_requests")
         if not isinstance(self.max_prefill_step_ms, (int, float)) or not 0 <= self.max_prefill_step_ms < float("inf"):
             raise ValueError(f"--max-prefill-step-ms must be a finite number of ms >= 0 (0: off), got "
                              f"{self.max_prefill_step_ms!r}")
@@ -213,9 +219,6 @@ class ServerArgs:
         for name in ("api_key", "admin_api_key"):
             if getattr(self, name) is not None and not getattr(self, name):
                 raise ValueError(f"--{_flag(name)} must not be empty")
-        for name in ("max_total_tokens", "max_running_requests", "context_length"):
-            if getattr(self, name) is not None:
-                self._check_positive(name)
         if not (isinstance(self.swa_full_tokens_ratio, (int, float)) and 0.0 < self.swa_full_tokens_ratio <= 1.0):
             raise ValueError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio!r}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -228,6 +231,8 @@ class ServerArgs:
                 setattr(self, name, sorted({int(v) for v in values}))
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
+
+    def _resolve_defaults(self) -> None:
         if self.random_seed is None:
             self.random_seed = int.from_bytes(os.urandom(4), "little") % (2**31)
         if self.compilation_cache_dir is None:  # the flag, else JAX's own variable, else our cache root
