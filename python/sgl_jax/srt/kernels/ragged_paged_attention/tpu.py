@@ -49,13 +49,8 @@ def _kernel(
     ppb = block_kv // page_size
     first, last, seg_lo = first_ref[b], last_ref[b], seg_lo_ref[b]
 
-    m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
-    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-    for h in range(num_kv_heads):  # the block's queries per KV head, [G * block_q, D], scaled once
-        q = jnp.concatenate(
-            [q_ref[:, (h * group + g) * head_dim:(h * group + g + 1) * head_dim] for g in range(group)], axis=0)
-        q_sc[h] = (q.astype(jnp.float32) * sm_scale).astype(q_sc.dtype)
+    _start_block(q_ref, q_sc, m_sc, l_sc, acc_sc, sm_scale=sm_scale, num_kv_heads=num_kv_heads, group=group,
+                 head_dim=head_dim)
 
     def plan_of(s):
         s = jnp.minimum(s, last)  # `advance` evaluates one past the last sequence: keep SMEM reads in bounds
@@ -124,7 +119,23 @@ def _kernel(
         return s_next, i_next, 1 - slot
 
     jax.lax.while_loop(lambda c: c[0] <= last, body, (s0, i0, jnp.int32(0)))
+    _finish_block(o_ref, l_sc, acc_sc, block_q=block_q, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim)
 
+
+def _start_block(q_ref, q_sc, m_sc, l_sc, acc_sc, *, sm_scale, num_kv_heads, group, head_dim):
+    """Reset the online-softmax state (m = MASK_VALUE, l = acc = 0) and stage the query block per KV head: q_sc[h]
+    is [group * block_q, head_dim], the group's query heads stacked, scaled by `sm_scale` once."""
+    m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    for h in range(num_kv_heads):
+        q = jnp.concatenate(
+            [q_ref[:, (h * group + g) * head_dim:(h * group + g + 1) * head_dim] for g in range(group)], axis=0)
+        q_sc[h] = (q.astype(jnp.float32) * sm_scale).astype(q_sc.dtype)
+
+
+def _finish_block(o_ref, l_sc, acc_sc, *, block_q, num_kv_heads, group, head_dim):
+    """Normalise each KV head's accumulator and write its query heads' rows back to o_ref [block_q, H * D]."""
     for h in range(num_kv_heads):
         o = finish(l_sc[h], acc_sc[h])
         for g in range(group):
