@@ -57,26 +57,8 @@ def _kernel(
         return seq_plan(cu_ref[s], cu_ref[s + 1], kv_lens_ref[s], prefix_ref[s], block_start, block_q, seg_lo,
                         block_kv, sliding_window)
 
-    def page_copies(s, kb, j, slot):
-        col = jnp.minimum(kb * ppb + j, pages_per_seq - 1)
-        page = jnp.clip(pt_ref[s * pages_per_seq + col], 0, num_pages - 1)
-        dst = pl.ds(j * page_size, page_size)
-        return (pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, dst], sems.at[0, slot]),
-                pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, dst], sems.at[1, slot]))
-
-    def start_fetch(s, i, slot):
-        kb = plan_of(s).kv_block(i)
-
-        @pl.loop(0, ppb)
-        def _(j):
-            for c in page_copies(s, kb, j, slot):
-                c.start()
-
-    def wait_fetch(slot):
-        @pl.loop(0, ppb)
-        def _(j):
-            for c in page_copies(0, 0, j, slot):  # same sizes and semaphores as the copies started
-                c.wait()
+    start_fetch, wait_fetch = _kv_fetch(pt_ref, k_hbm, v_hbm, k_buf, v_buf, sems, plan_of, ppb=ppb,
+                                        page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages)
 
     def advance(s, i):
         """The next (sequence, step) after (s, i) that has work; s > last when there is none."""
@@ -120,6 +102,34 @@ def _kernel(
 
     jax.lax.while_loop(lambda c: c[0] <= last, body, (s0, i0, jnp.int32(0)))
     _finish_block(o_ref, l_sc, acc_sc, block_q=block_q, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim)
+
+
+def _kv_fetch(pt_ref, k_hbm, v_hbm, k_buf, v_buf, sems, plan_of, *, ppb, page_size, pages_per_seq, num_pages):
+    """The double-buffered KV copies: (start_fetch(s, i, slot), wait_fetch(slot)). start_fetch starts the DMAs of
+    sequence s's step-i KV block (`ppb` pages, from its page table row in pt_ref) from HBM into buffer `slot` of
+    k_buf / v_buf [2, block_kv, KVH * D]; wait_fetch waits for the copies into `slot`."""
+    def page_copies(s, kb, j, slot):
+        col = jnp.minimum(kb * ppb + j, pages_per_seq - 1)
+        page = jnp.clip(pt_ref[s * pages_per_seq + col], 0, num_pages - 1)
+        dst = pl.ds(j * page_size, page_size)
+        return (pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, dst], sems.at[0, slot]),
+                pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, dst], sems.at[1, slot]))
+
+    def start_fetch(s, i, slot):
+        kb = plan_of(s).kv_block(i)
+
+        @pl.loop(0, ppb)
+        def _(j):
+            for c in page_copies(s, kb, j, slot):
+                c.start()
+
+    def wait_fetch(slot):
+        @pl.loop(0, ppb)
+        def _(j):
+            for c in page_copies(0, 0, j, slot):  # same sizes and semaphores as the copies started
+                c.wait()
+
+    return start_fetch, wait_fetch
 
 
 def _start_block(q_ref, q_sc, m_sc, l_sc, acc_sc, *, sm_scale, num_kv_heads, group, head_dim):
