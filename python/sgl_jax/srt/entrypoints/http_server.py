@@ -1,9 +1,10 @@
 """The HTTP server: FastAPI routes over a TokenizerManager, SGLang's native API plus OpenAI's, grouped in
 APIRouters (entrypoints/routes/: native, openai, scoring, sessions, admin).
 
-Native: /generate, /health, /health_generate, /get_model_info, /get_server_info, /get_load, /flush_cache (POST),
-/abort_request, /tokenize and /detokenize (also under /v1/), /metrics (Prometheus, with --enable-metrics;
-404 otherwise). OpenAI: /v1/models, /v1/completions, /v1/chat/completions. Scoring: /v1/score.
+Native: /generate, /health, /health_generate, /get_model_info, /tokenize and /detokenize (also under /v1/).
+OpenAI: /v1/models, /v1/completions, /v1/chat/completions. Scoring: /v1/score. Sessions: /open_session,
+/close_session. Admin: /get_server_info, /get_load, /flush_cache (POST), /abort_request, and /metrics (Prometheus,
+with --enable-metrics; 404 otherwise).
 
 Every request body is parsed by orjson (no NaN, no lone surrogates) and validated by a pydantic model
 (entrypoints/native_protocol.py, entrypoints/openai/protocol.py), so /openapi.json documents each field's
