@@ -3,7 +3,10 @@
 import numpy as np
 
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, shared_prefix_len
-from sgl_jax.srt.scheduler.admission import LPM_MAX_WAITING, AdmissionPolicy, PrefillAdder, by_policy
+from sgl_jax.srt.scheduler.admission import (
+    INIT_NEW_TOKEN_RATIO, LPM_MAX_WAITING, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY, RETRACT_DECODE_STEPS,
+    AdmissionPolicy, PrefillAdder, by_policy,
+)
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.cache_manager import cache_finished_req
@@ -219,7 +222,7 @@ def test_schedule_policy_lpm_admits_the_longest_cached_prefix_first():
         admission = AdmissionPolicy(buckets=ShapeBuckets((64, 256), (1, 8)), max_running_requests=8,
                                     max_prefill_tokens=256, chunk_size=None, memory=memory, scoring=scoring,
                                     schedule_policy=policy)
-        decided = admission.admit([cold, hot], [], None, 1.0)
+        decided = admission.admit([cold, hot], [], None)
         assert [r.rid for r in decided.can_run][0] == first, policy
         assert len(hot.prefix_indices) == 64
         for r in decided.can_run:
@@ -227,3 +230,24 @@ def test_schedule_policy_lpm_admits_the_longest_cached_prefix_first():
     many = [_req([5], rid=f"w{i}") for i in range(LPM_MAX_WAITING)] + [_req(cached + [3], rid="late")]
     assert by_policy(many, "lpm", memory) == many  # too many to order: arrival order
     assert by_policy(many[-3:], "lpm", memory)[0].rid == "late"
+
+
+def test_the_policy_keeps_the_future_token_estimate():
+    """new_token_ratio (SGLang's): decays per decode step to its floor, and after a retract reserves room for
+    RETRACT_DECODE_STEPS more tokens of each running request."""
+    pool = ReqToTokenPool(4, 256)
+    alloc = PagedTokenToKVPoolAllocator(1024, 16)
+    memory = KVMemory(pool, alloc, RadixCache(pool, alloc, 16))
+    admission = AdmissionPolicy(buckets=ShapeBuckets((64,), (1, 4)), max_running_requests=4, max_prefill_tokens=64,
+                                chunk_size=None, memory=memory,
+                                scoring=SchedulerScoring(memory, 60.0, lambda msg: None, [2]))
+    assert admission.new_token_ratio == INIT_NEW_TOKEN_RATIO
+    admission.on_decode_step()
+    assert admission.new_token_ratio == INIT_NEW_TOKEN_RATIO - NEW_TOKEN_RATIO_DECAY
+    for _ in range(1000):
+        admission.on_decode_step()
+    assert admission.new_token_ratio == MIN_NEW_TOKEN_RATIO
+    running = [_req([1, 2], max_new=100, rid=f"r{i}") for i in range(2)]
+    running[0].output_ids = [5] * 10
+    admission.on_retract(running)
+    assert admission.new_token_ratio == (10 + 2 * RETRACT_DECODE_STEPS) / 200

@@ -257,6 +257,10 @@ class AdmissionPolicy:
         step_budget: the --max-prefill-step-ms chunk limit (None: chunks are --chunked-prefill-size; ignored
             without chunking).
         schedule_policy: --schedule-policy ("fcfs" or "lpm", `by_policy`).
+
+    It also keeps the future-token estimate factor (``new_token_ratio``, SGLang's): INIT_NEW_TOKEN_RATIO at start,
+    lowered by NEW_TOKEN_RATIO_DECAY per decode step (`on_decode_step`) down to MIN_NEW_TOKEN_RATIO, and reset
+    after a retract to what the running requests need (`on_retract`).
     """
 
     def __init__(self, *, buckets: ShapeBuckets, max_running_requests: int, max_prefill_tokens: int,
@@ -270,6 +274,15 @@ class AdmissionPolicy:
         self.memory = memory
         self.scoring = scoring
         self.step_budget = step_budget if chunk_size is not None else None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+
+    def on_decode_step(self) -> None:
+        """A decode step ran (alone or mixed into a prefill step): the estimate decays."""
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+
+    def on_retract(self, running: List[Req]) -> None:
+        """The rank retracted requests; `running` are those left: reserve room for their next decode steps."""
+        self.new_token_ratio = ratio_after_retract(running)
 
     def token_limit(self, running: List[Req], chunked_req: Optional[Req], mixed: bool) -> Optional[int]:
         """The --max-prefill-step-ms chunk limit for the next prefill step (None: no limit)."""
@@ -278,7 +291,7 @@ class AdmissionPolicy:
         prefix = chunked_req.kv_committed_len if chunked_req is not None else 0
         return self.step_budget.chunk_limit(self.chunk_size, prefix, [r.seqlen for r in running], mixed)
 
-    def admit(self, waiting: List[Req], running: List[Req], chunked_req: Optional[Req], new_token_ratio: float,
+    def admit(self, waiting: List[Req], running: List[Req], chunked_req: Optional[Req],
               mixed: bool = False) -> Optional[Admission]:
         """Which requests join the next extend batch: the chunked request first, then `waiting` in admission
         order, stopping at the first that does not fit; a new handle's query is skipped while the handle
@@ -292,7 +305,7 @@ class AdmissionPolicy:
         limit = self.token_limit(running, chunked_req, mixed)
         adder = PrefillAdder(self.buckets, self.memory, running, max_prefill_tokens=self.max_prefill_tokens,
                              chunk_size=self.chunk_size, free_req_slots=self.memory.free_req_slots(),
-                             free_running=self.max_running_requests - in_flight, new_token_ratio=new_token_ratio,
+                             free_running=self.max_running_requests - in_flight, new_token_ratio=self.new_token_ratio,
                              decode_rows=len(running) if mixed else 0, token_limit=limit)
         if chunked_req is not None and not adder.add_chunked(chunked_req):
             return None

@@ -37,13 +37,7 @@ from sgl_jax.srt.mem_cache.kv_memory import KVMemory
 from sgl_jax.srt.mem_cache.req_kv import kv_fields
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.preflight import KVLimits, check_fits
-from sgl_jax.srt.scheduler.admission import (
-    INIT_NEW_TOKEN_RATIO,
-    MIN_NEW_TOKEN_RATIO,
-    NEW_TOKEN_RATIO_DECAY,
-    AdmissionPolicy,
-    ratio_after_retract,
-)
+from sgl_jax.srt.scheduler.admission import AdmissionPolicy
 from sgl_jax.srt.scheduler.output import extend_offsets, process_batch_result, token_out
 from sgl_jax.srt.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, finish_abort
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
@@ -151,7 +145,6 @@ class RankScheduler:
         self.last_mode: Optional[ForwardMode] = None
         self.last_mixed = False  # the last step carried the running requests' decode rows
         self.num_mixed_steps = 0
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retracted_reqs = 0
         self.num_assigned_reqs = 0  # requests (and scoring groups) the load balancer gave this rank
         self.peak_running_reqs = 0  # most requests admitted at once (decoding + being chunk-prefilled)
@@ -265,7 +258,7 @@ class RankScheduler:
         if mixed and not self.running_batch.prepare_for_decode(self.memory):
             return None
         running = self.running_batch.reqs
-        decided = self.admission.admit(self.waiting_queue, running, self.chunked_req, self.new_token_ratio, mixed)
+        decided = self.admission.admit(self.waiting_queue, running, self.chunked_req, mixed)
         if decided is None:
             return None
         if decided.failed:
@@ -285,7 +278,7 @@ class RankScheduler:
         batch.prepare_for_extend(self.memory)
         if mixed:
             batch.mix_with_running(running)
-            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+            self.admission.on_decode_step()
         return batch
 
     def get_decode_batch(self) -> Optional[ScheduleBatch]:
@@ -293,13 +286,13 @@ class RankScheduler:
         batch = self.running_batch
         if batch.is_empty():
             return None
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.admission.on_decode_step()
         if self.config.test_retract and self._decode_steps - self._last_forced_retract >= TEST_RETRACT_INTERVAL:
             self._last_forced_retract = self._decode_steps
             self.retract(max(1, len(batch.reqs) // 2))
         while not batch.is_empty() and not batch.prepare_for_decode(self.memory):
             self.retract(1)
-            self.new_token_ratio = ratio_after_retract(batch.reqs)
+            self.admission.on_retract(batch.reqs)
         return None if batch.is_empty() else batch
 
     def retract(self, n: int) -> None:
@@ -474,7 +467,7 @@ class RankScheduler:
             "num_assigned_reqs": self.num_assigned_reqs,
             "peak_running_reqs": self.peak_running_reqs,
             "num_mixed_steps": self.num_mixed_steps,
-            "new_token_ratio": self.new_token_ratio,
+            "new_token_ratio": self.admission.new_token_ratio,
             "num_score_handles": len(self.scoring.handles),
             "num_expired_score_handles": self.scoring.num_expired_handles,
             "num_score_groups": len(self.scoring.groups),
