@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import os
 import sys
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -152,26 +151,17 @@ def format_table(rows: List[dict]) -> str:
 
 def write_report(path: str, rows: List[dict], command: str) -> None:
     """Write the generated markdown report (command, date, assumptions, table) to `path` and its raw rows with the
-    command to the .json beside it; notes go in the .notes.md beside them (`bench_utils.notes_path`)."""
+    command to the .json beside it (`bench_utils.write_report`; notes go in the .notes.md beside them)."""
     import jax
 
-    from sgl_jax.bench_utils import cpu_name, notes_path, write_json
+    from sgl_jax.bench_utils import cpu_name, write_report as write_generated
 
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     today = datetime.date.today().isoformat()
-    with open(path, "w") as f:
-        f.write(f"""# Sharding plan: memory per device under tensor parallelism ({today})
-
-Computed from shapes, no device needed: each model is built abstractly (`nnx.eval_shape` over a
+    body = f"""Computed from shapes, no device needed: each model is built abstractly (`nnx.eval_shape` over a
 `jax.sharding.AbstractMesh` of shape (1, tp), so k/v projections are sized by `padded_kv_heads`), each
 parameter's per-device shard taken from `distributed/sharding.py:param_spec` (dimensions on `"tensor"` split
 tp ways, the rest replicated), KV bytes per token from `model_runner.kv_bytes_per_token` (K and V, all
 layers, the device's KV heads). Shapes from the models' HF `config.json`; bfloat16 weights and KV cache.
-
-Generated with its raw rows in `{os.path.basename(os.path.splitext(path)[0])}.json`; not edited by hand (notes go
-in `{os.path.basename(notes_path(path))}`). Command:
-
-    {command}
 
 Run on {cpu_name()}, jax {jax.__version__}, in seconds (the machine does not change the numbers).
 
@@ -181,10 +171,10 @@ workspace; the server's own default `--mem-fraction-static` is 0.8); TPU v6e = 3
 "batch@4k" = KV tokens // {SEQ_LEN}. GiB = 2^30 bytes, MiB = 2^20 bytes.
 
 {format_table(rows)}
-""")
-    write_json(os.path.splitext(path)[0] + ".json", {"command": command, "date": today, "rows": rows,
-                                                    "mem_fraction": MEM_FRACTION, "devices_hbm_bytes": DEVICES,
-                                                    "seq_len": SEQ_LEN})
+"""
+    write_generated(path, f"Sharding plan: memory per device under tensor parallelism ({today})", command, body,
+                    {"date": today, "rows": rows, "mem_fraction": MEM_FRACTION, "devices_hbm_bytes": DEVICES,
+                     "seq_len": SEQ_LEN})
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -8,7 +8,8 @@ Datasheet peaks (`datasheet_peaks`) may be printed beside the measured rates; th
 
 Generated reports: `write_report` writes ``NAME.md`` (title, the command that reproduces it, the body) and
 ``NAME.json`` (the command and the raw output every claim of the .md is computed from). Neither is edited by
-hand; human notes go in ``NAME.notes.md`` beside them (`notes_path`), which no generator writes.
+hand; human notes go in ``NAME.notes.md`` beside them (`notes_path`), which no generator writes. The .json keeps
+the SHA-256 of the .md it was written with, so `generated_report_problem` finds a .md edited afterwards.
 
 ``python -m sgl_jax.bench_utils --machine-rates [--matmul-dtype bfloat16]`` prints `measure_machine_rates`'s
 result as one JSON line (`machine_rates_in_subprocess` runs it, so a client process never holds the device
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -232,18 +234,43 @@ def notes_path(report_path: str) -> str:
     return os.path.splitext(report_path)[0] + ".notes.md"
 
 
+GENERATED_MARK = "Generated, with its raw output in `"
+REPORT_SHA_KEY = "report_md_sha256"
+
+
 def write_report(md_path: str, title: str, command: str, body: str, raw: dict) -> str:
     """Write a generated report pair: `md_path` (`title`, `command` in a code block, `body`, and where notes go)
-    and its .json beside it (``{"command": command, **raw}``: the raw output every number of `body` comes from).
-    Returns the .json's path."""
+    and its .json beside it (``{"command": command, **raw}``: the raw output every number of `body` comes from,
+    plus the .md's SHA-256 under REPORT_SHA_KEY). Returns the .json's path."""
     os.makedirs(os.path.dirname(os.path.abspath(md_path)), exist_ok=True)
     json_path = os.path.splitext(md_path)[0] + ".json"
     notes = os.path.basename(notes_path(md_path))
+    text = (f"# {title}\n\n{GENERATED_MARK}{os.path.basename(json_path)}`; not edited by hand "
+            f"(notes go in `{notes}`).\n\n```bash\n{command}\n```\n\n{body.rstrip()}\n")
     with open(md_path, "w") as f:
-        f.write(f"# {title}\n\nGenerated, with its raw output in `{os.path.basename(json_path)}`; not edited by hand "
-                f"(notes go in `{notes}`).\n\n```bash\n{command}\n```\n\n{body.rstrip()}\n")
-    write_json(json_path, {"command": command, **raw})
+        f.write(text)
+    write_json(json_path, {"command": command, **raw, REPORT_SHA_KEY: hashlib.sha256(text.encode()).hexdigest()})
     return json_path
+
+
+def generated_report_problem(md_path: str) -> Optional[str]:
+    """Why the report `md_path` is not as its generator wrote it (None: it is, or it is not a generated report):
+    its .json is missing or has no SHA-256 of the .md, or the .md's bytes no longer match it (edited by hand)."""
+    with open(md_path, encoding="utf-8") as f:
+        text = f.read()
+    lines = text.split("\n")
+    if len(lines) < 3 or not lines[2].startswith(GENERATED_MARK):  # write_report's third line
+        return None
+    json_path = os.path.splitext(md_path)[0] + ".json"
+    if not os.path.exists(json_path):
+        return f"{md_path}: generated, but its raw output {os.path.basename(json_path)} is missing"
+    with open(json_path) as f:
+        want = json.load(f).get(REPORT_SHA_KEY)
+    if want is None:
+        return f"{md_path}: {os.path.basename(json_path)} has no {REPORT_SHA_KEY} (not written by write_report)"
+    if hashlib.sha256(text.encode()).hexdigest() != want:
+        return f"{md_path}: edited after it was generated (notes go in {os.path.basename(notes_path(md_path))})"
+    return None
 
 
 def git_commit(short: bool = False) -> str:
