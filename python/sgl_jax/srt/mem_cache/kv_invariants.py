@@ -6,11 +6,24 @@ KV (a running or chunk-prefilled request, a scoring-cache handle, a streaming se
 positions [cache_protected_len, kv_allocated_len) of its ReqToTokenPool row. With hybrid SWA memory every SWA page is
 either free or mapped from exactly one full page that is not free. Each holder also keeps
 ``cache_protected_len`` page-aligned and ``kv_committed_len <= kv_allocated_len``.
+
+Prefix locks (`lock_problems`, a tree cache only) are exact too: each node's ``lock_ref`` equals the number of
+holders whose locked prefix (``last_node``) runs through it, the root's is 1, and the cache's protected /
+evictable sizes are the tokens of its locked / unlocked nodes; with SWARadixCache the same for ``swa_lock_ref``
+(a holder locks the nodes from ``align_down(end - window)`` of its prefix in the SWA pool), tombstones hold no SWA
+lock, and the SWA sizes count live nodes. The lock holders are the page holders: every lock is taken by
+`cache_manager.match_req` at admission and becomes the admitted request's ``last_node`` (or is undone at once),
+moves with it through chunked prefill (`cache_unfinished_req`), to a streaming session's holder when a turn ends
+(`SessionKV.on_release`) or to a scoring-cache handle's request (scheduler/scoring.py), and is dropped by
+`release_kv_cache`. The check is therefore exact whenever no admission round is under way (a waiting request
+between `KVBudget.match` and its admission or `unlock` holds a lock no holder names): after a step, when the
+scheduler runs it, and between the operations of the mem_cache tests.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List
+from collections import Counter
+from typing import Iterable, List, Tuple
 
 import numpy as np
 
@@ -27,16 +40,101 @@ def cached_pages(tree_cache) -> np.ndarray:
     return np.concatenate(vals).astype(np.int32) if vals else np.zeros(0, np.int32)
 
 
+def _locked_path(node, root) -> List:
+    """The nodes a lock on `node` counts on, from `node` up to (not including) `root`; [] for None or the root."""
+    path = []
+    while node is not None and node is not root:
+        path.append(node)
+        node = node.parent
+    return path
+
+
+def _expected_locks(tree_cache, holders: List, in_tree: set) -> Tuple[Counter, Counter, List[str]]:
+    """(full locks, SWA locks) each node should carry (by ``id(node)``), counted from the holders' locked prefixes,
+    and the holders whose locked node is not in the tree."""
+    root, swa = tree_cache.root, tree_cache.keeps_swa
+    full, swa_locks, problems = Counter(), Counter(), []
+    for h in holders:
+        path = _locked_path(getattr(h, "last_node", None), root)
+        if path and id(path[0]) not in in_tree:
+            problems.append(f"{getattr(h, 'rid', h)}: its locked prefix node is not in the prefix cache")
+            continue
+        full.update(id(n) for n in path)
+        if swa and path:
+            start, pos = tree_cache._swa_start(sum(len(n.key) for n in path)), 0
+            for n in reversed(path):  # root first: the SWA lock covers the nodes from `start` on
+                if pos >= start:
+                    swa_locks[id(n)] += 1
+                pos += len(n.key)
+    return full, swa_locks, problems
+
+
+def lock_problems(tree_cache, holders: Iterable) -> List[str]:
+    """The prefix-lock invariants a tree cache violates ([] when exact, and always for a cache without a tree).
+
+    Args:
+        tree_cache: the rank's prefix cache (RadixCache, LFURadixCache, SWARadixCache; others have no ``root``).
+        holders: every holder of KV (see `check_kv_invariants`); each locks the path to its ``last_node``
+            (None: nothing).
+    Returns:
+        One message per violated invariant: nodes whose ``lock_ref`` (``swa_lock_ref``) differs from the number
+        of holders whose locked path (SWA window) covers them, a holder locking a node outside the tree, a root
+        not locked exactly once, an SWA lock on a tombstone, protected / evictable sizes (tokens) that are not
+        the tokens of the locked / unlocked (live) nodes.
+    """
+    root = getattr(tree_cache, "root", None)
+    if root is None:
+        return []
+    nodes = tree_cache.nodes()
+    want, want_swa, problems = _expected_locks(tree_cache, list(holders), {id(n) for n in nodes})
+    swa = tree_cache.keeps_swa
+    bad = [f"node {n.id} ({len(n.key)} tokens): lock_ref {n.lock_ref} != {want[id(n)]} holders"
+           for n in nodes if n.lock_ref != want[id(n)]]
+    if swa:
+        bad += [f"node {n.id} ({len(n.key)} tokens): swa_lock_ref {n.swa_lock_ref} != {want_swa[id(n)]} holders"
+                for n in nodes if n.swa_lock_ref != want_swa[id(n)]]
+    if bad:
+        problems.append(f"prefix locks no holder accounts for ({len(bad)} nodes): " + "; ".join(bad[:4]))
+    if root.lock_ref != 1 or (swa and root.swa_lock_ref != 1):
+        problems.append("the prefix cache's root is not locked exactly once")
+    locked = sum(len(n.key) for n in nodes if n.lock_ref > 0)
+    if (tree_cache.protected_size(), tree_cache.evictable_size()) != (locked, sum(len(n.key) for n in nodes) - locked):
+        problems.append(f"prefix cache sizes: protected {tree_cache.protected_size()}, evictable "
+                        f"{tree_cache.evictable_size()} != {locked} tokens locked of {sum(len(n.key) for n in nodes)}")
+    if swa:
+        problems += _swa_size_problems(tree_cache, nodes)
+    return problems
+
+
+def _swa_size_problems(tree_cache, nodes: List) -> List[str]:
+    """SWA locks on tombstones, and SWA protected / evictable sizes that are not the live nodes' tokens."""
+    problems = []
+    if any(n.tombstone and n.swa_lock_ref for n in nodes):
+        problems.append("an SWA lock on a tombstone")
+    live = [n for n in nodes if not n.tombstone]
+    locked = sum(len(n.key) for n in live if n.swa_lock_ref > 0)
+    unlocked = sum(len(n.key) for n in live) - locked
+    if (tree_cache.swa_protected_size(), tree_cache.swa_evictable_size()) != (locked, unlocked):
+        problems.append(f"prefix cache SWA sizes: protected {tree_cache.swa_protected_size()}, evictable "
+                        f"{tree_cache.swa_evictable_size()} != {locked} live tokens locked, {unlocked} unlocked")
+    return problems
+
+
 def check_kv_invariants(allocator, tree_cache, pool, holders: Iterable) -> List[str]:
-    """The violated invariants (an empty list when the accounting is exact).
+    """The violated invariants (an empty list when the accounting is exact): page ownership, request slots and
+    prefix locks (`lock_problems`).
 
     Args:
         allocator: the rank's allocator; tree_cache: its prefix cache; pool: its ReqToTokenPool.
-        holders: every object holding a row (running requests, scoring-cache handles, session holders:
-            ``req_pool_idx``, ``cache_protected_len``, ``kv_committed_len``, ``kv_allocated_len``).
+        holders: every object holding KV -- a row or a prefix lock (running and chunk-prefilled requests,
+            scoring-cache handles' requests, streaming sessions' holders: ``req_pool_idx``,
+            ``cache_protected_len``, ``kv_committed_len``, ``kv_allocated_len``, ``last_node``).
+    Returns:
+        One message per violated invariant (str), naming the pages, slots or nodes.
     """
+    holders = list(holders)
     ps = allocator.page_size
-    problems: List[str] = []
+    problems: List[str] = lock_problems(tree_cache, holders)
     owned = [allocator.free_page_ids(), cached_pages(tree_cache)]
     rows = set()
     for h in holders:

@@ -325,28 +325,40 @@ class KVMemory:
         return (c.swa_evictable_size(), c.swa_protected_size()) if c.keeps_swa else (0, 0)
 
     def check_invariants(self, holders: Iterable) -> List[str]:
-        """The exact page-ownership check (kv_invariants.py): every page owned once, by the free list, a cache node
-        or one of `holders` (objects holding a row: running and chunk-prefilled requests, scoring-cache handles,
-        streaming sessions' holders); [] when exact."""
+        """The exact check (kv_invariants.py): every page owned once, by the free list, a cache node or one of
+        `holders`; every request slot free or held once; every prefix node locked once per holder whose locked
+        prefix runs through it (a node locked twice is caught while its request runs, not only when idle).
+
+        Args:
+            holders: everything that holds KV -- a row or a prefix lock: running and chunk-prefilled requests,
+                scoring-cache handles' requests, streaming sessions' holders (the rank's ``kv_holders``). Exact
+                when no admission round is under way (see kv_invariants.py).
+        Returns:
+            The violated invariants, one message each ([] when exact).
+        """
         return check_kv_invariants(self.allocator, self.tree_cache, self.req_to_token_pool, holders)
 
     def idle_problems(self, sessions: Sequence[SessionKV]) -> List[str]:
-        """What is wrong when nothing runs on the rank: the exact ownership check with the sessions' holders as
-        the only holders (a leaked page and a twice-owned page cannot cancel out), no prefix locked but by
-        streaming sessions, every request slot free but theirs, and free + cached + session-held == total in
-        each pool."""
+        """What is wrong when nothing runs on the rank: the exact check with the sessions' holders as the only
+        holders (a leaked page and a twice-owned page cannot cancel out; a prefix locked by no session is a lock
+        no holder accounts for), every request slot free but theirs, and free + cached + session-held == total
+        in each pool (KV tokens).
+
+        Args:
+            sessions: the rank's streaming sessions' KV (`SessionKV`; those holding none are skipped).
+        Returns:
+            The problems, one message each ([] when clean).
+        """
         holders = [s.holder for s in sessions if s.has_kv()]
         problems = self.check_invariants(holders)
         acc = self.accounting(sessions)
         if acc["kv_tokens_in_use"] != 0:
             problems.append(f"{acc['kv_tokens_in_use']} KV tokens in use with nothing running")
-        if acc["kv_tokens_protected"] != 0 and not holders:
-            problems.append(f"{acc['kv_tokens_protected']} cached tokens still locked with nothing running")
         pool = self.req_to_token_pool
         if pool.available_size() + len(holders) != pool.size:
             problems.append(f"request slots: {pool.available_size()} free + {len(holders)} held by sessions != "
                             f"{pool.size}")
-        if self.hybrid and (acc["swa_tokens_in_use"] != 0 or (acc["swa_tokens_protected"] != 0 and not holders)):
+        if self.hybrid and acc["swa_tokens_in_use"] != 0:
             problems.append("SWA KV accounting: " + str({k: v for k, v in acc.items() if k.startswith("swa_")}))
         return problems
 
