@@ -37,9 +37,9 @@ def check(stage: str, rids: Iterable[str]) -> None:
 
 # ---------------------------------------------------------------- planted faults (checks that must fire)
 # Each is off unless its environment variable is set for the engine's processes, and fires once per rank (the
-# compile once per process); test/mem_cache/test_kv_planted_faults.py and test/srt/test_planted_faults.py show
-# that the exact page-ownership check, the idle check, /get_server_info's memory_errors and
-# num_compiles_after_warmup report them.
+# compile once per process); test/mem_cache/test_kv_planted_faults.py and test/srt/test_planted_faults.py (one
+# fault per server) show that the exact check (page ownership and prefix locks), the idle check,
+# /get_server_info's memory_errors and num_compiles_after_warmup report each, and only it.
 # (a finished request: released after finishing normally -- not aborted, failed or retracted -- while holding KV)
 LEAK_PAGES_ENV = "SGL_JAX_TEST_LEAK_PAGES"  # N: at the first finished request, N free pages are taken and dropped
 DOUBLE_FREE_ENV = "SGL_JAX_TEST_DOUBLE_FREE"  # 1: at the first finished request, a free page is freed again
