@@ -61,7 +61,7 @@ def _expected_locks(tree_cache, holders: List, in_tree: set) -> Tuple[Counter, C
             continue
         full.update(id(n) for n in path)
         if swa and path:
-            start, pos = tree_cache._swa_start(sum(len(n.key) for n in path)), 0
+            start, pos = tree_cache.swa_lock_start(sum(len(n.key) for n in path)), 0
             for n in reversed(path):  # root first: the SWA lock covers the nodes from `start` on
                 if pos >= start:
                     swa_locks[id(n)] += 1

@@ -92,7 +92,7 @@ class SWARadixCache(RadixCache):
 
     def _split(self, child: SWATreeNode, n: int) -> SWATreeNode:
         """Split `child` after n tokens; the upper part shares its locks and tombstone state (both parts lie
-        inside every lock and window that covered `child`: see `_swa_start`)."""
+        inside every lock and window that covered `child`: see `swa_lock_start`)."""
         upper = super()._split(child, n)
         upper.tombstone, upper.swa_lock_ref = child.tombstone, child.swa_lock_ref
         return upper
@@ -196,12 +196,13 @@ class SWARadixCache(RadixCache):
             node = node.parent
         return path[::-1]
 
-    def _swa_start(self, end: int) -> int:
-        """First position a lock on a prefix ending at `end` protects in the SWA pool (page-aligned)."""
+    def swa_lock_start(self, end: int) -> int:
+        """First position (tokens, page-aligned) a lock on a prefix ending at `end` protects in the SWA pool; the exact
+        check (kv_invariants.lock_problems) counts SWA locks by it too."""
         return self._align(max(0, end - self.window))
 
     def inc_lock_ref(self, node: Optional[SWATreeNode]) -> int:
-        """Lock the path to `node` in the full pool and its last W tokens (from `_swa_start`, split there)
+        """Lock the path to `node` in the full pool and its last W tokens (from `swa_lock_start`, split there)
         in the SWA pool; returns full-pool tokens moved from evictable to protected (None: no-op).
 
         Raises:
@@ -211,7 +212,7 @@ class SWARadixCache(RadixCache):
         if not path:
             return 0
         end = sum(len(n.key) for n in path)
-        swa_start, pos = self._swa_start(end), 0
+        swa_start, pos = self.swa_lock_start(end), 0
         for i, n in enumerate(path):  # make swa_start a node boundary
             if pos < swa_start < pos + len(n.key):
                 path.insert(i, self._split(n, swa_start - pos))
@@ -238,7 +239,7 @@ class SWARadixCache(RadixCache):
         path = self._path(node)
         if not path:
             return 0
-        swa_start = self._swa_start(sum(len(n.key) for n in path))
+        swa_start = self.swa_lock_start(sum(len(n.key) for n in path))
         moved, pos = 0, 0
         for n in path:
             assert n.lock_ref > 0, "unbalanced dec_lock_ref"
