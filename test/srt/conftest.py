@@ -1,5 +1,3 @@
-import os
-
 import pytest
 
 from srt_helpers import load_hf_reference
@@ -23,21 +21,12 @@ def smollm2_tokenizer():
 @pytest.fixture(scope="session")
 def shared_engine():
     """One in-process Engine (srt_helpers.SHARED_ENGINE_ARGS), shared by test_engine.py and test_score.py: an
-    Engine start costs ~25 s on a 2-core CPU. At the end of the session it must have no memory error, and
-    leaving its context manager must stop both of its child processes (the context-manager shutdown check)."""
-    from srt_helpers import SHARED_ENGINE_ARGS, alive_after, check_engine_clean, child_pids, cmdline, pid_alive, \
-        start_engine
+    Engine start costs ~25 s on a 2-core CPU. At the end of the session it must be clean, and leaving its context
+    manager must stop both of its child processes (`srt_helpers.checked_engine`)."""
+    from srt_helpers import SHARED_ENGINE_ARGS, checked_engine
 
-    def children():  # multiprocessing's resource tracker lives as long as this process; it is not ours to stop
-        return {p for p in child_pids(os.getpid()) if "resource_tracker" not in cmdline(p)}
-
-    before = children()
-    with start_engine(**SHARED_ENGINE_ARGS) as e:
-        ours = children() - before
-        assert len(ours) == 2 and all(pid_alive(p) for p in ours)  # scheduler + detokenizer
+    with checked_engine(**SHARED_ENGINE_ARGS) as e:
         yield e
-        check_engine_clean(e)
-    assert not alive_after(ours), "the Engine's context manager left child processes behind"
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -64,6 +65,26 @@ def start_engine(**kwargs):
                 del os.environ[k]
             else:
                 os.environ[k] = v
+
+
+def engine_children() -> set:
+    """The child processes of this process that an Engine may have started (multiprocessing's resource tracker,
+    which lives as long as this process and is not an Engine's to stop, left out)."""
+    return {p for p in child_pids(os.getpid()) if "resource_tracker" not in cmdline(p)}
+
+
+@contextlib.contextmanager
+def checked_engine(**kwargs):
+    """``with checked_engine(**kwargs) as e:`` -- `start_engine(**kwargs)`, checked as every test server is: once
+    the block ends without an exception the Engine must be clean (`check_engine_clean`), and leaving it must stop
+    both child processes the Engine started (the scheduler, for every DP rank, and the detokenizer)."""
+    before = engine_children()
+    with start_engine(**kwargs) as e:
+        ours = engine_children() - before
+        assert len(ours) == 2 and all(pid_alive(p) for p in ours), ours
+        yield e
+        check_engine_clean(e)
+    assert not alive_after(ours), "the Engine left child processes behind"
 
 
 # conftest.shared_engine's configuration: the suite's, plus the scoring flags test_score.py exercises (a small pack
@@ -242,57 +263,76 @@ def module_server(extra_args: Optional[List[str]] = None, headers: Optional[dict
     s.stop_checked(headers)
 
 
-def check_clean(url: str, headers: Optional[dict] = None) -> dict:
-    """What every test server must be once its tests are done: nothing running, every DP rank's KV pool back to
-    free + cached with nothing locked and every request slot free, no memory error (the exact page-ownership
-    check after every step and the idle check, which is exact too), and no program compiled after warm-up
-    (``num_compiles_after_warmup`` 0, or None when the server counts none: --disable-precompile). Returns rank
-    0's internal state (`wait_pool_idle`)."""
-    state = wait_pool_idle(url, headers)
-    info = httpx.get(url + "/get_server_info", headers=headers, timeout=30).json()
+def rank_is_idle(st: dict) -> bool:
+    """Whether one DP rank's internal state (``internal_states[i]``) runs nothing: no request running or waiting,
+    no scoring handle held."""
+    return st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0 and st["num_score_handles"] == 0
+
+
+def assert_pool_clean(st: dict) -> None:
+    """One DP rank's KV memory at rest: nothing in use or locked in the full pool (and the SWA pool, with hybrid
+    SWA memory), each pool exactly free + cached, every request slot free, no memory error (the exact
+    page-ownership check after every step and the idle check count there)."""
+    assert st["kv_tokens_in_use"] == 0 and st["kv_tokens_protected"] == 0, st
+    assert st["kv_tokens_free"] + st["kv_tokens_cached"] == st["kv_tokens_total"], st
+    assert st["req_slots_free"] == st["max_running_requests"] and st["memory_errors"] == 0, st
+    if "swa_tokens_total" in st:  # hybrid SWA memory: the SWA pool too
+        assert st["swa_tokens_in_use"] == 0 and st["swa_tokens_protected"] == 0, st
+        assert st["swa_tokens_free"] + st["swa_tokens_cached"] == st["swa_tokens_total"], st
+
+
+def check_clean_info(info: dict) -> None:
+    """What every test server or engine must be once its tests are done, asserted on its /get_server_info (live,
+    or saved at the end of a benchmark): every DP rank idle (`rank_is_idle`), its KV memory at rest
+    (`assert_pool_clean`), and no program compiled after warm-up (``num_compiles_after_warmup`` 0, or None when
+    compiles are not counted: ``disable_precompile``)."""
     expected = None if info["disable_precompile"] else 0
+    assert info["internal_states"], info
     for st in info["internal_states"]:
-        assert st["num_compiles_after_warmup"] == expected and st["memory_errors"] == 0, st
-    return state
+        assert rank_is_idle(st), st
+        assert_pool_clean(st)
+        assert st["num_compiles_after_warmup"] == expected, st
+
+
+def wait_idle_info(get_info, timeout: float = 60.0) -> dict:
+    """Call `get_info()` (a /get_server_info dict) until every rank is idle (`rank_is_idle`, and no KV token in
+    use) or `timeout` s have passed; returns the last answer."""
+    deadline = time.time() + timeout
+    while True:
+        info = get_info()
+        if all(rank_is_idle(st) and st["kv_tokens_in_use"] == 0 for st in info["internal_states"]) \
+                or time.time() > deadline:
+            return info
+        time.sleep(0.2)
+
+
+def _server_info(url: str, headers: Optional[dict] = None) -> dict:
+    return httpx.get(url + "/get_server_info", headers=headers, timeout=30).json()
+
+
+def check_clean(url: str, headers: Optional[dict] = None) -> dict:
+    """`check_clean_info` on a live server, once it is idle (`wait_idle_info`): nothing running, every DP rank's
+    KV memory at rest, no memory error, no program compiled after warm-up. Returns rank 0's internal state (all
+    ranks' under ``"dp_ranks"``)."""
+    info = wait_idle_info(lambda: _server_info(url, headers))
+    check_clean_info(info)
+    return {**info["internal_states"][0], "dp_ranks": info["internal_states"]}
 
 
 def check_engine_clean(engine) -> dict:
     """`check_clean` for an in-process Engine (its first rank's state)."""
-    deadline = time.time() + 60
-    while True:
-        ranks = engine.get_server_info()["internal_states"]
-        if all(st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0 and st["num_score_handles"] == 0
-               for st in ranks) or time.time() > deadline:
-            break
-        time.sleep(0.2)
-    expected = None if engine.server_args.disable_precompile else 0
-    for st in ranks:
-        assert st["kv_tokens_in_use"] == 0 and st["kv_tokens_protected"] == 0, st
-        assert st["kv_tokens_free"] + st["kv_tokens_cached"] == st["kv_tokens_total"], st
-        assert st["req_slots_free"] == st["max_running_requests"] and st["memory_errors"] == 0, st
-        assert st["num_compiles_after_warmup"] == expected, st
-    return ranks[0]
+    info = wait_idle_info(engine.get_server_info)
+    check_clean_info(info)
+    return info["internal_states"][0]
 
 
 def wait_pool_idle(url: str, headers: Optional[dict] = None, timeout: float = 60.0) -> dict:
-    """Wait until nothing runs, then assert every DP rank's KV pool is free + cached: nothing in use or
-    locked, every request slot free, no accounting error. Returns rank 0's internal state (all ranks' under
+    """Wait until nothing runs, then assert every DP rank's KV memory is at rest (`assert_pool_clean`; compiles
+    are left to the teardown's `check_clean`). Returns rank 0's internal state (all ranks' under
     ``"dp_ranks"``)."""
-    deadline = time.time() + timeout
-    while True:
-        ranks = httpx.get(url + "/get_server_info", headers=headers, timeout=30).json()["internal_states"]
-        idle = all(st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0 and st["num_score_handles"] == 0
-                   and st["kv_tokens_in_use"] == 0 for st in ranks)
-        if idle or time.time() > deadline:
-            break
-        time.sleep(0.2)
+    ranks = wait_idle_info(lambda: _server_info(url, headers), timeout)["internal_states"]
     for st in ranks:
-        assert st["kv_tokens_in_use"] == 0 and st["kv_tokens_protected"] == 0, st
-        assert st["kv_tokens_free"] + st["kv_tokens_cached"] == st["kv_tokens_total"], st
-        assert st["req_slots_free"] == st["max_running_requests"] and st["memory_errors"] == 0, st
-        if "swa_tokens_total" in st:  # hybrid SWA memory: the SWA pool too
-            assert st["swa_tokens_in_use"] == 0 and st["swa_tokens_protected"] == 0, st
-            assert st["swa_tokens_free"] + st["swa_tokens_cached"] == st["swa_tokens_total"], st
+        assert_pool_clean(st)
     return {**ranks[0], "dp_ranks": ranks}
 
 

@@ -146,16 +146,17 @@ def model_flops(mc, query_tokens: int, num_items: int, item_tokens: int) -> floa
 
 def run_engine_modes(cfg: BenchConfig, query, items, labels) -> Tuple[List[Row], Dict[str, list], dict]:
     """(rows, scores per mode, the radix-cache engine's raw state after its runs: ``{"internal_states": [...]}``,
-    one entry per DP rank, as /get_server_info gives them)."""
-    from srt_helpers import start_engine  # sgl_jax.Engine, its processes without the test extras' torch
+    one entry per DP rank, as /get_server_info gives them). Each engine is checked as every test engine is
+    (`srt_helpers.checked_engine`: clean at the end, no child process left)."""
+    from srt_helpers import checked_engine  # sgl_jax.Engine, its processes without the test extras' torch
 
     rows, scores = [], {}
     sub = items[:cfg.serial_items]
-    with start_engine(**engine_args(cfg, radix=False)) as eng:
+    with checked_engine(**engine_args(cfg, radix=False)) as eng:
         eng.score(query, sub[:2], labels, algorithm="serial")  # warm the path
         scores["serial-nocache"], t = timed(lambda: eng.score(query, sub, labels, algorithm="serial"))
         rows.append(Row("serial, radix cache off", len(sub), t, f"subset of {len(sub)} items"))
-    with start_engine(**engine_args(cfg, radix=True)) as eng:
+    with checked_engine(**engine_args(cfg, radix=True)) as eng:
         eng.score(query[:50], items[:2], labels, algorithm="packed")
         for mode, name in (("serial", "serial, radix cache on"), ("packed", "packed"),
                            ("prefill_extend", "prefill_extend")):

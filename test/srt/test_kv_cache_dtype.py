@@ -12,7 +12,7 @@ import torch
 
 from sgl_jax.srt.model_executor.model_runner import kv_bytes_per_token, kv_cache_dtype
 from sgl_jax.srt.server_args import ServerArgs
-from srt_helpers import SMALL_ENGINE_ARGS, check_engine_clean, start_engine
+from srt_helpers import SMALL_ENGINE_ARGS, checked_engine
 
 PROMPT = ("<|im_start|>user\nWrite a short story about a lighthouse keeper who finds a message in a bottle. "
           "Describe the weather, the sea, the bottle and the message itself.<|im_end|>\n<|im_start|>assistant\n")
@@ -20,9 +20,8 @@ PROMPT = ("<|im_start|>user\nWrite a short story about a lighthouse keeper who f
 
 @pytest.fixture(scope="module")
 def engine():
-    with start_engine(**dict(SMALL_ENGINE_ARGS, kv_cache_dtype="bfloat16", log_level="warning")) as e:
+    with checked_engine(**dict(SMALL_ENGINE_ARGS, kv_cache_dtype="bfloat16", log_level="warning")) as e:
         yield e
-        check_engine_clean(e)
 
 
 def test_logprobs_mean_within_1e_2_max_within_5e_2_of_float32_reference(engine, hf_smollm2, smollm2_tokenizer):

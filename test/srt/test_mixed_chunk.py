@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from srt_helpers import SMALL_ENGINE_ARGS, check_engine_clean, hf_greedy, hf_greedy_penalized, start_engine
+from srt_helpers import SMALL_ENGINE_ARGS, check_engine_clean, checked_engine, hf_greedy, hf_greedy_penalized
 
 MIXED_ARGS = dict(SMALL_ENGINE_ARGS, log_level="warning", enable_mixed_chunk=True, max_prefill_step_ms=1.0)
 SHORT = ["The capital of France is", "def fibonacci(n):\n", "Here is a list of fruits: apple, banana,"]
@@ -23,21 +23,12 @@ def _state(engine) -> dict:
     return engine.get_server_info()["internal_states"][0]
 
 
-def _assert_idle_and_exact(engine) -> None:
-    state = _state(engine)
-    assert state["num_running_reqs"] == 0 and state["kv_tokens_in_use"] == 0
-    assert state["kv_tokens_free"] + state["kv_tokens_cached"] == state["kv_tokens_total"]
-    assert state["memory_errors"] == 0 and state["num_compiles_after_warmup"] == 0
-
-
 @pytest.fixture(scope="module")
 def engine():
-    with start_engine(**MIXED_ARGS) as e:  # (the exact page-ownership check runs after every step)
+    with checked_engine(**MIXED_ARGS) as e:  # (the exact page-ownership check runs after every step)
         # steps for the step-time model to fit (it predicts nothing from fewer than 8)
         e.generate(SHORT[:2], {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
         yield e
-        _assert_idle_and_exact(e)
-        check_engine_clean(e)
 
 
 def test_flags_reach_the_scheduler(engine):
@@ -64,7 +55,7 @@ def test_streams_decode_inside_prefill_steps_and_match_transformers(engine, hf_s
     assert after["prefill_step_budget"]["num_limited"] > before["prefill_step_budget"]["num_limited"]
     for ids, out, n in zip(prompts, outs, (40, 40, 40, 8)):
         assert out["output_ids"] == hf_greedy(hf_smollm2, ids, n), smollm2_tokenizer.decode(ids[:20])
-    _assert_idle_and_exact(engine)
+    check_engine_clean(engine)
 
 
 def test_penalties_and_logprobs_of_mixed_decode_rows(engine, hf_smollm2, smollm2_tokenizer):
@@ -89,4 +80,4 @@ def test_penalties_and_logprobs_of_mixed_decode_rows(engine, hf_smollm2, smollm2
     a = [lp for lp, _, _ in alone["meta_info"]["output_token_logprobs"]]
     m = [lp for lp, _, _ in outs[0]["meta_info"]["output_token_logprobs"]]
     assert max(abs(x - y) for x, y in zip(a, m)) < 1e-3
-    _assert_idle_and_exact(engine)
+    check_engine_clean(engine)

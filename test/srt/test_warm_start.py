@@ -20,14 +20,17 @@ import pytest
 from sgl_jax.srt.model_executor.model_runner import TEST_AVAILABLE_MEMORY_ENV, stable_pool_tokens
 from srt_helpers import save_tiny_llama, server_env
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny Llama: K and V, 2 layers, 2 KV heads of 16, float32
 CPU_MEM_FRACTION = 0.2  # compute_max_total_tokens' CPU default
 
+# The child's Engine is checked as every test engine is (srt_helpers.checked_engine: idle = free + cached, no memory
+# error, no compile after warm-up, both child processes gone); it prints its RESULT only once that has passed.
 CHILD = r"""
 import json, sys
-from sgl_jax import Engine
+from srt_helpers import checked_engine
 args = json.loads(sys.argv[1])
-with Engine(**args) as engine:
+with checked_engine(**args) as engine:
     out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
     state = engine.get_server_info()["internal_states"][0]
 print("RESULT " + json.dumps({"ids": out["output_ids"], "max_total_tokens": state["max_total_tokens"],
@@ -40,7 +43,8 @@ def _start(model_dir, tok_dir, cache_dir, pool_tokens: int) -> dict:
                 precompile_token_paddings=[64, 128], max_running_requests=4, chunked_prefill_size=128,
                 context_length=512, grammar_backend="none", log_level="warning")
     memory = int(pool_tokens * KV_BYTES_PER_TOKEN / CPU_MEM_FRACTION) + 1
-    env = server_env({TEST_AVAILABLE_MEMORY_ENV: str(memory), "JAX_PLATFORMS": "cpu"})
+    env = server_env({TEST_AVAILABLE_MEMORY_ENV: str(memory), "JAX_PLATFORMS": "cpu",  # srt_helpers importable:
+                      "PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)})
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], env=env, capture_output=True, text=True,
                           timeout=600)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
