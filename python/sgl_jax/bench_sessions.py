@@ -21,8 +21,9 @@ Each row reports both TTFTs, the tokens each prefilled (prompt - cached_tokens),
 only), bytes the float32 weights read once per prefill chunk (--chunked-prefill-size) + the LM head once, at the
 machine rates measured before the server starts (`bench_utils.machine_rates_in_subprocess`, never a constant).
 
-The result holds the server's raw /get_server_info at the start and at the end (``server_info``); its memory
-errors come from there. ``--report NAME.md`` writes the generated pair NAME.md / NAME.json
+The result holds the server's raw /get_server_info at the start and at the end, once the session is closed and
+the server idle (``server_info``); its memory errors come from there. ``--report NAME.md`` writes the generated
+pair NAME.md / NAME.json
 (`bench_utils.write_report`; notes go in NAME.notes.md).
 """
 
@@ -41,7 +42,7 @@ from typing import List, Optional
 import httpx
 import numpy as np
 
-from sgl_jax.bench_swa_memory import _Server
+from sgl_jax.bench_swa_memory import _Server, idle_server_info
 from sgl_jax.bench_utils import (MachineRates, cpu_name, fetch_server_info, format_server_claims,
                                  machine_rates_in_subprocess, write_json, write_report)
 
@@ -99,10 +100,11 @@ def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str]
                   max_total_tokens: int = 8192, swa_full_tokens_ratio: float = 0.08, chunked_prefill_size: int = 256,
                   context_length: int = 4096, page_size: int = 1, pressure_requests: int = 4,
                   pressure_tokens: int = 700, seed: int = 0, start_timeout: float = 1200.0,
-                  extra_server_args: Optional[List[str]] = None) -> dict:
-    """Run the server and the turns; returns {"rows": [...], "ratio_last_turn": session / stateless TTFT of
-    the last turn, the settings, the server's pools, "rates" (measured before the server starts),
-    "server_info": {"start", "end"} (raw /get_server_info), "memory_errors" (read from the raw end state)}."""
+                  extra_server_args: Optional[List[str]] = None, env: Optional[dict] = None) -> dict:
+    """Run the server (in `env`; None: this process's environment) and the turns; returns {"rows": [...],
+    "ratio_last_turn": session / stateless TTFT of the last turn, the settings, the server's pools, "rates"
+    (measured before the server starts), "server_info": {"start", "end"} (raw /get_server_info; the end once the
+    session is closed and the server idle), "memory_errors" (read from the raw end state)}."""
     args = ["--model-path", model_path, "--dtype", "float32", "--enable-streaming-session",
             "--max-total-tokens", str(max_total_tokens), "--swa-full-tokens-ratio", str(swa_full_tokens_ratio),
             "--chunked-prefill-size", str(chunked_prefill_size), "--context-length", str(context_length),
@@ -114,7 +116,7 @@ def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str]
     greedy = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     rows = []
     rates = machine_rates_in_subprocess("float32")  # before the server: the machine to itself
-    with _Server(args, start_timeout) as server:
+    with _Server(args, start_timeout, env) as server:
         u = server.url
         info = fetch_server_info(u)
         state = info["internal_states"][0]
@@ -145,8 +147,8 @@ def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str]
             for ids in pressure:  # one at a time: each leaves its last window cached, evicting older ones
                 httpx.post(u + "/generate", json={"input_ids": ids, "sampling_params": {
                     "max_new_tokens": 1, "temperature": 0}}, timeout=3600).raise_for_status()
-        end = fetch_server_info(u)
         httpx.post(u + "/close_session", json={"session_id": sid}, timeout=60).raise_for_status()
+        end = idle_server_info(u)
     return {"rows": rows, "ratio_last_turn": rows[-1]["session_ttft"] / rows[-1]["stateless_ttft"],
             "model_path": model_path, "turns": turns, "first_turn_tokens": first_turn_tokens,
             "turn_tokens": turn_tokens, "new_tokens": new_tokens, "max_total_tokens": max_total_tokens,

@@ -21,7 +21,8 @@ For each it reports
     decoding while later ones are chunk-prefilled (one decode step runs after every chunk), so with
     ``new_tokens`` above ``(capacity - 1) * prompt chunks`` memory, not time, bounds the peak.
 
-Each row keeps its server's raw /get_server_info before and after the requests (``server_info``); the pool sizes,
+Each row keeps its server's raw /get_server_info before the requests and after them, once the server is idle
+(``server_info``: the end state, on which tests assert the teardown checks of every test server); the pool sizes,
 the peak, the retractions and the memory errors of the row are read from it. ``--report NAME.md`` writes the
 generated pair NAME.md (the table, computed from the result alone) / NAME.json (the command and the result;
 `bench_utils.write_report`); notes go in NAME.notes.md.
@@ -33,12 +34,14 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import httpx
 import numpy as np
@@ -93,17 +96,20 @@ def kv_bytes(layout: KVLayout, state: dict, request_len: int) -> dict:
 
 
 class _Server:
-    """``python -m sgl_jax.launch_server ARGS`` on a free port until closed (context manager); its log goes to a
-    temp file, whose tail any start-up failure raises (RuntimeError)."""
+    """``python -m sgl_jax.launch_server ARGS`` on a free port until closed (context manager), in its own session
+    (process group) and in `env` (None: this process's environment); its log goes to a temp file, whose tail any
+    start-up failure raises (RuntimeError). Leaving the context without an exception checks the stop: exit status
+    0 and no process of its group left (RuntimeError otherwise, after killing what is left)."""
 
-    def __init__(self, args: List[str], timeout: float):
+    def __init__(self, args: List[str], timeout: float, env: Optional[dict] = None):
         from sgl_jax.srt.utils import find_free_port
 
         port = find_free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="bench_swa_memory_", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "-m", "sgl_jax.launch_server", "--host", "127.0.0.1",
-                                      "--port", str(port), *args], stdout=self.log, stderr=subprocess.STDOUT)
+                                      "--port", str(port), *args], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
         deadline = time.time() + timeout
         while True:
             try:
@@ -112,18 +118,25 @@ class _Server:
             except httpx.HTTPError:
                 pass
             if self.proc.poll() is not None or time.time() > deadline:
-                self.close()
-                with open(self.log.name) as f:
-                    raise RuntimeError(f"server {' '.join(args)} did not start:\n{f.read()[-3000:]}")
+                self.stop()
+                raise RuntimeError(f"server {' '.join(args)} did not start:\n{self.log_tail()}")
             time.sleep(1.0)
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        code, left = self.stop()
+        if exc_type is None and (code != 0 or left):
+            raise RuntimeError(f"server exited with {code}, processes of its group left: {left}\n{self.log_tail()}")
 
-    def close(self) -> None:
+    def log_tail(self, n: int = 3000) -> str:
+        with open(self.log.name) as f:
+            return f.read()[-n:]
+
+    def stop(self) -> Tuple[int, List[int]]:
+        """SIGTERM, SIGKILL after 30 s; returns (the exit status, the processes of its group still running 15 s
+        later, which are then killed)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -131,6 +144,41 @@ class _Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        left = group_alive(self.proc.pid)
+        if left:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.returncode, left
+
+
+def group_alive(pgid: int, timeout: float = 15.0) -> List[int]:
+    """The processes of process group `pgid` still running (zombies aside) after waiting up to `timeout` s for
+    them to exit (children exit asynchronously once their parent is gone)."""
+    deadline = time.time() + timeout
+    while True:
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state, _ppid, group = f.read().rsplit(")", 1)[1].split()[:3]
+            except OSError:
+                continue
+            if int(group) == pgid and state != "Z":
+                alive.append(int(pid))
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def idle_server_info(url: str, timeout: float = 60.0) -> dict:
+    """The server's raw /get_server_info once every DP rank is idle (no request running or waiting, no scoring
+    handle, no KV token in use), or after `timeout` s: the end state a run saves."""
+    deadline = time.time() + timeout
+    while True:
+        info = fetch_server_info(url)
+        if all(st["num_running_reqs"] == st["num_waiting_reqs"] == st["num_score_handles"] == st["kv_tokens_in_use"]
+               == 0 for st in info["internal_states"]) or time.time() > deadline:
+            return info
+        time.sleep(0.2)
 
 
 def _send_all(url: str, prompts: List[List[int]], new_tokens: int) -> float:
@@ -149,16 +197,17 @@ def _send_all(url: str, prompts: List[List[int]], new_tokens: int) -> float:
 
 
 def run_config(name: str, server_args: List[str], layout: KVLayout, num_requests: int, request_len: int,
-               new_tokens: int, seed: int, start_timeout: float) -> dict:
-    """One server: its pools, then `num_requests` concurrent requests; the row of the table (a dict), its claims
-    read from the server's raw /get_server_info before and after the requests (kept in ``server_info``)."""
-    with _Server(server_args, start_timeout) as server:
+               new_tokens: int, seed: int, start_timeout: float, env: Optional[dict] = None) -> dict:
+    """One server (in `env`): its pools, then `num_requests` concurrent requests; the row of the table (a dict),
+    its claims read from the server's raw /get_server_info before and after the requests, once idle (kept in
+    ``server_info``)."""
+    with _Server(server_args, start_timeout, env) as server:
         start = fetch_server_info(server.url)
         state = start["internal_states"][0]
         rng = np.random.default_rng(seed)
         prompts = rng.integers(1000, state["vocab_size"], (num_requests, request_len - new_tokens)).tolist()
         seconds = _send_all(server.url, prompts, new_tokens)
-        end = fetch_server_info(server.url)
+        end = idle_server_info(server.url)
     after = end["internal_states"][0]
     return {"config": name, "requests": num_requests, "peak_running_reqs": after["peak_running_reqs"],
             "retracted": after["num_retracted_reqs"], "seconds": seconds, "memory_errors": after["memory_errors"],
@@ -169,9 +218,9 @@ def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str]
                   max_total_tokens: int = 16384, swa_full_tokens_ratio: float = 0.15, chunked_prefill_size: int = 256,
                   request_len: int = 4096, new_tokens: int = 256, num_requests_one_pool: int = 6,
                   num_requests_hybrid: int = 16, page_size: int = 1, max_running_requests: int = 32,
-                  seed: int = 0, start_timeout: float = 900.0) -> dict:
-    """Both servers, one after the other; returns {"rows": [one pool, hybrid], "ratio": hybrid / one pool peak
-    concurrent requests, ...}."""
+                  seed: int = 0, start_timeout: float = 900.0, env: Optional[dict] = None) -> dict:
+    """Both servers, one after the other, in `env` (None: this process's environment); returns {"rows": [one pool,
+    hybrid], "ratio": hybrid / one pool peak concurrent requests, ...}."""
     layout = kv_layout(model_path, tokenizer_path)
     common = ["--model-path", model_path, "--disable-radix-cache", "--dtype", "float32",
               "--max-total-tokens", str(max_total_tokens), "--context-length", str(request_len),
@@ -183,9 +232,9 @@ def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str]
         common += ["--tokenizer-path", tokenizer_path]
     rows = [
         run_config("one pool", common + ["--disable-hybrid-swa-memory"], layout, num_requests_one_pool,
-                   request_len, new_tokens, seed, start_timeout),
+                   request_len, new_tokens, seed, start_timeout, env),
         run_config("hybrid", common + ["--swa-full-tokens-ratio", str(swa_full_tokens_ratio)], layout,
-                   num_requests_hybrid, request_len, new_tokens, seed, start_timeout),
+                   num_requests_hybrid, request_len, new_tokens, seed, start_timeout, env),
     ]
     return {"rows": rows, "ratio": rows[1]["peak_running_reqs"] / rows[0]["peak_running_reqs"],
             "model_path": model_path, "max_total_tokens": max_total_tokens,

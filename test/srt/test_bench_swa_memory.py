@@ -5,14 +5,17 @@ Gemma 3 (window 16 on 2 of 3 layers), a 1,024-token budget, 256-token requests, 
   the full pool, 2 in the SWA pool; both servers' pools take the same memory (the budget);
 - (b) one pool admits exactly the requests whose full length fits the budget (1,024 / 256 = 4); hybrid at
   ratio 0.25 (full pool 2,048 tokens, SWA pool 512) admits at least twice as many, with no memory error;
-- every row's claims (pools, peak, retractions, memory errors) are read from the raw /get_server_info it keeps.
+- every row's claims (pools, peak, retractions, memory errors) are read from the raw /get_server_info it keeps;
+- both servers end as every test server must (`srt_helpers.check_clean_info` on the saved end state: idle =
+  free + cached in both pools, no memory error under the exact check, no compile after warm-up), exit 0 and
+  leave no process behind (the benchmark's `_Server` checks that).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from srt_helpers import save_tiny_gemma3
+from srt_helpers import check_clean_info, save_tiny_gemma3, server_env
 from sgl_jax.bench_swa_memory import TABLE_HEADER, format_table, run_benchmark
 
 BUDGET, REQUEST_LEN = 1024, 256
@@ -24,7 +27,7 @@ def result(tmp_path_factory):
     model, tokenizer = save_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3_bench"), window=16)
     return run_benchmark(model, tokenizer, max_total_tokens=BUDGET, swa_full_tokens_ratio=0.25,
                          chunked_prefill_size=32, request_len=REQUEST_LEN, new_tokens=64, num_requests_one_pool=6,
-                         num_requests_hybrid=12, max_running_requests=16)
+                         num_requests_hybrid=12, max_running_requests=16, env=server_env())
 
 
 def test_kv_bytes_per_token(result):
@@ -55,3 +58,10 @@ def test_claims_come_from_the_raw_server_info(result):
             start["kv_tokens_total"], end["peak_running_reqs"], end["num_retracted_reqs"], end["memory_errors"])
         assert r["swa_tokens"] == start.get("swa_tokens_total", 0)
     assert table.count("memory_errors 0") == 2
+
+
+def test_both_servers_end_clean(result):
+    """The teardown checks of every test server, on the end state each run saved (its servers ran with the exact
+    page-ownership check; the benchmark itself checked that each stopped with exit 0 and left no process)."""
+    for r in result["rows"]:
+        check_clean_info(r["server_info"]["end"])

@@ -31,7 +31,7 @@ import time
 import httpx
 import pytest
 
-from srt_helpers import ServerProcess, alive_after, child_pids, pid_alive, save_tiny_llama, wait_pool_idle
+from srt_helpers import ServerProcess, alive_after, check_clean, child_pids, pid_alive, save_tiny_llama, wait_pool_idle
 
 MAX_QUEUED = 8
 MAX_RUNNING = 32  # SMALL_ENGINE_ARGS'
@@ -200,6 +200,7 @@ def test_sigterm_to_the_process_group_drains_and_exits_zero(guarded_server):
     abort event; the server exits 0 within the grace period plus a few seconds; no child process and no
     socket directory is left; the log says what happened, one line per event, without a traceback."""
     url, proc = guarded_server.url, guarded_server.proc
+    check_clean(url)  # the teardown's checks of the module's traffic: the signal leaves no teardown to run them
     children = child_pids(proc.pid)
     seen = [[] for _ in range(4)]
     started = [threading.Event() for _ in range(4)]
@@ -283,6 +284,7 @@ def test_sigkill_of_the_server_takes_its_children_down(tiny_server):
     from sgl_jax.srt.server_args import PortArgs
 
     proc = tiny_server.proc
+    check_clean(tiny_server.url)  # the teardown's checks of the module's traffic, before the kill leaves none
     children = child_pids(proc.pid)
     assert len(children) >= 2 and ipc_dirs(proc.pid)
     proc.send_signal(signal.SIGKILL)

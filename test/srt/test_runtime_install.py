@@ -25,11 +25,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import List, Tuple
 
 import httpx
 import pytest
 
-from srt_helpers import alive_after, child_pids, stop_process
+from srt_helpers import CHECK_KV_ENV, alive_after, check_clean, child_pids, stop_process
 from sgl_jax.srt.utils import find_free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,11 +78,13 @@ def run(cmd, timeout: float, **kw) -> subprocess.CompletedProcess:
                           timeout=timeout, **kw)
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM, SIGKILL after 20 s; then SIGKILL whatever is left of its process group and its children."""
+def stop_server(proc: subprocess.Popen) -> Tuple[int, List[int]]:
+    """SIGTERM, SIGKILL after 20 s; returns (its exit status, its children still alive 10 s later). Whatever is
+    left is then SIGKILLed, so that a failing test leaves nothing running (the caller asserts there was none)."""
     children = child_pids(proc.pid)
-    stop_process(proc)
-    for pid in alive_after(children, timeout=10):
+    code = stop_process(proc)
+    left = alive_after(children, timeout=10)
+    for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -90,6 +93,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # the server runs in its own session (start_new_session)
     except (ProcessLookupError, PermissionError):
         pass
+    return code, left
 
 
 @pytest.mark.timeout(1500)
@@ -136,8 +140,8 @@ def test_runtime_install_serves_chat_and_generate():
         cmd = [py, "-m", "sgl_jax.launch_server", "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
         log(f"starting {' '.join(cmd)} (log: {server_log})")
         with open(server_log, "w") as f:
-            proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=clean_env(),
-                                    start_new_session=True)
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                    env=clean_env(**CHECK_KV_ENV), start_new_session=True)
         deadline = time.time() + SERVER_START_TIMEOUT_S
         while True:
             if proc.poll() is not None:
@@ -169,9 +173,15 @@ def test_runtime_install_serves_chat_and_generate():
         # --enable-request-log: uvicorn's access log, one line per request, through our log format
         access = [ln for ln in server_log.read_text().splitlines() if '"POST /v1/chat/completions HTTP/1.1" 200' in ln]
         assert access, f"no access-log line for the chat request:\n{server_log.read_text()[-3000:]}"
+
+        # 5. The teardown of every test server: clean (exact page ownership, idle = free + cached, no compile
+        # after warm-up), then exit 0 with no child process left.
+        check_clean(url)
+        code, left = stop_server(proc)
+        log(f"server stopped ({code})")
+        assert code == 0 and not left, (code, left, server_log.read_text()[-3000:])
     finally:
-        if proc is not None:
+        if proc is not None and proc.poll() is None:
             stop_server(proc)
-            log(f"server stopped ({proc.returncode})")
         shutil.rmtree(tmp, ignore_errors=True)
         log("temp venv removed")
