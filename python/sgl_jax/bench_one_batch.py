@@ -30,8 +30,9 @@ model's dtype, GFLOP/s; the memory read rate, GB/s), never a constant.
   (bandwidth-bound); ``x floor`` = measured / floor. Decode: the median step against the median step's floor.
 
 Every JSONL line holds its row, the measured rates and the programs compiled after warm-up (the runner's own
-count). ``--report NAME.md`` writes a generated report (``bench_utils.write_report``): NAME.md (computed from the
-rows alone) and NAME.json (the command and the rows); notes go in NAME.notes.md.
+count; null with --disable-precompile, which counts none). ``--report NAME.md`` writes a generated report
+(``bench_utils.write_report``): NAME.md (computed from the rows alone) and NAME.json (the command and the rows);
+notes go in NAME.notes.md.
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ class OneBatchRunner:
         sp = SamplingParams(max_new_tokens=self.warmup_steps + output_len + 1, ignore_eos=True)
         reqs = [Req(f"bench-{bs}-{input_len}-{i}", p, sp, eos_token_ids=self.mc.eos_token_ids, seed=seed + i)
                 for i, p in enumerate(ids)]
-        compiles = self.runner.num_compiles_after_warmup or 0
+        compiles = self.runner.num_compiles_after_warmup  # None: not counted (--disable-precompile)
         prefill_s, steps = self.prefill(reqs)
         prefill_floors = [step_floor(self.cost, s, self.rates) for s in steps]
         t, s = self.buckets.decode_shape(bs)
@@ -252,7 +253,8 @@ class OneBatchRunner:
         for _ in range(output_len):
             t, h, seqs = self.decode(reqs)
             times.append(t), hosts.append(h), floors.append(step_floor(self.cost, seqs, self.rates))
-        compiles = (self.runner.num_compiles_after_warmup or 0) - compiles
+        if compiles is not None:
+            compiles = self.runner.num_compiles_after_warmup - compiles
         for r in reqs:
             self.memory.release(r)
         assert self.memory.free_tokens() == self.memory.size, "KV pages leaked"
@@ -312,7 +314,9 @@ def parse_args(argv: List[str]) -> Tuple[ServerArgs, argparse.Namespace]:
 def report_body(raw: dict) -> str:
     """The report's markdown body, computed from `raw` alone (the .json of `write_report`: header, rows)."""
     rows = raw["rows"]
-    compiles = sum(r["compiles_after_warmup"] for r in rows)
+    counts = [r["compiles_after_warmup"] for r in rows]
+    compiles = ("not counted (--disable-precompile: no warm-up to count from)" if None in counts
+                else sum(counts))
     table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)] + [format_row(r) for r in rows]
     rates = MachineRates.from_json(rows[0]["rates"])
     return "\n".join([*[f"- {h}" for h in raw["header"]], f"- machine rates {rates.describe()}", "", *table, "",

@@ -21,17 +21,29 @@ TOKEN_PARAMS = 2 * LAYER_PARAMS + 64  # + final norm
 KV_BYTES = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, float32
 
 
-def test_bench_one_batch_tiny(tmp_path):
-    model, tok = save_tiny_llama(tmp_path / "model")
-    jsonl, report = tmp_path / "rows.jsonl", tmp_path / "report.md"
-    args = ["--model-path", model, "--tokenizer-path", tok, "--context-length", "256",
-            "--precompile-token-paddings", "64", "128", "--chunked-prefill-size", "64", "--batch-size", "1", "3",
-            "--input-len", "40", "--output-len", "3", "--warmup-steps", "1", "--result-filename", str(jsonl),
-            "--report", str(report), "--compilation-cache-dir", str(tmp_path / "cache")]
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("model"))
+
+
+def run_bench(tiny, tmp_path, *args: str) -> list:
+    """``python -m sgl_jax.bench_one_batch`` on the tiny model with `args`, its JSONL in tmp_path/rows.jsonl and its
+    report tmp_path/report.md; returns the rows."""
+    model, tok = tiny
+    jsonl = tmp_path / "rows.jsonl"
+    args = ["--model-path", model, "--tokenizer-path", tok, "--context-length", "256", "--chunked-prefill-size", "64",
+            "--result-filename", str(jsonl), "--report", str(tmp_path / "report.md"), *args]
     proc = subprocess.run([sys.executable, "-m", "sgl_jax.bench_one_batch", *args], capture_output=True, text=True,
                           env=server_env({"JAX_PLATFORMS": "cpu"}), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    return [json.loads(line) for line in jsonl.read_text().splitlines()]
+
+
+def test_bench_one_batch_tiny(tiny, tmp_path):
+    report = tmp_path / "report.md"
+    rows = run_bench(tiny, tmp_path, "--precompile-token-paddings", "64", "128", "--batch-size", "1", "3",
+                     "--input-len", "40", "--output-len", "3", "--warmup-steps", "1",
+                     "--compilation-cache-dir", str(tmp_path / "cache"))
     assert [(r["batch_size"], r["input_len"]) for r in rows] == [(1, 40), (3, 40)]
     one, three = rows
     assert one["prefill_steps"] == 1 and three["prefill_steps"] == 2  # 120 prompt tokens, 64 per step
@@ -65,3 +77,13 @@ def test_bench_one_batch_tiny(tmp_path):
     assert raw["rows"] == rows and raw["command"] in text
     assert report_body(raw) in text  # the .md is computed from its .json alone
     assert "Programs compiled after warm-up, over every row (the runner's count): 0." in text
+
+
+def test_disable_precompile_reports_compiles_as_not_counted(tiny, tmp_path):
+    """--disable-precompile runs no warm-up, so the runner counts no compiles: every row says null and the report
+    "not counted", never a 0 that would claim nothing compiled."""
+    rows = run_bench(tiny, tmp_path, "--disable-precompile", "--batch-size", "1", "--input-len", "8",
+                     "--output-len", "1", "--warmup-steps", "0")
+    assert rows and all(r["compiles_after_warmup"] is None for r in rows), rows
+    text = (tmp_path / "report.md").read_text()
+    assert "Programs compiled after warm-up, over every row (the runner's count): not counted" in text, text

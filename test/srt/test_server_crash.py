@@ -43,6 +43,9 @@ def test_scheduler_crash_takes_the_server_down_loudly():
 def test_killed_detokenizer_takes_the_server_down():
     s = ServerProcess(["--disable-precompile"])
     try:
+        # compiles are not counted without the warm-up: null, never a 0 that would claim none happened
+        info = httpx.get(s.url + "/get_server_info", timeout=30).json()
+        assert info["disable_precompile"] and info["internal_states"][0]["num_compiles_after_warmup"] is None, info
         pid = int(re.search(r"detokenizer \(pid (\d+)\)", s.log_text()).group(1))
         assert pid in s.children
         t0 = time.time()
