@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
 import torch
 
 from sgl_jax.srt.tokenizer.tokenizer_manager import RequestError
-from srt_helpers import hf_greedy
+from srt_helpers import alive_after, engine_children, hf_greedy, save_tiny_llama, start_engine
 
 GREEDY_32 = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
 
@@ -191,3 +192,22 @@ def test_kv_cache_is_free_when_idle(engine):
     assert state["kv_tokens_in_use"] == 0 and state["num_running_reqs"] == 0
     assert state["kv_tokens_free"] + state["kv_tokens_cached"] == state["kv_tokens_total"]
     assert state["memory_errors"] == 0 and state["num_compiles_after_warmup"] == 0
+
+
+def test_a_scheduler_that_cannot_start_fails_the_engine_with_its_reason(tmp_path):
+    """The scheduler's start-up error crosses the start-up pipe (io_struct.SchedulerStartupError) with its
+    traceback, and the Engine's processes are gone: a checkpoint missing one tensor fails in the scheduler's
+    weight loading, after every launch-time check has passed."""
+    from safetensors.numpy import load_file, save_file
+
+    model_dir, tokenizer_dir = save_tiny_llama(tmp_path)
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    dropped = next(n for n in tensors if n.endswith("mlp.down_proj.weight"))
+    del tensors[dropped]
+    save_file(tensors, path, metadata={"format": "pt"})
+    before = engine_children()
+    with pytest.raises(RuntimeError, match=r"(?s)Scheduler failed to start:.*Checkpoint has no tensors"):
+        start_engine(model_path=model_dir, tokenizer_path=tokenizer_dir, max_total_tokens=1024,
+                     disable_precompile=True, log_level="warning")
+    assert not alive_after(engine_children() - before)
