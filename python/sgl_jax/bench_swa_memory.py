@@ -146,7 +146,10 @@ class _Server:
                 self.proc.wait(10)
         left = group_alive(self.proc.pid)
         if left:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # (they exited in the meantime)
+                pass
         return self.proc.returncode, left
 
 
