@@ -1,9 +1,12 @@
 """Sessions end to end (SGLang's /open_session, /close_session, ``session_params``) on real servers.
 
-Configurations: SmolLM2 at page 1 (the shared default_server), page 4 (chunked prefill 64, forced retract,
-the exact page-ownership check after every step: SGL_JAX_CHECK_KV_INVARIANTS) and page 16; a tiny random
-Gemma 3 (sliding window W = 16 on 2 of 3 layers, hybrid SWA memory with a small SWA pool, radix cache on) at
-pages 1, 4 and 16. On each:
+Configurations: SmolLM2 at page 1 (the shared default_server) and page 4 (chunked prefill 64, forced retract,
+the exact page-ownership check after every step: SGL_JAX_CHECK_KV_INVARIANTS); a tiny random Gemma 3 (sliding
+window W = 16 on 2 of 3 layers, hybrid SWA memory with a small SWA pool, radix cache on) at page 4 with chunks
+of W/2 (a later turn's prefill is chunked: its KV stays the session's between chunks while SWA release runs)
+and at page 16 with chunks of 2W (a page as long as the window). The session KV arithmetic itself (trim,
+lend, hand-back, SWA keep) is checked at pages 1, 4 and 16, full and SWA pools, in
+test/mem_cache/test_session_kv.py. On each:
 
 - a streaming session's turn n generates exactly the greedy tokens of a stateless /generate of the
   concatenated ids, reuses the whole history (``cached_tokens`` = the previous turn's prompt + completion
@@ -50,11 +53,6 @@ def _smollm2_p4():
                                       "precompile_bs_paddings": [1, 8, 16], "max_running_requests": 16})
 
 
-def _smollm2_p16():
-    return module_server(["--enable-streaming-session", "--page-size", "16"], env=CHECK_ENV,
-                         engine_args={**SMALL_ENGINE_ARGS, "precompile_bs_paddings": [1, 8], "max_running_requests": 8})
-
-
 def _swa(model, page_size, chunk):
     model_dir, tokenizer = model
     return module_server(["--model-path", model_dir, "--tokenizer-path", tokenizer, "--enable-streaming-session",
@@ -67,23 +65,27 @@ def p4_server():
     yield from _smollm2_p4()
 
 
-SERVERS = ["smollm2-page1", "smollm2-page4", "smollm2-page16", "swa-page1", "swa-page4", "swa-page16"]
+# name -> (page size, the SWA server's prefill chunk). Pages 1 and 4 on SmolLM2, 4 and 16 on the SWA model:
+# every turn length here ends mid-page at 4 and 16; chunks of W/2 at page 4 are the only ones that split a
+# later turn (up to 30 tokens) into chunks, while 2W at page 16 prefills such a turn at once
+SERVERS = {"smollm2-page1": (1, None), "smollm2-page4": (4, None), "swa-page4": (4, W // 2),
+           "swa-page16": (16, 2 * W)}
 
 
-@pytest.fixture(scope="module", params=SERVERS)
+@pytest.fixture(scope="module", params=list(SERVERS))
 def server(request, tiny_gemma3):
     name = request.param
+    page_size, chunk = SERVERS[name]
     if name == "smollm2-page1":
-        yield request.getfixturevalue("default_server"), 1, False
+        yield request.getfixturevalue("default_server"), page_size, False
         return
     if name == "smollm2-page4":
-        yield request.getfixturevalue("p4_server"), 4, False
+        yield request.getfixturevalue("p4_server"), page_size, False
         return
-    gen = {"smollm2-page16": lambda: _smollm2_p16(), "swa-page1": lambda: _swa(tiny_gemma3, 1, W // 2),
-           "swa-page4": lambda: _swa(tiny_gemma3, 4, 2 * W), "swa-page16": lambda: _swa(tiny_gemma3, 16, 2 * W)}[name]()
+    gen = _swa(tiny_gemma3, page_size, chunk)
     s = next(gen)
     try:
-        yield s, int(name.rsplit("page", 1)[1]), name.startswith("swa")
+        yield s, page_size, True
     finally:
         next(gen, None)
 
