@@ -7,7 +7,9 @@ Qwen3 / Llama (llama3 rope scaling, untied head) configs saved as safetensors.
 
 Greedy tokens must be the reference's at every step; a different token is excused only where the reference's
 top two logprobs are closer than a tie threshold (GREEDY_TIE, HALF_PRECISION), a constant of its own measured
-from the runs' top-2 gap errors, not derived from the logprob tolerance.
+from the runs' top-2 gap errors, not derived from the logprob tolerance, and must then still be within the
+threshold of the reference's top. The excused comparisons are counted: at least MIN_STRICT_GREEDY of them must
+be strict, and every run prints how many were.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ from sgl_jax.srt.server_args import ServerArgs
 TOL = 1e-3
 GREEDY_TIE = 1e-3
 DECODE_STEPS = 4
+# at least this share of the greedy comparisons must be strict (the reference's top two at least the tie threshold
+# apart; the share depends on the prompts and the threshold only). Measured: 100% in float32 (SmolLM2 20 of 20, the
+# tiny models 10-20 of 10-20, test_swa_models 19-20 of 20, Gemma-3-270M 10 of 10), float16 19 of 20, bfloat16 15
+# of 20 (tie 0.5 and 0.35)
+MIN_STRICT_GREEDY = 0.75
 
 
 class RunnerHarness:
@@ -166,10 +173,32 @@ def hf_reference(model, prompts, steps: int = DECODE_STEPS, greedy_steps: int = 
     return ref
 
 
-def _same_greedy(ours, ref, tie: float) -> bool:
-    """Our argmax equals the reference's, unless the reference's top two are closer than `tie` (a near-tie the
-    numerical error may flip)."""
-    return int(np.argmax(ours)) == int(np.argmax(ref)) or _top2_gap(ref) < tie
+class GreedyChecks:
+    """Greedy-token comparisons with the reference, counted: strict where the reference's top two logprobs are at
+    least `tie` apart (our argmax must be the reference's), excused where they are closer (a near-tie the
+    numerical error may flip: our argmax must still be one of the tokens within `tie` of the reference's top),
+    so that a run shows how many it really checked."""
+
+    def __init__(self, tie: float):
+        self.tie, self.strict, self.excused = tie, 0, 0
+
+    def check(self, ours, ref, where: str) -> None:
+        got, want = int(np.argmax(ours)), int(np.argmax(ref))
+        if _top2_gap(ref) < self.tie:
+            self.excused += 1
+            assert ref[got] > ref[want] - self.tie, f"{where}: greedy token {got} is no near-tie of {want}"
+            return
+        self.strict += 1
+        assert got == want, f"{where}: greedy token differs"
+
+    def summary(self) -> str:
+        return (f"{self.strict} of {self.strict + self.excused} greedy comparisons strict, {self.excused} excused "
+                f"(reference top-2 gap under {self.tie})")
+
+    def assert_mostly_strict(self, min_fraction: float) -> None:
+        total = self.strict + self.excused
+        assert total and self.strict >= min_fraction * total, \
+            f"{self.summary()}: under {min_fraction:.0%} strict, the greedy check proves little"
 
 
 def _kl(ref_lp: np.ndarray, lp: np.ndarray) -> float:
@@ -179,19 +208,23 @@ def _kl(ref_lp: np.ndarray, lp: np.ndarray) -> float:
 
 
 def check_against_reference(harness: RunnerHarness, ref: ParityReference, tol: float = TOL,
-                            tie: float = GREEDY_TIE, kl_tol: float = None) -> dict:
+                            tie: float = GREEDY_TIE, kl_tol: float = None,
+                            min_strict: float = MIN_STRICT_GREEDY) -> dict:
     """Prefill logprobs of every position and each decode step's logprobs within `tol` of `ref` (max |logprob
     difference| over the whole vocabulary), KL(ref || ours) of every position under `kl_tol` (if given), and the
     same greedy token after the prefill and at every decode step unless the reference's top-2 gap there is under
-    `tie` (decode feeds the reference's tokens, so both sides see the same sequences).
-    Returns {"max_abs": max |logprob difference|, "max_kl": max KL (None without kl_tol)}."""
+    `tie` (`GreedyChecks`; decode feeds the reference's tokens, so both sides see the same sequences), at least
+    `min_strict` of those comparisons strict.
+    Returns {"max_abs": max |logprob difference|, "max_kl": max KL (None without kl_tol), "greedy_strict",
+    "greedy_excused": the comparisons' counts}."""
     reqs, per_req, last = harness.prefill(ref.prompts)
     worst, kl = 0.0, 0.0
+    greedy = GreedyChecks(tie)
     for i, lp in enumerate(ref.prefill):
         worst = max(worst, np.abs(per_req[i] - lp).max(), np.abs(last[i] - lp[-1]).max())
         if kl_tol is not None:
             kl = max(kl, _kl(lp, per_req[i]))
-        assert _same_greedy(last[i], lp[-1], tie), f"prompt {i}: greedy token differs after prefill"
+        greedy.check(last[i], lp[-1], f"prompt {i}, after prefill")
     del per_req
     for step, (tokens, ref_lp) in enumerate(zip(ref.tokens, ref.decode)):
         lp = harness.decode(reqs, tokens)
@@ -199,14 +232,17 @@ def check_against_reference(harness: RunnerHarness, ref: ParityReference, tol: f
         if kl_tol is not None:
             kl = max(kl, _kl(ref_lp, lp))
         for i in range(len(reqs)):
-            assert _same_greedy(lp[i], ref_lp[i], tie), f"prompt {i}: greedy token differs at decode step {step}"
+            greedy.check(lp[i], ref_lp[i], f"prompt {i}, decode step {step}")
     harness.release(reqs)
     print(f"max |logprob difference| over {len(reqs)} prompts, prefill + {len(ref.decode)} decode steps: "
-          f"{worst:.2e}" + (f", max KL(reference || ours) {kl:.2e}" if kl_tol is not None else ""))
+          f"{worst:.2e}" + (f", max KL(reference || ours) {kl:.2e}" if kl_tol is not None else "")
+          + f"; {greedy.summary()}")
     assert worst < tol, f"max |logprob difference| {worst:.2e} >= {tol}"
     if kl_tol is not None:
         assert kl < kl_tol, f"max KL(reference || ours) {kl:.2e} >= {kl_tol}"
-    return {"max_abs": float(worst), "max_kl": kl if kl_tol is not None else None}
+    greedy.assert_mostly_strict(min_strict)
+    return {"max_abs": float(worst), "max_kl": kl if kl_tol is not None else None, "greedy_strict": greedy.strict,
+            "greedy_excused": greedy.excused}
 
 
 def check_free_running(harness: RunnerHarness, ref: ParityReference, n: int, tie: float = GREEDY_TIE) -> list:
@@ -275,7 +311,7 @@ def smollm2_reference(hf_smollm2, smollm2_tokenizer):
     return hf_reference(hf_smollm2, [smollm2_tokenizer.encode(t) for t in SMOLLM2_TEXTS])
 
 
-def test_smollm2_logit_parity(smollm2_harness, smollm2_reference):
+def test_smollm2_logit_parity_within_1e_3(smollm2_harness, smollm2_reference):
     """float32: logprobs of every prefill position and 4 decode steps within TOL (1e-3; measured 7.8e-5) of
     transformers', same greedy tokens (tie GREEDY_TIE)."""
     check_against_reference(smollm2_harness, smollm2_reference)
@@ -300,7 +336,7 @@ def test_model_step_writes_kv_in_place(smollm2_harness, smollm2_tokenizer):
     h.release(reqs)
 
 
-def test_smollm2_logit_parity_paged(hf_smollm2, smollm2_tokenizer):
+def test_smollm2_paged_logit_parity_within_1e_3(hf_smollm2, smollm2_tokenizer):
     """page_size 16: prompts straddling page boundaries, decode crossing into new pages."""
     harness = RunnerHarness(None, page_size=16)
     prompts = [smollm2_tokenizer.encode("Paging test number %d: " % i + "word " * (10 + 7 * i)) for i in range(3)]
@@ -325,7 +361,7 @@ def _random_prompts(seed, vocab, lengths):
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
-def test_tiny_qwen3_logit_parity(tmp_path):
+def test_tiny_qwen3_logit_parity_within_1e_3(tmp_path):
     from transformers import Qwen3Config
 
     config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -341,7 +377,9 @@ def test_tiny_qwen3_logit_parity(tmp_path):
 # threshold). Measured on CPU: bfloat16 1.04 / 8.8e-3, top-2 gap error 0.34; bfloat16 with a float32 KV cache
 # 1.04 / 7.2e-3, gap error 0.21; float16 0.19 / 2.0e-4, gap error 0.037. bfloat16's max |difference| is reached
 # at improbable tokens (reference logprob -19 to -29; 0.30 at most among tokens above logprob -5); the KL weighs
-# the tokens that matter. The bounds keep 1.4x-2.5x headroom; the tie thresholds are above the gap errors.
+# the tokens that matter. The bounds keep 1.4x-2.5x headroom; the tie thresholds are above the gap errors. Of the
+# 20 greedy comparisons (4 prompts, after the prefill and 4 decode steps), the tie thresholds excuse 5 at bfloat16
+# (15 strict: MIN_STRICT_GREEDY's 75%) and 1 at float16 (19 strict).
 HALF_PRECISION = {
     ("bfloat16", "auto"): (1.5, 0.015, 0.5),
     ("bfloat16", "float32"): (1.5, 0.015, 0.35),
@@ -356,7 +394,8 @@ def test_smollm2_half_precision_parity_within_measured_bounds(smollm2_reference,
     --kv-cache-dtype float32, where the native attention then computes in float32) against transformers' float32
     reference: every prefill position's and 4 decode steps' max |logprob difference| and KL under the
     HALF_PRECISION bounds (the test id states them), and the same greedy tokens but for near-ties under the
-    dtype's tie threshold."""
+    dtype's tie threshold, at least MIN_STRICT_GREEDY of the comparisons strict (measured: 15 of 20 at bfloat16,
+    19 of 20 at float16)."""
     max_abs, max_kl, tie = HALF_PRECISION[dtype, kv_cache_dtype]
     harness = RunnerHarness(None, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     want = jnp.float32 if kv_cache_dtype == "float32" else jnp.dtype(dtype)
@@ -396,9 +435,10 @@ def test_bfloat16_linear_accumulates_in_float32():
         np.testing.assert_allclose(np.asarray(got, np.float32).reshape(96), want[0], rtol=1e-2, atol=1e-3)
 
 
-def test_bfloat16_logits_of_one_row_equal_the_batch_rows():
-    """compute_logits pads a single bfloat16 row to two on CPU (layers/linear.dot_weight_t); the row's logits
-    equal the same row's in a batch and the float32 product of the rounded operands."""
+def test_bfloat16_logits_of_one_row_within_1e_5_of_the_batch_row():
+    """compute_logits pads a single bfloat16 row to two on CPU (layers/linear.dot_weight_t); the row's logits are
+    the same row's in a batch within 1e-5 (+ 1e-6 relative; measured identical on CPU) and the float32 product
+    of the rounded operands within 1e-4 (+ 1e-5 relative)."""
     from sgl_jax.srt.layers.logits_processor import compute_logits
 
     rng = np.random.default_rng(1)
@@ -411,7 +451,7 @@ def test_bfloat16_logits_of_one_row_equal_the_batch_rows():
     np.testing.assert_allclose(np.asarray(one), want, rtol=1e-5, atol=1e-4)
 
 
-def test_tiny_llama3_rope_scaling_logit_parity(tmp_path):
+def test_tiny_llama3_rope_scaling_logit_parity_within_1e_3(tmp_path):
     from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
