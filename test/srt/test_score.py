@@ -23,6 +23,8 @@ from sgl_jax.srt.io_struct import ScoreSeq
 from sgl_jax.srt.tokenizer.tokenizer_manager import RequestError
 
 MODES = ("serial", "packed", "prefill_extend")
+TRANSFORMERS_ATOL = 1e-3  # |log-probability - transformers'| (the test names state these bounds)
+SAME_SCORES_ATOL = 1e-4  # |log-probability difference| of the same scores computed two ways (algorithms, inputs)
 TTL_S = SHARED_ENGINE_ARGS["multi_item_prefill_extend_cache_timeout"]
 QUERY = ("Question: which of the following passages says something true about the capital city of "
          "France, its history, its monuments or its inhabitants? Answer yes or no for each passage. ") * 4
@@ -108,10 +110,10 @@ def check_modes(results: dict, ref_lp, apply_softmax):
     for mode, scores in results.items():
         ours, ref = as_logprobs(scores, apply_softmax, ref_lp)
         assert ours.shape == ref.shape
-        assert np.abs(ours - ref).max() < 1e-3, (mode, np.abs(ours - ref).max())
+        assert np.abs(ours - ref).max() < TRANSFORMERS_ATOL, (mode, np.abs(ours - ref).max())
         if base is None:
             base = ours
-        assert np.abs(ours - base).max() < 1e-4, (mode, np.abs(ours - base).max())
+        assert np.abs(ours - base).max() < SAME_SCORES_ATOL, (mode, np.abs(ours - base).max())
     if apply_softmax:
         for scores in results.values():
             np.testing.assert_allclose(np.asarray(scores).sum(-1), 1.0, rtol=1e-9)
@@ -119,7 +121,8 @@ def check_modes(results: dict, ref_lp, apply_softmax):
 
 # ---------------------------------------------------------------- Engine: numerics
 @pytest.mark.parametrize("apply_softmax", [False, True])
-def test_modes_agree_and_match_transformers(engine, hf_smollm2, smollm2_tokenizer, labels, apply_softmax):
+def test_modes_agree_within_1e_4_and_match_transformers_within_1e_3(engine, hf_smollm2, smollm2_tokenizer, labels,
+                                                                     apply_softmax):
     tok = smollm2_tokenizer
     q = tok.encode(QUERY, add_special_tokens=False)
     assert len(q) > 128, "the query must span several attention KV blocks"
@@ -130,7 +133,8 @@ def test_modes_agree_and_match_transformers(engine, hf_smollm2, smollm2_tokenize
     wait_idle(lambda: state(engine))
 
 
-def test_token_ids_equal_text_and_item_first(engine, hf_smollm2, smollm2_tokenizer, labels):
+def test_token_ids_within_1e_4_of_text_and_item_first_within_1e_3_of_transformers(engine, hf_smollm2,
+                                                                                    smollm2_tokenizer, labels):
     tok = smollm2_tokenizer
     q = tok.encode(QUERY, add_special_tokens=False)
     items = [tok.encode(it, add_special_tokens=False) for it in ITEMS[:5]]
@@ -140,7 +144,7 @@ def test_token_ids_equal_text_and_item_first(engine, hf_smollm2, smollm2_tokeniz
     special = prefix_special(tok)
     if not special:  # token ids are used as given; text adds only the tokenizer's leading specials
         text = engine.score(QUERY, ITEMS[:5], labels, algorithm="packed")
-        np.testing.assert_allclose(np.log(text), np.log(results["packed"]), atol=1e-4)
+        np.testing.assert_allclose(np.log(text), np.log(results["packed"]), atol=SAME_SCORES_ATOL)
 
     # item_first: item + query, computed by the serial algorithm (auto picks it)
     ref = hf_label_logprobs(hf_smollm2, [special + it + q for it in items], labels)
@@ -158,7 +162,7 @@ def test_items_longer_than_a_chunk(engine, labels):
     ext = engine.score(query, items, labels, algorithm="prefill_extend")  # first: nothing cached yet
     wait_idle(lambda: state(engine))
     serial = engine.score(query, items, labels, algorithm="serial")
-    np.testing.assert_allclose(np.log(ext), np.log(serial), atol=1e-4)
+    np.testing.assert_allclose(np.log(ext), np.log(serial), atol=SAME_SCORES_ATOL)
     wait_idle(lambda: state(engine))
 
 
@@ -203,7 +207,7 @@ def test_concurrent_requests_with_different_queries(engine, labels):
 
     both = asyncio.run(together())
     for i, res in enumerate(both):
-        np.testing.assert_allclose(np.log(res), np.log(alone[i % 3]), atol=1e-4)
+        np.testing.assert_allclose(np.log(res), np.log(alone[i % 3]), atol=SAME_SCORES_ATOL)
     wait_idle(lambda: state(engine))
 
 
@@ -234,8 +238,8 @@ def post_score(server, body, timeout=120):
 
 
 @pytest.mark.parametrize("apply_softmax", [False, True])
-def test_http_delimiter_modes_match_transformers(server, hf_smollm2, smollm2_tokenizer, labels, scoring_delimiter,
-                                                 apply_softmax):
+def test_http_delimiter_modes_agree_within_1e_4_and_match_transformers_within_1e_3(
+        server, hf_smollm2, smollm2_tokenizer, labels, scoring_delimiter, apply_softmax):
     tok = smollm2_tokenizer
     q = tok.encode(QUERY, add_special_tokens=False)
     d = [scoring_delimiter]
