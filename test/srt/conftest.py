@@ -57,12 +57,12 @@ def hardened_server(scoring_delimiter):
 @pytest.fixture(scope="session")
 def default_server():
     """One server with the suite's common configuration (SMALL_ENGINE_ARGS) plus --enable-metrics, shared by
-    the modules that need nothing else (test_attention_backend_pallas' native reference, test_bench_serving,
-    test_clients, test_http_server, test_kv_cache_lifecycle's radix-chunk256 scenario, test_router_replicas'
-    first worker, test_sampling_features): a server start costs ~35 s on a 2-core CPU. Tests on it must not
-    assume a fresh server: they flush the cache first or look at differences. Its checks of the whole
-    server's life (no compile after warm-up, no leaked KV) cover every module's traffic; at the end of the
-    session it must stop with exit 0 and leave no child process."""
+    the modules that need nothing else (test_bench_serving, test_bench_structured_output, test_clients,
+    test_http_server, test_kv_cache_lifecycle's radix-chunk256 scenario, test_load_disconnects,
+    test_router_replicas' first worker, test_sampling_features, test_sessions at page 1): a server start costs
+    ~35 s on a 2-core CPU. Tests on it must not assume a fresh server: they flush the cache first or look at
+    differences. Its checks of the whole server's life (no compile after warm-up, no leaked KV) cover every
+    module's traffic; at the end of the session it must stop with exit 0 and leave no child process."""
     from srt_helpers import module_server
 
     yield from module_server(["--enable-metrics", "--enable-streaming-session"])
