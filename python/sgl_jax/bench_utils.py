@@ -1,6 +1,6 @@
 """Helpers shared by the benchmarks: timing, the machine's name, the machine's rates measured in the run (the one
-source of every floor), a server's raw /get_server_info, generated reports (a .json of raw output beside the .md),
-the commit.
+source of every floor), a server's raw /get_server_info (and waiting until it is idle), a server launched for a run
+and checked when it stops (`LaunchedServer`), generated reports (a .json of raw output beside the .md), the commit.
 
 Floors: a benchmark's floor is the least time its work can take on this machine, ``max(FLOPs / matmul rate,
 bytes / memory rate)``, with both rates measured in the same run by `measure_machine_rates` (`MachineRates.floor`).
@@ -24,10 +24,12 @@ import hashlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 # (dense bf16 matmul TFLOP/s, HBM GB/s) from the vendors' datasheets, by the start of jax's device_kind
 DEVICE_PEAKS = {
@@ -232,6 +234,103 @@ def write_json(path: str, obj) -> None:
 def notes_path(report_path: str) -> str:
     """Where human notes on a generated report go: ``NAME.notes.md`` beside ``NAME.md`` / ``NAME.json``."""
     return os.path.splitext(report_path)[0] + ".notes.md"
+
+
+def rank_is_idle(state: dict) -> bool:
+    """Whether one DP rank's internal state (/get_server_info ``internal_states[i]``) runs nothing: no request
+    running or waiting, no scoring handle held."""
+    return state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0 and state["num_score_handles"] == 0
+
+
+def wait_idle_info(get_info: Callable[[], dict], timeout: float = 60.0) -> dict:
+    """Call `get_info()` (a /get_server_info dict, e.g. ``lambda: fetch_server_info(url)``) until every rank is
+    idle (`rank_is_idle`, and no KV token in use) or `timeout` s have passed; returns the last answer."""
+    deadline = time.time() + timeout
+    while True:
+        info = get_info()
+        if all(rank_is_idle(st) and st["kv_tokens_in_use"] == 0 for st in info["internal_states"]) \
+                or time.time() > deadline:
+            return info
+        time.sleep(0.2)
+
+
+class LaunchedServer:
+    """``python -m sgl_jax.launch_server ARGS`` on a free port until closed (context manager), in its own session
+    (process group) and in `env` (None: this process's environment); its log goes to a temp file, whose tail any
+    start-up failure raises (RuntimeError). Leaving the context without an exception checks the stop: exit status
+    0 and no process of its group left (RuntimeError otherwise, after killing what is left)."""
+
+    def __init__(self, args: List[str], timeout: float, env: Optional[dict] = None):
+        import httpx
+
+        from sgl_jax.srt.utils import find_free_port
+
+        port = find_free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="sgl_jax_bench_server_", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "sgl_jax.launch_server", "--host", "127.0.0.1",
+                                      "--port", str(port), *args], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        deadline = time.time() + timeout
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"server {' '.join(args)} did not start:\n{self.log_tail()}")
+            time.sleep(1.0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        code, left = self.stop()
+        if exc_type is None and (code != 0 or left):
+            raise RuntimeError(f"server exited with {code}, processes of its group left: {left}\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 3000) -> str:
+        with open(self.log.name) as f:
+            return f.read()[-n:]
+
+    def stop(self) -> Tuple[int, List[int]]:
+        """SIGTERM, SIGKILL after 30 s; returns (the exit status, the processes of its group still running 15 s
+        later, which are then killed)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        left = group_alive(self.proc.pid)
+        if left:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # (they exited in the meantime)
+                pass
+        return self.proc.returncode, left
+
+
+def group_alive(pgid: int, timeout: float = 15.0) -> List[int]:
+    """The processes of process group `pgid` still running (zombies aside) after waiting up to `timeout` s for
+    them to exit (children exit asynchronously once their parent is gone)."""
+    deadline = time.time() + timeout
+    while True:
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state, _ppid, group = f.read().rsplit(")", 1)[1].split()[:3]
+            except OSError:
+                continue
+            if int(group) == pgid and state != "Z":
+                alive.append(int(pid))
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.2)
 
 
 GENERATED_MARK = "Generated, with its raw output in `"

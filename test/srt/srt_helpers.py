@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import httpx
 
+from sgl_jax.bench_utils import fetch_server_info, rank_is_idle, wait_idle_info
 from sgl_jax.srt.model_loader.default_model import find_default_model_path
 from sgl_jax.srt.utils import find_free_port
 
@@ -263,12 +264,6 @@ def module_server(extra_args: Optional[List[str]] = None, headers: Optional[dict
     s.stop_checked(headers)
 
 
-def rank_is_idle(st: dict) -> bool:
-    """Whether one DP rank's internal state (``internal_states[i]``) runs nothing: no request running or waiting,
-    no scoring handle held."""
-    return st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0 and st["num_score_handles"] == 0
-
-
 def assert_pool_clean(st: dict) -> None:
     """One DP rank's KV memory at rest: nothing in use or locked in the full pool (and the SWA pool, with hybrid
     SWA memory), each pool exactly free + cached, every request slot free, no memory error (the exact
@@ -294,27 +289,11 @@ def check_clean_info(info: dict) -> None:
         assert st["num_compiles_after_warmup"] == expected, st
 
 
-def wait_idle_info(get_info, timeout: float = 60.0) -> dict:
-    """Call `get_info()` (a /get_server_info dict) until every rank is idle (`rank_is_idle`, and no KV token in
-    use) or `timeout` s have passed; returns the last answer."""
-    deadline = time.time() + timeout
-    while True:
-        info = get_info()
-        if all(rank_is_idle(st) and st["kv_tokens_in_use"] == 0 for st in info["internal_states"]) \
-                or time.time() > deadline:
-            return info
-        time.sleep(0.2)
-
-
-def _server_info(url: str, headers: Optional[dict] = None) -> dict:
-    return httpx.get(url + "/get_server_info", headers=headers, timeout=30).json()
-
-
 def check_clean(url: str, headers: Optional[dict] = None) -> dict:
     """`check_clean_info` on a live server, once it is idle (`wait_idle_info`): nothing running, every DP rank's
     KV memory at rest, no memory error, no program compiled after warm-up. Returns rank 0's internal state (all
     ranks' under ``"dp_ranks"``)."""
-    info = wait_idle_info(lambda: _server_info(url, headers))
+    info = wait_idle_info(lambda: fetch_server_info(url, 30, headers))
     check_clean_info(info)
     return {**info["internal_states"][0], "dp_ranks": info["internal_states"]}
 
@@ -330,7 +309,7 @@ def wait_pool_idle(url: str, headers: Optional[dict] = None, timeout: float = 60
     """Wait until nothing runs, then assert every DP rank's KV memory is at rest (`assert_pool_clean`; compiles
     are left to the teardown's `check_clean`). Returns rank 0's internal state (all ranks' under
     ``"dp_ranks"``)."""
-    ranks = wait_idle_info(lambda: _server_info(url, headers), timeout)["internal_states"]
+    ranks = wait_idle_info(lambda: fetch_server_info(url, 30, headers), timeout)["internal_states"]
     for st in ranks:
         assert_pool_clean(st)
     return {**ranks[0], "dp_ranks": ranks}
@@ -429,6 +408,15 @@ def save_tiny_llama(path) -> tuple:
                       rms_norm_eps=1e-6, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
     return str(path), resolve_model_path(default_model_path()).hf_dir
+
+
+def edit_checkpoint(model_dir: str, edit) -> None:
+    """Rewrite `model_dir`'s model.safetensors (as save_tiny_llama writes it) with `edit(tensors)`: a dict of
+    name -> numpy array in, the dict to save out."""
+    from safetensors.numpy import load_file, save_file
+
+    path = os.path.join(model_dir, "model.safetensors")
+    save_file(edit(load_file(path)), path, metadata={"format": "pt"})
 
 
 def save_tiny_gemma3(path, window: int = 16, num_layers: int = 3) -> tuple:

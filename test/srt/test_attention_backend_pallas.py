@@ -15,13 +15,12 @@ near-tie on the prompts' greedy paths; a gap's error is at most 2 x LOGPROB_ATOL
 
 from __future__ import annotations
 
-import os
 
 import httpx
 import numpy as np
 import pytest
 
-from srt_helpers import SMALL_ENGINE_ARGS, module_server, save_tiny_llama
+from srt_helpers import SMALL_ENGINE_ARGS, edit_checkpoint, module_server, save_tiny_llama
 
 # Few shapes: every layer of every compiled shape holds an interpreted kernel.
 ARGS = dict(SMALL_ENGINE_ARGS, precompile_token_paddings=[64], precompile_bs_paddings=[1, 4],
@@ -44,14 +43,14 @@ QK_SCALE = 8.0
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     """save_tiny_llama's model with its query and key projections multiplied by QK_SCALE (sharp attention)."""
-    from safetensors.numpy import load_file, save_file
-
     model_dir, tokenizer = save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_pallas"))
-    path = os.path.join(model_dir, "model.safetensors")
-    tensors = load_file(path)
-    scaled = [k for k in tensors if k.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))]
-    assert len(scaled) == 4  # 2 layers
-    save_file({k: v * QK_SCALE if k in scaled else v for k, v in tensors.items()}, path, metadata={"format": "pt"})
+
+    def scale_qk(tensors):
+        scaled = [k for k in tensors if k.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))]
+        assert len(scaled) == 4  # 2 layers
+        return {k: v * QK_SCALE if k in scaled else v for k, v in tensors.items()}
+
+    edit_checkpoint(model_dir, scale_qk)
     return model_dir, tokenizer
 
 

@@ -8,7 +8,7 @@ Gemma 3 (window 16 on 2 of 3 layers), a 1,024-token budget, 256-token requests, 
 - every row's claims (pools, peak, retractions, memory errors) are read from the raw /get_server_info it keeps;
 - both servers end as every test server must (`srt_helpers.check_clean_info` on the saved end state: idle =
   free + cached in both pools, no memory error under the exact check, no compile after warm-up), exit 0 and
-  leave no process behind (the benchmark's `_Server` checks that).
+  leave no process behind (the benchmark's `bench_utils.LaunchedServer` checks that).
 """
 
 from __future__ import annotations

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import os
 
 import numpy as np
 import pytest
 import torch
 
 from sgl_jax.srt.tokenizer.tokenizer_manager import RequestError
-from srt_helpers import alive_after, engine_children, hf_greedy, save_tiny_llama, start_engine
+from srt_helpers import alive_after, edit_checkpoint, engine_children, hf_greedy, save_tiny_llama, start_engine
 
 GREEDY_32 = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
 
@@ -198,14 +197,9 @@ def test_a_scheduler_that_cannot_start_fails_the_engine_with_its_reason(tmp_path
     """The scheduler's start-up error crosses the start-up pipe (io_struct.SchedulerStartupError) with its
     traceback, and the Engine's processes are gone: a checkpoint missing one tensor fails in the scheduler's
     weight loading, after every launch-time check has passed."""
-    from safetensors.numpy import load_file, save_file
-
     model_dir, tokenizer_dir = save_tiny_llama(tmp_path)
-    path = os.path.join(model_dir, "model.safetensors")
-    tensors = load_file(path)
-    dropped = next(n for n in tensors if n.endswith("mlp.down_proj.weight"))
-    del tensors[dropped]
-    save_file(tensors, path, metadata={"format": "pt"})
+    dropped = "model.layers.0.mlp.down_proj.weight"
+    edit_checkpoint(model_dir, lambda tensors: {k: v for k, v in tensors.items() if k != dropped})
     before = engine_children()
     with pytest.raises(RuntimeError, match=r"(?s)Scheduler failed to start:.*Checkpoint has no tensors"):
         start_engine(model_path=model_dir, tokenizer_path=tokenizer_dir, max_total_tokens=1024,
