@@ -23,4 +23,9 @@ if [ "$EXTRAS" = "test" ]; then
   # own servers' (CUDA torch, triton, datasets, ...); what their client code imports is in the test extras.
   # sglang 0.5.10.post1 is the last release whose `import sglang` does not load its server runtime (triton).
   "$VENV/bin/python" -m pip install --quiet --no-deps sglang==0.5.10.post1 lm-eval==0.4.13
+  # The official openai npm package (test/node/package-lock.json), which test/srt/test_api_surfaces.py drives
+  # with Node.js to check that a 400 shows its reason there; a machine without Node.js skips that one test.
+  if command -v npm >/dev/null 2>&1; then
+    npm ci --prefix test/node --no-audit --no-fund --loglevel=error
+  fi
 fi

@@ -98,6 +98,7 @@ SHARED_ENGINE_ARGS = dict(SMALL_ENGINE_ARGS, log_level="warning", max_multi_item
 API_KEY = "test-api-key"
 ADMIN_API_KEY = "test-admin-key"
 SERVED_MODEL_NAME = "my-model"
+ALLOWED_ORIGIN = "http://localhost:5173"  # the hardened server's --allowed-origins (a local web UI)
 
 
 def engine_cli_args(extra: Optional[dict] = None) -> List[str]:

@@ -105,6 +105,9 @@ class ServerArgs:
     max_queued_requests: Optional[int] = None
     max_n: int = 128
     graceful_shutdown_timeout: float = 30.0
+    allowed_origins: Optional[List[str]] = None
+    allowed_methods: Optional[List[str]] = None
+    allowed_headers: Optional[List[str]] = None
 
     # Structured output and tool calls
     grammar_backend: str = "llguidance"
@@ -219,6 +222,12 @@ class ServerArgs:
         for name in ("api_key", "admin_api_key"):
             if getattr(self, name) is not None and not getattr(self, name):
                 raise ValueError(f"--{_flag(name)} must not be empty")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            values = getattr(self, name)
+            if values is not None and (not values or not all(isinstance(v, str) and v for v in values)):
+                raise ValueError(f"--{_flag(name)} must be a non-empty list of non-empty strings, got {values!r}")
+            if values is not None and name != "allowed_origins" and self.allowed_origins is None:
+                raise ValueError(f"--{_flag(name)} applies only with --allowed-origins (CORS is off without it)")
         if not (isinstance(self.swa_full_tokens_ratio, (int, float)) and 0.0 < self.swa_full_tokens_ratio <= 1.0):
             raise ValueError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio!r}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -260,6 +269,8 @@ class ServerArgs:
                 parser.add_argument(flag, action="store_true", help=kwargs["help"])
             elif "List[int]" in str(tp):
                 parser.add_argument(flag, type=int, nargs="+", **kwargs)
+            elif "List[str]" in str(tp):
+                parser.add_argument(flag, type=str, nargs="+", **kwargs)
             elif "int" in str(tp):
                 parser.add_argument(flag, type=int, **kwargs)
             elif "float" in str(tp):
@@ -372,6 +383,11 @@ FLAG_HELP = {
                      "set, only it opens them",
     "allow_auto_truncate": "cut an input longer than the context (keeping its start) and a max_new_tokens "
                            "beyond it, instead of answering 400 (SGLang's flag)",
+    "allowed_origins": "origins a browser may call the server from (CORS, through Starlette's CORSMiddleware; "
+                       "vLLM's flag), e.g. http://localhost:5173, or * for any; default: none (CORS off: "
+                       "preflights answer 405)",
+    "allowed_methods": "HTTP methods allowed cross-origin with --allowed-origins (default: *)",
+    "allowed_headers": "request headers allowed cross-origin with --allowed-origins (default: *)",
     "max_request_body_bytes": "largest request body accepted, in bytes (413 beyond it)",
     "enable_metrics": "serve Prometheus metrics at /metrics (SGLang's metric names)",
     "grammar_backend": f"structured output (json_schema, regex, ebnf, response_format), one of "

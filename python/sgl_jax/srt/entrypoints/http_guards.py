@@ -1,7 +1,8 @@
-"""What every HTTP request passes before a route sees it: the API key and the JSON content type.
+"""What every HTTP request passes before a route sees it: the API key and the JSON content type (and HEAD,
+answered as a GET without its body).
 
 - API keys (SGLang's ``--api-key`` and ``--admin-api-key`` and its auth levels), sent as
-  ``Authorization: Bearer KEY``: with ``--api-key`` every endpoint but ``/health*`` and ``/metrics``
+  ``Authorization: Bearer KEY`` or, as Anthropic's clients send it, ``x-api-key: KEY``: with ``--api-key`` every endpoint but ``/health*`` and ``/metrics``
   requires it (401 otherwise). Admin endpoints (``/flush_cache``, ``/abort_request``; SGLang's
   ADMIN_OPTIONAL level) require ``--admin-api-key`` when that is set (``--api-key`` is then refused there),
   else ``--api-key`` when that is set, else nothing. As upstream, the admin key does not open the ordinary
@@ -30,24 +31,19 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sgl_jax.srt.entrypoints.error_bodies import error_body
+
 PUBLIC_PREFIXES = ("/health", "/metrics")  # SGLang's exemptions (/health_generate included)
 # SGLang's ADMIN_OPTIONAL endpoints that sgl-jax has (add /start_profile, /update_weights_* here)
 ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request"})
 BODYLESS_PATHS = frozenset({"/flush_cache"})  # POST endpoints that take no body (no content type needed)
 
 
-def _error_body(path: str, message: str, status_code: int) -> bytes:
-    if path.startswith("/v1/"):  # OpenAI's error object
-        types = {401: "AuthenticationError", 415: "UnsupportedMediaTypeError"}
-        return orjson.dumps({"object": "error", "message": message, "type": types.get(status_code, "Error"),
-                             "param": None, "code": status_code})
-    return orjson.dumps({"error": {"message": message, "code": status_code}})
-
-
 async def send_error(scope: Scope, send: Send, message: str, status_code: int,
                      headers: Optional[list] = None) -> None:
-    """Send a complete JSON error response (the shape of the path's API) from ASGI middleware."""
-    body = _error_body(scope.get("path", ""), message, status_code)
+    """Send a complete JSON error response (the shape of the path's API: error_bodies.error_body) from ASGI
+    middleware."""
+    body = orjson.dumps(error_body(scope.get("path", ""), message, status_code))
     await send({"type": "http.response.start", "status": status_code,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *(headers or [])]})
@@ -61,6 +57,13 @@ def bearer_token(headers) -> Optional[str]:
         return None
     scheme, _, token = auth.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
+
+
+def request_key(headers) -> Optional[str]:
+    """The key a request carries: its ``Authorization: Bearer KEY``, else its ``x-api-key`` header (Anthropic's
+    clients), else None."""
+    token = bearer_token(headers)
+    return token if token is not None else headers.get("x-api-key")
 
 
 def _matches(token: Optional[str], key: Optional[str]) -> bool:
@@ -98,7 +101,7 @@ class KeyChecker:
             key = None
         else:
             key = self.api_key
-        return key is None or _matches(bearer_token(headers), key)
+        return key is None or _matches(request_key(headers), key)
 
 
 class BodyTooLarge(HTTPException):
@@ -152,3 +155,25 @@ class GuardMiddleware:
             return message
 
         await self.app(scope, receive_limited, send)
+
+
+class HeadAsGet:
+    """Pure ASGI middleware: HEAD wherever GET is served (RFC 9110 9.3.2: the GET's status and headers, no
+    body), as uptime probes send it. The request runs as a GET and the body is dropped; where GET is not
+    served, HEAD answers as GET would (405 / 404). FastAPI's routes do not add HEAD themselves."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def send_headers_only(message):
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {"type": "http.response.body", "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, send_headers_only)

@@ -27,11 +27,12 @@ import threading
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sgl_jax.srt.entrypoints.http_guards import GuardMiddleware, KeyChecker
-from sgl_jax.srt.entrypoints.native_protocol import validation_message
-from sgl_jax.srt.entrypoints.routes import admin, native, openai, scoring, sessions
+from sgl_jax.srt.entrypoints.http_guards import GuardMiddleware, HeadAsGet, KeyChecker
+from sgl_jax.srt.entrypoints.native_protocol import validation_message, validation_param
+from sgl_jax.srt.entrypoints.routes import admin, anthropic, native, ollama, openai, responses, scoring, sessions
 from sgl_jax.srt.entrypoints.routes.common import ORJSONRoute, error_for
 from sgl_jax.srt.io_struct import SchedulerInfo
 from sgl_jax.srt.server_args import ServerArgs
@@ -40,7 +41,8 @@ from sgl_jax.version import __version__
 
 logger = logging.getLogger(__name__)
 
-ROUTERS = (native.router, openai.router, scoring.router, sessions.router, admin.router)
+ROUTERS = (native.router, openai.router, responses.router, anthropic.router, ollama.router, scoring.router,
+           sessions.router, admin.router)
 
 
 def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: SchedulerInfo) -> FastAPI:
@@ -58,17 +60,19 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: Sch
     app.router.route_class = ORJSONRoute
     app.add_middleware(GuardMiddleware, keys=KeyChecker(server_args.api_key, server_args.admin_api_key),
                        max_body_bytes=server_args.max_request_body_bytes)
+    app.add_middleware(HeadAsGet)
+    add_cors(app, server_args)  # (after the guards: outside them, so a preflight never needs the key)
     app.state.tokenizer_manager = tm
     app.state.server_args = server_args
     app.state.scheduler_info = scheduler_info
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        return error_for(request, validation_message(exc.errors()), 400)
+        return error_for(request, validation_message(exc.errors()), 400, validation_param(exc.errors()))
 
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError):
-        response = error_for(request, exc.message, exc.status_code)
+        response = error_for(request, exc.message, exc.status_code, exc.param)
         if exc.retry_after_s:  # 503 while overloaded or shutting down (RFC 9110 Retry-After, seconds)
             response.headers["Retry-After"] = str(exc.retry_after_s)
         return response
@@ -82,6 +86,22 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: Sch
     if tm.metrics is not None:
         app.include_router(admin.metrics_router)
     return app
+
+
+def add_cors(app: FastAPI, server_args: ServerArgs) -> None:
+    """Opt-in CORS (vLLM's --allowed-origins, --allowed-methods, --allowed-headers) through Starlette's
+    CORSMiddleware: preflights are answered only for the allowed origins (400 for others), and responses carry
+    Access-Control-Allow-Origin only for them. Off without --allowed-origins (a preflight then answers 405,
+    docs/security.md). ``*`` without --api-key lets any web page the user opens drive the server: warned."""
+    origins = server_args.allowed_origins
+    if not origins:
+        return
+    if "*" in origins and server_args.api_key is None:
+        logger.warning("CORS: --allowed-origins * without --api-key lets any web page open in a browser on this "
+                       "machine call the server; set --api-key or list the origins")
+    methods, headers = server_args.allowed_methods or ["*"], server_args.allowed_headers or ["*"]
+    app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=methods, allow_headers=headers)
+    logger.info("CORS on: origins %s, methods %s, headers %s", origins, methods, headers)
 
 
 def launch_server(server_args: ServerArgs) -> None:

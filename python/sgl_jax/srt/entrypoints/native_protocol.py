@@ -309,6 +309,17 @@ class AbortRequest(StrictModel):
     abort_all: bool = False
 
 
+def validation_param(errors) -> Optional[str]:
+    """The field of pydantic's first error, dotted (``messages.0.role``), for OpenAI's error ``param``; None for
+    a body that is not valid JSON."""
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            return None
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", _ONE, _PER_PROMPT))
+        return loc or None
+    return None
+
+
 def validation_message(errors) -> str:
     """pydantic's error list -> one line naming each bad field: ``"field.sub: message; ..."``."""
     parts = []

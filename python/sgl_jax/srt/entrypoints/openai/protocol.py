@@ -171,8 +171,14 @@ class ContentPart(LenientModel):
     text: Optional[str] = None
 
 
+# OpenAI's message roles (chat completions); any other answers 400 naming messages.<i>.role
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessage(LenientModel):
-    role: str
+    """One chat message: OpenAI's roles only (the chat template decides how each renders)."""
+
+    role: ChatRole
     content: Optional[Union[str, List[ContentPart]]] = None
     name: Optional[str] = None
     tool_calls: Optional[List[Dict[str, Any]]] = None  # an assistant turn that called tools

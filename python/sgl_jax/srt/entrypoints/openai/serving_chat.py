@@ -12,21 +12,29 @@ is null (SGLang's response).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
 import time
 import uuid
-from typing import List, Optional, Union
+from typing import AsyncIterator, List, Optional, Union
 
 from fastapi.responses import Response, StreamingResponse
 
 from sgl_jax.srt.constrained.grammar_backend import GRAMMAR_KINDS
 from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest, ContentPart
 from sgl_jax.srt.entrypoints.openai.serving_completions import Wait, gather_or_cancel
-from sgl_jax.srt.entrypoints.openai.serving_tools import ToolPlan, ToolStream, message_for, plan_tools
+from sgl_jax.srt.entrypoints.openai.serving_tools import (
+    ToolPlan,
+    ToolStream,
+    message_for,
+    plan_tools,
+    template_renders_tools,
+    with_tools_in_system_prompt,
+)
 from sgl_jax.srt.entrypoints.openai.utils import (
-    SSE_DONE,
     check_n,
     check_top_logprobs,
     finish_reason_str,
@@ -34,11 +42,13 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     merge_streams,
     sampling_params_from,
     session_params_of,
-    sse,
+    sse_stream,
     usage,
 )
 from sgl_jax.srt.entrypoints.parsers.reasoning_parser import ReasoningDetector, get_detector
 from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
+
+logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=8)
@@ -86,13 +96,15 @@ def message_text(content: Union[None, str, List[ContentPart]]) -> str:
     return content or ""
 
 
-def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest, tools: Optional[List[dict]] = None) -> List[int]:
-    """Render the messages (and `tools`, OpenAI function tools, when given) with the model's chat template
-    (generation prompt appended; with SGLang's continue_final_message, a final assistant message continued
-    instead) and tokenize. SGLang's ``input_ids`` are the prompt as they are (no template).
+def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest, plan: Optional[ToolPlan] = None) -> List[int]:
+    """Render the messages (and the tools of `plan`, when given) with the model's chat template (generation
+    prompt appended; with SGLang's continue_final_message, a final assistant message continued instead) and
+    tokenize. A template that does not render tools gets them in the system prompt
+    (serving_tools.with_tools_in_system_prompt). SGLang's ``input_ids`` are the prompt as they are (no template).
 
     Raises:
-        RequestError: no messages, no chat template, unsupported features, or a template error.
+        RequestError: no messages, no chat template, unsupported features, tools neither the template nor the
+            parser can put in the prompt, or a template error.
     """
     if not req.messages:
         raise RequestError("messages must not be empty")
@@ -110,6 +122,11 @@ def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest, tools: Opt
         messages.append(message)
     kwargs = chat_template_kwargs(tok, req)
     cont = continues_final_message(req)
+    tools = plan.template_tools if plan is not None else None
+    if tools and not template_renders_tools(tok):
+        messages, tools = with_tools_in_system_prompt(messages, plan), None
+        logger.info("Chat request with %d tools: rendered into the system prompt (the chat template does not render "
+                    "tools; the %s parser's format)", len(plan.template_tools), plan.parser.name)
     try:
         text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                        add_generation_prompt=req.add_generation_prompt and not cont,
@@ -166,8 +183,11 @@ def _chat_logprobs(entries, tops, top_n: int) -> dict:
 
 
 @dataclasses.dataclass
-class _ChatCall:
-    """One /v1/chat/completions call once its requests are prepared: what building its response needs."""
+class ChatCall:
+    """One chat call once its requests are admitted: what building its response needs. The other chat-shaped
+    APIs (/v1/responses, /v1/messages, Ollama's /api/chat) translate their request into a
+    ChatCompletionRequest and their responses from `chat_result` / `chat_chunks` (SGLang's adapters do the
+    same)."""
 
     tm: TokenizerManager
     req: ChatCompletionRequest
@@ -178,23 +198,27 @@ class _ChatCall:
     rid: str = dataclasses.field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
-    def chunk(self, choices, **extra) -> bytes:
-        return sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.tm.served_model_name, "choices": choices, **extra})
+    def chunk(self, choices, **extra) -> dict:
+        return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.tm.served_model_name, "choices": choices, **extra}
 
 
-async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionRequest,
-                                 wait: Optional[Wait] = None) -> Response:
-    """Serve one /v1/chat/completions request (`wait`: see serving_completions.create_completion)."""
+async def prepare_chat(tm: TokenizerManager, req: ChatCompletionRequest) -> ChatCall:
+    """Validate, render and admit one chat request (all n choices), as /v1/chat/completions does.
+
+    Raises:
+        RequestError: 4xx naming the problem (see ChatCompletionRequest and the module docstring); 413/503 when
+            the fan-out cannot be admitted.
+    """
     check_n("n", req.n, tm.server_args.max_n)
     tm.check_admission(req.n)  # the whole fan-out, before rendering and tokenizing
     plan = plan_tools(req, tm.server_args.tool_call_parser, tm.info.architecture)
     # the template renders off the event loop
-    input_ids = await tm.run_blocking(chat_prompt_ids, tm, req, plan.template_tools if plan else None)
+    input_ids = await tm.run_blocking(chat_prompt_ids, tm, req, plan)
     top_n = req.top_logprobs or 0
     check_top_logprobs("top_logprobs", req.top_logprobs, tm.server_args.max_top_logprobs_num)
     if top_n and not req.logprobs:
-        raise RequestError("top_logprobs requires logprobs to be true")
+        raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sampling_params = [with_tool_grammar(sampling_params_from(req, max_tokens, seed_offset=k), plan)
                        for k in range(req.n)]
@@ -209,23 +233,38 @@ async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionReques
         rid=f"{req.rid}-{k}" if req.rid else None,
         session_params=session_params_of(req, req.n),
     ) for k in range(req.n)])
-    call = _ChatCall(tm, req, plan, detectors, prepared, top_n)
-    if req.stream:
-        return StreamingResponse(_chat_stream(call), media_type="text/event-stream")
-    work = gather_or_cancel(tm.generate(p, admitted=True) for p in prepared)
+    return ChatCall(tm, req, plan, detectors, prepared, top_n)
+
+
+async def chat_result(call: ChatCall, wait: Optional[Wait] = None) -> Optional[dict]:
+    """The ``chat.completion`` object of a prepared, non-streamed call; None when `wait` saw the client leave
+    (the requests are then aborted)."""
+    work = gather_or_cancel(call.tm.generate(p, admitted=True) for p in call.prepared)
     results = await (wait(work) if wait is not None else work)
     if results is None:
-        return Response(status_code=499)
+        return None
     meta0 = results[0]["meta_info"]
-    return json_response({
-        "id": call.rid, "object": "chat.completion", "created": call.created, "model": tm.served_model_name,
+    return {
+        "id": call.rid, "object": "chat.completion", "created": call.created, "model": call.tm.served_model_name,
         "choices": [_choice(call, i, r) for i, r in enumerate(results)],
         "usage": usage(meta0["prompt_tokens"], sum(r["meta_info"]["completion_tokens"] for r in results),
                        meta0["cached_tokens"]),
-    })
+    }
 
 
-def _choice(call: _ChatCall, i: int, result: dict) -> dict:
+async def create_chat_completion(tm: TokenizerManager, req: ChatCompletionRequest,
+                                 wait: Optional[Wait] = None) -> Response:
+    """Serve one /v1/chat/completions request (`wait`: see serving_completions.create_completion)."""
+    call = await prepare_chat(tm, req)
+    if req.stream:
+        return StreamingResponse(sse_stream(chat_chunks(call)), media_type="text/event-stream")
+    result = await chat_result(call, wait)
+    if result is None:
+        return Response(status_code=499)
+    return json_response(result)
+
+
+def _choice(call: ChatCall, i: int, result: dict) -> dict:
     """Choice `i` of a non-streamed response: the message (reasoning split, tool calls parsed), logprobs, finish."""
     meta = result["meta_info"]
     text, reasoning = result["text"], None
@@ -244,9 +283,14 @@ def _choice(call: _ChatCall, i: int, result: dict) -> dict:
             "matched_stop": (meta["finish_reason"] or {}).get("matched")}
 
 
-async def _chat_stream(call: _ChatCall):
-    """The SSE chunks of a streamed response: a role chunk per choice, then each choice's deltas (reasoning
-    split and tool calls streamed as they parse), the usage chunk with include_usage, then [DONE]."""
+async def chat_chunks(call: ChatCall) -> AsyncIterator[dict]:
+    """The ``chat.completion.chunk`` objects of a prepared, streamed call: a role chunk per choice, then each
+    choice's deltas (reasoning split and tool calls streamed as they parse), and the usage chunk with
+    include_usage. Closing the iterator aborts the requests.
+
+    Raises:
+        RequestError: the engine failed a request after the stream started.
+    """
     n = len(call.prepared)
     sent_text, content_text, sent_lp, completion_tokens = [0] * n, [""] * n, [0] * n, [0] * n
     prompt_tokens = cached = 0
@@ -254,8 +298,9 @@ async def _chat_stream(call: _ChatCall):
     for i in range(n):
         yield call.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None}])
-    try:
-        async for i, r in merge_streams([call.tm.generate_request(p, admitted=True) for p in call.prepared]):
+    streams = merge_streams([call.tm.generate_request(p, admitted=True) for p in call.prepared])
+    async with contextlib.aclosing(streams):
+        async for i, r in streams:
             meta = r["meta_info"]
             fr = finish_reason_str(meta["finish_reason"])
             new_text = r["text"][sent_text[i]:]
@@ -284,8 +329,5 @@ async def _chat_stream(call: _ChatCall):
                 message, fr = tool_streams[i].finish(fr)
             if message or fr or (logprobs and logprobs["content"]):
                 yield call.chunk([{"index": i, "delta": message, "logprobs": logprobs, "finish_reason": fr}])
-        if call.req.stream_options and call.req.stream_options.include_usage:
-            yield call.chunk([], usage=usage(prompt_tokens, sum(completion_tokens), cached))
-    except RequestError as e:
-        yield sse({"error": {"message": e.message, "code": e.status_code}})
-    yield SSE_DONE
+    if call.req.stream_options and call.req.stream_options.include_usage:
+        yield call.chunk([], usage=usage(prompt_tokens, sum(completion_tokens), cached))

@@ -14,6 +14,7 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     SSE_DONE,
     check_n,
     check_top_logprobs,
+    error_event,
     finish_reason_str,
     json_response,
     merge_streams,
@@ -192,7 +193,7 @@ async def create_completion(tm: TokenizerManager, req: CompletionRequest, wait: 
                            "choices": [], "usage": usage(sum(prompt_tokens.values()), sum(completion_tokens),
                                                          sum(cached.values()))})
         except RequestError as e:
-            yield sse({"error": {"message": e.message, "code": e.status_code}})
+            yield error_event(e)
         yield SSE_DONE
 
     return StreamingResponse(stream(), media_type="text/event-stream")

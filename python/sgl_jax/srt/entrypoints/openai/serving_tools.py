@@ -2,7 +2,9 @@
 
 ``tool_choice`` "auto" (the default when tools are given): the tools are rendered through the model's chat
 template and the output is read by the ``--tool-call-parser`` (parsers/tool_call_parser.py); text that is not
-a call stays content. "required" and a named function: the output is constrained by the grammar backend to
+a call stays content. A chat template that does not render tools (SmolLM2's) would drop them silently, so the
+tools then go into the system prompt instead, in a generic format that asks for calls in the parser's own
+format (llama.cpp's approach; `tools_system_prompt`); a parser without such a format answers 400. "required" and a named function: the output is constrained by the grammar backend to
 the calls' JSON schema, so it always parses. "none": tools are ignored.
 """
 
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import List, Optional, Tuple
+import logging
+from typing import Dict, List, Optional, Tuple
 
 from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest
 from sgl_jax.srt.entrypoints.parsers.tool_call_parser import (
@@ -22,6 +25,10 @@ from sgl_jax.srt.entrypoints.parsers.tool_call_parser import (
     required_calls_schema,
 )
 from sgl_jax.srt.errors import RequestError
+
+logger = logging.getLogger(__name__)
+PROBE_TOOL = "sgl_jax_probe_tool"  # a name no template writes by itself
+_RENDERS_TOOLS: Dict[str, bool] = {}  # chat template source -> whether it renders tools
 
 
 @dataclasses.dataclass
@@ -137,3 +144,53 @@ class ToolStream:
         if content:
             delta["content"] = content
         return delta, "tool_calls"
+
+
+def template_renders_tools(tok) -> bool:
+    """Whether the tokenizer's chat template renders the ``tools`` it is given: a one-message conversation with
+    a probe tool is rendered once per template and the probe's name looked for (a template error counts as
+    not rendering). Call off the event loop (it renders a template)."""
+    template = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template)
+    if template not in _RENDERS_TOOLS:
+        probe = [{"type": "function", "function": {"name": PROBE_TOOL, "description": "probe",
+                                                    "parameters": {"type": "object", "properties": {}}}}]
+        try:
+            text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=probe, tokenize=False,
+                                           add_generation_prompt=True)
+        except Exception:  # (jinja2 errors of templates that know no tools)
+            text = ""
+        _RENDERS_TOOLS[template] = PROBE_TOOL in text
+        logger.info("The chat template %s tools%s", "renders" if _RENDERS_TOOLS[template] else "does not render",
+                    "" if _RENDERS_TOOLS[template] else ": requests' tools go into the system prompt")
+    return _RENDERS_TOOLS[template]
+
+
+def tools_system_prompt(plan: ToolPlan) -> str:
+    """The generic tools block for a system prompt: each function as one JSON line (name, description,
+    parameters' JSON Schema), then how to call one, in the format `plan.parser` reads.
+
+    Raises:
+        RequestError: 400 -- the parser has no format a prompt can ask for.
+    """
+    if plan.parser.fallback_format is None:
+        raise RequestError(f"The chat template does not render tools and --tool-call-parser {plan.parser.name} has "
+                           f"no format to ask for in the system prompt; use a parser with one or a model whose "
+                           f"template renders tools", param="tools")
+    lines = [json.dumps({k: t["function"][k] for k in ("name", "description", "parameters") if k in t["function"]},
+                        ensure_ascii=False) for t in plan.template_tools]
+    return ("You can call these functions (each with the JSON Schema of its parameters):\n" + "\n".join(lines)
+            + "\n\n" + plan.parser.fallback_format + " If no function is needed, answer normally.")
+
+
+def with_tools_in_system_prompt(messages: List[dict], plan: ToolPlan) -> List[dict]:
+    """`messages` with `tools_system_prompt` appended to the first system (or developer) message, or put first
+    as a system message when there is none.
+
+    Raises:
+        RequestError: see `tools_system_prompt`.
+    """
+    block = tools_system_prompt(plan)
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = messages[0]["content"]
+        return [{**messages[0], "content": f"{first}\n\n{block}" if first else block}, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]

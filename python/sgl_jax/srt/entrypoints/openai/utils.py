@@ -3,26 +3,40 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from typing import AsyncIterator, List, Optional, Tuple
 
 import orjson
 from fastapi.responses import Response
 
+from sgl_jax.srt.entrypoints.error_bodies import openai_error_body
 from sgl_jax.srt.entrypoints.field_types import logit_bias_ids
 from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError", 500: "InternalServerError",
-                503: "ServiceUnavailableError"}
-
-
 def openai_error(message: str, status_code: int = 400, param: Optional[str] = None) -> Response:
-    """An error in the shape SGLang's OpenAI server returns: {"object": "error", "message", "type", "param", "code"}."""
-    body = {"object": "error", "message": message, "type": _ERROR_TYPES.get(status_code, "Error"),
-            "param": param, "code": status_code}
-    return Response(orjson.dumps(body), status_code=status_code, media_type="application/json")
+    """An OpenAI error response (error_bodies.openai_error_body: OpenAI's nested error object with SGLang's
+    top-level fields beside it)."""
+    return json_response(openai_error_body(message, status_code, param), status_code)
+
+
+def error_event(e: RequestError) -> bytes:
+    """The SSE event of an error after an OpenAI stream started: OpenAI's error object (the official SDKs raise
+    an APIError with its message when an event carries ``error``)."""
+    return sse(openai_error_body(e.message, e.status_code, e.param))
+
+
+async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """An OpenAI SSE stream of `chunks`: ``data: <chunk>`` events, an error event if the work fails after the
+    stream started, then ``data: [DONE]``. Closing it closes `chunks` (which aborts their requests)."""
+    async with contextlib.aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield sse(chunk)
+        except RequestError as e:
+            yield error_event(e)
+    yield SSE_DONE
 
 
 def json_response(obj, status_code: int = 200) -> Response:

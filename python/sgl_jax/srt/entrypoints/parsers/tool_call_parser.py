@@ -60,6 +60,10 @@ class ToolCallParser:
     hold text back because it might be (the start of) a call."""
 
     name = ""
+    # How a model is told to call a function when its chat template does not render tools (the generic
+    # system-prompt fallback, serving_tools.tools_system_prompt): the format this parser reads. None: the parser
+    # has no format a prompt can ask for (tools then answer 400 with such a template).
+    fallback_format: Optional[str] = None
 
     def parse(self, text: str, tool_names: Optional[List[str]] = None) -> Tuple[Optional[str], List[ToolCall]]:
         raise NotImplementedError
@@ -73,6 +77,9 @@ class Llama3Parser(ToolCallParser):
 
     name = "llama3"
     TAG = "<|python_tag|>"
+    fallback_format = ('To call a function, answer with only a JSON object of the form {"name": <function name>, '
+                       '"parameters": <the arguments as a JSON object>} and nothing else; for several calls, '
+                       'separate the objects with ";".')
 
     def parse(self, text, tool_names=None):
         body = text.strip()
@@ -106,6 +113,8 @@ class HermesParser(ToolCallParser):
 
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
+    fallback_format = ('To call a function, answer with <tool_call>\n{"name": <function name>, "arguments": <the '
+                       'arguments as a JSON object>}\n</tool_call>, one such block per call.')
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text, tool_names=None):

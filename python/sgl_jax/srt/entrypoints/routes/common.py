@@ -11,7 +11,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
-from sgl_jax.srt.entrypoints.openai.utils import json_response, openai_error
+from sgl_jax.srt.entrypoints.error_bodies import error_body
+from sgl_jax.srt.entrypoints.openai.utils import json_response
 
 
 class ORJSONRequest(Request):
@@ -46,16 +47,9 @@ def tokenizer_manager(request: Request):
     return request.app.state.tokenizer_manager
 
 
-def native_error(message: str, status_code: int = 400) -> Response:
-    """SGLang's native error body: {"error": {"message", "code"}}."""
-    return json_response({"error": {"message": message, "code": status_code}}, status_code)
-
-
-def error_for(request: Request, message: str, status_code: int) -> Response:
-    """OpenAI's error object on /v1/*, the native one elsewhere."""
-    if request.url.path.startswith("/v1/"):
-        return openai_error(message, status_code)
-    return native_error(message, status_code)
+def error_for(request: Request, message: str, status_code: int, param: Optional[str] = None) -> Response:
+    """The error response in the shape of the request path's API (error_bodies.error_body)."""
+    return json_response(error_body(request.url.path, message, status_code, param), status_code)
 
 
 async def until_disconnect(request: Request, coro, poll_s: float = 0.25) -> Optional[object]:

@@ -1,4 +1,4 @@
-"""SGLang's native routes: /health, /health_generate, /get_model_info, /tokenize and /detokenize (also under
+"""SGLang's native routes: / (a short JSON: version and links), /health, /health_generate, /get_model_info, /tokenize and /detokenize (also under
 /v1/), /generate."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from sgl_jax.srt.entrypoints.openai.serving_completions import gather_or_cancel
 from sgl_jax.srt.entrypoints.openai.utils import SSE_DONE, check_n, json_response, merge_streams, sse
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager, until_disconnect
 from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
+from sgl_jax.version import __version__
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
@@ -81,6 +82,15 @@ def detokenize_ids(tm: TokenizerManager, seqs: List[List[int]], skip_special_tok
             where = f"tokens[{i}]" if batch else "tokens"
             raise RequestError(f"{where} contains ids outside the vocabulary [0, {tm.vocab_size}): {bad[:5]}")
     return [tm.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) for ids in seqs]
+
+
+@router.get("/")
+async def root(tm: TokenizerManager = Depends(tokenizer_manager)):
+    """A short description of the server, for people and uptime probes: name, version, the served model and
+    where the APIs and their documentation are."""
+    return json_response({"name": "sgl-jax", "version": __version__, "model": tm.served_model_name,
+                          "links": {"health": "/health", "models": "/v1/models", "openapi": "/openapi.json",
+                                    "docs": "/docs", "server_info": "/get_server_info"}})
 
 
 @router.get("/health")

@@ -1,4 +1,4 @@
-"""OpenAI's routes: /v1/models, /v1/completions, /v1/chat/completions (the work is in entrypoints/openai/)."""
+"""OpenAI's routes: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions (the work is in entrypoints/openai/)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,30 @@ from sgl_jax.srt.entrypoints.openai.serving_chat import create_chat_completion
 from sgl_jax.srt.entrypoints.openai.serving_completions import create_completion
 from sgl_jax.srt.entrypoints.openai.utils import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager, until_disconnect
-from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager
+from sgl_jax.srt.tokenizer.tokenizer_manager import RequestError, TokenizerManager
 
 router = new_router()
 
 
+def model_card(tm: TokenizerManager) -> dict:
+    """The served model as OpenAI's Model object (plus vLLM's/SGLang's ``root`` and ``max_model_len``)."""
+    return {"id": tm.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "sgl-jax",
+            "root": tm.served_model_name, "max_model_len": tm.context_len}
+
+
 @router.get("/v1/models")
 async def models(tm: TokenizerManager = Depends(tokenizer_manager)):
-    return json_response({"object": "list", "data": [{
-        "id": tm.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "sgl-jax",
-        "root": tm.served_model_name, "max_model_len": tm.context_len}]})
+    return json_response({"object": "list", "data": [model_card(tm)]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, tm: TokenizerManager = Depends(tokenizer_manager)):
+    """OpenAI's models.retrieve: the served model's card; 404 (OpenAI's error body, param ``model``) for any
+    other id."""
+    if model_id != tm.served_model_name:
+        raise RequestError(f"The model '{model_id}' does not exist; this server serves '{tm.served_model_name}'",
+                           404, param="model")
+    return json_response(model_card(tm))
 
 
 @router.post("/v1/completions")
