@@ -39,12 +39,13 @@ def scoring_delimiter(smollm2_tokenizer):
 def hardened_server(scoring_delimiter):
     """A server as an operator would expose it -- API key and admin key set, scoring cache on, a multi-item
     scoring delimiter (at most 64 items a request), Prometheus metrics on, a --served-model-name, CORS for one
-    origin (ALLOWED_ORIGIN) -- with the
-    fault-injection test hook on (requests whose rid starts with ``fault-<stage>`` fail at that stage) and
-    max_running_requests 8 (so 32 concurrent requests are 4x what it runs at once). Shared by
-    test_bad_requests.py, test_bad_requests_fuzz.py, test_metrics_and_tokenize.py (whose metric checks look at
-    differences, not at a fresh server's counters) and test_score.py's HTTP tests."""
-    from srt_helpers import ADMIN_API_KEY, ALLOWED_ORIGIN, API_KEY, SERVED_MODEL_NAME, SMALL_ENGINE_ARGS, ServerProcess
+    origin (ALLOWED_ORIGIN) -- with the fault-injection test hook on (requests whose rid starts with
+    ``fault-<stage>`` fail at that stage) and max_running_requests 8 (so 32 concurrent requests are 4x what it
+    runs at once). Shared by test_bad_requests.py, test_bad_requests_fuzz.py, test_api_surfaces.py,
+    test_anthropic_api.py, test_metrics_and_tokenize.py (whose metric checks look at differences, not at a fresh
+    server's counters) and test_score.py's HTTP tests."""
+    from srt_helpers import (ADMIN_API_KEY, ALLOWED_ORIGIN, API_KEY, SERVED_MODEL_NAME, SMALL_ENGINE_ARGS,
+                             ServerProcess)
 
     s = ServerProcess(env={"SGL_JAX_TEST_FAULT_INJECTION": "1"},
                       engine_args={**SMALL_ENGINE_ARGS, "max_running_requests": 8, "enable_scoring_cache": True,

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import subprocess
+from typing import Optional
 
 import httpx
 import openai
@@ -78,18 +79,31 @@ def test_a_role_outside_openais_is_refused_naming_it(server):
     assert r.status_code == 200, r.text
 
 
-def test_node_openai_sdk_shows_the_reason_of_a_400(server):
+def node_client(server, mode: str, body: Optional[dict] = None) -> dict:
+    """Run test/node/openai_client.mjs (the official openai npm package) against `server`; its JSON report."""
     if shutil.which("node") is None:
         pytest.skip("Node.js is not installed on this machine (the one allowed skip)")
     assert os.path.isdir(os.path.join(NODE_DIR, "node_modules", "openai")), \
         "the openai npm package is missing: run scripts/setup.sh test (npm ci in test/node)"
-    body = {"model": "m", "messages": HI, "temperature": -1}
-    out = subprocess.run(["node", os.path.join(NODE_DIR, "error_body.mjs"), server.url + "/v1", json.dumps(body)],
-                         capture_output=True, text=True, timeout=120, check=True)
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    cmd = ["node", os.path.join(NODE_DIR, "openai_client.mjs"), server.url + "/v1", mode]
+    out = subprocess.run(cmd + ([json.dumps(body)] if body is not None else []), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_node_openai_sdk_shows_the_reason_of_a_400(server):
+    report = node_client(server, "error", {"model": "m", "messages": HI, "temperature": -1})
     assert report["ok"] is False and report["status"] == 400, report
     assert "temperature: Input should be greater than or equal to 0" in report["message"], report
     assert report["param"] == "temperature" and report["type"] == "invalid_request_error", report
+
+
+def test_node_openai_sdk_chat_stream_and_tool_call(server):
+    report = node_client(server, "calls")
+    assert report["plain"] and report["streamed"] == report["plain"] and report["chunks"] >= 3, report
+    assert report["finish"] == "tool_calls" and report["tool"][0]["function"]["name"] == "get_weather", report
+    assert "city" in json.loads(report["tool"][0]["function"]["arguments"]), report
 
 
 def test_an_error_inside_a_stream_is_an_openai_error_event(hardened_server):
@@ -191,3 +205,12 @@ def test_tools_go_into_the_system_prompt_when_the_template_does_not_render_them(
     log = server.log_text()
     assert "The chat template does not render tools" in log
     assert "rendered into the system prompt (the chat template does not render tools; the llama3 parser" in log
+    # earlier calls are written into their assistant turns (SmolLM2's template renders no tool_calls)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    turns = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None,
+                                                                 "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    seen = client.chat.completions.create(model="m", messages=turns, max_tokens=1, temperature=0, tools=WEATHER_TOOLS)
+    turns[1] = {"role": "assistant", "content": ""}
+    unseen = client.chat.completions.create(model="m", messages=turns, max_tokens=1, temperature=0, tools=WEATHER_TOOLS)
+    assert seen.usage.prompt_tokens > unseen.usage.prompt_tokens + 8

@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from sgl_jax.srt.entrypoints.parsers.tool_call_parser import (
+    PARSERS,
     HermesParser,
     Llama3Parser,
     calls_from_constrained_output,
@@ -74,3 +75,16 @@ def test_constrained_schemas_round_trip():
     assert calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Rome"}
     with pytest.raises(ValueError, match="incomplete"):
         calls_from_constrained_output('[{"name": "get_ti', None)
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_rendered_calls_parse_back(name):
+    """The system-prompt fallback writes earlier calls in the parser's own format: they read back as the same
+    calls (names and arguments)."""
+    parser = PARSERS[name]()
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1, "b": "é"}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]
+    content, parsed = parser.parse(parser.render_calls(calls), ["f", "g"])
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == [("f", {"a": 1, "b": "é"}), ("g", {})]
+    assert parser.fallback_format  # every parser can ask for its format in a system prompt

@@ -2,8 +2,8 @@
 answered as a GET without its body).
 
 - API keys (SGLang's ``--api-key`` and ``--admin-api-key`` and its auth levels), sent as
-  ``Authorization: Bearer KEY`` or, as Anthropic's clients send it, ``x-api-key: KEY``: with ``--api-key`` every endpoint but ``/health*`` and ``/metrics``
-  requires it (401 otherwise). Admin endpoints (``/flush_cache``, ``/abort_request``; SGLang's
+  ``Authorization: Bearer KEY`` or, as Anthropic's clients send it, ``x-api-key: KEY``: with ``--api-key``
+  every endpoint but ``/health*`` and ``/metrics`` requires it (401 otherwise). Admin endpoints (``/flush_cache``, ``/abort_request``; SGLang's
   ADMIN_OPTIONAL level) require ``--admin-api-key`` when that is set (``--api-key`` is then refused there),
   else ``--api-key`` when that is set, else nothing. As upstream, the admin key does not open the ordinary
   endpoints. Keys are compared in constant time.
@@ -12,8 +12,9 @@ answered as a GET without its body).
   any web page the user opens from driving a server on localhost.
 
   The exception: a POST with no body at all to an endpoint that takes none (``/flush_cache``, which
-  sglang-router posts without a content type): without an admin or API key set, a web page can at most
-  flush the prefix cache (a cost in speed, never in output).
+  sglang-router posts without a content type, and ``/v1/responses/{id}/cancel``): without an admin or API
+  key set, a web page can at most flush the prefix cache (a cost in speed, never in output) or try to cancel
+  a stored response (which answers 400: there are no background responses to cancel).
 
 - Bodies larger than ``--max-request-body-bytes`` get 413: at once when Content-Length says so, else as
   soon as the streamed body passes the limit (the route's body read raises `BodyTooLarge`, an HTTP 413
@@ -37,6 +38,12 @@ PUBLIC_PREFIXES = ("/health", "/metrics")  # SGLang's exemptions (/health_genera
 # SGLang's ADMIN_OPTIONAL endpoints that sgl-jax has (add /start_profile, /update_weights_* here)
 ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request"})
 BODYLESS_PATHS = frozenset({"/flush_cache"})  # POST endpoints that take no body (no content type needed)
+
+
+def takes_no_body(path: str) -> bool:
+    """Whether `path` is a POST endpoint that takes no body: BODYLESS_PATHS and OpenAI's
+    ``/v1/responses/{id}/cancel`` (clients may post it without a content type)."""
+    return path in BODYLESS_PATHS or (path.startswith("/v1/responses/") and path.endswith("/cancel"))
 
 
 async def send_error(scope: Scope, send: Send, message: str, status_code: int,
@@ -136,7 +143,7 @@ class GuardMiddleware:
             return await send_error(scope, send, f"Unauthorized: this endpoint requires 'Authorization: Bearer "
                                                  f"<{which}>'", 401, [(b"www-authenticate", b"Bearer")])
         if scope["method"] in ("POST", "PUT") and not is_json_content_type(request.headers.get("content-type")) \
-                and not (scope["path"] in BODYLESS_PATHS and is_empty_body(request.headers)):
+                and not (takes_no_body(scope["path"]) and is_empty_body(request.headers)):
             return await send_error(scope, send, "Unsupported media type: send the body as JSON with "
                                                  "'Content-Type: application/json'", 415)
         limit = self.max_body_bytes

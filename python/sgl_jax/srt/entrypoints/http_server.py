@@ -1,20 +1,21 @@
-"""The HTTP server: FastAPI routes over a TokenizerManager, SGLang's native API plus OpenAI's, grouped in
-APIRouters (entrypoints/routes/: native, openai, scoring, sessions, admin).
+"""The HTTP server: FastAPI routes over a TokenizerManager, grouped in APIRouters (entrypoints/routes/: native,
+openai, responses, anthropic, ollama, scoring, sessions, admin).
 
-Native: /generate, /health, /health_generate, /get_model_info, /tokenize and /detokenize (also under /v1/).
-OpenAI: /v1/models, /v1/completions, /v1/chat/completions. Scoring: /v1/score. Sessions: /open_session,
-/close_session. Admin: /get_server_info, /get_load, /flush_cache (POST), /abort_request, and /metrics (Prometheus,
-with --enable-metrics; 404 otherwise).
+Native: /, /generate, /health, /health_generate, /get_model_info, /tokenize and /detokenize (also under /v1/).
+OpenAI: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions, /v1/responses. Anthropic:
+/v1/messages. Ollama: /api/*. Scoring: /v1/score. Sessions: /open_session, /close_session. Admin:
+/get_server_info, /get_load, /flush_cache (POST), /abort_request, and /metrics (Prometheus, with --enable-metrics;
+404 otherwise). HEAD is answered wherever GET is; CORS only with --allowed-origins.
 
 Every request body is parsed by orjson (no NaN, no lone surrogates) and validated by a pydantic model
-(entrypoints/native_protocol.py, entrypoints/openai/protocol.py), so /openapi.json documents each field's
-type and range. Errors: invalid requests get 400 (never FastAPI's 422) with a message naming the field --
-OpenAI's error object on /v1/*, ``{"error": {"message": ...}}`` elsewhere; 401 without the API key
-(http_guards.py); 404 for an unknown rid in /abort_request; 413 when a body exceeds
---max-request-body-bytes or a request cannot fit; 415 for a POST that is not JSON; 500 when the engine
-failed one request (the others go on); 503 while the engine is down. Responses name the served model,
-never its path on disk. If the scheduler or detokenizer process dies, the server logs it, fails /health,
-and exits with a non-zero status.
+(entrypoints/native_protocol.py, entrypoints/openai/protocol.py, ...), so /openapi.json documents each field's
+type and range. Errors: invalid requests get 400 (never FastAPI's 422) with a message naming the field, in
+the shape of the path's API (error_bodies.py: OpenAI's error object on /v1/*, Anthropic's on /v1/messages,
+Ollama's on /api/*, ``{"error": {"message": ...}}`` elsewhere); 401 without the API key (http_guards.py); 404
+for an unknown rid in /abort_request; 413 when a body exceeds --max-request-body-bytes or a request cannot fit;
+415 for a POST that is not JSON; 500 when the engine failed one request (the others go on); 503 while the
+engine is down. Responses name the served model, never its path on disk. If the scheduler or detokenizer
+process dies, the server logs it, fails /health, and exits with a non-zero status.
 """
 
 from __future__ import annotations

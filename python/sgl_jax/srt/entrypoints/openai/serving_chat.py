@@ -19,7 +19,7 @@ import inspect
 import logging
 import time
 import uuid
-from typing import AsyncIterator, List, Optional, Union
+from typing import AsyncIterator, List, Optional, Tuple, Union
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -203,6 +203,18 @@ class ChatCall:
                 "model": self.tm.served_model_name, "choices": choices, **extra}
 
 
+async def chat_prompt(tm: TokenizerManager, req: ChatCompletionRequest) -> Tuple[Optional[ToolPlan], List[int]]:
+    """The request's tool plan (serving_tools.plan_tools) and its prompt token ids (`chat_prompt_ids`, rendered
+    off the event loop): what prepare_chat runs, for the APIs that need the prompt first (Anthropic's
+    count_tokens, Ollama's num_predict cap).
+
+    Raises:
+        RequestError: see plan_tools and chat_prompt_ids.
+    """
+    plan = plan_tools(req, tm.server_args.tool_call_parser, tm.info.architecture)
+    return plan, await tm.run_blocking(chat_prompt_ids, tm, req, plan)
+
+
 async def prepare_chat(tm: TokenizerManager, req: ChatCompletionRequest) -> ChatCall:
     """Validate, render and admit one chat request (all n choices), as /v1/chat/completions does.
 
@@ -212,9 +224,7 @@ async def prepare_chat(tm: TokenizerManager, req: ChatCompletionRequest) -> Chat
     """
     check_n("n", req.n, tm.server_args.max_n)
     tm.check_admission(req.n)  # the whole fan-out, before rendering and tokenizing
-    plan = plan_tools(req, tm.server_args.tool_call_parser, tm.info.architecture)
-    # the template renders off the event loop
-    input_ids = await tm.run_blocking(chat_prompt_ids, tm, req, plan)
+    plan, input_ids = await chat_prompt(tm, req)
     top_n = req.top_logprobs or 0
     check_top_logprobs("top_logprobs", req.top_logprobs, tm.server_args.max_top_logprobs_num)
     if top_n and not req.logprobs:
@@ -328,6 +338,9 @@ async def chat_chunks(call: ChatCall) -> AsyncIterator[dict]:
                     yield call.chunk([{"index": i, "delta": message, "logprobs": None, "finish_reason": None}])
                 message, fr = tool_streams[i].finish(fr)
             if message or fr or (logprobs and logprobs["content"]):
-                yield call.chunk([{"index": i, "delta": message, "logprobs": logprobs, "finish_reason": fr}])
+                choice = {"index": i, "delta": message, "logprobs": logprobs, "finish_reason": fr}
+                if fr is not None:  # SGLang's streamed choices carry matched_stop too
+                    choice["matched_stop"] = (meta["finish_reason"] or {}).get("matched")
+                yield call.chunk([choice])
     if call.req.stream_options and call.req.stream_options.include_usage:
         yield call.chunk([], usage=usage(prompt_tokens, sum(completion_tokens), cached))

@@ -4,8 +4,9 @@
 template and the output is read by the ``--tool-call-parser`` (parsers/tool_call_parser.py); text that is not
 a call stays content. A chat template that does not render tools (SmolLM2's) would drop them silently, so the
 tools then go into the system prompt instead, in a generic format that asks for calls in the parser's own
-format (llama.cpp's approach; `tools_system_prompt`); a parser without such a format answers 400. "required" and a named function: the output is constrained by the grammar backend to
-the calls' JSON schema, so it always parses. "none": tools are ignored.
+format (llama.cpp's approach; `tools_system_prompt`); a parser without such a format answers 400.
+"required" and a named function: the output is constrained by the grammar backend to the calls' JSON schema,
+so it always parses. "none": tools are ignored.
 """
 
 from __future__ import annotations
@@ -184,13 +185,25 @@ def tools_system_prompt(plan: ToolPlan) -> str:
 
 def with_tools_in_system_prompt(messages: List[dict], plan: ToolPlan) -> List[dict]:
     """`messages` with `tools_system_prompt` appended to the first system (or developer) message, or put first
-    as a system message when there is none.
+    as a system message when there is none; assistant turns' ``tool_calls`` are written into their content in
+    the parser's format.
 
     Raises:
         RequestError: see `tools_system_prompt`.
     """
     block = tools_system_prompt(plan)
+    messages = [_calls_as_text(m, plan) for m in messages]
     if messages and messages[0]["role"] in ("system", "developer"):
         first = messages[0]["content"]
         return [{**messages[0], "content": f"{first}\n\n{block}" if first else block}, *messages[1:]]
     return [{"role": "system", "content": block}, *messages]
+
+
+def _calls_as_text(message: dict, plan: ToolPlan) -> dict:
+    """An assistant message's ``tool_calls`` written into its content in the parser's format (a template that
+    renders no tools renders no calls either, so the model would see results of calls it never made)."""
+    if message["role"] != "assistant" or not message.get("tool_calls"):
+        return message
+    calls = plan.parser.render_calls(message["tool_calls"])
+    content = f"{message['content']}\n{calls}" if message.get("content") else calls
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": content}

@@ -55,6 +55,22 @@ def _call_from_obj(obj, known: Optional[set]) -> Optional[ToolCall]:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def _plain_calls(calls: List[dict]) -> List[dict]:
+    """OpenAI tool_calls entries -> [{"name", "arguments": object}] (arguments that are not a JSON string stay
+    as they are)."""
+    out = []
+    for c in calls:
+        fn = c.get("function", c) if isinstance(c, dict) else {}
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        out.append({"name": fn.get("name"), "arguments": args})
+    return out
+
+
 class ToolCallParser:
     """Base: `parse` splits a finished output into (content, calls); `may_start_call` tells a stream when to
     hold text back because it might be (the start of) a call."""
@@ -69,6 +85,12 @@ class ToolCallParser:
         raise NotImplementedError
 
     def may_start_call(self, text: str) -> bool:
+        raise NotImplementedError
+
+    def render_calls(self, calls: List[dict]) -> str:
+        """Earlier calls (OpenAI ``tool_calls`` entries: {"function": {"name", "arguments"}}) written as this
+        parser reads them: an assistant turn of the system-prompt fallback, for templates that render no
+        ``tool_calls``."""
         raise NotImplementedError
 
 
@@ -103,6 +125,10 @@ class Llama3Parser(ToolCallParser):
                 pos += 1
         return None, calls
 
+    def render_calls(self, calls):
+        return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}, ensure_ascii=False)
+                         for c in _plain_calls(calls))
+
     def may_start_call(self, text):
         body = text.lstrip()
         return body == "" or body.startswith("{") or self.TAG.startswith(body[:len(self.TAG)])
@@ -133,6 +159,10 @@ class HermesParser(ToolCallParser):
             calls.append(call)
         content = text[:start].strip()
         return (content or None), calls
+
+    def render_calls(self, calls):
+        return "\n".join(f"{self.START}\n" + json.dumps(c, ensure_ascii=False) + f"\n{self.END}"
+                         for c in _plain_calls(calls))
 
     def may_start_call(self, text):
         if self.START in text:

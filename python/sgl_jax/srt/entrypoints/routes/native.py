@@ -1,5 +1,5 @@
-"""SGLang's native routes: / (a short JSON: version and links), /health, /health_generate, /get_model_info, /tokenize and /detokenize (also under
-/v1/), /generate."""
+"""SGLang's native routes: / (a short JSON: version and links), /health, /health_generate, /get_model_info,
+/tokenize and /detokenize (also under /v1/), /generate."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""OpenAI's routes: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions (the work is in entrypoints/openai/)."""
+"""OpenAI's routes: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions (the work is in
+entrypoints/openai/; /v1/responses has routes/responses.py)."""
 
 from __future__ import annotations
 
