@@ -53,9 +53,10 @@ EXAMPLES = int(os.environ.get("SGL_JAX_OPENAPI_FUZZ_EXAMPLES", "25"))
 
 # the most each generation knob may ask for (ints up to INT32_MAX only; bools, floats, strings, ... and larger
 # ints, refused by validation, are left as they are)
-INT_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_new_tokens": 4, "min_tokens": 2, "min_new_tokens": 2,
+INT_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_new_tokens": 4, "max_output_tokens": 4,
+            "num_predict": 4, "min_tokens": 2, "min_new_tokens": 2,
             "n": 2, "best_of": 2, "top_logprobs": 2, "logprobs": 2, "top_logprobs_num": 2}
-LIST_FIELDS = {"prompt", "text", "input_ids", "items", "messages", "tokens", "label_token_ids"}
+LIST_FIELDS = {"prompt", "text", "input_ids", "items", "messages", "tokens", "label_token_ids", "input"}
 MAX_LIST = 8
 INT32_MAX = 2**31 - 1
 SMALL_LEN = 4  # a missing / null generation length becomes this
@@ -101,6 +102,15 @@ def bounded(path: str, body: Any) -> Any:
         _set_length(body, "max_tokens")
     elif path == "/v1/chat/completions":
         _set_length(body, "max_completion_tokens", "max_tokens")
+    elif path == "/v1/responses":
+        _set_length(body, "max_output_tokens")
+    elif path in ("/api/chat", "/api/generate"):  # Ollama: options.num_predict (default: up to the context)
+        options = body.get("options")
+        if options is None:
+            body["options"] = options = {}
+        if isinstance(options, dict) and (options.get("num_predict") is None
+                                          or not 0 <= options["num_predict"] <= SMALL_LEN):
+            options["num_predict"] = SMALL_LEN
     elif path == "/generate":
         sp = body.get("sampling_params")
         if sp is None:
@@ -111,18 +121,33 @@ def bounded(path: str, body: Any) -> Any:
     return body
 
 
+# in-band error types that mean the server failed (OpenAI's and Anthropic's)
+SERVER_ERROR_TYPES = {"server_error", "api_error", "overloaded_error"}
+
+
 def stream_errors(response) -> List[dict]:
-    """The in-band error objects of an SSE response (a 200 whose stream failed)."""
+    """The in-band error objects of a streamed response (a 200 whose stream failed): SSE ``data:`` events
+    (OpenAI, native, Anthropic) and NDJSON lines (Ollama, whose error is a string)."""
     out = []
+    ndjson = any(v.startswith("application/x-ndjson") for v in response.headers.get("content-type", []))
     for line in re.split(r"\r\n|\r|\n", response.text):
-        if line.startswith("data: ") and line != "data: [DONE]":
+        if ndjson or (line.startswith("data: ") and line != "data: [DONE]"):
             try:
-                event = json.loads(line[6:])
+                event = json.loads(line if ndjson else line[6:])
             except ValueError:
                 continue
             if isinstance(event, dict) and isinstance(event.get("error"), dict):
                 out.append(event["error"])
+            elif ndjson and isinstance(event, dict) and isinstance(event.get("error"), str):
+                out.append({"message": event["error"]})
     return out
+
+
+def is_server_error(error: dict) -> bool:
+    """Whether an in-band error object reports a failure of the server (5xx), not of the request."""
+    if isinstance(error.get("code"), int):
+        return error["code"] >= 500
+    return error.get("type") is None or error.get("type") in SERVER_ERROR_TYPES  # (Ollama's: no type, no code)
 
 
 # Every operation of /openapi.json (test_document_lists_every_operation keeps this list equal to the document's,
@@ -133,7 +158,12 @@ OPERATIONS = [
     ("GET", "/open_session"), ("POST", "/open_session"), ("GET", "/close_session"), ("POST", "/close_session"),
     ("POST", "/tokenize"), ("POST", "/v1/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/detokenize"),
     ("POST", "/generate"), ("PUT", "/generate"), ("GET", "/v1/models"), ("POST", "/v1/completions"),
-    ("POST", "/v1/chat/completions"), ("POST", "/v1/score"),
+    ("POST", "/v1/chat/completions"), ("POST", "/v1/score"), ("GET", "/"), ("GET", "/v1/models/{model_id}"),
+    # OpenAI's Responses API, Anthropic's Messages API, Ollama's API (issue #36)
+    ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
+    ("POST", "/v1/responses/{response_id}/cancel"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/api/chat"), ("POST", "/api/generate"), ("GET", "/api/tags"), ("GET", "/api/ps"), ("POST", "/api/show"),
+    ("GET", "/api/version"),
 ]
 
 
@@ -229,8 +259,9 @@ def send_case(url: str, case) -> None:
                                 "status": response.status_code, "response": response.text[:160]},
                                default=repr) + "\n")
     errors = []
-    if any(v.startswith("text/event-stream") for v in response.headers.get("content-type", [])):
-        errors = [e for e in stream_errors(response) if not isinstance(e.get("code"), int) or e["code"] >= 500]
+    if any(v.startswith(("text/event-stream", "application/x-ndjson"))
+           for v in response.headers.get("content-type", [])):
+        errors = [e for e in stream_errors(response) if is_server_error(e)]
     if response.status_code >= 500 or errors:
         SERVER_ERRORS.append({"method": case.method, "path": path, "query": case.query, "body": case.body,
                               "status": response.status_code, "response": response.text[:500]})
