@@ -21,6 +21,9 @@ import pytest
 from fastapi import FastAPI
 
 from sgl_jax.srt.entrypoints.http_server import add_cors
+from sgl_jax.srt.entrypoints.openai.serving_tools import ToolPlan, with_tools_in_system_prompt
+from sgl_jax.srt.entrypoints.parsers.tool_call_parser import Llama3Parser
+from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.server_args import ServerArgs
 from srt_helpers import ALLOWED_ORIGIN, API_KEY, SERVED_MODEL_NAME, default_model_path, wait_pool_idle
 
@@ -214,3 +217,20 @@ def test_tools_go_into_the_system_prompt_when_the_template_does_not_render_them(
     turns[1] = {"role": "assistant", "content": ""}
     unseen = client.chat.completions.create(model="m", messages=turns, max_tokens=1, temperature=0, tools=WEATHER_TOOLS)
     assert seen.usage.prompt_tokens > unseen.usage.prompt_tokens + 8
+
+
+def test_a_parser_without_a_prompt_format_refuses_tools_it_cannot_show():
+    """The fallback asks for calls in the parser's format; a parser with none answers 400 naming ``tools``
+    instead of dropping them."""
+
+    class NoFormat(Llama3Parser):
+        fallback_format = None
+
+    plan = ToolPlan(NoFormat(), ["get_weather"], WEATHER_TOOLS)
+    with pytest.raises(RequestError) as e:
+        with_tools_in_system_prompt([{"role": "user", "content": "hi"}], plan)
+    assert e.value.status_code == 400 and e.value.param == "tools" and "does not render tools" in e.value.message
+    shown = with_tools_in_system_prompt([{"role": "user", "content": "hi"}], ToolPlan(Llama3Parser(), ["get_weather"],
+                                                                                        WEATHER_TOOLS))
+    assert shown[0]["role"] == "system" and '"name": "get_weather"' in shown[0]["content"]
+    assert Llama3Parser.fallback_format in shown[0]["content"] and shown[1] == {"role": "user", "content": "hi"}

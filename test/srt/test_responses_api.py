@@ -381,13 +381,17 @@ def test_agents_sdk_responses_model(server):
                               model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
                                                                   temperature=0.0, max_tokens=40))
         try:
-            return (await agents.Runner.run(plain, QUESTION),
+            streamed = agents.Runner.run_streamed(plain, QUESTION)
+            deltas = [e.data.delta async for e in streamed.stream_events()
+                      if e.type == "raw_response_event" and e.data.type == "response.output_text.delta"]
+            return (await agents.Runner.run(plain, QUESTION), (streamed, deltas),
                     await agents.Runner.run(tooled, "What is the weather in Paris?"))
         finally:
             await client.close()
 
-    plain, tooled = asyncio.run(runs())
+    plain, (streamed, deltas), tooled = asyncio.run(runs())
     assert isinstance(plain.final_output, str) and plain.final_output
+    assert len(deltas) >= 2 and "".join(deltas) == streamed.final_output == plain.final_output  # streamed run
     assert plain.raw_responses[0].response_id.startswith("resp_")
     assert tooled.final_output in {f"Sunny in {c}" for c in CITIES}
 
