@@ -23,6 +23,7 @@ DEVICES = ("auto", "cpu", "tpu", "gpu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MULTI_ITEM_ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
 ATTENTION_BACKENDS = ("auto", "native", "pallas")  # "auto" is resolved by resolve_attention_backend
+MOE_BACKENDS = ("auto", "ragged_dot", "gmm", "dense")  # "auto" is resolved by resolve_moe_backend
 GRAMMAR_BACKENDS = ("llguidance", "none")
 TOOL_CALL_PARSERS = ("llama3", "qwen25", "hermes")  # SGLang's --tool-call-parser names for these formats
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # SGLang's --reasoning-parser names for these formats
@@ -47,6 +48,20 @@ def resolve_attention_backend(name: str, platform: str) -> str:
     return name
 
 
+def resolve_moe_backend(name: str, platform: str) -> str:
+    """The mixture-of-experts backend `name` means on `platform` ("cpu", "gpu", "tpu"): ``auto`` is gmm (the
+    Pallas Megablox grouped matmul) on TPU, ragged_dot (``jax.lax.ragged_dot``) elsewhere (layers/moe.py).
+
+    Raises:
+        ValueError: a name outside MOE_BACKENDS.
+    """
+    if name not in MOE_BACKENDS:
+        raise ValueError(f"--moe-backend must be one of {list(MOE_BACKENDS)}, got {name!r}")
+    if name == "auto":
+        return "gmm" if platform == "tpu" else "ragged_dot"
+    return name
+
+
 def _default_cache_root() -> str:
     return os.environ.get("SGL_JAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "sgl_jax"))
 
@@ -55,6 +70,7 @@ def _default_cache_root() -> str:
 _CHOICES = {
     "load_format": LOAD_FORMATS, "dtype": DTYPES, "tokenizer_mode": TOKENIZER_MODES,
     "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
+    "moe_backend": MOE_BACKENDS,
     "log_level": LOG_LEVELS, "multi_item_algorithm": MULTI_ITEM_ALGORITHMS, "grammar_backend": GRAMMAR_BACKENDS,
     "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
     "load_balance_method": LOAD_BALANCE_METHODS, "schedule_policy": SCHEDULE_POLICIES,
@@ -158,6 +174,7 @@ class ServerArgs:
     # Runtime
     device: str = "auto"
     attention_backend: str = "auto"
+    moe_backend: str = "auto"
     random_seed: Optional[int] = None
     compilation_cache_dir: Optional[str] = None
     log_level: str = "info"
@@ -363,6 +380,9 @@ FLAG_HELP = {
     "attention_backend": f"ragged paged attention implementation, one of {list(ATTENTION_BACKENDS)}; auto: the "
                          "Pallas kernel on TPU/GPU, native (pure JAX) on CPU; pallas on CPU runs the TPU "
                          "kernel in Pallas' interpreter (slow, for verification)",
+    "moe_backend": f"how mixture-of-experts layers compute their experts, one of {list(MOE_BACKENDS)}; auto: gmm "
+                   "(Pallas Megablox grouped matmul) on TPU, ragged_dot (jax.lax.ragged_dot) elsewhere; dense: "
+                   "every expert on every token (the reference)",
     "multi_item_algorithm": f"how /v1/score computes many items, one of {list(MULTI_ITEM_ALGORITHMS)}; auto: "
                             "prefill_extend with the scoring cache enabled, else packed (serial for "
                             "item_first)",

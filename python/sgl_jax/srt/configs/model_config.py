@@ -9,6 +9,7 @@ from typing import Dict, List, Optional
 
 from sgl_jax.srt.chat_templates import resolve_chat_template
 from sgl_jax.srt.model_loader.default_model import find_default_model_path, packaged_gguf_for
+from sgl_jax.srt.server_args import resolve_moe_backend
 
 
 @dataclasses.dataclass
@@ -292,6 +293,7 @@ class ModelConfig:
     layer_types: List[str] = dataclasses.field(default_factory=list)
     sliding_window: Optional[int] = None
     local_rope_parameters: Optional[dict] = None
+    moe_backend: str = "ragged_dot"  # a resolved --moe-backend (server_args.resolve_moe_backend)
 
     def layer_window(self, layer_id: int) -> Optional[int]:
         """The sliding window (tokens a query sees, itself included) of layer `layer_id`, None for a full one."""
@@ -351,6 +353,7 @@ class ModelConfig:
             layer_types=layer_types,
             sliding_window=int(hf_config.sliding_window) if has_swa else None,
             local_rope_parameters=_rope_parameters(hf_config, SLIDING_ATTENTION) if has_swa else None,
+            moe_backend=resolve_moe_backend(server_args.moe_backend, platform),
         )
 
 

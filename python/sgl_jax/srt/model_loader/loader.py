@@ -1,7 +1,8 @@
 """Build a model and fill its parameters from a GGUF file, safetensors files, or random (dummy) values.
 
 Parameter paths of our NNX models equal HF state-dict keys (see `models/llama.py`), so loading is a
-rename-free copy: each checkpoint tensor goes to the parameter with the same dotted path.
+rename-free copy: each checkpoint tensor goes to the parameter with the same dotted path. The exception: a
+mixture-of-experts model's per-expert tensors are stacked into one parameter per weight (`ExpertStacker`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 from typing import Iterator, Optional, Tuple
 
 import jax
@@ -107,6 +109,59 @@ class _Placer:
         return jax.device_put(host, NamedSharding(self.mesh, param_spec(name)))
 
 
+# a mixture-of-experts checkpoint's per-expert weight ([out, in]) and the stacked parameter it goes into
+_EXPERT_WEIGHT = re.compile(r"^(?P<experts>.*\.experts)\.(?P<e>\d+)\.(?P<name>\w+)\.weight$")
+
+
+class ExpertStacker:
+    """Collects a checkpoint's per-expert tensors ``<prefix>.experts.<e>.<name>.weight`` [out, in] into the
+    model's stacked parameter ``<prefix>.experts.<name>`` [E, in, out] (layers/moe.py's layout), one host
+    buffer per stacked parameter while it fills (in the parameter dtype), handed back once every expert came.
+
+    Args:
+        shapes: dotted parameter path -> shape, of the model's parameters.
+        dtype: the host buffers' dtype.
+    """
+
+    def __init__(self, shapes: dict, dtype):
+        self.shapes = shapes
+        self.dtype = np.dtype(dtype)
+        self.buffers: dict = {}
+        self.filled: dict = {}
+
+    def target(self, name: str) -> Optional[str]:
+        """The stacked parameter a checkpoint tensor goes into, or None when it is not a per-expert weight of
+        this model."""
+        m = _EXPERT_WEIGHT.match(name)
+        target = f"{m['experts']}.{m['name']}" if m else None
+        return target if target in self.shapes else None
+
+    def add(self, name: str, arr) -> Tuple[str, Optional[np.ndarray]]:
+        """Put expert tensor `name` in its stacked buffer; returns (stacked name, the full [E, in, out] array once
+        every expert has come, else None).
+
+        Raises:
+            ValueError: an expert index out of range, a tensor whose transpose has the wrong shape, or an expert
+                given twice.
+        """
+        m = _EXPERT_WEIGHT.match(name)
+        target, e = self.target(name), int(m["e"])
+        shape = tuple(self.shapes[target])
+        if e >= shape[0] or tuple(arr.shape[::-1]) != shape[1:]:
+            raise ValueError(f"Checkpoint tensor {name} has shape {tuple(arr.shape)}: expected expert < {shape[0]} "
+                             f"of shape {shape[1:][::-1]}")
+        if target not in self.buffers:
+            self.buffers[target], self.filled[target] = np.empty(shape, self.dtype), set()
+        if e in self.filled[target]:
+            raise ValueError(f"Checkpoint tensor {name} appears twice")
+        self.buffers[target][e] = np.asarray(arr).T
+        self.filled[target].add(e)
+        if len(self.filled[target]) < shape[0]:
+            return target, None
+        del self.filled[target]
+        return target, self.buffers.pop(target)
+
+
 def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Optional[Mesh] = None):
     """Instantiate the model for ``model_config.architecture`` and load its weights.
 
@@ -140,7 +195,13 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
             values[name] = placer.place(name, arr)
     else:
         source, total = _weight_source(model_config, load_format)
+        stacker = ExpertStacker({n: v.get_value().shape for n, (_, v) in by_name.items()}, dtype)
         for name, arr in tqdm(source, total=total, desc="Loading weights", unit="tensor"):
+            if name not in by_name and stacker.target(name) is not None:  # one expert of a stacked parameter
+                target, stacked = stacker.add(name, arr)
+                if stacked is not None:
+                    values[target] = placer.place(target, stacked)
+                continue
             if name not in by_name:
                 logger.debug("Ignoring checkpoint tensor %s (no matching parameter)", name)
                 continue

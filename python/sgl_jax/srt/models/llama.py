@@ -73,7 +73,8 @@ class LlamaAttention(nnx.Module):
         self.num_kv_heads = padded_kv_heads(model_config.num_key_value_heads, tp)
         self.mesh = mesh
         self.head_dim = model_config.head_dim
-        bias = bool(getattr(cfg, "attention_bias", False))
+        # q/k/v biases: Llama's attention_bias, Qwen2's qkv_bias (o_proj never has one here)
+        bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False))
         self.q_proj = Linear(hidden, self.num_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)

@@ -21,7 +21,8 @@ import uuid
 from typing import List, Optional, Tuple
 
 DEFAULT_PARSER_BY_ARCHITECTURE = {"LlamaForCausalLM": "llama3", "Qwen2ForCausalLM": "qwen25",
-                                  "Qwen3ForCausalLM": "qwen25"}
+                                  "Qwen3ForCausalLM": "qwen25", "Qwen2MoeForCausalLM": "qwen25",
+                                  "Qwen3MoeForCausalLM": "qwen25"}
 
 
 @dataclasses.dataclass

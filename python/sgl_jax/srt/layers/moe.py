@@ -1,0 +1,185 @@
+"""Mixture-of-experts feed-forward: top-k routing and the experts' gated MLPs, dropless.
+
+Routing follows transformers' Qwen2-MoE / Qwen3-MoE / Mixtral blocks: router logits [T, E] -> softmax in
+float32 -> the top-k experts per token -> (optionally) their weights renormalised to sum to 1 (Mixtral and
+``norm_topk_prob`` models; Mixtral's "top-k of the logits, then softmax" is the same thing). No capacity
+factor: every token reaches all of its k experts whatever the imbalance (dropless, as Megablocks, Gale et al.
+2022).
+
+The experts compute ``down(act(gate(x)) * up(x))`` with their weights stacked: ``w_gate`` and ``w_up``
+[E, hidden, intermediate], ``w_down`` [E, intermediate, hidden] (input dimension first: the layout grouped
+matmuls take). Backends (`--moe-backend`):
+
+- ``dense``: every expert on every token, then the top-k combined (the reference; E/k times the FLOPs).
+- ``ragged_dot``: the T*k (token, expert) pairs sorted by expert and multiplied group by group with
+  ``jax.lax.ragged_dot`` (XLA's grouped matmul; CPU and GPU).
+- ``gmm``: the same grouping through JAX's Pallas Megablox grouped matmul
+  (``jax.experimental.pallas.ops.tpu.megablox.gmm``; TPU, or its interpreter elsewhere: slow, for checks).
+- ``auto``: gmm on TPU, ragged_dot elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sgl_jax.srt.layers.linear import Linear
+
+
+def route(router_logits: jax.Array, top_k: int, renormalize: bool) -> Tuple[jax.Array, jax.Array]:
+    """Top-k routing.
+
+    Args:
+        router_logits: [T, E], any float dtype (softmax runs in float32).
+        top_k: experts per token (``num_experts_per_tok``).
+        renormalize: scale the k weights to sum to 1 (``norm_topk_prob``; always for Mixtral).
+    Returns:
+        (weights [T, k] float32, expert ids [T, k] int32), highest weight first.
+    """
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def experts_dense(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, weights: jax.Array,
+                  ids: jax.Array, act: Callable) -> jax.Array:
+    """The reference: every expert on every token, combined with the routing weights.
+
+    Args:
+        x: [T, hidden]; w_gate, w_up: [E, hidden, intermediate]; w_down: [E, intermediate, hidden].
+        weights, ids: `route`'s [T, k] outputs. act: the gate activation (silu).
+    Returns:
+        [T, hidden] in x's dtype.
+    """
+    num_experts = w_gate.shape[0]
+    h = act(jnp.einsum("td,edi->tei", x, w_gate)) * jnp.einsum("td,edi->tei", x, w_up)
+    y = jnp.einsum("tei,eid->ted", h, w_down)
+    combine = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32) * weights[..., None], axis=1)  # [T, E]
+    return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine).astype(x.dtype)
+
+
+def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32).astype(lhs.dtype)
+
+
+def _tile(n: int, cap: int = 128) -> int:
+    """The largest tile <= cap that divides n (Megablox needs tiles that divide each dimension)."""
+    for t in range(min(cap, n), 0, -1):
+        if n % t == 0:
+            return t
+    return 1
+
+
+def _gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, interpret: bool) -> jax.Array:
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    m, k = lhs.shape
+    tiling = (_tile(m), _tile(k), _tile(rhs.shape[2]))
+    return gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32, tiling=tiling,
+               interpret=interpret).astype(lhs.dtype)
+
+
+def grouped_matmul(backend: str, interpret: bool = False) -> Callable:
+    """``f(lhs [M, K], rhs [G, K, N], group_sizes [G] int32) -> [M, N]``: rows of lhs in G consecutive
+    groups, group g multiplied by rhs[g] (accumulated in float32). `backend`: "ragged_dot" or "gmm"
+    (`interpret`: run the Pallas kernel in its interpreter, off TPU).
+
+    Raises:
+        ValueError: another backend name.
+    """
+    if backend == "ragged_dot":
+        return _ragged_dot
+    if backend == "gmm":
+        return lambda lhs, rhs, sizes: _gmm(lhs, rhs, sizes, interpret)
+    raise ValueError(f"no grouped matmul for backend {backend!r}")
+
+
+def experts_grouped(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, weights: jax.Array,
+                    ids: jax.Array, act: Callable, matmul: Callable) -> jax.Array:
+    """Dropless grouped experts: the T*k (token, expert) pairs sorted by expert, each expert's rows multiplied
+    by its own weights (`matmul`: a `grouped_matmul`), the results weighted and summed back per token.
+
+    Shapes as `experts_dense`; an expert with no token is an empty group (no work, no padding).
+    """
+    num_tokens, top_k = ids.shape
+    num_experts = w_gate.shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
+    token = order // top_k
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    xs = x[token]
+    h = act(matmul(xs, w_gate, group_sizes)) * matmul(xs, w_up, group_sizes)
+    y = matmul(h, w_down, group_sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    out = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token].add(y)
+    return out.astype(x.dtype)
+
+
+def moe_experts(backend: str, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                weights: jax.Array, ids: jax.Array, act: Callable = jax.nn.silu,
+                interpret: bool = False) -> jax.Array:
+    """The experts' output [T, hidden] for routed tokens, by `backend` ("dense", "ragged_dot" or "gmm"; a
+    resolved `resolve_moe_backend` name). Shapes as `experts_dense`.
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    if backend == "dense":
+        return experts_dense(x, w_gate, w_up, w_down, weights, ids, act)
+    return experts_grouped(x, w_gate, w_up, w_down, weights, ids, act, grouped_matmul(backend, interpret))
+
+
+class StackedExperts(nnx.Module):
+    """The E experts' gated-MLP weights, stacked: ``<gate>`` and ``<up>`` [E, hidden, intermediate], ``<down>``
+    [E, intermediate, hidden], under the checkpoint's own names (`names`: (gate, up, down), e.g.
+    ("gate_proj", "up_proj", "down_proj"), Mixtral's ("w1", "w3", "w2")). The loader stacks the checkpoint's
+    per-expert ``experts.<e>.<name>.weight`` [out, in] tensors into them, transposed."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, names: Sequence[str], *, dtype,
+                 rngs: nnx.Rngs):
+        self.names = tuple(names)
+        for name, shape in zip(self.names, ((hidden, intermediate), (hidden, intermediate), (intermediate, hidden))):
+            setattr(self, name, nnx.Param(jax.random.normal(rngs.params(), (num_experts, *shape), dtype) * 0.02))
+
+    def weights(self) -> Tuple[jax.Array, jax.Array, jax.Array]:
+        """(w_gate, w_up, w_down) arrays."""
+        return tuple(getattr(self, n)[...] for n in self.names)
+
+
+class SparseMoeBlock(nnx.Module):
+    """A top-k mixture-of-experts MLP (transformers' Qwen2-MoE / Qwen3-MoE / Mixtral sparse blocks): the router
+    ``gate`` (Linear hidden -> E, no bias), the `StackedExperts`, and optionally Qwen2-MoE's shared expert (a
+    dense gated MLP every token goes through, scaled by ``sigmoid(shared_expert_gate(x))``).
+
+    Args:
+        num_experts, top_k, renormalize: routing (see `route`).
+        backend: a resolved `--moe-backend` ("dense", "ragged_dot" or "gmm"; static: part of the program).
+        expert_names: the checkpoint names of the experts' (gate, up, down) weights.
+        shared_expert: a module computing the shared expert ([T, hidden] -> [T, hidden]), or None.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
+                 backend: str, *, dtype, rngs: nnx.Rngs, expert_names: Sequence[str] = ("gate_proj", "up_proj",
+                                                                                         "down_proj"),
+                 shared_expert: Optional[nnx.Module] = None):
+        self.gate = Linear(hidden, num_experts, dtype=dtype, rngs=rngs)
+        self.experts = StackedExperts(num_experts, hidden, intermediate, expert_names, dtype=dtype, rngs=rngs)
+        self.top_k = int(top_k)
+        self.renormalize = bool(renormalize)
+        self.backend = backend
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Linear(hidden, 1, dtype=dtype, rngs=rngs) if shared_expert is not None else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [T, hidden] -> [T, hidden] (x's dtype)."""
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = moe_experts(self.backend, x, *self.experts.weights(), weights, ids,
+                          interpret=jax.default_backend() != "tpu")
+        if self.shared_expert is not None:
+            gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
+            out = (out.astype(jnp.float32) + gate * self.shared_expert(x).astype(jnp.float32)).astype(x.dtype)
+        return out

@@ -1,0 +1,131 @@
+"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE (with its shared expert) and Mixtral, in Flax NNX.
+
+Attention is Llama's (`models/llama.py`: Qwen3-MoE with q/k RMSNorm, Qwen2-MoE with q/k/v biases); the MLP of
+each sparse layer is a `layers.moe.SparseMoeBlock` (top-k routing, dropless, the experts' weights stacked, by
+the resolved ``--moe-backend`` in ``model_config.moe_backend``). Parameter paths mirror transformers' state-dict
+keys (``model.layers.0.mlp.gate.weight``, Mixtral's ``model.layers.0.block_sparse_moe.gate.weight``), except the
+stacked experts: ``model.layers.0.mlp.experts.gate_proj`` [E, hidden, intermediate] holds every
+``model.layers.0.mlp.experts.<e>.gate_proj.weight`` (model_loader/loader.py stacks them).
+
+Which layers are sparse (transformers' Qwen2-MoE / Qwen3-MoE rule): layer i is, unless it is in
+``mlp_only_layers``, when ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0``; the others have a dense
+MLP of ``intermediate_size``. Every Mixtral layer is sparse.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from sgl_jax.srt.forward_batch import ForwardBatch
+from sgl_jax.srt.layers.attention import LayerKV
+from sgl_jax.srt.layers.embedding import Embedding
+from sgl_jax.srt.layers.layernorm import RMSNorm
+from sgl_jax.srt.layers.linear import Linear
+from sgl_jax.srt.layers.moe import SparseMoeBlock
+from sgl_jax.srt.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+
+def is_sparse_layer(cfg, layer_id: int) -> bool:
+    """Whether layer `layer_id` of a Qwen2-/Qwen3-MoE config has experts (see the module docstring)."""
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    return (layer_id not in (getattr(cfg, "mlp_only_layers", None) or [])
+            and int(getattr(cfg, "num_experts", 0) or 0) > 0 and (layer_id + 1) % step == 0)
+
+
+class MoeDecoderLayer(nnx.Module):
+    """Pre-norm decoder layer whose MLP (attribute `mlp_name`: "mlp", Mixtral's "block_sparse_moe") is a
+    `SparseMoeBlock` or, on a dense layer, a `LlamaMLP`."""
+
+    def __init__(self, cfg, model_config, layer_id: int, mlp: nnx.Module, mlp_name: str, *, qk_norm: bool, dtype,
+                 rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
+        eps = float(cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(model_config.hidden_size, eps=eps, dtype=dtype)
+        self.self_attn = LlamaAttention(cfg, model_config, layer_id, qk_norm=qk_norm, dtype=dtype, rngs=rngs,
+                                        mesh=mesh)
+        self.post_attention_layernorm = RMSNorm(model_config.hidden_size, eps=eps, dtype=dtype)
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, mlp)
+
+    def __call__(self, x: jax.Array, fb: ForwardBatch, kv: LayerKV) -> Tuple[jax.Array, LayerKV]:
+        attn_out, kv = self.self_attn(self.input_layernorm(x), fb, kv)
+        x = x + attn_out
+        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x)), kv
+
+
+class MoeModel(nnx.Module):
+    """Embeddings, the `MoeDecoderLayer`s and the final norm (what `llama.run_layers` runs); `build_mlp(i)` gives
+    layer i's MLP."""
+
+    def __init__(self, cfg, model_config, build_mlp, mlp_name: str, *, qk_norm: bool, dtype, rngs: nnx.Rngs,
+                 mesh: Optional[Mesh] = None):
+        self.embed_tokens = Embedding(model_config.vocab_size, model_config.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([
+            MoeDecoderLayer(cfg, model_config, i, build_mlp(i), mlp_name, qk_norm=qk_norm, dtype=dtype, rngs=rngs,
+                            mesh=mesh)
+            for i in range(model_config.num_hidden_layers)])
+        self.norm = RMSNorm(model_config.hidden_size, eps=float(cfg.rms_norm_eps), dtype=dtype)
+
+
+class _MoeForCausalLM(LlamaForCausalLM):
+    """A causal LM over a `MoeModel`; subclasses say how each layer's MLP is built (`build_mlp`). Same call,
+    logits and sharding as `LlamaForCausalLM`."""
+
+    mlp_name = "mlp"
+
+    def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
+        cfg = model_config.hf_config
+        self.model = MoeModel(cfg, model_config, lambda i: self.build_mlp(cfg, model_config, i, dtype, rngs),
+                              self.mlp_name, qk_norm=self.qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else Linear(
+            model_config.hidden_size, model_config.vocab_size, dtype=dtype, rngs=rngs)
+
+    def build_mlp(self, cfg, model_config, layer_id: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        raise NotImplementedError
+
+
+class Qwen3MoeForCausalLM(_MoeForCausalLM):
+    """transformers' `Qwen3MoeForCausalLM`: q/k RMSNorm, ``num_experts`` experts of ``moe_intermediate_size``,
+    top ``num_experts_per_tok``, renormalised when ``norm_topk_prob``."""
+
+    qk_norm = True
+
+    def build_mlp(self, cfg, model_config, layer_id, dtype, rngs):
+        hidden = model_config.hidden_size
+        if not is_sparse_layer(cfg, layer_id):
+            return LlamaMLP(hidden, int(cfg.intermediate_size), dtype, rngs)
+        return SparseMoeBlock(hidden, int(cfg.moe_intermediate_size), int(cfg.num_experts),
+                              int(cfg.num_experts_per_tok), bool(cfg.norm_topk_prob), model_config.moe_backend,
+                              dtype=dtype, rngs=rngs, shared_expert=self.shared_expert(cfg, hidden, dtype, rngs))
+
+    def shared_expert(self, cfg, hidden: int, dtype, rngs) -> Optional[nnx.Module]:
+        return None
+
+
+class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
+    """transformers' `Qwen2MoeForCausalLM`: q/k/v biases (``qkv_bias``), no q/k norm, and per sparse layer a
+    shared expert of ``shared_expert_intermediate_size`` scaled by ``sigmoid(shared_expert_gate(x))``."""
+
+    qk_norm = False
+
+    def shared_expert(self, cfg, hidden, dtype, rngs):
+        size = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+        return LlamaMLP(hidden, size, dtype, rngs) if size > 0 else None
+
+
+class MixtralForCausalLM(_MoeForCausalLM):
+    """transformers' `MixtralForCausalLM`: every layer sparse (``block_sparse_moe``), ``num_local_experts``
+    experts of ``intermediate_size`` named w1 (gate), w3 (up), w2 (down), top ``num_experts_per_tok``
+    renormalised (Mixtral's softmax over the top-k logits)."""
+
+    mlp_name = "block_sparse_moe"
+
+    def build_mlp(self, cfg, model_config, layer_id, dtype, rngs):
+        return SparseMoeBlock(model_config.hidden_size, int(cfg.intermediate_size), int(cfg.num_local_experts),
+                              int(cfg.num_experts_per_tok), True, model_config.moe_backend, dtype=dtype, rngs=rngs,
+                              expert_names=("w1", "w3", "w2"))

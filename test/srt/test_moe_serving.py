@@ -1,0 +1,88 @@
+"""A mixture-of-experts model served end to end: a tiny random Qwen2-MoE (shared expert, q/k/v biases; SmolLM2's
+vocabulary and tokenizer) behind a real server with the grouped-matmul backend, through /generate (greedy
+tokens equal to transformers'), chat and completions, structured output, /v1/score and a session; the
+server's teardown checks that the KV pool is back to free + cached and that nothing compiled while serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+from srt_helpers import SMALL_ENGINE_ARGS, hf_greedy, module_server, wait_pool_idle
+
+ARGS = dict(SMALL_ENGINE_ARGS, precompile_token_paddings=[64], precompile_bs_paddings=[1, 4],
+            max_running_requests=4, max_total_tokens=4096, chunked_prefill_size=64, moe_backend="ragged_dot")
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """(transformers model, model dir, tokenizer dir) of a tiny random Qwen2-MoE with SmolLM2's vocabulary."""
+    from sgl_jax.srt.configs.model_config import resolve_model_path
+    from srt_helpers import default_model_path
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = Qwen2MoeConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    model = Qwen2MoeForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("tiny_qwen2_moe")
+    model.save_pretrained(path, safe_serialization=True)
+    return model, str(path), resolve_model_path(default_model_path()).hf_dir
+
+
+@pytest.fixture(scope="module")
+def server(tiny_moe):
+    _, model_dir, tokenizer = tiny_moe
+    yield from module_server(["--model-path", model_dir, "--tokenizer-path", tokenizer], engine_args=ARGS)
+
+
+def post(server, path: str, body: dict) -> dict:
+    r = httpx.post(server.url + path, json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_greedy_tokens_equal_transformers(server, tiny_moe):
+    model, _, tokenizer_dir = tiny_moe
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rng = np.random.default_rng(0)
+    prompts = [tok.encode("The capital of France is"), rng.integers(100, 49000, 90).tolist()]  # (2 prefill chunks)
+    outs = post(server, "/generate", {"input_ids": prompts, "sampling_params": {
+        "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}})
+    for ids, out in zip(prompts, outs):
+        assert out["output_ids"] == hf_greedy(model, ids, NEW)
+
+
+def test_chat_completions_structured_output_score_and_session(server):
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 6, "temperature": 0})
+    assert chat["usage"]["completion_tokens"] >= 1
+    streamed = httpx.post(server.url + "/v1/completions", timeout=600, json={
+        "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    constrained = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "a number"}], "max_tokens": 24, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    assert isinstance(json.loads(constrained["choices"][0]["message"]["content"])["n"], int)
+    scores = post(server, "/v1/score", {"query": "Is it relevant?", "items": ["yes it is", "no", "maybe"],
+                                        "label_token_ids": [9453, 2152], "apply_softmax": True})["scores"]
+    assert len(scores) == 3 and all(abs(sum(s) - 1.0) < 1e-4 for s in scores)
+    sid = httpx.post(server.url + "/open_session", json={"capacity_of_str_len": 1000}, timeout=60).json()
+    first = post(server, "/generate", {"input_ids": [1, 2, 3, 4], "session_params": {"id": sid},
+                                       "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    second = post(server, "/generate", {"input_ids": [5, 6], "session_params": {"id": sid,
+                                                                                "rid": first["meta_info"]["id"]},
+                                        "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert second["meta_info"]["prompt_tokens"] == 4 + len(first["output_ids"]) + 2
+    assert httpx.post(server.url + "/close_session", json={"session_id": sid}, timeout=60).status_code == 200
+    wait_pool_idle(server.url)
