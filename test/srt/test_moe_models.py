@@ -6,6 +6,8 @@ reference backend."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -84,3 +86,106 @@ def test_dummy_weights_build_the_stacked_experts(tmp_path):
     experts = params["model"]["layers"][0]["block_sparse_moe"]["experts"]
     assert experts["w1"][...].shape == experts["w3"][...].shape == (8, 64, 32)
     assert experts["w2"][...].shape == (8, 32, 64) and float(np.std(np.asarray(experts["w2"][...]))) > 0.01
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp's MoE tensor names)
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+
+
+def _gguf_tensors(sd: dict, arch: str, cfg) -> dict:
+    """A saved checkpoint's tensors (`sd`: HF names, per-expert weights) under llama.cpp's names and layouts
+    (experts stacked [E, out, in], llama q/k rows permuted as llama.cpp's converter permutes them)."""
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
+           "output.weight": sd["lm_head.weight"]}
+    moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    names = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    experts = cfg.num_local_experts if arch == "mixtral" else cfg.num_experts
+
+    def permute(w, n):  # the inverse of gguf_file.unpermute_qk
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        out[b + "attn_norm.weight"] = sd[p + "input_layernorm.weight"]
+        out[b + "ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+            w = sd[f"{p}self_attn.{ours}.weight"]
+            if arch == "mixtral" and ours in ("q_proj", "k_proj"):
+                w = permute(w, cfg.num_attention_heads if ours == "q_proj" else cfg.num_key_value_heads)
+            out[f"{b}{theirs}.weight"] = w
+            if f"{p}self_attn.{ours}.bias" in sd:
+                out[f"{b}{theirs}.bias"] = sd[f"{p}self_attn.{ours}.bias"]
+        for norm in ("q_norm", "k_norm"):
+            if f"{p}self_attn.{norm}.weight" in sd:
+                out[f"{b}attn_{norm}.weight"] = sd[f"{p}self_attn.{norm}.weight"]
+        if f"{p}{moe}.gate.weight" not in sd:  # a dense layer
+            for ours, theirs in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+                out[f"{b}{theirs}.weight"] = sd[f"{p}mlp.{ours}.weight"]
+            continue
+        out[b + "ffn_gate_inp.weight"] = sd[f"{p}{moe}.gate.weight"]
+        for ours, theirs in zip(names, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+            out[f"{b}{theirs}.weight"] = np.stack([sd[f"{p}{moe}.experts.{e}.{ours}.weight"] for e in range(experts)])
+        for ours, theirs in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"), ("down_proj", "ffn_down_shexp")):
+            if f"{p}mlp.shared_expert.{ours}.weight" in sd:
+                out[f"{b}{theirs}.weight"] = sd[f"{p}mlp.shared_expert.{ours}.weight"]
+        if f"{p}mlp.shared_expert_gate.weight" in sd:
+            out[b + "ffn_gate_inp_shexp.weight"] = sd[f"{p}mlp.shared_expert_gate.weight"][0]
+    return out
+
+
+def write_moe_gguf(model_dir: str, arch: str, cfg, path: str) -> None:
+    """A float32 GGUF of the tiny model saved in `model_dir`, written with the `gguf` library: SmolLM2's
+    tokenizer metadata, the architecture's hyper-parameters (expert counts and sizes included) and
+    `_gguf_tensors`."""
+    from safetensors.numpy import load_file
+    import gguf
+
+    from sgl_jax.srt.configs.model_config import resolve_model_path
+
+    g = GGUF_ARCH[arch]
+    reader = gguf.GGUFReader(resolve_model_path(None).gguf_file)
+    writer = gguf.GGUFWriter(path, g)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = {"sub_type": field.types[-1]} if field.types[0] == gguf.GGUFValueType.ARRAY else {}
+            writer.add_key_value(key, field.contents(), field.types[0], **sub)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_expert_count(cfg.num_local_experts if arch == "mixtral" else cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch != "mixtral":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    for name, arr in _gguf_tensors(load_file(os.path.join(model_dir, "model.safetensors")), arch, cfg).items():
+        writer.add_tensor(name, np.ascontiguousarray(arr))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_gguf_moe_file_matches_transformers(tmp_path, monkeypatch, arch):
+    """A GGUF written from the tiny weights (llama.cpp's qwen3moe / qwen2moe / llama-with-experts layout) loads
+    with the same config and serves the same logits as transformers (hence as the safetensors load)."""
+    monkeypatch.setenv("SGL_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    torch.set_num_threads(1)
+    cfg = tiny_config(arch)
+    cfg.vocab_size = 49152  # SmolLM2's tokenizer, whose metadata the file carries
+    model = _save_tiny(tmp_path / "hf", cfg, seed=1)
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    write_moe_gguf(str(tmp_path / "hf"), arch, cfg, path)
+    harness = RunnerHarness(path)
+    assert harness.mc.architecture == type(model).__name__
+    got = harness.mc.hf_config
+    if arch == "qwen3_moe":
+        assert got.mlp_only_layers == [1] and got.norm_topk_prob is True
+    check_parity(harness, model, _random_prompts(1, 49152, [7, 60]))

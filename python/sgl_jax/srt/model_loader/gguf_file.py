@@ -37,10 +37,13 @@ _CACHE_FORMAT_VERSION = "4"  # 2: gemma3 support, generation_config.json; 3: bui
 
 # GGUF architecture -> (HF architectures entry, HF model_type)
 _ARCHS = {
-    "llama": ("LlamaForCausalLM", "llama"),
+    "llama": ("LlamaForCausalLM", "llama"),  # with experts (``llama.expert_count``): Mixtral
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+MIXTRAL = ("MixtralForCausalLM", "mixtral")
 
 # llama.cpp tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _LAYER_TENSORS = {
@@ -49,6 +52,9 @@ _LAYER_TENSORS = {
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -63,7 +69,28 @@ _GEMMA3_LAYER_TENSORS = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
-_ARCH_LAYER_TENSORS = {"gemma3": _GEMMA3_LAYER_TENSORS}
+# Mixture-of-experts layers (llama.cpp's names): the router, the experts' weights stacked [E, out, in] (made
+# [E, in, out] for the model's stacked parameters, layers/moe.py), Qwen2-MoE's shared expert and its gate.
+_MOE_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+_MIXTRAL_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.w1",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.w3",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.w2",
+}
+_ARCH_LAYER_TENSORS = {"gemma3": _GEMMA3_LAYER_TENSORS, "qwen3moe": _MOE_LAYER_TENSORS,
+                       "qwen2moe": _MOE_LAYER_TENSORS, "mixtral": _MIXTRAL_LAYER_TENSORS}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -94,7 +121,7 @@ def gguf_to_hf_config(reader) -> dict:
     """HF ``config.json`` contents for a GGUF file.
 
     Raises:
-        NotImplementedError: the file's ``general.architecture`` is not llama, qwen3 or gemma3, or it carries
+        NotImplementedError: the file's ``general.architecture`` is not one of _ARCHS, or it carries
             llama3-style ``rope_freqs`` (use the HF checkpoint for those).
     """
     meta = reader.metadata
@@ -144,7 +171,28 @@ def gguf_to_hf_config(reader) -> dict:
             config[name] = int(meta[f"tokenizer.ggml.{key}"])
     if arch == "gemma3":
         _add_gemma3_config(config, get)
+    if get("expert_count"):
+        _add_moe_config(config, arch, get, tensor_names)
     return config
+
+
+def _add_moe_config(config: dict, arch: str, get, tensor_names: set) -> None:
+    """The mixture-of-experts fields of a qwen3moe / qwen2moe / llama-with-experts (Mixtral) file: expert counts
+    and sizes from ``<arch>.expert_*``; the layers without a router (``ffn_gate_inp``) are dense
+    (``mlp_only_layers``); top-k renormalised for qwen3moe and Mixtral, not for qwen2moe (llama.cpp's graphs and
+    the released HF configs), unless ``<arch>.expert_weights_norm`` says otherwise."""
+    experts, top_k = int(get("expert_count")), int(get("expert_used_count"))
+    if arch == "llama":
+        config["architectures"], config["model_type"] = [MIXTRAL[0]], MIXTRAL[1]
+        config.update(num_local_experts=experts, num_experts_per_tok=top_k)
+        return
+    dense = [i for i in range(config["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    config.update(num_experts=experts, num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=dense,
+                  moe_intermediate_size=int(get("expert_feed_forward_length")),
+                  norm_topk_prob=bool(get("expert_weights_norm", arch == "qwen3moe")))
+    if arch == "qwen2moe":
+        config["qkv_bias"] = config["attention_bias"]
+        config["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0))
 
 
 def _add_gemma3_config(config: dict, get) -> None:
@@ -265,7 +313,8 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's rotary row permutation of a q or k projection.
 
     Args:
-        w: [n_heads * head_dim, hidden] weight as stored in the GGUF (rows permuted).
+        w: [n_heads * head_dim, hidden] weight (or [n_heads * head_dim] bias) as stored in the GGUF (rows
+            permuted).
         n_heads: query heads for q_proj, KV heads for k_proj.
     Returns:
         The HF-layout weight, same shape and dtype.
@@ -275,6 +324,8 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _hf_name(gguf_name: str, arch: str) -> Optional[str]:
+    """The model's parameter name of a GGUF tensor (`arch`: the file's architecture, "mixtral" for llama with
+    experts), or None."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     if gguf_name.startswith("blk."):
@@ -301,16 +352,21 @@ def iterate_gguf_tensors(path: str, reader=None) -> Iterator[Tuple[str, np.ndarr
     arch = meta["general.architecture"]
     n_heads = int(meta[f"{arch}.attention.head_count"])
     n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
+    table_arch = "mixtral" if arch == "llama" and meta.get("llama.expert_count") else arch
     for t in reader.tensors:
-        name = _hf_name(t.name, arch)
+        name = _hf_name(t.name, table_arch)
         if name is None:
             logger.debug("Skipping GGUF tensor %s", t.name)
             continue
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(t.shape)
+        if "_exps." in t.name:  # stacked experts [E, out, in] -> the model's [E, in, out]
+            arr = np.ascontiguousarray(arr.transpose(0, 2, 1))
+        elif t.name.endswith("ffn_gate_inp_shexp.weight"):
+            arr = arr.reshape(1, -1)  # HF's shared_expert_gate is a Linear(hidden, 1)
         if arch == "llama":
-            if name.endswith("q_proj.weight"):
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
                 arr = unpermute_qk(arr, n_heads)
-            elif name.endswith("k_proj.weight"):
+            elif name.endswith(("k_proj.weight", "k_proj.bias")):
                 arr = unpermute_qk(arr, n_kv)
         elif arch == "gemma3" and name.endswith("norm.weight"):
             arr = arr - np.float32(GEMMA3_NORM_SHIFT)
