@@ -2,7 +2,7 @@
 is imported): greedy decoding of the same prompts through ModelRunners of several --tp-size values, the
 sharding of every parameter and KV buffer, and per-device parameter bytes. Prints one JSON object.
 
-    python test/srt/tensor_parallel_worker.py MODEL_PATH --tp 1 2 4 --prompts 16 --steps 32
+    python test/srt/tensor_parallel_worker.py MODEL_PATH --tp 1 2 4 --prompts 16 --steps 32 [--ep]
 """
 
 from __future__ import annotations
@@ -79,11 +79,14 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--max-prompt-len", type=int, default=40)
+    ap.add_argument("--ep", action="store_true", help="--ep-size equal to each --tp (expert parallelism)")
+    ap.add_argument("--moe-backend", default="auto")
     args = ap.parse_args()
     results = {}
     for tp in args.tp:
         sa = ServerArgs(model_path=args.model_path, max_total_tokens=MAX_TOTAL_TOKENS, context_length=CONTEXT,
-                        disable_precompile=True, tp_size=tp, page_size=args.page_size, random_seed=0)
+                        disable_precompile=True, tp_size=tp, page_size=args.page_size, random_seed=0,
+                        ep_size=tp if args.ep else 1, moe_backend=args.moe_backend)
         mc = ModelConfig.from_server_args(sa, "cpu")
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, mc.vocab_size, int(n)).tolist()

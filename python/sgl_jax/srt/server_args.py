@@ -79,6 +79,7 @@ _CHOICES = {
 _OPTIONAL_CHOICES = ("tool_call_parser", "reasoning_parser")
 # positive ints; _POSITIVE_OR_NONE: positive when set
 _POSITIVE = ("max_multi_item_count", "max_multi_item_seq_len", "multi_item_extend_batch_size", "tp_size", "dp_size",
+             "ep_size",
              "nnodes", "page_size", "max_prefill_tokens", "stream_interval", "max_request_body_bytes",
              "max_top_logprobs_num", "max_n")
 _POSITIVE_OR_NONE = ("max_queued_requests", "max_total_tokens", "max_running_requests", "context_length")
@@ -164,6 +165,7 @@ class ServerArgs:
     # Parallelism (SGLang's flags)
     tp_size: int = 1
     dp_size: int = 1
+    ep_size: int = 1
     load_balance_method: str = "round_robin"
     schedule_policy: str = "fcfs"
     device_indexes: Optional[List[int]] = None
@@ -223,6 +225,9 @@ class ServerArgs:
                                                 or min(self.device_indexes) < 0):
             raise ValueError(f"--device-indexes must be {self.tp_size * self.dp_size} distinct device indexes "
                              f"(--tp-size x --dp-size), got {self.device_indexes}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"--ep-size must be 1 or --tp-size ({self.tp_size}): experts are split over the tensor "
+                             f"axis, got {self.ep_size}")
 
     def _check_limits(self) -> None:
         if self.chunked_prefill_size != -1 and (not isinstance(self.chunked_prefill_size, int)
@@ -365,6 +370,9 @@ FLAG_HELP = {
     "incremental_streaming_output": "stream /generate text as disjoint deltas instead of cumulative text",
     "device": f"JAX platform, one of {list(DEVICES)}",
     "tp_size": "tensor parallelism: devices the model is sharded over (heads, MLP width, vocabulary)",
+    "ep_size": "expert parallelism (SGLang's flag): 1, or --tp-size to split each mixture-of-experts layer's "
+               "experts over the devices of the tensor axis (attention keeps its tp/dp layout; each device runs "
+               "its own experts on the tokens routed to them, and the outputs are summed over the axis)",
     "dp_size": "data-parallel attention ranks: each has its own KV pages, request slots and prefix cache; "
                "the mesh has dp x tp devices",
     "load_balance_method": f"which DP rank a new request goes to, one of {list(LOAD_BALANCE_METHODS)}; "

@@ -294,6 +294,7 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     local_rope_parameters: Optional[dict] = None
     moe_backend: str = "ragged_dot"  # a resolved --moe-backend (server_args.resolve_moe_backend)
+    ep_size: int = 1  # --ep-size: 1, or tp (experts split over the tensor axis)
 
     def layer_window(self, layer_id: int) -> Optional[int]:
         """The sliding window (tokens a query sees, itself included) of layer `layer_id`, None for a full one."""
@@ -354,6 +355,7 @@ class ModelConfig:
             sliding_window=int(hf_config.sliding_window) if has_swa else None,
             local_rope_parameters=_rope_parameters(hf_config, SLIDING_ATTENTION) if has_swa else None,
             moe_backend=resolve_moe_backend(server_args.moe_backend, platform),
+            ep_size=int(server_args.ep_size),
         )
 
 

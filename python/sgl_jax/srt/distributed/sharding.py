@@ -46,8 +46,17 @@ PARAM_SPECS: List[Tuple[str, P]] = [
 ]
 
 
-def param_spec(name: str) -> P:
-    """The PartitionSpec of the parameter at dotted path `name` (e.g. ``model.layers.0.mlp.up_proj.weight``)."""
+# a mixture-of-experts layer's stacked expert weights ([E, in, out], layers/moe.py)
+STACKED_EXPERTS = r"\.experts\.\w+$"
+EXPERTS = P("tensor", None, None)  # expert parallelism: each device of the tensor axis holds E / ep experts
+
+
+def param_spec(name: str, expert_parallel: bool = False) -> P:
+    """The PartitionSpec of the parameter at dotted path `name` (e.g. ``model.layers.0.mlp.up_proj.weight``).
+    Stacked expert weights are split by expert over the tensor axis with `expert_parallel` (--ep-size), else
+    replicated."""
+    if re.search(STACKED_EXPERTS, name):
+        return EXPERTS if expert_parallel else REPLICATED
     for pattern, spec in PARAM_SPECS:
         if re.search(pattern, name):
             return spec

@@ -119,6 +119,33 @@ def experts_grouped(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: ja
     return out.astype(x.dtype)
 
 
+def experts_expert_parallel(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                            weights: jax.Array, ids: jax.Array, act: Callable, matmul: Callable, mesh) -> jax.Array:
+    """Expert parallelism over the mesh's ``tensor`` axis: each device holds E / ep experts (the weights'
+    sharding, distributed/sharding.EXPERTS) and sees its data-parallel rank's tokens (already replicated over
+    the axis by attention's output projection, so dispatching costs nothing). It runs its own experts on the
+    (token, expert) pairs routed to them -- the other pairs form one extra group multiplied by zero weights, so
+    every shape stays static -- and the partial outputs are summed over the axis (one all-reduce, like a
+    tensor-parallel row layer's). Dropless, as `experts_grouped`; shapes as `experts_dense`, global."""
+    from jax.sharding import PartitionSpec as P
+
+    def local(x, wg, wu, wd, weights, ids):
+        num_local = wg.shape[0]
+        rel = ids - jax.lax.axis_index("tensor") * num_local
+        mine = (rel >= 0) & (rel < num_local)
+
+        def with_zero_group(w):
+            return jnp.concatenate([w, jnp.zeros((1, *w.shape[1:]), w.dtype)])
+
+        out = experts_grouped(x, with_zero_group(wg), with_zero_group(wu), with_zero_group(wd),
+                              jnp.where(mine, weights, 0.0), jnp.where(mine, rel, num_local), act, matmul)
+        return jax.lax.psum(out.astype(jnp.float32), "tensor").astype(x.dtype)
+
+    rows, experts = P("data", None), P("tensor", None, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, experts, experts, experts, rows, rows), out_specs=rows,
+                         check_vma=False)(x, w_gate, w_up, w_down, weights, ids)
+
+
 def moe_experts(backend: str, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                 weights: jax.Array, ids: jax.Array, act: Callable = jax.nn.silu,
                 interpret: bool = False) -> jax.Array:
@@ -160,12 +187,17 @@ class SparseMoeBlock(nnx.Module):
         backend: a resolved `--moe-backend` ("dense", "ragged_dot" or "gmm"; static: part of the program).
         expert_names: the checkpoint names of the experts' (gate, up, down) weights.
         shared_expert: a module computing the shared expert ([T, hidden] -> [T, hidden]), or None.
+        mesh, ep_size: with ep_size > 1 (= the mesh's tensor axis), `experts_expert_parallel`.
+    Raises:
+        ValueError: ep_size > 1 without a mesh or not dividing num_experts.
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
                  backend: str, *, dtype, rngs: nnx.Rngs, expert_names: Sequence[str] = ("gate_proj", "up_proj",
                                                                                          "down_proj"),
-                 shared_expert: Optional[nnx.Module] = None):
+                 shared_expert: Optional[nnx.Module] = None, mesh=None, ep_size: int = 1):
+        if ep_size > 1 and (mesh is None or num_experts % ep_size):
+            raise ValueError(f"--ep-size {ep_size} needs a mesh and must divide the {num_experts} experts")
         self.gate = Linear(hidden, num_experts, dtype=dtype, rngs=rngs)
         self.experts = StackedExperts(num_experts, hidden, intermediate, expert_names, dtype=dtype, rngs=rngs)
         self.top_k = int(top_k)
@@ -173,12 +205,20 @@ class SparseMoeBlock(nnx.Module):
         self.backend = backend
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(hidden, 1, dtype=dtype, rngs=rngs) if shared_expert is not None else None
+        self.mesh = mesh if ep_size > 1 else None  # (static: not a parameter)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [T, hidden] -> [T, hidden] (x's dtype)."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = moe_experts(self.backend, x, *self.experts.weights(), weights, ids,
-                          interpret=jax.default_backend() != "tpu")
+        interpret = jax.default_backend() != "tpu"
+        if self.mesh is not None:
+            if self.backend == "dense":
+                raise ValueError("--moe-backend dense is the single-device reference; use ragged_dot or gmm with "
+                                 "--ep-size")
+            out = experts_expert_parallel(x, *self.experts.weights(), weights, ids, jax.nn.silu,
+                                          grouped_matmul(self.backend, interpret), self.mesh)
+        else:
+            out = moe_experts(self.backend, x, *self.experts.weights(), weights, ids, interpret=interpret)
         if self.shared_expert is not None:
             gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
             out = (out.astype(jnp.float32) + gate * self.shared_expert(x).astype(jnp.float32)).astype(x.dtype)

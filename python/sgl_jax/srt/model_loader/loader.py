@@ -93,6 +93,7 @@ class _Placer:
         self.kv_heads = model_config.num_key_value_heads
         tp = 1 if mesh is None else int(mesh.shape["tensor"])
         self.padded_kv_heads = padded_kv_heads(self.kv_heads, tp)
+        self.expert_parallel = getattr(model_config, "ep_size", 1) > 1
 
     def checkpoint_shape(self, name: str, shape: tuple) -> tuple:
         """The shape the checkpoint has for a parameter of `shape` (k/v projections before replication)."""
@@ -106,7 +107,7 @@ class _Placer:
             host = replicate_kv_rows(host, self.kv_heads, self.padded_kv_heads)
         if self.mesh is None:
             return jnp.asarray(host)
-        return jax.device_put(host, NamedSharding(self.mesh, param_spec(name)))
+        return jax.device_put(host, NamedSharding(self.mesh, param_spec(name, self.expert_parallel)))
 
 
 # a mixture-of-experts checkpoint's per-expert weight ([out, in]) and the stacked parameter it goes into

@@ -79,6 +79,7 @@ class _MoeForCausalLM(LlamaForCausalLM):
 
     def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         cfg = model_config.hf_config
+        self.mesh = mesh
         self.model = MoeModel(cfg, model_config, lambda i: self.build_mlp(cfg, model_config, i, dtype, rngs),
                               self.mlp_name, qk_norm=self.qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -101,7 +102,8 @@ class Qwen3MoeForCausalLM(_MoeForCausalLM):
             return LlamaMLP(hidden, int(cfg.intermediate_size), dtype, rngs)
         return SparseMoeBlock(hidden, int(cfg.moe_intermediate_size), int(cfg.num_experts),
                               int(cfg.num_experts_per_tok), bool(cfg.norm_topk_prob), model_config.moe_backend,
-                              dtype=dtype, rngs=rngs, shared_expert=self.shared_expert(cfg, hidden, dtype, rngs))
+                              dtype=dtype, rngs=rngs, shared_expert=self.shared_expert(cfg, hidden, dtype, rngs),
+                              mesh=self.mesh, ep_size=model_config.ep_size)
 
     def shared_expert(self, cfg, hidden: int, dtype, rngs) -> Optional[nnx.Module]:
         return None
@@ -128,4 +130,4 @@ class MixtralForCausalLM(_MoeForCausalLM):
     def build_mlp(self, cfg, model_config, layer_id, dtype, rngs):
         return SparseMoeBlock(model_config.hidden_size, int(cfg.intermediate_size), int(cfg.num_local_experts),
                               int(cfg.num_experts_per_tok), True, model_config.moe_backend, dtype=dtype, rngs=rngs,
-                              expert_names=("w1", "w3", "w2"))
+                              expert_names=("w1", "w3", "w2"), mesh=self.mesh, ep_size=model_config.ep_size)
