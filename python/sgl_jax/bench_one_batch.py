@@ -20,14 +20,18 @@ ChunkCache (no prefix sharing) is used whatever the radix flag says: random prom
 Floors (per device, for the real tokens, padding excluded): what the step must at least cost at the machine's
 rates, both measured at the start of the run by ``bench_utils.measure_machine_rates`` (XLA's matmul rate in the
 model's dtype, GFLOP/s; the memory read rate, GB/s), never a constant.
-  FLOPs = 2 x (parameters except embedding and lm-head) x tokens + 2 x vocab x hidden x sequences (the lm-head
+  FLOPs = 2 x (active parameters except embedding and lm-head) x tokens + 2 x vocab x hidden x sequences (the lm-head
           runs on each sequence's last token only) + 4 x layers x heads x head_dim x sum over query tokens of
           the context each sees (causal: position p sees p + 1 tokens, a sliding-window layer at most its window).
   bytes = weights read once (the parameters' bytes on device; an untied embedding table is only gathered, so
-          it is left out) + per layer and sequence: KV read of its whole context after the step (window-capped)
+          it is left out; a mixture of experts' stacked expert weights only for the experts the step's tokens are
+          expected to reach: E x (1 - (1 - 1/E)^(tokens x k)) of E under uniform routing) + per layer and sequence: KV read of its whole context after the step (window-capped)
           and KV written for its new tokens, at the bytes per token of the runner's KV buffers (their dtype).
   floor = max(FLOPs / matmul rate, bytes / memory rate) (``MachineRates.floor``), marked F (compute-bound) or B
   (bandwidth-bound); ``x floor`` = measured / floor. Decode: the median step against the median step's floor.
+
+A mixture-of-experts model's active parameters count each stacked expert weight at k / E of its size (each
+token runs k of the E experts); ``--moe-backend`` picks the expert computation whose speed is measured.
 
 Every JSONL line holds its row, the measured rates and the programs compiled after warm-up (the runner's own
 count; null with --disable-precompile, which counts none). ``--report NAME.md`` writes a generated report
@@ -81,19 +85,37 @@ class ModelCost:
     layer_kv_bytes: List[int]
     q_heads: int
     head_dim: int
+    expert_bytes: int = 0  # stacked expert weights' bytes on device (part of weight_bytes)
+    num_experts: int = 0  # E (0: not a mixture of experts)
+    top_k: int = 0
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """Weight bytes a step over `tokens` tokens reads: all but the experts, plus the share of experts its
+        tokens are expected to reach under uniform routing."""
+        if not self.num_experts:
+            return float(self.weight_bytes)
+        reached = 1.0 - (1.0 - 1.0 / self.num_experts) ** (tokens * self.top_k)
+        return self.weight_bytes - self.expert_bytes + self.expert_bytes * reached
 
 
 def model_cost(runner: ModelRunner) -> ModelCost:
     """ModelCost of `runner`: parameter counts from its params tree, KV bytes from its KV buffers (so a KV
     dtype that differs from the weights' is counted as stored)."""
     mc, tp = runner.model_config, runner.tp_size
-    total = embed = embed_bytes = 0
+    cfg = mc.hf_config
+    num_experts = int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0)
+    top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0) if num_experts else 0
+    total = embed = embed_bytes = expert_bytes = 0
     weight_bytes, untied = 0, False
     for path, leaf in jax.tree_util.tree_flatten_with_path(runner.params)[0]:
         name = jax.tree_util.keystr(path)
         untied |= "lm_head" in name
         nbytes = leaf.addressable_shards[0].data.nbytes
         weight_bytes += nbytes
+        if num_experts and "'experts'" in name:  # a stacked expert weight: k of its E experts per token
+            total += leaf.size * top_k // num_experts
+            expert_bytes += nbytes
+            continue
         total += leaf.size
         if "embed_tokens" in name:
             embed, embed_bytes = embed + leaf.size, embed_bytes + nbytes
@@ -102,7 +124,8 @@ def model_cost(runner: ModelRunner) -> ModelCost:
     return ModelCost(token_params=(total - embed - (head if untied else 0)) // tp, head_params=head // tp,
                      weight_bytes=weight_bytes - (embed_bytes if untied else 0),
                      layer_windows=[mc.layer_window(i) for i in range(mc.num_hidden_layers)], layer_kv_bytes=kv,
-                     q_heads=max(1, mc.num_attention_heads // tp), head_dim=mc.head_dim)
+                     q_heads=max(1, mc.num_attention_heads // tp), head_dim=mc.head_dim,
+                     expert_bytes=expert_bytes, num_experts=num_experts, top_k=top_k)
 
 
 def _context_sum(start: int, n: int, window: Optional[int]) -> int:
@@ -121,7 +144,7 @@ def step_floor(cost: ModelCost, seqs: List[Tuple[int, int]], rates: MachineRates
     at the measured `rates`."""
     tokens = sum(n for _, n in seqs)
     flops = 2 * cost.token_params * tokens + 2 * cost.head_params * len(seqs)
-    nbytes = cost.weight_bytes
+    nbytes = cost.weight_bytes_read(tokens)
     for window, kv in zip(cost.layer_windows, cost.layer_kv_bytes):
         flops += 4 * cost.q_heads * cost.head_dim * sum(_context_sum(s, n, window) for s, n in seqs)
         nbytes += kv * sum(min(s + n, window or s + n) + n for s, n in seqs)

@@ -87,3 +87,33 @@ def test_disable_precompile_reports_compiles_as_not_counted(tiny, tmp_path):
     assert rows and all(r["compiles_after_warmup"] is None for r in rows), rows
     text = (tmp_path / "report.md").read_text()
     assert "Programs compiled after warm-up, over every row (the runner's count): not counted" in text, text
+
+
+def test_moe_floors_count_active_parameters(tmp_path):
+    """A mixture of experts' floors: each token multiplies k of the E experts' weights (FLOPs), and a step reads
+    the expert weights its tokens are expected to reach (bytes), under --moe-backend ragged_dot."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from sgl_jax.srt.configs.model_config import resolve_model_path
+    from srt_helpers import default_model_path
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                         num_experts_per_tok=2, tie_word_embeddings=False, max_position_embeddings=512)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "moe")
+    tiny = (str(tmp_path / "moe"), resolve_model_path(default_model_path()).hf_dir)
+    one, = run_bench(tiny, tmp_path, "--precompile-token-paddings", "64", "--batch-size", "1", "--input-len", "20",
+                     "--output-len", "2", "--warmup-steps", "1", "--moe-backend", "ragged_dot")
+    attention, norms, router, experts = 2 * 64 * 64 + 2 * 64 * 32, 2 * 64 + 2 * 16, 8 * 64, 3 * 8 * 64 * 32
+    active = 2 * (attention + norms + router + experts * 2 // 8) + 64
+    for c in range(20, 26):  # the context the median step attends over (prefill + warm-up + its position)
+        if one["decode_step_flops"] == 2 * active + 2 * 49152 * 64 + 2 * 4 * 4 * 16 * c:
+            break
+    else:
+        pytest.fail(f"decode FLOPs {one['decode_step_flops']} are not those of {active} active parameters")
+    reached = 1 - (1 - 1 / 8) ** 2  # one token, top 2 of 8
+    weights = (2 * (attention + norms + router) + 64 + 49152 * 64) * 4 + 2 * experts * 4 * reached
+    step_bytes = one["decode_step_bytes"]  # the weights' share plus the KV read (c tokens) and written (1)
+    assert step_bytes - weights == pytest.approx(2 * 2 * 2 * 16 * 4 * (c + 1), abs=1.0), (step_bytes, weights)
