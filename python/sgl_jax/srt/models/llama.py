@@ -155,10 +155,14 @@ class LlamaForCausalLM(nnx.Module):
 
     def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         cfg = model_config.hf_config
-        self.model = LlamaModel(cfg, model_config, qk_norm=self.qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
+        self.model = self.build_model(cfg, model_config, dtype=dtype, rngs=rngs, mesh=mesh)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(
             model_config.hidden_size, model_config.vocab_size, dtype=dtype, rngs=rngs)
+
+    def build_model(self, cfg, model_config, *, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh]) -> nnx.Module:
+        """The decoder stack (embeddings, ``layers``, final ``norm``); subclasses with other layers override it."""
+        return LlamaModel(cfg, model_config, qk_norm=self.qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
 
     def __call__(self, fb: ForwardBatch, kv_caches: List[LayerKV]) -> Tuple[jax.Array, List[LayerKV]]:
         """Run all layers.

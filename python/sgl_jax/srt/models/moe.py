@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -25,7 +24,6 @@ from sgl_jax.srt.forward_batch import ForwardBatch
 from sgl_jax.srt.layers.attention import LayerKV
 from sgl_jax.srt.layers.embedding import Embedding
 from sgl_jax.srt.layers.layernorm import RMSNorm
-from sgl_jax.srt.layers.linear import Linear
 from sgl_jax.srt.layers.moe import SparseMoeBlock
 from sgl_jax.srt.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
@@ -77,14 +75,10 @@ class _MoeForCausalLM(LlamaForCausalLM):
 
     mlp_name = "mlp"
 
-    def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
-        cfg = model_config.hf_config
+    def build_model(self, cfg, model_config, *, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh]) -> nnx.Module:
         self.mesh = mesh
-        self.model = MoeModel(cfg, model_config, lambda i: self.build_mlp(cfg, model_config, i, dtype, rngs),
-                              self.mlp_name, qk_norm=self.qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else Linear(
-            model_config.hidden_size, model_config.vocab_size, dtype=dtype, rngs=rngs)
+        return MoeModel(cfg, model_config, lambda i: self.build_mlp(cfg, model_config, i, dtype, rngs),
+                        self.mlp_name, qk_norm=self.qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
 
     def build_mlp(self, cfg, model_config, layer_id: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
         raise NotImplementedError
