@@ -7,6 +7,7 @@ mixture-of-experts model's per-expert tensors are stacked into one parameter per
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -94,6 +95,7 @@ class _Placer:
         tp = 1 if mesh is None else int(mesh.shape["tensor"])
         self.padded_kv_heads = padded_kv_heads(self.kv_heads, tp)
         self.expert_parallel = getattr(model_config, "ep_size", 1) > 1
+        self._dummy_fns: dict = {}
 
     def checkpoint_shape(self, name: str, shape: tuple) -> tuple:
         """The shape the checkpoint has for a parameter of `shape` (k/v projections before replication)."""
@@ -108,6 +110,37 @@ class _Placer:
         if self.mesh is None:
             return jnp.asarray(host)
         return jax.device_put(host, NamedSharding(self.mesh, param_spec(name, self.expert_parallel)))
+
+    def dummy(self, name: str, shape: tuple, seed: int, index: int) -> jax.Array:
+        """A random parameter of `shape` made on the devices, each computing only its own shard (no host copy:
+        a full-size model's dummy weights take seconds, not the minutes a host RNG needs for 30 B values).
+        normal(0, 0.02) from ``fold_in(key(seed), index)``, norms ("*norm.weight") 1; k/v projections drawn
+        at the checkpoint's shape and their heads replicated as `place` does. The values depend on `seed` and
+        `index` only, not on the mesh (JAX's partitionable threefry)."""
+        ones = name.endswith("norm.weight")
+        ckpt = self.checkpoint_shape(name, shape)
+        kv = name.endswith(_KV_PROJ) and ckpt != shape
+        sharding = None if self.mesh is None else NamedSharding(self.mesh, param_spec(name, self.expert_parallel))
+        key = (ckpt, ones, kv, sharding)
+        fn = self._dummy_fns.get(key)
+        if fn is None:
+            fn = jax.jit(functools.partial(_dummy_value, ckpt, jnp.dtype(self.dtype), ones,
+                                           (self.kv_heads, self.padded_kv_heads) if kv else None),
+                         out_shardings=sharding)
+            self._dummy_fns[key] = fn
+        return fn(jnp.uint32(seed), jnp.uint32(index))
+
+
+def _dummy_value(shape, dtype, ones, kv_heads, seed, index):
+    """The random tensor `_Placer.dummy` makes (traced under jit; `kv_heads`: (heads, padded) to replicate)."""
+    if ones:
+        return jnp.ones(shape, dtype)
+    x = (jax.random.normal(jax.random.fold_in(jax.random.key(seed), index), shape, jnp.float32) * 0.02)
+    if kv_heads is not None:
+        heads, padded = kv_heads
+        x = jnp.repeat(x.reshape(heads, shape[0] // heads, *shape[1:]), padded // heads, axis=0)
+        x = x.reshape(shape[0] * padded // heads, *shape[1:])
+    return x.astype(dtype)
 
 
 # a mixture-of-experts checkpoint's per-expert weight ([out, in]) and the stacked parameter it goes into
@@ -186,14 +219,9 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
     values = {}
 
     if load_format == "dummy":
-        rng = np.random.default_rng(seed)
-        for name, (_, var) in tqdm(by_name.items(), desc="Initializing dummy weights", unit="tensor"):
-            shape = placer.checkpoint_shape(name, var.get_value().shape)
-            if name.endswith("norm.weight"):
-                arr = np.ones(shape, np.float32)
-            else:
-                arr = rng.standard_normal(shape, dtype=np.float32) * 0.02
-            values[name] = placer.place(name, arr)
+        for i, (name, (_, var)) in enumerate(tqdm(by_name.items(), desc="Initializing dummy weights",
+                                                  unit="tensor")):
+            values[name] = placer.dummy(name, tuple(var.get_value().shape), seed, i)
     else:
         source, total = _weight_source(model_config, load_format)
         stacker = ExpertStacker({n: v.get_value().shape for n, (_, v) in by_name.items()}, dtype)
