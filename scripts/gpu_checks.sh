@@ -9,8 +9,14 @@
 #   score         test_bench_multi_item_score.py at the seed shape (query 2,000 tokens, 500 items x 20), Qwen3-0.6B
 #                 shapes with random weights (benchmark/configs/Qwen3-0.6B), bfloat16, the Pallas kernel
 #   score-native  the same with --attention-backend native (XLA's attention)
+#   moe           bench_one_batch on Qwen3-30B-A3B's shapes at 4 layers (benchmark/configs/Qwen3-30B-A3B-4-layers),
+#                 dummy weights, bfloat16, --moe-backend ragged_dot then dense, batch 1, 8 and 64
+#   moe-serving   a server of the whole Qwen3-30B-A3B (48 layers, dummy weights, bfloat16) and bench_serving's
+#                 baseline, continuous_batching and paged_attention workloads against it
 #
-# The scoring runs need a tokenizer: SmolLM2's HF directory in $TOKENIZER_PATH (its ids are valid Qwen3 ids).
+# The scoring and serving runs need a tokenizer: SmolLM2's HF directory in $TOKENIZER_PATH (its ids are valid
+# Qwen3 ids). With $GPU_CHECKS_ARCHIVE set, OUT_DIR is packed into that .tar.gz after every stage (so a run cut
+# short still leaves what it did in one file).
 # Every stage runs under its own time limit and writes its log and report under OUT_DIR; the script goes on
 # after a failed stage and exits non-zero if any failed.
 set -u
@@ -27,27 +33,72 @@ stage() {  # stage NAME LIMIT_S COMMAND...
     shift 2
     echo "=== $name (limit ${limit}s): $*"
     local t0=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    if declare -F "$1" > /dev/null; then  # a function of this script: in a child bash, which timeout can stop
+        timeout "$limit" bash -c '"$@"' _ "$@" > "$out/$name.log" 2>&1
+    else
+        timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    fi
     local rc=$?
     echo "=== $name: exit $rc in $((SECONDS - t0)) s"
     tail -n 40 "$out/$name.log"
     [ $rc -eq 0 ] || failed=1
+    [ -z "${GPU_CHECKS_ARCHIVE:-}" ] || tar czf "$GPU_CHECKS_ARCHIVE" -C "$out" .
+}
+
+moe_one_batch() {  # the MoE slice with one --moe-backend
+    python3 -m sgl_jax.bench_one_batch --model-path benchmark/configs/Qwen3-30B-A3B-4-layers --load-format dummy \
+        --dtype bfloat16 --moe-backend "$1" --batch-size 1 8 64 --input-len 512 --output-len 8 --warmup-steps 2 \
+        --precompile-bs-paddings 1 8 64 --precompile-token-paddings 512 2048 \
+        --report "$out/moe-one-batch-$1-gpu.md"
+}
+
+moe_serving() {  # a Qwen3-30B-A3B server (dummy weights) and bench_serving against it; the server's log beside
+    local port=30000 url=http://127.0.0.1:30000
+    python3 -m sgl_jax.launch_server --model-path benchmark/configs/Qwen3-30B-A3B --load-format dummy \
+        --dtype bfloat16 --tokenizer-path "${TOKENIZER_PATH:-}" --host 127.0.0.1 --port $port \
+        --context-length 4096 --max-total-tokens 262144 --max-running-requests 64 \
+        --precompile-bs-paddings 1 8 64 --precompile-token-paddings 256 2048 > "$out/moe-serving-server.log" 2>&1 &
+    local pid=$!
+    python3 - "$url" $pid <<'PY' || { kill $pid; return 1; }
+import os, sys, time, urllib.request
+while True:  # until the server answers, or its process has gone (the stage's limit ends a hang)
+    try:
+        if urllib.request.urlopen(sys.argv[1] + "/health", timeout=5).status == 200:
+            sys.exit(0)
+    except OSError:
+        try:
+            os.kill(int(sys.argv[2]), 0)
+        except OSError:
+            sys.exit("the server exited before it was ready")
+        time.sleep(1)
+PY
+    JAX_PLATFORMS=cpu python3 -m sgl_jax.bench_serving --base-url "$url" --backend openai \
+        --workload baseline,continuous_batching,paged_attention --tokenizer "${TOKENIZER_PATH:-}" \
+        --report "$out/serving-moe-gpu.md"
+    local rc=$?
+    kill $pid; wait $pid
+    return $rc
 }
 
 nvidia-smi -L
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 
+export out
+export -f moe_one_batch moe_serving
 score_args=(--query-tokens 2000 --num-items 500 --item-tokens 20 --model-path benchmark/configs/Qwen3-0.6B
             --load-format dummy --dtype bfloat16 --tokenizer-path "${TOKENIZER_PATH:-}")
 for s in $stages; do
     case $s in
-        tests) stage tests 200 python3 -m pytest -q -x -p no:cacheprovider test/srt/test_ragged_paged_attention_gpu.py ;;
-        kernel) stage kernel 240 python3 benchmark/kernels/bench_ragged_paged_attention.py \
+        tests) stage tests 120 python3 -m pytest -q -x -p no:cacheprovider test/srt/test_ragged_paged_attention_gpu.py ;;
+        kernel) stage kernel 150 python3 benchmark/kernels/bench_ragged_paged_attention.py \
                     --output "$out/ragged-paged-attention-gpu.md" ;;
         score) stage score 360 python3 test/srt/test_bench_multi_item_score.py "${score_args[@]}" \
                    --report "$out/multi-item-score-gpu.md" ;;
         score-native) stage score-native 360 python3 test/srt/test_bench_multi_item_score.py "${score_args[@]}" \
                           --attention-backend native --report "$out/multi-item-score-gpu-native.md" ;;
+        moe) stage moe-ragged_dot 120 moe_one_batch ragged_dot
+             stage moe-dense 120 moe_one_batch dense ;;
+        moe-serving) stage moe-serving 400 moe_serving ;;
         *) echo "unknown stage $s"; failed=1 ;;
     esac
 done
