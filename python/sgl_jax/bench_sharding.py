@@ -1,13 +1,18 @@
-"""Sharding-plan benchmark: per-device weight and KV-cache memory under tensor parallelism, from shapes alone.
+"""Sharding-plan benchmark: per-device weight and KV memory under tensor and expert parallelism, from shapes.
 
-``python -m sgl_jax.bench_sharding [--output reports/sharding-plan-2026-11-23.md]``
+``python -m sgl_jax.bench_sharding [--output reports/sharding-plan-2026-11-26.md]``
 
-For Llama-3-8B, Qwen3-8B and Qwen3-32B (bfloat16) and tp 1, 4, 8: builds the abstract model with
-``nnx.eval_shape`` over a ``jax.sharding.AbstractMesh`` of shape (1, tp) (no weights, no devices: the k/v
-projections come out sized by `padded_kv_heads`, as on a real mesh), sizes each parameter's shard from its
-`param_spec`, and takes the KV bytes per token from `kv_bytes_per_token`. From those: the largest KV pool
-(tokens) and batch of 4k-token sequences that fit in a TPU v6e chip (32 GiB HBM) or an H100 (80 GiB) per
-device, with `MEM_FRACTION` of device memory usable. Runs in seconds on any machine.
+Dense models (Llama-3-8B, Qwen3-8B, Qwen3-32B; bfloat16) at tp 1, 4, 8, and mixture-of-experts models
+(Qwen3-30B-A3B, Qwen3-235B-A22B, Mixtral-8x7B) at expert parallelism ep 4, 8, 16. A row at ep N is tp N with
+``ModelConfig.ep_size`` N (``--ep-size`` must equal ``--tp-size``): attention, embeddings and LM head split as in
+the dense rows, each MoE layer's stacked experts [E, in, out] split on E (`distributed/sharding.EXPERTS`).
+
+Each model is built abstractly with ``nnx.eval_shape`` over a ``jax.sharding.AbstractMesh`` of shape (1, tp) (no
+weights, no devices: the k/v projections come out sized by `padded_kv_heads`, as on a real mesh), each parameter's
+shard sized from its `param_spec`, and the KV bytes per token taken from `kv_bytes_per_token`. From those: the
+largest KV pool (tokens) and batch of 4k-token sequences that fit in a TPU v6e chip (32 GiB HBM) or an H100
+(80 GiB) per device, with `MEM_FRACTION` of device memory usable. A combination the engine cannot build (experts
+or heads that do not divide over ep) gets a row saying why. Runs in under a minute on any machine.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import re
 import sys
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -25,8 +31,12 @@ MEM_FRACTION = 0.9  # share of device memory for weights + KV pool; the rest: ac
 DEVICES = {"v6e": 32 * GIB, "H100": 80 * GIB}  # HBM per chip: TPU v6e (Trillium) 32 GiB, H100 SXM 80 GiB
 SEQ_LEN = 4096  # tokens per sequence for the "batch@4k" column
 TP_SIZES = (1, 4, 8)
+EP_SIZES = (4, 8, 16)  # expert parallelism of the MoE rows (tp = ep)
 TABLE_HEADER = ("| model | tp | weights GiB/device | KV MiB per 1k tokens/device | v6e KV tokens | v6e batch@4k "
                 "| H100 KV tokens | H100 batch@4k |")
+MOE_TABLE_HEADER = ("| model | ep (= tp) | experts/device | weights GiB/device | of which experts GiB/device "
+                    "| KV MiB per 1k tokens/device | v6e KV tokens | v6e batch@4k | H100 KV tokens | H100 batch@4k |")
+ATTENTION_PARAMS = r"\.self_attn\."  # dotted-path pattern of the attention layers' parameters
 
 # Shapes from each model's HF config.json (meta-llama/Meta-Llama-3-8B, Qwen/Qwen3-8B, Qwen/Qwen3-32B).
 # Llama-3-8B carries Llama-3.1-8B's llama3 rope scaling (same shapes; rope does not change memory).
@@ -51,23 +61,50 @@ MODELS: Dict[str, dict] = {
 }
 
 
-def make_model_config(name: str, dtype: str = "bfloat16"):
-    """A `ModelConfig` for ``MODELS[name]`` with a plain-namespace ``hf_config`` (no transformers, no files).
+# Shapes from each model's HF config.json (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, mistralai/Mixtral-8x7B-v0.1).
+# Every Qwen3-MoE layer is sparse (decoder_sparse_step 1, no mlp_only_layers): intermediate_size is unused there.
+_QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], num_key_value_heads=4, head_dim=128, num_experts=128,
+                  num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                  vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6, attention_bias=False,
+                  max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+MOE_MODELS: Dict[str, dict] = {
+    "Qwen3-30B-A3B": dict(_QWEN3_MOE, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          moe_intermediate_size=768, intermediate_size=6144),
+    "Qwen3-235B-A22B": dict(_QWEN3_MOE, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
+                            moe_intermediate_size=1536, intermediate_size=12288),
+    "Mixtral-8x7B": dict(architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=False,
+                         rms_norm_eps=1e-5, attention_bias=False, sliding_window=None, max_position_embeddings=32768,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+
+
+def num_experts(hf_config) -> int:
+    """Experts per MoE layer: ``num_experts`` (Qwen2/3-MoE) or ``num_local_experts`` (Mixtral); 0 for a dense
+    model."""
+    return int(getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0) or 0)
+
+
+def make_model_config(name: str, dtype: str = "bfloat16", ep_size: int = 1):
+    """A `ModelConfig` for ``MODELS[name]`` or ``MOE_MODELS[name]`` with a plain-namespace ``hf_config`` (no
+    transformers, no files).
 
     Args:
-        name: a key of `MODELS`.
+        name: a key of `MODELS` or `MOE_MODELS`.
         dtype: "bfloat16" or "float32" (parameter and KV-cache dtype).
+        ep_size: ``--ep-size``: 1, or the tp the model is built for (experts split over the tensor axis).
     """
     from sgl_jax.srt.configs.model_config import ModelConfig, ResolvedModel
 
-    c = MODELS[name]
+    c = MODELS[name] if name in MODELS else MOE_MODELS[name]
     return ModelConfig(
         resolved=ResolvedModel(model_path=f"{name} (shapes only)", hf_dir="", gguf_file=None),
         hf_config=SimpleNamespace(**c), architecture=c["architectures"][0], dtype=dtype,
         context_len=c["max_position_embeddings"], vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
         num_key_value_heads=c["num_key_value_heads"], head_dim=c["head_dim"], eos_token_ids=[],
-        rope_parameters=dict(c["rope_parameters"]))
+        rope_parameters=dict(c["rope_parameters"]), ep_size=ep_size)
 
 
 def param_shapes(model_config, tp: int) -> Dict[str, Tuple[Tuple[int, ...], int]]:
@@ -91,15 +128,24 @@ def param_shapes(model_config, tp: int) -> Dict[str, Tuple[Tuple[int, ...], int]
     return out
 
 
-def weight_bytes_per_device(model_config, tp: int, shapes: Optional[dict] = None) -> int:
+def weight_bytes_per_device(model_config, tp: int, shapes: Optional[dict] = None, only: Optional[str] = None) -> int:
     """Bytes of parameters on each of the `tp` devices: every dimension that `param_spec` puts on ``"tensor"``
-    is split `tp` ways (rounded up, as GSPMD pads), every other one is held whole (replicated). `shapes`:
-    `param_shapes(model_config, tp)` if already computed."""
+    is split `tp` ways (rounded up, as GSPMD pads), every other one is held whole (replicated). Stacked experts
+    are split on E when ``model_config.ep_size > 1`` (as the loader's `_Placer` places them), else replicated.
+
+    Args:
+        shapes: `param_shapes(model_config, tp)` if already computed.
+        only: a regex over dotted parameter paths: count just the parameters it matches (e.g.
+            `sharding.STACKED_EXPERTS`, `ATTENTION_PARAMS`); None counts all.
+    """
     from sgl_jax.srt.distributed.sharding import param_spec
 
+    expert_parallel = getattr(model_config, "ep_size", 1) > 1
     total = 0
     for name, (shape, itemsize) in (shapes or param_shapes(model_config, tp)).items():
-        spec = tuple(param_spec(name)) + (None,) * len(shape)
+        if only is not None and not re.search(only, name):
+            continue
+        spec = tuple(param_spec(name, expert_parallel)) + (None,) * len(shape)
         total += itemsize * math.prod(-(-d // tp) if ax == "tensor" else d for d, ax in zip(shape, spec))
     return total
 
@@ -129,12 +175,74 @@ def plan(models: Sequence[str] = tuple(MODELS), tp_sizes: Sequence[int] = TP_SIZ
             if key not in shapes:
                 shapes[key] = param_shapes(mc, tp)
             w, kv = weight_bytes_per_device(mc, tp, shapes[key]), kv_bytes_per_token(mc, tp)
-            row = {"model": name, "tp": tp, "weight_bytes": w, "kv_bytes_per_1k": kv * 1024}
-            for dev, hbm in DEVICES.items():
-                row[f"{dev}_tokens"] = kv_pool_tokens(hbm, w, kv)
-                row[f"{dev}_batch"] = row[f"{dev}_tokens"] // SEQ_LEN
-            rows.append(row)
+            rows.append(_add_fit({"model": name, "tp": tp, "weight_bytes": w, "kv_bytes_per_1k": kv * 1024}, w, kv))
     return rows
+
+
+def _add_fit(row: dict, weight_bytes: int, kv_bytes_per_token: int) -> dict:
+    """`row` with ``<dev>_tokens`` (KV pool, tokens) and ``<dev>_batch`` (sequences of `SEQ_LEN` tokens) for each
+    device of `DEVICES`, from the per-device weight bytes and KV bytes per token."""
+    for dev, hbm in DEVICES.items():
+        row[f"{dev}_tokens"] = kv_pool_tokens(hbm, weight_bytes, kv_bytes_per_token)
+        row[f"{dev}_batch"] = row[f"{dev}_tokens"] // SEQ_LEN
+    return row
+
+
+def moe_problem(model_config, ep: int) -> Optional[str]:
+    """Why the MoE model cannot be built at ``--tp-size ep --ep-size ep`` (one line), or None when it can: the
+    experts must divide over ep (`layers.moe.SparseMoeBlock`), and heads, vocabulary and intermediate size over
+    tp (`sharding.check_tp`, as the model runner checks them)."""
+    from sgl_jax.srt.distributed.sharding import check_tp
+
+    experts = num_experts(model_config.hf_config)
+    if experts % ep:
+        return f"{experts} experts do not divide over {ep}"
+    try:
+        check_tp(model_config.num_attention_heads, model_config.num_key_value_heads, model_config.vocab_size,
+                 int(model_config.hf_config.intermediate_size), ep)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def moe_plan(models: Sequence[str] = tuple(MOE_MODELS), ep_sizes: Sequence[int] = EP_SIZES) -> List[dict]:
+    """One row per (MoE model, ep), the model built at tp = ep with its experts split ep ways: ``ep``, ``tp``,
+    ``experts`` (per layer) and ``problem`` (`moe_problem`, None when it builds); when it builds, also
+    ``experts_per_device``, ``weight_bytes``, ``expert_bytes`` (the stacked experts' share of it),
+    ``attention_bytes`` (the attention layers' share) -- all per device, bytes -- and ``kv_bytes_per_1k`` and the
+    device columns as `plan`'s rows."""
+    from sgl_jax.srt.distributed.sharding import STACKED_EXPERTS, padded_kv_heads
+    from sgl_jax.srt.model_executor.model_runner import kv_bytes_per_token
+
+    rows = []
+    for name in models:
+        shapes = {}  # global shapes change with the mesh only through padded_kv_heads: build once per value
+        for ep in ep_sizes:
+            mc = make_model_config(name, ep_size=ep)
+            experts = num_experts(mc.hf_config)
+            row = {"model": name, "ep": ep, "tp": ep, "experts": experts, "problem": moe_problem(mc, ep)}
+            rows.append(row)
+            if row["problem"] is not None:
+                continue
+            key = padded_kv_heads(mc.num_key_value_heads, ep)
+            if key not in shapes:
+                shapes[key] = param_shapes(mc, ep)
+            w, kv = weight_bytes_per_device(mc, ep, shapes[key]), kv_bytes_per_token(mc, ep)
+            row.update(experts_per_device=experts // ep, weight_bytes=w,
+                       expert_bytes=weight_bytes_per_device(mc, ep, shapes[key], only=STACKED_EXPERTS),
+                       attention_bytes=weight_bytes_per_device(mc, ep, shapes[key], only=ATTENTION_PARAMS),
+                       kv_bytes_per_1k=kv * 1024)
+            _add_fit(row, w, kv)
+    return rows
+
+
+def _fit_cells(r: dict) -> List[str]:
+    """The KV tokens and batch@4k cells of a row, per device of `DEVICES` ("does not fit" and 0 without room)."""
+    cells = []
+    for dev in DEVICES:
+        fits = r[f"{dev}_tokens"] > 0
+        cells += [f"{r[f'{dev}_tokens']:,}" if fits else "does not fit", str(r[f"{dev}_batch"]) if fits else "0"]
+    return cells
 
 
 def format_table(rows: List[dict]) -> str:
@@ -142,16 +250,44 @@ def format_table(rows: List[dict]) -> str:
     lines = [TABLE_HEADER, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = [r["model"], str(r["tp"]), f"{r['weight_bytes'] / GIB:.2f}", f"{r['kv_bytes_per_1k'] / MIB:.0f}"]
-        for dev in DEVICES:
-            fits = r[f"{dev}_tokens"] > 0
-            cells += [f"{r[f'{dev}_tokens']:,}" if fits else "does not fit", str(r[f"{dev}_batch"]) if fits else "0"]
+        lines.append("| " + " | ".join(cells + _fit_cells(r)) + " |")
+    return "\n".join(lines)
+
+
+def format_moe_table(rows: List[dict]) -> str:
+    """`moe_plan`'s rows as a markdown table (GiB = 2^30 bytes, MiB = 2^20 bytes); a row that cannot be built
+    says why in its experts/device cell and has dashes elsewhere."""
+    lines = [MOE_TABLE_HEADER, "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["problem"] is not None:
+            cells = [r["model"], str(r["ep"]), f"— ({r['problem']})"] + ["—"] * (3 + 2 * len(DEVICES))
+        else:
+            cells = [r["model"], str(r["ep"]), f"{r['experts_per_device']} of {r['experts']}",
+                     f"{r['weight_bytes'] / GIB:.2f}", f"{r['expert_bytes'] / GIB:.2f}",
+                     f"{r['kv_bytes_per_1k'] / MIB:.0f}"] + _fit_cells(r)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def write_report(path: str, rows: List[dict], command: str) -> None:
-    """Write the generated markdown report (command, date, assumptions, table) to `path` and its raw rows with the
-    command to the .json beside it (`bench_utils.write_report`; notes go in the .notes.md beside them)."""
+def _moe_section(moe_rows: List[dict]) -> str:
+    """The report's mixture-of-experts part: how its rows are computed, and `format_moe_table`."""
+    return f"""## Mixture-of-experts models under expert parallelism
+
+A row at ep N is the model built at `--tp-size N --ep-size N` (the engine requires ep = tp): attention,
+embeddings and LM head split N ways as in the table above, each MoE layer's stacked experts `[E, in, out]` split
+on E (`param_spec(name, expert_parallel=True)` = `sharding.EXPERTS`, as the loader places them), the router and
+norms replicated. "experts/device" is E / ep per MoE layer; "of which experts" is the stacked experts' share of the
+weights per device. KV heads fewer than tp are replicated (`padded_kv_heads`), so KV per device stops shrinking
+once tp passes the model's KV heads. A combination the engine cannot build says why.
+
+{format_moe_table(moe_rows)}
+"""
+
+
+def write_report(path: str, rows: List[dict], command: str, moe_rows: Sequence[dict] = ()) -> None:
+    """Write the generated markdown report (command, date, assumptions, the dense table, and the MoE table when
+    `moe_rows` are given) to `path` and its raw rows with the command to the .json beside it
+    (`bench_utils.write_report`; notes go in the .notes.md beside them)."""
     import jax
 
     from sgl_jax.bench_utils import cpu_name, write_report as write_generated
@@ -163,7 +299,7 @@ parameter's per-device shard taken from `distributed/sharding.py:param_spec` (di
 tp ways, the rest replicated), KV bytes per token from `model_runner.kv_bytes_per_token` (K and V, all
 layers, the device's KV heads). Shapes from the models' HF `config.json`; bfloat16 weights and KV cache.
 
-Run on {cpu_name()}, jax {jax.__version__}, in seconds (the machine does not change the numbers).
+Run on {cpu_name()}, jax {jax.__version__}, in under a minute (the machine does not change the numbers).
 
 Assumptions: {MEM_FRACTION} of device memory usable for weights + KV pool (the rest for activations and XLA
 workspace; the server's own default `--mem-fraction-static` is 0.8); TPU v6e = 32 GiB HBM per chip, H100 =
@@ -172,20 +308,27 @@ workspace; the server's own default `--mem-fraction-static` is 0.8); TPU v6e = 3
 
 {format_table(rows)}
 """
-    write_generated(path, f"Sharding plan: memory per device under tensor parallelism ({today})", command, body,
-                    {"date": today, "rows": rows, "mem_fraction": MEM_FRACTION, "devices_hbm_bytes": DEVICES,
-                     "seq_len": SEQ_LEN})
+    if moe_rows:
+        body += "\n" + _moe_section(list(moe_rows))
+    title = "tensor and expert parallelism" if moe_rows else "tensor parallelism"
+    raw = {"date": today, "rows": rows, "mem_fraction": MEM_FRACTION, "devices_hbm_bytes": DEVICES,
+           "seq_len": SEQ_LEN}
+    if moe_rows:
+        raw["moe_rows"] = list(moe_rows)
+    write_generated(path, f"Sharding plan: memory per device under {title} ({today})", command, body, raw)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", default=None, help="write the markdown report here")
     args = p.parse_args(argv)
-    rows = plan()
+    rows, moe_rows = plan(), moe_plan()
     print(format_table(rows))
+    print()
+    print(format_moe_table(moe_rows))
     if args.output:
         cmd = "python -m sgl_jax.bench_sharding " + " ".join(sys.argv[1:] if argv is None else argv)
-        write_report(args.output, rows, cmd.strip())
+        write_report(args.output, rows, cmd.strip(), moe_rows)
 
 
 if __name__ == "__main__":

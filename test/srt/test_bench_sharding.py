@@ -1,11 +1,13 @@
-"""The sharding-plan benchmark (python/sgl_jax/bench_sharding.py): weight and KV bytes per device from shapes; the
-generated report with its raw rows in a .json beside it."""
+"""The sharding-plan benchmark (python/sgl_jax/bench_sharding.py): weight and KV bytes per device from shapes, dense
+models under tensor parallelism and MoE models under expert parallelism; the generated report with its raw rows in a
+.json beside it."""
 
 import json
 
 import pytest
 
-from sgl_jax.bench_sharding import TABLE_HEADER, plan, write_report
+from sgl_jax.bench_sharding import (DEVICES, MEM_FRACTION, MOE_TABLE_HEADER, TABLE_HEADER, format_moe_table,
+                                    moe_plan, plan, write_report)
 
 # Llama-3-8B (meta-llama/Meta-Llama-3-8B config.json), counted by hand
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4096, 32, 32, 8, 128, 14336, 128256
@@ -48,3 +50,73 @@ def test_report_has_the_table(rows, tmp_path):
     assert "| Llama-3-8B | 1 | 14.96 | 128 |" in text
     raw = json.loads((out.parent / "plan.json").read_text())  # the raw rows beside the generated .md
     assert raw["command"] in text and raw["rows"] == list(rows.values())
+
+
+# Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): every layer sparse
+Q_HIDDEN, Q_LAYERS, Q_HEADS, Q_KV_HEADS, Q_HEAD_DIM = 2048, 48, 32, 4, 128
+Q_EXPERTS, Q_MOE_INTER, Q_VOCAB = 128, 768, 151936
+# Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json): 8 experts of intermediate_size
+M_HIDDEN, M_LAYERS, M_EXPERTS, M_INTER = 4096, 32, 8, 14336
+
+
+def _expert_bytes(experts: int, hidden: int, inter: int, layers: int) -> int:
+    """bf16 bytes of every layer's stacked experts, all on one device (ep 1): gate, up, down [E, hidden, inter]."""
+    return 3 * experts * hidden * inter * 2 * layers
+
+
+def _qwen3_moe_attention_bytes(tp: int) -> int:
+    """bf16 bytes of Qwen3-30B-A3B's attention per device at tp: q/o split, k/v split after the KV heads are
+    replicated up to tp, the per-head q/k norms [head_dim] replicated."""
+    kv_heads = max(Q_KV_HEADS, tp)
+    proj = 2 * Q_HEADS * Q_HEAD_DIM * Q_HIDDEN + 2 * kv_heads * Q_HEAD_DIM * Q_HIDDEN  # q, o; k, v
+    return Q_LAYERS * 2 * (proj // tp + 2 * Q_HEAD_DIM)
+
+
+@pytest.fixture(scope="module")
+def moe_rows():
+    return {(r["model"], r["ep"]): r for r in moe_plan(models=["Qwen3-30B-A3B", "Mixtral-8x7B"], ep_sizes=(8, 16))}
+
+
+def test_experts_split_ep_ways(moe_rows):
+    qwen_all = _expert_bytes(Q_EXPERTS, Q_HIDDEN, Q_MOE_INTER, Q_LAYERS)  # ~54 GiB on one device
+    assert moe_rows[("Qwen3-30B-A3B", 8)]["expert_bytes"] * 8 == qwen_all
+    assert moe_rows[("Qwen3-30B-A3B", 16)]["expert_bytes"] * 16 == qwen_all
+    assert moe_rows[("Mixtral-8x7B", 8)]["expert_bytes"] * 8 == _expert_bytes(M_EXPERTS, M_HIDDEN, M_INTER, M_LAYERS)
+    assert moe_rows[("Qwen3-30B-A3B", 8)]["experts_per_device"] == 16
+
+
+def test_attention_follows_tp_and_the_rest_is_vocab_split_or_replicated(moe_rows):
+    for ep in (8, 16):
+        r = moe_rows[("Qwen3-30B-A3B", ep)]
+        assert r["attention_bytes"] == _qwen3_moe_attention_bytes(ep)
+        vocab = 2 * Q_VOCAB * Q_HIDDEN * 2 // ep  # embed_tokens, lm_head (untied), split on the vocabulary
+        replicated = 2 * (Q_LAYERS * (Q_EXPERTS * Q_HIDDEN + 2 * Q_HIDDEN) + Q_HIDDEN)  # routers, layer norms, norm
+        assert r["weight_bytes"] == r["expert_bytes"] + r["attention_bytes"] + vocab + replicated
+    # 4 KV heads replicated up to tp: one head per device at ep 8 and 16
+    assert moe_rows[("Qwen3-30B-A3B", 16)]["kv_bytes_per_1k"] == 2 * Q_LAYERS * 1 * Q_HEAD_DIM * 2 * 1024
+
+
+def test_mixtral_at_ep16_is_reported_impossible(moe_rows):
+    r = moe_rows[("Mixtral-8x7B", 16)]
+    assert r["problem"] == "8 experts do not divide over 16" and "weight_bytes" not in r
+    assert moe_rows[("Mixtral-8x7B", 8)]["problem"] is None
+    table = format_moe_table(list(moe_rows.values()))
+    assert "| Mixtral-8x7B | 16 | — (8 experts do not divide over 16) | — |" in table
+
+
+def test_qwen3_235b_at_ep4_does_not_fit_either_device():
+    (r,) = moe_plan(models=["Qwen3-235B-A22B"], ep_sizes=(4,))
+    assert r["weight_bytes"] > MEM_FRACTION * max(DEVICES.values())  # ~110 GiB of weights per device
+    assert all(r[f"{dev}_tokens"] == 0 and r[f"{dev}_batch"] == 0 for dev in DEVICES)
+    assert format_moe_table([r]).splitlines()[-1].endswith("| does not fit | 0 | does not fit | 0 |")
+
+
+def test_report_has_the_moe_table(rows, moe_rows, tmp_path):
+    out = tmp_path / "plan.md"
+    write_report(str(out), list(rows.values()), "python -m sgl_jax.bench_sharding --output plan.md",
+                 list(moe_rows.values()))
+    text = out.read_text()
+    assert TABLE_HEADER in text and MOE_TABLE_HEADER in text
+    assert "| Qwen3-30B-A3B | 8 | 16 of 128 | 7.15 | 6.75 | 24 |" in text
+    raw = json.loads((tmp_path / "plan.json").read_text())
+    assert raw["moe_rows"] == list(moe_rows.values())
