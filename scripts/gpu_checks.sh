@@ -10,7 +10,7 @@
 #                 shapes with random weights (benchmark/configs/Qwen3-0.6B), bfloat16, the Pallas kernel
 #   score-native  the same with --attention-backend native (XLA's attention)
 #   moe           bench_one_batch on Qwen3-30B-A3B's shapes at 4 layers (benchmark/configs/Qwen3-30B-A3B-4-layers),
-#                 dummy weights, bfloat16, --moe-backend ragged_dot then dense, batch 1, 8 and 64
+#                 dummy weights, bfloat16, --moe-backend tiled, ragged_dot and dense, batch 1, 8 and 64
 #   moe-serving   a server of the whole Qwen3-30B-A3B (48 layers, dummy weights, bfloat16) and bench_serving's
 #                 baseline, continuous_batching and paged_attention workloads against it
 #
@@ -96,7 +96,8 @@ for s in $stages; do
                    --report "$out/multi-item-score-gpu.md" ;;
         score-native) stage score-native 360 python3 test/srt/test_bench_multi_item_score.py "${score_args[@]}" \
                           --attention-backend native --report "$out/multi-item-score-gpu-native.md" ;;
-        moe) stage moe-ragged_dot 120 moe_one_batch ragged_dot
+        moe) stage moe-tiled 120 moe_one_batch tiled
+             stage moe-ragged_dot 120 moe_one_batch ragged_dot
              stage moe-dense 120 moe_one_batch dense ;;
         moe-serving) stage moe-serving 400 moe_serving ;;
         *) echo "unknown stage $s"; failed=1 ;;

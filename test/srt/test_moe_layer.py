@@ -3,6 +3,7 @@ backends against each other, on routings where some experts get no token and one
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ def skewed_case(seed: int = 0):
     return x, w_gate, w_up, w_down, logits
 
 
-@pytest.mark.parametrize("backend", ["ragged_dot", "gmm"])
+@pytest.mark.parametrize("backend", ["tiled", "ragged_dot", "gmm"])
 def test_grouped_backends_equal_dense_on_skewed_routing(backend):
     x, w_gate, w_up, w_down, logits = skewed_case()
     weights, ids = route(logits, K, renormalize=True)
@@ -48,8 +49,25 @@ def test_every_token_in_one_expert_and_one_token():
         weights, ids = route(logits[:n], 1, renormalize=False)
         assert set(np.asarray(ids).ravel()) == {0}
         ref = moe_experts("dense", x[:n], w_gate, w_up, w_down, weights, ids)
-        out = moe_experts("ragged_dot", x[:n], w_gate, w_up, w_down, weights, ids)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
+        for backend in ("tiled", "ragged_dot"):
+            out = moe_experts(backend, x[:n], w_gate, w_up, w_down, weights, ids)
+            np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rows,groups", [(8, 128), (64, 8), (300, 7), (5, 1)])
+def test_tiled_grouped_matmul_equals_ragged_dot(rows, groups):
+    """Every tile size `tile_rows` picks (1 row for decode-like shapes up to the cap), groups of any size
+    including empty ones, and rows past the groups (0)."""
+    from sgl_jax.srt.layers.moe import tiled_grouped_matmul
+
+    rng = np.random.default_rng(rows)
+    sizes = np.bincount(rng.integers(0, groups, rows - 2), minlength=groups)  # 2 rows past the groups
+    lhs = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((groups, 24, 40)), jnp.float32)
+    got = np.asarray(tiled_grouped_matmul(lhs, rhs, jnp.asarray(sizes, jnp.int32)))
+    ref = np.asarray(jax.lax.ragged_dot(lhs[:rows - 2], rhs, jnp.asarray(sizes, jnp.int32)))
+    np.testing.assert_allclose(got[:rows - 2], ref, atol=1e-4, rtol=1e-5)
+    assert not got[rows - 2:].any()
 
 
 def _stacked_from_fused(gate_up: torch.Tensor, down: torch.Tensor):
@@ -61,7 +79,7 @@ def _stacked_from_fused(gate_up: torch.Tensor, down: torch.Tensor):
 
 
 @pytest.mark.parametrize("arch,renormalize", [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)])
-@pytest.mark.parametrize("backend", ["dense", "ragged_dot"])
+@pytest.mark.parametrize("backend", ["dense", "tiled", "ragged_dot"])
 def test_matches_transformers_sparse_moe_block(arch, renormalize, backend):
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -87,9 +105,40 @@ def test_matches_transformers_sparse_moe_block(arch, renormalize, backend):
 
 def test_backend_names():
     assert resolve_moe_backend("auto", "tpu") == "gmm"
-    assert resolve_moe_backend("auto", "cpu") == resolve_moe_backend("auto", "gpu") == "ragged_dot"
+    assert resolve_moe_backend("auto", "cpu") == "tiled" and resolve_moe_backend("auto", "gpu") == "ragged_dot"
     assert all(resolve_moe_backend(b, "cpu") == b for b in MOE_BACKENDS if b != "auto")
     with pytest.raises(ValueError, match="--moe-backend"):
         resolve_moe_backend("megablocks", "cpu")
     with pytest.raises(ValueError):
         moe_experts("auto", *skewed_case()[:4], *route(skewed_case()[4], K, True))
+
+
+def test_expert_token_counts_skip_padding_and_dense_layers():
+    """Each real token adds 1 to each of its k experts in each sparse layer; padding rows and dense layers (-1)
+    add nothing (a count over every row would fail the first assert)."""
+    from sgl_jax.srt.layers.moe import expert_token_counts
+
+    routed = jnp.asarray([[[0, 1], [1, 2], [3, 3]], [[-1, -1]] * 3], jnp.int32)  # [L=2, T=3, k=2]
+    counts = np.asarray(expert_token_counts(routed, jnp.asarray([True, True, False]), 4))
+    assert counts.tolist() == [[1, 2, 1, 0], [0, 0, 0, 0]]
+
+
+def test_moe_stats_window_imbalance_and_histogram():
+    """Totals since start, the window's counts, max/mean tokens per expert-parallel device and per expert, and the
+    load-ratio histogram observed once per window (ratios per sparse layer's expert)."""
+    from sgl_jax.srt.model_executor.moe_stats import LOAD_RATIO_BUCKETS, MoeStats
+
+    stats = MoeStats(num_layers=2, num_experts=4, sparse_layers=[1], ep_size=2, window_steps=2)
+    stats.add_step(np.asarray([[0, 0, 0, 0], [3, 1, 0, 0]]))
+    assert stats.state()["load_ratio_histogram"]["count"] == 0  # the window is not complete yet
+    stats.add_step(np.asarray([[0, 0, 0, 0], [1, 1, 2, 0]]))
+    st = stats.state()
+    assert st["expert_tokens"] == [[0, 0, 0, 0], [4, 2, 2, 0]] and st["window_steps"] == 2
+    assert st["ep_imbalance"] == pytest.approx(6 / 4)  # devices hold experts {0, 1} (6 tokens) and {2, 3} (2)
+    assert st["expert_imbalance"] == pytest.approx(4 / 2)
+    hist = st["load_ratio_histogram"]  # ratios 2, 1, 1, 0 of the layer's mean 2
+    assert hist["count"] == 4 and hist["sum"] == pytest.approx(4.0)
+    assert [hist["counts"][LOAD_RATIO_BUCKETS.index(b)] for b in (0.0, 1.0, 2.0)] == [1, 2, 1]
+    stats.add_step(np.zeros((2, 4)))
+    stats.add_step(np.zeros((2, 4)))
+    assert stats.state()["ep_imbalance"] is None  # no token in the window

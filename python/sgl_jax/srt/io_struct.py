@@ -30,6 +30,7 @@ class TokenizedGenerateReqInput:
     token_ids_logprob: Optional[List[int]] = None
     stream: bool = False
     session_params: Optional[SessionParams] = None
+    return_routed_experts: bool = False
 
 
 @dataclasses.dataclass
@@ -140,6 +141,7 @@ class TokenOut:
     cached_tokens: int
     decode: DecodeConfig
     logprobs: Optional[LogprobDelta] = None
+    routed_experts: Optional[str] = None  # on the final message of a return_routed_experts request (see Req)
 
 
 @dataclasses.dataclass
@@ -165,6 +167,7 @@ class StrOut:
     cached_tokens: int
     logprobs: Optional[LogprobDelta] = None
     error: Optional[str] = None
+    routed_experts: Optional[str] = None  # TokenOut's, passed on
 
 
 @dataclasses.dataclass
@@ -269,6 +272,7 @@ class SchedulerInfo:
     load_balance_method: str
     enable_mixed_chunk: bool
     max_prefill_step_ms: float
+    return_routed_experts: bool = False  # requests may ask for their routed experts (a MoE model, and the flag)
 
     def to_json(self) -> dict:
         """The JSON object of /get_server_info's ``scheduler_info`` (``radix_cache``: whether prefixes are shared,

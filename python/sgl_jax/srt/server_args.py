@@ -23,7 +23,7 @@ DEVICES = ("auto", "cpu", "tpu", "gpu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MULTI_ITEM_ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
 ATTENTION_BACKENDS = ("auto", "native", "pallas")  # "auto" is resolved by resolve_attention_backend
-MOE_BACKENDS = ("auto", "ragged_dot", "gmm", "dense")  # "auto" is resolved by resolve_moe_backend
+MOE_BACKENDS = ("auto", "tiled", "ragged_dot", "gmm", "dense")  # "auto" is resolved by resolve_moe_backend
 GRAMMAR_BACKENDS = ("llguidance", "none")
 TOOL_CALL_PARSERS = ("llama3", "qwen25", "hermes")  # SGLang's --tool-call-parser names for these formats
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # SGLang's --reasoning-parser names for these formats
@@ -50,7 +50,9 @@ def resolve_attention_backend(name: str, platform: str) -> str:
 
 def resolve_moe_backend(name: str, platform: str) -> str:
     """The mixture-of-experts backend `name` means on `platform` ("cpu", "gpu", "tpu"): ``auto`` is gmm (the
-    Pallas Megablox grouped matmul) on TPU, ragged_dot (``jax.lax.ragged_dot``) elsewhere (layers/moe.py).
+    Pallas Megablox grouped matmul) on TPU, tiled (layers/moe.tiled_grouped_matmul) on CPU, where XLA's
+    ``jax.lax.ragged_dot`` costs as much as computing every expert (reports/moe-one-batch-*-cpu-2026-11-26*),
+    and ragged_dot on GPU (tiled is not yet measured there).
 
     Raises:
         ValueError: a name outside MOE_BACKENDS.
@@ -58,7 +60,7 @@ def resolve_moe_backend(name: str, platform: str) -> str:
     if name not in MOE_BACKENDS:
         raise ValueError(f"--moe-backend must be one of {list(MOE_BACKENDS)}, got {name!r}")
     if name == "auto":
-        return "gmm" if platform == "tpu" else "ragged_dot"
+        return {"tpu": "gmm", "cpu": "tiled"}.get(platform, "ragged_dot")
     return name
 
 
@@ -166,6 +168,7 @@ class ServerArgs:
     tp_size: int = 1
     dp_size: int = 1
     ep_size: int = 1
+    enable_return_routed_experts: bool = False
     load_balance_method: str = "round_robin"
     schedule_policy: str = "fcfs"
     device_indexes: Optional[List[int]] = None
@@ -373,6 +376,10 @@ FLAG_HELP = {
     "ep_size": "expert parallelism (SGLang's flag): 1, or --tp-size to split each mixture-of-experts layer's "
                "experts over the devices of the tensor axis (attention keeps its tp/dp layout; each device runs "
                "its own experts on the tokens routed to them, and the outputs are summed over the axis)",
+    "enable_return_routed_experts": "let /generate requests ask for return_routed_experts (SGLang's flag): the "
+                                    "expert ids every mixture-of-experts layer chose for each output token, in "
+                                    "meta_info.routed_experts (base64 of int32 [output tokens, layers, top-k], "
+                                    "-1 on dense layers)",
     "dp_size": "data-parallel attention ranks: each has its own KV pages, request slots and prefix cache; "
                "the mesh has dp x tp devices",
     "load_balance_method": f"which DP rank a new request goes to, one of {list(LOAD_BALANCE_METHODS)}; "
@@ -389,8 +396,9 @@ FLAG_HELP = {
                          "Pallas kernel on TPU/GPU, native (pure JAX) on CPU; pallas on CPU runs the TPU "
                          "kernel in Pallas' interpreter (slow, for verification)",
     "moe_backend": f"how mixture-of-experts layers compute their experts, one of {list(MOE_BACKENDS)}; auto: gmm "
-                   "(Pallas Megablox grouped matmul) on TPU, ragged_dot (jax.lax.ragged_dot) elsewhere; dense: "
-                   "every expert on every token (the reference)",
+                   "(Pallas Megablox grouped matmul) on TPU, tiled (each expert's rows in tiles, multiplied in a "
+                   "loop) on CPU, ragged_dot (jax.lax.ragged_dot) on GPU; dense: every expert on every token (the "
+                   "reference)",
     "multi_item_algorithm": f"how /v1/score computes many items, one of {list(MULTI_ITEM_ALGORITHMS)}; auto: "
                             "prefill_extend with the scoring cache enabled, else packed (serial for "
                             "item_first)",

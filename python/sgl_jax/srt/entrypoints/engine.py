@@ -102,7 +102,8 @@ class Engine:
 
     @staticmethod
     def _body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-              token_ids_logprob, return_text_in_logprobs, stream, rid, session_params=None) -> Dict[str, Any]:
+              token_ids_logprob, return_text_in_logprobs, stream, rid, session_params=None,
+              return_routed_experts=None) -> Dict[str, Any]:
         body: Dict[str, Any] = {"sampling_params": sampling_params, "return_logprob": return_logprob,
                                 "return_text_in_logprobs": return_text_in_logprobs, "stream": stream}
         if prompt is not None:
@@ -110,7 +111,8 @@ class Engine:
         if input_ids is not None:
             body["input_ids"] = input_ids
         for k, v in (("logprob_start_len", logprob_start_len), ("top_logprobs_num", top_logprobs_num),
-                     ("token_ids_logprob", token_ids_logprob), ("rid", rid), ("session_params", session_params)):
+                     ("token_ids_logprob", token_ids_logprob), ("rid", rid), ("session_params", session_params),
+                     ("return_routed_experts", return_routed_experts)):
             if v is not None:
                 body[k] = v
         return body
@@ -131,18 +133,21 @@ class Engine:
         stream: bool = False,
         rid: Optional[Union[str, List[str]]] = None,
         session_params: Optional[dict] = None,
+        return_routed_experts: Optional[Union[bool, List[bool]]] = None,
     ) -> Union[dict, List[dict], Iterator[dict]]:
         """Generate for one prompt (returns a dict) or a batch (a list of dicts), like SGLang's Engine.
 
         The dicts are the same as the HTTP /generate responses (``text``, ``output_ids``, ``meta_info``).
         With ``stream=True`` (single prompt) returns an iterator of such dicts. ``session_params``: SGLang's
         ``{"id", "rid", "offset", "replace", "drop_previous_output"}`` (see `open_session`).
+        ``return_routed_experts``: SGLang's; ``meta_info["routed_experts"]`` is then the base64 of int32
+        [output tokens, layers, top-k] (needs ``enable_return_routed_experts=True`` and a MoE model).
         Raises:
             RequestError: an invalid request.
         """
         obj = _split(self._body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream, rid,
-                                     session_params))
+                                     session_params, return_routed_experts))
         if isinstance(obj, list):
             return self._run(self._generate_all(obj))
         if stream:
@@ -190,12 +195,12 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, token_ids_logprob=None,
-                             return_text_in_logprobs=False, stream=False, rid=None, session_params=None
-                             ) -> Union[dict, List[dict], AsyncIterator[dict]]:
+                             return_text_in_logprobs=False, stream=False, rid=None, session_params=None,
+                             return_routed_experts=None) -> Union[dict, List[dict], AsyncIterator[dict]]:
         """Async `generate`, usable from any event loop. With ``stream=True`` returns an async iterator."""
         obj = _split(self._body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream, rid,
-                                     session_params))
+                                     session_params, return_routed_experts))
         if stream and not isinstance(obj, list):
             return self._stream_async(obj)
         coro = self._generate_all(obj) if isinstance(obj, list) else self.tokenizer_manager.generate(obj)

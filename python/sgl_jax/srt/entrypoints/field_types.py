@@ -175,7 +175,7 @@ class SGLangSharedFields(BaseModel):
                                      description="deprecated alias of routed_dp_rank; one rank") = None
     extra_key: default_only(StrOrList, description="prefix-cache isolation") = None
     cache_salt: default_only(StrOrList, description="prefix-cache isolation") = None
-    return_routed_experts: default_only(bool, False, description="MoE routing") = False
+    return_routed_experts: default_only(bool, False, description="MoE routing (native /generate only)") = False
     routed_experts_start_len: default_only(int, 0, description="MoE routing") = 0
     session_id: ignored(Optional[str], "a session identity for routing and tracking; the prompt is unchanged") = None
     priority: ignored(Optional[int], "no priority scheduling (SGLang ignores it too without "

@@ -119,7 +119,7 @@ class GenerateRequest(NullMeansDefault, SGLangSharedFields, StrictModel):
 
     Every field of SGLang's ``GenerateReqInput`` (python/sglang/srt/managers/io_struct.py) is declared, and
     ``null`` means a field's default, as upstream. Per-prompt fields (sampling_params, return_logprob,
-    logprob_start_len, top_logprobs_num, token_ids_logprob, rid) take one value for the whole batch or a list
+    logprob_start_len, top_logprobs_num, token_ids_logprob, rid, return_routed_experts) take one value for the whole batch or a list
     with one entry per prompt. ``sampling_params.n`` > 1 expands each prompt into n samples, as upstream: the
     response is then a list (prompt-major: the n samples of the first prompt, then the second's, ...). Fields
     this engine has no support for (multimodal input, LoRA, disaggregation, hidden states, ...) are
@@ -138,6 +138,10 @@ class GenerateRequest(NullMeansDefault, SGLangSharedFields, StrictModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[OneOrList(Rid)] = None
+    return_routed_experts: OneOrList(bool) = Field(
+        False, description="the expert ids of every mixture-of-experts layer for each output token, in "
+                           "meta_info.routed_experts (base64 int32 [tokens, layers, top-k]); needs "
+                           "--enable-return-routed-experts")
 
     # ---- accepted and ignored: they do not change what is generated or returned
     model: ignored(Optional[str], "the server serves one model (sglang-router adds it)") = None
@@ -200,7 +204,8 @@ class GenerateRequest(NullMeansDefault, SGLangSharedFields, StrictModel):
             raise RequestError("Exactly one of 'text' and 'input_ids' must be given")
         batch = isinstance(self.text, list) or (bool(self.input_ids) and isinstance(self.input_ids[0], list))
         if not batch:
-            for name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "rid"):
+            for name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "rid",
+                         "return_routed_experts"):
                 if isinstance(getattr(self, name), list):
                     raise RequestError(f"'{name}' is a list but the request has a single prompt")
             if self.token_ids_logprob and isinstance(self.token_ids_logprob[0], list):
@@ -263,6 +268,7 @@ class GenerateRequest(NullMeansDefault, SGLangSharedFields, StrictModel):
             token_ids_logprob=self._pick("token_ids_logprob", i, n),
             return_text_in_logprobs=self.return_text_in_logprobs, stream=self.stream, rid=rid,
             session_params=None if self.session_params is None else self.session_params.model_dump(),
+            return_routed_experts=self._pick("return_routed_experts", i, n),
         )
 
 

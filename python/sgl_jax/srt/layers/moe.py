@@ -11,11 +11,15 @@ The experts compute ``down(act(gate(x)) * up(x))`` with their weights stacked: `
 matmuls take). Backends (`--moe-backend`):
 
 - ``dense``: every expert on every token, then the top-k combined (the reference; E/k times the FLOPs).
+- ``tiled``: the same grouping, each expert's rows cut into tiles of a few rows and every tile multiplied by its
+  expert's weights in a loop that runs only the tiles that hold rows (`tiled_grouped_matmul`; Megablox's tiling
+  without its kernel). Each used expert's weights are read about once a step, so decode reads what the active
+  parameters need. CPU's default: XLA's CPU ``ragged_dot`` costs as much as ``dense``.
 - ``ragged_dot``: the T*k (token, expert) pairs sorted by expert and multiplied group by group with
-  ``jax.lax.ragged_dot`` (XLA's grouped matmul; CPU and GPU).
+  ``jax.lax.ragged_dot`` (XLA's grouped matmul; GPU).
 - ``gmm``: the same grouping through JAX's Pallas Megablox grouped matmul
   (``jax.experimental.pallas.ops.tpu.megablox.gmm``; TPU, or its interpreter elsewhere: slow, for checks).
-- ``auto``: gmm on TPU, ragged_dot elsewhere.
+- ``auto``: gmm on TPU, tiled on CPU, ragged_dot on GPU.
 """
 
 from __future__ import annotations
@@ -84,16 +88,58 @@ def _gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, interpret: bool
                interpret=interpret).astype(lhs.dtype)
 
 
+def tile_rows(num_rows: int, num_groups: int, cap: int = 128) -> int:
+    """Rows per tile of `tiled_grouped_matmul`: the largest power of two <= the mean rows per group, in [1, cap]
+    (decode: 1, so a tile is one token's row; a long prefill: `cap`)."""
+    mean = max(1, num_rows // max(num_groups, 1))
+    return min(cap, 1 << (mean.bit_length() - 1))
+
+
+def tiled_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """A grouped matmul that skips what has no rows: rows of lhs [M, K] in G consecutive groups (group_sizes [G]
+    int32, summing to at most M), group g multiplied by rhs[g] [K, N]; returns [M, N] in lhs's dtype (float32
+    accumulation; rows past the groups are 0).
+
+    Each group is cut into tiles of `tile_rows` rows (its last tile partly masked), and a ``while_loop`` runs one
+    [tile, K] x [K, N] product per tile that holds rows: empty groups cost nothing, and each group's weights are
+    read once per tile. The tiling is Megablox's (Gale et al. 2022; JAX's ``megablox.gmm``) without a kernel: on
+    CPU, XLA runs each product as a plain dot.
+    """
+    m, k = lhs.shape
+    b = tile_rows(m, rhs.shape[0])
+    sizes = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes  # each group's first row
+    tiles = (sizes + b - 1) // b
+    tile_end = jnp.cumsum(tiles)  # each group's tiles end (exclusive) at this tile index
+    rows = jnp.concatenate([lhs, jnp.zeros((b, k), lhs.dtype)])  # a tile may run past the last row
+
+    def body(state):
+        i, out = state
+        g = jnp.searchsorted(tile_end, i, side="right")
+        row0 = starts[g] + (i - (tile_end[g] - tiles[g])) * b
+        x = jax.lax.dynamic_slice(rows, (row0, 0), (b, k))
+        y = jnp.dot(x, jax.lax.dynamic_index_in_dim(rhs, g, keepdims=False), preferred_element_type=jnp.float32)
+        y = jnp.where((jnp.arange(b) < starts[g] + sizes[g] - row0)[:, None], y, 0.0)
+        cur = jax.lax.dynamic_slice(out, (row0, 0), (b, out.shape[1]))
+        return i + 1, jax.lax.dynamic_update_slice(out, cur + y, (row0, 0))
+
+    out = jnp.zeros((m + b, rhs.shape[2]), jnp.float32)
+    _, out = jax.lax.while_loop(lambda s: s[0] < tile_end[-1], body, (jnp.int32(0), out))
+    return out[:m].astype(lhs.dtype)
+
+
 def grouped_matmul(backend: str, interpret: bool = False) -> Callable:
     """``f(lhs [M, K], rhs [G, K, N], group_sizes [G] int32) -> [M, N]``: rows of lhs in G consecutive
     groups, group g multiplied by rhs[g] (accumulated in float32). `backend`: "ragged_dot" or "gmm"
-    (`interpret`: run the Pallas kernel in its interpreter, off TPU).
+    (`interpret`: run the Pallas kernel in its interpreter, off TPU) or "tiled" (`tiled_grouped_matmul`).
 
     Raises:
         ValueError: another backend name.
     """
     if backend == "ragged_dot":
         return _ragged_dot
+    if backend == "tiled":
+        return tiled_grouped_matmul
     if backend == "gmm":
         return lambda lhs, rhs, sizes: _gmm(lhs, rhs, sizes, interpret)
     raise ValueError(f"no grouped matmul for backend {backend!r}")
@@ -149,8 +195,8 @@ def experts_expert_parallel(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_
 def moe_experts(backend: str, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                 weights: jax.Array, ids: jax.Array, act: Callable = jax.nn.silu,
                 interpret: bool = False) -> jax.Array:
-    """The experts' output [T, hidden] for routed tokens, by `backend` ("dense", "ragged_dot" or "gmm"; a
-    resolved `resolve_moe_backend` name). Shapes as `experts_dense`.
+    """The experts' output [T, hidden] for routed tokens, by `backend` ("dense", "tiled", "ragged_dot" or "gmm";
+    a resolved `resolve_moe_backend` name). Shapes as `experts_dense`.
 
     Raises:
         ValueError: an unknown backend.
@@ -184,7 +230,7 @@ class SparseMoeBlock(nnx.Module):
 
     Args:
         num_experts, top_k, renormalize: routing (see `route`).
-        backend: a resolved `--moe-backend` ("dense", "ragged_dot" or "gmm"; static: part of the program).
+        backend: a resolved `--moe-backend` ("dense", "tiled", "ragged_dot" or "gmm"; static: part of the program).
         expert_names: the checkpoint names of the experts' (gate, up, down) weights.
         shared_expert: a module computing the shared expert ([T, hidden] -> [T, hidden]), or None.
         mesh, ep_size: with ep_size > 1 (= the mesh's tensor axis), `experts_expert_parallel`.
@@ -208,12 +254,14 @@ class SparseMoeBlock(nnx.Module):
         self.mesh = mesh if ep_size > 1 else None  # (static: not a parameter)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x [T, hidden] -> [T, hidden] (x's dtype)."""
+        """x [T, hidden] -> [T, hidden] (x's dtype). The routing's expert ids [T, k] int32 are sown as the
+        ``routed_ids`` intermediate (`routed_experts` reads them; unused, XLA drops them)."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        self.sow(nnx.Intermediate, "routed_ids", ids, reduce_fn=lambda _, new: new, init_fn=lambda: None)
         interpret = jax.default_backend() != "tpu"
         if self.mesh is not None:
             if self.backend == "dense":
-                raise ValueError("--moe-backend dense is the single-device reference; use ragged_dot or gmm with "
+                raise ValueError("--moe-backend dense is the single-device reference; use tiled, ragged_dot or gmm with "
                                  "--ep-size")
             out = experts_expert_parallel(x, *self.experts.weights(), weights, ids, jax.nn.silu,
                                           grouped_matmul(self.backend, interpret), self.mesh)
@@ -223,3 +271,32 @@ class SparseMoeBlock(nnx.Module):
             gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
             out = (out.astype(jnp.float32) + gate * self.shared_expert(x).astype(jnp.float32)).astype(x.dtype)
         return out
+
+
+def sown_routed_ids(block: SparseMoeBlock) -> jax.Array:
+    """The expert ids [T, k] int32 that `block`'s last call routed to (after a call in the same trace).
+
+    Raises:
+        ValueError: the block has not been called.
+    """
+    sown = getattr(block, "routed_ids", None)
+    if sown is None:
+        raise ValueError("the MoE block has not run: no routed ids to read")
+    return sown.get_value()
+
+
+def expert_token_counts(routed: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
+    """Tokens routed to each expert of each layer.
+
+    Args:
+        routed: [L, T, k] int32 expert ids per layer and token (-1: a layer without experts).
+        valid: [T] bool, the real tokens (padding rows are not counted).
+        num_experts: E.
+    Returns:
+        [L, E] int32; each real token adds 1 to each of its k experts in each MoE layer.
+    """
+    num_layers = routed.shape[0]
+    ok = (routed >= 0) & valid[None, :, None]
+    layer = jnp.broadcast_to(jnp.arange(num_layers, dtype=jnp.int32)[:, None, None], routed.shape)
+    return jnp.zeros((num_layers, num_experts), jnp.int32).at[layer, jnp.maximum(routed, 0)].add(
+        ok.astype(jnp.int32))

@@ -20,6 +20,11 @@ What is measured where (SGLang's TokenizerMetricsCollector and SchedulerMetricsC
   fraction of the prompt tokens of finished requests that came from the prefix cache (cumulative; SGLang
   reports the last prefill batch's fraction, which jumps between 0 and 1 on a quiet server); it is set as
   requests finish.
+- Mixture-of-experts models, at scrape time from the scheduler's ``moe`` state (model_executor/moe_stats.py):
+  ``sglang:moe_ep_imbalance`` (max / mean tokens per expert-parallel device over the last window of steps)
+  and the histogram ``sglang:moe_expert_load_ratio`` (each sparse layer's experts' tokens over a window / the
+  layer's mean per expert, one observation per expert and layer per window: the scheduler keeps the buckets,
+  which are rendered as they are).
 
 Histogram buckets are SGLang's defaults. Every collector owns a private ``CollectorRegistry``, so several
 servers (or tests) in one process never clash over metric names.
@@ -32,6 +37,7 @@ import time
 from typing import Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 # SGLang's default bucket boundaries, in seconds
 TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
@@ -106,6 +112,8 @@ class MetricsCollector:
         self.num_streaming_sessions = gauge("sglang:num_streaming_sessions", "The number of open streaming sessions.")
         self.streaming_session_held_tokens = gauge("sglang:streaming_session_held_tokens",
                                                    "KV tokens held by streaming sessions between turns.")
+        self.moe = _MoeCollector(model_name)
+        self.registry.register(self.moe)
 
     def observe_output(self, times: RequestTimes, completion_tokens: int, finished: bool, prompt_tokens: int = 0,
                        cached_tokens: int = 0, aborted: bool = False, now: Optional[float] = None) -> None:
@@ -157,7 +165,35 @@ class MetricsCollector:
         self.token_usage.set(used / total if total > 0 else 0.0)
         self.num_streaming_sessions.set(internal_state.get("num_streaming_sessions", 0))
         self.streaming_session_held_tokens.set(internal_state.get("kv_tokens_session_held", 0))
+        self.moe.state = internal_state.get("moe")
 
     def render(self) -> bytes:
         """Every metric in the Prometheus text format (`METRICS_CONTENT_TYPE`)."""
         return generate_latest(self.registry)
+
+
+class _MoeCollector:
+    """Renders the scheduler's mixture-of-experts routing state (`MoeStats.state`, set at each scrape) as
+    ``sglang:moe_ep_imbalance`` and ``sglang:moe_expert_load_ratio``; nothing for a dense model."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.state: Optional[dict] = None
+
+    def collect(self):
+        if not self.state:
+            return
+        imbalance = GaugeMetricFamily("sglang:moe_ep_imbalance", "Max / mean tokens per expert-parallel device "
+                                      "over the last window of steps (1: even).", labels=["model_name"])
+        if self.state.get("ep_imbalance") is not None:
+            imbalance.add_metric([self.model_name], self.state["ep_imbalance"])
+        yield imbalance
+        h = self.state["load_ratio_histogram"]
+        cumulative, buckets = 0, []
+        for le, count in zip(h["buckets"], h["counts"]):
+            cumulative += count
+            buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cumulative))
+        hist = HistogramMetricFamily("sglang:moe_expert_load_ratio", "Tokens an expert got in a window of steps / "
+                                     "the mean per expert of its layer.", labels=["model_name"])
+        hist.add_metric([self.model_name], buckets, h["sum"])
+        yield hist

@@ -26,9 +26,11 @@ from sgl_jax.srt.distributed.mesh import create_mesh, tp_size_of
 from sgl_jax.srt.distributed.multihost import init_distributed
 from sgl_jax.srt.distributed.sharding import KV_CACHE, RANK_ROWS, REPLICATED, check_tp, padded_kv_heads
 
+from sgl_jax.srt.layers.moe import expert_token_counts
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.compile_stats import compile_counts, describe
+from sgl_jax.srt.model_executor.moe_stats import MoeStats
 from sgl_jax.srt.fault_injection import PlantedFaults
 from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch, stack_ranks
 from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask, vocab_mask_words
@@ -54,6 +56,7 @@ class StepOutput:
     hidden: jax.Array
     seq_offset: int = 0
     token_offset: int = 0
+    routed_experts: Optional[np.ndarray] = None  # int32[n, L, k]: each sampled token's experts (-1: dense layer)
 
 
 def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
@@ -201,6 +204,10 @@ class ModelRunner:
         self.graphdef, self.params = load_model(model_config, server_args.load_format, server_args.random_seed,
                                                 mesh=self.mesh)
         weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.params))
+        routing = getattr(nnx.merge(self.graphdef, self.params), "moe_routing", lambda: None)()
+        self.moe_stats = None if routing is None else MoeStats(
+            model_config.num_hidden_layers, routing[0], routing[2], ep_size=getattr(model_config, "ep_size", 1))
+        self.return_routed_experts = routing is not None and bool(server_args.enable_return_routed_experts)
         self.kv_spec = spec = kv_spec_fn(weight_bytes)
         if spec.page_size != self.page_size or len(spec.layer_pool) != model_config.num_hidden_layers:
             raise ValueError(f"the KV spec ({spec}) does not match --page-size {self.page_size} and "
@@ -232,7 +239,7 @@ class ModelRunner:
         # hidden states stay with their rank, unless ranks span hosts (then every host reads them all)
         hidden = NamedSharding(self.mesh, P("data", None)) if jax.process_count() == 1 else r
         self._step = jax.jit(self._step_impl, donate_argnums=(1, 2),
-                             out_shardings=(self._kv_sharding, r, r, r, r, hidden))
+                             out_shardings=(self._kv_sharding, r, r, r, r, hidden, (r, r)))
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r)
         self._logprobs = jax.jit(self._logprobs_impl)
         self._label_logprobs = jax.jit(self._label_logprobs_impl)
@@ -263,7 +270,19 @@ class ModelRunner:
         logits = self._gathered(model.compute_logits(hidden[fb.logits_indices]))
         next_ids, logprobs, penalty_state = sample(logits, sampling, self.eos_token_ids, penalty_state)
         next_lp = jnp.take_along_axis(logprobs, next_ids[:, None], axis=-1)[:, 0]
-        return kv_caches, penalty_state, next_ids, next_lp, logprobs, hidden
+        return kv_caches, penalty_state, next_ids, next_lp, logprobs, hidden, self._moe_outputs(model, fb)
+
+    def _moe_outputs(self, model, fb: ForwardBatch):
+        """(expert token counts int32[L, E] of the step's real tokens -- those writing a KV slot other than the
+        padding sink 0 --, the expert ids int32[S, L, k] of the rows whose logits were sampled when
+        --enable-return-routed-experts), empty arrays for what is not collected."""
+        none = jnp.zeros((0,), jnp.int32)
+        if self.moe_stats is None:
+            return none, none
+        routed = model.routed_experts()  # [L, T, k]
+        counts = expert_token_counts(routed, fb.out_cache_loc != 0, self.moe_stats.num_experts)
+        rows = jnp.transpose(routed[:, fb.logits_indices], (1, 0, 2)) if self.return_routed_experts else none
+        return counts, rows
 
     def _logprobs_impl(self, params, hidden):
         model = nnx.merge(self.graphdef, params)
@@ -317,12 +336,15 @@ class ModelRunner:
             raise ValueError("a step needs at least one rank batch")
         mode, t_pad, s_pad = real[0].padded_shape
         fb, sampling = self._step_inputs(batches)
-        self.kv_caches, self.penalty_state, next_ids, next_lp, logprobs, hidden = self._step(
+        self.kv_caches, self.penalty_state, next_ids, next_lp, logprobs, hidden, (counts, routed) = self._step(
             self.params, self.kv_caches, self.penalty_state, fb, sampling)
         if self._compiled_after_warmup is not None and self.faults.fire("compile_while_serving"):
             jax.jit(lambda x: x * 3.0 + 1.0)(np.zeros(7, np.float32)).block_until_ready()  # a planted fault
         self._check_no_new_compile(real[0])
         next_ids, next_lp = np.asarray(next_ids), np.asarray(next_lp)
+        if self.moe_stats is not None:
+            self.moe_stats.add_step(np.asarray(counts))
+        routed = np.asarray(routed) if self.return_routed_experts else None
         outs = []
         for r, b in enumerate(batches):
             if b is None:
@@ -330,7 +352,8 @@ class ModelRunner:
                 continue
             a, n = r * s_pad, b.num_seqs
             outs.append(StepOutput(next_ids[a:a + n], next_lp[a:a + n], logprobs, hidden, seq_offset=a,
-                                   token_offset=r * t_pad))
+                                   token_offset=r * t_pad,
+                                   routed_experts=None if routed is None else routed[a:a + n]))
         return outs
 
     def init_penalty_row(self, slot: int, token_ids: List[int], num_prompt: int,

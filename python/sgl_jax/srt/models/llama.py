@@ -175,6 +175,15 @@ class LlamaForCausalLM(nnx.Module):
         """
         return run_layers(self.model, self.model.embed_tokens(fb.input_ids), fb, kv_caches)
 
+    def moe_routing(self):
+        """(num_experts, experts per token, sparse layer indices) of a mixture-of-experts model (models/moe.py);
+        None: a dense model (this one)."""
+        return None
+
+    def routed_experts(self):
+        """The expert ids [L, T, k] of the last forward (models/moe.py); None: a dense model routes nothing."""
+        return None
+
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head

@@ -14,9 +14,10 @@ MLP of ``intermediate_size``. Every Mixtral layer is sparse.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -24,7 +25,7 @@ from sgl_jax.srt.forward_batch import ForwardBatch
 from sgl_jax.srt.layers.attention import LayerKV
 from sgl_jax.srt.layers.embedding import Embedding
 from sgl_jax.srt.layers.layernorm import RMSNorm
-from sgl_jax.srt.layers.moe import SparseMoeBlock
+from sgl_jax.srt.layers.moe import SparseMoeBlock, sown_routed_ids
 from sgl_jax.srt.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
@@ -82,6 +83,33 @@ class _MoeForCausalLM(LlamaForCausalLM):
 
     def build_mlp(self, cfg, model_config, layer_id: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
         raise NotImplementedError
+
+    def moe_routing(self) -> Optional[Tuple[int, int, List[int]]]:
+        """(num_experts E, experts per token k, the indices of the sparse layers); None if there are none."""
+        sparse = [i for i, b in enumerate(self._mlps()) if isinstance(b, SparseMoeBlock)]
+        if not sparse:
+            return None
+        block = self._mlps()[sparse[0]]
+        return int(block.experts.weights()[0].shape[0]), block.top_k, sparse
+
+    def routed_experts(self) -> Optional[jax.Array]:
+        """After a forward of T tokens (in the same trace): the expert ids [L, T, k] int32 each layer routed each
+        token to, -1 on layers with a dense MLP; None without sparse layers."""
+        routing = self.moe_routing()
+        if routing is None:
+            return None
+        per_layer, num_tokens = [], None
+        for block in self._mlps():
+            if isinstance(block, SparseMoeBlock):
+                per_layer.append(sown_routed_ids(block))
+                num_tokens = per_layer[-1].shape[0]
+            else:
+                per_layer.append(None)
+        dense = jnp.full((num_tokens, routing[1]), -1, jnp.int32)
+        return jnp.stack([dense if ids is None else ids for ids in per_layer])
+
+    def _mlps(self):
+        return [getattr(layer, layer.mlp_name) for layer in self.model.layers]
 
 
 class Qwen3MoeForCausalLM(_MoeForCausalLM):

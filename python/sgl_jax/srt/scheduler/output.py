@@ -7,6 +7,8 @@ output token i under the model's (temperature 1) next-token distribution.
 
 from __future__ import annotations
 
+import base64
+
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -127,6 +129,8 @@ def _process_one(req: Req, i: int, start: int, is_extend: bool, out: StepOutput,
         check(req)
     token = int(out.next_token_ids[i])
     req.output_ids.append(token)
+    if req.return_routed_experts and out.routed_experts is not None:
+        req.routed_experts.append(out.routed_experts[i])
     if req.return_logprob:
         req.output_token_logprobs.append((float(out.next_token_logprobs[i]), token))
         if req.top_logprobs_num > 0:
@@ -175,6 +179,14 @@ def token_out(req: Req, stream_interval: int, with_logprobs: bool = True) -> Opt
         decode=DecodeConfig(sp.skip_special_tokens, sp.spaces_between_special_tokens, list(sp.stop or []),
                             sp.no_stop_trim),
         logprobs=delta,
+        routed_experts=encode_routed_experts(req.routed_experts) if finished and req.return_routed_experts else None,
     )
     req.sent_len = len(req.output_ids)
     return msg
+
+
+def encode_routed_experts(rows) -> str:
+    """SGLang's ``meta_info.routed_experts``: base64 of the int32 array [output tokens, layers, top-k] (C order;
+    -1 on dense layers), from a request's per-token rows."""
+    arr = np.asarray(rows, np.int32) if len(rows) else np.zeros((0,), np.int32)
+    return base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode("ascii")

@@ -99,6 +99,7 @@ class Req:
         token_ids_logprob: Optional[List[int]] = None,
         stream: bool = False,
         score: Optional[ScoreSpec] = None,
+        return_routed_experts: bool = False,
     ):
         self.rid = rid
         self.score = score
@@ -116,6 +117,8 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.token_ids_logprob = token_ids_logprob
         self.stream = stream
+        self.return_routed_experts = return_routed_experts
+        self.routed_experts: List[np.ndarray] = []  # per output token: int32 [layers, top-k] (model_runner)
         self.output_ids: List[int] = []
         self.finished_reason: Optional[FinishReason] = None
         self.to_abort: Optional[FinishReason] = None

@@ -234,6 +234,7 @@ class Scheduler:
             load_balance_method=self.load_balance_method,
             enable_mixed_chunk=bool(self.server_args.enable_mixed_chunk and self.chunk_size),
             max_prefill_step_ms=self.step_budget.budget_ms if self.step_budget is not None else 0,
+            return_routed_experts=self.model_runner.return_routed_experts,
         )
 
     # ------------------------------------------------------------ RankHooks
@@ -471,6 +472,7 @@ class Scheduler:
             msg.rid, input_ids, sp, eos_token_ids=self.model_config.eos_token_ids, seed=seed,
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num, token_ids_logprob=msg.token_ids_logprob, stream=msg.stream,
+            return_routed_experts=msg.return_routed_experts,
         )
         try:
             waits_for_grammar = self.grammar_queue.needs_grammar(req)
@@ -559,6 +561,7 @@ class Scheduler:
         shared = {"num_compiles_after_warmup": self.model_runner.num_compiles_after_warmup,
                   "warmup": self.model_runner.warmup_stats,
                   "prefill_step_budget": None if self.step_budget is None else self.step_budget.state(),
+                  "moe": None if self.model_runner.moe_stats is None else self.model_runner.moe_stats.state(),
                   **self.info().to_json()}
         per_rank = [{**rank.internal_state(), **shared} for rank in self.ranks]
         state = {k: v for k, v in per_rank[0].items() if k != "dp_rank"}

@@ -66,6 +66,7 @@ class GenerateReqInput:
     stream: bool = False
     rid: Optional[str] = None
     session_params: Optional[dict] = None  # SGLang's SessionParams fields (scheduler/sessions.py)
+    return_routed_experts: bool = False
 
 
 _KEEPING_PRE_TOKENIZERS = {"Sequence", "ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"}
@@ -163,6 +164,7 @@ class ReqState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: Dict[str, list] = dataclasses.field(default_factory=dict)
+    routed_experts: Optional[str] = None  # base64 int32 [output tokens, layers, top-k], from the final output
     created: float = dataclasses.field(default_factory=time.time)
     error: Optional[RequestError] = None
     # set when the client went away or the request failed before its end: the rid stays reserved until
@@ -500,6 +502,9 @@ class TokenizerManager:
                     f"and {sp.max_new_tokens} tokens for the completion (max_new_tokens / max_tokens). Reduce "
                     "either, or omit the limit to generate up to the context length.")
             sp.max_new_tokens = self.context_len - n
+        if obj.return_routed_experts and not self.info.return_routed_experts:
+            raise RequestError("return_routed_experts needs a mixture-of-experts model served with "
+                               "--enable-return-routed-experts", param="return_routed_experts")
         cap = self.server_args.max_top_logprobs_num
         if obj.top_logprobs_num > cap:
             raise RequestError(f"top_logprobs_num ({obj.top_logprobs_num}) exceeds the limit of {cap} "
@@ -577,6 +582,7 @@ class TokenizerManager:
             logprob_start_len=obj.logprob_start_len, top_logprobs_num=obj.top_logprobs_num,
             token_ids_logprob=obj.token_ids_logprob, stream=obj.stream,
             session_params=SessionParams(**obj.session_params) if obj.session_params is not None else None,
+            return_routed_experts=obj.return_routed_experts,
         ))
         if self.server_args.log_requests:
             logger.info("Request %s: %d input tokens, %s", rid, len(input_ids), sp)
@@ -631,6 +637,8 @@ class TokenizerManager:
         state.cached_tokens = out.cached_tokens
         if out.finished_reason is not None:
             state.finished_reason = out.finished_reason
+        if out.routed_experts is not None:
+            state.routed_experts = out.routed_experts
         if out.logprobs is not None:
             lp = out.logprobs
             for key in _LOGPROB_KEYS:
@@ -673,6 +681,8 @@ class TokenizerManager:
                 if key.endswith("top_logprobs") and obj.top_logprobs_num <= 0:
                     continue
                 meta[key] = self._with_text(state.logprobs.get(key, []), obj.return_text_in_logprobs)
+        if state.routed_experts is not None:
+            meta["routed_experts"] = state.routed_experts
         return {
             "text": delta_text if incremental else state.text,
             "output_ids": delta_ids if incremental else list(state.output_ids),
