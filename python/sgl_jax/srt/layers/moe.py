@@ -150,7 +150,8 @@ def experts_grouped(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: ja
     """Dropless grouped experts: the T*k (token, expert) pairs sorted by expert, each expert's rows multiplied
     by its own weights (`matmul`: a `grouped_matmul`), the results weighted and summed back per token.
 
-    Shapes as `experts_dense`; an expert with no token is an empty group (no work, no padding).
+    Shapes as `experts_dense`; an expert with no token is an empty group (no work, no padding). An id equal to E
+    (a pair to skip: `experts_expert_parallel`) sorts after every group, where the grouped matmul gives 0.
     """
     num_tokens, top_k = ids.shape
     num_experts = w_gate.shape[0]
@@ -166,13 +167,16 @@ def experts_grouped(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: ja
 
 
 def experts_expert_parallel(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                            weights: jax.Array, ids: jax.Array, act: Callable, matmul: Callable, mesh) -> jax.Array:
+                            weights: jax.Array, ids: jax.Array, act: Callable, matmul: Callable, mesh,
+                            zero_group: bool = True) -> jax.Array:
     """Expert parallelism over the mesh's ``tensor`` axis: each device holds E / ep experts (the weights'
     sharding, distributed/sharding.EXPERTS) and sees its data-parallel rank's tokens (already replicated over
     the axis by attention's output projection, so dispatching costs nothing). It runs its own experts on the
-    (token, expert) pairs routed to them -- the other pairs form one extra group multiplied by zero weights, so
-    every shape stays static -- and the partial outputs are summed over the axis (one all-reduce, like a
-    tensor-parallel row layer's). Dropless, as `experts_grouped`; shapes as `experts_dense`, global."""
+    (token, expert) pairs routed to them -- the other pairs sort last, after every group, where the grouped matmul
+    gives 0 (tiled, ragged_dot) or, with `zero_group` (gmm, whose groups must cover every row), form one extra
+    group multiplied by zero weights; every shape stays static -- and the partial outputs are summed over the axis
+    (one all-reduce, like a tensor-parallel row layer's). Dropless, as `experts_grouped`; shapes as
+    `experts_dense`, global."""
     from jax.sharding import PartitionSpec as P
 
     def local(x, wg, wu, wd, weights, ids):
@@ -181,7 +185,7 @@ def experts_expert_parallel(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_
         mine = (rel >= 0) & (rel < num_local)
 
         def with_zero_group(w):
-            return jnp.concatenate([w, jnp.zeros((1, *w.shape[1:]), w.dtype)])
+            return jnp.concatenate([w, jnp.zeros((1, *w.shape[1:]), w.dtype)]) if zero_group else w
 
         out = experts_grouped(x, with_zero_group(wg), with_zero_group(wu), with_zero_group(wd),
                               jnp.where(mine, weights, 0.0), jnp.where(mine, rel, num_local), act, matmul)
@@ -253,18 +257,25 @@ class SparseMoeBlock(nnx.Module):
         self.shared_expert_gate = Linear(hidden, 1, dtype=dtype, rngs=rngs) if shared_expert is not None else None
         self.mesh = mesh if ep_size > 1 else None  # (static: not a parameter)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, valid: Optional[jax.Array] = None) -> jax.Array:
         """x [T, hidden] -> [T, hidden] (x's dtype). The routing's expert ids [T, k] int32 are sown as the
-        ``routed_ids`` intermediate (`routed_experts` reads them; unused, XLA drops them)."""
+        ``routed_ids`` intermediate (`routed_experts` reads them; unused, XLA drops them). `valid` [T] bool: the
+        real rows; with the tiled and ragged_dot backends the others (a bucket's padding) skip the experts (their
+        routed output is 0), so padding costs no expert work."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         self.sow(nnx.Intermediate, "routed_ids", ids, reduce_fn=lambda _, new: new, init_fn=lambda: None)
+        if valid is not None and self.backend in ("tiled", "ragged_dot"):
+            num_experts = self.experts.weights()[0].shape[0]
+            ids = jnp.where(valid[:, None], ids, num_experts)  # sorts after every group: no work
+            weights = jnp.where(valid[:, None], weights, 0.0)
         interpret = jax.default_backend() != "tpu"
         if self.mesh is not None:
             if self.backend == "dense":
                 raise ValueError("--moe-backend dense is the single-device reference; use tiled, ragged_dot or gmm with "
                                  "--ep-size")
             out = experts_expert_parallel(x, *self.experts.weights(), weights, ids, jax.nn.silu,
-                                          grouped_matmul(self.backend, interpret), self.mesh)
+                                          grouped_matmul(self.backend, interpret), self.mesh,
+                                          zero_group=self.backend == "gmm")
         else:
             out = moe_experts(self.backend, x, *self.experts.weights(), weights, ids, interpret=interpret)
         if self.shared_expert is not None:

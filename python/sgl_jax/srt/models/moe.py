@@ -53,7 +53,10 @@ class MoeDecoderLayer(nnx.Module):
     def __call__(self, x: jax.Array, fb: ForwardBatch, kv: LayerKV) -> Tuple[jax.Array, LayerKV]:
         attn_out, kv = self.self_attn(self.input_layernorm(x), fb, kv)
         x = x + attn_out
-        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x)), kv
+        mlp, h = getattr(self, self.mlp_name), self.post_attention_layernorm(x)
+        if isinstance(mlp, SparseMoeBlock):  # a bucket's padding rows write the sink slot 0 and skip the experts
+            return x + mlp(h, fb.out_cache_loc != 0), kv
+        return x + mlp(h), kv
 
 
 class MoeModel(nnx.Module):
