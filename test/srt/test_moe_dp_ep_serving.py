@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
-import json
 
 import httpx
 import numpy as np
@@ -22,6 +21,7 @@ import torch
 
 from srt_helpers import hf_greedy, module_server, wait_pool_idle
 from test_moe_models import tiny_config
+from test_moe_serving import check_every_endpoint
 from test_tensor_parallel import save_tiny
 
 XLA_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
@@ -106,39 +106,5 @@ def test_dp2_ep2_routed_experts_equal_transformers_router_top_k(served):
 
 
 def test_dp2_ep2_every_endpoint(served):
-    """Chat, streamed completions, structured output, /v1/score (against /generate's logprobs of the label tokens)
-    and a session's two turns at dp 2 x ep 2."""
-    _, server = served
-
-    def post(path, body):
-        r = httpx.post(server.url + path, json=body, timeout=600)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    chat = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
-                                         "temperature": 0})
-    assert chat["usage"]["completion_tokens"] >= 1
-    streamed = httpx.post(server.url + "/v1/completions", timeout=600, json={
-        "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "stream": True})
-    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
-    constrained = post("/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "ok?"}], "max_tokens": 48, "temperature": 0,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}})
-    assert isinstance(json.loads(constrained["choices"][0]["message"]["content"])["ok"], bool)
-    labels = [9453, 2152]
-    scores = post("/v1/score", {"query": [5, 6, 7, 8], "items": [[9, 10], [11]], "label_token_ids": labels})["scores"]
-    for item, got in zip([[9, 10], [11]], scores):
-        ref = post("/generate", {"input_ids": [5, 6, 7, 8] + item, "return_logprob": True,
-                                 "token_ids_logprob": labels, "sampling_params": {"max_new_tokens": 1}})
-        want = [lp for lp, _, _ in ref["meta_info"]["output_token_ids_logprobs"][0]]
-        assert np.allclose(np.exp(want), got, atol=1e-4), (got, want)
-    sid = httpx.post(server.url + "/open_session", json={"capacity_of_str_len": 1000}, timeout=60).json()
-    first = post("/generate", {"input_ids": [1, 2, 3, 4], "session_params": {"id": sid},
-                               "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
-    second = post("/generate", {"input_ids": [5, 6], "session_params": {"id": sid, "rid": first["meta_info"]["id"]},
-                                "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
-    assert second["meta_info"]["prompt_tokens"] == 4 + len(first["output_ids"]) + 2
-    assert httpx.post(server.url + "/close_session", json={"session_id": sid}, timeout=60).status_code == 200
-    wait_pool_idle(server.url)
+    """Chat, streamed completions, structured output, /v1/score and a session's two turns at dp 2 x ep 2."""
+    check_every_endpoint(served[1].url)

@@ -64,30 +64,47 @@ def test_greedy_tokens_equal_transformers(server, tiny_moe):
 
 
 def test_chat_completions_structured_output_score_and_session(server):
-    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                 "max_tokens": 6, "temperature": 0})
+    check_every_endpoint(server.url)
+
+
+def check_every_endpoint(url: str) -> None:
+    """Chat, streamed completions, structured output (a JSON schema), /v1/score (equal to /generate's logprobs of
+    the label tokens) and a session's two turns answer on the server at `url`; its pool is idle after."""
+
+    def post_json(path: str, body: dict) -> dict:
+        r = httpx.post(url + path, json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    chat = post_json("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                                              "temperature": 0})
     assert chat["usage"]["completion_tokens"] >= 1
-    streamed = httpx.post(server.url + "/v1/completions", timeout=600, json={
+    streamed = httpx.post(url + "/v1/completions", timeout=600, json={
         "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "stream": True})
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
-    constrained = post(server, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "a number"}], "max_tokens": 24, "temperature": 0,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
-    assert isinstance(json.loads(constrained["choices"][0]["message"]["content"])["n"], int)
-    scores = post(server, "/v1/score", {"query": "Is it relevant?", "items": ["yes it is", "no", "maybe"],
-                                        "label_token_ids": [9453, 2152], "apply_softmax": True})["scores"]
-    assert len(scores) == 3 and all(abs(sum(s) - 1.0) < 1e-4 for s in scores)
-    sid = httpx.post(server.url + "/open_session", json={"capacity_of_str_len": 1000}, timeout=60).json()
-    first = post(server, "/generate", {"input_ids": [1, 2, 3, 4], "session_params": {"id": sid},
-                                       "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
-    second = post(server, "/generate", {"input_ids": [5, 6], "session_params": {"id": sid,
-                                                                                "rid": first["meta_info"]["id"]},
-                                        "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    constrained = post_json("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "ok?"}], "max_tokens": 48, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}})
+    assert isinstance(json.loads(constrained["choices"][0]["message"]["content"])["ok"], bool)
+    labels = [9453, 2152]
+    scores = post_json("/v1/score", {"query": [5, 6, 7, 8], "items": [[9, 10], [11]],
+                                     "label_token_ids": labels})["scores"]
+    for item, got in zip([[9, 10], [11]], scores):
+        ref = post_json("/generate", {"input_ids": [5, 6, 7, 8] + item, "return_logprob": True,
+                                      "token_ids_logprob": labels, "sampling_params": {"max_new_tokens": 1}})
+        want = [lp for lp, _, _ in ref["meta_info"]["output_token_ids_logprobs"][0]]
+        assert np.allclose(np.exp(want), got, atol=1e-4), (got, want)
+    sid = httpx.post(url + "/open_session", json={"capacity_of_str_len": 1000}, timeout=60).json()
+    first = post_json("/generate", {"input_ids": [1, 2, 3, 4], "session_params": {"id": sid},
+                                    "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    second = post_json("/generate", {"input_ids": [5, 6], "session_params": {"id": sid,
+                                                                             "rid": first["meta_info"]["id"]},
+                                     "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
     assert second["meta_info"]["prompt_tokens"] == 4 + len(first["output_ids"]) + 2
-    assert httpx.post(server.url + "/close_session", json={"session_id": sid}, timeout=60).status_code == 200
-    wait_pool_idle(server.url)
+    assert httpx.post(url + "/close_session", json={"session_id": sid}, timeout=60).status_code == 200
+    wait_pool_idle(url)
 
 
 def moe_state(server) -> dict:
