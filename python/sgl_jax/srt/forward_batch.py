@@ -75,6 +75,11 @@ class ForwardBatch:
     forward_mode: ForwardMode = static_field(ForwardMode.EXTEND)
     attention_backend: str = static_field("native")
 
+    def real_tokens(self):
+        """bool[T]: the rows of real tokens. A bucket's padding rows (and every row of an idle rank's batch)
+        write the padding sink, KV slot 0, which no real token is ever given."""
+        return self.out_cache_loc != 0
+
     @classmethod
     def padding(cls, mode: ForwardMode, t_pad: int, s_pad: int, pages_per_seq: int,
                 num_pools: int = 1) -> "ForwardBatch":

@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from typing import List, Tuple
 
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -87,12 +88,14 @@ def check_tp(num_heads: int, num_kv_heads: int, vocab_size: int, intermediate_si
     padded_kv_heads(num_kv_heads, tp_size)
 
 
-def replicate_kv_rows(weight: np.ndarray, num_kv_heads: int, padded: int) -> np.ndarray:
+def replicate_kv_rows(weight, num_kv_heads: int, padded: int):
     """k/v_proj weight ``[kv_heads * head_dim, ...]`` (or bias) -> ``[padded * head_dim, ...]`` with each head's
     rows repeated ``padded / kv_heads`` times in place (head h -> heads h*r .. h*r + r - 1), so tensor shard i
-    holds KV head ``i // r``: the one its query heads use."""
+    holds KV head ``i // r``: the one its query heads use. `weight`: a numpy array (the loader's host tensors) or
+    a jax array (dummy weights drawn on device, traced under jit); the result is of the same kind."""
     if padded == num_kv_heads:
         return weight
     head_dim = weight.shape[0] // num_kv_heads
     heads = weight.reshape(num_kv_heads, head_dim, *weight.shape[1:])
-    return np.repeat(heads, padded // num_kv_heads, axis=0).reshape(padded * head_dim, *weight.shape[1:])
+    xp = np if isinstance(weight, np.ndarray) else jnp  # host arrays, or jax arrays (traced ones too)
+    return xp.repeat(heads, padded // num_kv_heads, axis=0).reshape(padded * head_dim, *weight.shape[1:])

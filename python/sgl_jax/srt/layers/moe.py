@@ -234,7 +234,8 @@ class SparseMoeBlock(nnx.Module):
 
     Args:
         num_experts, top_k, renormalize: routing (see `route`).
-        backend: a resolved `--moe-backend` ("dense", "tiled", "ragged_dot" or "gmm"; static: part of the program).
+        backend: a resolved `--moe-backend` ("dense", "tiled", "ragged_dot" or "gmm"; static: part of the
+            program).
         expert_names: the checkpoint names of the experts' (gate, up, down) weights.
         shared_expert: a module computing the shared expert ([T, hidden] -> [T, hidden]), or None.
         mesh, ep_size: with ep_size > 1 (= the mesh's tensor axis), `experts_expert_parallel`.
@@ -250,7 +251,7 @@ class SparseMoeBlock(nnx.Module):
             raise ValueError(f"--ep-size {ep_size} needs a mesh and must divide the {num_experts} experts")
         self.gate = Linear(hidden, num_experts, dtype=dtype, rngs=rngs)
         self.experts = StackedExperts(num_experts, hidden, intermediate, expert_names, dtype=dtype, rngs=rngs)
-        self.top_k = int(top_k)
+        self.num_experts, self.top_k = int(num_experts), int(top_k)
         self.renormalize = bool(renormalize)
         self.backend = backend
         self.shared_expert = shared_expert
@@ -265,14 +266,13 @@ class SparseMoeBlock(nnx.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         self.sow(nnx.Intermediate, "routed_ids", ids, reduce_fn=lambda _, new: new, init_fn=lambda: None)
         if valid is not None and self.backend in ("tiled", "ragged_dot"):
-            num_experts = self.experts.weights()[0].shape[0]
-            ids = jnp.where(valid[:, None], ids, num_experts)  # sorts after every group: no work
+            ids = jnp.where(valid[:, None], ids, self.num_experts)  # sorts after every group: no work
             weights = jnp.where(valid[:, None], weights, 0.0)
         interpret = jax.default_backend() != "tpu"
         if self.mesh is not None:
             if self.backend == "dense":
-                raise ValueError("--moe-backend dense is the single-device reference; use tiled, ragged_dot or gmm with "
-                                 "--ep-size")
+                raise ValueError("--moe-backend dense is the single-device reference; use tiled, ragged_dot or "
+                                 "gmm with --ep-size")
             out = experts_expert_parallel(x, *self.experts.weights(), weights, ids, jax.nn.silu,
                                           grouped_matmul(self.backend, interpret), self.mesh,
                                           zero_group=self.backend == "gmm")

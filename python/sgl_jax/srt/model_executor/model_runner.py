@@ -273,14 +273,14 @@ class ModelRunner:
         return kv_caches, penalty_state, next_ids, next_lp, logprobs, hidden, self._moe_outputs(model, fb)
 
     def _moe_outputs(self, model, fb: ForwardBatch):
-        """(expert token counts int32[L, E] of the step's real tokens -- those writing a KV slot other than the
-        padding sink 0 --, the expert ids int32[S, L, k] of the rows whose logits were sampled when
-        --enable-return-routed-experts), empty arrays for what is not collected."""
+        """(expert token counts int32[L, E] of the step's real tokens (`ForwardBatch.real_tokens`), the expert ids
+        int32[S, L, k] of the rows whose logits were sampled when --enable-return-routed-experts), empty arrays
+        for what is not collected."""
         none = jnp.zeros((0,), jnp.int32)
         if self.moe_stats is None:
             return none, none
         routed = model.routed_experts()  # [L, T, k]
-        counts = expert_token_counts(routed, fb.out_cache_loc != 0, self.moe_stats.num_experts)
+        counts = expert_token_counts(routed, fb.real_tokens(), self.moe_stats.num_experts)
         rows = jnp.transpose(routed[:, fb.logits_indices], (1, 0, 2)) if self.return_routed_experts else none
         return counts, rows
 

@@ -40,13 +40,14 @@ class MoeStats:
     sparse_layers: Sequence[int]
     ep_size: int = 1
     window_steps: int = DEFAULT_WINDOW_STEPS
-    total: np.ndarray = None  # [L, E] int64, since start-up
-    recent: Deque[np.ndarray] = None  # the window's per-step [L, E] counts
-    steps: int = 0
-    hist_counts: np.ndarray = None  # per LOAD_RATIO_BUCKETS bucket (not cumulative)
-    hist_sum: float = 0.0
+    total: np.ndarray = dataclasses.field(init=False)  # [L, E] int64, since start-up
+    recent: Deque[np.ndarray] = dataclasses.field(init=False)  # the window's per-step [L, E] counts
+    steps: int = dataclasses.field(init=False, default=0)
+    hist_counts: np.ndarray = dataclasses.field(init=False)  # per LOAD_RATIO_BUCKETS bucket (not cumulative)
+    hist_sum: float = dataclasses.field(init=False, default=0.0)
 
     def __post_init__(self):
+        self.sparse_layers = list(self.sparse_layers)
         self.total = np.zeros((self.num_layers, self.num_experts), np.int64)
         self.recent = collections.deque(maxlen=self.window_steps)
         self.hist_counts = np.zeros(len(LOAD_RATIO_BUCKETS), np.int64)
@@ -68,7 +69,7 @@ class MoeStats:
         return np.sum(np.stack(self.recent), axis=0)
 
     def _observe(self, window: np.ndarray) -> None:
-        rows = window[list(self.sparse_layers)].astype(np.float64)
+        rows = window[self.sparse_layers].astype(np.float64)
         mean = rows.mean(axis=1, keepdims=True)
         ratios = (rows / np.where(mean > 0, mean, 1.0))[mean[:, 0] > 0].ravel()
         self.hist_counts += np.bincount(np.searchsorted(LOAD_RATIO_BUCKETS, ratios, side="left"),
@@ -78,14 +79,14 @@ class MoeStats:
     def ep_imbalance(self, window: np.ndarray) -> Optional[float]:
         """max / mean tokens per expert-parallel device in `window` [L, E], over the sparse layers together;
         None when no token was routed (1.0 with one device)."""
-        per_device = window[list(self.sparse_layers)].reshape(len(self.sparse_layers), self.ep_size, -1).sum(
+        per_device = window[self.sparse_layers].reshape(len(self.sparse_layers), self.ep_size, -1).sum(
             axis=(0, 2))
         mean = per_device.mean()
         return None if mean == 0 else float(per_device.max() / mean)
 
     def expert_imbalance(self, window: np.ndarray) -> Optional[float]:
         """The largest, over the sparse layers, of max / mean tokens per expert in `window`; None without tokens."""
-        rows = window[list(self.sparse_layers)].astype(np.float64)
+        rows = window[self.sparse_layers].astype(np.float64)
         mean = rows.mean(axis=1)
         ok = mean > 0
         return float(np.max(rows.max(axis=1)[ok] / mean[ok])) if ok.any() else None
@@ -106,7 +107,7 @@ class MoeStats:
         window = self.window()
         return {
             "num_experts": self.num_experts,
-            "sparse_layers": list(self.sparse_layers),
+            "sparse_layers": self.sparse_layers,
             "steps": self.steps,
             "expert_tokens": self.total.tolist(),
             "window_steps": len(self.recent),
@@ -117,4 +118,3 @@ class MoeStats:
             "load_ratio_histogram": {"buckets": list(LOAD_RATIO_BUCKETS), "counts": self.hist_counts.tolist(),
                                      "sum": self.hist_sum, "count": int(self.hist_counts.sum())},
         }
-

@@ -135,11 +135,9 @@ def _dummy_value(shape, dtype, ones, kv_heads, seed, index):
     """The random tensor `_Placer.dummy` makes (traced under jit; `kv_heads`: (heads, padded) to replicate)."""
     if ones:
         return jnp.ones(shape, dtype)
-    x = (jax.random.normal(jax.random.fold_in(jax.random.key(seed), index), shape, jnp.float32) * 0.02)
+    x = jax.random.normal(jax.random.fold_in(jax.random.key(seed), index), shape, jnp.float32) * 0.02
     if kv_heads is not None:
-        heads, padded = kv_heads
-        x = jnp.repeat(x.reshape(heads, shape[0] // heads, *shape[1:]), padded // heads, axis=0)
-        x = x.reshape(shape[0] * padded // heads, *shape[1:])
+        x = replicate_kv_rows(x, *kv_heads)
     return x.astype(dtype)
 
 

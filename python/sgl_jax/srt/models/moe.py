@@ -54,8 +54,8 @@ class MoeDecoderLayer(nnx.Module):
         attn_out, kv = self.self_attn(self.input_layernorm(x), fb, kv)
         x = x + attn_out
         mlp, h = getattr(self, self.mlp_name), self.post_attention_layernorm(x)
-        if isinstance(mlp, SparseMoeBlock):  # a bucket's padding rows write the sink slot 0 and skip the experts
-            return x + mlp(h, fb.out_cache_loc != 0), kv
+        if isinstance(mlp, SparseMoeBlock):  # a bucket's padding rows skip the experts
+            return x + mlp(h, fb.real_tokens()), kv
         return x + mlp(h), kv
 
 
@@ -93,7 +93,7 @@ class _MoeForCausalLM(LlamaForCausalLM):
         if not sparse:
             return None
         block = self._mlps()[sparse[0]]
-        return int(block.experts.weights()[0].shape[0]), block.top_k, sparse
+        return block.num_experts, block.top_k, sparse
 
     def routed_experts(self) -> Optional[jax.Array]:
         """After a forward of T tokens (in the same trace): the expert ids [L, T, k] int32 each layer routed each
