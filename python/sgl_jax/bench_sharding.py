@@ -145,7 +145,7 @@ def weight_bytes_per_device(model_config, tp: int, shapes: Optional[dict] = None
     for name, (shape, itemsize) in (shapes or param_shapes(model_config, tp)).items():
         if only is not None and not re.search(only, name):
             continue
-        spec = tuple(param_spec(name, expert_parallel)) + (None,) * len(shape)
+        spec = tuple(param_spec(name, ("tensor",) if expert_parallel else ())) + (None,) * len(shape)
         total += itemsize * math.prod(-(-d // tp) if ax == "tensor" else d for d, ax in zip(shape, spec))
     return total
 
@@ -236,6 +236,51 @@ def moe_plan(models: Sequence[str] = tuple(MOE_MODELS), ep_sizes: Sequence[int] 
     return rows
 
 
+DISPATCH_TOKENS = (1, 8, 64, 512, 4096)  # tokens per data-parallel rank in one step (decode batches .. prefill)
+DISPATCH_EP = 8
+
+
+def distinct_devices(num_experts: int, top_k: int, ep: int) -> float:
+    """Expected number of the `ep` devices (each holding E / ep experts) that one token's top-k experts fall on,
+    for k distinct experts drawn uniformly: ``ep * (1 - C(E - E/ep, k) / C(E, k))``."""
+    per = num_experts // ep
+    return ep * (1 - math.comb(num_experts - per, top_k) / math.comb(num_experts, top_k))
+
+
+def dispatch_bytes(tokens: int, hidden: int, num_experts: int, top_k: int, ep: int, itemsize: int = 2) -> dict:
+    """Bytes each device sends per MoE layer in one step under DP attention + EP over `ep` devices (dp = ep, tp 1;
+    `tokens` per rank, activations of `itemsize` bytes), by dispatch scheme:
+
+    - ``allgather``: the engine's (layers/moe.experts_expert_parallel): all-gather every rank's activations
+      ((ep - 1) * tokens rows sent, ring) and reduce-scatter the outputs (again (ep - 1) * tokens rows);
+    - ``all_to_all``: each token's row sent once to every other device that holds one of its experts, and the
+      partial outputs sent back (2 * tokens * d * (ep - 1) / ep rows, d = `distinct_devices`; routing ids, weights
+      and the per-device counts it must exchange first are ignored: a few bytes per token).
+
+    Uniform routing; the ratio all_to_all / allgather is d / ep whatever the step size. Returns ``{"allgather",
+    "all_to_all"}`` in bytes.
+    """
+    row = hidden * itemsize
+    d = distinct_devices(num_experts, top_k, ep)
+    return {"allgather": 2 * (ep - 1) * tokens * row, "all_to_all": 2 * tokens * d * (ep - 1) / ep * row}
+
+
+def format_dispatch_table(models: Sequence[str] = tuple(MOE_MODELS), ep: int = DISPATCH_EP) -> str:
+    """`dispatch_bytes` per (model, step tokens per rank) as a markdown table (KiB = 2^10 bytes)."""
+    lines = ["| model | ep | experts, top-k | devices per token | " + " | ".join(
+        f"{t} tok/rank: all-gather / all-to-all KiB" for t in DISPATCH_TOKENS) + " |",
+             "|---|---|---|---|" + "---|" * len(DISPATCH_TOKENS)]
+    for name in models:
+        c = MOE_MODELS[name]
+        e, k = c.get("num_experts") or c["num_local_experts"], c["num_experts_per_tok"]
+        cells = [name, str(ep), f"{e}, {k}", f"{distinct_devices(e, k, ep):.2f}"]
+        for t in DISPATCH_TOKENS:
+            b = dispatch_bytes(t, c["hidden_size"], e, k, ep)
+            cells.append(f"{b['allgather'] / 1024:,.0f} / {b['all_to_all'] / 1024:,.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _fit_cells(r: dict) -> List[str]:
     """The KV tokens and batch@4k cells of a row, per device of `DEVICES` ("does not fit" and 0 without room)."""
     cells = []
@@ -275,12 +320,24 @@ def _moe_section(moe_rows: List[dict]) -> str:
 
 A row at ep N is the model built at `--tp-size N --ep-size N` (the engine requires ep = tp): attention,
 embeddings and LM head split N ways as in the table above, each MoE layer's stacked experts `[E, in, out]` split
-on E (`param_spec(name, expert_parallel=True)` = `sharding.EXPERTS`, as the loader places them), the router and
+on E (`param_spec(name, ("tensor",))` = `sharding.EXPERTS`, as the loader places them), the router and
 norms replicated. "experts/device" is E / ep per MoE layer; "of which experts" is the stacked experts' share of the
 weights per device. KV heads fewer than tp are replicated (`padded_kv_heads`), so KV per device stops shrinking
 once tp passes the model's KV heads. A combination the engine cannot build says why.
 
 {format_moe_table(moe_rows)}
+
+### Dispatch: bytes each device sends per MoE layer and step, DP attention + EP at ep {DISPATCH_EP}
+
+With `--dp-size {DISPATCH_EP} --ep-size {DISPATCH_EP}` (tp 1) each device attends to its own rank's tokens and holds
+E / {DISPATCH_EP} experts, so every MoE layer moves tokens between devices. The engine all-gathers the ranks'
+activations and reduce-scatters the outputs (`layers/moe.experts_expert_parallel`); an all-to-all would send each
+token only to the devices holding its experts and back (`dispatch_bytes`: uniform routing, bfloat16 activations).
+The all-to-all sends d / ep of the bytes at every step size, d the devices a token's top-k experts fall on; at
+small steps both are a few KiB, where a collective's latency, not its bytes, sets its time, and the all-to-all
+needs one more exchange (the counts) and ragged sizes (`jax.lax.ragged_all_to_all`, which XLA:CPU does not run).
+
+{format_dispatch_table()}
 """
 
 
@@ -326,6 +383,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(format_table(rows))
     print()
     print(format_moe_table(moe_rows))
+    print()
+    print(format_dispatch_table())
     if args.output:
         cmd = "python -m sgl_jax.bench_sharding " + " ".join(sys.argv[1:] if argv is None else argv)
         write_report(args.output, rows, cmd.strip(), moe_rows)

@@ -120,3 +120,21 @@ def test_report_has_the_moe_table(rows, moe_rows, tmp_path):
     assert "| Qwen3-30B-A3B | 8 | 16 of 128 | 7.15 | 6.75 | 24 |" in text
     raw = json.loads((tmp_path / "plan.json").read_text())
     assert raw["moe_rows"] == list(moe_rows.values())
+
+
+def test_dispatch_bytes_match_a_simulated_routing():
+    """`distinct_devices` against routings drawn at random (k distinct experts per token), and the two schemes'
+    bytes: the all-gather's 2 (ep - 1) rows per token, the all-to-all's 2 d (ep - 1) / ep."""
+    import numpy as np
+
+    from sgl_jax.bench_sharding import dispatch_bytes, distinct_devices
+
+    rng = np.random.default_rng(0)
+    for e, k, ep in ((128, 8, 8), (8, 2, 8), (128, 8, 16), (64, 6, 4)):
+        ids = np.argsort(rng.random((20000, e)), axis=1)[:, :k]  # k distinct experts per token
+        simulated = np.mean([len(set(row)) for row in (ids // (e // ep)).tolist()])
+        assert abs(distinct_devices(e, k, ep) - simulated) < 0.02 * simulated, (e, k, ep, simulated)
+    assert distinct_devices(8, 2, 8) == 2.0  # Mixtral at ep 8: two experts, two devices
+    b = dispatch_bytes(64, 2048, 128, 8, 8)
+    assert b["allgather"] == 2 * 7 * 64 * 2048 * 2
+    assert b["all_to_all"] == b["allgather"] * distinct_devices(128, 8, 8) / 8

@@ -214,8 +214,16 @@ def test_expert_parallel_ep_2_4_match_ep_1(tmp_path, arch):
 def test_ep_size_flag_is_checked():
     from sgl_jax.srt.server_args import ServerArgs
 
-    with pytest.raises(ValueError, match="--ep-size must be 1 or --tp-size"):
+    from sgl_jax.srt.distributed.sharding import expert_axes
+
+    with pytest.raises(ValueError, match="--ep-size must be 1, --tp-size"):
         ServerArgs(ep_size=2)
-    with pytest.raises(ValueError, match="--ep-size"):
-        ServerArgs(tp_size=2, ep_size=0)
+    for bad in (0, 3, 8):
+        with pytest.raises(ValueError, match="--ep-size"):
+            ServerArgs(tp_size=2, dp_size=2, ep_size=bad)
     assert ServerArgs(tp_size=2, ep_size=2).ep_size == 2
+    assert ServerArgs(tp_size=2, dp_size=2, ep_size=4).ep_size == 4 == ServerArgs(dp_size=4, ep_size=4).ep_size
+    assert expert_axes(1, 2, 2) == () and expert_axes(2, 2, 2) == ("tensor",)
+    assert expert_axes(4, 2, 2) == expert_axes(2, 1, 2) == ("data", "tensor")
+    with pytest.raises(ValueError, match="--ep-size must be one of \\[1, 2, 4\\]"):
+        expert_axes(3, 2, 2)

@@ -228,9 +228,10 @@ class ServerArgs:
                                                 or min(self.device_indexes) < 0):
             raise ValueError(f"--device-indexes must be {self.tp_size * self.dp_size} distinct device indexes "
                              f"(--tp-size x --dp-size), got {self.device_indexes}")
-        if self.ep_size not in (1, self.tp_size):
-            raise ValueError(f"--ep-size must be 1 or --tp-size ({self.tp_size}): experts are split over the tensor "
-                             f"axis, got {self.ep_size}")
+        if self.ep_size not in (1, self.tp_size, self.tp_size * self.dp_size):
+            raise ValueError(f"--ep-size must be 1, --tp-size ({self.tp_size}) or --tp-size x --dp-size "
+                             f"({self.tp_size * self.dp_size}): experts are split over no axis, the tensor axis, "
+                             f"or every device, got {self.ep_size}")
 
     def _check_limits(self) -> None:
         if self.chunked_prefill_size != -1 and (not isinstance(self.chunked_prefill_size, int)
@@ -373,9 +374,11 @@ FLAG_HELP = {
     "incremental_streaming_output": "stream /generate text as disjoint deltas instead of cumulative text",
     "device": f"JAX platform, one of {list(DEVICES)}",
     "tp_size": "tensor parallelism: devices the model is sharded over (heads, MLP width, vocabulary)",
-    "ep_size": "expert parallelism (SGLang's flag): 1, or --tp-size to split each mixture-of-experts layer's "
-               "experts over the devices of the tensor axis (attention keeps its tp/dp layout; each device runs "
-               "its own experts on the tokens routed to them, and the outputs are summed over the axis)",
+    "ep_size": "expert parallelism (SGLang's flag): 1; --tp-size to split each mixture-of-experts layer's "
+               "experts over the devices of the tensor axis (replicated over --dp-size ranks); or --tp-size x "
+               "--dp-size to split them over every device (DP attention + EP: the ranks' tokens are gathered, "
+               "each device runs its own experts on the tokens routed to them, and the outputs are "
+               "reduce-scattered back). Attention keeps its tp/dp layout",
     "enable_return_routed_experts": "let /generate requests ask for return_routed_experts (SGLang's flag): the "
                                     "expert ids every mixture-of-experts layer chose for each output token, in "
                                     "meta_info.routed_experts (base64 of int32 [output tokens, layers, top-k], "

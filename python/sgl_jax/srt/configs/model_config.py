@@ -294,7 +294,7 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     local_rope_parameters: Optional[dict] = None
     moe_backend: str = "ragged_dot"  # a resolved --moe-backend (server_args.resolve_moe_backend)
-    ep_size: int = 1  # --ep-size: 1, or tp (experts split over the tensor axis)
+    ep_size: int = 1  # --ep-size: 1, tp or dp * tp (distributed/sharding.expert_axes)
 
     def layer_window(self, layer_id: int) -> Optional[int]:
         """The sliding window (tokens a query sees, itself included) of layer `layer_id`, None for a full one."""

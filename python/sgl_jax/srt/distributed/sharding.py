@@ -49,15 +49,41 @@ PARAM_SPECS: List[Tuple[str, P]] = [
 
 # a mixture-of-experts layer's stacked expert weights ([E, in, out], layers/moe.py)
 STACKED_EXPERTS = r"\.experts\.\w+$"
-EXPERTS = P("tensor", None, None)  # expert parallelism: each device of the tensor axis holds E / ep experts
+EXPERTS = P("tensor", None, None)  # expert parallelism over the tensor axis: each device holds E / tp experts
+EXPERTS_OVER_MESH = P(("data", "tensor"), None, None)  # over every device (DP attention + EP): E / (dp * tp) each
 
 
-def param_spec(name: str, expert_parallel: bool = False) -> P:
+def expert_axes(ep_size: int, tp_size: int, dp_size: int = 1) -> Tuple[str, ...]:
+    """The mesh axes a mixture-of-experts layer's experts are split over for ``--ep-size`` (SGLang's flag):
+
+    - ``()`` at 1: every device holds every expert;
+    - ``("tensor",)`` at ``tp_size``: the experts are split over the tensor axis and replicated over the
+      data-parallel ranks (each rank's tokens are already on every device of its tensor axis);
+    - ``("data", "tensor")`` at ``dp_size * tp_size`` with ``dp_size > 1``: split over every device (DP attention
+      + EP, the usual large-MoE deployment: SGLang's ``--enable-dp-attention --ep-size``); the ranks' tokens are
+      gathered to every device and the outputs reduce-scattered back (layers/moe.experts_expert_parallel).
+      Device ``d * tp + t`` holds experts ``[(d * tp + t) * E / ep, ...)``.
+
+    Raises:
+        ValueError: any other ``ep_size`` (the message names ``--ep-size`` and the values it may take).
+    """
+    if ep_size == 1:
+        return ()
+    if ep_size == tp_size:
+        return ("tensor",)
+    if dp_size > 1 and ep_size == dp_size * tp_size:
+        return ("data", "tensor")
+    allowed = sorted({1, tp_size, dp_size * tp_size})
+    raise ValueError(f"--ep-size must be one of {allowed} (1, --tp-size, or --tp-size x --dp-size: experts split "
+                     f"over no axis, the tensor axis, or every device), got {ep_size}")
+
+
+def param_spec(name: str, expert_axes: Tuple[str, ...] = ()) -> P:
     """The PartitionSpec of the parameter at dotted path `name` (e.g. ``model.layers.0.mlp.up_proj.weight``).
-    Stacked expert weights are split by expert over the tensor axis with `expert_parallel` (--ep-size), else
-    replicated."""
+    Stacked expert weights are split by expert over `expert_axes` (`expert_axes`: from ``--ep-size``; empty:
+    replicated)."""
     if re.search(STACKED_EXPERTS, name):
-        return EXPERTS if expert_parallel else REPLICATED
+        return {(): REPLICATED, ("tensor",): EXPERTS, ("data", "tensor"): EXPERTS_OVER_MESH}[tuple(expert_axes)]
     for pattern, spec in PARAM_SPECS:
         if re.search(pattern, name):
             return spec

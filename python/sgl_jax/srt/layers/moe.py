@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sgl_jax.srt.distributed.sharding import expert_axes
 from sgl_jax.srt.layers.linear import Linear
 
 
@@ -168,30 +169,46 @@ def experts_grouped(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: ja
 
 def experts_expert_parallel(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                             weights: jax.Array, ids: jax.Array, act: Callable, matmul: Callable, mesh,
-                            zero_group: bool = True) -> jax.Array:
-    """Expert parallelism over the mesh's ``tensor`` axis: each device holds E / ep experts (the weights'
-    sharding, distributed/sharding.EXPERTS) and sees its data-parallel rank's tokens (already replicated over
-    the axis by attention's output projection, so dispatching costs nothing). It runs its own experts on the
-    (token, expert) pairs routed to them -- the other pairs sort last, after every group, where the grouped matmul
-    gives 0 (tiled, ragged_dot) or, with `zero_group` (gmm, whose groups must cover every row), form one extra
-    group multiplied by zero weights; every shape stays static -- and the partial outputs are summed over the axis
-    (one all-reduce, like a tensor-parallel row layer's). Dropless, as `experts_grouped`; shapes as
-    `experts_dense`, global."""
+                            axes: Tuple[str, ...] = ("tensor",), zero_group: bool = True) -> jax.Array:
+    """Expert parallelism: each device holds E / ep experts, split over the mesh `axes`
+    (distributed/sharding.expert_axes: ``("tensor",)``, or ``("data", "tensor")`` for DP attention + EP), runs them
+    on the (token, expert) pairs routed to them, and the partial outputs are summed back.
+
+    - Over the tensor axis, each device already holds its data-parallel rank's tokens (replicated over the axis by
+      attention's output projection), so dispatching costs nothing; the combine is one all-reduce over the axis,
+      like a tensor-parallel row layer's.
+    - Over every device, the ranks' tokens, routing weights and ids are first all-gathered over the ``data`` axis
+      ([dp * T, ...] on every device), and the outputs are reduce-scattered back over it (each rank keeps its own
+      T rows) before the all-reduce over the tensor axis. This is the all-gather / reduce-scatter dispatch; an
+      all-to-all one (which moves only the pairs) needs ``ragged_all_to_all``, which XLA:CPU does not run
+      (docs/parallelism.md has the bytes each moves per step).
+
+    Pairs routed to another device sort last, after every group, where the grouped matmul gives 0 (tiled,
+    ragged_dot) or, with `zero_group` (gmm, whose groups must cover every row), form one extra group multiplied
+    by zero weights; every shape stays static. Dropless, as `experts_grouped`; shapes as `experts_dense`, global
+    (x [dp * T, hidden] rows sharded over ``data``)."""
     from jax.sharding import PartitionSpec as P
+
+    over_data = "data" in axes
 
     def local(x, wg, wu, wd, weights, ids):
         num_local = wg.shape[0]
-        rel = ids - jax.lax.axis_index("tensor") * num_local
+        if over_data:  # every rank's tokens on every device
+            x, weights, ids = (jax.lax.all_gather(a, "data", axis=0, tiled=True) for a in (x, weights, ids))
+        rel = ids - jax.lax.axis_index(tuple(axes)) * num_local
         mine = (rel >= 0) & (rel < num_local)
 
         def with_zero_group(w):
             return jnp.concatenate([w, jnp.zeros((1, *w.shape[1:]), w.dtype)]) if zero_group else w
 
         out = experts_grouped(x, with_zero_group(wg), with_zero_group(wu), with_zero_group(wd),
-                              jnp.where(mine, weights, 0.0), jnp.where(mine, rel, num_local), act, matmul)
-        return jax.lax.psum(out.astype(jnp.float32), "tensor").astype(x.dtype)
+                              jnp.where(mine, weights, 0.0), jnp.where(mine, rel, num_local), act,
+                              matmul).astype(jnp.float32)
+        if over_data:  # summed over every device of the data axis, each rank keeping its own rows
+            out = jax.lax.psum_scatter(out, "data", scatter_dimension=0, tiled=True)
+        return jax.lax.psum(out, "tensor").astype(x.dtype)
 
-    rows, experts = P("data", None), P("tensor", None, None)
+    rows, experts = P("data", None), P(tuple(axes) if over_data else axes[0], None, None)
     return jax.shard_map(local, mesh=mesh, in_specs=(rows, experts, experts, experts, rows, rows), out_specs=rows,
                          check_vma=False)(x, w_gate, w_up, w_down, weights, ids)
 
@@ -238,9 +255,11 @@ class SparseMoeBlock(nnx.Module):
             program).
         expert_names: the checkpoint names of the experts' (gate, up, down) weights.
         shared_expert: a module computing the shared expert ([T, hidden] -> [T, hidden]), or None.
-        mesh, ep_size: with ep_size > 1 (= the mesh's tensor axis), `experts_expert_parallel`.
+        mesh, ep_size: with ep_size > 1, `experts_expert_parallel` over the axes
+            `distributed.sharding.expert_axes` gives (the tensor axis, or every device).
     Raises:
-        ValueError: ep_size > 1 without a mesh or not dividing num_experts.
+        ValueError: ep_size > 1 without a mesh, not dividing num_experts, or not an ``--ep-size`` the mesh
+            allows (`expert_axes`).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
@@ -257,6 +276,8 @@ class SparseMoeBlock(nnx.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(hidden, 1, dtype=dtype, rngs=rngs) if shared_expert is not None else None
         self.mesh = mesh if ep_size > 1 else None  # (static: not a parameter)
+        self.ep_axes = (expert_axes(ep_size, int(mesh.shape["tensor"]), int(mesh.shape["data"]))
+                        if ep_size > 1 else ())
 
     def __call__(self, x: jax.Array, valid: Optional[jax.Array] = None) -> jax.Array:
         """x [T, hidden] -> [T, hidden] (x's dtype). The routing's expert ids [T, k] int32 are sown as the
@@ -275,7 +296,7 @@ class SparseMoeBlock(nnx.Module):
                                  "gmm with --ep-size")
             out = experts_expert_parallel(x, *self.experts.weights(), weights, ids, jax.nn.silu,
                                           grouped_matmul(self.backend, interpret), self.mesh,
-                                          zero_group=self.backend == "gmm")
+                                          axes=self.ep_axes, zero_group=self.backend == "gmm")
         else:
             out = moe_experts(self.backend, x, *self.experts.weights(), weights, ids, interpret=interpret)
         if self.shared_expert is not None:

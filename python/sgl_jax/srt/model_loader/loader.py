@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
-from sgl_jax.srt.distributed.sharding import padded_kv_heads, param_spec, replicate_kv_rows
+from sgl_jax.srt.distributed.sharding import expert_axes, padded_kv_heads, param_spec, replicate_kv_rows
 from sgl_jax.srt.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,8 @@ class _Placer:
         self.kv_heads = model_config.num_key_value_heads
         tp = 1 if mesh is None else int(mesh.shape["tensor"])
         self.padded_kv_heads = padded_kv_heads(self.kv_heads, tp)
-        self.expert_parallel = getattr(model_config, "ep_size", 1) > 1
+        dp = 1 if mesh is None else int(mesh.shape["data"])
+        self.expert_axes = expert_axes(getattr(model_config, "ep_size", 1), tp, dp) if mesh is not None else ()
         self._dummy_fns: dict = {}
 
     def checkpoint_shape(self, name: str, shape: tuple) -> tuple:
@@ -109,7 +110,7 @@ class _Placer:
             host = replicate_kv_rows(host, self.kv_heads, self.padded_kv_heads)
         if self.mesh is None:
             return jnp.asarray(host)
-        return jax.device_put(host, NamedSharding(self.mesh, param_spec(name, self.expert_parallel)))
+        return jax.device_put(host, NamedSharding(self.mesh, param_spec(name, self.expert_axes)))
 
     def dummy(self, name: str, shape: tuple, seed: int, index: int) -> jax.Array:
         """A random parameter of `shape` made on the devices, each computing only its own shard (no host copy:
@@ -120,7 +121,7 @@ class _Placer:
         ones = name.endswith("norm.weight")
         ckpt = self.checkpoint_shape(name, shape)
         kv = name.endswith(_KV_PROJ) and ckpt != shape
-        sharding = None if self.mesh is None else NamedSharding(self.mesh, param_spec(name, self.expert_parallel))
+        sharding = None if self.mesh is None else NamedSharding(self.mesh, param_spec(name, self.expert_axes))
         key = (ckpt, ones, kv, sharding)
         fn = self._dummy_fns.get(key)
         if fn is None:
