@@ -12,8 +12,9 @@
 #   moe           bench_one_batch on Qwen3-30B-A3B's shapes at 4 layers (benchmark/configs/Qwen3-30B-A3B-4-layers),
 #                 dummy weights, bfloat16, --moe-backend tiled, ragged_dot and dense, batch 1, 8 and 64
 #   moe-probe     benchmark/kernels/ragged_dot_probe.py: one grouped matmul at Qwen3-30B-A3B's expert shape, 64 to
-#                 16,384 rows, bfloat16, by ragged_dot, tiled, dense and tokamax (tokamax's rows fail, and say so,
-#                 unless it is importable: $MOE_PROBE_PATH is added to PYTHONPATH for this stage only)
+#                 16,384 rows, bfloat16, by ragged_dot, tiled, dense and tokamax (its default and its triton
+#                 kernel; tokamax's rows fail, and say so, unless it is importable: $MOE_PROBE_PATH is added to
+#                 PYTHONPATH for this stage only)
 #   moe-serving   a server of the whole Qwen3-30B-A3B (48 layers, dummy weights, bfloat16) and bench_serving's
 #                 baseline, continuous_batching and paged_attention workloads against it
 #
@@ -104,7 +105,7 @@ for s in $stages; do
              stage moe-dense 120 moe_one_batch dense ;;
         moe-probe) stage moe-probe 240 env PYTHONPATH="$PYTHONPATH${MOE_PROBE_PATH:+:$MOE_PROBE_PATH}" \
                        python3 benchmark/kernels/ragged_dot_probe.py 64,512,4096,16384 \
-                       ragged_dot,tiled,dense,tokamax bfloat16 ;;
+                       ragged_dot,tiled,dense,tokamax,tokamax-triton bfloat16 ;;
         moe-serving) stage moe-serving 400 moe_serving ;;
         *) echo "unknown stage $s"; failed=1 ;;
     esac

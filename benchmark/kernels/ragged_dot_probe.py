@@ -1,7 +1,8 @@
 """How long one grouped matmul takes on this machine: M rows spread evenly over E=128 experts against
 Qwen3-30B-A3B's expert shape (hidden 2048 -> 768), by backend: XLA's ``jax.lax.ragged_dot``, the dense reference
 (every row times every expert), `layers.moe.tiled_grouped_matmul` (--moe-backend tiled) and, where the package is
-installed, tokamax's ``ragged_dot`` (its default implementation for the platform). Prints one line per (backend,
+installed, tokamax's ``ragged_dot`` (``tokamax``: its default implementation for the platform; ``tokamax-triton``,
+``tokamax-mosaic``, ``tokamax-xla``: that one). Prints one line per (backend,
 rows): milliseconds (best of 3 after a compile), the useful TFLOP/s, the largest difference from ragged_dot's
 result, peak RSS.
 
@@ -30,10 +31,11 @@ def matmul(backend: str):
         from sgl_jax.srt.layers.moe import tiled_grouped_matmul
 
         return tiled_grouped_matmul
-    if backend == "tokamax":
+    if backend.startswith("tokamax"):  # "tokamax": its default choice; "tokamax-triton" etc.: that implementation
         import tokamax
 
-        return lambda x, w, sizes: tokamax.ragged_dot(x, w, sizes)
+        impl = backend.partition("-")[2] or None
+        return lambda x, w, sizes: tokamax.ragged_dot(x, w, sizes, implementation=impl)
     if backend == "dense":
         def dense(x, w, sizes):
             expert = jnp.repeat(jnp.arange(w.shape[0]), sizes, total_repeat_length=x.shape[0])
