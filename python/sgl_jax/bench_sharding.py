@@ -4,8 +4,9 @@
 
 Dense models (Llama-3-8B, Qwen3-8B, Qwen3-32B; bfloat16) at tp 1, 4, 8, and mixture-of-experts models
 (Qwen3-30B-A3B, Qwen3-235B-A22B, Mixtral-8x7B) at expert parallelism ep 4, 8, 16. A row at ep N is tp N with
-``ModelConfig.ep_size`` N (``--ep-size`` must equal ``--tp-size``): attention, embeddings and LM head split as in
-the dense rows, each MoE layer's stacked experts [E, in, out] split on E (`distributed/sharding.EXPERTS`).
+``ModelConfig.ep_size`` N (experts over the tensor axis; DP attention + EP, ``--ep-size`` = tp x dp, is only in
+the dispatch table): attention, embeddings and LM head split as in the dense rows, each MoE layer's stacked
+experts [E, in, out] split on E (`distributed/sharding.EXPERTS`).
 
 Each model is built abstractly with ``nnx.eval_shape`` over a ``jax.sharding.AbstractMesh`` of shape (1, tp) (no
 weights, no devices: the k/v projections come out sized by `padded_kv_heads`, as on a real mesh), each parameter's
@@ -318,7 +319,7 @@ def _moe_section(moe_rows: List[dict]) -> str:
     """The report's mixture-of-experts part: how its rows are computed, and `format_moe_table`."""
     return f"""## Mixture-of-experts models under expert parallelism
 
-A row at ep N is the model built at `--tp-size N --ep-size N` (the engine requires ep = tp): attention,
+A row at ep N is the model built at `--tp-size N --ep-size N` (experts over the tensor axis): attention,
 embeddings and LM head split N ways as in the table above, each MoE layer's stacked experts `[E, in, out]` split
 on E (`param_spec(name, ("tensor",))` = `sharding.EXPERTS`, as the loader places them), the router and
 norms replicated. "experts/device" is E / ep per MoE layer; "of which experts" is the stacked experts' share of the
