@@ -52,7 +52,7 @@ def resolve_moe_backend(name: str, platform: str) -> str:
     """The mixture-of-experts backend `name` means on `platform` ("cpu", "gpu", "tpu"): ``auto`` is gmm (the
     Pallas Megablox grouped matmul) on TPU, tiled (layers/moe.tiled_grouped_matmul) on CPU, where XLA's
     ``jax.lax.ragged_dot`` costs as much as computing every expert (reports/moe-one-batch-*-cpu-2026-11-26*),
-    and ragged_dot on GPU (tiled is not yet measured there).
+    and ragged_dot on GPU, where tiled is 3-48x slower than it (reports/h200-2026-11-26-b/NOTES.md).
 
     Raises:
         ValueError: a name outside MOE_BACKENDS.
