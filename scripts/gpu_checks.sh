@@ -96,7 +96,7 @@ for s in $stages; do
         tests) stage tests 120 python3 -m pytest -q -x -p no:cacheprovider test/srt/test_ragged_paged_attention_gpu.py ;;
         kernel) stage kernel 150 python3 benchmark/kernels/bench_ragged_paged_attention.py \
                     --output "$out/ragged-paged-attention-gpu.md" ;;
-        score) stage score 360 python3 test/srt/test_bench_multi_item_score.py "${score_args[@]}" \
+        score) stage score 360 python3 test/srt/test_bench_multi_item_score.py "${score_args[@]}" --attention-backend pallas \
                    --report "$out/multi-item-score-gpu.md" ;;
         score-native) stage score-native 360 python3 test/srt/test_bench_multi_item_score.py "${score_args[@]}" \
                           --attention-backend native --report "$out/multi-item-score-gpu-native.md" ;;
