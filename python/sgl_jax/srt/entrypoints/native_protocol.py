@@ -120,10 +120,10 @@ class GenerateRequest(NullMeansDefault, SGLangSharedFields, StrictModel):
     Every field of SGLang's ``GenerateReqInput`` (python/sglang/srt/managers/io_struct.py) is declared, and
     ``null`` means a field's default, as upstream. Per-prompt fields (sampling_params, return_logprob,
     logprob_start_len, top_logprobs_num, token_ids_logprob, rid, return_routed_experts) take one value for the
-    whole batch or a list with one entry per prompt. ``sampling_params.n`` > 1 expands each prompt into n samples, as upstream: the
-    response is then a list (prompt-major: the n samples of the first prompt, then the second's, ...). Fields
-    this engine has no support for (multimodal input, LoRA, disaggregation, hidden states, ...) are
-    accepted only at their defaults (400 naming the field otherwise); telemetry and routing hints are accepted
+    whole batch or a list with one entry per prompt. ``sampling_params.n`` > 1 expands each prompt into n
+    samples, as upstream: the response is then a list (prompt-major: the n samples of the first prompt, then
+    the second's, ...). Fields this engine has no support for (multimodal input, LoRA, disaggregation, hidden
+    states, ...) are accepted only at their defaults (400 naming the field otherwise); telemetry and routing hints are accepted
     and ignored. Unknown fields: 400 (stricter than upstream, which drops them).
     """
 
