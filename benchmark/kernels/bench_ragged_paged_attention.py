@@ -1,7 +1,8 @@
 """Benchmark of one ragged paged attention call (one layer) on decode and prefill shapes of real models.
 
-For each model (attention heads of Qwen3-0.6B and Llama-3-8B), batch shape and backend (native pure JAX,
-Pallas kernel) it prints the time per call and the achieved FLOP/s and KV bytes/s next to the device's peak,
+For each model (attention heads of SmolLM2-135M, Qwen3-0.6B and Llama-3-8B), batch shape, page size and backend
+(native: what the server runs, which on CPU is the C++ decode kernel for decode batches and pure JAX otherwise;
+jax: the pure-JAX path everywhere, `ref`; pallas: the Pallas kernel) it prints the time per call and the achieved FLOP/s and KV bytes/s next to the device's peak,
 and writes a markdown report with the command that produced it.
 
 FLOPs count the attention matmuls only, causal pairs only: 4 * H * D per (query, visible key) pair
@@ -13,6 +14,8 @@ generated together (`bench_utils.write_report`); notes go in the .notes.md besid
 
     python benchmark/kernels/bench_ragged_paged_attention.py                 # every shape, this device
     python benchmark/kernels/bench_ragged_paged_attention.py --scale 0.125 --backends native pallas
+    python benchmark/kernels/bench_ragged_paged_attention.py --models SmolLM2-135M --shapes 64:1:1500 1:1:1500 \
+        --page-size 1 16 64                                                 # the CPU decode kernel vs pure JAX
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ import numpy as np
 from tqdm import tqdm
 
 from sgl_jax.bench_utils import MachineRates, cpu_name, measure_machine_rates, timed, write_report
-from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention
+from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention, ref
 
 MODELS = {  # num_heads, num_kv_heads, head_dim (from the models' config.json)
+    "SmolLM2-135M": (9, 3, 64),
     "Qwen3-0.6B": (16, 8, 128),
     "Llama-3-8B": (32, 8, 128),
 }
@@ -47,6 +51,12 @@ class Shape:
     num_seqs: int
     q_len: int
     kv_len: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Shape":
+        """'S:Q:KV' (sequences, new tokens each, context each): a decode shape when Q is 1, else extend."""
+        s, q, kv = (int(x) for x in text.split(":"))
+        return cls("decode" if q == 1 else ("prefill" if q == kv else "extend"), s, q, kv)
 
     @property
     def decode(self) -> bool:
@@ -109,17 +119,21 @@ class Result:
     ms: float
     gflops: float
     gbs: float
+    page_size: int = 16
     max_abs_diff_vs_first_backend: Optional[float] = None
 
 
 def bench_one(model, shape, backend, page_size, dtype, iters) -> tuple:
     args, kwargs = make_inputs(model, shape, page_size, dtype)
-    fn = jax.jit(lambda *a: ragged_paged_attention(*a, **kwargs, backend=backend))
+    if backend == "jax":
+        fn = jax.jit(lambda *a: ref.ragged_paged_attention(*a, **kwargs))
+    else:
+        fn = jax.jit(lambda *a: ragged_paged_attention(*a, **kwargs, backend=backend))
     out = fn(*args).block_until_ready()
     ms = 1e3 * time_per_call(fn, args, iters)
     flops, nbytes = work(model, shape, jnp.dtype(dtype).itemsize)
     res = Result(model, shape.name, shape.num_seqs, shape.q_len, shape.kv_len, backend, jnp.dtype(dtype).name, ms,
-                 flops / ms / 1e6, nbytes / ms / 1e6)
+                 flops / ms / 1e6, nbytes / ms / 1e6, page_size)
     return res, np.asarray(out.astype(jnp.float32))
 
 
@@ -135,13 +149,14 @@ def time_per_call(fn, args, iters: int, rounds: int = 3) -> float:
     return float(np.median([timed(one_round)[1] / iters for _ in range(rounds)]))
 
 
-def run(models: List[str], shapes: List[Shape], backends: List[str], page_size: int, dtype, iters: int) -> List[Result]:
+def run(models: List[str], shapes: List[Shape], backends: List[str], page_sizes: List[int], dtype,
+        iters: int) -> List[Result]:
     results = []
-    jobs = [(m, s, b) for m in models for s in shapes for b in backends]
+    jobs = [(m, s, ps, b) for m in models for s in shapes for ps in page_sizes for b in backends]
     outs: Dict[tuple, np.ndarray] = {}
     with tqdm(total=len(jobs), desc="ragged paged attention", unit="case") as bar:
-        for m, s, b in jobs:
-            bar.set_postfix_str(f"{m} {s.name} S={s.num_seqs} q={s.q_len} kv={s.kv_len} {b}")
+        for m, s, page_size, b in jobs:
+            bar.set_postfix_str(f"{m} {s.name} S={s.num_seqs} q={s.q_len} kv={s.kv_len} page {page_size} {b}")
             res, out = bench_one(m, s, b, page_size, dtype, iters)
             key = (m, s)
             if key in outs:
@@ -156,12 +171,12 @@ def run(models: List[str], shapes: List[Shape], backends: List[str], page_size: 
 def table(results: List[Result], rates: MachineRates) -> List[str]:
     """Markdown rows of `results`, each rate also as a percentage of the measured machine rate."""
     peak_gflops, peak_gbs = rates.matmul_gflops, rates.memory_gbps
-    lines = ["| model | shape | seqs x (new / context) | backend | dtype | ms/call | GFLOP/s | % peak FLOP/s | GB/s "
+    lines = ["| model | shape | seqs x (new / context) | page | backend | dtype | ms/call | GFLOP/s | % peak FLOP/s | GB/s "
              "| % peak GB/s | max diff vs first backend |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         diff = "" if r.max_abs_diff_vs_first_backend is None else f"{r.max_abs_diff_vs_first_backend:.2e}"
-        lines.append(f"| {r.model} | {r.shape} | {r.num_seqs} x ({r.q_len} / {r.kv_len}) | {r.backend} | {r.dtype} | "
+        lines.append(f"| {r.model} | {r.shape} | {r.num_seqs} x ({r.q_len} / {r.kv_len}) | {r.page_size} | {r.backend} | {r.dtype} | "
                      f"{r.ms:.2f} | {r.gflops:.1f} | {100 * r.gflops / peak_gflops:.1f} | {r.gbs:.1f} | "
                      f"{100 * r.gbs / peak_gbs:.1f} | {diff} |")
     return lines
@@ -174,10 +189,14 @@ def machine(device) -> str:
 
 def main(argv: Optional[List[str]] = None) -> List[Result]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--backends", nargs="+", default=None, choices=["native", "pallas"],
-                   help="default: native and pallas on TPU/GPU, native on CPU (pallas there is the interpreter)")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--models", nargs="+", default=["Qwen3-0.6B", "Llama-3-8B"], choices=list(MODELS))
+    p.add_argument("--shapes", nargs="+", type=Shape.parse, default=None,
+                   help="S:Q:KV batch shapes (default: decode 64:1:2048 and 8:1:8192, prefill 1:2048:2048, "
+                        "extend 4:512:1536)")
+    p.add_argument("--backends", nargs="+", default=None, choices=["native", "jax", "pallas"],
+                   help="default: native and pallas on TPU/GPU, native and jax on CPU (pallas there is the "
+                        "interpreter)")
+    p.add_argument("--page-size", type=int, nargs="+", default=[16])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="default: bfloat16 on TPU/GPU, float32 on CPU")
     p.add_argument("--scale", type=float, default=1.0, help="multiply context and new-token lengths (smoke runs)")
@@ -188,9 +207,9 @@ def main(argv: Optional[List[str]] = None) -> List[Result]:
     args = p.parse_args(argv)
     device = jax.devices()[0]
     on_cpu = device.platform == "cpu"
-    backends = args.backends or (["native"] if on_cpu else ["native", "pallas"])
+    backends = args.backends or (["native", "jax"] if on_cpu else ["native", "pallas"])
     dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
-    shapes = [s.scaled(args.scale) for s in SHAPES]
+    shapes = [s.scaled(args.scale) for s in (args.shapes or SHAPES)]
     args.iters = args.iters or (5 if on_cpu else 50)
     rates = measure_machine_rates(dtype.name)
     results = run(args.models, shapes, backends, args.page_size, dtype, args.iters)
@@ -199,7 +218,7 @@ def main(argv: Optional[List[str]] = None) -> List[Result]:
     cli = sys.argv[1:] if argv is None else argv
     command = " ".join(["python benchmark/kernels/bench_ragged_paged_attention.py", shlex.join(cli)]).strip()
     body = "\n".join([
-        f"Device: {machine(device)}. Page size {args.page_size}, {dtype.name}; per call: the median of 3 rounds of "
+        f"Device: {machine(device)}. Page sizes {args.page_size}, {dtype.name}; per call: the median of 3 rounds of "
         f"{args.iters} back-to-back calls, after one warm-up call.", "",
         f"Peaks: {rates.describe()}.", "", *table(results, rates)])
     write_report(output, f"Ragged paged attention, one layer per call ({date})", command, body,

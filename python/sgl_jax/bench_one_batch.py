@@ -62,6 +62,7 @@ from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
 from sgl_jax.srt.forward_batch import ForwardMode
+from sgl_jax.srt.kernels.ragged_paged_attention.backend import describe as describe_attention
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, compute_max_total_tokens, setup_jax
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import ServerArgs
@@ -358,7 +359,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     weights = "dummy" if sa.load_format == "dummy" else os.path.basename(mc.model_path)
     header = [f"model {mc.architecture} ({weights} weights, {mc.dtype}), KV {kv_dtype} "
               f"{sum(cost.layer_kv_bytes)} B/token, page {sa.page_size}, tp {runner.tp_size}, "
-              f"{jax.devices()[0].device_kind} ({runner.attention_backend} attention), {os.cpu_count()} CPUs",
+              f"{jax.devices()[0].device_kind} ({describe_attention(runner.attention_backend)} attention), {os.cpu_count()} CPUs",
               f"per step: {cost.weight_bytes / 1e6:.1f} MB of weights read, {2 * cost.token_params / 1e6:.1f} "
               f"MFLOP per token + {2 * cost.head_params / 1e6:.1f} MFLOP lm-head per sequence (per device)",
               f"floors at the machine rates measured in this run; F: compute-bound, B: bandwidth-bound; x floor = "

@@ -1,5 +1,5 @@
-"""The kernel benchmark at a small scale: both backends (the Pallas one in the interpreter on CPU) on every
-model and shape, outputs equal, a generated report (.md and .json) with its command, and its peaks the machine
+"""The kernel benchmark at a small scale: its three backends (native, with the C++ decode kernel on CPU; pure
+JAX; Pallas in the interpreter on CPU) on every default model and shape, outputs equal, a generated report (.md and .json) with its command, and its peaks the machine
 rates measured in the run (bench_utils.measure_machine_rates), never a constant."""
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ def load_bench():
 def test_bench_small_scale(tmp_path):
     bench = load_bench()
     out = tmp_path / "report.md"
-    results = bench.main(["--scale", "0.0625", "--backends", "native", "pallas", "--iters", "1", "--output",
+    results = bench.main(["--scale", "0.0625", "--backends", "native", "jax", "pallas", "--iters", "1", "--output",
                           str(out)])
-    assert len(results) == len(bench.MODELS) * len(bench.SHAPES) * 2
+    assert len(results) == 2 * len(bench.SHAPES) * 3
     for r in results:
         assert r.ms > 0 and r.gflops > 0 and r.gbs > 0
+        if r.backend == "jax":
+            assert r.max_abs_diff_vs_first_backend is not None and r.max_abs_diff_vs_first_backend < 1e-5, r
         if r.backend == "pallas":
             assert r.max_abs_diff_vs_first_backend is not None and r.max_abs_diff_vs_first_backend < 1e-4, r
     text = out.read_text()
@@ -41,5 +43,5 @@ def test_bench_small_scale(tmp_path):
     # every "% peak" cell is the row's rate over the measured one
     row = next(line for line in text.splitlines() if line.startswith("| Qwen3-0.6B | decode |"))
     r = raw["results"][0]
-    assert row.split("|")[8].strip() == f"{100 * r['gflops'] / rates['matmul_gflops']:.1f}"
-    assert row.split("|")[10].strip() == f"{100 * r['gbs'] / rates['memory_gbps']:.1f}"
+    assert row.split("|")[9].strip() == f"{100 * r['gflops'] / rates['matmul_gflops']:.1f}"
+    assert row.split("|")[11].strip() == f"{100 * r['gbs'] / rates['memory_gbps']:.1f}"

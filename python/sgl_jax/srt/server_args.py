@@ -397,8 +397,9 @@ FLAG_HELP = {
     "dist_init_addr": "HOST:PORT of node 0 on every node: jax.distributed's coordinator; PORT+1..PORT+3 "
                       "carry node 0's scheduler inputs and the nodes' heartbeats",
     "attention_backend": f"ragged paged attention implementation, one of {list(ATTENTION_BACKENDS)}; auto: the "
-                         "Pallas kernel on TPU, native (pure JAX) on CPU and GPU (the GPU kernel has not yet "
-                         "passed its test on hardware); pallas on CPU runs the TPU kernel in Pallas' "
+                         "Pallas kernel on TPU, native on CPU and GPU (pure JAX; on CPU, decode batches run a C++ "
+                         "kernel built at install; the GPU Pallas kernel has not yet passed its test on "
+                         "hardware); pallas on CPU runs the TPU kernel in Pallas' "
                          "interpreter (slow, for verification)",
     "moe_backend": f"how mixture-of-experts layers compute their experts, one of {list(MOE_BACKENDS)}; auto: gmm "
                    "(Pallas Megablox grouped matmul) on TPU, tiled (each expert's rows in tiles, multiplied in a "

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
+from sgl_jax.srt.kernels.ragged_paged_attention.backend import describe as describe_attention
 from sgl_jax.srt.distributed.mesh import create_mesh, tp_size_of
 from sgl_jax.srt.distributed.multihost import init_distributed
 from sgl_jax.srt.distributed.sharding import KV_CACHE, RANK_ROWS, REPLICATED, check_tp, padded_kv_heads
@@ -186,8 +187,8 @@ class ModelRunner:
         self.buckets = buckets
         self.page_size = server_args.page_size
         self.attention_backend = resolve_attention_backend(server_args.attention_backend, jax.default_backend())
-        logger.info("Attention backend: %s (--attention-backend %s on %s)", self.attention_backend,
-                    server_args.attention_backend, jax.default_backend())
+        logger.info("Attention backend: %s (--attention-backend %s on %s)",
+                    describe_attention(self.attention_backend), server_args.attention_backend, jax.default_backend())
         hf = model_config.hf_config
         check_tp(model_config.num_attention_heads, model_config.num_key_value_heads, model_config.vocab_size,
                  int(getattr(hf, "intermediate_size", server_args.tp_size)), server_args.tp_size)

@@ -1,7 +1,8 @@
 """Choosing the ragged paged attention implementation ("native" or "pallas"; the ``--attention-backend`` flag's
 "auto" is resolved to one of them by `server_args.resolve_attention_backend`).
 
-- native: the pure-JAX implementation (`ref`), which XLA compiles for any device.
+- native: the pure-JAX implementation (`ref`), which XLA compiles for any device; on CPU its decode batches
+  run the C++ kernel of `cpu` instead (built at install; `ref` where it is missing or switched off).
 - pallas: the Pallas kernel of the platform: Mosaic TPU (`tpu`) on TPU, Triton (`gpu`) on GPU; on CPU the
   TPU kernel in Pallas' interpreter (slow; for verifying the kernel end to end, not for serving).
 
@@ -15,7 +16,7 @@ from typing import Optional
 
 import jax
 
-from sgl_jax.srt.kernels.ragged_paged_attention import ref
+from sgl_jax.srt.kernels.ragged_paged_attention import cpu, ref
 
 IMPLEMENTATIONS = ("native", "pallas")
 
@@ -30,6 +31,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
                   prefix_lens=prefix_lens, segment_starts=segment_starts)
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if backend == "native":
+        if decode_only and _cpu_decode_kernel(q.dtype, k_pages.dtype):
+            return cpu.decode_attention(q, k_pages, v_pages, kv_lens, page_indices, num_seqs, sm_scale=sm_scale,
+                                        sliding_window=sliding_window, soft_cap=soft_cap)
         return ref.ragged_paged_attention(*args, shared_prefix_len=shared_prefix_len, **kwargs)
     if backend not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention backend {backend!r} (expected one of {list(IMPLEMENTATIONS)})")
@@ -41,3 +45,17 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     from sgl_jax.srt.kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
     return ragged_paged_attention_tpu(*args, interpret=platform != "tpu", **kwargs)
+
+
+def _cpu_decode_kernel(q_dtype, kv_dtype) -> bool:
+    """Whether a native decode call traced now runs `cpu.decode_attention`: the platform is CPU, the kernel is
+    built and not switched off, and it takes these dtypes."""
+    return jax.default_backend() == "cpu" and cpu.supports(q_dtype, kv_dtype) and cpu.enabled()
+
+
+def describe(backend: str) -> str:
+    """The backend as reports and logs name it, e.g. "native (decode: C++ CPU kernel)" on CPU with the kernel
+    built, "native (decode: pure JAX)" without it."""
+    if backend != "native" or jax.default_backend() != "cpu":
+        return backend
+    return f"native (decode: {'C++ CPU kernel' if cpu.enabled() else 'pure JAX'})"

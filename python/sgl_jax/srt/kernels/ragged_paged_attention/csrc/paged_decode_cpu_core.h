@@ -1,0 +1,133 @@
+// The decode kernel's inner loops, included by paged_decode_cpu.cc once per instruction set (a namespace each:
+// baseline, and on x86-64 AVX2 + FMA, picked at run time). Needs Problem, Partial, kChunk and RowF32 in scope.
+
+// exp(x) in float32 for the softmax's arguments (x <= 0; -inf gives ~1e-38, i.e. 0 to the sums it feeds): 2^(x /
+// ln 2) as 2^i (the exponent bits) times a degree-6 polynomial for 2^f on [0, 1) (least-squares fit, relative
+// error 7e-9 before float32 rounding). Written out so that the loops over it vectorize (std::exp does not).
+inline float FastExp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.44269504088896341f;
+  int i = static_cast<int>(t);  // toward zero: one too high for negative non-integers
+  float fi = static_cast<float>(i);
+  const bool over = fi > t;
+  i -= over ? 1 : 0;
+  fi -= over ? 1.0f : 0.0f;
+  const float f = t - fi;
+  const float p = 1.0f + f * (0.69314688444f + f * (0.24023030698f + f * (0.05548214912f +
+                  f * (0.00967998523f + f * (0.00124379469f + f * 0.00021683432f)))));
+  const int32_t bits = (i + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// sum(a[d] * b[d]) over d < D, as four independent partial sums (one dependency chain of fused multiply-adds
+// per quarter instead of one for the whole row: the chain's latency, not the arithmetic, bounded the kernel).
+inline float Dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+  if (D % 4 != 0) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+    return s;
+  }
+  const int64_t Q = D / 4;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t d = 0; d < Q; ++d) {
+    s0 += a[d] * b[d];
+    s1 += a[d + Q] * b[d + Q];
+    s2 += a[d + 2 * Q] * b[d + 2 * Q];
+    s3 += a[d + 3 * Q] * b[d + 3 * Q];
+  }
+  return (s0 + s1) + (s2 + s3);
+}
+
+inline void PrefetchRow(const void* base, int64_t byte_offset, int64_t bytes) {
+  const char* ptr = static_cast<const char*>(base) + byte_offset;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ptr + b);
+}
+
+// Keys [lo, hi) of sequence s against all its query heads. A token's K (then V) row holds every KV head
+// (KVH * D values, contiguous), and all of it is used at once; the next chunk's rows are prefetched while
+// this one is scored, since rows of a page-size-1 cache sit anywhere in the pool. DK is the head dimension
+// when it is known at compile time (the common ones: the loops over it then vectorize fully), else 0 and D is
+// read at run time. The online-softmax state goes to out (m, l [H], acc [H, D]).
+// Keys [lo, hi) of sequence s against all its query heads, a chunk of kChunk tokens at a time. A token's K (then
+// V) row holds every KV head (KVH * D values, contiguous), and all of it is used at once: every query head is
+// scored against the K row, then every head's accumulator takes the V row. The next chunk's rows are prefetched
+// while this one is processed, since a page-size-1 cache scatters rows over the pool. (Head-major order, each
+// head's accumulator in registers over the chunk's rows, measured 2x slower.) DK is the head dimension when it
+// is known at compile time (the common ones: the loops over it then vectorize fully), else 0 and D is read at
+// run time. The online-softmax state goes to out (m, l [H], acc [H, D]).
+template <int DK>
+void AttendRangeT(const Problem& p, int64_t s, int64_t lo, int64_t hi, Partial& out) {
+  const int64_t H = p.H, G = p.G, KVH = p.KVH, D = DK > 0 ? DK : p.D;
+  const int64_t row_elems = KVH * D, row_bytes = row_elems * (p.kv_bf16 ? 2 : 4);
+  std::vector<float> qbuf(H * D), sbuf(H * kChunk), kbuf(row_elems), vbuf(row_elems);
+  out.m.assign(H, -INFINITY);
+  out.l.assign(H, 0.f);
+  out.acc.assign(H * D, 0.f);
+  float* __restrict qv = qbuf.data();
+  float* __restrict scores = sbuf.data();
+  float* __restrict acc = out.acc.data();
+  {
+    const float* row = RowF32(p.q, p.q_bf16, s, H * D, qv);
+    for (int64_t i = 0; i < H * D; ++i) qv[i] = row[i] * p.sm_scale;
+  }
+  const int32_t* table = p.pages + s * p.P;
+  auto token_row = [&](int64_t t) {
+    return static_cast<int64_t>(table[t / p.page_size]) * p.page_size + t % p.page_size;
+  };
+  int64_t rows[kChunk];
+  for (int64_t start = lo; start < hi; start += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, hi - start));
+    for (int j = 0; j < n; ++j) rows[j] = token_row(start + j);
+    const int64_t next_end = std::min<int64_t>(hi, start + 2 * kChunk);
+    for (int64_t t = start + kChunk; t < next_end; ++t) {
+      PrefetchRow(p.k, token_row(t) * row_bytes, row_bytes);
+      PrefetchRow(p.v, token_row(t) * row_bytes, row_bytes);
+    }
+    for (int j = 0; j < n; ++j) {
+      const float* __restrict kr = RowF32(p.k, p.kv_bf16, rows[j], row_elems, kbuf.data());
+      for (int64_t hq = 0; hq < H; ++hq) scores[hq * kChunk + j] = Dot(qv + hq * D, kr + (hq / G) * D, D);
+    }
+    for (int64_t hq = 0; hq < H; ++hq) {
+      float* __restrict sh = scores + hq * kChunk;
+      if (p.soft_cap > 0.f)
+        for (int j = 0; j < n; ++j) sh[j] = p.soft_cap * std::tanh(sh[j] / p.soft_cap);
+      float mx = out.m[hq];
+      for (int j = 0; j < n; ++j) mx = std::max(mx, sh[j]);
+      const float corr = FastExp(out.m[hq] - mx);  // exp(-inf) = 0 on the first chunk
+      float sum = 0.f;
+      for (int j = 0; j < n; ++j) {
+        sh[j] = FastExp(sh[j] - mx);
+        sum += sh[j];
+      }
+      out.l[hq] = out.l[hq] * corr + sum;
+      out.m[hq] = mx;
+      float* __restrict ah = acc + hq * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ah[d] *= corr;
+    }
+    for (int j = 0; j < n; ++j) {
+      const float* __restrict vr = RowF32(p.v, p.kv_bf16, rows[j], row_elems, vbuf.data());
+      for (int64_t hq = 0; hq < H; ++hq) {
+        const float w = scores[hq * kChunk + j];
+        const float* __restrict vh = vr + (hq / G) * D;
+        float* __restrict ah = acc + hq * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ah[d] += w * vh[d];
+      }
+    }
+  }
+}
+
+void AttendRangeIsa(const Problem& p, int64_t s, int64_t lo, int64_t hi, Partial& out) {
+  switch (p.D) {
+    case 64: return AttendRangeT<64>(p, s, lo, hi, out);
+    case 128: return AttendRangeT<128>(p, s, lo, hi, out);
+    case 256: return AttendRangeT<256>(p, s, lo, hi, out);
+    default: return AttendRangeT<0>(p, s, lo, hi, out);
+  }
+}
+

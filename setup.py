@@ -1,0 +1,48 @@
+"""Builds the optional C++ part of sgl-jax (the rest of the packaging is in pyproject.toml).
+
+One extension: the CPU decode attention kernel that XLA calls through JAX's FFI
+(python/sgl_jax/srt/kernels/ragged_paged_attention/csrc/paged_decode_cpu.cc, loaded by
+`sgl_jax.srt.kernels.ragged_paged_attention.cpu`). It is a plain shared library (no Python C API), compiled
+against the XLA FFI headers that jaxlib ships (a build requirement in pyproject.toml). It is optional: where it
+fails to build (no C++ compiler), the install still succeeds and decode attention on CPU runs in pure JAX.
+"""
+
+import importlib.util
+import os
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+KERNEL_DIR = "python/sgl_jax/srt/kernels/ragged_paged_attention"
+
+
+def xla_ffi_include_dir() -> str:
+    """jaxlib's include directory (what `jax.ffi.include_dir()` returns), found without importing jaxlib."""
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("jaxlib is not installed in the build environment; it provides the XLA FFI headers")
+    return os.path.join(list(spec.submodule_search_locations)[0], "include")
+
+
+class BuildExt(build_ext):
+    """build_ext with the XLA FFI include directory and C++17 flags for the kernel."""
+
+    def build_extensions(self):
+        for ext in self.extensions:
+            ext.include_dirs.append(xla_ffi_include_dir())
+        super().build_extensions()
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "sgl_jax.srt.kernels.ragged_paged_attention._paged_decode_cpu",
+            sources=[f"{KERNEL_DIR}/csrc/paged_decode_cpu.cc"],
+            depends=[f"{KERNEL_DIR}/csrc/paged_decode_cpu_core.h"],
+            language="c++",
+            extra_compile_args=["-std=c++17", "-O3", "-fopenmp-simd", "-w"],
+            optional=True,
+        )
+    ],
+    cmdclass={"build_ext": BuildExt},
+)

@@ -1,0 +1,117 @@
+"""The CPU decode attention kernel (C++ through JAX's FFI, `kernels/ragged_paged_attention/cpu.py`) against the
+pure-JAX path it replaces (`ref`, itself checked against numpy in test_ragged_paged_attention.py).
+
+The kernel must be built (setup.py builds it at install): a missing kernel fails here, it never skips.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sgl_jax.srt.kernels.ragged_paged_attention import cpu, ragged_paged_attention, ref
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def paged_batch(rng, kv_lens, page_size, KVH, D, S_pad, dtype, garbage_tail=True):
+    """A cache holding each sequence's keys on shuffled pages, and its page table; table entries past a
+    sequence's pages hold out-of-range page numbers (they must never be read)."""
+    pages_per_seq = max(-(-max(kv_lens) // page_size), 1) + 1
+    num_pages = 1 + sum(-(-k // page_size) for k in kv_lens)
+    k_pages = rng.standard_normal((num_pages, page_size, KVH, D)).astype(np.float32)
+    v_pages = rng.standard_normal((num_pages, page_size, KVH, D)).astype(np.float32)
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    fill = 10 ** 8 if garbage_tail else 0
+    page_indices = np.full((S_pad, pages_per_seq), fill, np.int32)
+    for s, L in enumerate(kv_lens):
+        for p in range(-(-L // page_size)):
+            page_indices[s, p] = free.pop()
+    kl = np.ones(S_pad, np.int32)
+    kl[:len(kv_lens)] = kv_lens
+    return (jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype), jnp.asarray(kl), jnp.asarray(page_indices))
+
+
+def both(q, k, v, kl, pi, num_seqs, **kw):
+    """(kernel, pure JAX) outputs of the same decode call, as float32 numpy arrays."""
+    got = jax.jit(lambda *a: cpu.decode_attention(*a, **kw))(q, k, v, kl, pi, jnp.int32(num_seqs))
+    want = jax.jit(lambda *a: ref.ragged_paged_attention(*a, decode_only=True, **kw))(
+        q, k, v, kl, pi, jnp.zeros(pi.shape[0] + 1, jnp.int32), jnp.int32(num_seqs))
+    assert got.dtype == q.dtype and got.shape == q.shape
+    return np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+
+
+def test_kernel_is_built_and_loads():
+    assert cpu.library_path() is not None, "the CPU decode kernel was not built: reinstall with `pip install -e .`"
+    assert cpu.enabled()
+
+
+CASES = [  # name, heads (H, KVH, D), page_size, kv_lens, S_pad, T
+    ("gqa3-d64-page1", (9, 3, 64), 1, [1, 2, 37, 300, 1500], 8, 8),
+    ("gqa3-d64-page16", (9, 3, 64), 16, [1, 15, 16, 17, 700], 6, 6),
+    ("mha-d128-page4", (4, 4, 128), 4, [5, 129, 260], 4, 4),
+    ("gqa8-d256-page16", (16, 2, 256), 16, [33, 1000], 2, 2),
+    ("odd-head-dim-80", (6, 2, 80), 8, [7, 90, 333], 3, 3),  # not a compiled-in head size: the generic loop
+    ("fewer-rows-than-seqs", (9, 3, 64), 16, [40, 50, 60, 70], 6, 3),  # T < S: rows past T dropped
+    ("more-rows-than-seqs", (9, 3, 64), 16, [40, 50], 4, 9),  # padding rows stay zero
+    ("one-long-sequence", (9, 3, 64), 16, [6000], 1, 1),  # one sequence: its context split across threads
+]
+
+
+@pytest.mark.parametrize("name,heads,page_size,kv_lens,S_pad,T", CASES, ids=[c[0] for c in CASES])
+def test_matches_pure_jax(name, heads, page_size, kv_lens, S_pad, T):
+    H, KVH, D = heads
+    rng = np.random.default_rng(len(name))
+    k, v, kl, pi = paged_batch(rng, kv_lens, page_size, KVH, D, S_pad, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((T, H, D)).astype(np.float32))
+    got, want = both(q, k, v, kl, pi, len(kv_lens), sm_scale=D ** -0.5)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    assert np.all(got[min(len(kv_lens), T):] == 0)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(64, None), (None, 30.0), (200, 50.0), (1, None)])
+def test_sliding_window_and_soft_cap(window, soft_cap):
+    rng = np.random.default_rng(7)
+    kv_lens = [1, 63, 64, 65, 500, 3000]
+    k, v, kl, pi = paged_batch(rng, kv_lens, 16, 1, 64, 8, jnp.float32)
+    q = jnp.asarray(3 * rng.standard_normal((8, 4, 64)).astype(np.float32))  # large scores: the cap bites
+    got, want = both(q, k, v, kl, pi, len(kv_lens), sm_scale=0.125, sliding_window=window, soft_cap=soft_cap)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", [("bfloat16", "bfloat16"), ("float32", "bfloat16"),
+                                              ("bfloat16", "float32")])
+def test_bfloat16(q_dtype, kv_dtype):
+    rng = np.random.default_rng(3)
+    k, v, kl, pi = paged_batch(rng, [10, 400, 1200], 16, 3, 64, 4, kv_dtype)
+    q = jnp.asarray(rng.standard_normal((4, 9, 64)).astype(np.float32), q_dtype)
+    got, want = both(q, k, v, kl, pi, 3, sm_scale=0.125)
+    # ref converts blocks to q's dtype before its float32 softmax; the kernel reads them as float32: the same
+    # values when either side is float32, and within bfloat16's rounding when q is bfloat16.
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_native_backend_runs_it_for_decode_only():
+    """The model's call (backend "native") compiles to the kernel's custom call for decode batches, and to the
+    pure-JAX path for extend batches or where SGL_JAX_CPU_DECODE_KERNEL=0."""
+    rng = np.random.default_rng(0)
+    k, v, kl, pi = paged_batch(rng, [20, 30], 16, 3, 64, 2, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 9, 64)).astype(np.float32))
+    args = (q, k, v, kl, pi, jnp.asarray([0, 1, 2], jnp.int32), jnp.int32(2))
+
+    def hlo(decode_only):
+        f = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.125, decode_only=decode_only, backend="native"))
+        return f.lower(*args).as_text()
+
+    assert cpu.TARGET in hlo(True)
+    assert cpu.TARGET not in hlo(False)
+    code = ("import jax.numpy as jnp; from sgl_jax.srt.kernels.ragged_paged_attention import backend; "
+            "print(backend._cpu_decode_kernel(jnp.float32, jnp.float32))")
+    for switch, expect in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, SGL_JAX_CPU_DECODE_KERNEL=switch, JAX_PLATFORMS="cpu")
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert r.stdout.strip().splitlines()[-1] == expect, r.stderr[-2000:]
