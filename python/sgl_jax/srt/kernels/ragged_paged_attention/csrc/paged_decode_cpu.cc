@@ -31,6 +31,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -87,9 +91,11 @@ namespace baseline {
 #define SGL_JAX_HAVE_AVX2_CLONE 1
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#define SGL_JAX_CORE_AVX2 1
 namespace avx2 {
 #include "paged_decode_cpu_core.h"
 }  // namespace avx2
+#undef SGL_JAX_CORE_AVX2
 #pragma GCC pop_options
 #endif
 

@@ -42,6 +42,37 @@ inline float Dot(const float* __restrict a, const float* __restrict b, int64_t D
   return (s0 + s1) + (s2 + s3);
 }
 
+// Scores of one token's K row kr [KVH * D] against every query head: out[hq * stride] = q[hq] . k[hq / G]. With
+// AVX2 (this header's AVX2 copy) and D a multiple of 8, eight heads at a time: eight vector partial sums, reduced
+// together by a tree of horizontal adds (7 instructions for 8 sums, where reducing each alone takes ~4 each).
+inline void ScoreRow(const float* __restrict q, const float* __restrict kr, int64_t H, int64_t G, int64_t D,
+                     float* __restrict out, int64_t stride) {
+  int64_t hq = 0;
+#ifdef SGL_JAX_CORE_AVX2
+  if (D % 8 == 0) {
+    for (; hq + 8 <= H; hq += 8) {
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        for (int i = 0; i < 8; ++i) {
+          const __m256 kv = _mm256_loadu_ps(kr + ((hq + i) / G) * D + d);
+          a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (hq + i) * D + d), kv, a[i]);
+        }
+      }
+      const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+      const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+      const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+      const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, sums);
+      for (int i = 0; i < 8; ++i) out[(hq + i) * stride] = tmp[i];
+    }
+  }
+#endif
+  for (; hq < H; ++hq) out[hq * stride] = Dot(q + hq * D, kr + (hq / G) * D, D);
+}
+
 inline void PrefetchRow(const void* base, int64_t byte_offset, int64_t bytes) {
   const char* ptr = static_cast<const char*>(base) + byte_offset;
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ptr + b);
@@ -89,7 +120,7 @@ void AttendRangeT(const Problem& p, int64_t s, int64_t lo, int64_t hi, Partial& 
     for (int j = 0; j < n; ++j) {
       if (j < n_next) PrefetchRow(p.k, next[j] * row_bytes, row_bytes);
       const float* __restrict kr = RowF32(p.k, p.kv_bf16, rows[j], row_elems, kbuf.data());
-      for (int64_t hq = 0; hq < H; ++hq) scores[hq * kChunk + j] = Dot(qv + hq * D, kr + (hq / G) * D, D);
+      ScoreRow(qv, kr, H, G, D, scores + j, kChunk);
     }
     for (int64_t hq = 0; hq < H; ++hq) {
       float* __restrict sh = scores + hq * kChunk;
