@@ -115,3 +115,17 @@ def test_native_backend_runs_it_for_decode_only():
         env = dict(os.environ, SGL_JAX_CPU_DECODE_KERNEL=switch, JAX_PLATFORMS="cpu")
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert r.stdout.strip().splitlines()[-1] == expect, r.stderr[-2000:]
+
+
+def test_a_sequence_gets_the_same_bits_in_any_batch():
+    """Batch invariance: a sequence's output does not depend on what it is batched with (the context splits
+    follow its own length only), which the KV cache tests' identical-output checks rely on."""
+    rng = np.random.default_rng(11)
+    kv_lens = [3000, 700, 1500, 40]
+    k, v, kl, pi = paged_batch(rng, kv_lens, 16, 3, 64, 4, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((4, 9, 64)).astype(np.float32))
+    f = jax.jit(lambda *a: cpu.decode_attention(*a, sm_scale=0.125))
+    together = np.asarray(f(q, k, v, kl, pi, jnp.int32(4)))
+    for s in range(4):
+        alone = np.asarray(f(q[s:s + 1], k, v, kl[s:s + 1], pi[s:s + 1], jnp.int32(1)))
+        np.testing.assert_array_equal(alone[0], together[s])

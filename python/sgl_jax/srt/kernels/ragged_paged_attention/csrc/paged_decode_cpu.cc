@@ -3,10 +3,10 @@
 // One query token per sequence attends to its sequence's keys and values, read in place from the paged KV
 // cache. The pure-JAX path (ref._decode_attention) gathers every KV row into a fresh buffer first; on CPU
 // that copy, not the arithmetic, is the cost (one layer of SmolLM2 at 64 sequences x 1,500 tokens: ~30-55
-// ms against ~5 ms to read the bytes once). Here each work item (sequence, KV head, context split) streams
-// its rows once: the GQA group's G query heads share every key and value row read (flash-decoding: Dao et
-// al. 2023; a sequence's context is split across work items when there are too few sequences to keep the
-// threads busy, and the splits' partial softmax states are combined at the end).
+// ms against ~5 ms to read the bytes once). Here each work item (a sequence, or a split of a long one's
+// context) streams its K and V rows once, every query head scored against the row of its KV head
+// (flash-decoding, Dao et al. 2023: the splits' partial softmax states are combined at the end). Work items
+// run on XLA's intra-op thread pool.
 //
 // Buffers (shapes as ref.ragged_paged_attention's decode path takes them):
 //   q            [T, H, D]                     float32 or bfloat16; row s is sequence s's query
@@ -40,7 +40,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kChunk = 8;  // keys scored before their values are read (8-64 measured alike at page 16-64; 8 best at page 1)
-constexpr int64_t kMinSplitKeys = 256;  // no context split shorter than this
+constexpr int64_t kSplitKeys = 1024;  // a sequence's context runs as one work item per this many keys
 
 inline float Bf16ToF32(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -207,27 +207,30 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   std::memset(out->untyped_data(), 0, out->size_bytes());
   // Key range of each live sequence, clamped to its page table.
   std::vector<int64_t> lo(p.live), hi(p.live);
-  int64_t total = 0;
   for (int64_t s = 0; s < p.live; ++s) {
     hi[s] = std::clamp<int64_t>(p.kv_lens[s], 0, p.P * p.page_size);
     lo[s] = p.window > 0 ? std::clamp<int64_t>(hi[s] - p.window, 0, hi[s]) : 0;
-    total += hi[s] - lo[s];
   }
   if (p.live == 0) return ffi::Error::Success();
-  // Splits per sequence: enough work items for every thread about four times over, none under kMinSplitKeys.
+  // Context splits: a sequence of len keys runs as ceil(len / kSplitKeys) work items of equal length, combined at
+  // the end. The count depends on the sequence alone, never on the batch or the thread count, so a sequence's
+  // output is the same bits whatever it is batched with (batch invariance, which the cache tests rely on).
+  std::vector<int64_t> first(p.live + 1, 0);  // work items [first[s], first[s + 1]) are sequence s's splits
+  for (int64_t s = 0; s < p.live; ++s)
+    first[s + 1] = first[s] + std::max<int64_t>(1, (hi[s] - lo[s] + kSplitKeys - 1) / kSplitKeys);
+  const int64_t items = first[p.live];
+  std::vector<int64_t> owner(items);
+  for (int64_t s = 0; s < p.live; ++s)
+    for (int64_t i = first[s]; i < first[s + 1]; ++i) owner[i] = s;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t items = p.live;
-  int64_t splits = std::max<int64_t>(1, (4 * threads + items - 1) / items);
-  const int64_t mean = std::max<int64_t>(1, total / p.live);
-  splits = std::max<int64_t>(1, std::min(splits, mean / kMinSplitKeys));
-  std::vector<Partial> parts(items * splits);
-  ParallelFor(pool, items * splits, threads - 1, [&](int64_t i) {
-    const int64_t split = i % splits, s = i / splits;
+  std::vector<Partial> parts(items);
+  ParallelFor(pool, items, threads - 1, [&](int64_t i) {
+    const int64_t s = owner[i], splits = first[s + 1] - first[s], split = i - first[s];
     const int64_t len = hi[s] - lo[s], a = lo[s] + len * split / splits, b = lo[s] + len * (split + 1) / splits;
     AttendRange(p, s, a, b, parts[i]);
   });
-  ParallelFor(pool, items, threads - 1, [&](int64_t s) {
-    Finish(p, s, &parts[s * splits], splits, out->untyped_data());
+  ParallelFor(pool, p.live, threads - 1, [&](int64_t s) {
+    Finish(p, s, &parts[first[s]], first[s + 1] - first[s], out->untyped_data());
   });
   return ffi::Error::Success();
 }
