@@ -25,12 +25,20 @@ def xla_ffi_include_dir() -> str:
 
 
 class BuildExt(build_ext):
-    """build_ext with the XLA FFI include directory and C++17 flags for the kernel."""
+    """build_ext with the XLA FFI include directory, and an atomic copy of the result into the source tree."""
 
     def build_extensions(self):
         for ext in self.extensions:
             ext.include_dirs.append(xla_ffi_include_dir())
         super().build_extensions()
+
+    def copy_file(self, infile, outfile, *args, **kwargs):
+        """Put the built library in place by rename, never by writing over the old file: a process that has
+        the old one loaded (a running server, the test session) keeps its copy intact."""
+        tmp = f"{outfile}.tmp-{os.getpid()}"
+        _, copied = super().copy_file(infile, tmp, *args, **kwargs)
+        os.replace(tmp, outfile)
+        return outfile, copied
 
 
 setup(

@@ -158,7 +158,7 @@ def run(models: List[str], shapes: List[Shape], backends: List[str], page_sizes:
         for m, s, page_size, b in jobs:
             bar.set_postfix_str(f"{m} {s.name} S={s.num_seqs} q={s.q_len} kv={s.kv_len} page {page_size} {b}")
             res, out = bench_one(m, s, b, page_size, dtype, iters)
-            key = (m, s)
+            key = (m, s, page_size)  # the same inputs: one model, shape and page size
             if key in outs:
                 res.max_abs_diff_vs_first_backend = float(np.abs(out - outs[key]).max())
             else:
