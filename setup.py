@@ -2,13 +2,15 @@
 
 One extension: the CPU decode attention kernel that XLA calls through JAX's FFI
 (python/sgl_jax/srt/kernels/ragged_paged_attention/csrc/paged_decode_cpu.cc, loaded by
-`sgl_jax.srt.kernels.ragged_paged_attention.cpu`). It is a plain shared library (no Python C API), compiled
+`sgl_jax.srt.kernels.ragged_paged_attention.cpu`). It is a plain shared library (no Python C API; named
+``_paged_decode_cpu.ffi.<EXT_SUFFIX>`` so that nothing mistakes it for a module), compiled
 against the XLA FFI headers that jaxlib ships (a build requirement in pyproject.toml). It is optional: where it
 fails to build (no C++ compiler), the install still succeeds and decode attention on CPU runs in pure JAX.
 """
 
 import importlib.util
 import os
+import sysconfig
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -31,6 +33,13 @@ class BuildExt(build_ext):
         for ext in self.extensions:
             ext.include_dirs.append(xla_ffi_include_dir())
         super().build_extensions()
+
+    def get_ext_filename(self, fullname):
+        """``_paged_decode_cpu.ffi.<EXT_SUFFIX>``: the dot in the stem keeps the library from looking like an
+        importable module (pkgutil skips dotted names, so walking sgl_jax's modules does not try to import it)."""
+        name = super().get_ext_filename(fullname)
+        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        return name[: -len(suffix)] + ".ffi" + suffix if name.endswith(suffix) else name
 
     def copy_file(self, infile, outfile, *args, **kwargs):
         """Put the built library in place by rename, never by writing over the old file: a process that has

@@ -2,12 +2,12 @@
 
 The native backend's decode path on CPU. It reads each sequence's K/V rows in place from the paged cache,
 once, while the pure-JAX path (`ref`) first gathers them into a fresh buffer: on CPU that copy is the cost
-(one layer of SmolLM2 at 64 sequences x 1,500 tokens of context: ~30-55 ms against ~5 ms to read the
-bytes; `benchmark/kernels/bench_cpu_decode.py` measures both against the read floor).
+(one layer of SmolLM2 at 64 sequences x 1,500 tokens of context: ~11-18 ms against ~30-50 ms, with ~4.5 ms
+to read the bytes; `benchmark/kernels/bench_ragged_paged_attention.py`, backends native and jax).
 
 The kernel is built at install (setuptools, `setup.py`, an optional extension: an install without a C++
-compiler still works) into ``_paged_decode_cpu*.so`` beside this file, loaded with ctypes and registered
-with ``jax.ffi.register_ffi_target`` on first use. Where it is missing, or the environment sets
+compiler still works) into ``_paged_decode_cpu.ffi.<EXT_SUFFIX>`` beside this file, loaded with ctypes and
+registered with ``jax.ffi.register_ffi_target`` on first use. Where it is missing, or the environment sets
 ``SGL_JAX_CPU_DECODE_KERNEL=0``, or the dtypes are not float32/bfloat16, `ref` runs instead: it stays the
 fallback and the reference the kernel is tested against (test/srt/test_cpu_decode_kernel.py).
 """
@@ -33,9 +33,10 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def library_path() -> Optional[Path]:
-    """The built kernel library beside this module (``_paged_decode_cpu*.so``), or None if it was not built."""
+    """The built kernel library beside this module (``_paged_decode_cpu.ffi.*``, setup.py), or None if it was not
+    built."""
     here = Path(__file__).resolve().parent
-    found = sorted(here.glob("_paged_decode_cpu*.so")) + sorted(here.glob("_paged_decode_cpu*.pyd"))
+    found = sorted(here.glob("_paged_decode_cpu.ffi.*"))
     return found[0] if found else None
 
 
@@ -43,7 +44,7 @@ def library_path() -> Optional[Path]:
 def _registered() -> bool:
     path = library_path()
     if path is None:
-        logger.info("CPU decode kernel not built (no _paged_decode_cpu*.so); decode attention runs in pure JAX")
+        logger.info("CPU decode kernel not built (no _paged_decode_cpu.ffi.*); decode attention runs in pure JAX")
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(path))
