@@ -2,8 +2,8 @@
 
 For each model (attention heads of SmolLM2-135M, Qwen3-0.6B and Llama-3-8B), batch shape, page size and backend
 (native: what the server runs, which on CPU is the C++ decode kernel for decode batches and pure JAX otherwise;
-jax: the pure-JAX path everywhere, `ref`; pallas: the Pallas kernel) it prints the time per call and the achieved FLOP/s and KV bytes/s next to the device's peak,
-and writes a markdown report with the command that produced it.
+jax: the pure-JAX path everywhere, `ref`; pallas: the Pallas kernel) it prints the time per call and the achieved
+FLOP/s and KV bytes/s next to the device's peak, and writes a markdown report with the command that produced it.
 
 FLOPs count the attention matmuls only, causal pairs only: 4 * H * D per (query, visible key) pair
 (QK^T and PV, 2 FLOPs per multiply-add). Bytes count K and V of every visible KV token read once, plus the
@@ -171,12 +171,13 @@ def run(models: List[str], shapes: List[Shape], backends: List[str], page_sizes:
 def table(results: List[Result], rates: MachineRates) -> List[str]:
     """Markdown rows of `results`, each rate also as a percentage of the measured machine rate."""
     peak_gflops, peak_gbs = rates.matmul_gflops, rates.memory_gbps
-    lines = ["| model | shape | seqs x (new / context) | page | backend | dtype | ms/call | GFLOP/s | % peak FLOP/s | GB/s "
-             "| % peak GB/s | max diff vs first backend |",
+    lines = ["| model | shape | seqs x (new / context) | page | backend | dtype | ms/call | GFLOP/s | % peak FLOP/s "
+             "| GB/s | % peak GB/s | max diff vs first backend |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         diff = "" if r.max_abs_diff_vs_first_backend is None else f"{r.max_abs_diff_vs_first_backend:.2e}"
-        lines.append(f"| {r.model} | {r.shape} | {r.num_seqs} x ({r.q_len} / {r.kv_len}) | {r.page_size} | {r.backend} | {r.dtype} | "
+        lines.append(f"| {r.model} | {r.shape} | {r.num_seqs} x ({r.q_len} / {r.kv_len}) | {r.page_size} | "
+                     f"{r.backend} | {r.dtype} | "
                      f"{r.ms:.2f} | {r.gflops:.1f} | {100 * r.gflops / peak_gflops:.1f} | {r.gbs:.1f} | "
                      f"{100 * r.gbs / peak_gbs:.1f} | {diff} |")
     return lines

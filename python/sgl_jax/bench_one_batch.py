@@ -359,7 +359,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     weights = "dummy" if sa.load_format == "dummy" else os.path.basename(mc.model_path)
     header = [f"model {mc.architecture} ({weights} weights, {mc.dtype}), KV {kv_dtype} "
               f"{sum(cost.layer_kv_bytes)} B/token, page {sa.page_size}, tp {runner.tp_size}, "
-              f"{jax.devices()[0].device_kind} ({describe_attention(runner.attention_backend)} attention), {os.cpu_count()} CPUs",
+              f"{jax.devices()[0].device_kind} ({describe_attention(runner.attention_backend)} attention), "
+              f"{os.cpu_count()} CPUs",
               f"per step: {cost.weight_bytes / 1e6:.1f} MB of weights read, {2 * cost.token_params / 1e6:.1f} "
               f"MFLOP per token + {2 * cost.head_params / 1e6:.1f} MFLOP lm-head per sequence (per device)",
               f"floors at the machine rates measured in this run; F: compute-bound, B: bandwidth-bound; x floor = "

@@ -1,6 +1,7 @@
 """The kernel benchmark at a small scale: its three backends (native, with the C++ decode kernel on CPU; pure
-JAX; Pallas in the interpreter on CPU) on every default model and shape, outputs equal, a generated report (.md and .json) with its command, and its peaks the machine
-rates measured in the run (bench_utils.measure_machine_rates), never a constant."""
+JAX; Pallas in the interpreter on CPU) on every default model and shape, outputs equal, a generated report (.md
+and .json) with its command, and its peaks the machine rates measured in the run
+(bench_utils.measure_machine_rates), never a constant."""
 
 from __future__ import annotations
 

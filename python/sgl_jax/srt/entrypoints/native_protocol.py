@@ -123,8 +123,8 @@ class GenerateRequest(NullMeansDefault, SGLangSharedFields, StrictModel):
     whole batch or a list with one entry per prompt. ``sampling_params.n`` > 1 expands each prompt into n
     samples, as upstream: the response is then a list (prompt-major: the n samples of the first prompt, then
     the second's, ...). Fields this engine has no support for (multimodal input, LoRA, disaggregation, hidden
-    states, ...) are accepted only at their defaults (400 naming the field otherwise); telemetry and routing hints are accepted
-    and ignored. Unknown fields: 400 (stricter than upstream, which drops them).
+    states, ...) are accepted only at their defaults (400 naming the field otherwise); telemetry and routing
+    hints are accepted and ignored. Unknown fields: 400 (stricter than upstream, which drops them).
     """
 
     text: Optional[Union[str, List[str]]] = None

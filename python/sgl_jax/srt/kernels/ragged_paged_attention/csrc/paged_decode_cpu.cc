@@ -39,7 +39,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kChunk = 8;  // keys scored before their values are read (8-64 measured alike at page 16-64; 8 best at page 1)
+// Keys scored before their values are read (8 to 64 measured alike at pages 16-64; 8 best at page 1).
+constexpr int kChunk = 8;
 constexpr int64_t kSplitKeys = 1024;  // a sequence's context runs as one work item per this many keys
 
 inline float Bf16ToF32(uint16_t b) {
@@ -78,7 +79,8 @@ struct Problem {
   int64_t window;
 };
 
-// The online-softmax state of one (sequence, KV head, split): max m[G], sum l[G], acc[G][D].
+// The online-softmax state of one work item (a sequence, or one split of its context) for every query head:
+// max m[H], sum l[H], acc[H][D].
 struct Partial {
   std::vector<float> m, l, acc;
 };
@@ -139,32 +141,30 @@ void Finish(const Problem& p, int64_t s, const Partial* parts, int64_t n, void* 
 }
 
 // Runs fn(i) for i in [0, n) on the calling thread and up to `helpers` tasks of XLA's intra-op pool, and
-// returns when every i is done. Work is claimed from a shared counter, so the call finishes even if no
-// helper task ever starts (the caller then does all of it).
+// returns when every i is done. Indices are claimed from a shared counter and the caller waits for the claimed
+// ones to finish, not for the helpers to start: a helper that starts late (the pool busy elsewhere, e.g. other
+// virtual devices' steps) finds nothing left and returns without touching fn, so the call never waits on the pool.
 template <typename Fn>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t helpers, const Fn& fn) {
   struct Shared {
     std::atomic<int64_t> next{0};
     std::mutex mu;
     std::condition_variable cv;
-    int64_t running = 0;
+    int64_t done = 0;
   };
   auto shared = std::make_shared<Shared>();
-  auto work = [shared, n, &fn] {
-    for (int64_t i; (i = shared->next.fetch_add(1)) < n;) fn(i);
+  auto work = [shared, n, &fn] {  // fn is read only for a claimed index, i.e. while the caller still waits
+    for (int64_t i; (i = shared->next.fetch_add(1)) < n;) {
+      fn(i);
+      std::lock_guard<std::mutex> lock(shared->mu);
+      if (++shared->done == n) shared->cv.notify_all();
+    }
   };
   helpers = std::max<int64_t>(0, std::min(helpers, n - 1));
-  shared->running = helpers;
-  for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([shared, work] {
-      work();
-      std::lock_guard<std::mutex> lock(shared->mu);
-      if (--shared->running == 0) shared->cv.notify_all();
-    });
-  }
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
   work();
   std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->running == 0; });
+  shared->cv.wait(lock, [&] { return shared->done == n; });
 }
 
 bool IsF32OrBf16(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }

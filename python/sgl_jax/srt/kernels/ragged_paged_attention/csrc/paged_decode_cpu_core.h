@@ -78,19 +78,14 @@ inline void PrefetchRow(const void* base, int64_t byte_offset, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ptr + b);
 }
 
-// Keys [lo, hi) of sequence s against all its query heads. A token's K (then V) row holds every KV head
-// (KVH * D values, contiguous), and all of it is used at once; the next chunk's rows are prefetched while
-// this one is scored, since rows of a page-size-1 cache sit anywhere in the pool. DK is the head dimension
-// when it is known at compile time (the common ones: the loops over it then vectorize fully), else 0 and D is
-// read at run time. The online-softmax state goes to out (m, l [H], acc [H, D]).
 // Keys [lo, hi) of sequence s against all its query heads, a chunk of kChunk tokens at a time. A token's K (then
 // V) row holds every KV head (KVH * D values, contiguous), and all of it is used at once: every query head is
 // scored against the K row, then every head's accumulator takes the V row. While row j of a chunk is used, row j
-// of the next chunk is prefetched (spread out so: one SmolLM2 layer at 64 x 1,500 tokens, page 1, 31 -> 19 ms;
-// page 16, 14.5 -> 11 ms; a burst of the whole next chunk at once stalled on the prefetches themselves). (Head-major order, each
-// head's accumulator in registers over the chunk's rows, measured 2x slower.) DK is the head dimension when it
-// is known at compile time (the common ones: the loops over it then vectorize fully), else 0 and D is read at
-// run time. The online-softmax state goes to out (m, l [H], acc [H, D]).
+// of the next chunk is prefetched. Spread out so, one SmolLM2 layer at 64 x 1,500 tokens went from 31 to 19 ms
+// at page 1 and from 14.5 to 11 ms at page 16; a burst of the whole next chunk stalled on the prefetches
+// themselves. (Head-major order, each head's accumulator in registers over the chunk, measured 2x slower.)
+// DK is the head dimension when it is known at compile time (the common ones: the loops over it then vectorize
+// fully), else 0 and D is read at run time. The online-softmax state goes to out (m, l [H], acc [H, D]).
 template <int DK>
 void AttendRangeT(const Problem& p, int64_t s, int64_t lo, int64_t hi, Partial& out) {
   const int64_t H = p.H, G = p.G, KVH = p.KVH, D = DK > 0 ? DK : p.D;
