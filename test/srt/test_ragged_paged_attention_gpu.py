@@ -19,13 +19,16 @@ from hypothesis import strategies as st
 
 from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention
 from sgl_jax.srt.kernels.ragged_paged_attention.common import BlockSizes
+from sgl_jax.srt.kernels.ragged_paged_attention.flash_decode import DecodeBlocks
 from sgl_jax.srt.kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 
 from rpa_batches import assert_matches_reference, make_batch
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (JAX backend 'gpu')")
 
-TILES = {"table": None, "small": BlockSizes(16, 32)}
+# (ragged kernel tiles, flash-decoding kernel tiles): the tables', and small ones (several sequences and KV blocks per
+# program of the ragged kernel, several context splits per sequence in the decode kernel)
+TILES = {"table": (None, None), "small": (BlockSizes(16, 32), DecodeBlocks(16, 64))}
 
 
 @pytest.mark.parametrize("tiles", sorted(TILES))
@@ -49,7 +52,9 @@ def test_gpu_kernel_matches_reference(tiles, seed, kind, page_size, head_dim, gr
     args, kwargs, rows = make_batch(seed, kind, page_size, head_dim, group, num_kv_heads, dtype,
                                     segments and kind != "decode")
     kwargs.update(sliding_window=sliding_window, soft_cap=soft_cap)
-    out = np.asarray(ragged_paged_attention_gpu(*args, **kwargs, blocks=TILES[tiles]).astype(jnp.float32))
+    blocks, decode_blocks = TILES[tiles]
+    out = np.asarray(ragged_paged_attention_gpu(*args, **kwargs, blocks=blocks, decode_blocks=decode_blocks)
+                     .astype(jnp.float32))
     assert_matches_reference(f"gpu kernel ({tiles} tiles)", out, args, kwargs, rows, dtype)
 
 
@@ -77,12 +82,13 @@ def _model_batch(H, KVH, D, q_lens, kv_lens, page_size, dtype, seed):
 
 
 @pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 128)], ids=["Qwen3-0.6B", "Llama-3-8B"])
-@pytest.mark.parametrize("batch", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("batch", ["decode", "long-decode", "prefill", "mixed"])
 def test_gpu_kernel_model_shapes(heads, batch):
     """bfloat16, page size 16, through the dispatching function (`backend="pallas"` picks the GPU kernel)."""
     H, KVH, D = heads
     q_lens, kv_lens = {
         "decode": ([1] * 32, [int(x) for x in np.linspace(100, 4000, 32)]),
+        "long-decode": ([1] * 8, [8192, 8191, 5000, 2049, 1025, 1024, 17, 1]),  # split edges: 1,024 tokens
         "prefill": ([1024, 512], [1024, 1536]),
         "mixed": ([1] * 8 + [300, 77], [2000] * 8 + [300, 900]),
     }[batch]

@@ -23,6 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention
 from sgl_jax.srt.server_args import resolve_attention_backend
 from sgl_jax.srt.kernels.ragged_paged_attention.common import BlockSizes, q_block_metadata
+from sgl_jax.srt.kernels.ragged_paged_attention.flash_decode import DecodeBlocks
 from sgl_jax.srt.kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from sgl_jax.srt.kernels.ragged_paged_attention.ref import ragged_paged_attention as reference
 from sgl_jax.srt.kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
@@ -36,7 +37,9 @@ TPU_INTERPRET = pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_
 KERNELS = {
     # small tiles keep the interpreter fast and put several sequences and KV blocks in each program
     "tpu": functools.partial(ragged_paged_attention_tpu, interpret=TPU_INTERPRET, blocks=BlockSizes(8, 32)),
-    "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True, blocks=BlockSizes(16, 32)),
+    # decode batches run the flash-decoding kernel (gpu_decode): splits of 64 tokens give 1-3 programs per sequence
+    "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True, blocks=BlockSizes(16, 32),
+                             decode_blocks=DecodeBlocks(16, 64)),
 }
 def check(kernel, seed, kind, page_size, head_dim, group, dtype, sliding_window, soft_cap, segments,
           num_kv_heads=1):
@@ -163,16 +166,18 @@ def test_gpu_kernel_float32_dots_ask_for_ieee_precision():
     exact either way)."""
     import re
 
-    def dot_precisions(dtype):
+    def dot_precisions(dtype, decode_only):
         T, H, KVH, D, S, P = 64, 8, 2, 64, 4, 8
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
         kv = jax.ShapeDtypeStruct((64, 16, KVH, D), dtype)
-        f = functools.partial(ragged_paged_attention_gpu, sm_scale=D ** -0.5, interpret=True)
+        f = functools.partial(ragged_paged_attention_gpu, sm_scale=D ** -0.5, decode_only=decode_only,
+                              interpret=True)
         text = str(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((T, H, D), dtype), kv, kv, i32(S), i32(S, P), i32(S + 1),
                                      i32()))
         return text.count("dot_general["), re.findall(r"precision=\(Precision\.(\w+), Precision\.(\w+)\)", text)
 
-    n, precisions = dot_precisions(jnp.float32)
-    assert n >= 2 and precisions == [("HIGHEST", "HIGHEST")] * n
-    n, precisions = dot_precisions(jnp.bfloat16)
-    assert n >= 2 and precisions == []
+    for decode_only in (False, True):  # the ragged kernel and the flash-decoding kernel
+        n, precisions = dot_precisions(jnp.float32, decode_only)
+        assert n >= 2 and precisions == [("HIGHEST", "HIGHEST")] * n
+        n, precisions = dot_precisions(jnp.bfloat16, decode_only)
+        assert n >= 2 and precisions == []

@@ -7,7 +7,10 @@ straight from the paged cache through the page table (slot = page * page_size + 
 works, including 1. Scores and the online softmax run in float32; the query heads of a GQA group share
 each K/V block load.
 
-On CPU the same kernel runs with ``interpret=True``.
+Decode batches (``decode_only``) go to the flash-decoding kernel of `gpu_decode` instead, whose grid is (sequence,
+KV head, context split).
+
+On CPU the same kernels run with ``interpret=True``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,23 @@ from sgl_jax.srt.kernels.ragged_paged_attention.common import (
     GPU_BLOCK_TABLE, MASK_VALUE, BlockSizes, block_mask, block_sizes, device_generation, finish, prepare_launch,
     qk_scores, seq_plan, softmax_update,
 )
+from sgl_jax.srt.kernels.ragged_paged_attention.flash_decode import DecodeBlocks
+from sgl_jax.srt.kernels.ragged_paged_attention.gpu_decode import decode_attention_gpu
+
+# Query rows (block_q x the GQA group) a program may hold, by operand width in bytes: Triton keeps the group's query
+# tiles, scores and accumulators on chip, and the table's (64, 64) tiles at group 8 in float32 asked for 344,320
+# bytes of shared memory where an H200 has 232,448 (reports/h200-2026-11-26-c/tests.log).
+MAX_GROUP_ROWS = {2: 256, 4: 128}
+MAX_BLOCK_KV_FLOAT32 = 32
+
+
+def fit_blocks(bs: BlockSizes, group: int, itemsize: int) -> BlockSizes:
+    """The table's tile sizes shrunk so a program's on-chip state fits: block_q (a power of two >= 16) at most
+    MAX_GROUP_ROWS / group rows, block_kv at most MAX_BLOCK_KV_FLOAT32 for float32 operands."""
+    limit = max(16, MAX_GROUP_ROWS[min(4, max(2, itemsize))] // group)
+    block_q = max(16, min(bs.block_q, 1 << (limit.bit_length() - 1)))
+    block_kv = bs.block_kv if itemsize <= 2 else min(bs.block_kv, MAX_BLOCK_KV_FLOAT32)
+    return BlockSizes(block_q, block_kv)
 
 
 def _kernel(cu_ref, kv_lens_ref, pt_ref, prefix_ref, first_ref, last_ref, seg_lo_ref, q_ref, seg_ref, k_ref,
@@ -71,7 +91,7 @@ def _kernel(cu_ref, kv_lens_ref, pt_ref, prefix_ref, first_ref, last_ref, seg_lo
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "decode_only",
-                                             "blocks", "interpret"))
+                                             "blocks", "decode_blocks", "interpret"))
 def ragged_paged_attention_gpu(
     q: jax.Array,
     k_pages: jax.Array,
@@ -88,6 +108,7 @@ def ragged_paged_attention_gpu(
     prefix_lens: Optional[jax.Array] = None,
     segment_starts: Optional[jax.Array] = None,
     blocks: Optional[BlockSizes] = None,
+    decode_blocks: Optional[DecodeBlocks] = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Pallas GPU (Triton) ragged paged attention with the contract of `ref.ragged_paged_attention`.
@@ -95,17 +116,24 @@ def ragged_paged_attention_gpu(
     Shapes and dtypes as there: q [T, H, D] with D a power of two (64, 128); k_pages, v_pages
     [num_pages, page_size, KVH, D] (bfloat16, float16 or float32); kv_lens int32[S]; page_indices
     int32[S, pages_per_seq]; cu_q_lens int32[S + 1]; num_seqs int32 scalar; prefix_lens int32[S] and
-    segment_starts int32[T] for the segment mask. ``decode_only`` only selects the decode tile sizes;
-    ``blocks`` overrides `common.GPU_BLOCK_TABLE` (block_q a power of two >= 16); ``interpret=True`` runs
-    in Pallas' interpreter (CPU).
+    segment_starts int32[T] for the segment mask. ``decode_only`` runs `gpu_decode.decode_attention_gpu`
+    (tiles ``decode_blocks``, default its table); ``blocks`` overrides `common.GPU_BLOCK_TABLE` (block_q a power
+    of two >= 16; the table's own entry is shrunk by `fit_blocks`); ``interpret=True`` runs in Pallas'
+    interpreter (CPU).
 
     Returns [T, H, D] in q.dtype, padding rows zero.
     Raises ValueError when H is not a multiple of KVH.
     """
+    if decode_only:
+        return decode_attention_gpu(q, k_pages, v_pages, kv_lens, page_indices, num_seqs, sm_scale=sm_scale,
+                                    sliding_window=sliding_window, soft_cap=soft_cap, blocks=decode_blocks,
+                                    interpret=interpret)
     T, H, D = q.shape
     num_pages, page_size, KVH, _ = k_pages.shape
     P = page_indices.shape[1]
     bs = block_sizes(GPU_BLOCK_TABLE, "default" if interpret else device_generation(), decode_only, blocks)
+    if blocks is None:
+        bs = fit_blocks(bs, max(1, H // KVH), max(jnp.dtype(q.dtype).itemsize, jnp.dtype(k_pages.dtype).itemsize))
     block_q, block_kv = bs.block_q, bs.block_kv
     inputs = prepare_launch(q, kv_lens, page_indices, cu_q_lens, num_seqs, prefix_lens, segment_starts, block_q,
                             KVH)
