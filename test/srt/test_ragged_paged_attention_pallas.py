@@ -119,7 +119,7 @@ def test_q_block_metadata_skips_empty_sequences_and_padding():
 def test_backend_selection():
     assert resolve_attention_backend("auto", "cpu") == "native"
     assert resolve_attention_backend("auto", "tpu") == "pallas"
-    assert resolve_attention_backend("auto", "gpu") == "native"  # until the GPU kernel passes its test there
+    assert resolve_attention_backend("auto", "gpu") == "pallas"  # passed its test on an H200, faster in both phases
     assert resolve_attention_backend("pallas", "cpu") == "pallas"
     assert resolve_attention_backend("native", "tpu") == "native"
     with pytest.raises(ValueError, match="--attention-backend"):
