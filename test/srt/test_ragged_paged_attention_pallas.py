@@ -36,8 +36,10 @@ from rpa_batches import assert_matches_reference, make_batch
 TPU_INTERPRET = pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait", uninitialized_memory="nan")
 KERNELS = {
     # small tiles keep the interpreter fast and put several sequences and KV blocks in each program
-    "tpu": functools.partial(ragged_paged_attention_tpu, interpret=TPU_INTERPRET, blocks=BlockSizes(8, 32)),
-    # decode batches run the flash-decoding kernel (gpu_decode): splits of 64 tokens give 1-3 programs per sequence
+    "tpu": functools.partial(ragged_paged_attention_tpu, interpret=TPU_INTERPRET, blocks=BlockSizes(8, 32),
+                             decode_blocks=DecodeBlocks(32, 64)),
+    # decode batches run the flash-decoding kernels (tpu_decode, gpu_decode): splits of 64 tokens give 1-3 programs
+    # per sequence
     "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True, blocks=BlockSizes(16, 32),
                              decode_blocks=DecodeBlocks(16, 64)),
 }

@@ -38,19 +38,13 @@ class BlockSizes:
         return max(1, self.block_kv // page_size)
 
 
-# Tile sizes per device generation and batch kind. The TPU entries are sized to VMEM (double-buffered KV
-# block of all KV heads, query/output blocks, the scaled queries and float32 accumulators stay under 16 MiB
-# at head_dim 128 and 8 KV heads); they have not been tuned on hardware yet. "default" is the safe choice for
-# unknown devices.
-TPU_BLOCK_TABLE = {
-    "v6e": {"decode": BlockSizes(8, 512), "extend": BlockSizes(128, 512)},
-    "v5e": {"decode": BlockSizes(8, 256), "extend": BlockSizes(128, 256)},
-    "default": {"decode": BlockSizes(8, 256), "extend": BlockSizes(64, 256)},
-}
-GPU_BLOCK_TABLE = {
-    "h100": {"decode": BlockSizes(16, 64), "extend": BlockSizes(64, 64)},
-    "default": {"decode": BlockSizes(16, 32), "extend": BlockSizes(32, 32)},
-}
+# Tile sizes of the ragged kernels (extend, prefill and mixed batches; decode batches run the flash-decoding kernels,
+# `tpu_decode` and `gpu_decode`) per device generation. The TPU entries are sized to VMEM (double-buffered KV
+# block of all KV heads, query/output blocks, the scaled queries and float32 accumulators stay under 16 MiB at
+# head_dim 128 and 8 KV heads); they have not been tuned on hardware yet. "default" is the safe choice for unknown
+# devices. The GPU entries are shrunk to fit shared memory by `gpu.fit_blocks`.
+TPU_BLOCK_TABLE = {"v6e": BlockSizes(128, 512), "v5e": BlockSizes(128, 256), "default": BlockSizes(64, 256)}
+GPU_BLOCK_TABLE = {"h100": BlockSizes(64, 64), "default": BlockSizes(32, 32)}
 
 
 def device_generation(device: Optional[jax.Device] = None) -> str:
@@ -69,12 +63,11 @@ def device_generation(device: Optional[jax.Device] = None) -> str:
     return "default"
 
 
-def block_sizes(table: dict, generation: str, decode_only: bool, override: Optional[BlockSizes]) -> BlockSizes:
+def block_sizes(table: dict, generation: str, override: Optional[BlockSizes]) -> BlockSizes:
     """The tile sizes for a launch: ``override`` if given, else the table's entry (falling back to default)."""
     if override is not None:
         return override
-    entry = table.get(generation, table["default"])
-    return entry["decode" if decode_only else "extend"]
+    return table.get(generation, table["default"])
 
 
 class QBlockMeta(NamedTuple):

@@ -131,7 +131,7 @@ def ragged_paged_attention_gpu(
     T, H, D = q.shape
     num_pages, page_size, KVH, _ = k_pages.shape
     P = page_indices.shape[1]
-    bs = block_sizes(GPU_BLOCK_TABLE, "default" if interpret else device_generation(), decode_only, blocks)
+    bs = block_sizes(GPU_BLOCK_TABLE, "default" if interpret else device_generation(), blocks)
     if blocks is None:
         bs = fit_blocks(bs, max(1, H // KVH), max(jnp.dtype(q.dtype).itemsize, jnp.dtype(k_pages.dtype).itemsize))
     block_q, block_kv = bs.block_q, bs.block_kv

@@ -13,7 +13,10 @@ Metadata lives in SMEM through scalar prefetch: cu_q_lens, kv_lens, the flattene
 prefix_lens and the per-block sequence ranges. Page ids are clamped into the cache, so garbage entries of
 the page table past a sequence's pages can never make a DMA read outside it.
 
-On CPU the same kernel runs with ``interpret=True`` (the tests, and ``--attention-backend pallas`` there).
+Decode batches (``decode_only``) go to the flash-decoding kernel of `tpu_decode` instead, whose grid is (sequence,
+KV head, context split).
+
+On CPU the same kernels run with ``interpret=True`` (the tests, and ``--attention-backend pallas`` there).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from sgl_jax.srt.kernels.ragged_paged_attention.common import (
     MASK_VALUE, TPU_BLOCK_TABLE, BlockSizes, block_mask, block_sizes, device_generation, finish, prepare_launch,
     qk_scores, seq_plan, softmax_update,
 )
+from sgl_jax.srt.kernels.ragged_paged_attention.flash_decode import DecodeBlocks
+from sgl_jax.srt.kernels.ragged_paged_attention.tpu_decode import decode_attention_tpu
 
 
 def _kernel(
@@ -154,7 +159,7 @@ def _finish_block(o_ref, l_sc, acc_sc, *, block_q, num_kv_heads, group, head_dim
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "decode_only",
-                                             "blocks", "interpret"))
+                                             "blocks", "decode_blocks", "interpret"))
 def ragged_paged_attention_tpu(
     q: jax.Array,
     k_pages: jax.Array,
@@ -171,6 +176,7 @@ def ragged_paged_attention_tpu(
     prefix_lens: Optional[jax.Array] = None,
     segment_starts: Optional[jax.Array] = None,
     blocks: Optional[BlockSizes] = None,
+    decode_blocks: Optional[DecodeBlocks] = None,
     interpret=False,
 ) -> jax.Array:
     """Pallas TPU ragged paged attention with the contract of `ref.ragged_paged_attention`.
@@ -178,7 +184,7 @@ def ragged_paged_attention_tpu(
     Shapes and dtypes as there: q [T, H, D]; k_pages, v_pages [num_pages, page_size, KVH, D] (bfloat16 or
     float32); kv_lens int32[S]; page_indices int32[S, pages_per_seq]; cu_q_lens int32[S + 1]; num_seqs
     int32 scalar; prefix_lens int32[S] and segment_starts int32[T] for the segment mask. ``decode_only``
-    only selects the decode tile sizes (the kernel handles every batch the same way); the cascade hint
+    runs `tpu_decode.decode_attention_tpu` (tiles ``decode_blocks``, default its table); the cascade hint
     ``shared_prefix_len`` of the reference is not needed here. ``blocks`` overrides the tile table
     (`common.TPU_BLOCK_TABLE`); ``interpret=True`` runs the kernel in Pallas' interpreter (CPU), and a
     ``pltpu.InterpretParams`` in its TPU interpreter (simulated DMAs and semaphores, race detection).
@@ -186,11 +192,15 @@ def ragged_paged_attention_tpu(
     Returns [T, H, D] in q.dtype, padding rows zero.
     Raises ValueError when H is not a multiple of KVH.
     """
+    if decode_only:
+        return decode_attention_tpu(q, k_pages, v_pages, kv_lens, page_indices, num_seqs, sm_scale=sm_scale,
+                                    sliding_window=sliding_window, soft_cap=soft_cap, blocks=decode_blocks,
+                                    interpret=interpret)
     T, H, D = q.shape
     num_pages, page_size, KVH, _ = k_pages.shape
     P = page_indices.shape[1]
     G = H // KVH
-    bs = block_sizes(TPU_BLOCK_TABLE, "default" if interpret else device_generation(), decode_only, blocks)
+    bs = block_sizes(TPU_BLOCK_TABLE, "default" if interpret else device_generation(), blocks)
     block_q = bs.block_q
     block_kv = bs.pages_per_block(page_size) * page_size
     inputs = prepare_launch(q, kv_lens, page_indices, cu_q_lens, num_seqs, prefix_lens, segment_starts, block_q,
