@@ -58,3 +58,21 @@ def test_hub_and_request_log_flags_parse():
     assert (a.model_path, a.revision, a.download_dir, a.gguf_file) == ("org/name", "v1", "/tmp/hub", "m.Q4_K_M.gguf")
     assert (a.tokenizer_mode, a.reasoning_parser, a.enable_request_log, a.trust_remote_code) == (
         "slow", "deepseek-r1", True, True)
+
+
+def test_page_size_default_per_platform(monkeypatch):
+    """--page-size defaults to 128 on TPU, 16 on GPU and 1 on CPU (issue #38); the platform comes from --device,
+    else $JAX_PLATFORMS, else the plugin installed (none here: cpu); an explicit flag wins."""
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert ServerArgs().page_size == 1
+    assert ServerArgs(device="tpu").page_size == 128
+    assert ServerArgs(device="gpu").page_size == 16
+    assert ServerArgs(device="tpu", page_size=1).page_size == 1
+    assert prepare_server_args(["--device", "gpu", "--page-size", "64"]).page_size == 64
+    for platforms, want in (("cuda", 16), ("tpu,cpu", 128), ("cpu", 1)):
+        monkeypatch.setenv("JAX_PLATFORMS", platforms)
+        assert ServerArgs().page_size == want, platforms
+    with pytest.raises(ValueError, match="--chunked-prefill-size"):
+        ServerArgs(device="tpu", chunked_prefill_size=64)  # under the TPU's 128-token page
+    with pytest.raises(ValueError, match="--page-size"):
+        ServerArgs(page_size=0)

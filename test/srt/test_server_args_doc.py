@@ -42,7 +42,7 @@ def test_cli_help_is_the_doc_text_plus_the_default():
 def test_table_rows():
     text = render()
     assert "| `--model-path STR` | `None` | HF model directory" in text
-    assert "| `--page-size INT` | `1` | tokens per KV cache page |" in text
+    assert "| `--page-size INT` | `None` | tokens per KV cache page (default: 128 on TPU, 16 on GPU, 1 on CPU;" in text
     assert "| `--precompile-bs-paddings INT [INT ...]` | `None` |" in text
     assert "| `--enable-metrics` | `False` |" in text
     assert "| `--dtype STR` | `auto` | float32 (float) \\| bfloat16 \\|" in text  # '|' escaped inside a cell

@@ -84,9 +84,38 @@ _OPTIONAL_CHOICES = ("tool_call_parser", "reasoning_parser")
 # positive ints; _POSITIVE_OR_NONE: positive when set
 _POSITIVE = ("max_multi_item_count", "max_multi_item_seq_len", "multi_item_extend_batch_size", "tp_size", "dp_size",
              "ep_size",
-             "nnodes", "page_size", "max_prefill_tokens", "stream_interval", "max_request_body_bytes",
+             "nnodes", "max_prefill_tokens", "stream_interval", "max_request_body_bytes",
              "max_top_logprobs_num", "max_n")
-_POSITIVE_OR_NONE = ("max_queued_requests", "max_total_tokens", "max_running_requests", "context_length")
+_POSITIVE_OR_NONE = ("max_queued_requests", "max_total_tokens", "max_running_requests", "context_length",
+                     "page_size")
+
+# --page-size's default per platform (tokens per KV page). TPU: the Mosaic kernels copy the KV cache a page per DMA,
+# and upstream sglang-jax's cookbook requires 128 there (Llama-3.1-8B on a v6e-4: 156 output tok/s at page 1,
+# 1,449 at 128); not measured here. GPU: the Triton kernels gather K/V rows by slot, and on an H200 decode and
+# prefill took the same time at pages 1-128 while extend went from 0.23 ms at 16 to 0.17 at 128
+# (reports/h200-2026-11-26-d/NOTES.md): 16, vLLM's default block size, keeps the radix cache's matches fine-grained.
+# CPU: 1: the C++ decode kernel reads rows in place, and page 16 measured the same end to end (479 against 509 ms a
+# step at 64 x 1,500, within the run-to-run noise: reports/decode-floor-cpu-2026-11-26.notes.md), while page 1 lets
+# the radix cache match every token of a prefix.
+DEFAULT_PAGE_SIZE = {"tpu": 128, "gpu": 16, "cpu": 1}
+
+
+def platform_hint(device: str = "auto") -> str:
+    """The JAX platform ("cpu", "tpu" or "gpu") a server started with ``--device DEVICE`` will run on, found without
+    initialising a JAX backend (which on a TPU VM would claim the chips for the launcher process): the flag, else the
+    first entry of $JAX_PLATFORMS ("cuda" and "rocm" count as gpu), else the accelerator plugin installed (libtpu:
+    tpu; JAX's CUDA plugin with an NVIDIA device node present: gpu), else cpu."""
+    import importlib.util
+
+    if device != "auto":
+        return device
+    first = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    if first:
+        return "gpu" if first in ("cuda", "rocm", "gpu") else first
+    if importlib.util.find_spec("libtpu") is not None:
+        return "tpu"
+    cuda = any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    return "gpu" if cuda and os.path.exists("/dev/nvidiactl") else "cpu"
 
 
 @dataclasses.dataclass
@@ -136,7 +165,7 @@ class ServerArgs:
     reasoning_parser: Optional[str] = None
 
     # Memory and scheduling
-    page_size: int = 1
+    page_size: Optional[int] = None
     kv_cache_dtype: str = "auto"
     max_total_tokens: Optional[int] = None
     mem_fraction_static: Optional[float] = None
@@ -202,6 +231,8 @@ class ServerArgs:
         for name in _POSITIVE_OR_NONE:
             if getattr(self, name) is not None:
                 self._check_positive(name)
+        if self.page_size is None:
+            self.page_size = DEFAULT_PAGE_SIZE.get(platform_hint(self.device), 1)
         self._check_scoring()
         self._check_multihost()
         self._check_limits()
@@ -343,7 +374,8 @@ FLAG_HELP = {
                      f"one ({', '.join(sorted(BUILTIN_CHAT_TEMPLATES))}) or the path of a Jinja file",
     "load_format": f"weight format, one of {list(LOAD_FORMATS)}; dummy builds random weights from config.json",
     "dtype": "float32 (float) | bfloat16 | float16 (half) | auto (bfloat16 on TPU/GPU, float32 on CPU)",
-    "page_size": "tokens per KV cache page",
+    "page_size": "tokens per KV cache page (default: 128 on TPU, 16 on GPU, 1 on CPU; the platform from --device, "
+                 "else $JAX_PLATFORMS, else the accelerator plugin installed: server_args.platform_hint)",
     "kv_cache_dtype": "KV cache storage: auto (the model's --dtype) | bfloat16 (bf16) | float32; "
                       "attention computes in the model's dtype, or in float32 on the native (CPU) "
                       "backend when the cache is float32",
