@@ -11,7 +11,11 @@ SGLang's ``bench_one_batch``: for each batch size B and input length L, B reques
 Every ServerArgs flag works (``--model-path``, ``--dtype``, ``--page-size``, ``--max-total-tokens`` ...).
 Compilation is excluded: ModelRunner.warmup() compiles every bucket first, and ``--warmup-steps`` untimed
 decode steps run before the ``--output-len`` timed ones. A step's time includes its host work (allocation,
-batch building) as the scheduler pays it; ``host ms`` is that part. A batch whose prompts exceed one prefill
+batch building) as the scheduler pays it; ``host ms`` is that part. ``device ms`` is the device's own time per
+step: the last timed step re-run ``--output-len`` times back to back with nothing read in between
+(`ModelRunner.device_seconds_per_step`); ``busy %`` = device ms / decode p50 ms, the share of a decode loop the
+device is busy (the rest is the host's gap between steps, which the overlap scheduler of issue #38 is to hide;
+on CPU the "device" is the same cores, so both shares compete). A batch whose prompts exceed one prefill
 step's token budget (--chunked-prefill-size, else --max-prefill-tokens) is prefilled in several steps (whole
 requests, the last one cut to a page-aligned chunk), and the prefill time is their sum. The KV pool is sized
 to B x (L + warm-up + output) tokens unless --max-total-tokens or --mem-fraction-static is given. A
@@ -69,7 +73,7 @@ from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import configure_logging
 
 COLUMNS = ("bs", "in", "out", "prefill s", "steps", "prefill tok/s", "floor s", "x floor", "decode p50 ms",
-           "p90 ms", "host ms", "decode tok/s", "floor ms", "x floor")
+           "p90 ms", "host ms", "device ms", "busy %", "decode tok/s", "floor ms", "x floor")
 
 
 @dataclasses.dataclass
@@ -226,6 +230,7 @@ class OneBatchRunner:
         t0 = time.perf_counter()
         wb = batch.build_model_worker_batch(self.buckets, self.memory)
         host = time.perf_counter() - t0
+        self.last_batch = wb
         out = self.runner.forward(wb)  # returns host arrays of the sampled ids: the step has finished
         for i, r in enumerate(batch.reqs):
             r.kv_committed_len = r.kv_allocated_len
@@ -277,6 +282,8 @@ class OneBatchRunner:
         for _ in range(output_len):
             t, h, seqs = self.decode(reqs)
             times.append(t), hosts.append(h), floors.append(step_floor(self.cost, seqs, self.rates))
+        # the device's own time per step: the last step re-run back to back (same KV slots, same values)
+        device_s = self.runner.device_seconds_per_step(self.last_batch, output_len)
         if compiles is not None:
             compiles = self.runner.num_compiles_after_warmup - compiles
         for r in reqs:
@@ -294,6 +301,8 @@ class OneBatchRunner:
                 "prefill_bytes": p_bytes,
                 "decode_median_ms": 1e3 * med, "decode_p90_ms": 1e3 * float(np.percentile(times, 90)),
                 "decode_host_median_ms": 1e3 * float(np.median(hosts)), "decode_throughput_tok_s": bs / med,
+                "decode_device_ms": 1e3 * device_s, "decode_host_gap_ms": 1e3 * (med - device_s),
+                "decode_busy_share": device_s / med,
                 "decode_floor_ms": 1e3 * d_floor[0], "decode_bound": d_floor[1],
                 "decode_x_floor": med / d_floor[0], "decode_step_flops": d_floor[2], "decode_step_bytes": d_floor[3],
                 "compiles_after_warmup": compiles}
@@ -304,7 +313,8 @@ def format_row(r: dict) -> str:
     cells = [r["batch_size"], r["input_len"], r["output_len"], f"{r['prefill_latency_s']:.3f}", r["prefill_steps"],
              f"{r['prefill_throughput_tok_s']:.0f}", f"{r['prefill_floor_s']:.4f} {r['prefill_bound']}",
              f"{r['prefill_x_floor']:.1f}", f"{r['decode_median_ms']:.2f}", f"{r['decode_p90_ms']:.2f}",
-             f"{r['decode_host_median_ms']:.2f}", f"{r['decode_throughput_tok_s']:.1f}",
+             f"{r['decode_host_median_ms']:.2f}", f"{r['decode_device_ms']:.2f}",
+             f"{100 * r['decode_busy_share']:.0f}", f"{r['decode_throughput_tok_s']:.1f}",
              f"{r['decode_floor_ms']:.3f} {r['decode_bound']}", f"{r['decode_x_floor']:.1f}"]
     return "| " + " | ".join(map(str, cells)) + " |"
 

@@ -51,6 +51,10 @@ def test_bench_one_batch_tiny(tiny, tmp_path):
         assert r["compiles_after_warmup"] == 0
         assert r["prefill_latency_s"] > 0 and r["decode_median_ms"] > 0 and r["decode_p90_ms"] >= r["decode_median_ms"]
         assert r["decode_x_floor"] == pytest.approx(r["decode_median_ms"] / r["decode_floor_ms"], rel=1e-9)
+        # the device's own time per step, without the host's share: positive, and the loop's share of it
+        assert 0 < r["decode_device_ms"] and r["decode_busy_share"] > 0
+        assert r["decode_busy_share"] == pytest.approx(r["decode_device_ms"] / r["decode_median_ms"], rel=1e-9)
+        assert r["decode_host_gap_ms"] == pytest.approx(r["decode_median_ms"] - r["decode_device_ms"], rel=1e-9)
         assert r["decode_bound"] == "B" and r["kv_dtype"] == "float32"
     # decode floor: weights read once (the tied embedding is the lm-head) + per sequence its KV after the step
     # (context c) read and 1 token written; FLOPs 2 x token params + 2 x lm-head + attention 4 x heads x dim x c

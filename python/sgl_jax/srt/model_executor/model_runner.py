@@ -357,6 +357,21 @@ class ModelRunner:
                                    routed_experts=None if routed is None else routed[a:a + n]))
         return outs
 
+    def device_seconds_per_step(self, batch: ModelWorkerBatch, repeats: int) -> float:
+        """Seconds the device takes per step of `batch` (rank 0), host work excluded: its inputs are put on the device
+        once, the step is dispatched `repeats` times back to back without reading a result, then waited for once.
+        Re-running a step rewrites the same KV slots with the same values; its sampled ids are dropped (benchmarks
+        only: the penalty rows of its sequences count its tokens again). Compares with a loop's wall time per step
+        to give the host's gap (bench_one_batch)."""
+        fb, sampling = self._step_inputs([batch] + [None] * (self.dp_size - 1))
+        jax.block_until_ready(self.kv_caches)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            self.kv_caches, self.penalty_state, next_ids, *_ = self._step(
+                self.params, self.kv_caches, self.penalty_state, fb, sampling)
+        jax.block_until_ready((self.kv_caches, next_ids))
+        return (time.perf_counter() - t0) / repeats
+
     def init_penalty_row(self, slot: int, token_ids: List[int], num_prompt: int,
                          logit_bias: Optional[Dict[int, float]]) -> None:
         """Load a request's history (prompt + output so far, `num_prompt` of them prompt) and logit_bias
