@@ -3,7 +3,7 @@
 # the runtime dependencies importable; the package from ./python, not installed):
 #
 #   scripts/gpu_checks.sh OUT_DIR [all] [tests] [kernel] [decode-tiles] [pages] [serving] [score] [score-native]
-#                         [moe] [moe-probe] [moe-serving]
+#                         [overlap] [serving-no-overlap] [moe] [moe-probe] [moe-serving]
 #
 #   all           (the default) tests, kernel, decode-tiles, serving and score, each under its own limit (240, 150,
 #                 120, 180 and 360 s); issue #38 asks for all of it within 9 minutes on an H100
@@ -19,6 +19,10 @@
 #   score         test_bench_multi_item_score.py at the seed shape (query 2,000 tokens, 500 items x 20), Qwen3-0.6B
 #                 shapes with random weights (benchmark/configs/Qwen3-0.6B), bfloat16, the Pallas kernel
 #   score-native  the same with --attention-backend native (XLA's attention)
+#   overlap       bench_one_batch with and without the overlap scheduler's decode loop (device-busy share, steps/s,
+#                 identical tokens) on a tiny Llama (benchmark/configs/tiny-llama: 2 layers, hidden 64; issue #38
+#                 asks for >= 1.3x decode steps/s at batch 64) and on Qwen3-0.6B's shapes, dummy weights, bfloat16
+#   serving-no-overlap  the serving stage's server and workloads with --disable-overlap-schedule
 #   moe           bench_one_batch on Qwen3-30B-A3B's shapes at 4 layers (benchmark/configs/Qwen3-30B-A3B-4-layers),
 #                 dummy weights, bfloat16, --moe-backend tiled, ragged_dot and dense, batch 1, 8 and 64
 #   moe-probe     benchmark/kernels/ragged_dot_probe.py: one grouped matmul at Qwen3-30B-A3B's expert shape, 64 to
@@ -67,6 +71,13 @@ moe_one_batch() {  # the MoE slice with one --moe-backend
         --report "$out/moe-one-batch-$1-gpu.md"
 }
 
+overlap_one_batch() {  # NAME MODEL_DIR INPUT_LEN: bench_one_batch's rows with and without the overlap loop
+    python3 -m sgl_jax.bench_one_batch --model-path "$2" --load-format dummy --dtype bfloat16 \
+        --batch-size 1 16 64 --input-len "$3" --output-len 64 --warmup-steps 4 \
+        --precompile-bs-paddings 1 16 64 --precompile-token-paddings 2048 \
+        --report "$out/overlap-one-batch-$1-gpu.md"
+}
+
 serve_and_bench() {  # NAME MODEL_DIR MAX_TOTAL_TOKENS WORKLOADS [BENCH_SERVING_ARGS...]: a server of MODEL_DIR
     # (dummy weights, bfloat16), one /generate answered, then bench_serving's WORKLOADS against it; the server's log
     # beside the report serving-NAME-gpu.md
@@ -74,7 +85,7 @@ serve_and_bench() {  # NAME MODEL_DIR MAX_TOTAL_TOKENS WORKLOADS [BENCH_SERVING_
     shift 4
     python3 -m sgl_jax.launch_server --model-path "$model" --load-format dummy \
         --dtype bfloat16 --tokenizer-path "${TOKENIZER_PATH:-}" --host 127.0.0.1 --port $port \
-        --attention-backend "${ATTENTION_BACKEND:-auto}" \
+        --attention-backend "${ATTENTION_BACKEND:-auto}" ${SERVER_FLAGS:-} \
         --context-length 4096 --max-total-tokens "$tokens" --max-running-requests 64 \
         --precompile-bs-paddings 1 8 64 --precompile-token-paddings 256 2048 > "$out/$name-server.log" 2>&1 &
     local pid=$!
@@ -107,7 +118,7 @@ nvidia-smi -L
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 
 export out
-export -f moe_one_batch serve_and_bench
+export -f moe_one_batch serve_and_bench overlap_one_batch
 score_args=(--query-tokens 2000 --num-items 500 --item-tokens 20 --model-path benchmark/configs/Qwen3-0.6B
             --load-format dummy --dtype bfloat16 --tokenizer-path "${TOKENIZER_PATH:-}")
 for s in $stages; do
@@ -132,6 +143,11 @@ for s in $stages; do
                        ragged_dot,tiled,dense,tokamax,tokamax-triton bfloat16 ;;
         moe-serving) stage moe-serving 400 serve_and_bench moe benchmark/configs/Qwen3-30B-A3B 262144 \
                          baseline,continuous_batching,paged_attention ;;
+        overlap) stage overlap-tiny 120 overlap_one_batch tiny-llama benchmark/configs/tiny-llama 128
+                 stage overlap-qwen3 150 overlap_one_batch qwen3-0.6b benchmark/configs/Qwen3-0.6B 512 ;;
+        serving-no-overlap) SERVER_FLAGS=--disable-overlap-schedule stage serving-no-overlap 180 \
+                                serve_and_bench qwen3-0.6b-no-overlap benchmark/configs/Qwen3-0.6B 131072 \
+                                baseline,continuous_batching --num-requests-scale 0.5 ;;
         serving) stage serving 180 serve_and_bench qwen3-0.6b benchmark/configs/Qwen3-0.6B 131072 \
                      baseline,continuous_batching --num-requests-scale 0.5 ;;
         *) echo "unknown stage $s"; failed=1 ;;

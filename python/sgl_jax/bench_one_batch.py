@@ -15,7 +15,13 @@ batch building) as the scheduler pays it; ``host ms`` is that part. ``device ms`
 step: the last timed step re-run ``--output-len`` times back to back with nothing read in between
 (`ModelRunner.device_seconds_per_step`); ``busy %`` = device ms / decode p50 ms, the share of a decode loop the
 device is busy (the rest is the host's gap between steps, which the overlap scheduler of issue #38 is to hide;
-on CPU the "device" is the same cores, so both shares compete). A batch whose prompts exceed one prefill
+on CPU the "device" is the same cores, so both shares compete). The overlap columns rerun the row (the same
+prompts and seeds, prefilled again) with the overlap scheduler's decode loop: each step is launched before the
+previous step's sampled ids are read (its input tokens are placeholders the device fills from the step before,
+model_executor/future_tokens.py); ``overlap ms`` is its median step, ``overlap busy %`` = device ms / overlap ms,
+``x overlap`` = decode p50 ms / overlap ms (decode steps/s with overlap over without), and the row's output tokens
+must equal the loop without overlap (``tokens_identical``; the script exits non-zero otherwise).
+``--disable-overlap-schedule`` skips that pass. A batch whose prompts exceed one prefill
 step's token budget (--chunked-prefill-size, else --max-prefill-tokens) is prefilled in several steps (whole
 requests, the last one cut to a page-aligned chunk), and the prefill time is their sum. The KV pool is sized
 to B x (L + warm-up + output) tokens unless --max-total-tokens or --mem-fraction-static is given. A
@@ -73,7 +79,8 @@ from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import configure_logging
 
 COLUMNS = ("bs", "in", "out", "prefill s", "steps", "prefill tok/s", "floor s", "x floor", "decode p50 ms",
-           "p90 ms", "host ms", "device ms", "busy %", "decode tok/s", "floor ms", "x floor")
+           "p90 ms", "host ms", "device ms", "busy %", "overlap ms", "overlap busy %", "x overlap", "decode tok/s",
+           "floor ms", "x floor")
 
 
 @dataclasses.dataclass
@@ -264,13 +271,62 @@ class OneBatchRunner:
         seqs, host = self._step(batch)
         return time.perf_counter() - t0, prep + host, seqs
 
-    def run_row(self, bs: int, input_len: int, output_len: int, seed: int) -> dict:
-        """Prefill B x L random prompts, run the warm-up decode steps, time `output_len` decode steps, free all."""
+    def decode_overlapped(self, reqs: List[Req], steps: int) -> List[float]:
+        """`steps` decode steps as the overlap scheduler runs them: step k+1 is prepared, built (its inputs are
+        placeholders of the tokens step k is sampling) and launched before step k's result is read and applied.
+        Returns the seconds of each iteration that launched one step and applied the one before."""
+        times, prev = [], None
+        for k in range(steps + 1):
+            t0 = time.perf_counter()
+            launched = None
+            if k < steps:
+                batch = ScheduleBatch(reqs, ForwardMode.DECODE)
+                if not batch.prepare_for_decode(self.memory):
+                    raise RuntimeError("KV pool ran out during decode (sizing bug)")
+                wb = batch.build_model_worker_batch(self.buckets, self.memory)
+                pending = self.runner.launch_ranks([wb] + [None] * (self.runner.dp_size - 1))
+                launched = (batch.launched(), pending)
+            if prev is not None:
+                done, out = prev[0], prev[1].resolve()[0]
+                for i, r in enumerate(done.reqs):
+                    r.num_inflight -= 1
+                    r.kv_committed_len = done.row_ends[i]
+                    r.output_ids.append(int(out.next_token_ids[i]))
+                self.memory.after_step(done.reqs)
+            prev = launched
+            if 0 < k < steps:
+                times.append(time.perf_counter() - t0)
+        return times
+
+    def new_reqs(self, bs: int, input_len: int, output_len: int, seed: int) -> List[Req]:
+        """B requests of L random token ids (seeded by the row), sampled with per-request seeds."""
         rng = np.random.default_rng([seed, bs, input_len])
         ids = rng.integers(0, self.mc.vocab_size, size=(bs, input_len)).tolist()
         sp = SamplingParams(max_new_tokens=self.warmup_steps + output_len + 1, ignore_eos=True)
-        reqs = [Req(f"bench-{bs}-{input_len}-{i}", p, sp, eos_token_ids=self.mc.eos_token_ids, seed=seed + i)
+        return [Req(f"bench-{bs}-{input_len}-{i}", p, sp, eos_token_ids=self.mc.eos_token_ids, seed=seed + i)
                 for i, p in enumerate(ids)]
+
+    def release(self, reqs: List[Req]) -> None:
+        for r in reqs:
+            self.memory.release(r)
+        assert self.memory.free_tokens() == self.memory.size, "KV pages leaked"
+
+    def overlap_pass(self, bs: int, input_len: int, output_len: int, seed: int, sync_reqs: List[Req]) -> dict:
+        """The row again with the overlap scheduler's loop: its columns, and whether its tokens equal the loop's
+        without overlap (`sync_reqs`, which ran first)."""
+        reqs = self.new_reqs(bs, input_len, output_len, seed)
+        self.prefill(reqs)
+        for _ in range(self.warmup_steps):
+            self.decode(reqs)
+        times = self.decode_overlapped(reqs, output_len)
+        identical = [r.output_ids for r in reqs] == [r.output_ids for r in sync_reqs]
+        self.release(reqs)
+        return {"overlap_times": times, "tokens_identical": identical}
+
+    def run_row(self, bs: int, input_len: int, output_len: int, seed: int) -> dict:
+        """Prefill B x L random prompts, run the warm-up decode steps, time `output_len` decode steps, free all;
+        then the same with the overlap loop (unless --disable-overlap-schedule)."""
+        reqs = self.new_reqs(bs, input_len, output_len, seed)
         compiles = self.runner.num_compiles_after_warmup  # None: not counted (--disable-precompile)
         prefill_s, steps = self.prefill(reqs)
         prefill_floors = [step_floor(self.cost, s, self.rates) for s in steps]
@@ -284,11 +340,12 @@ class OneBatchRunner:
             times.append(t), hosts.append(h), floors.append(step_floor(self.cost, seqs, self.rates))
         # the device's own time per step: the last step re-run back to back (same KV slots, same values)
         device_s = self.runner.device_seconds_per_step(self.last_batch, output_len)
+        self.release(reqs)
+        overlap = {}
+        if not self.server_args.disable_overlap_schedule and output_len >= 2:
+            overlap = self.overlap_pass(bs, input_len, output_len, seed, reqs)
         if compiles is not None:
             compiles = self.runner.num_compiles_after_warmup - compiles
-        for r in reqs:
-            self.memory.release(r)
-        assert self.memory.free_tokens() == self.memory.size, "KV pages leaked"
         p_floor = sum(f[0] for f in prefill_floors)
         p_flops, p_bytes = sum(f[2] for f in prefill_floors), sum(f[3] for f in prefill_floors)
         p_bound = self.rates.floor(p_flops, p_bytes)[1]
@@ -303,9 +360,21 @@ class OneBatchRunner:
                 "decode_host_median_ms": 1e3 * float(np.median(hosts)), "decode_throughput_tok_s": bs / med,
                 "decode_device_ms": 1e3 * device_s, "decode_host_gap_ms": 1e3 * (med - device_s),
                 "decode_busy_share": device_s / med,
+                **overlap_columns(overlap, med, device_s),
                 "decode_floor_ms": 1e3 * d_floor[0], "decode_bound": d_floor[1],
                 "decode_x_floor": med / d_floor[0], "decode_step_flops": d_floor[2], "decode_step_bytes": d_floor[3],
                 "compiles_after_warmup": compiles}
+
+
+def overlap_columns(overlap: dict, sync_median_s: float, device_s: float) -> dict:
+    """The JSONL keys of the overlap pass (None when it did not run)."""
+    if not overlap:
+        return {"decode_overlap_median_ms": None, "decode_busy_share_overlap": None, "overlap_speedup": None,
+                "tokens_identical": None}
+    med = float(np.median(overlap["overlap_times"]))
+    return {"decode_overlap_median_ms": 1e3 * med, "decode_busy_share_overlap": device_s / med,
+            "decode_host_gap_ms_overlap": 1e3 * (med - device_s), "overlap_speedup": sync_median_s / med,
+            "tokens_identical": overlap["tokens_identical"]}
 
 
 def format_row(r: dict) -> str:
@@ -314,9 +383,17 @@ def format_row(r: dict) -> str:
              f"{r['prefill_throughput_tok_s']:.0f}", f"{r['prefill_floor_s']:.4f} {r['prefill_bound']}",
              f"{r['prefill_x_floor']:.1f}", f"{r['decode_median_ms']:.2f}", f"{r['decode_p90_ms']:.2f}",
              f"{r['decode_host_median_ms']:.2f}", f"{r['decode_device_ms']:.2f}",
-             f"{100 * r['decode_busy_share']:.0f}", f"{r['decode_throughput_tok_s']:.1f}",
+             f"{100 * r['decode_busy_share']:.0f}", *overlap_cells(r), f"{r['decode_throughput_tok_s']:.1f}",
              f"{r['decode_floor_ms']:.3f} {r['decode_bound']}", f"{r['decode_x_floor']:.1f}"]
     return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def overlap_cells(r: dict) -> List[str]:
+    """The row's overlap ms, overlap busy % and x overlap cells ("-" without the overlap pass)."""
+    if r.get("decode_overlap_median_ms") is None:
+        return ["-", "-", "-"]
+    return [f"{r['decode_overlap_median_ms']:.2f}", f"{100 * r['decode_busy_share_overlap']:.0f}",
+            f"{r['overlap_speedup']:.2f}"]
 
 
 def parse_args(argv: List[str]) -> Tuple[ServerArgs, argparse.Namespace]:
@@ -398,6 +475,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         raw = {"header": header, "commit": commit, "date": now, "jax": jax.__version__,
                "cpus": f"{os.cpu_count()} CPUs ({len(os.sched_getaffinity(0))} usable)", "rows": rows}
         write_report(args.report, f"bench_one_batch: {args.run_name}", command, report_body(raw), raw)
+    if any(r["tokens_identical"] is False for r in rows):
+        sys.exit("the overlap loop's output tokens differ from the loop without overlap (tokens_identical false)")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,11 @@ def test_bench_one_batch_tiny(tiny, tmp_path):
         assert r["decode_busy_share"] == pytest.approx(r["decode_device_ms"] / r["decode_median_ms"], rel=1e-9)
         assert r["decode_host_gap_ms"] == pytest.approx(r["decode_median_ms"] - r["decode_device_ms"], rel=1e-9)
         assert r["decode_bound"] == "B" and r["kv_dtype"] == "float32"
+        # the overlap scheduler's loop over the same row: the same tokens, its own step time and busy share
+        assert r["tokens_identical"] is True and r["decode_overlap_median_ms"] > 0
+        assert r["overlap_speedup"] == pytest.approx(r["decode_median_ms"] / r["decode_overlap_median_ms"], rel=1e-9)
+        assert r["decode_busy_share_overlap"] == pytest.approx(r["decode_device_ms"] / r["decode_overlap_median_ms"],
+                                                               rel=1e-9)
     # decode floor: weights read once (the tied embedding is the lm-head) + per sequence its KV after the step
     # (context c) read and 1 token written; FLOPs 2 x token params + 2 x lm-head + attention 4 x heads x dim x c
     # per layer. The median timed step follows prefill (40 tokens) and 1 warm-up step: c is 42 to 44.

@@ -2,7 +2,8 @@
 
 One workload -- three requests sharing a 1,000-token prefix plus short ones -- must give token-identical
 outputs with and without the radix cache, with chunked prefill at 64 tokens and with it off, under forced
-retract, and with 16-token pages. After every scenario the KV pool is back to free + cached.
+retract, and with 16-token pages; the baseline runs without the overlap scheduler, every scenario with it.
+After every scenario the KV pool is back to free + cached.
 
 One server per scenario (a module-scoped fixture, parametrized indirectly: pytest runs every test of a
 scenario on its server, then stops it before starting the next; radix-chunk256, the suite's common
@@ -84,11 +85,13 @@ def run_scenario(prompts, engine_args: dict, env: dict, radix: bool):
 
 @pytest.fixture(scope="module")
 def baseline(prompts):
-    """No prefix cache, no chunking: every prompt is prefilled whole. One extend bucket, 2,048 tokens: the
+    """No prefix cache, no chunking, no overlap scheduler (every scenario runs with it): every prompt is prefilled
+    whole and every step's result is applied before the next is chosen. One extend bucket, 2,048 tokens: the
     workload's two extends (the first request alone, then the other five, 2,035 tokens together) need no
     other."""
     outs, _ = run_scenario(prompts, {"disable_radix_cache": True, "chunked_prefill_size": -1,
-                                     "precompile_token_paddings": [2048]}, {}, radix=False)
+                                     "disable_overlap_schedule": True, "precompile_token_paddings": [2048]}, {},
+                           radix=False)
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
     return [o["output_ids"] for o in outs]
 
@@ -127,6 +130,7 @@ def test_outputs_identical_and_kv_accounted(server, request, prompts, baseline):
     outs = run_workload(server, prompts)
     state = check_idle_accounting(server, radix)
     assert [o["output_ids"] for o in outs] == baseline
+    assert state["overlap_schedule"] and state["num_overlapped_steps"] > 0  # (the baseline's is off)
     cached = [o["meta_info"]["cached_tokens"] for o in outs]
     if radix:
         page = overrides.get("page_size", 1)

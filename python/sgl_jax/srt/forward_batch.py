@@ -16,7 +16,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
+from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, shift_placeholders
 
 
 class ForwardMode(enum.IntEnum):
@@ -133,8 +133,9 @@ def stack_ranks(batches: List[ModelWorkerBatch], slots_per_rank: int) -> ModelWo
     its sequences at [r*S_pad, (r+1)*S_pad). KV slots and page indices stay local to the rank's KV block (the
     cache is sharded over ranks, see distributed/sharding.py); ``num_seqs`` and ``shared_prefix_len`` become
     int32[D]; ``logits_indices`` point into the stacked token axis and sampling ``slots`` into the stacked
-    penalty-state rows (rank r's slot s -> ``r * slots_per_rank + s``). A single rank gives the same arrays
-    (its two scalars as int32[1]).
+    penalty-state rows (rank r's slot s -> ``r * slots_per_rank + s``), as do the placeholders ``-(s + 1)``
+    of ``input_ids`` and ``last_token`` (the overlap scheduler's, see model_executor/future_tokens.py). A
+    single rank gives the same arrays (its two scalars as int32[1]).
 
     Raises:
         ValueError: the batches' padded shapes differ.
@@ -153,6 +154,8 @@ def stack_ranks(batches: List[ModelWorkerBatch], slots_per_rank: int) -> ModelWo
             fields[name] = np.stack([p.reshape(()) for p in parts]).astype(np.int32)
         elif name == "logits_indices":
             fields[name] = np.concatenate([p + r * t_pad for r, p in enumerate(parts)]).astype(np.int32)
+        elif name == "input_ids":  # placeholders of tokens still being sampled: into the stacked buffer rows
+            fields[name] = np.concatenate([shift_placeholders(p, r * slots_per_rank) for r, p in enumerate(parts)])
         else:
             fields[name] = np.concatenate(parts)
     fb = ForwardBatch(**fields, forward_mode=fbs[0].forward_mode, attention_backend=fbs[0].attention_backend)

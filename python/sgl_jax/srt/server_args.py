@@ -173,6 +173,7 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 2048
     enable_mixed_chunk: bool = False
+    disable_overlap_schedule: bool = False
     max_prefill_step_ms: float = 500.0
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
@@ -388,6 +389,10 @@ FLAG_HELP = {
     "enable_mixed_chunk": "mixed chunked prefill: running requests' decode rows ride in each prefill step, "
                           "so streams get a token every step while long prompts prefill (SGLang's flag; "
                           "needs chunked prefill)",
+    "disable_overlap_schedule": "turn off the overlap scheduler, which launches each decode step before the "
+                                "previous one's result is applied so the host's work between steps runs while "
+                                "the device computes (outputs are the same; SGLang's flag). With --nnodes > 1 "
+                                "every node must pass the same value",
     "max_prefill_step_ms": "while requests decode, cut prefill chunks so that a prefill adds at most this "
                            "many ms to their inter-token latency beyond their own decode step (step costs "
                            "are learned from the steps run; 0: off, chunks are always "

@@ -238,15 +238,15 @@ class KVMemory:
         """One KV slot per request for its last sampled token, evicting cached KV if needed (requests that have
         it already are skipped). False, with nothing taken, when even eviction cannot free enough pages: the
         caller retracts."""
-        reqs = [r for r in reqs if r.kv_allocated_len < r.seqlen]
-        need = sum(self.allocator.pages_needed(r.seqlen - 1, r.seqlen) for r in reqs)
+        reqs = [r for r in reqs if r.kv_allocated_len < r.seqlen_ahead]  # (ahead: a token still being sampled)
+        need = sum(self.allocator.pages_needed(r.seqlen_ahead - 1, r.seqlen_ahead) for r in reqs)
         if not evict_for_pages(self.allocator, self.tree_cache, need):
             return False
         for req in reqs:
-            pos = req.seqlen - 1
+            pos = req.seqlen_ahead - 1
             self.req_to_token_pool.write(req.req_pool_idx, pos,
                                          self.allocator.alloc_token_slots(self.row(req), pos, pos + 1))
-            req.kv_allocated_len = req.seqlen
+            req.kv_allocated_len = req.seqlen_ahead
         return True
 
     def layer_pool_fields(self, page_indices: np.ndarray, out_cache_loc: np.ndarray) -> Dict[str, np.ndarray]:

@@ -31,6 +31,7 @@ from sgl_jax.srt.layers.moe import expert_token_counts
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.compile_stats import compile_counts, describe
+from sgl_jax.srt.model_executor.future_tokens import new_future_tokens, resolve_placeholders, write_future
 from sgl_jax.srt.model_executor.moe_stats import MoeStats
 from sgl_jax.srt.fault_injection import PlantedFaults
 from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch, stack_ranks
@@ -58,6 +59,44 @@ class StepOutput:
     seq_offset: int = 0
     token_offset: int = 0
     routed_experts: Optional[np.ndarray] = None  # int32[n, L, k]: each sampled token's experts (-1: dense layer)
+
+
+class PendingStep:
+    """A launched step whose results are still on the device (`ModelRunner.launch_ranks`): its sampled ids and their
+    logprobs are being copied to the host; `resolve` waits for them and splits them per rank.
+
+    Args:
+        arrays: the step's outputs (next_ids int32[dp * S_pad], next_lp float32[dp * S_pad], logprobs, hidden,
+            expert counts, routed experts).
+        num_seqs: real sequences per rank (None: the rank idled); s_pad, t_pad: the step's padded shape per rank.
+        moe_stats: the runner's `MoeStats` (counts are added at resolve), or None; routed: whether routed experts
+            are returned.
+    """
+
+    def __init__(self, arrays: tuple, num_seqs: List[Optional[int]], s_pad: int, t_pad: int, moe_stats, routed: bool):
+        self.arrays, self.num_seqs, self.s_pad, self.t_pad = arrays, num_seqs, s_pad, t_pad
+        self.moe_stats, self.routed = moe_stats, routed
+        next_ids, next_lp, _, _, counts, rows = arrays
+        for x in (next_ids, next_lp) + ((counts,) if moe_stats is not None else ()) + ((rows,) if routed else ()):
+            x.copy_to_host_async()
+
+    def resolve(self) -> List[Optional[StepOutput]]:
+        """Wait for the step and return one StepOutput per rank (None for idle ranks)."""
+        next_ids, next_lp, logprobs, hidden, counts, routed = self.arrays
+        next_ids, next_lp = np.asarray(next_ids), np.asarray(next_lp)
+        if self.moe_stats is not None:
+            self.moe_stats.add_step(np.asarray(counts))
+        routed = np.asarray(routed) if self.routed else None
+        outs = []
+        for r, n in enumerate(self.num_seqs):
+            if n is None:
+                outs.append(None)
+                continue
+            a = r * self.s_pad
+            outs.append(StepOutput(next_ids[a:a + n], next_lp[a:a + n], logprobs, hidden, seq_offset=a,
+                                   token_offset=r * self.t_pad,
+                                   routed_experts=None if routed is None else routed[a:a + n]))
+        return outs
 
 
 def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
@@ -233,14 +272,17 @@ class ModelRunner:
         self.penalty_state = jax.jit(lambda: new_penalty_state(self.dp_size * num_request_slots,
                                                                model_config.vocab_size),
                                      out_shardings=self._replicated)()
+        # the overlap scheduler's sampled tokens, one per stacked request slot (model_executor/future_tokens.py)
+        self.future_tokens = jax.jit(lambda: new_future_tokens(self.dp_size * num_request_slots),
+                                     out_shardings=self._replicated)()
         self._all_allowed = {}  # S_pad -> device int32[S_pad, vocab_mask_width] of -1 (no grammar in the batch)
         # outputs fed back into the next call keep exactly the shardings they were created with, so a
         # program compiled at warm-up is the one serving uses (a new input sharding would compile again)
         r = self._replicated
         # hidden states stay with their rank, unless ranks span hosts (then every host reads them all)
         hidden = NamedSharding(self.mesh, P("data", None)) if jax.process_count() == 1 else r
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2),
-                             out_shardings=(self._kv_sharding, r, r, r, r, hidden, (r, r)))
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2, 3),
+                             out_shardings=(self._kv_sharding, r, r, r, r, r, hidden, (r, r)))
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r)
         self._logprobs = jax.jit(self._logprobs_impl)
         self._label_logprobs = jax.jit(self._label_logprobs_impl)
@@ -264,14 +306,19 @@ class ModelRunner:
         pages = [spec.pool_pages(pool) for pool in spec.layer_pool]
         return [(zeros(n), zeros(n)) for n in pages]
 
-    def _step_impl(self, params, kv_caches, penalty_state, fb: ForwardBatch, sampling: SamplingBatch):
+    def _step_impl(self, params, kv_caches, penalty_state, future, fb: ForwardBatch, sampling: SamplingBatch):
         model = nnx.merge(self.graphdef, params)
-        fb = dataclasses.replace(fb, attention_backend=self.attention_backend)  # trace time only
+        # trace-time backend; placeholders of tokens the previous step sampled read from the future buffer
+        fb = dataclasses.replace(fb, attention_backend=self.attention_backend,
+                                 input_ids=resolve_placeholders(fb.input_ids, future))
+        sampling = dataclasses.replace(sampling, last_token=resolve_placeholders(sampling.last_token, future))
         hidden, kv_caches = model(fb, kv_caches)
         logits = self._gathered(model.compute_logits(hidden[fb.logits_indices]))
         next_ids, logprobs, penalty_state = sample(logits, sampling, self.eos_token_ids, penalty_state)
+        future = write_future(future, sampling.slots, sampling.writes_future, next_ids)
         next_lp = jnp.take_along_axis(logprobs, next_ids[:, None], axis=-1)[:, 0]
-        return kv_caches, penalty_state, next_ids, next_lp, logprobs, hidden, self._moe_outputs(model, fb)
+        return (kv_caches, penalty_state, future, next_ids, next_lp, logprobs, hidden,
+                self._moe_outputs(model, fb))
 
     def _moe_outputs(self, model, fb: ForwardBatch):
         """(expert token counts int32[L, E] of the step's real tokens (`ForwardBatch.real_tokens`), the expert ids
@@ -330,6 +377,12 @@ class ModelRunner:
         Returns one StepOutput per rank (None for idle ranks). Raises ValueError when the batches' shapes
         differ or their number is not the dp size.
         """
+        return self.launch_ranks(batches).resolve()
+
+    def launch_ranks(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> PendingStep:
+        """Dispatch one step of every rank (as `forward_ranks`) without waiting for it: the device runs it after
+        the steps launched before (the KV cache, penalty state and future tokens are donated from one step to the
+        next), the host goes on. Raises ValueError as `forward_ranks`."""
         if len(batches) != self.dp_size:
             raise ValueError(f"{len(batches)} rank batches for --dp-size {self.dp_size}")
         real = [b for b in batches if b is not None]
@@ -337,25 +390,15 @@ class ModelRunner:
             raise ValueError("a step needs at least one rank batch")
         mode, t_pad, s_pad = real[0].padded_shape
         fb, sampling = self._step_inputs(batches)
-        self.kv_caches, self.penalty_state, next_ids, next_lp, logprobs, hidden, (counts, routed) = self._step(
-            self.params, self.kv_caches, self.penalty_state, fb, sampling)
+        (self.kv_caches, self.penalty_state, self.future_tokens, next_ids, next_lp, logprobs, hidden,
+         (counts, routed)) = self._step(self.params, self.kv_caches, self.penalty_state, self.future_tokens, fb,
+                                        sampling)
         if self._compiled_after_warmup is not None and self.faults.fire("compile_while_serving"):
             jax.jit(lambda x: x * 3.0 + 1.0)(np.zeros(7, np.float32)).block_until_ready()  # a planted fault
         self._check_no_new_compile(real[0])
-        next_ids, next_lp = np.asarray(next_ids), np.asarray(next_lp)
-        if self.moe_stats is not None:
-            self.moe_stats.add_step(np.asarray(counts))
-        routed = np.asarray(routed) if self.return_routed_experts else None
-        outs = []
-        for r, b in enumerate(batches):
-            if b is None:
-                outs.append(None)
-                continue
-            a, n = r * s_pad, b.num_seqs
-            outs.append(StepOutput(next_ids[a:a + n], next_lp[a:a + n], logprobs, hidden, seq_offset=a,
-                                   token_offset=r * t_pad,
-                                   routed_experts=None if routed is None else routed[a:a + n]))
-        return outs
+        return PendingStep((next_ids, next_lp, logprobs, hidden, counts, routed),
+                           [None if b is None else b.num_seqs for b in batches], s_pad, t_pad, self.moe_stats,
+                           self.return_routed_experts)
 
     def device_seconds_per_step(self, batch: ModelWorkerBatch, repeats: int) -> float:
         """Seconds the device takes per step of `batch` (rank 0), host work excluded: its inputs are put on the device
@@ -367,8 +410,8 @@ class ModelRunner:
         jax.block_until_ready(self.kv_caches)
         t0 = time.perf_counter()
         for _ in range(repeats):
-            self.kv_caches, self.penalty_state, next_ids, *_ = self._step(
-                self.params, self.kv_caches, self.penalty_state, fb, sampling)
+            self.kv_caches, self.penalty_state, self.future_tokens, next_ids, *_ = self._step(
+                self.params, self.kv_caches, self.penalty_state, self.future_tokens, fb, sampling)
         jax.block_until_ready((self.kv_caches, next_ids))
         return (time.perf_counter() - t0) / repeats
 
@@ -391,7 +434,8 @@ class ModelRunner:
     def kv_cache_lost(self) -> bool:
         """Whether the KV cache or penalty-state buffers are gone (a step failed after they were donated to
         it): shared state is lost and the scheduler must not go on."""
-        return any(leaf.is_deleted() for leaf in jax.tree.leaves((self.kv_caches, self.penalty_state)))
+        state = (self.kv_caches, self.penalty_state, self.future_tokens)
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
     def full_logprobs(self, hidden_rows: np.ndarray) -> np.ndarray:
         """float32[N, V] log-softmax of the logits of N hidden states (input-token logprobs).
@@ -505,7 +549,7 @@ class ModelRunner:
         included), so the compiled program is the one jit finds when serving."""
         def lower():
             fb, sampling = self._step_inputs([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
-            return self._step.lower(self.params, self.kv_caches, self.penalty_state, fb, sampling)
+            return self._step.lower(self.params, self.kv_caches, self.penalty_state, self.future_tokens, fb, sampling)
         return lower
 
 

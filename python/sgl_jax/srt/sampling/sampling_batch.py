@@ -45,7 +45,10 @@ class SamplingBatch:
     slots: int32 the request's ReqToTokenPool row (its PenaltyState row; padding: 0); penalized: bool, apply the
         slot's penalties and logit bias (see layers/sampler.PenaltyState).
     last_token: int32 the row's newest output token and last_token_index its index in the output (-1: none),
-        counted into the slot's history before sampling.
+        counted into the slot's history before sampling; a placeholder ``-(slot + 1)`` when that token is still
+        being sampled by the step before (the overlap scheduler: the model runner reads it from its future-token
+        buffer, see model_executor/future_tokens.py). writes_future: bool, the row samples a token the next step
+        may read from that buffer (its request's row; padding and mid-prompt chunk rows: False).
     constrained: bool, the row's grammar bitmask applies. vocab_mask: int32[S_pad, ceil(V / 32)] packed allowed-
         token bitmask (bit v % 32 of word v // 32); None on the host when no row has a grammar (the model runner
         then passes a cached all-ones mask, so the compiled program is the same).
@@ -58,6 +61,7 @@ class SamplingBatch:
     slots: Any = _engine_row(np.int32, 0)
     penalized: Any = _engine_row(np.bool_, False)
     last_token: Any = _engine_row(np.int32, 0)
+    writes_future: Any = _engine_row(np.bool_, False)
     last_token_index: Any = _engine_row(np.int32, -1)
     constrained: Any = _engine_row(np.bool_, False)
     vocab_mask: Any = None
@@ -114,8 +118,17 @@ class SamplingBatch:
         engine = {name: cat([getattr(b, name) for b in batches]) for name in ENGINE_ROWS}
         engine["slots"] = cat([np.asarray(b.slots) + r * slots_per_rank for r, b in enumerate(batches)]
                               ).astype(np.int32)
+        engine["last_token"] = cat([shift_placeholders(b.last_token, r * slots_per_rank)
+                                    for r, b in enumerate(batches)]).astype(np.int32)
         params = {name: cat([b.params[name] for b in batches]) for name in batches[0].params}
         return SamplingBatch(params=params, vocab_mask=mask, **engine)
+
+
+def shift_placeholders(ids, offset: int) -> np.ndarray:
+    """int32 token ids whose placeholders ``-(slot + 1)`` (a rank's local request slot) are moved to the stacked
+    rows of the future-token buffer: ``-(offset + slot + 1)``; real ids (>= 0) unchanged."""
+    ids = np.asarray(ids, np.int32)
+    return np.where(ids < 0, ids - offset, ids).astype(np.int32)
 
 
 # the one table of the rows the scheduler fills: name -> (dtype, value of a padding row)

@@ -60,15 +60,6 @@ def append_input_logprobs(req: Req, hidden: np.ndarray, first_row: int, start: i
                 token_ids_logprobs(row, req.token_ids_logprob) if req.token_ids_logprob else None)
 
 
-def extend_offsets(batch: ScheduleBatch) -> List[int]:
-    """First row in the T axis of each request of an extend batch."""
-    offsets, o = [], 0
-    for r in batch.reqs:
-        offsets.append(o)
-        o += r.extend_input_len
-    return offsets
-
-
 def process_batch_result(
     batch: ScheduleBatch,
     out: StepOutput,
@@ -80,6 +71,9 @@ def process_batch_result(
 ) -> None:
     """Apply one step's results to the batch's requests (tokens, logprobs, finish reasons).
 
+    `batch` is the step's own copy (`ScheduleBatch.launched`): each row's KV counts as written up to its
+    ``row_ends`` entry, and a sampling row's token leaves ``num_inflight`` for ``output_ids`` (rows of requests that
+    finished before the result arrived are dropped first: `ScheduleBatch.drop_finished_rows`).
     A request whose prompt is only partly prefilled (a chunk) samples nothing; its computed prefix is
     handed to the prefix cache (`KVMemory.cache_unfinished`) and it stays out of the running batch.
     The decode rows of a mixed batch (`ScheduleBatch.mix_with_running`) are processed as in a decode step.
@@ -96,25 +90,28 @@ def process_batch_result(
     need_rows = any(r.return_logprob and (r.top_logprobs_num > 0 or r.token_ids_logprob) for r in batch.reqs)
     rows = np.asarray(out.logprobs) if need_rows else None
     hidden = [None]
-    offsets = extend_offsets(batch) if is_extend else None
     for i, req in enumerate(batch.reqs):
+        req.num_inflight -= batch.row_samples[i]
         start = req.kv_committed_len
-        req.kv_committed_len = req.kv_allocated_len
+        req.kv_committed_len = batch.row_ends[i]
         try:
-            _process_one(req, i, start, is_extend and not batch.is_decode_row(req), out, rows, hidden, offsets,
-                         memory, full_logprobs, decode_tail, check)
+            _process_one(req, batch.row_index[i], start, is_extend and not batch.is_decode_row(req), out, rows,
+                         hidden, out.token_offset + batch.row_token_starts[i], memory, full_logprobs, decode_tail,
+                         check)
         except Exception as exc:
             if on_error is None:
                 raise
             on_error(req, exc)
 
 
-def _process_one(req: Req, i: int, start: int, is_extend: bool, out: StepOutput, rows, hidden: list, offsets,
-                 memory, full_logprobs, decode_tail, check) -> None:
+def _process_one(req: Req, i: int, start: int, is_extend: bool, out: StepOutput, rows, hidden: list,
+                 first_token: int, memory, full_logprobs, decode_tail, check) -> None:
+    """One row: `i` its index among the rank's sequences of the step, `first_token` its first row of the step's
+    hidden states."""
     if is_extend and req.wants_input_logprobs():
         if hidden[0] is None:
             hidden[0] = np.asarray(out.hidden)
-        append_input_logprobs(req, hidden[0], offsets[i], start, req.kv_committed_len, full_logprobs)
+        append_input_logprobs(req, hidden[0], first_token, start, req.kv_committed_len, full_logprobs)
     req.is_chunked = req.kv_committed_len < req.seqlen
     if req.to_abort is not None:
         req.finished_reason = req.to_abort
@@ -134,9 +131,9 @@ def _process_one(req: Req, i: int, start: int, is_extend: bool, out: StepOutput,
     if req.return_logprob:
         req.output_token_logprobs.append((float(out.next_token_logprobs[i]), token))
         if req.top_logprobs_num > 0:
-            req.output_top_logprobs.append(top_logprobs(rows[i], req.top_logprobs_num))
+            req.output_top_logprobs.append(top_logprobs(rows[out.seq_offset + i], req.top_logprobs_num))
         if req.token_ids_logprob:
-            req.output_token_ids_logprobs.append(token_ids_logprobs(rows[i], req.token_ids_logprob))
+            req.output_token_ids_logprobs.append(token_ids_logprobs(rows[out.seq_offset + i], req.token_ids_logprob))
     if req.grammar is not None and not req.grammar.accept_token(token):
         raise RuntimeError(f"the grammar rejected sampled token {token}: {req.grammar.error()}")
     req.check_finished(lambda ids, r=req: decode_tail(r, ids))

@@ -38,7 +38,7 @@ from sgl_jax.srt.mem_cache.req_kv import kv_fields
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.preflight import KVLimits, check_fits
 from sgl_jax.srt.scheduler.admission import AdmissionPolicy
-from sgl_jax.srt.scheduler.output import extend_offsets, process_batch_result, token_out
+from sgl_jax.srt.scheduler.output import process_batch_result, token_out
 from sgl_jax.srt.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, finish_abort
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
 
@@ -114,6 +114,10 @@ class RankHooks(Protocol):
 
     def sessions_on_rank(self, rank: int) -> list:
         """The open sessions whose KV lives on `rank`."""
+
+    def drain(self) -> bool:
+        """Apply the step in flight, if any (the overlap scheduler's sync point; every rank's part); returns whether
+        there was one."""
 
 
 class RankScheduler:
@@ -282,22 +286,31 @@ class RankScheduler:
         return batch
 
     def get_decode_batch(self) -> Optional[ScheduleBatch]:
-        """The running batch, with a KV slot per request; retracts requests when pages run out."""
-        batch = self.running_batch
-        if batch.is_empty():
+        """The running batch, with a KV slot per request, less the requests whose tokens in flight finish them by
+        length (overlap); when pages run out, the step in flight is applied first (its finished requests free
+        theirs), then requests are retracted."""
+        if self.running_batch.is_empty():
             return None
         self.admission.on_decode_step()
         if self.config.test_retract and self._decode_steps - self._last_forced_retract >= TEST_RETRACT_INTERVAL:
             self._last_forced_retract = self._decode_steps
-            self.retract(max(1, len(batch.reqs) // 2))
-        while not batch.is_empty() and not batch.prepare_for_decode(self.memory):
+            self.retract(max(1, len(self.running_batch.reqs) // 2))
+        while True:
+            batch = self.running_batch
+            ahead = [r for r in batch.reqs if not r.done_by_length_ahead()]
+            if len(ahead) < len(batch.reqs):
+                batch = batch.subset(ahead)
+            if batch.is_empty() or batch.prepare_for_decode(self.memory):
+                return None if batch.is_empty() else batch
+            if self.hooks.drain():
+                continue
             self.retract(1)
-            self.admission.on_retract(batch.reqs)
-        return None if batch.is_empty() else batch
+            self.admission.on_retract(self.running_batch.reqs)
 
     def retract(self, n: int) -> None:
         """Release the KV of the latest `n` admitted running requests and requeue them (at the front,
-        oldest first); they resume from prompt + generated tokens."""
+        oldest first); they resume from prompt + generated tokens. The step in flight is applied first."""
+        self.hooks.drain()
         victims = self.running_batch.reqs[-n:]
         del self.running_batch.reqs[-n:]
         for req in victims:
@@ -310,8 +323,10 @@ class RankScheduler:
 
     # ------------------------------------------------------------ after a step
     def apply_step(self, batch: ScheduleBatch, out) -> None:
-        """Apply this rank's part of a step (`out`: its StepOutput; None when every request of the batch
-        failed before running), then stream progress and release the finished."""
+        """Apply this rank's part of a step (`batch`: the step's own copy, `ScheduleBatch.launched`; `out`: its
+        StepOutput, None when every request of the batch failed before running), then stream progress and release
+        the finished."""
+        batch = batch.drop_finished_rows()
         self.last_mode = batch.forward_mode
         self.last_mixed = batch.forward_mode == ForwardMode.EXTEND and batch.num_decode_rows > 0
         self.num_mixed_steps += self.last_mixed
@@ -347,7 +362,7 @@ class RankScheduler:
 
     def collect_scores(self, batch: ScheduleBatch, out, starts: List[int]) -> None:
         """Label logprobs of the step's score positions; a request whose scores fail alone is failed."""
-        offsets = [o + out.token_offset for o in extend_offsets(batch)]
+        offsets = [o + out.token_offset for o in batch.row_token_starts]
         before = [len(r.score.label_logprobs) if r.score is not None else 0 for r in batch.reqs]
         try:
             self.scoring.collect(batch.reqs, out.hidden, offsets, starts, self.hooks.label_logprobs)

@@ -81,8 +81,11 @@ class Req:
     """One generation request inside the scheduler.
 
     Token bookkeeping: ``origin_input_ids`` (prompt) + ``output_ids`` (generated) = ``fill_ids``.
+    ``num_inflight``: tokens that launched steps are sampling and whose values have not reached the host (0 or 1
+    with the overlap scheduler, scheduler/scheduler.py; ``seqlen_ahead`` and ``num_output_total`` count them).
     KV bookkeeping: ``req_pool_idx`` (ReqToTokenPool row, None when released), ``kv_allocated_len``
-    (positions with a KV slot) and ``kv_committed_len`` (positions whose K/V are written).
+    (positions with a KV slot) and ``kv_committed_len`` (positions whose K/V are written, as far as the host
+    has applied steps).
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class Req:
         self.return_routed_experts = return_routed_experts
         self.routed_experts: List[np.ndarray] = []  # per output token: int32 [layers, top-k] (model_runner)
         self.output_ids: List[int] = []
+        self.num_inflight = 0  # tokens being sampled by launched steps, not yet appended
         self.finished_reason: Optional[FinishReason] = None
         self.to_abort: Optional[FinishReason] = None
 
@@ -156,6 +160,22 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
+    def seqlen_ahead(self) -> int:
+        """Tokens including those launched steps are still sampling (the next decode step's position + 1)."""
+        return self.seqlen + self.num_inflight
+
+    @property
+    def num_output_total(self) -> int:
+        """Output tokens including those still being sampled (the step index of the next sample)."""
+        return len(self.output_ids) + self.num_inflight
+
+    def done_by_length_ahead(self) -> bool:
+        """Whether the tokens in flight take it to max_new_tokens: it finishes by length when they arrive, so the
+        next decode step leaves it out."""
+        mx = self.sampling_params.max_new_tokens
+        return self.num_inflight > 0 and mx is not None and self.num_output_total >= mx
+
+    @property
     def fill_ids(self) -> List[int]:
         return self.origin_input_ids + self.output_ids
 
@@ -178,6 +198,7 @@ class Req:
     def reset_for_retract(self) -> None:
         """Forget KV state after a retract (KV already released); generation resumes from fill_ids."""
         assert self.req_pool_idx is None, "release the request's KV before resetting it"
+        assert self.num_inflight == 0, "apply the request's launched steps before retracting it"
         forget_kv(self)
         self.extend_input_len = 0
         self.is_chunked = False
@@ -217,6 +238,14 @@ class Req:
 
 
 # ---------------------------------------------------------------- batch
+def last_input_token(req: Req) -> int:
+    """A decode row's input token: the newest output token (the prompt's last before any), or the placeholder
+    ``-(req_pool_idx + 1)`` while a launched step is still sampling it (model_executor/future_tokens.py)."""
+    if req.num_inflight:
+        return -(req.req_pool_idx + 1)
+    return req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
+
+
 def shared_prefix_len(token_rows: np.ndarray, limits: List[int], page_size: int) -> int:
     """Length of the KV prefix that every sequence of an extend batch shares (cascade attention).
 
@@ -275,6 +304,31 @@ class ScheduleBatch:
         self.reqs = reqs
         self.forward_mode = forward_mode
         self._decode_ids: set = set()  # id() of the decode rows of a mixed EXTEND batch
+        # set by `launched` (a launched step's own copy), per row: the KV length once the step has run, whether
+        # the row samples a token, its index among the step's sequences and its first token in the step
+        self.row_ends: Optional[List[int]] = None
+        self.row_samples: Optional[List[bool]] = None
+        self.row_index: Optional[List[int]] = None
+        self.row_token_starts: Optional[List[int]] = None
+
+    def samples(self, req: Req) -> bool:
+        """Whether `req`'s row samples a token this step: a decode row, or the chunk that ends its prompt."""
+        return self.is_decode_row(req) or req.kv_committed_len + req.extend_input_len >= req.seqlen
+
+    def launched(self) -> "ScheduleBatch":
+        """Record that this batch's step was dispatched: returns the step's own copy of the batch (its rows, their
+        roles, ``row_ends`` = each row's KV length after the step, ``row_samples``), which the results are applied
+        to (`output.process_batch_result`) -- the running batch may change before they arrive -- and counts each
+        sampling row's token in ``num_inflight``."""
+        out = self.subset(self.reqs)
+        out.row_samples = [self.samples(r) for r in self.reqs]
+        out.row_ends = [r.kv_allocated_len for r in self.reqs]
+        out.row_index = list(range(len(self.reqs)))
+        lens = [1 if self.forward_mode == ForwardMode.DECODE else r.extend_input_len for r in self.reqs]
+        out.row_token_starts = [int(x) for x in np.cumsum([0] + lens[:-1])] if lens else []
+        for r, s in zip(self.reqs, out.row_samples):
+            r.num_inflight += s
+        return out
 
     def mix_with_running(self, running: List[Req]) -> None:
         """Append running requests as decode rows of this EXTEND batch. Each must have the KV slot of its
@@ -300,6 +354,21 @@ class ScheduleBatch:
         """A batch of some of this batch's requests, each in the same role (prefill or decode row)."""
         out = ScheduleBatch(list(reqs), self.forward_mode)
         out._decode_ids = {id(r) for r in reqs if id(r) in self._decode_ids}
+        return out
+
+    def drop_finished_rows(self) -> "ScheduleBatch":
+        """A launched step's copy without the rows of requests that finished since it was launched (the overlap
+        scheduler launches step n+1 before step n's result says who finished): their tokens are dropped (no longer
+        in flight), and the positions they wrote were never committed (`release_kv_cache` freed them)."""
+        keep = [not r.finished() for r in self.reqs]
+        if all(keep):
+            return self
+        for r, k, s in zip(self.reqs, keep, self.row_samples):
+            if not k:
+                r.num_inflight -= s
+        out = self.subset([r for r, k in zip(self.reqs, keep) if k])
+        for name in ("row_ends", "row_samples", "row_index", "row_token_starts"):
+            setattr(out, name, [x for x, k in zip(getattr(self, name), keep) if k])
         return out
 
     def __len__(self) -> int:
@@ -353,9 +422,8 @@ class ScheduleBatch:
             T = S
             T_pad, S_pad = buckets.decode_shape(S)
             q_lens = np.ones(S, np.int64)
-            input_ids = np.array([r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs],
-                                 np.int32)
-            positions = np.array([r.seqlen - 1 for r in reqs], np.int32)
+            input_ids = np.array([last_input_token(r) for r in reqs], np.int32)
+            positions = np.array([r.seqlen_ahead - 1 for r in reqs], np.int32)
         else:
             q_lens = np.array([r.extend_input_len for r in reqs], np.int64)
             T = int(q_lens.sum())
@@ -426,7 +494,7 @@ class ScheduleBatch:
         reqs = self.reqs
         sps = [r.sampling_params for r in reqs]
         decode_rows = [self.is_decode_row(r) for r in reqs]
-        samples = [d or r.kv_committed_len + r.extend_input_len >= r.seqlen for r, d in zip(reqs, decode_rows)]
+        samples = [self.samples(r) for r in reqs]
         vocab_mask = None
         constrained = [r.grammar is not None and s for r, s in zip(reqs, samples)]
         if any(constrained):
@@ -437,15 +505,16 @@ class ScheduleBatch:
                     r.grammar.fill_vocab_mask(vocab_mask, i)
         penalized = [p.uses_penalties() for p in sps]
         # a decode row's input is its newest output token: the penalty counts take it in (once)
-        last_index = [len(r.output_ids) - 1 if d else -1 for r, d in zip(reqs, decode_rows)]
+        last_index = [r.num_output_total - 1 if d else -1 for r, d in zip(reqs, decode_rows)]
         last_token = [input_ids[cu[i + 1] - 1] if d else 0 for i, d in enumerate(decode_rows)]
         return SamplingBatch.build(sps, {
             "seeds": [r.seed for r in reqs],
-            "steps": [len(r.output_ids) for r in reqs],
-            "suppress_eos": [len(r.output_ids) < p.min_new_tokens for r, p in zip(reqs, sps)],
+            "steps": [r.num_output_total for r in reqs],
+            "suppress_eos": [r.num_output_total < p.min_new_tokens for r, p in zip(reqs, sps)],
             "slots": rows,
             "penalized": penalized,
             "last_token": last_token,
             "last_token_index": last_index,
+            "writes_future": samples,
             "constrained": constrained,
         }, S_pad, vocab_mask)

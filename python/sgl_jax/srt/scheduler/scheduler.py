@@ -19,6 +19,10 @@ inside each chunk's step), so a long prompt does not stall every stream; --max-p
 chunks while requests decode (scheduler/step_budget.py, fitted to the wall time of every step run here).
 Retract: when a decode step cannot get KV pages even after evicting cached prefixes, the latest admitted
 requests are retracted (KV released, requeued) and resume later from prompt + generated tokens.
+
+Overlap (the default; --disable-overlap-schedule turns it off): a decode step is launched before the previous
+decode step's result is applied, so the host's work between steps runs while the device computes; outputs are
+the same either way (scheduler/overlap.py).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from sgl_jax.srt.scheduler.grammar_queue import GrammarQueue
 from sgl_jax.srt.scheduler.load_balance import choose_rank
 from sgl_jax.srt.scheduler.node_link import NodeLink, SchedulerTick
 from sgl_jax.srt.scheduler.output import token_out
+from sgl_jax.srt.scheduler.overlap import LaunchedStep, may_choose_ahead
 from sgl_jax.srt.scheduler.rank import RankConfig, RankScheduler
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_abort, step_shape
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
@@ -110,8 +115,8 @@ def step_cost_features(batches: List[Optional[ScheduleBatch]], buckets):
     if not live:
         return None
     mode, t_pad, _ = step_shape(live, buckets)
-    rows = [RowWork(b.is_decode_row(r), r.seqlen - r.kv_committed_len if b.is_decode_row(r) else r.extend_input_len,
-                    r.kv_committed_len) for b in live for r in b.reqs]
+    rows = [RowWork(b.is_decode_row(r), 1 if b.is_decode_row(r) else r.extend_input_len, r.kv_committed_len)
+            for b in live for r in b.reqs]
     return step_features(t_pad, mode == ForwardMode.DECODE, rows)
 
 
@@ -172,6 +177,11 @@ class Scheduler:
         self.session_bos_id = bos if bos is not None and self.tokenizer.encode("a")[:1] == [bos] else None
         self.grammar_queue = GrammarQueue(None if server_args.grammar_backend == "none"
                                           else GrammarBackend(self.tokenizer, mc.vocab_size))
+        self.overlap = not server_args.disable_overlap_schedule
+        self.inflight: Optional[LaunchedStep] = None  # the launched step whose result is not applied yet
+        self.last_applied_at = 0.0  # time.perf_counter() when the last step's result was applied
+        self.num_overlapped_steps = 0  # steps launched while the step before was still running
+        logger.info("Overlap scheduler: %s", "on" if self.overlap else "off (--disable-overlap-schedule)")
         if not server_args.disable_precompile:
             self.model_runner.warmup()
         if self.grammar_queue.backend is not None:
@@ -250,6 +260,29 @@ class Scheduler:
     def sessions_on_rank(self, rank: int) -> list:
         return self.sessions.on_rank(rank)
 
+    def drain(self) -> bool:
+        """Wait for the step in flight and apply its result (every rank's part); returns whether there was one.
+        The overlap scheduler's one sync point: before choosing a step that is not a decode continuation, before a
+        retract, and before re-running a step that failed."""
+        rec, self.inflight = self.inflight, None
+        if rec is None:
+            return False
+        self.apply_launched(rec)
+        return True
+
+    def apply_launched(self, rec: LaunchedStep) -> None:
+        """Hand each rank its part of a launched step's result. The step's time (from its launch, or from the end
+        of the step before when it was launched earlier: the device ran them back to back) feeds the
+        --max-prefill-step-ms model."""
+        outs = rec.pending.resolve()
+        for rank, batch, out in zip(self.ranks, rec.batches, outs):
+            if batch is not None:
+                rank.apply_step(batch, out)
+        now = time.perf_counter()
+        if rec.cost_features is not None:
+            self.step_time_model.observe(rec.cost_features, (now - max(rec.launched_at, self.last_applied_at)) * 1e3)
+        self.last_applied_at = now
+
     # ------------------------------------------------------------ loop
     def event_loop(self) -> None:
         """Serve forever: take inputs, schedule, run one step per iteration. Each step runs under the
@@ -267,6 +300,10 @@ class Scheduler:
                     return
                 batches = self.apply_tick(tick)
                 if batches is None:
+                    if self.inflight is not None:  # nothing new to launch: apply the step in flight
+                        watchdog.step_started(step, "waiting for the last step's result")
+                        self.drain()
+                        watchdog.step_finished()
                     continue
                 step += 1
                 if step == crash_at:
@@ -306,27 +343,58 @@ class Scheduler:
                 rank.scoring.expire_handles(tick.now)
         if self.sessions.sessions:
             self.sessions.reap(tick.now, self.release_session)
+        if not may_choose_ahead(self.inflight, self.ranks):
+            self.drain()
         batches = [rank.get_next_batch_to_run() for rank in self.ranks]
+        if self.inflight is None:  # (a rank drained while choosing: drop the requests that finished since)
+            for batch in batches:
+                if batch is not None and batch.forward_mode == ForwardMode.DECODE:
+                    batch.filter_finished()
+            batches = [b if b is not None and b.reqs else None for b in batches]
         for rank, batch in zip(self.ranks, batches):
             if batch is None:
                 rank.on_idle()
         return None if all(b is None for b in batches) else batches
 
     def run_step(self, batches: List[Optional[ScheduleBatch]]) -> None:
-        """Run one step of every rank's batch (None: the rank idles) and hand each rank its results;
-        requests that fail on their own are failed and dropped. The step's wall time (forward and result
-        processing) feeds the --max-prefill-step-ms model (when the budget is on)."""
+        """Launch one step of every rank's batch (None: the rank idles), then apply the step launched before it,
+        and this one too unless it is a decode step and overlap is on (it is then applied after the next step is
+        launched, or before anything else runs: `drain`). When launching fails, the step in flight is applied
+        first and the step is run at once, the requests that fail on their own failed and dropped
+        (`forward_isolating_faults`)."""
         t0 = time.perf_counter()
         x = step_cost_features(batches, self.buckets) if self.step_budget is not None else None
-        outs = self.forward_isolating_faults(batches)
-        for rank, batch, out in zip(self.ranks, batches, outs):
-            if batch is not None:
-                rank.apply_step(batch, out)
-        if x is not None:
-            self.step_time_model.observe(x, (time.perf_counter() - t0) * 1e3)
+        try:
+            pending = self._launch(batches)
+        except Exception:
+            if self.model_runner.kv_cache_lost():
+                raise
+            if self.drain():
+                for batch in batches:
+                    if batch is not None:
+                        batch.reqs = [r for r in batch.reqs if not r.finished()]
+            outs = self.forward_isolating_faults(batches)
+            launched = [None if b is None else b.launched() for b in batches]
+            for rank, batch, out in zip(self.ranks, launched, outs):
+                if batch is not None:
+                    rank.apply_step(batch, out)
+            self.last_applied_at = time.perf_counter()
+            return
+        rec = LaunchedStep([None if b is None else b.launched() for b in batches], pending, t0, x)
+        self.num_overlapped_steps += self.inflight is not None
+        self.drain()
+        if self.overlap and rec.is_decode:  # (inputs taken in while it runs see every other step applied)
+            self.inflight = rec
+        else:
+            self.apply_launched(rec)
 
     # ------------------------------------------------------------ fault isolation
     def _step(self, batches: List[Optional[ScheduleBatch]]) -> list:
+        """Run one step and wait for it: each rank's StepOutput (None when idle)."""
+        return self._launch(batches).resolve()
+
+    def _launch(self, batches: List[Optional[ScheduleBatch]]):
+        """Build every rank's batch and dispatch the step (the model runner's `PendingStep`)."""
         live = [(r, b) for r, b in enumerate(batches) if b is not None and b.reqs]
         fault_injection.check("forward", [req.rid for _, b in live for req in b.reqs])
         for r, batch in live:  # penalty history of a request new to its slot (admission, after a retract)
@@ -341,7 +409,7 @@ class Scheduler:
         for r, batch in live:
             rank = self.ranks[r]
             worker_batches[r] = batch.build_model_worker_batch(self.buckets, rank.memory, shape)
-        return self.model_runner.forward_ranks(worker_batches)
+        return self.model_runner.launch_ranks(worker_batches)
 
     def forward_isolating_faults(self, batches: List[Optional[ScheduleBatch]]) -> list:
         """Each rank's step output (None for idle ranks and emptied batches); when the step fails, the requests
@@ -383,7 +451,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ input
     def recv_requests(self) -> list:
-        busy = any(rank.is_busy() for rank in self.ranks)
+        busy = self.inflight is not None or any(rank.is_busy() for rank in self.ranks)
         if not busy and not self.recv_from_tokenizer.poll(GRAMMAR_POLL_MS if self.grammar_queue else IDLE_POLL_MS):
             return []
         msgs = []
@@ -559,6 +627,7 @@ class Scheduler:
         for rank in self.ranks:
             rank.on_idle()
         shared = {"num_compiles_after_warmup": self.model_runner.num_compiles_after_warmup,
+                  "overlap_schedule": self.overlap, "num_overlapped_steps": self.num_overlapped_steps,
                   "warmup": self.model_runner.warmup_stats,
                   "prefill_step_budget": None if self.step_budget is None else self.step_budget.state(),
                   "moe": None if self.model_runner.moe_stats is None else self.model_runner.moe_stats.state(),

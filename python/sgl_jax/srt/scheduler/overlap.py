@@ -1,0 +1,56 @@
+"""The overlap scheduler's bookkeeping: the step in flight, and when the next one may be chosen before its result.
+
+SGLang's default event loop (``event_loop_overlap``), here without a thread (JAX dispatch is already asynchronous):
+the scheduler launches step n+1 and only then waits for step n's result and applies it, so the host's work
+between steps (applying results, streaming, scheduling, building the batch) runs while the device computes. A
+decode row whose input token step n is still sampling carries a placeholder that the device resolves
+(model_executor/future_tokens.py), so outputs are identical with ``--disable-overlap-schedule``.
+
+Only decode steps stay in flight past their iteration (a prefill step's result is applied at once, so the inputs
+taken in at the next iteration -- aborts, score releases, sessions -- never see a prefill whose result is pending),
+and step n+1 is chosen ahead of step n's result only when the next one is a decode step too: no rank has prefill work (waiting or chunk-prefilled requests) and no running request has a grammar (its
+vocabulary mask needs every earlier token accepted). Any other step is chosen after the result is applied
+(``Scheduler.drain``), as are retracts and the re-runs that isolate a faulty request. Requests that finish by
+length are left out of the step chosen ahead (`Req.done_by_length_ahead`); one that stops on a stop token or
+string runs one extra decode row, whose token is dropped and whose KV slot its release frees
+(`ScheduleBatch.drop_finished_rows`), as in SGLang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+from sgl_jax.srt.forward_batch import ForwardMode
+from sgl_jax.srt.scheduler.schedule_batch import ScheduleBatch
+
+
+@dataclasses.dataclass
+class LaunchedStep:
+    """A step dispatched to the device whose result is not applied yet.
+
+    batches: per rank, the step's own copy of its batch (`ScheduleBatch.launched`; None: the rank idled).
+    pending: the model runner's `PendingStep`.
+    launched_at: time.perf_counter() at dispatch (s); cost_features: the step-time model's features, or None.
+    """
+
+    batches: List[Optional[ScheduleBatch]]
+    pending: object
+    launched_at: float
+    cost_features: object = None
+
+    @property
+    def is_decode(self) -> bool:
+        """Every rank that runs decodes (no prefill row, no chunk)."""
+        return all(b.forward_mode == ForwardMode.DECODE for b in self.batches if b is not None)
+
+
+def may_choose_ahead(inflight: Optional[LaunchedStep], ranks) -> bool:
+    """Whether the next step may be chosen while `inflight` runs (see the module docstring); `ranks` the
+    `RankScheduler`s after this iteration's inputs were taken in."""
+    if inflight is None or not inflight.is_decode:
+        return False
+    for rank in ranks:
+        if rank.has_prefill_work() or any(r.grammar is not None for r in rank.running_batch.reqs):
+            return False
+    return True
