@@ -325,8 +325,8 @@ def test_model_step_writes_kv_in_place(smollm2_harness, smollm2_tokenizer):
     h = smollm2_harness
     r = h.runner
     batch = r.dummy_batch(ForwardMode.DECODE, 4, 4)
-    fb, sampling = r.device_inputs(stack_ranks([batch], r.num_request_slots))
-    hlo = r._step.lower(r.params, r.kv_caches, r.penalty_state, r.future_tokens, fb, sampling).compile().as_text()
+    inputs = r.device_inputs(stack_ranks([batch], r.num_request_slots))
+    hlo = r._step.lower(r.params, r.kv_caches, r.penalty_state, r.future_tokens, *inputs).compile().as_text()
     cache_shape = "f32[" + ",".join(map(str, r.kv_caches[0][0].shape)) + "]"
     copies = [ln for ln in hlo.splitlines() if f"{cache_shape}" in ln and " copy(" in ln]
     assert not copies, f"{len(copies)} copies of the KV cache per step, e.g. {copies[0].strip()[:200]}"

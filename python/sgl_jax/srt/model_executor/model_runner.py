@@ -32,6 +32,7 @@ from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, samp
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.compile_stats import compile_counts, describe
 from sgl_jax.srt.model_executor.future_tokens import new_future_tokens, resolve_placeholders, write_future
+from sgl_jax.srt.model_executor.packed_inputs import pack, unpack
 from sgl_jax.srt.model_executor.moe_stats import MoeStats
 from sgl_jax.srt.fault_injection import PlantedFaults
 from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch, stack_ranks
@@ -281,7 +282,7 @@ class ModelRunner:
         r = self._replicated
         # hidden states stay with their rank, unless ranks span hosts (then every host reads them all)
         hidden = NamedSharding(self.mesh, P("data", None)) if jax.process_count() == 1 else r
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2, 3),
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2, 3), static_argnums=(6,),
                              out_shardings=(self._kv_sharding, r, r, r, r, r, hidden, (r, r)))
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r)
         self._logprobs = jax.jit(self._logprobs_impl)
@@ -306,7 +307,12 @@ class ModelRunner:
         pages = [spec.pool_pages(pool) for pool in spec.layer_pool]
         return [(zeros(n), zeros(n)) for n in pages]
 
-    def _step_impl(self, params, kv_caches, penalty_state, future, fb: ForwardBatch, sampling: SamplingBatch):
+    def _step_impl(self, params, kv_caches, penalty_state, future, packed, vocab_mask, layout):
+        """One step (see the module docstring). packed / layout: the step's ForwardBatch and SamplingBatch (without
+        its vocab mask) as one int32 buffer (model_executor/packed_inputs.py); vocab_mask: int32[S, words]."""
+        fb, sampling = unpack(packed, layout)
+        fb = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._rank_rows), fb)  # (rows by rank)
+        sampling = dataclasses.replace(sampling, vocab_mask=vocab_mask)
         model = nnx.merge(self.graphdef, params)
         # trace-time backend; placeholders of tokens the previous step sampled read from the future buffer
         fb = dataclasses.replace(fb, attention_backend=self.attention_backend,
@@ -347,22 +353,26 @@ class ModelRunner:
         return jax.lax.with_sharding_constraint(logits, self._replicated)
 
     # ---- running
-    def device_inputs(self, batch: ModelWorkerBatch):
-        """(ForwardBatch, SamplingBatch) of a rank-stacked batch (`stack_ranks`) on device: the step's
-        metadata sharded over the ranks, sampling rows replicated; a batch without grammar rows gets the cached
-        all-allowed vocabulary mask of its padded size."""
+    def device_inputs(self, batch: ModelWorkerBatch) -> tuple:
+        """The step inputs of a rank-stacked batch (`stack_ranks`): (its ForwardBatch and SamplingBatch packed into
+        one int32 buffer on device, replicated -- the step puts the ForwardBatch's rows back by rank --; the vocab
+        mask on device, the cached all-allowed mask of its padded size for a batch without grammar rows; the packed
+        layout, the step's static argument)."""
         sampling = batch.sampling
         if sampling.vocab_mask is None:
             s_pad = int(np.shape(sampling.slots)[0])
             if s_pad not in self._all_allowed:
                 self._all_allowed[s_pad] = jax.device_put(all_allowed_mask(s_pad, self.vocab_mask_width),
                                                           self._replicated)
-            sampling = dataclasses.replace(sampling, vocab_mask=self._all_allowed[s_pad])
-        return jax.device_put(batch.forward_batch, self._rank_rows), jax.device_put(sampling, self._replicated)
+            mask = self._all_allowed[s_pad]
+        else:
+            mask = jax.device_put(np.asarray(sampling.vocab_mask), self._replicated)
+        buf, layout = pack((batch.forward_batch, dataclasses.replace(sampling, vocab_mask=None)))
+        return jax.device_put(buf, self._replicated), mask, layout
 
     def _step_inputs(self, batches: Sequence[Optional[ModelWorkerBatch]]):
-        """Device (ForwardBatch, SamplingBatch) of one step: idle ranks (None) run an all-padding batch of
-        the real batches' padded shape."""
+        """The device inputs of one step (`device_inputs`): idle ranks (None) run an all-padding batch of the real
+        batches' padded shape."""
         mode, t_pad, s_pad = next(b for b in batches if b is not None).padded_shape
         full = [b if b is not None else self.dummy_batch(mode, t_pad, s_pad) for b in batches]
         return self.device_inputs(stack_ranks(full, self.num_request_slots))
@@ -389,10 +399,9 @@ class ModelRunner:
         if not real:
             raise ValueError("a step needs at least one rank batch")
         mode, t_pad, s_pad = real[0].padded_shape
-        fb, sampling = self._step_inputs(batches)
+        inputs = self._step_inputs(batches)
         (self.kv_caches, self.penalty_state, self.future_tokens, next_ids, next_lp, logprobs, hidden,
-         (counts, routed)) = self._step(self.params, self.kv_caches, self.penalty_state, self.future_tokens, fb,
-                                        sampling)
+         (counts, routed)) = self._step(self.params, self.kv_caches, self.penalty_state, self.future_tokens, *inputs)
         if self._compiled_after_warmup is not None and self.faults.fire("compile_while_serving"):
             jax.jit(lambda x: x * 3.0 + 1.0)(np.zeros(7, np.float32)).block_until_ready()  # a planted fault
         self._check_no_new_compile(real[0])
@@ -406,12 +415,12 @@ class ModelRunner:
         Re-running a step rewrites the same KV slots with the same values; its sampled ids are dropped (benchmarks
         only: the penalty rows of its sequences count its tokens again). Compares with a loop's wall time per step
         to give the host's gap (bench_one_batch)."""
-        fb, sampling = self._step_inputs([batch] + [None] * (self.dp_size - 1))
+        inputs = self._step_inputs([batch] + [None] * (self.dp_size - 1))
         jax.block_until_ready(self.kv_caches)
         t0 = time.perf_counter()
         for _ in range(repeats):
             self.kv_caches, self.penalty_state, self.future_tokens, next_ids, *_ = self._step(
-                self.params, self.kv_caches, self.penalty_state, self.future_tokens, fb, sampling)
+                self.params, self.kv_caches, self.penalty_state, self.future_tokens, *inputs)
         jax.block_until_ready((self.kv_caches, next_ids))
         return (time.perf_counter() - t0) / repeats
 
@@ -548,8 +557,8 @@ class ModelRunner:
         """A thunk lowering the step program of one padded shape with serving's exact inputs (shardings
         included), so the compiled program is the one jit finds when serving."""
         def lower():
-            fb, sampling = self._step_inputs([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
-            return self._step.lower(self.params, self.kv_caches, self.penalty_state, self.future_tokens, fb, sampling)
+            inputs = self._step_inputs([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
+            return self._step.lower(self.params, self.kv_caches, self.penalty_state, self.future_tokens, *inputs)
         return lower
 
 
