@@ -192,11 +192,12 @@ def test_gguf_moe_file_matches_transformers(tmp_path, monkeypatch, arch):
 
 
 # ---------------------------------------------------------------- expert parallelism (8 virtual CPU devices)
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe"])
 def test_expert_parallel_ep_2_4_match_ep_1(tmp_path, arch):
     """--ep-size = --tp-size 2 and 4 (tensor_parallel_worker.py, a subprocess with 8 virtual devices): greedy
     tokens over 16 prompts x 32 steps identical to one device, logprobs within 1e-3, no compile after warm-up,
-    each device holding E / ep experts of every stacked weight."""
+    each device holding E / ep experts of every stacked weight. One architecture (~23 s each on the 2-core CI
+    machine): test_moe_dp_ep_serving.py serves all three at ep2 and ep4 against transformers."""
     from test_tensor_parallel import check_same_as_tp1, run_worker, save_tiny
 
     model_dir = save_tiny(tmp_path, tiny_config(arch))

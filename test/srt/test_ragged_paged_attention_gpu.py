@@ -33,7 +33,7 @@ TILES = {"table": (None, None), "small": (BlockSizes(16, 32), DecodeBlocks(16, 6
 
 @pytest.mark.parametrize("tiles", sorted(TILES))
 # no shrinking: every example compiles a kernel (seconds); the first failing one is reported as drawn
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,
           phases=(Phase.explicit, Phase.generate))
 @given(
     seed=st.integers(0, 2**31 - 1),
