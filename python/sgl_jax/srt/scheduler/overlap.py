@@ -8,8 +8,9 @@ decode row whose input token step n is still sampling carries a placeholder that
 
 Only decode steps stay in flight past their iteration (a prefill step's result is applied at once, so the inputs
 taken in at the next iteration -- aborts, score releases, sessions -- never see a prefill whose result is pending),
-and step n+1 is chosen ahead of step n's result only when the next one is a decode step too: no rank has prefill work (waiting or chunk-prefilled requests) and no running request has a grammar (its
-vocabulary mask needs every earlier token accepted). Any other step is chosen after the result is applied
+and step n+1 is chosen ahead of step n's result only when the next one is a decode step too: no rank has prefill
+work (waiting or chunk-prefilled requests) and no running request has a grammar (its vocabulary mask needs every
+earlier token accepted). Any other step is chosen after the result is applied
 (``Scheduler.drain``), as are retracts and the re-runs that isolate a faulty request. Requests that finish by
 length are left out of the step chosen ahead (`Req.done_by_length_ahead`); one that stops on a stop token or
 string runs one extra decode row, whose token is dropped and whose KV slot its release frees
