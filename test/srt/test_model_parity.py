@@ -104,7 +104,7 @@ class RunnerHarness:
             for r in reqs:
                 per_req.append(self.runner.full_logprobs(hidden[o:o + len(r.origin_input_ids)]))
                 o += len(r.origin_input_ids)
-        last = np.asarray(out.logprobs)[:len(reqs)]
+        last = out.logprob_rows()[:len(reqs)]
         return reqs, per_req, last
 
     def decode(self, reqs, tokens):
@@ -114,7 +114,7 @@ class RunnerHarness:
         batch = ScheduleBatch(reqs, ForwardMode.DECODE)
         assert batch.prepare_for_decode(self.memory)
         out = self._run(batch)
-        return np.asarray(out.logprobs)[:len(reqs)]
+        return out.logprob_rows()[:len(reqs)]
 
     def release(self, reqs):
         for r in reqs:

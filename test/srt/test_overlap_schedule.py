@@ -5,7 +5,8 @@ configuration, run the same workload: a batch of 24 requests whose sampling para
 result can get wrong -- stops by EOS, stop token, stop string and length (1 to 6 tokens), min_new_tokens,
 seeded temperature sampling with top-p / top-k, frequency / presence / repetition penalties with a logit bias --
 every row with output logprobs (top-3 and two fixed ids), next to a JSON-schema request (its vocabulary mask needs
-every earlier token) and a three-turn streaming session; then a stream aborted midway. Output ids and finish reasons
+every earlier token) and a three-turn streaming session; then a 40-token seeded temperature request alone (every
+decode step of it may be launched ahead) and a stream aborted midway. Output ids and finish reasons
 must be equal, logprobs within 1e-4 (cached tokens depend on which concurrent part reaches the radix cache first;
 test_kv_cache_lifecycle compares them on a sequential workload); both servers end with their KV pools at rest, no memory
 error and no compile after warm-up, and only the default one reports steps launched ahead of the previous result.
@@ -74,11 +75,20 @@ def run_session(url: str) -> list:
     return outs
 
 
+def run_alone(url: str) -> dict:
+    body = {"text": "Once upon a time", "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 40, "temperature": 0.9, "seed": 3, "ignore_eos": True}}
+    r = httpx.post(url + "/generate", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def run_workload(url: str) -> dict:
     assert httpx.post(url + "/flush_cache", json={}, timeout=30).status_code == 200
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         batch, js, session = pool.submit(run_batch, url), pool.submit(run_json, url), pool.submit(run_session, url)
-        return {"batch": batch.result(), "json": [js.result()], "session": session.result()}
+        parts = {"batch": batch.result(), "json": [js.result()], "session": session.result()}
+    return {**parts, "alone": [run_alone(url)]}
 
 
 def aborted_stream(url: str) -> None:
@@ -129,7 +139,7 @@ def test_outputs_identical_with_and_without_overlap(default_server, sync_server)
     finish = [o["meta_info"]["finish_reason"]["type"] for o in reference["batch"]]
     assert "stop" in finish and "length" in finish  # both kinds of finish are exercised
     json.loads(reference["json"][0]["text"])
-    for part in ("batch", "json", "session"):
+    for part in ("batch", "json", "session", "alone"):
         assert len(overlapped[part]) == len(reference[part])
         for a, b in zip(overlapped[part], reference[part]):
             compare(a, b)

@@ -138,12 +138,13 @@ def test_greedy_sampling_obeys_the_grammar_mask_and_bias():
     allowed[[17, 250, 299]] = True
     state = setup_row(new_penalty_state(SLOTS, V), 0, [1], [], {250: 100.0})
     meta = meta_for([dict(slot=1, allowed=allowed), dict(slot=0, penalized=True)], 4)
-    ids, logprobs, _ = jax.jit(sample)(logits, meta, jnp.asarray([2], jnp.int32), state)
+    ids, lse, _ = jax.jit(sample)(logits, meta, jnp.asarray([2], jnp.int32), state)
     assert int(ids[0]) in (17, 250, 299)
     assert int(ids[0]) == [17, 250, 299][int(np.argmax(np.asarray(logits)[0, [17, 250, 299]]))]
     assert int(ids[1]) == 250
-    # reported logprobs stay those of the raw logits
-    np.testing.assert_allclose(np.asarray(logprobs), np.asarray(jax.nn.log_softmax(logits, -1)), rtol=1e-6)
+    # reported logprobs (logits - lse) stay those of the raw logits
+    np.testing.assert_allclose(np.asarray(logits) - np.asarray(lse)[:, None], np.asarray(jax.nn.log_softmax(logits, -1)),
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_bitmask_layout_matches_llguidance():

@@ -50,16 +50,23 @@ SCORE_LABEL_CHUNK = 16  # label ids per call
 @dataclasses.dataclass
 class StepOutput:
     """One rank's result of one step. next_token_ids / next_token_logprobs are host arrays over the rank's
-    real sequences; ``logprobs`` (float32[dp * S_pad, V]) and ``hidden`` (float32[dp * T_pad, hidden]) are the
-    whole step's, on device until asked: this rank's rows start at ``seq_offset`` and ``token_offset``."""
+    real sequences; ``logits`` (float32[dp * S_pad, V], raw), their log-sum-exp ``lse`` (float32[dp * S_pad]) and
+    ``hidden`` (float32[dp * T_pad, hidden]) are the whole step's, on device until asked: this rank's rows start at
+    ``seq_offset`` and ``token_offset``."""
 
     next_token_ids: np.ndarray
     next_token_logprobs: np.ndarray
-    logprobs: jax.Array
+    logits: jax.Array
+    lse: jax.Array
     hidden: jax.Array
     seq_offset: int = 0
     token_offset: int = 0
     routed_experts: Optional[np.ndarray] = None  # int32[n, L, k]: each sampled token's experts (-1: dense layer)
+
+    def logprob_rows(self) -> np.ndarray:
+        """float32[dp * S_pad, V] on the host: the log-softmax of the raw logits of every row of the step (copies the
+        whole step's logits; for top-logprobs and token-id logprobs)."""
+        return np.asarray(self.logits) - np.asarray(self.lse)[:, None]
 
 
 class PendingStep:
@@ -67,8 +74,8 @@ class PendingStep:
     logprobs are being copied to the host; `resolve` waits for them and splits them per rank.
 
     Args:
-        arrays: the step's outputs (next_ids int32[dp * S_pad], next_lp float32[dp * S_pad], logprobs, hidden,
-            expert counts, routed experts).
+        arrays: the step's outputs (next_ids int32[dp * S_pad], next_lp float32[dp * S_pad], (logits, lse) (see
+            StepOutput), hidden, expert counts, routed experts).
         num_seqs: real sequences per rank (None: the rank idled); s_pad, t_pad: the step's padded shape per rank.
         moe_stats: the runner's `MoeStats` (counts are added at resolve), or None; routed: whether routed experts
             are returned.
@@ -83,7 +90,7 @@ class PendingStep:
 
     def resolve(self) -> List[Optional[StepOutput]]:
         """Wait for the step and return one StepOutput per rank (None for idle ranks)."""
-        next_ids, next_lp, logprobs, hidden, counts, routed = self.arrays
+        next_ids, next_lp, (logits, lse), hidden, counts, routed = self.arrays
         next_ids, next_lp = np.asarray(next_ids), np.asarray(next_lp)
         if self.moe_stats is not None:
             self.moe_stats.add_step(np.asarray(counts))
@@ -94,7 +101,7 @@ class PendingStep:
                 outs.append(None)
                 continue
             a = r * self.s_pad
-            outs.append(StepOutput(next_ids[a:a + n], next_lp[a:a + n], logprobs, hidden, seq_offset=a,
+            outs.append(StepOutput(next_ids[a:a + n], next_lp[a:a + n], logits, lse, hidden, seq_offset=a,
                                    token_offset=r * self.t_pad,
                                    routed_experts=None if routed is None else routed[a:a + n]))
         return outs
@@ -307,9 +314,22 @@ class ModelRunner:
         pages = [spec.pool_pages(pool) for pool in spec.layer_pool]
         return [(zeros(n), zeros(n)) for n in pages]
 
-    def _step_impl(self, params, kv_caches, penalty_state, future, packed, vocab_mask, layout):
-        """One step (see the module docstring). packed / layout: the step's ForwardBatch and SamplingBatch (without
-        its vocab mask) as one int32 buffer (model_executor/packed_inputs.py); vocab_mask: int32[S, words]."""
+    @property
+    def params(self):
+        """The model's parameters (an nnx State on device)."""
+        return self._params
+
+    @params.setter
+    def params(self, value) -> None:
+        # the step takes the flat list of leaves: flattening an nnx State in Python cost ~0.4 ms a call
+        self._params = value
+        self._param_leaves, self._param_treedef = jax.tree.flatten(value)
+
+    def _step_impl(self, param_leaves, kv_caches, penalty_state, future, packed, vocab_mask, layout):
+        """One step (see the module docstring). param_leaves: `params` flattened; packed / layout: the step's
+        ForwardBatch and SamplingBatch (without its vocab mask) as one int32 buffer (model_executor/packed_inputs.py);
+        vocab_mask: int32[S, words]."""
+        params = jax.tree.unflatten(self._param_treedef, param_leaves)
         fb, sampling = unpack(packed, layout)
         fb = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._rank_rows), fb)  # (rows by rank)
         sampling = dataclasses.replace(sampling, vocab_mask=vocab_mask)
@@ -320,10 +340,10 @@ class ModelRunner:
         sampling = dataclasses.replace(sampling, last_token=resolve_placeholders(sampling.last_token, future))
         hidden, kv_caches = model(fb, kv_caches)
         logits = self._gathered(model.compute_logits(hidden[fb.logits_indices]))
-        next_ids, logprobs, penalty_state = sample(logits, sampling, self.eos_token_ids, penalty_state)
+        next_ids, lse, penalty_state = sample(logits, sampling, self.eos_token_ids, penalty_state)
         future = write_future(future, sampling.slots, sampling.writes_future, next_ids)
-        next_lp = jnp.take_along_axis(logprobs, next_ids[:, None], axis=-1)[:, 0]
-        return (kv_caches, penalty_state, future, next_ids, next_lp, logprobs, hidden,
+        next_lp = jnp.take_along_axis(logits, next_ids[:, None], axis=-1)[:, 0] - lse
+        return (kv_caches, penalty_state, future, next_ids, next_lp, (logits, lse), hidden,
                 self._moe_outputs(model, fb))
 
     def _moe_outputs(self, model, fb: ForwardBatch):
@@ -400,12 +420,13 @@ class ModelRunner:
             raise ValueError("a step needs at least one rank batch")
         mode, t_pad, s_pad = real[0].padded_shape
         inputs = self._step_inputs(batches)
-        (self.kv_caches, self.penalty_state, self.future_tokens, next_ids, next_lp, logprobs, hidden,
-         (counts, routed)) = self._step(self.params, self.kv_caches, self.penalty_state, self.future_tokens, *inputs)
+        (self.kv_caches, self.penalty_state, self.future_tokens, next_ids, next_lp, logits, hidden,
+         (counts, routed)) = self._step(self._param_leaves, self.kv_caches, self.penalty_state, self.future_tokens,
+                                        *inputs)
         if self._compiled_after_warmup is not None and self.faults.fire("compile_while_serving"):
             jax.jit(lambda x: x * 3.0 + 1.0)(np.zeros(7, np.float32)).block_until_ready()  # a planted fault
         self._check_no_new_compile(real[0])
-        return PendingStep((next_ids, next_lp, logprobs, hidden, counts, routed),
+        return PendingStep((next_ids, next_lp, logits, hidden, counts, routed),
                            [None if b is None else b.num_seqs for b in batches], s_pad, t_pad, self.moe_stats,
                            self.return_routed_experts)
 
@@ -420,7 +441,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         for _ in range(repeats):
             self.kv_caches, self.penalty_state, self.future_tokens, next_ids, *_ = self._step(
-                self.params, self.kv_caches, self.penalty_state, self.future_tokens, *inputs)
+                self._param_leaves, self.kv_caches, self.penalty_state, self.future_tokens, *inputs)
         jax.block_until_ready((self.kv_caches, next_ids))
         return (time.perf_counter() - t0) / repeats
 
@@ -558,7 +579,7 @@ class ModelRunner:
         included), so the compiled program is the one jit finds when serving."""
         def lower():
             inputs = self._step_inputs([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
-            return self._step.lower(self.params, self.kv_caches, self.penalty_state, self.future_tokens, *inputs)
+            return self._step.lower(self._param_leaves, self.kv_caches, self.penalty_state, self.future_tokens, *inputs)
         return lower
 
 

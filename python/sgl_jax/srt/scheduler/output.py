@@ -88,7 +88,7 @@ def process_batch_result(
     """
     is_extend = batch.forward_mode == ForwardMode.EXTEND
     need_rows = any(r.return_logprob and (r.top_logprobs_num > 0 or r.token_ids_logprob) for r in batch.reqs)
-    rows = np.asarray(out.logprobs) if need_rows else None
+    rows = out.logprob_rows() if need_rows else None
     hidden = [None]
     for i, req in enumerate(batch.reqs):
         req.num_inflight -= batch.row_samples[i]
