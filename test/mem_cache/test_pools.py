@@ -59,6 +59,29 @@ def test_alloc_token_slots_continues_the_last_page(page_size):
     assert a.available_pages() == 32 - len(used_pages)
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_alloc_decode_slots_equals_one_token_slot_per_sequence(page_size):
+    """The batched decode allocation gives each sequence the slot alloc_token_slots(row, p, p + 1) gives, takes
+    the same pages, and takes nothing when pages run out."""
+    rng = np.random.default_rng(page_size)
+    lens = rng.integers(1, 40, 12)
+    batched, single = (PagedTokenToKVPoolAllocator(13 * 64, page_size) for _ in range(2))
+    rows = np.zeros((12, 64), np.int32)
+    for i, n in enumerate(lens):
+        rows[i, :n] = batched.alloc_token_slots(rows[i], 0, int(n))
+        assert np.array_equal(rows[i, :n], single.alloc_token_slots(rows[i], 0, int(n)))
+    for _ in range(page_size + 2):  # (crosses a page boundary for every sequence)
+        got = batched.alloc_decode_slots(rows[np.arange(12), lens - 1], lens)
+        want = [single.alloc_token_slots(rows[i], int(n), int(n) + 1)[0] for i, n in enumerate(lens)]
+        np.testing.assert_array_equal(got, want)
+        rows[np.arange(12), lens] = got
+        lens = lens + 1
+        np.testing.assert_array_equal(batched.free_page_ids(), single.free_page_ids())
+    tight = PagedTokenToKVPoolAllocator(2 * page_size, page_size)
+    assert tight.alloc_decode_slots(np.zeros(3, np.int32), np.zeros(3, np.int64)) is None
+    assert tight.available_pages() == 2
+
+
 def _req(n_input, rid="r"):
     return Req(rid, list(range(n_input)), SamplingParams(max_new_tokens=4), eos_token_ids=[], seed=0)
 

@@ -99,6 +99,27 @@ class PagedTokenToKVPoolAllocator:
             pages = new_pages[page_idx]
         return (pages * ps + positions % ps).astype(np.int32)
 
+    def alloc_decode_slots(self, prev_slots: np.ndarray, positions: np.ndarray) -> Optional[np.ndarray]:
+        """One slot each for n sequences growing by one token (a decode step), in one call.
+
+        Args:
+            prev_slots: int32[n] each sequence's slot of position ``positions - 1`` (read only where that
+                position shares the new one's page, i.e. ``positions % page_size != 0``).
+            positions: int[n] the new token's position in each sequence.
+        Returns:
+            int32[n] slots, the same as `alloc_token_slots(row, p, p + 1)` per sequence gives; or None when pages
+            ran out (nothing taken then).
+        """
+        ps = self.page_size
+        positions = np.asarray(positions, np.int64)
+        starts_page = positions % ps == 0
+        pages = self.alloc_pages(int(starts_page.sum()))
+        if pages is None:
+            return None
+        slots = np.asarray(prev_slots, np.int64) + 1
+        slots[starts_page] = pages.astype(np.int64) * ps
+        return slots.astype(np.int32)
+
     def pages_of(self, row: np.ndarray, num_tokens: int) -> np.ndarray:
         """Pages holding positions [0, num_tokens) of a sequence's row (one entry per page)."""
         ps = self.page_size

@@ -239,14 +239,20 @@ class KVMemory:
         it already are skipped). False, with nothing taken, when even eviction cannot free enough pages: the
         caller retracts."""
         reqs = [r for r in reqs if r.kv_allocated_len < r.seqlen_ahead]  # (ahead: a token still being sampled)
-        need = sum(self.allocator.pages_needed(r.seqlen_ahead - 1, r.seqlen_ahead) for r in reqs)
-        if not evict_for_pages(self.allocator, self.tree_cache, need):
+        if not reqs:
+            return True
+        ends = np.fromiter((r.seqlen_ahead for r in reqs), np.int64, len(reqs))
+        rows = np.fromiter((r.req_pool_idx for r in reqs), np.int64, len(reqs))
+        pos = ends - 1
+        if not evict_for_pages(self.allocator, self.tree_cache, int(np.sum(pos % self.allocator.page_size == 0))):
             return False
-        for req in reqs:
-            pos = req.seqlen_ahead - 1
-            self.req_to_token_pool.write(req.req_pool_idx, pos,
-                                         self.allocator.alloc_token_slots(self.row(req), pos, pos + 1))
-            req.kv_allocated_len = req.seqlen_ahead
+        table = self.req_to_token_pool.req_to_token
+        slots = self.allocator.alloc_decode_slots(table[rows, np.maximum(pos - 1, 0)], pos)
+        if slots is None:  # (eviction freed the pages just above)
+            raise RuntimeError("KV pages vanished between eviction and allocation")
+        table[rows, pos] = slots
+        for req, end in zip(reqs, ends.tolist()):
+            req.kv_allocated_len = end
         return True
 
     def layer_pool_fields(self, page_indices: np.ndarray, out_cache_loc: np.ndarray) -> Dict[str, np.ndarray]:
