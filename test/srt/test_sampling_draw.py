@@ -78,6 +78,8 @@ def test_top_p_draws_follow_the_nucleus():
 
 
 def test_a_seeded_row_draws_the_same_token_in_any_batch():
+    """Alone, in any order, in any padded size, and beside rows that filter (top-p), which send the whole batch
+    through the other sampling branch."""
     rng = np.random.default_rng(2)
     logits = rng.normal(0, 1, (6, V)).astype(np.float32)
     sp = [SamplingParams(temperature=t) for t in (1.0, 0.5, 0.0, 1.3, 0.8, 1.0)]
@@ -96,6 +98,13 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch():
     for i in range(6):
         assert run([i], 1)[i] == together[i], f"row {i} drew another token alone"
     assert run([5, 3, 1], 16) == {k: together[k] for k in (5, 3, 1)}
+    # beside a top-p row the batch samples through the filtering branch; the unfiltered rows draw the same tokens
+    sp.append(SamplingParams(temperature=0.9, top_p=0.5))
+    seeds.append(13)
+    logits = np.concatenate([logits, rng.normal(0, 1, (1, V)).astype(np.float32)])
+    with_top_p = run([6, 0, 1, 2, 3, 4, 5], 8)
+    assert {k: with_top_p[k] for k in range(6)} == together
+    assert run([6], 1)[6] == with_top_p[6]
 
 
 def test_draw_never_returns_a_zero_probability_token_at_the_edges():

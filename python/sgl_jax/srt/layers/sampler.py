@@ -116,10 +116,13 @@ def _typical_keep(scaled: jax.Array, typical_p: jax.Array) -> jax.Array:
     return shift <= jnp.take_along_axis(sorted_shift, last[:, None], axis=-1)
 
 
-def _sample_filtered(scaled: jax.Array, meta: SamplingBatch) -> jax.Array:
-    """Sample after top-k / top-p / min-p / typical-p filtering (sorts each row once; a second sort only when a
-    row uses typical_p)."""
-    S, V = scaled.shape
+def _sample_filtered(logits: jax.Array, temperature: jax.Array, meta: SamplingBatch) -> jax.Array:
+    """Sample from softmax(logits / temperature) after top-k / top-p / min-p / typical-p filtering (sorts each row
+    once; a second sort only when a row uses typical_p). The kept set goes back to vocabulary order and the draw
+    is `draw`'s, as for unfiltered rows, so a row that filters nothing draws the same token in either branch (its
+    token does not depend on the other rows of the batch)."""
+    S, V = logits.shape
+    scaled = logits / temperature[:, None]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
@@ -135,9 +138,8 @@ def _sample_filtered(scaled: jax.Array, meta: SamplingBatch) -> jax.Array:
                          lambda: jnp.take_along_axis(_typical_keep(scaled, typical_p), order, axis=-1),
                          lambda: jnp.ones((S, V), bool))
     keep = keep | (~jnp.any(keep, axis=-1, keepdims=True) & (rank == 0))  # never an empty set
-    filtered = jnp.where(keep, sorted_logits, NEG_INF)
-    choice = draw(filtered, uniforms(meta))
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    keep_by_id = jnp.zeros((S, V), bool).at[jnp.arange(S)[:, None], order].set(keep)
+    return draw(jnp.where(keep_by_id, logits, NEG_INF), uniforms(meta), temperature)
 
 
 @dataclasses.dataclass
@@ -268,7 +270,7 @@ def sample(logits: jax.Array, meta: SamplingBatch, eos_token_ids: jax.Array, sta
         [
             lambda: greedy,
             lambda: draw(logits, uniforms(meta), temperature),
-            lambda: _sample_filtered(logits / temperature[:, None], meta),
+            lambda: _sample_filtered(logits, temperature, meta),
         ],
     )
     next_ids = jnp.where(greedy_rows, greedy, sampled).astype(jnp.int32)
