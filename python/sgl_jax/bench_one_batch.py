@@ -68,6 +68,7 @@ from tqdm import tqdm
 
 from sgl_jax.bench_utils import MachineRates, git_commit, measure_machine_rates, write_report
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.scheduler.output import commit_launched_row
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
@@ -289,8 +290,7 @@ class OneBatchRunner:
             if prev is not None:
                 done, out = prev[0], prev[1].resolve()[0]
                 for i, r in enumerate(done.reqs):
-                    r.num_inflight -= 1
-                    r.kv_committed_len = done.row_ends[i]
+                    commit_launched_row(done, i)
                     r.output_ids.append(int(out.next_token_ids[i]))
                 self.memory.after_step(done.reqs)
             prev = launched

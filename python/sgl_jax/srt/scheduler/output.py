@@ -60,6 +60,17 @@ def append_input_logprobs(req: Req, hidden: np.ndarray, first_row: int, start: i
                 token_ids_logprobs(row, req.token_ids_logprob) if req.token_ids_logprob else None)
 
 
+def commit_launched_row(batch: ScheduleBatch, i: int) -> int:
+    """Count row i of a launched step (`ScheduleBatch.launched`) as done: its request has one token fewer in flight
+    when the row sampled, and its KV written up to the row's end. Returns the request's committed KV length (tokens)
+    before the step."""
+    req = batch.reqs[i]
+    req.num_inflight -= batch.row_samples[i]
+    start = req.kv_committed_len
+    req.kv_committed_len = batch.row_ends[i]
+    return start
+
+
 def process_batch_result(
     batch: ScheduleBatch,
     out: StepOutput,
@@ -91,9 +102,7 @@ def process_batch_result(
     rows = out.logprob_rows() if need_rows else None
     hidden = [None]
     for i, req in enumerate(batch.reqs):
-        req.num_inflight -= batch.row_samples[i]
-        start = req.kv_committed_len
-        req.kv_committed_len = batch.row_ends[i]
+        start = commit_launched_row(batch, i)
         try:
             _process_one(req, batch.row_index[i], start, is_extend and not batch.is_decode_row(req), out, rows,
                          hidden, out.token_offset + batch.row_token_starts[i], memory, full_logprobs, decode_tail,

@@ -345,8 +345,9 @@ class Scheduler:
             self.sessions.reap(tick.now, self.release_session)
         if not may_choose_ahead(self.inflight, self.ranks):
             self.drain()
+        choosing_ahead = self.inflight is not None
         batches = [rank.get_next_batch_to_run() for rank in self.ranks]
-        if self.inflight is None:  # (a rank drained while choosing: drop the requests that finished since)
+        if choosing_ahead and self.inflight is None:  # (a rank drained while choosing: drop what finished since)
             for batch in batches:
                 if batch is not None and batch.forward_mode == ForwardMode.DECODE:
                     batch.filter_finished()
