@@ -21,7 +21,9 @@
 #   score-native  the same with --attention-backend native (XLA's attention)
 #   overlap       bench_one_batch with and without the overlap scheduler's decode loop (device-busy share, steps/s,
 #                 identical tokens) on a tiny Llama (benchmark/configs/tiny-llama: 2 layers, hidden 64; issue #38
-#                 asks for >= 1.3x decode steps/s at batch 64) and on Qwen3-0.6B's shapes, dummy weights, bfloat16
+#                 asks for >= 1.3x decode steps/s at batch 64), the same with a 512-token vocabulary
+#                 (benchmark/configs/tiny-llama-vocab512: no 49k-wide sampling, so host time dominates a step) and
+#                 on Qwen3-0.6B's shapes, dummy weights, bfloat16
 #   serving-no-overlap  the serving stage's server and workloads with --disable-overlap-schedule
 #   moe           bench_one_batch on Qwen3-30B-A3B's shapes at 4 layers (benchmark/configs/Qwen3-30B-A3B-4-layers),
 #                 dummy weights, bfloat16, --moe-backend tiled, ragged_dot and dense, batch 1, 8 and 64
@@ -144,6 +146,8 @@ for s in $stages; do
         moe-serving) stage moe-serving 400 serve_and_bench moe benchmark/configs/Qwen3-30B-A3B 262144 \
                          baseline,continuous_batching,paged_attention ;;
         overlap) stage overlap-tiny 120 overlap_one_batch tiny-llama benchmark/configs/tiny-llama 128
+                 stage overlap-tiny-vocab512 120 overlap_one_batch tiny-llama-vocab512 \
+                     benchmark/configs/tiny-llama-vocab512 128
                  stage overlap-qwen3 150 overlap_one_batch qwen3-0.6b benchmark/configs/Qwen3-0.6B 512 ;;
         serving-no-overlap) SERVER_FLAGS=--disable-overlap-schedule stage serving-no-overlap 180 \
                                 serve_and_bench qwen3-0.6b-no-overlap benchmark/configs/Qwen3-0.6B 131072 \
