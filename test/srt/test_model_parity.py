@@ -26,7 +26,7 @@ from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
-from sgl_jax.srt.forward_batch import ForwardMode, stack_ranks
+from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import ServerArgs
@@ -324,9 +324,7 @@ def test_model_step_writes_kv_in_place(smollm2_harness, smollm2_tokenizer):
     and V every step: 120 such copies), and the buffers survive a prefill and a decode step."""
     h = smollm2_harness
     r = h.runner
-    batch = r.dummy_batch(ForwardMode.DECODE, 4, 4)
-    inputs = r.device_inputs(stack_ranks([batch], r.num_request_slots))
-    hlo = r._step.lower(r.params, r.kv_caches, r.penalty_state, r.future_tokens, *inputs).compile().as_text()
+    hlo = r._lower_step(ForwardMode.DECODE, 4, 4)().compile().as_text()  # (serving's exact inputs)
     cache_shape = "f32[" + ",".join(map(str, r.kv_caches[0][0].shape)) + "]"
     copies = [ln for ln in hlo.splitlines() if f"{cache_shape}" in ln and " copy(" in ln]
     assert not copies, f"{len(copies)} copies of the KV cache per step, e.g. {copies[0].strip()[:200]}"
