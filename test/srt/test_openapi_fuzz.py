@@ -302,5 +302,15 @@ def test_alive_and_idle_after_fuzzing(hardened_server):
 
 
 # ---------------------------------------------------------------- regressions: shapes the fuzzer found
-# (none so far: each request shape that gets a 5xx goes here as a plain httpx test asserting status < 500,
-# marked xfail(strict=True) until the server is fixed)
+# (each request shape that got a 5xx goes here as a plain httpx test asserting status < 500)
+
+
+def test_json_format_with_a_vanishing_repeat_penalty_and_a_huge_temperature(hardened_server):
+    """Found 2026-11-27: format json, repeat_penalty 1e-308 (logits / ~0 = +inf), temperature 1.8e38 with top_k,
+    top_p, min_p and typical_p: the draw's masses became NaN and it drew a token the grammar forbids (500)."""
+    body = {"model": "x", "prompt": "Hi", "raw": True, "stream": False, "format": "json",
+            "options": {"presence_penalty": -1.18, "typical_p": 0.077, "repeat_penalty": 1.1125369292536007e-308,
+                        "min_p": 0.81, "frequency_penalty": -1.9, "top_k": 152, "top_p": 0.3, "seed": 83953531798447440,
+                        "num_predict": 4, "temperature": 1.8417541683865563e+38}}
+    r = httpx.post(hardened_server.url + "/api/generate", json=body, headers=AUTH, timeout=120)
+    assert r.status_code < 500, r.text

@@ -122,6 +122,21 @@ def test_draw_never_returns_a_zero_probability_token_at_the_edges():
         assert got[3] in (10, 20)
 
 
+def test_infinite_logits_draw_only_infinite_entries():
+    """A near-zero repetition penalty turns logits into +inf (the openapi fuzzer found a grammar request at a
+    1e38 temperature drawing a disallowed token from the NaN masses): only +inf entries may be drawn."""
+    logits = np.full((3, V), -np.inf, np.float32)
+    logits[0, [7, 260]] = np.inf
+    logits[0, [8, 9]] = 1.0
+    logits[1, 290] = np.inf
+    logits[2, :] = 0.0
+    logits[2, 100] = np.inf
+    for u in (0.0, 0.3, 0.7, np.nextafter(np.float32(1), np.float32(0))):
+        for t in (1.0, 1.8e38):
+            got = np.asarray(draw(jnp.asarray(logits), jnp.full((3,), u, jnp.float32), jnp.full((3,), t, jnp.float32)))
+            assert got[0] in (7, 260) and got[1] == 290 and got[2] == 100, (u, t, got)
+
+
 def test_first_argmax_matches_numpy_with_ties_across_blocks():
     rng = np.random.default_rng(9)
     x = rng.normal(0, 1, (6, V)).astype(np.float32)

@@ -55,7 +55,7 @@ def draw(logits: jax.Array, u: jax.Array, temperature: Optional[jax.Array] = Non
     sampling).
 
     Args:
-        logits: float32[S, V] (-inf: never drawn; each row needs one finite entry).
+        logits: float32[S, V] (-inf: never drawn; a row holding +inf draws among its +inf entries only).
         u: float32[S] uniform in [0, 1).
         temperature: float32[S] > 0, or None for 1 (applied inside, so no scaled copy of the logits is written).
     Returns:
@@ -70,8 +70,12 @@ def draw(logits: jax.Array, u: jax.Array, temperature: Optional[jax.Array] = Non
     B = SAMPLE_BLOCK
     nb = -(-V // B)
     top = jnp.max(logits, axis=-1, keepdims=True)
+    # a row holding +inf (a near-zero repetition penalty divides by ~0) draws uniformly among its +inf entries,
+    # the limit of its softmax (inf - inf would make the masses NaN)
+    logits = jnp.where(top == jnp.inf, jnp.where(logits == jnp.inf, 0.0, NEG_INF), logits)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
     inv_t = 1.0 if temperature is None else (1.0 / temperature)[:, None]
-    p = jnp.exp((logits - jnp.where(jnp.isfinite(top), top, 0.0)) * inv_t)
+    p = jnp.where(logits == NEG_INF, 0.0, jnp.exp((logits - top) * inv_t))  # (1 / a huge temperature may be 0)
     p = jnp.pad(p, ((0, 0), (0, nb * B - V))).reshape(S, nb, B)
     block_mass = jnp.sum(p, axis=-1)  # [S, nb]
     block_cum = jnp.cumsum(block_mass, axis=-1)
