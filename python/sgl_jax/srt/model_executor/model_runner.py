@@ -1,7 +1,10 @@
 """ModelRunner: weights and KV buffers on device, the jitted step, warm-up compilation of every bucket.
 
-One step = forward (writing this step's K/V in place: the cache is a donated argument) + next-token
-logits at each sequence's last token + sampling, in a single compiled program per padded shape.
+One step = two compiled programs dispatched back to back: the forward (writing this step's K/V in place: the cache
+is a donated argument; next-token logits at each sequence's last token), one per padded shape, and the sampling
+(penalties, grammar masks, the draw, the future-token write), one per padded number of sequences. The overlap
+scheduler may fill a step's grammar masks between the two: after its forward is launched and the step before it
+has been applied (SGLang's overlap worker waits for the masks before sampling the same way).
 """
 
 from __future__ import annotations
@@ -105,6 +108,26 @@ class PendingStep:
                                    token_offset=r * self.t_pad,
                                    routed_experts=None if routed is None else routed[a:a + n]))
         return outs
+
+
+@dataclasses.dataclass
+class LaunchedForward:
+    """A step whose forward program is dispatched and whose sampling is not (`ModelRunner.launch_forward`).
+
+    logits: float32[dp * S_pad, V] on device; hidden, moe: the forward's other outputs (see StepOutput); sampling:
+    the rank-stacked SamplingBatch (host arrays; its vocab mask None when no row has a grammar or the scheduler
+    fills the masks later); num_seqs: real sequences per rank (None: idle); s_pad, t_pad: the padded shape per
+    rank; batch: one real rank batch (named when a compile is reported).
+    """
+
+    logits: jax.Array
+    hidden: jax.Array
+    moe: tuple
+    sampling: SamplingBatch
+    num_seqs: List[Optional[int]]
+    s_pad: int
+    t_pad: int
+    batch: ModelWorkerBatch
 
 
 def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
@@ -289,10 +312,15 @@ class ModelRunner:
         r = self._replicated
         # hidden states stay with their rank, unless ranks span hosts (then every host reads them all)
         hidden = NamedSharding(self.mesh, P("data", None)) if jax.process_count() == 1 else r
-        self._step = jax.jit(self._step_impl, donate_argnums=(1, 2, 3), static_argnums=(6,),
-                             out_shardings=(self._kv_sharding, r, r, r, r, r, hidden, (r, r)))
+        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,), static_argnums=(4,),
+                                out_shardings=(self._kv_sharding, r, hidden, (r, r)))
+        self._sample = jax.jit(self._sample_impl, donate_argnums=(1, 2), static_argnums=(5,),
+                               out_shardings=(r, r, r, r, r))
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r)
         self._logprobs = jax.jit(self._logprobs_impl)
+        self.logits_vocab = jax.eval_shape(  # logits columns (the LM head's rows)
+            self._logprobs_impl, self.params,
+            jax.ShapeDtypeStruct((1, model_config.hidden_size), JNP_DTYPES[model_config.dtype])).shape[-1]
         self._label_logprobs = jax.jit(self._label_logprobs_impl)
         self._compiled_after_warmup: Optional[int] = None
         self._num_compiles_after_warmup = 0
@@ -325,26 +353,32 @@ class ModelRunner:
         self._params = value
         self._param_leaves, self._param_treedef = jax.tree.flatten(value)
 
-    def _step_impl(self, param_leaves, kv_caches, penalty_state, future, packed, vocab_mask, layout):
-        """One step (see the module docstring). param_leaves: `params` flattened; packed / layout: the step's
-        ForwardBatch and SamplingBatch (without its vocab mask) as one int32 buffer (model_executor/packed_inputs.py);
-        vocab_mask: int32[S, words]."""
+    def _forward_impl(self, param_leaves, kv_caches, future, packed, layout):
+        """The forward program (see the module docstring). param_leaves: `params` flattened; future: the
+        future-token buffer (read: placeholders of tokens the step before is sampling); packed / layout: the step's
+        ForwardBatch as one int32 buffer (model_executor/packed_inputs.py). Returns (kv_caches, logits float32[S, V]
+        gathered, hidden, MoE outputs)."""
         params = jax.tree.unflatten(self._param_treedef, param_leaves)
-        fb, sampling = unpack(packed, layout)
+        fb = unpack(packed, layout)
         fb = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._rank_rows), fb)  # (rows by rank)
-        sampling = dataclasses.replace(sampling, vocab_mask=vocab_mask)
         model = nnx.merge(self.graphdef, params)
         # trace-time backend; placeholders of tokens the previous step sampled read from the future buffer
         fb = dataclasses.replace(fb, attention_backend=self.attention_backend,
                                  input_ids=resolve_placeholders(fb.input_ids, future))
-        sampling = dataclasses.replace(sampling, last_token=resolve_placeholders(sampling.last_token, future))
         hidden, kv_caches = model(fb, kv_caches)
         logits = self._gathered(model.compute_logits(hidden[fb.logits_indices]))
+        return kv_caches, logits, hidden, self._moe_outputs(model, fb)
+
+    def _sample_impl(self, logits, penalty_state, future, packed, vocab_mask, layout):
+        """The sampling program: logits float32[S, V] from the forward; packed / layout: the SamplingBatch
+        without its vocab mask; vocab_mask: int32[S, words]. Returns (penalty_state, future, next_ids int32[S],
+        next_lp float32[S], lse float32[S])."""
+        sampling = dataclasses.replace(unpack(packed, layout), vocab_mask=vocab_mask)
+        sampling = dataclasses.replace(sampling, last_token=resolve_placeholders(sampling.last_token, future))
         next_ids, lse, penalty_state = sample(logits, sampling, self.eos_token_ids, penalty_state)
         future = write_future(future, sampling.slots, sampling.writes_future, next_ids)
         next_lp = jnp.take_along_axis(logits, next_ids[:, None], axis=-1)[:, 0] - lse
-        return (kv_caches, penalty_state, future, next_ids, next_lp, (logits, lse), hidden,
-                self._moe_outputs(model, fb))
+        return penalty_state, future, next_ids, next_lp, lse
 
     def _moe_outputs(self, model, fb: ForwardBatch):
         """(expert token counts int32[L, E] of the step's real tokens (`ForwardBatch.real_tokens`), the expert ids
@@ -373,29 +407,19 @@ class ModelRunner:
         return jax.lax.with_sharding_constraint(logits, self._replicated)
 
     # ---- running
-    def device_inputs(self, batch: ModelWorkerBatch) -> tuple:
-        """The step inputs of a rank-stacked batch (`stack_ranks`): (its ForwardBatch and SamplingBatch packed into
-        one int32 buffer on device, replicated -- the step puts the ForwardBatch's rows back by rank --; the vocab
-        mask on device, the cached all-allowed mask of its padded size for a batch without grammar rows; the packed
-        layout, the step's static argument)."""
-        sampling = batch.sampling
-        if sampling.vocab_mask is None:
-            s_pad = int(np.shape(sampling.slots)[0])
-            if s_pad not in self._all_allowed:
-                self._all_allowed[s_pad] = jax.device_put(all_allowed_mask(s_pad, self.vocab_mask_width),
-                                                          self._replicated)
-            mask = self._all_allowed[s_pad]
-        else:
-            mask = jax.device_put(np.asarray(sampling.vocab_mask), self._replicated)
-        buf, layout = pack((batch.forward_batch, dataclasses.replace(sampling, vocab_mask=None)))
-        return jax.device_put(buf, self._replicated), mask, layout
+    def _all_allowed_mask(self, s_pad: int) -> jax.Array:
+        """The cached device int32[s_pad, words] of -1 (every token allowed) for `s_pad` sampling rows."""
+        if s_pad not in self._all_allowed:
+            self._all_allowed[s_pad] = jax.device_put(all_allowed_mask(s_pad, self.vocab_mask_width),
+                                                      self._replicated)
+        return self._all_allowed[s_pad]
 
-    def _step_inputs(self, batches: Sequence[Optional[ModelWorkerBatch]]):
-        """The device inputs of one step (`device_inputs`): idle ranks (None) run an all-padding batch of the real
-        batches' padded shape."""
+    def _step_batch(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> ModelWorkerBatch:
+        """The rank-stacked batch of one step (`stack_ranks`): idle ranks (None) run an all-padding batch of the
+        real batches' padded shape."""
         mode, t_pad, s_pad = next(b for b in batches if b is not None).padded_shape
         full = [b if b is not None else self.dummy_batch(mode, t_pad, s_pad) for b in batches]
-        return self.device_inputs(stack_ranks(full, self.num_request_slots))
+        return stack_ranks(full, self.num_request_slots)
 
     def forward(self, batch: ModelWorkerBatch) -> StepOutput:
         """Run one step of `batch` on rank 0 (the other ranks idle). The KV cache is updated in place."""
@@ -413,35 +437,65 @@ class ModelRunner:
         """Dispatch one step of every rank (as `forward_ranks`) without waiting for it: the device runs it after
         the steps launched before (the KV cache, penalty state and future tokens are donated from one step to the
         next), the host goes on. Raises ValueError as `forward_ranks`."""
+        return self.launch_sample(self.launch_forward(batches))
+
+    def launch_forward(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> "LaunchedForward":
+        """Dispatch the forward program of one step of every rank (see `launch_ranks`); `launch_sample` dispatches
+        its sampling, with the batches' vocab masks or masks filled in the meantime. Raises ValueError as
+        `forward_ranks`."""
         if len(batches) != self.dp_size:
             raise ValueError(f"{len(batches)} rank batches for --dp-size {self.dp_size}")
         real = [b for b in batches if b is not None]
         if not real:
             raise ValueError("a step needs at least one rank batch")
-        mode, t_pad, s_pad = real[0].padded_shape
-        inputs = self._step_inputs(batches)
-        (self.kv_caches, self.penalty_state, self.future_tokens, next_ids, next_lp, logits, hidden,
-         (counts, routed)) = self._step(self._param_leaves, self.kv_caches, self.penalty_state, self.future_tokens,
-                                        *inputs)
+        _, t_pad, s_pad = real[0].padded_shape
+        stacked = self._step_batch(batches)
+        fwd_buf, fwd_layout = pack(stacked.forward_batch)
+        self.kv_caches, logits, hidden, moe = self._forward(
+            self._param_leaves, self.kv_caches, self.future_tokens,
+            jax.device_put(fwd_buf, self._replicated), fwd_layout)
+        self._check_no_new_compile(real[0])
+        return LaunchedForward(logits, hidden, moe, stacked.sampling,
+                               [None if b is None else b.num_seqs for b in batches], s_pad, t_pad, real[0])
+
+    def launch_sample(self, fwd: "LaunchedForward", vocab_mask: Optional[np.ndarray] = None) -> PendingStep:
+        """Dispatch the sampling program of a launched forward. vocab_mask: int32[dp * S_pad, words] of the stacked
+        rows (`stack_vocab_masks`), or None for the batches' own masks (all allowed when they have none)."""
+        sampling = fwd.sampling
+        mask = vocab_mask if vocab_mask is not None else sampling.vocab_mask
+        s_rows = int(np.shape(sampling.slots)[0])
+        mask = self._all_allowed_mask(s_rows) if mask is None else jax.device_put(np.asarray(mask), self._replicated)
+        buf, layout = pack(dataclasses.replace(sampling, vocab_mask=None))
+        self.penalty_state, self.future_tokens, next_ids, next_lp, lse = self._sample(
+            fwd.logits, self.penalty_state, self.future_tokens, jax.device_put(buf, self._replicated), mask, layout)
         if self._compiled_after_warmup is not None and self.faults.fire("compile_while_serving"):
             jax.jit(lambda x: x * 3.0 + 1.0)(np.zeros(7, np.float32)).block_until_ready()  # a planted fault
-        self._check_no_new_compile(real[0])
-        return PendingStep((next_ids, next_lp, logits, hidden, counts, routed),
-                           [None if b is None else b.num_seqs for b in batches], s_pad, t_pad, self.moe_stats,
-                           self.return_routed_experts)
+        self._check_no_new_compile(fwd.batch)
+        counts, routed = fwd.moe
+        return PendingStep((next_ids, next_lp, (fwd.logits, lse), fwd.hidden, counts, routed), fwd.num_seqs,
+                           fwd.s_pad, fwd.t_pad, self.moe_stats, self.return_routed_experts)
 
     def device_seconds_per_step(self, batch: ModelWorkerBatch, repeats: int) -> float:
         """Seconds the device takes per step of `batch` (rank 0), host work excluded: its inputs are put on the device
-        once, the step is dispatched `repeats` times back to back without reading a result, then waited for once.
-        Re-running a step rewrites the same KV slots with the same values; its sampled ids are dropped (benchmarks
-        only: the penalty rows of its sequences count its tokens again). Compares with a loop's wall time per step
-        to give the host's gap (bench_one_batch)."""
-        inputs = self._step_inputs([batch] + [None] * (self.dp_size - 1))
+        once, the step (forward and sampling) is dispatched `repeats` times back to back without reading a result,
+        then waited for once. Re-running a step rewrites the same KV slots with the same values; its sampled ids
+        are dropped (benchmarks only: the penalty rows of its sequences count its tokens again). Compares with a
+        loop's wall time per step to give the host's gap (bench_one_batch)."""
+        stacked = self._step_batch([batch] + [None] * (self.dp_size - 1))
+        fwd_buf, fwd_layout = pack(stacked.forward_batch)
+        fwd_buf = jax.device_put(fwd_buf, self._replicated)
+        buf, layout = pack(dataclasses.replace(stacked.sampling, vocab_mask=None))
+        buf = jax.device_put(buf, self._replicated)
+        mask = stacked.sampling.vocab_mask
+        mask = (self._all_allowed_mask(len(stacked.sampling.slots)) if mask is None
+                else jax.device_put(np.asarray(mask), self._replicated))
         jax.block_until_ready(self.kv_caches)
         t0 = time.perf_counter()
         for _ in range(repeats):
-            self.kv_caches, self.penalty_state, self.future_tokens, next_ids, *_ = self._step(
-                self._param_leaves, self.kv_caches, self.penalty_state, self.future_tokens, *inputs)
+            self.kv_caches, logits, *_ = self._forward(self._param_leaves, self.kv_caches, self.future_tokens,
+                                                       fwd_buf, fwd_layout)
+            self.penalty_state, self.future_tokens, next_ids, *_ = self._sample(
+                logits, self.penalty_state, self.future_tokens, buf, mask, layout)
         jax.block_until_ready((self.kv_caches, next_ids))
         return (time.perf_counter() - t0) / repeats
 
@@ -538,6 +592,7 @@ class ModelRunner:
         hidden_dim = self.model_config.hidden_size
         dtype = np.dtype(JNP_DTYPES[self.model_config.dtype])
         programs = [(f"{mode.name.lower()} T={t} S={s}", self._lower_step(mode, t, s)) for mode, t, s in shapes]
+        programs += [(f"sampling S={s}", self._lower_sample(s)) for s in sorted({s for _, _, s in shapes})]
         programs.append((f"input logprobs R={LOGPROB_CHUNK_ROWS}", lambda: self._logprobs.lower(
             self.params, np.zeros((LOGPROB_CHUNK_ROWS, hidden_dim), dtype))))
         programs.append(("penalty row", lambda: self._init_penalty_row.lower(
@@ -575,11 +630,25 @@ class ModelRunner:
                     len(programs), time.time() - t0, delta.compiled, delta.cache_hits)
 
     def _lower_step(self, mode: ForwardMode, t_pad: int, s_pad: int):
-        """A thunk lowering the step program of one padded shape with serving's exact inputs (shardings
+        """A thunk lowering the forward program of one padded shape with serving's exact inputs (shardings
         included), so the compiled program is the one jit finds when serving."""
         def lower():
-            inputs = self._step_inputs([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
-            return self._step.lower(self._param_leaves, self.kv_caches, self.penalty_state, self.future_tokens, *inputs)
+            stacked = self._step_batch([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
+            buf, layout = pack(stacked.forward_batch)
+            return self._forward.lower(self._param_leaves, self.kv_caches, self.future_tokens,
+                                       jax.device_put(buf, self._replicated), layout)
+        return lower
+
+    def _lower_sample(self, s_pad: int):
+        """A thunk lowering the sampling program of `s_pad` rows per rank with serving's exact inputs."""
+        def lower():
+            rows = self.dp_size * s_pad
+            sampling = SamplingBatch.stack([SamplingBatch.padding(s_pad)] * self.dp_size, s_pad,
+                                           self.num_request_slots)
+            buf, layout = pack(sampling)
+            logits = jax.ShapeDtypeStruct((rows, self.logits_vocab), jnp.float32, sharding=self._replicated)
+            return self._sample.lower(logits, self.penalty_state, self.future_tokens,
+                                      jax.device_put(buf, self._replicated), self._all_allowed_mask(rows), layout)
         return lower
 
 

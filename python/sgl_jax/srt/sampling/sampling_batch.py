@@ -108,12 +108,7 @@ class SamplingBatch:
         [r * s_pad, (r + 1) * s_pad), its ``slots`` shifted into the stacked penalty-state rows (rank r's slot
         s -> r * slots_per_rank + s); a rank without grammar rows gets an all-allowed mask when another has one.
         """
-        masks = [b.vocab_mask for b in batches]
-        mask = None
-        if any(m is not None for m in masks):
-            width = next(np.shape(m)[1] for m in masks if m is not None)
-            mask = np.concatenate([all_allowed_mask(s_pad, width) if m is None else np.asarray(m)
-                                   for m in masks])
+        mask = stack_vocab_masks([b.vocab_mask for b in batches], s_pad)
         cat = lambda parts: np.concatenate([np.asarray(p) for p in parts])  # noqa: E731
         engine = {name: cat([getattr(b, name) for b in batches]) for name in ENGINE_ROWS}
         engine["slots"] = cat([np.asarray(b.slots) + r * slots_per_rank for r, b in enumerate(batches)]
@@ -122,6 +117,15 @@ class SamplingBatch:
                                     for r, b in enumerate(batches)]).astype(np.int32)
         params = {name: cat([b.params[name] for b in batches]) for name in batches[0].params}
         return SamplingBatch(params=params, vocab_mask=mask, **engine)
+
+
+def stack_vocab_masks(masks: Sequence[Optional[np.ndarray]], s_pad: int) -> Optional[np.ndarray]:
+    """The vocab masks of D data-parallel ranks (int32[s_pad, words] each, or None: no grammar row) as one
+    int32[D * s_pad, words], a rank without one all allowed; None when no rank has one."""
+    if all(m is None for m in masks):
+        return None
+    width = next(np.shape(m)[1] for m in masks if m is not None)
+    return np.concatenate([all_allowed_mask(s_pad, width) if m is None else np.asarray(m) for m in masks])
 
 
 def shift_placeholders(ids, offset: int) -> np.ndarray:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -408,8 +408,8 @@ class ScheduleBatch:
             return len(self.reqs)
         return sum(r.extend_input_len for r in self.reqs)
 
-    def build_model_worker_batch(self, buckets: ShapeBuckets, memory, padded_shape: Optional[tuple] = None
-                                 ) -> ModelWorkerBatch:
+    def build_model_worker_batch(self, buckets: ShapeBuckets, memory, padded_shape: Optional[tuple] = None,
+                                 fill_vocab_mask: bool = True) -> ModelWorkerBatch:
         """Host arrays for the step, padded to the bucket `buckets` picks (see ForwardBatch), or to
         ``padded_shape`` = (step mode, T_pad, S_pad) when the step of several DP ranks is larger (see
         `step_shape`; a decode batch is laid out the same in an EXTEND step: one query token each).
@@ -485,24 +485,34 @@ class ScheduleBatch:
             forward_mode=step_mode,
         )
         fb = dataclasses.replace(fb, **memory.layer_pool_fields(fb.page_indices, fb.out_cache_loc))
-        sampling = self._sampling_batch(input_ids, cu, rows, S_pad)
+        sampling = self._sampling_batch(input_ids, cu, rows, S_pad, fill_vocab_mask)
         return ModelWorkerBatch(forward_batch=fb, sampling=sampling, num_tokens=T, num_seqs=S)
 
-    def _sampling_batch(self, input_ids: np.ndarray, cu: np.ndarray, rows: np.ndarray, S_pad: int) -> SamplingBatch:
+    def vocab_mask(self, s_pad: int, samples: Sequence[bool]) -> Optional[np.ndarray]:
+        """int32[s_pad, words]: the grammar bitmask of each row that samples (`samples`, per row) and whose
+        request has a grammar, from the grammar's state now; every other row all allowed (a request that finished
+        since the step was chosen too: its token is dropped). None when no row is constrained."""
+        rows = [i for i, (r, s) in enumerate(zip(self.reqs, samples)) if s and r.grammar is not None]
+        if not rows:
+            return None
+        mask = all_allowed_mask(s_pad, self.reqs[rows[0]].grammar.mask_width)
+        for i in rows:
+            if not self.reqs[i].finished():
+                self.reqs[i].grammar.fill_vocab_mask(mask, i)
+        return mask
+
+    def _sampling_batch(self, input_ids: np.ndarray, cu: np.ndarray, rows: np.ndarray, S_pad: int,
+                        fill_vocab_mask: bool = True) -> SamplingBatch:
         """The step's sampling rows (see SamplingBatch): `input_ids` the step's tokens, `cu` the cumulative query
-        lengths, `rows` each request's ReqToTokenPool row."""
+        lengths, `rows` each request's ReqToTokenPool row; without `fill_vocab_mask` the grammar rows are marked
+        ``constrained`` but the mask is left for `vocab_mask` (the overlap scheduler fills it once the step
+        before has been applied)."""
         reqs = self.reqs
         sps = [r.sampling_params for r in reqs]
         decode_rows = [self.is_decode_row(r) for r in reqs]
         samples = [self.samples(r) for r in reqs]
-        vocab_mask = None
         constrained = [r.grammar is not None and s for r, s in zip(reqs, samples)]
-        if any(constrained):
-            width = next(r.grammar.mask_width for r, c in zip(reqs, constrained) if c)
-            vocab_mask = all_allowed_mask(S_pad, width)
-            for i, r in enumerate(reqs):
-                if constrained[i]:
-                    r.grammar.fill_vocab_mask(vocab_mask, i)
+        vocab_mask = self.vocab_mask(S_pad, samples) if fill_vocab_mask else None
         penalized = [p.uses_penalties() for p in sps]
         # a decode row's input is its newest output token: the penalty counts take it in (once)
         last_index = [r.num_output_total - 1 if d else -1 for r, d in zip(reqs, decode_rows)]

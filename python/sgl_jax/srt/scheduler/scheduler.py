@@ -66,6 +66,7 @@ from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
 from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, compute_max_total_tokens, setup_jax
 from sgl_jax.srt.preflight import KVLimits, check_fits
+from sgl_jax.srt.sampling.sampling_batch import stack_vocab_masks
 from sgl_jax.srt.scheduler.admission import AdmissionPolicy
 from sgl_jax.srt.scheduler.grammar_queue import GrammarQueue
 from sgl_jax.srt.scheduler.load_balance import choose_rank
@@ -365,8 +366,12 @@ class Scheduler:
         (`forward_isolating_faults`)."""
         t0 = time.perf_counter()
         x = step_cost_features(batches, self.buckets) if self.step_budget is not None else None
+        # a grammar row's mask needs every earlier token accepted: with a step in flight it is filled after that
+        # step is applied, while this step's forward runs (its sampling is launched then)
+        masks_later = self.inflight is not None and any(
+            b is not None and any(r.grammar is not None for r in b.reqs) for b in batches)
         try:
-            pending = self._launch(batches)
+            fwd = self.model_runner.launch_forward(self._worker_batches(batches, fill_vocab_masks=not masks_later))
         except Exception:
             if self.model_runner.kv_cache_lost():
                 raise
@@ -381,9 +386,16 @@ class Scheduler:
                     rank.apply_step(batch, out)
             self.last_applied_at = time.perf_counter()
             return
-        rec = LaunchedStep([None if b is None else b.launched() for b in batches], pending, t0, x)
+        launched = [None if b is None else b.launched() for b in batches]
         self.num_overlapped_steps += self.inflight is not None
-        self.drain()
+        if masks_later:
+            self.drain()
+            masks = [None if b is None else b.vocab_mask(fwd.s_pad, b.row_samples) for b in launched]
+            pending = self.model_runner.launch_sample(fwd, stack_vocab_masks(masks, fwd.s_pad))
+        else:
+            pending = self.model_runner.launch_sample(fwd)
+            self.drain()
+        rec = LaunchedStep(launched, pending, t0, x)
         if self.overlap and rec.is_decode:  # (inputs taken in while it runs see every other step applied)
             self.inflight = rec
         else:
@@ -396,6 +408,11 @@ class Scheduler:
 
     def _launch(self, batches: List[Optional[ScheduleBatch]]):
         """Build every rank's batch and dispatch the step (the model runner's `PendingStep`)."""
+        return self.model_runner.launch_ranks(self._worker_batches(batches))
+
+    def _worker_batches(self, batches: List[Optional[ScheduleBatch]], fill_vocab_masks: bool = True) -> list:
+        """Every rank's `ModelWorkerBatch` of the step (None: idle), padded to one shape, the penalty rows of
+        requests new to their slot loaded first; grammar masks left out unless `fill_vocab_masks`."""
         live = [(r, b) for r, b in enumerate(batches) if b is not None and b.reqs]
         fault_injection.check("forward", [req.rid for _, b in live for req in b.reqs])
         for r, batch in live:  # penalty history of a request new to its slot (admission, after a retract)
@@ -409,8 +426,8 @@ class Scheduler:
         worker_batches = [None] * self.dp_size
         for r, batch in live:
             rank = self.ranks[r]
-            worker_batches[r] = batch.build_model_worker_batch(self.buckets, rank.memory, shape)
-        return self.model_runner.launch_ranks(worker_batches)
+            worker_batches[r] = batch.build_model_worker_batch(self.buckets, rank.memory, shape, fill_vocab_masks)
+        return worker_batches
 
     def forward_isolating_faults(self, batches: List[Optional[ScheduleBatch]]) -> list:
         """Each rank's step output (None for idle ranks and emptied batches); when the step fails, the requests
