@@ -1,0 +1,1 @@
+"""Speculative decoding (--speculative-algorithm): drafters and draft-tree verification."""

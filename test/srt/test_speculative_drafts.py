@@ -1,0 +1,151 @@
+"""The n-gram drafter's trie and draft trees (speculative/ngram_cache.py) and the draft-tree layout and greedy
+acceptance (speculative/draft_tree.py), on host arrays.
+
+References: a brute-force greedy walk over every root path for `verify_greedy` (hypothesis-generated trees and
+targets); for the drafter, hand-built token streams whose continuations are known (a copied passage, two
+continuations of one prefix seen with different counts), and its capacity bound under a stream that overflows it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sgl_jax.srt.speculative.draft_tree import check_tree, tree_depths, tree_mask, verify_greedy
+from sgl_jax.srt.speculative.ngram_cache import NgramCache, NgramConfig
+
+
+def cache(**kw) -> NgramCache:
+    return NgramCache(NgramConfig(**kw))
+
+
+def chain_of(tokens, parents) -> list:
+    """The tokens along the chain from the root when the tree is one chain (asserting it is)."""
+    assert list(parents[1:]) == list(range(len(parents) - 1)), parents
+    return [int(t) for t in tokens[1:]]
+
+
+def test_a_copied_passage_is_drafted_as_a_chain():
+    passage = list(range(100, 160))
+    c = cache(num_draft_tokens=8)
+    c.insert_prompt([1, 2, 3] + passage + [4, 5])
+    tokens, parents = c.draft([7, 8] + passage[:20])  # the request is copying the passage, 20 tokens in
+    assert tokens[0] == passage[19] and parents[0] == -1
+    assert chain_of(tokens, parents) == passage[20:27]
+    check_tree(parents)
+
+
+def test_no_match_pads_with_token_0_under_the_root():
+    c = cache(num_draft_tokens=5)
+    c.insert_prompt([10, 11, 12, 13])
+    tokens, parents = c.draft([50, 51])
+    assert tokens.tolist() == [51, 0, 0, 0, 0] and parents.tolist() == [-1, 0, 0, 0, 0]
+
+
+def test_bfs_widens_for_short_matches_and_takes_the_most_recent_first():
+    # after "5 6" came 7 (seen first) and then 9 (seen last); only the 1-token suffix "6" matches the context
+    c = cache(num_draft_tokens=4, min_bfs_breadth=1, max_bfs_breadth=4, max_match_window=3, branch_length=4)
+    c.insert_prompt([5, 6, 7, 8])
+    c.insert_prompt([5, 6, 9, 10])
+    tokens, parents = c.draft([42, 6])
+    assert tokens[1:3].tolist() == [9, 7] and parents[1:3].tolist() == [0, 0]  # siblings, most recent first
+    # the 3-token match "4 5 6" exists only on the second path: breadth min_bfs_breadth, a chain
+    c2 = cache(num_draft_tokens=4, min_bfs_breadth=1, max_bfs_breadth=4, max_match_window=3, branch_length=5)
+    c2.insert_prompt([4, 5, 6, 7, 8])
+    c2.insert_prompt([3, 5, 6, 9, 10])
+    tokens, parents = c2.draft([4, 5, 6])
+    assert tokens[1:3].tolist() == [7, 8] and parents[1:3].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("breadth", [1, 10])
+def test_prob_drafts_the_most_counted_continuation_first(breadth):
+    c = cache(num_draft_tokens=3, match_type="PROB", branch_length=4, max_match_window=3, max_bfs_breadth=breadth)
+    for _ in range(3):
+        c.insert_prompt([5, 6, 7, 8])
+    c.insert_prompt([5, 6, 9, 10])  # 9 is the most recent, 7 the most counted
+    tokens, parents = c.draft([6])
+    assert tokens.tolist() == [6, 7, 8] and parents.tolist() == [-1, 0, 1]
+
+
+def test_insert_tail_adds_the_newest_tokens():
+    c = cache(num_draft_tokens=3, branch_length=4, max_match_window=2)
+    c.insert_tail([1, 2, 3, 4, 5, 6])  # the last 4 tokens: 3 4 5 6
+    assert chain_of(*c.draft([3, 4])) == [5, 6]
+    assert c.draft([1, 2])[0].tolist() == [2, 0, 0]  # older than the tail: not inserted
+
+
+def test_capacity_is_never_exceeded_and_the_oldest_paths_go_first():
+    c = cache(num_draft_tokens=4, capacity=64, branch_length=4, max_match_window=3)
+    rng = np.random.default_rng(0)
+    c.insert_prompt([900, 901, 902, 903, 904])
+    for _ in range(40):
+        c.insert_prompt(rng.integers(0, 50, 12).tolist())
+        assert len(c) <= 64
+    assert c.draft([900, 901])[0].tolist() == [901, 0, 0, 0]  # evicted
+    recent = [700, 701, 702, 703]
+    c.insert_prompt(recent)
+    assert chain_of(*c.draft([700])) == [701, 702, 703]
+    # every node kept is reachable from the root (eviction removed leaves only)
+    seen, stack = 0, [NgramCache.ROOT]
+    while stack:
+        kids = c._kids[stack.pop()] or {}
+        seen += len(kids)
+        stack.extend(kids.values())
+    assert seen == len(c)
+
+
+@pytest.mark.parametrize("bad, flag", [
+    (dict(num_draft_tokens=1), "--speculative-num-draft-tokens"),
+    (dict(min_match_window=5, max_match_window=4), "--speculative-ngram-min-match-window-size"),
+    (dict(max_match_window=18, branch_length=18), "--speculative-ngram-branch-length"),
+    (dict(min_bfs_breadth=3, max_bfs_breadth=2), "--speculative-ngram-max-bfs-breadth"),
+    (dict(match_type="DFS"), "--speculative-ngram-match-type"),
+    (dict(capacity=4), "--speculative-ngram-capacity"),
+])
+def test_invalid_settings_name_the_flag(bad, flag):
+    with pytest.raises(ValueError, match=flag):
+        NgramConfig(**bad).validate()
+
+
+def test_tree_layout():
+    parents = np.array([-1, 0, 0, 1, 3, 2])
+    assert tree_depths(parents).tolist() == [0, 1, 1, 2, 3, 2]
+    mask = tree_mask(parents)
+    assert mask[4].tolist() == [True, True, False, True, True, False]
+    assert mask[5].tolist() == [True, False, True, False, False, True]
+    for bad in ([0, 0], [-1, 1], [-1, 0, 2], [-1, -1]):
+        with pytest.raises(ValueError):
+            check_tree(np.array(bad))
+
+
+@st.composite
+def trees(draw):
+    n = draw(st.integers(1, 12))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = [draw(st.integers(0, 3)) for _ in range(n)]
+    target = [draw(st.integers(0, 3)) for _ in range(n)]
+    return np.array(tokens), np.array(parents), np.array(target)
+
+
+def brute_force_accept(tokens, parents, target) -> list:
+    """Greedy acceptance by its definition: follow the root path whose every draft token is the target's token
+    after its parent, the first such child in slot order at each step."""
+    path = [0]
+    while True:
+        kids = [i for i in range(1, len(parents)) if parents[i] == path[-1] and tokens[i] == target[path[-1]]]
+        if not kids:
+            return path
+        path.append(min(kids))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(trees())
+def test_verify_greedy_matches_the_definition(tree):
+    tokens, parents, target = tree
+    accepted, emitted = verify_greedy(tokens, parents, target)
+    assert accepted == brute_force_accept(tokens, parents, target)
+    assert emitted == [int(tokens[i]) for i in accepted[1:]] + [int(target[accepted[-1]])]
+    depths = tree_depths(parents)
+    assert [int(depths[i]) for i in accepted] == list(range(len(accepted)))  # one root path
