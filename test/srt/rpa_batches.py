@@ -12,14 +12,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sgl_jax.srt.kernels.ragged_paged_attention.common import NO_TREE
 from sgl_jax.srt.kernels.ragged_paged_attention.ref import ragged_paged_attention as reference
+from sgl_jax.srt.speculative.draft_tree import tree_mask
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 S_PAD, T_PAD = 5, 48  # fixed padded shapes: fewer distinct programs to compile
 
 
-def make_batch(seed, kind, page_size, head_dim, group, num_kv_heads, dtype, segments):
-    """A random ragged batch: (args, kwargs) for ragged_paged_attention; pages scattered over the cache."""
+def tree_bits_of(parents: np.ndarray) -> np.ndarray:
+    """int32[n]: each slot's draft-tree bits (bit j: slot j is an ancestor or itself), as the kernels take them."""
+    mask = tree_mask(parents)
+    return (mask.astype(np.uint64) << np.arange(len(parents), dtype=np.uint64)).sum(1).astype(np.uint32).view(
+        np.int32)
+
+
+def make_batch(seed, kind, page_size, head_dim, group, num_kv_heads, dtype, segments, trees=False):
+    """A random ragged batch: (args, kwargs) for ragged_paged_attention; pages scattered over the cache. With
+    `trees`, every other sequence's queries are the slots of a random draft tree (speculative verify rows)."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, S_PAD))  # 1 .. S_PAD - 1 sequences; the rest is padding
     q_lens, kv_lens = [], []
@@ -69,6 +79,13 @@ def make_batch(seed, kind, page_size, head_dim, group, num_kv_heads, dtype, segm
     kwargs = dict(sm_scale=D ** -0.5, decode_only=kind == "decode")
     if segments:
         kwargs.update(prefix_lens=jnp.asarray(prefix_lens), segment_starts=jnp.asarray(seg))
+    if trees:
+        bits = np.full(T, NO_TREE, np.int32)
+        for s in range(0, n, 2):
+            q_len = q_lens[s]
+            parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, q_len)])
+            bits[cu[s]:cu[s + 1]] = tree_bits_of(parents)
+        kwargs.update(tree_bits=jnp.asarray(bits))
     return args, kwargs, int(cu[n])
 
 

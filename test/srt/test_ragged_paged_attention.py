@@ -8,12 +8,18 @@ import pytest
 import jax.numpy as jnp
 
 from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention, write_kv_to_pages
+from sgl_jax.srt.kernels.ragged_paged_attention.common import NO_TREE
+from sgl_jax.srt.speculative.draft_tree import tree_mask
+
+from rpa_batches import tree_bits_of
 
 
 def numpy_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
-                    sliding_window=None, soft_cap=None, segment_ids=None):
+                    sliding_window=None, soft_cap=None, segment_ids=None, tree_masks=None):
     """segment_ids: optional list (per sequence) of int arrays over its KV positions: 0 = shared prefix,
-    k > 0 = item k; a query of item k sees segment 0 and segment k only (a dense mask, built the slow way)."""
+    k > 0 = item k; a query of item k sees segment 0 and segment k only (a dense mask, built the slow way).
+    tree_masks: optional list (per sequence) of bool[q_len, q_len] or None: query i of the sequence sees the keys
+    before its queries and the queries j with mask[i, j] (a draft tree's ancestors and itself)."""
     T, H, D = q.shape
     ps, KVH = k_pages.shape[1], k_pages.shape[2]
     out = np.zeros_like(q)
@@ -37,6 +43,9 @@ def numpy_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
                     seg = segment_ids[s]
                     if seg[qpos] > 0:
                         ok &= (seg == 0) | (seg == seg[qpos])
+                if tree_masks is not None and tree_masks[s] is not None:
+                    first = L - (q1 - q0)
+                    ok &= (pos < first) | np.concatenate([np.zeros(first, bool), tree_masks[s][i]])
                 sc = np.where(ok, sc, -np.inf)
                 p = np.exp(sc - sc.max())
                 out[t, h] = (p / p.sum()) @ v[:, kh]
@@ -238,3 +247,35 @@ def test_shared_prefix_with_segments():
     out = np.asarray(ragged_paged_attention(*args, sm_scale=D ** -0.5, shared_prefix_len=jnp.int32(256), **seg))
     ref = numpy_reference(q, kp, vp, kl, pi, cu, 1, D ** -0.5, segment_ids=[ids])
     np.testing.assert_allclose(out[:q_len], ref[:q_len], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_draft_tree_mask_matches_dense_reference(page_size):
+    """Speculative verify rows: a bushy draft tree, a chain, a full 32-slot tree (bit 31 set) and an ordinary
+    40-token extend (NO_TREE rows past 32 positions) in one batch; each tree slot sees the KV before its tree and
+    its ancestors only."""
+    rng = np.random.default_rng(5 + page_size)
+    H, KVH, D = 6, 2, 16
+    bushy = np.array([-1, 0, 0, 1, 1, 2, 4])
+    chain = np.array([-1, 0, 1, 2, 3])
+    full = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, 32)])
+    trees = [bushy, chain, full, None]
+    q_lens = [7, 5, 32, 40]
+    kv_lens = [57, 5, 100, 90]
+    S_pad, T_pad = 5, sum(q_lens) + 3
+    q, kp, vp, kl, pi, cu = make_batch(rng, q_lens, kv_lens, page_size, H, KVH, D, S_pad, T_pad)
+    masks = [None if t is None else tree_mask(t) for t in trees]
+    bits = np.full(T_pad, NO_TREE, np.int32)
+    for s, m in enumerate(masks):
+        if m is not None:
+            bits[cu[s]:cu[s + 1]] = tree_bits_of(trees[s])
+    assert bits[cu[2] + 31] < 0 and bits[cu[2] + 31] != NO_TREE  # slot 31: the sign bit, not all ones
+    out = ragged_paged_attention(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(kl),
+                                 jnp.asarray(pi), jnp.asarray(cu), jnp.int32(4), sm_scale=D ** -0.5,
+                                 tree_bits=jnp.asarray(bits))
+    ref = numpy_reference(q, kp, vp, kl, pi, cu, 4, D ** -0.5, tree_masks=masks)
+    n = sum(q_lens)
+    np.testing.assert_allclose(np.asarray(out)[:n], ref[:n], rtol=1e-5, atol=1e-5)
+    plain = numpy_reference(q, kp, vp, kl, pi, cu, 4, D ** -0.5)
+    assert not np.allclose(ref[:7], plain[:7], atol=1e-3), "the tree mask must matter"
+    np.testing.assert_allclose(ref[7:12], plain[7:12], rtol=1e-6)  # a chain's tree mask is the causal mask

@@ -87,6 +87,19 @@ def test_kernel_matches_reference(kernel, seed, kind, page_size, head_dim, group
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("page_size, dtype", [(1, "float32"), (16, "bfloat16")])
+def test_draft_tree_rows_match_reference(kernel, page_size, dtype):
+    """Speculative verify rows: every other sequence's queries are a random draft tree's slots (tree_bits), next
+    to ordinary extend rows; the reference's tree mask is checked against a dense one in
+    test_ragged_paged_attention.py."""
+    args, kwargs, rows = make_batch(21 + page_size, "extend", page_size, 64, 4, 1, dtype, False, trees=True)
+    out = np.asarray(KERNELS[kernel](*args, **kwargs).astype(jnp.float32))
+    if kernel == "tpu":
+        assert not tpu_interpreter.races.races_found, "the TPU interpreter found a data race"
+    assert_matches_reference(kernel, out, args, kwargs, rows, dtype)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_several_kv_heads_and_default_tiles(kernel):
     """Two KV heads (head slicing of the cache rows) and the table's default tile sizes."""
     fn = {"tpu": functools.partial(ragged_paged_attention_tpu, interpret=True),
@@ -145,7 +158,7 @@ LOWERING_CASES = [
 @pytest.mark.parametrize("target", ["tpu", "cuda"])
 @pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: f"T{c[0]}-H{c[1]}-KVH{c[2]}-D{c[3]}-ps{c[4]}-{c[5]}")
 def test_kernels_lower_for_their_devices(target, case):
-    """The kernels lower to Mosaic TPU / Triton without a device (jax.export), segment mask included."""
+    """The kernels lower to Mosaic TPU / Triton without a device (jax.export), segment and tree masks included."""
     T, H, KVH, D, ps, dtype, decode_only, extra = case
     S, P = 8, 32
     dt = jnp.dtype(dtype)
@@ -154,9 +167,10 @@ def test_kernels_lower_for_their_devices(target, case):
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     kv = jax.ShapeDtypeStruct((64, ps, KVH, D), dt)
     checks = [] if target == "tpu" else [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    exported = jax.export.export(jax.jit(lambda *a: f(*a[:7], prefix_lens=a[7], segment_starts=a[8])),
-                                 platforms=[target], disabled_checks=checks)(
-        jax.ShapeDtypeStruct((T, H, D), dt), kv, kv, i32(S), i32(S, P), i32(S + 1), i32(), i32(S), i32(T))
+    exported = jax.export.export(
+        jax.jit(lambda *a: f(*a[:7], prefix_lens=a[7], segment_starts=a[8], tree_bits=a[9])),
+        platforms=[target], disabled_checks=checks)(
+        jax.ShapeDtypeStruct((T, H, D), dt), kv, kv, i32(S), i32(S, P), i32(S + 1), i32(), i32(S), i32(T), i32(T))
     text = exported.mlir_module()
     assert ("tpu_custom_call" in text) if target == "tpu" else ("__gpu$xla.gpu.triton" in text)
 

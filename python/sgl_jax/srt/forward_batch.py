@@ -55,6 +55,9 @@ class ForwardBatch:
     instead of out_cache_loc / page_indices when the model has a separate SWA KV pool (hybrid SWA memory): the
     same slots and pages translated through the full-to-SWA page mapping (page 0 where a page's SWA KV is
     gone, which only positions outside every query's window have). None without a separate SWA pool.
+    tree_bits: int32[T] -- speculative verification's draft-tree mask (see `ragged_paged_attention`): a
+    sequence whose queries are a draft tree's slots gives each slot the bits of its ancestors and itself, every
+    other token -1. None in every step that verifies no tree (ordinary steps compile without it).
     forward_mode, attention_backend: static (part of the compiled program's identity); attention_backend is
     the resolved ``--attention-backend`` ("native" or "pallas"), set by the model runner.
     """
@@ -72,6 +75,7 @@ class ForwardBatch:
     shared_prefix_len: Any
     swa_out_cache_loc: Optional[Any] = None
     swa_page_indices: Optional[Any] = None
+    tree_bits: Optional[Any] = None
     forward_mode: ForwardMode = static_field(ForwardMode.EXTEND)
     attention_backend: str = static_field("native")
 

@@ -47,7 +47,7 @@ def _write_and_attend(q, k, v, k_pages, v_pages, fb: ForwardBatch, *, sm_scale: 
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         decode_only=fb.forward_mode == ForwardMode.DECODE, prefix_lens=fb.prefix_lens,
         segment_starts=fb.segment_starts, shared_prefix_len=jnp.reshape(fb.shared_prefix_len, ()),
-        backend=fb.attention_backend,
+        tree_bits=fb.tree_bits, backend=fb.attention_backend,
     )
     return out.astype(out_dtype), k_pages, v_pages
 

@@ -24,11 +24,11 @@ IMPLEMENTATIONS = ("native", "pallas")
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
                            sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
                            decode_only: bool = False, prefix_lens=None, segment_starts=None,
-                           shared_prefix_len=None, backend: str = "native"):
+                           shared_prefix_len=None, tree_bits=None, backend: str = "native"):
     """Ragged paged attention by the chosen backend ("native" or "pallas"; see `ref.ragged_paged_attention`
     for the arguments, shapes and result). The platform is the default JAX backend at trace time."""
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, decode_only=decode_only,
-                  prefix_lens=prefix_lens, segment_starts=segment_starts)
+                  prefix_lens=prefix_lens, segment_starts=segment_starts, tree_bits=tree_bits)
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if backend == "native":
         if decode_only and _cpu_decode_kernel(q.dtype, k_pages.dtype):

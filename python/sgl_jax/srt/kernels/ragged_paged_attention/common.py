@@ -70,6 +70,10 @@ def block_sizes(table: dict, generation: str, override: Optional[BlockSizes]) ->
     return table.get(generation, table["default"])
 
 
+NO_TREE = -1  # tree bits of a query row that is not a draft-tree slot (the causal mask alone)
+MAX_TREE_SLOTS = 32  # draft-tree slots per sequence: one bit each in an int32
+
+
 class QBlockMeta(NamedTuple):
     """Per query block b (int32[num_q_blocks] each): the first and last sequence with rows in the block
     (first > last for an empty block), and the smallest segment start of its rows (a lower bound on where
@@ -110,17 +114,19 @@ def q_block_metadata(cu_q_lens: jax.Array, num_seqs: jax.Array, segment_starts: 
 class LaunchInputs(NamedTuple):
     """What both kernels receive: ``scalars`` = (cu_q_lens, kv_lens, flattened page table, prefix_lens,
     first_seq, last_seq, seg_lo), all int32; ``q`` [t_pad, H * D] (rows padded to whole query blocks);
-    ``seg`` int32[t_pad, 1] segment starts; ``t_pad`` rows."""
+    ``seg`` int32[t_pad, 1] segment starts; ``tree`` int32[t_pad, 1] tree bits (`tree_visible`); ``t_pad`` rows."""
 
     scalars: tuple
     q: jax.Array
     seg: jax.Array
+    tree: jax.Array
     t_pad: int
 
 
 def prepare_launch(q, kv_lens, page_indices, cu_q_lens, num_seqs, prefix_lens, segment_starts, block_q: int,
-                   num_kv_heads: int) -> LaunchInputs:
-    """Check shapes, fill the optional segment inputs, pad the query rows and compute `q_block_metadata`.
+                   num_kv_heads: int, tree_bits=None) -> LaunchInputs:
+    """Check shapes, fill the optional segment and tree inputs, pad the query rows and compute
+    `q_block_metadata`.
 
     Raises:
         ValueError: when num_heads (q.shape[1]) is not a multiple of num_kv_heads.
@@ -134,12 +140,14 @@ def prepare_launch(q, kv_lens, page_indices, cu_q_lens, num_seqs, prefix_lens, s
     prefix_lens = jnp.zeros((S,), jnp.int32) if prefix_lens is None else prefix_lens.astype(jnp.int32)
     segment_starts = jnp.zeros((T,), jnp.int32) if segment_starts is None else segment_starts.astype(jnp.int32)
     seg = jnp.pad(segment_starts, (0, t_pad - T))
+    tree = jnp.full((T,), NO_TREE, jnp.int32) if tree_bits is None else tree_bits.astype(jnp.int32)
+    tree = jnp.pad(tree, (0, t_pad - T), constant_values=NO_TREE)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     meta = q_block_metadata(cu_q_lens, num_seqs, seg, t_pad, block_q)
     scalars = (cu_q_lens, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32).reshape(-1), prefix_lens,
                meta.first_seq, meta.last_seq, meta.seg_lo)
     return LaunchInputs(scalars, jnp.pad(q.reshape(T, H * D), ((0, t_pad - T), (0, 0))), seg.reshape(t_pad, 1),
-                        t_pad)
+                        tree.reshape(t_pad, 1), t_pad)
 
 
 class SeqPlan(NamedTuple):
@@ -195,18 +203,29 @@ def seq_plan(q0, q1, kv_len, prefix_len, block_start, block_q: int, seg_lo, bloc
     return SeqPlan(r0, r1, q0, pos0, kv_len, prefix_len, kb_lo, n_a, b_lo, n)
 
 
+def tree_visible(tree_bits: jax.Array, rel: jax.Array) -> jax.Array:
+    """bool: whether a query row with `tree_bits` sees the key `rel` positions after its sequence's first query
+    (broadcasting int32 arrays). A draft-tree row (speculative verify: its sequence's queries are the tree's
+    slots, at most MAX_TREE_SLOTS) sees the keys before the tree and the slots whose bits are set (its ancestors
+    and itself); a row with NO_TREE sees what the causal mask lets it."""
+    bit = jnp.right_shift(tree_bits, jnp.clip(rel, 0, MAX_TREE_SLOTS - 1)) & 1
+    return (tree_bits == NO_TREE) | (rel < 0) | (bit == 1)
+
+
 def block_mask(plan: SeqPlan, rows: jax.Array, seg_start: jax.Array, kpos: jax.Array,
-               sliding_window: Optional[int]) -> jax.Array:
+               sliding_window: Optional[int], tree_bits: jax.Array) -> jax.Array:
     """bool[R, bk]: which (row, key) pairs of a KV block this sequence computes.
 
-    rows: int32[R, 1] flat query row of each score row; seg_start: int32[R, 1] their segment starts;
-    kpos: int32[1, bk] KV positions of the block. Rows of other sequences are all False.
+    rows: int32[R, 1] flat query row of each score row; seg_start, tree_bits: int32[R, 1] their segment starts
+    and tree bits (`tree_visible`); kpos: int32[1, bk] KV positions of the block. Rows of other sequences are all
+    False.
     """
     qpos = plan.pos0 + rows - plan.q0
     ok = (rows >= plan.r0) & (rows < plan.r1) & (kpos <= qpos) & (kpos < plan.kv_len)
     if sliding_window is not None:
         ok &= kpos > qpos - sliding_window
     ok &= (kpos < plan.prefix_len) | (kpos >= seg_start)
+    ok &= tree_visible(tree_bits, kpos - plan.pos0)
     return ok
 
 

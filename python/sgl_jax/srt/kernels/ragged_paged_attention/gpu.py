@@ -46,8 +46,8 @@ def fit_blocks(bs: BlockSizes, group: int, itemsize: int) -> BlockSizes:
     return BlockSizes(block_q, block_kv)
 
 
-def _kernel(cu_ref, kv_lens_ref, pt_ref, prefix_ref, first_ref, last_ref, seg_lo_ref, q_ref, seg_ref, k_ref,
-            v_ref, o_ref, *, sm_scale, sliding_window, soft_cap, block_q, block_kv, page_size, pages_per_seq,
+def _kernel(cu_ref, kv_lens_ref, pt_ref, prefix_ref, first_ref, last_ref, seg_lo_ref, q_ref, seg_ref, tree_ref,
+            k_ref, v_ref, o_ref, *, sm_scale, sliding_window, soft_cap, block_q, block_kv, page_size, pages_per_seq,
             num_slots, group, head_dim):
     b = pl.program_id(0)
     h = pl.program_id(1)
@@ -55,6 +55,7 @@ def _kernel(cu_ref, kv_lens_ref, pt_ref, prefix_ref, first_ref, last_ref, seg_lo
     first, last, seg_lo = first_ref[b], last_ref[b], seg_lo_ref[b]
     rows = block_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     seg = seg_ref[pl.ds(block_start, block_q), :]
+    tree = tree_ref[pl.ds(block_start, block_q), :]
     cols = pl.ds(h * head_dim, head_dim)
     qs = [(q_ref[pl.ds(block_start, block_q), pl.ds((h * group + g) * head_dim, head_dim)].astype(jnp.float32)
            * sm_scale).astype(q_ref.dtype) for g in range(group)]
@@ -72,7 +73,7 @@ def _kernel(cu_ref, kv_lens_ref, pt_ref, prefix_ref, first_ref, last_ref, seg_lo
             slot = jnp.clip(page * page_size + jax.lax.rem(kpos, jnp.int32(page_size)), 0, num_slots - 1)
             k = k_ref[slot, cols]
             v = v_ref[slot, cols]
-            mask = block_mask(plan, rows, seg, kpos[None, :], sliding_window)
+            mask = block_mask(plan, rows, seg, kpos[None, :], sliding_window, tree)
             out = []
             for g in range(group):
                 m, l, acc = state[g]
@@ -107,6 +108,7 @@ def ragged_paged_attention_gpu(
     decode_only: bool = False,
     prefix_lens: Optional[jax.Array] = None,
     segment_starts: Optional[jax.Array] = None,
+    tree_bits: Optional[jax.Array] = None,
     blocks: Optional[BlockSizes] = None,
     decode_blocks: Optional[DecodeBlocks] = None,
     interpret: bool = False,
@@ -116,8 +118,8 @@ def ragged_paged_attention_gpu(
     Shapes and dtypes as there: q [T, H, D] with D a power of two (64, 128); k_pages, v_pages
     [num_pages, page_size, KVH, D] (bfloat16, float16 or float32); kv_lens int32[S]; page_indices
     int32[S, pages_per_seq]; cu_q_lens int32[S + 1]; num_seqs int32 scalar; prefix_lens int32[S] and
-    segment_starts int32[T] for the segment mask. ``decode_only`` runs `gpu_decode.decode_attention_gpu`
-    (tiles ``decode_blocks``, default its table); ``blocks`` overrides `common.GPU_BLOCK_TABLE` (block_q a power
+    segment_starts int32[T] for the segment mask; tree_bits int32[T] for draft-tree rows (see the reference).
+    ``decode_only`` runs `gpu_decode.decode_attention_gpu` (tiles ``decode_blocks``, default its table); ``blocks`` overrides `common.GPU_BLOCK_TABLE` (block_q a power
     of two >= 16; the table's own entry is shrunk by `fit_blocks`); ``interpret=True`` runs in Pallas'
     interpreter (CPU).
 
@@ -136,7 +138,7 @@ def ragged_paged_attention_gpu(
         bs = fit_blocks(bs, max(1, H // KVH), max(jnp.dtype(q.dtype).itemsize, jnp.dtype(k_pages.dtype).itemsize))
     block_q, block_kv = bs.block_q, bs.block_kv
     inputs = prepare_launch(q, kv_lens, page_indices, cu_q_lens, num_seqs, prefix_lens, segment_starts, block_q,
-                            KVH)
+                            KVH, tree_bits)
     t_pad = inputs.t_pad
     k2 = k_pages.reshape(num_pages * page_size, KVH * D)
     v2 = v_pages.reshape(num_pages * page_size, KVH * D)
@@ -148,12 +150,12 @@ def ragged_paged_attention_gpu(
     out = pl.pallas_call(
         kernel,
         grid=(t_pad // block_q, KVH),
-        in_specs=[any_spec] * 11,
+        in_specs=[any_spec] * 12,
         out_specs=any_spec,
         out_shape=jax.ShapeDtypeStruct((t_pad, H * D), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(*inputs.scalars, inputs.q, inputs.seg, k2, v2)
+    )(*inputs.scalars, inputs.q, inputs.seg, inputs.tree, k2, v2)
     return out[:T].reshape(T, H, D)
 

@@ -28,6 +28,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from sgl_jax.srt.kernels.ragged_paged_attention.common import NO_TREE, tree_visible
+
 MASK_VALUE = -1e30
 DECODE_KV_BLOCK = 256  # tokens of KV per decode iteration
 EXTEND_Q_BLOCK = 32  # query tokens per extend iteration
@@ -235,7 +237,7 @@ def _shared_prefix_state(q, k_pages, v_pages, page_row, shared_len, num_rows, qp
     return tuple(x[:, :, :n] for x in state)
 
 
-def _block_attention(q_padded, seg_padded, k_pages, v_pages, page_row, shared, q_start, q_len, kv_len, prefix_len,
+def _block_attention(q_padded, seg_padded, tree_padded, k_pages, v_pages, page_row, shared, q_start, q_len, kv_len, prefix_len,
                      r0, bq, bk, out, sm_scale, sliding_window, soft_cap, shared_len):
     """Attention of rows [r0, r0 + bq) of one sequence (rows >= q_len are skipped) over its keys from
     `shared_len` on, continuing from the shared-prefix state; writes them into `out` [T, H, D]."""
@@ -254,6 +256,7 @@ def _block_attention(q_padded, seg_padded, k_pages, v_pages, page_row, shared, q
     kv_hi = jnp.minimum(kv_len, last_pos + 1)
     lo = jnp.maximum(qpos - sliding_window + 1, 0) if sliding_window is not None else jnp.zeros_like(qpos)
     seg_start = jax.lax.dynamic_slice_in_dim(seg_padded, q_start + r0, bq)
+    tree = jax.lax.dynamic_slice_in_dim(tree_padded, q_start + r0, bq)
     # keys before shared_len were visited by _shared_prefix_state; continue from its state
     kb_lo = jnp.maximum(lo[0], shared_len) // bk
     kb_hi = jnp.maximum((kv_hi + bk - 1) // bk, kb_lo)
@@ -274,6 +277,7 @@ def _block_attention(q_padded, seg_padded, k_pages, v_pages, page_row, shared, q
         mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < kv_len) & (kpos[None, :] >= lo[:, None])
         mask &= (kpos[None, :] < prefix_len) | (kpos[None, :] >= seg_start[:, None])
         mask &= kpos[None, :] >= shared_len
+        mask &= tree_visible(tree[:, None], kpos[None, :] - (kv_len - q_len))
         return _step_skipping_full_masks(carry, x, kblk, vblk, mask, soft_cap, row_repeats=G)
 
     m0, l0, acc0 = (jax.lax.dynamic_slice_in_dim(a, q_start + r0, bq, axis=2) for a in shared)
@@ -284,11 +288,11 @@ def _block_attention(q_padded, seg_padded, k_pages, v_pages, page_row, shared, q
     return out.at[dest].set(o, mode="drop")
 
 
-def _per_sequence_attention(q_padded, seg_padded, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+def _per_sequence_attention(q_padded, seg_padded, tree_padded, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                             shared, out, sm_scale, sliding_window, soft_cap, prefix_lens, shared_len):
     """Loop over sequences; each one's first q_len % LONG_Q_BLOCK rows in small blocks, the rest (the rows
     that see the most keys) in large ones, whose matmuls run several times faster on CPU."""
-    blk = functools.partial(_block_attention, q_padded, seg_padded, k_pages, v_pages, sm_scale=sm_scale,
+    blk = functools.partial(_block_attention, q_padded, seg_padded, tree_padded, k_pages, v_pages, sm_scale=sm_scale,
                             sliding_window=sliding_window, soft_cap=soft_cap, shared_len=shared_len)
 
     def seq_body(s, out):
@@ -309,15 +313,16 @@ def _per_sequence_attention(q_padded, seg_padded, k_pages, v_pages, kv_lens, pag
 
 
 def _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
-                      sliding_window, soft_cap, prefix_lens, segment_starts, shared_len):
+                      sliding_window, soft_cap, prefix_lens, segment_starts, shared_len, tree_bits):
     T = q.shape[0]
     pad = max(LONG_Q_BLOCK, EXTEND_Q_BLOCK)
     q_padded = jnp.concatenate([q, jnp.zeros((pad,) + q.shape[1:], q.dtype)])
     seg_padded = jnp.concatenate([segment_starts, jnp.zeros((pad,), jnp.int32)])
+    tree_padded = jnp.concatenate([tree_bits, jnp.full((pad,), NO_TREE, jnp.int32)])
     qpos_all = _token_positions(cu_q_lens, kv_lens, T) if sliding_window is not None else None
     shared = _shared_prefix_state(q, k_pages, v_pages, page_indices[0], shared_len, cu_q_lens[num_seqs],
                                   qpos_all, sm_scale, sliding_window, soft_cap, pad)
-    return _per_sequence_attention(q_padded, seg_padded, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+    return _per_sequence_attention(q_padded, seg_padded, tree_padded, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                    num_seqs, shared, jnp.zeros_like(q), sm_scale, sliding_window, soft_cap,
                                    prefix_lens, shared_len)
 
@@ -339,6 +344,7 @@ def ragged_paged_attention(
     prefix_lens: Optional[jax.Array] = None,
     segment_starts: Optional[jax.Array] = None,
     shared_prefix_len: Optional[jax.Array] = None,
+    tree_bits: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Causal attention of a ragged batch of sequences over a paged KV cache.
 
@@ -367,6 +373,10 @@ def ragged_paged_attention(
             before it (kv_lens - q_lens >= shared_prefix_len), and that it is <= prefix_lens of any
             sequence with segments. Those keys are then attended by all query rows at once (cascade
             attention). None or 0: off. Ignored by the decode path.
+        tree_bits: int32[T] per query token, the draft-tree mask of speculative verification (common.tree_visible):
+            a sequence whose queries are the slots of a draft tree (at most common.MAX_TREE_SLOTS) sets bit j of
+            slot i when slot j is i's ancestor or i itself, and slot i then sees the keys before the tree and those
+            slots only; common.NO_TREE (-1) for every other token. None: no tree rows. Ignored by the decode path.
     Returns:
         [T, num_heads, head_dim] in q.dtype; padding rows are zero. Query i of sequence s sits at KV
         position kv_lens[s] - q_len[s] + i and attends to keys at positions <= it (rotary positions are the
@@ -383,5 +393,7 @@ def ragged_paged_attention(
     if segment_starts is None:
         segment_starts = jnp.zeros(q.shape[0], jnp.int32)
     shared_len = jnp.asarray(0 if shared_prefix_len is None else shared_prefix_len, jnp.int32).reshape(())
+    if tree_bits is None:
+        tree_bits = jnp.full(q.shape[0], NO_TREE, jnp.int32)
     return _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
-                             sliding_window, soft_cap, prefix_lens, segment_starts, shared_len)
+                             sliding_window, soft_cap, prefix_lens, segment_starts, shared_len, tree_bits)

@@ -41,7 +41,7 @@ def _kernel(
     # scalar prefetch (SMEM)
     cu_ref, kv_lens_ref, pt_ref, prefix_ref, first_ref, last_ref, seg_lo_ref,
     # inputs
-    q_ref, seg_ref, k_hbm, v_hbm,
+    q_ref, seg_ref, tree_ref, k_hbm, v_hbm,
     # output
     o_ref,
     # scratch
@@ -75,12 +75,13 @@ def _kernel(
     rows = block_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     rows = jnp.concatenate([rows] * group, axis=0)  # score row g * block_q + r is query row r, head g
     seg = jnp.concatenate([seg_ref[...]] * group, axis=0)
+    tree = jnp.concatenate([tree_ref[...]] * group, axis=0)
 
     def compute(s, i, slot):
         plan = plan_of(s)
         kb = plan.kv_block(i)
         kpos = kb * block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-        mask = block_mask(plan, rows, seg, kpos, sliding_window)
+        mask = block_mask(plan, rows, seg, kpos, sliding_window, tree)
         for h in range(num_kv_heads):
             k = k_buf[slot, :, h * head_dim:(h + 1) * head_dim]
             v = v_buf[slot, :, h * head_dim:(h + 1) * head_dim]
@@ -175,6 +176,7 @@ def ragged_paged_attention_tpu(
     decode_only: bool = False,
     prefix_lens: Optional[jax.Array] = None,
     segment_starts: Optional[jax.Array] = None,
+    tree_bits: Optional[jax.Array] = None,
     blocks: Optional[BlockSizes] = None,
     decode_blocks: Optional[DecodeBlocks] = None,
     interpret=False,
@@ -183,9 +185,10 @@ def ragged_paged_attention_tpu(
 
     Shapes and dtypes as there: q [T, H, D]; k_pages, v_pages [num_pages, page_size, KVH, D] (bfloat16 or
     float32); kv_lens int32[S]; page_indices int32[S, pages_per_seq]; cu_q_lens int32[S + 1]; num_seqs
-    int32 scalar; prefix_lens int32[S] and segment_starts int32[T] for the segment mask. ``decode_only``
-    runs `tpu_decode.decode_attention_tpu` (tiles ``decode_blocks``, default its table); the cascade hint
-    ``shared_prefix_len`` of the reference is not needed here. ``blocks`` overrides the tile table
+    int32 scalar; prefix_lens int32[S] and segment_starts int32[T] for the segment mask; tree_bits int32[T] for
+    draft-tree rows (see the reference). ``decode_only`` runs `tpu_decode.decode_attention_tpu` (tiles
+    ``decode_blocks``, default its table); the cascade hint ``shared_prefix_len`` of the reference is not needed
+    here. ``blocks`` overrides the tile table
     (`common.TPU_BLOCK_TABLE`); ``interpret=True`` runs the kernel in Pallas' interpreter (CPU), and a
     ``pltpu.InterpretParams`` in its TPU interpreter (simulated DMAs and semaphores, race detection).
 
@@ -204,7 +207,7 @@ def ragged_paged_attention_tpu(
     block_q = bs.block_q
     block_kv = bs.pages_per_block(page_size) * page_size
     inputs = prepare_launch(q, kv_lens, page_indices, cu_q_lens, num_seqs, prefix_lens, segment_starts, block_q,
-                            KVH)
+                            KVH, tree_bits)
     t_pad = inputs.t_pad
     k2 = k_pages.reshape(num_pages, page_size, KVH * D)
     v2 = v_pages.reshape(num_pages, page_size, KVH * D)
@@ -219,6 +222,7 @@ def ragged_paged_attention_tpu(
         grid=(nqb,),
         in_specs=[
             pl.BlockSpec((block_q, H * D), lambda b, *_: (b, 0)),
+            pl.BlockSpec((block_q, 1), lambda b, *_: (b, 0)),
             pl.BlockSpec((block_q, 1), lambda b, *_: (b, 0)),
             pl.BlockSpec(memory_space=pl.ANY),
             pl.BlockSpec(memory_space=pl.ANY),
@@ -242,6 +246,6 @@ def ragged_paged_attention_tpu(
                                              vmem_limit_bytes=64 * 1024 * 1024),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(*inputs.scalars, inputs.q, inputs.seg, k2, v2)
+    )(*inputs.scalars, inputs.q, inputs.seg, inputs.tree, k2, v2)
     return out[:T].reshape(T, H, D)
 
