@@ -213,19 +213,20 @@ def tree_visible(tree_bits: jax.Array, rel: jax.Array) -> jax.Array:
 
 
 def block_mask(plan: SeqPlan, rows: jax.Array, seg_start: jax.Array, kpos: jax.Array,
-               sliding_window: Optional[int], tree_bits: jax.Array) -> jax.Array:
+               sliding_window: Optional[int], tree_bits: Optional[jax.Array] = None) -> jax.Array:
     """bool[R, bk]: which (row, key) pairs of a KV block this sequence computes.
 
     rows: int32[R, 1] flat query row of each score row; seg_start, tree_bits: int32[R, 1] their segment starts
-    and tree bits (`tree_visible`); kpos: int32[1, bk] KV positions of the block. Rows of other sequences are all
-    False.
+    and tree bits (`tree_visible`; None: no tree rows in the launch); kpos: int32[1, bk] KV positions of the
+    block. Rows of other sequences are all False.
     """
     qpos = plan.pos0 + rows - plan.q0
     ok = (rows >= plan.r0) & (rows < plan.r1) & (kpos <= qpos) & (kpos < plan.kv_len)
     if sliding_window is not None:
         ok &= kpos > qpos - sliding_window
     ok &= (kpos < plan.prefix_len) | (kpos >= seg_start)
-    ok &= tree_visible(tree_bits, kpos - plan.pos0)
+    if tree_bits is not None:
+        ok &= tree_visible(tree_bits, kpos - plan.pos0)
     return ok
 
 

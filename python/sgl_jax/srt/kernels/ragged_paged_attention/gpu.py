@@ -47,15 +47,15 @@ def fit_blocks(bs: BlockSizes, group: int, itemsize: int) -> BlockSizes:
 
 
 def _kernel(cu_ref, kv_lens_ref, pt_ref, prefix_ref, first_ref, last_ref, seg_lo_ref, q_ref, seg_ref, tree_ref,
-            k_ref, v_ref, o_ref, *, sm_scale, sliding_window, soft_cap, block_q, block_kv, page_size, pages_per_seq,
-            num_slots, group, head_dim):
+            k_ref, v_ref, o_ref, *, has_tree, sm_scale, sliding_window, soft_cap, block_q, block_kv, page_size,
+            pages_per_seq, num_slots, group, head_dim):
     b = pl.program_id(0)
     h = pl.program_id(1)
     block_start = b * block_q
     first, last, seg_lo = first_ref[b], last_ref[b], seg_lo_ref[b]
     rows = block_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     seg = seg_ref[pl.ds(block_start, block_q), :]
-    tree = tree_ref[pl.ds(block_start, block_q), :]
+    tree = tree_ref[pl.ds(block_start, block_q), :] if has_tree else None
     cols = pl.ds(h * head_dim, head_dim)
     qs = [(q_ref[pl.ds(block_start, block_q), pl.ds((h * group + g) * head_dim, head_dim)].astype(jnp.float32)
            * sm_scale).astype(q_ref.dtype) for g in range(group)]
@@ -143,7 +143,8 @@ def ragged_paged_attention_gpu(
     k2 = k_pages.reshape(num_pages * page_size, KVH * D)
     v2 = v_pages.reshape(num_pages * page_size, KVH * D)
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q,
+        _kernel, has_tree=tree_bits is not None, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, block_q=block_q,
         block_kv=block_kv, page_size=page_size, pages_per_seq=P, num_slots=num_pages * page_size,
         group=H // KVH, head_dim=D)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)

@@ -256,7 +256,7 @@ def _block_attention(q_padded, seg_padded, tree_padded, k_pages, v_pages, page_r
     kv_hi = jnp.minimum(kv_len, last_pos + 1)
     lo = jnp.maximum(qpos - sliding_window + 1, 0) if sliding_window is not None else jnp.zeros_like(qpos)
     seg_start = jax.lax.dynamic_slice_in_dim(seg_padded, q_start + r0, bq)
-    tree = jax.lax.dynamic_slice_in_dim(tree_padded, q_start + r0, bq)
+    tree = None if tree_padded is None else jax.lax.dynamic_slice_in_dim(tree_padded, q_start + r0, bq)
     # keys before shared_len were visited by _shared_prefix_state; continue from its state
     kb_lo = jnp.maximum(lo[0], shared_len) // bk
     kb_hi = jnp.maximum((kv_hi + bk - 1) // bk, kb_lo)
@@ -277,7 +277,8 @@ def _block_attention(q_padded, seg_padded, tree_padded, k_pages, v_pages, page_r
         mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < kv_len) & (kpos[None, :] >= lo[:, None])
         mask &= (kpos[None, :] < prefix_len) | (kpos[None, :] >= seg_start[:, None])
         mask &= kpos[None, :] >= shared_len
-        mask &= tree_visible(tree[:, None], kpos[None, :] - (kv_len - q_len))
+        if tree is not None:
+            mask &= tree_visible(tree[:, None], kpos[None, :] - (kv_len - q_len))
         return _step_skipping_full_masks(carry, x, kblk, vblk, mask, soft_cap, row_repeats=G)
 
     m0, l0, acc0 = (jax.lax.dynamic_slice_in_dim(a, q_start + r0, bq, axis=2) for a in shared)
@@ -318,7 +319,9 @@ def _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num
     pad = max(LONG_Q_BLOCK, EXTEND_Q_BLOCK)
     q_padded = jnp.concatenate([q, jnp.zeros((pad,) + q.shape[1:], q.dtype)])
     seg_padded = jnp.concatenate([segment_starts, jnp.zeros((pad,), jnp.int32)])
-    tree_padded = jnp.concatenate([tree_bits, jnp.full((pad,), NO_TREE, jnp.int32)])
+    tree_padded = None  # (no tree rows: the mask term is left out of the program)
+    if tree_bits is not None:
+        tree_padded = jnp.concatenate([tree_bits, jnp.full((pad,), NO_TREE, jnp.int32)])
     qpos_all = _token_positions(cu_q_lens, kv_lens, T) if sliding_window is not None else None
     shared = _shared_prefix_state(q, k_pages, v_pages, page_indices[0], shared_len, cu_q_lens[num_seqs],
                                   qpos_all, sm_scale, sliding_window, soft_cap, pad)
@@ -393,7 +396,5 @@ def ragged_paged_attention(
     if segment_starts is None:
         segment_starts = jnp.zeros(q.shape[0], jnp.int32)
     shared_len = jnp.asarray(0 if shared_prefix_len is None else shared_prefix_len, jnp.int32).reshape(())
-    if tree_bits is None:
-        tree_bits = jnp.full(q.shape[0], NO_TREE, jnp.int32)
     return _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
                              sliding_window, soft_cap, prefix_lens, segment_starts, shared_len, tree_bits)

@@ -46,7 +46,7 @@ def _kernel(
     o_ref,
     # scratch
     k_buf, v_buf, sems, q_sc, m_sc, l_sc, acc_sc,
-    *, sm_scale, sliding_window, soft_cap, block_q, block_kv, page_size, pages_per_seq, num_pages,
+    *, has_tree, sm_scale, sliding_window, soft_cap, block_q, block_kv, page_size, pages_per_seq, num_pages,
     num_kv_heads, group, head_dim,
 ):
     b = pl.program_id(0)
@@ -75,7 +75,7 @@ def _kernel(
     rows = block_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     rows = jnp.concatenate([rows] * group, axis=0)  # score row g * block_q + r is query row r, head g
     seg = jnp.concatenate([seg_ref[...]] * group, axis=0)
-    tree = jnp.concatenate([tree_ref[...]] * group, axis=0)
+    tree = jnp.concatenate([tree_ref[...]] * group, axis=0) if has_tree else None
 
     def compute(s, i, slot):
         plan = plan_of(s)
@@ -213,7 +213,8 @@ def ragged_paged_attention_tpu(
     v2 = v_pages.reshape(num_pages, page_size, KVH * D)
 
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q,
+        _kernel, has_tree=tree_bits is not None, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, block_q=block_q,
         block_kv=block_kv, page_size=page_size, pages_per_seq=P, num_pages=num_pages, num_kv_heads=KVH,
         group=G, head_dim=D)
     nqb = t_pad // block_q
