@@ -3,9 +3,9 @@ when the scheduler builds it, the same fields as device arrays inside the jitted
 
 The chain is ScheduleBatch (scheduler, Python objects) -> ModelWorkerBatch (host numpy arrays padded to a
 compiled bucket, built by `scheduler/schedule_batch.py`) -> ForwardBatch + SamplingBatch on device (the
-model runner's ``device_inputs``) -> model and sampler. This module sits below the layers and models that
-read it; layers/pytrees.py registers the dataclasses as JAX pytrees (fields marked ``static`` are part of the
-compiled program's identity, every other field is an array leaf).
+model runner's ``launch_forward`` and ``launch_sample``) -> model and sampler. This module sits below the layers
+and models that read it; layers/pytrees.py registers the dataclasses as JAX pytrees (fields marked ``static``
+are part of the compiled program's identity, every other field is an array leaf).
 """
 
 from __future__ import annotations
