@@ -119,9 +119,9 @@ def ragged_paged_attention_gpu(
     [num_pages, page_size, KVH, D] (bfloat16, float16 or float32); kv_lens int32[S]; page_indices
     int32[S, pages_per_seq]; cu_q_lens int32[S + 1]; num_seqs int32 scalar; prefix_lens int32[S] and
     segment_starts int32[T] for the segment mask; tree_bits int32[T] for draft-tree rows (see the reference).
-    ``decode_only`` runs `gpu_decode.decode_attention_gpu` (tiles ``decode_blocks``, default its table); ``blocks`` overrides `common.GPU_BLOCK_TABLE` (block_q a power
-    of two >= 16; the table's own entry is shrunk by `fit_blocks`); ``interpret=True`` runs in Pallas'
-    interpreter (CPU).
+    ``decode_only`` runs `gpu_decode.decode_attention_gpu` (tiles ``decode_blocks``, default its table);
+    ``blocks`` overrides `common.GPU_BLOCK_TABLE` (block_q a power of two >= 16; the table's own entry is shrunk by
+    `fit_blocks`); ``interpret=True`` runs in Pallas' interpreter (CPU).
 
     Returns [T, H, D] in q.dtype, padding rows zero.
     Raises ValueError when H is not a multiple of KVH.

@@ -237,8 +237,8 @@ def _shared_prefix_state(q, k_pages, v_pages, page_row, shared_len, num_rows, qp
     return tuple(x[:, :, :n] for x in state)
 
 
-def _block_attention(q_padded, seg_padded, tree_padded, k_pages, v_pages, page_row, shared, q_start, q_len, kv_len, prefix_len,
-                     r0, bq, bk, out, sm_scale, sliding_window, soft_cap, shared_len):
+def _block_attention(q_padded, seg_padded, tree_padded, k_pages, v_pages, page_row, shared, q_start, q_len, kv_len,
+                     prefix_len, r0, bq, bk, out, sm_scale, sliding_window, soft_cap, shared_len):
     """Attention of rows [r0, r0 + bq) of one sequence (rows >= q_len are skipped) over its keys from
     `shared_len` on, continuing from the shared-prefix state; writes them into `out` [T, H, D]."""
     T, H, D = out.shape
@@ -289,8 +289,8 @@ def _block_attention(q_padded, seg_padded, tree_padded, k_pages, v_pages, page_r
     return out.at[dest].set(o, mode="drop")
 
 
-def _per_sequence_attention(q_padded, seg_padded, tree_padded, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                            shared, out, sm_scale, sliding_window, soft_cap, prefix_lens, shared_len):
+def _per_sequence_attention(q_padded, seg_padded, tree_padded, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                            num_seqs, shared, out, sm_scale, sliding_window, soft_cap, prefix_lens, shared_len):
     """Loop over sequences; each one's first q_len % LONG_Q_BLOCK rows in small blocks, the rest (the rows
     that see the most keys) in large ones, whose matmuls run several times faster on CPU."""
     blk = functools.partial(_block_attention, q_padded, seg_padded, tree_padded, k_pages, v_pages, sm_scale=sm_scale,
@@ -325,9 +325,9 @@ def _extend_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num
     qpos_all = _token_positions(cu_q_lens, kv_lens, T) if sliding_window is not None else None
     shared = _shared_prefix_state(q, k_pages, v_pages, page_indices[0], shared_len, cu_q_lens[num_seqs],
                                   qpos_all, sm_scale, sliding_window, soft_cap, pad)
-    return _per_sequence_attention(q_padded, seg_padded, tree_padded, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-                                   num_seqs, shared, jnp.zeros_like(q), sm_scale, sliding_window, soft_cap,
-                                   prefix_lens, shared_len)
+    return _per_sequence_attention(q_padded, seg_padded, tree_padded, k_pages, v_pages, kv_lens, page_indices,
+                                   cu_q_lens, num_seqs, shared, jnp.zeros_like(q), sm_scale, sliding_window,
+                                   soft_cap, prefix_lens, shared_len)
 
 
 @functools.partial(jax.named_call, name="ragged_paged_attention")
