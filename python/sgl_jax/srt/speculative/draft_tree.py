@@ -1,4 +1,5 @@
-"""Draft trees for speculative decoding: their verify-step layout and greedy acceptance (host arrays).
+"""Draft trees for speculative decoding: their verify-step layout and acceptance, greedy and sampled (host
+arrays; `verify_sampled` is also the reference for a device version).
 
 A draft tree of n slots is (tokens int32[n], parents int32[n]): slot 0 is the root -- the request's last token,
 whose KV the verify step computes as its first query --, ``parents[0] = -1`` and ``parents[i] < i`` (a parent is laid
@@ -73,3 +74,45 @@ def verify_greedy(tokens: np.ndarray, parents: np.ndarray, target: np.ndarray) -
         last = nxt
     emitted.append(int(target[last]))
     return accepted, emitted
+
+
+def verify_sampled(tokens: np.ndarray, parents: np.ndarray, probs: np.ndarray,
+                   rng: np.random.Generator) -> Tuple[List[int], List[int]]:
+    """Acceptance of a draft tree under sampling (temperature > 0) that keeps the target's distribution exactly:
+    speculative sampling (Leviathan et al. 2023) for a drafter that proposes tokens without probabilities (the
+    n-gram drafter: each draft is a point mass), over a tree as SpecInfer's multi-candidate verification (Miao et
+    al. 2024) and SGLang's ``tree_speculative_sampling_target_only``.
+
+    At the current slot (the root first) with target distribution p, each child in slot order is accepted with
+    probability p(child's token) / sum(p); a rejected child's token is removed from p (the residual
+    max(p - q, 0) for a point mass q). The first accepted child becomes the current slot; when every child is
+    rejected (or there are none) the bonus token is drawn from what is left of p. The emitted tokens are
+    therefore distributed as tokens sampled one at a time from the target.
+
+    Args:
+        tokens, parents: the tree (int32[n] each, see the module docstring).
+        probs: float[n, V]: the target's next-token distribution after each slot (temperature, top-k/top-p and
+            penalties applied; rows need not be normalised, each must have positive mass).
+        rng: the random stream (one uniform per child tested, one draw for the bonus token).
+    Returns:
+        (accepted slots from the root, emitted tokens: the accepted drafts' tokens then the bonus token).
+    """
+    children: List[List[int]] = [[] for _ in range(len(parents))]
+    for i in range(1, len(parents)):
+        children[int(parents[i])].append(i)
+    accepted, emitted, node = [0], [], 0
+    while True:
+        p = np.asarray(probs[node], np.float64).copy()
+        chosen = None
+        for c in children[node]:
+            t = int(tokens[c])
+            if rng.random() * p.sum() < p[t]:
+                chosen = c
+                break
+            p[t] = 0.0
+        if chosen is None:
+            emitted.append(int(rng.choice(len(p), p=p / p.sum())))
+            return accepted, emitted
+        accepted.append(chosen)
+        emitted.append(int(tokens[chosen]))
+        node = chosen
