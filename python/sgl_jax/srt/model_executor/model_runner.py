@@ -414,6 +414,21 @@ class ModelRunner:
                                                       self._replicated)
         return self._all_allowed[s_pad]
 
+    def _forward_inputs(self, fb: ForwardBatch) -> tuple:
+        """(the ForwardBatch packed into one int32 buffer on device, replicated -- the program puts its rows back by
+        rank --, its packed layout: the forward program's static argument)."""
+        buf, layout = pack(fb)
+        return jax.device_put(buf, self._replicated), layout
+
+    def _sample_inputs(self, sampling: SamplingBatch, vocab_mask: Optional[np.ndarray] = None) -> tuple:
+        """(the SamplingBatch without its vocab mask packed on device, the vocab mask on device -- `vocab_mask`, else
+        the batch's own, else the cached all-allowed mask of its size --, the packed layout)."""
+        mask = vocab_mask if vocab_mask is not None else sampling.vocab_mask
+        rows = int(np.shape(sampling.slots)[0])
+        mask = self._all_allowed_mask(rows) if mask is None else jax.device_put(np.asarray(mask), self._replicated)
+        buf, layout = pack(dataclasses.replace(sampling, vocab_mask=None))
+        return jax.device_put(buf, self._replicated), mask, layout
+
     def _step_batch(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> ModelWorkerBatch:
         """The rank-stacked batch of one step (`stack_ranks`): idle ranks (None) run an all-padding batch of the
         real batches' padded shape."""
@@ -450,10 +465,8 @@ class ModelRunner:
             raise ValueError("a step needs at least one rank batch")
         _, t_pad, s_pad = real[0].padded_shape
         stacked = self._step_batch(batches)
-        fwd_buf, fwd_layout = pack(stacked.forward_batch)
         self.kv_caches, logits, hidden, moe = self._forward(
-            self._param_leaves, self.kv_caches, self.future_tokens,
-            jax.device_put(fwd_buf, self._replicated), fwd_layout)
+            self._param_leaves, self.kv_caches, self.future_tokens, *self._forward_inputs(stacked.forward_batch))
         self._check_no_new_compile(real[0])
         return LaunchedForward(logits, hidden, moe, stacked.sampling,
                                [None if b is None else b.num_seqs for b in batches], s_pad, t_pad, real[0])
@@ -461,13 +474,8 @@ class ModelRunner:
     def launch_sample(self, fwd: "LaunchedForward", vocab_mask: Optional[np.ndarray] = None) -> PendingStep:
         """Dispatch the sampling program of a launched forward. vocab_mask: int32[dp * S_pad, words] of the stacked
         rows (`stack_vocab_masks`), or None for the batches' own masks (all allowed when they have none)."""
-        sampling = fwd.sampling
-        mask = vocab_mask if vocab_mask is not None else sampling.vocab_mask
-        s_rows = int(np.shape(sampling.slots)[0])
-        mask = self._all_allowed_mask(s_rows) if mask is None else jax.device_put(np.asarray(mask), self._replicated)
-        buf, layout = pack(dataclasses.replace(sampling, vocab_mask=None))
         self.penalty_state, self.future_tokens, next_ids, next_lp, lse = self._sample(
-            fwd.logits, self.penalty_state, self.future_tokens, jax.device_put(buf, self._replicated), mask, layout)
+            fwd.logits, self.penalty_state, self.future_tokens, *self._sample_inputs(fwd.sampling, vocab_mask))
         if self._compiled_after_warmup is not None and self.faults.fire("compile_while_serving"):
             jax.jit(lambda x: x * 3.0 + 1.0)(np.zeros(7, np.float32)).block_until_ready()  # a planted fault
         self._check_no_new_compile(fwd.batch)
@@ -482,20 +490,15 @@ class ModelRunner:
         are dropped (benchmarks only: the penalty rows of its sequences count its tokens again). Compares with a
         loop's wall time per step to give the host's gap (bench_one_batch)."""
         stacked = self._step_batch([batch] + [None] * (self.dp_size - 1))
-        fwd_buf, fwd_layout = pack(stacked.forward_batch)
-        fwd_buf = jax.device_put(fwd_buf, self._replicated)
-        buf, layout = pack(dataclasses.replace(stacked.sampling, vocab_mask=None))
-        buf = jax.device_put(buf, self._replicated)
-        mask = stacked.sampling.vocab_mask
-        mask = (self._all_allowed_mask(len(stacked.sampling.slots)) if mask is None
-                else jax.device_put(np.asarray(mask), self._replicated))
+        fwd_inputs = self._forward_inputs(stacked.forward_batch)
+        sample_inputs = self._sample_inputs(stacked.sampling)
         jax.block_until_ready(self.kv_caches)
         t0 = time.perf_counter()
         for _ in range(repeats):
             self.kv_caches, logits, *_ = self._forward(self._param_leaves, self.kv_caches, self.future_tokens,
-                                                       fwd_buf, fwd_layout)
+                                                       *fwd_inputs)
             self.penalty_state, self.future_tokens, next_ids, *_ = self._sample(
-                logits, self.penalty_state, self.future_tokens, buf, mask, layout)
+                logits, self.penalty_state, self.future_tokens, *sample_inputs)
         jax.block_until_ready((self.kv_caches, next_ids))
         return (time.perf_counter() - t0) / repeats
 
@@ -634,21 +637,18 @@ class ModelRunner:
         included), so the compiled program is the one jit finds when serving."""
         def lower():
             stacked = self._step_batch([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
-            buf, layout = pack(stacked.forward_batch)
             return self._forward.lower(self._param_leaves, self.kv_caches, self.future_tokens,
-                                       jax.device_put(buf, self._replicated), layout)
+                                       *self._forward_inputs(stacked.forward_batch))
         return lower
 
     def _lower_sample(self, s_pad: int):
         """A thunk lowering the sampling program of `s_pad` rows per rank with serving's exact inputs."""
         def lower():
-            rows = self.dp_size * s_pad
             sampling = SamplingBatch.stack([SamplingBatch.padding(s_pad)] * self.dp_size, s_pad,
                                            self.num_request_slots)
-            buf, layout = pack(sampling)
-            logits = jax.ShapeDtypeStruct((rows, self.logits_vocab), jnp.float32, sharding=self._replicated)
-            return self._sample.lower(logits, self.penalty_state, self.future_tokens,
-                                      jax.device_put(buf, self._replicated), self._all_allowed_mask(rows), layout)
+            logits = jax.ShapeDtypeStruct((self.dp_size * s_pad, self.logits_vocab), jnp.float32,
+                                          sharding=self._replicated)
+            return self._sample.lower(logits, self.penalty_state, self.future_tokens, *self._sample_inputs(sampling))
         return lower
 
 

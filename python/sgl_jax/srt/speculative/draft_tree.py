@@ -48,6 +48,14 @@ def tree_mask(parents: np.ndarray) -> np.ndarray:
     return mask
 
 
+def _children(parents: np.ndarray) -> List[List[int]]:
+    """Each slot's children, in slot order."""
+    children: List[List[int]] = [[] for _ in range(len(parents))]
+    for i in range(1, len(parents)):
+        children[int(parents[i])].append(i)
+    return children
+
+
 def verify_greedy(tokens: np.ndarray, parents: np.ndarray, target: np.ndarray) -> Tuple[List[int], List[int]]:
     """Greedy acceptance of a draft tree (SGLang's ``verify_tree_greedy``).
 
@@ -60,9 +68,7 @@ def verify_greedy(tokens: np.ndarray, parents: np.ndarray, target: np.ndarray) -
         each step takes the first child (in slot order) whose token equals the target's token after the current
         slot, so the output is token for token what greedy decoding without speculation gives.
     """
-    children: List[List[int]] = [[] for _ in range(len(parents))]
-    for i in range(1, len(parents)):
-        children[int(parents[i])].append(i)
+    children = _children(parents)
     accepted, emitted, last = [0], [], 0
     while True:
         want = int(target[last])
@@ -97,9 +103,7 @@ def verify_sampled(tokens: np.ndarray, parents: np.ndarray, probs: np.ndarray,
     Returns:
         (accepted slots from the root, emitted tokens: the accepted drafts' tokens then the bonus token).
     """
-    children: List[List[int]] = [[] for _ in range(len(parents))]
-    for i in range(1, len(parents)):
-        children[int(parents[i])].append(i)
+    children = _children(parents)
     accepted, emitted, node = [0], [], 0
     while True:
         p = np.asarray(probs[node], np.float64).copy()
