@@ -9,6 +9,8 @@ continuations of one prefix seen with different counts), and its capacity bound 
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -156,14 +158,19 @@ V_TOY = 5
 TOY_TREE = np.array([-1, 0, 0, 1, 1, 2, 0])  # the drafter's tree shape: three candidates at the root
 
 
+def _stable_seed(key: tuple) -> int:
+    """A seed from `key` that is the same in every process (``hash`` of a str is salted per process)."""
+    return zlib.crc32(repr(key).encode())
+
+
 def toy_lm(prefix: tuple) -> np.ndarray:
     """A toy language model: the next-token distribution (float64[V_TOY]) after `prefix`, fixed per prefix."""
-    return np.random.default_rng(abs(hash(prefix)) % 2**32).dirichlet(np.full(V_TOY, 0.7))
+    return np.random.default_rng(_stable_seed(prefix)).dirichlet(np.full(V_TOY, 0.7))
 
 
 def toy_draft(prefix: tuple) -> np.ndarray:
     """A deterministic drafter (no probabilities, as the n-gram one): tree tokens after `prefix`."""
-    rng = np.random.default_rng(abs(hash(("draft",) + prefix)) % 2**32)
+    rng = np.random.default_rng(_stable_seed(("draft",) + prefix))
     tokens = rng.integers(0, V_TOY, len(TOY_TREE))
     tokens[0] = prefix[-1]
     return tokens
