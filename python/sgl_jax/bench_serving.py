@@ -1,4 +1,5 @@
-"""Serving benchmark: stream completions from an OpenAI-compatible server under five standard workloads.
+"""Serving benchmark: stream completions from an OpenAI-compatible server under standard workloads (SGLang's five,
+and ``editing``: repeat a passage with a small change, where speculative decoding pays).
 
 ``python -m sgl_jax.bench_serving --base-url http://127.0.0.1:30000 --workload all`` sends each workload's
 requests on its arrival schedule, streams every response and reports, per workload, output throughput
@@ -37,6 +38,7 @@ import datetime
 import json
 import os
 import random
+import re
 import shlex
 import sys
 import time
@@ -58,7 +60,8 @@ class Workload:
     arrival: "sequential" (each request after the previous one finishes), "uniform" (every 1/rate s),
     "burst" (all at t = 0) or "poisson" (exponential gaps, mean 1/rate s). rate: requests/s before
     --request-rate-scale. shared_prefix: tokens of one common prefix in front of every prompt (the prompt
-    distribution then gives the suffix).
+    distribution then gives the suffix). edit: the prompt asks to repeat a passage (of the prompt distribution's
+    length) with one small change, and the output is as long as the passage (`editing_prompt`).
     """
 
     name: str
@@ -68,6 +71,7 @@ class Workload:
     arrival: str
     rate: float = 0.0
     shared_prefix: int = 0
+    edit: bool = False
 
 
 WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
@@ -76,6 +80,8 @@ WORKLOADS: Dict[str, Workload] = {w.name: w for w in (
     Workload("paged_attention", 48, ((1, 128, 384),), ((1, 128, 256),), "burst"),
     Workload("chunked_prefill", 48, ((0.75, 1024, 2048), (0.25, 64, 128)), ((1, 64, 256),), "poisson", rate=6),
     Workload("prefix_caching", 48, ((1, 32, 128),), ((1, 256, 256),), "uniform", rate=8, shared_prefix=1024),
+    # copy-heavy, as code-editing assistants are: where n-gram speculative decoding pays (--speculative-algorithm)
+    Workload("editing", 5, ((1, 300, 800),), ((1, 0, 0),), "sequential", edit=True),
 )}
 NUM_WARMUP = 2
 WARMUP_MAX_TOKENS = 16
@@ -125,6 +131,15 @@ def _scaled(n: int, scale: float) -> int:
     return max(1, int(round(n * scale)))
 
 
+def editing_prompt(rng: random.Random, passage: str) -> str:
+    """The editing workload's prompt: repeat `passage` with one word (of 4+ letters, drawn from it) written in
+    capitals, as a code-editing assistant is asked to rewrite a file with a small change."""
+    words = re.findall(r"[A-Za-z]{4,}", passage) or ["text"]
+    old = rng.choice(words)
+    return (f"Repeat the following passage exactly, but write the word '{old}' as '{old.upper()}'.\n\n{passage}\n\n"
+            f"The passage with that change:\n\n")
+
+
 def make_requests(workload: Workload, tokenizer, corpus: Sequence[int], *, seed: int, num_requests_scale=1.0,
                   request_rate_scale=1.0, prompt_len_scale=1.0, output_len_scale=1.0,
                   count: Optional[int] = None) -> List[RequestSpec]:
@@ -144,12 +159,16 @@ def make_requests(workload: Workload, tokenizer, corpus: Sequence[int], *, seed:
     rate = workload.rate * request_rate_scale
     t, specs = 0.0, []
     for i in range(n):
-        plen = _scaled(_draw(rng, workload.prompt), prompt_len_scale)
-        olen = _scaled(_draw(rng, workload.output), output_len_scale)
+        drawn = _draw(rng, workload.prompt)
+        plen = _scaled(drawn, prompt_len_scale)
+        # an editing request's output repeats its passage (the output scale applies to the passage's length)
+        olen = _scaled(drawn if workload.edit else _draw(rng, workload.output), output_len_scale)
         if plen >= len(corpus):
             raise ValueError(f"prompt of {plen} tokens is longer than the corpus")
         start = rng.randrange(0, len(corpus) - plen)
         ids = prefix + list(corpus[start:start + plen])
+        if workload.edit:
+            ids = tokenizer.encode(editing_prompt(rng, tokenizer.decode(ids)), add_special_tokens=False)
         if workload.arrival == "sequential":
             arrival = None
         elif workload.arrival == "burst":
@@ -352,8 +371,27 @@ def format_server_summary(report: dict) -> str:
     start, end = info["start"]["internal_states"], info["end"]["internal_states"]
     during = [None if e.get("num_compiles_after_warmup") is None else
               e["num_compiles_after_warmup"] - (s.get("num_compiles_after_warmup") or 0) for s, e in zip(start, end)]
-    return "\n".join([f"server at the end of the run (raw /get_server_info in the JSON report; programs compiled "
-                      f"after warm-up during the run, per rank: {during}):", format_server_claims(info["end"])])
+    lines = [f"server at the end of the run (raw /get_server_info in the JSON report; programs compiled "
+             f"after warm-up during the run, per rank: {during}):", format_server_claims(info["end"])]
+    spec = speculation_summary(start, end)
+    if spec:
+        lines.append(spec)
+    return "\n".join(lines)
+
+
+def speculation_summary(start: List[dict], end: List[dict]) -> str:
+    """Speculative decoding during the run (end - start of every rank's counters, the warm-up requests included):
+    verify steps, draft tokens verified and accepted, the mean accepted length (tokens a verify step emits: its
+    accepted drafts + the bonus token) and the acceptance rate; "" when the server does not speculate."""
+    keys = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens")
+    if not end or any(k not in end[0] for k in keys):
+        return ""
+    steps, drafted, accepted = (sum(e[k] - s.get(k, 0) for s, e in zip(start, end)) for k in keys)
+    if steps == 0:
+        return "speculative decoding: no verify step during the run"
+    return (f"speculative decoding during the run: {steps} verify steps, {drafted} draft tokens verified, {accepted} "
+            f"accepted; mean accepted length {(accepted + steps) / steps:.2f} tokens per verify step, acceptance rate "
+            f"{accepted / max(drafted, 1):.2f}")
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -46,7 +46,7 @@ def test_every_workload_small_scale(sgl_report):
     report, out = sgl_report
     assert list(report["workloads"]) == list(bench_serving.WORKLOADS)
     expected_counts = {"baseline": 1, "continuous_batching": 3, "paged_attention": 5, "chunked_prefill": 5,
-                       "prefix_caching": 5}
+                       "prefix_caching": 5, "editing": 1}
     for name, m in report["workloads"].items():
         _check_sane(m)
         assert m["num_requests"] == expected_counts[name]
@@ -120,6 +120,15 @@ def test_workload_shapes_follow_the_spec():
                                                              corpus, seed=42)} == {0.0}
     again = bench_serving.make_requests(bench_serving.WORKLOADS["chunked_prefill"], tok, corpus, seed=42)
     assert [s.prompt for s in again] == [s.prompt for s in chunked]  # deterministic per seed
+    editing = bench_serving.make_requests(bench_serving.WORKLOADS["editing"], tok, corpus, seed=42)
+    assert len(editing) == 5 and all(s.arrival_s is None for s in editing)
+    for spec in editing:  # a 300-800-token passage to repeat with one word in capitals; the output as long
+        head, passage = spec.prompt.split("\n\n", 1)
+        passage = passage.rsplit("\n\nThe passage with that change:", 1)[0]
+        word = head.split("'")[1]
+        assert head.startswith("Repeat the following passage exactly") and word in passage
+        assert head.endswith(f"as '{word.upper()}'.") and 300 <= spec.max_tokens <= 800
+        assert abs(len(tok.encode(passage, add_special_tokens=False)) - spec.max_tokens) <= 8
 
 
 class _ShortStreamPeer(BaseHTTPRequestHandler):
