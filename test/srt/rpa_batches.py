@@ -14,17 +14,13 @@ import numpy as np
 
 from sgl_jax.srt.kernels.ragged_paged_attention.common import NO_TREE
 from sgl_jax.srt.kernels.ragged_paged_attention.ref import ragged_paged_attention as reference
-from sgl_jax.srt.speculative.draft_tree import tree_mask
+from sgl_jax.srt.speculative.draft_tree import tree_bits, tree_mask
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 S_PAD, T_PAD = 5, 48  # fixed padded shapes: fewer distinct programs to compile
 
 
-def tree_bits_of(parents: np.ndarray) -> np.ndarray:
-    """int32[n]: each slot's draft-tree bits (bit j: slot j is an ancestor or itself), as the kernels take them."""
-    mask = tree_mask(parents)
-    return (mask.astype(np.uint64) << np.arange(len(parents), dtype=np.uint64)).sum(1).astype(np.uint32).view(
-        np.int32)
+tree_bits_of = tree_bits  # (the production packing, speculative/draft_tree.py)
 
 
 def make_batch(seed, kind, page_size, head_dim, group, num_kv_heads, dtype, segments, trees=False):

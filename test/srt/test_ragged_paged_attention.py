@@ -253,7 +253,8 @@ def test_shared_prefix_with_segments():
 def test_draft_tree_mask_matches_dense_reference(page_size):
     """Speculative verify rows: a bushy draft tree, a chain, a full 32-slot tree (bit 31 set) and an ordinary
     40-token extend (NO_TREE rows past 32 positions) in one batch; each tree slot sees the KV before its tree and
-    its ancestors only."""
+    its ancestors only. At page size 1 on CPU the native backend runs the C++ decode kernel with a query per slot
+    (cpu.tree_attention_as_decode), at 16 the pure-JAX path."""
     rng = np.random.default_rng(5 + page_size)
     H, KVH, D = 6, 2, 16
     bushy = np.array([-1, 0, 0, 1, 1, 2, 4])

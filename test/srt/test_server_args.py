@@ -76,3 +76,35 @@ def test_page_size_default_per_platform(monkeypatch):
         ServerArgs(device="tpu", chunked_prefill_size=64)  # under the TPU's 128-token page
     with pytest.raises(ValueError, match="--page-size"):
         ServerArgs(page_size=0)
+
+
+def test_speculative_flags():
+    """SGLang's --speculative-* flags: NGRAM's defaults, and every combination that cannot run refused at start-up
+    with a message naming the flags."""
+    a = prepare_server_args(["--speculative-algorithm", "NGRAM"])
+    assert a.speculative_num_draft_tokens == 12 and a.speculative_ngram_branch_length == 18
+    a = prepare_server_args(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4",
+                             "--speculative-ngram-match-type", "PROB", "--speculative-ngram-max-bfs-breadth", "3"])
+    assert (a.speculative_num_draft_tokens, a.speculative_ngram_match_type, a.speculative_ngram_max_bfs_breadth) == (
+        4, "PROB", 3)
+    refused = [
+        ({"speculative_algorithm": "MEDUSA"}, "--speculative-algorithm must be one of"),
+        ({"speculative_algorithm": "EAGLE3"}, "--speculative-algorithm EAGLE3 is not available"),
+        ({"speculative_num_draft_tokens": 4}, "--speculative-num-draft-tokens needs --speculative-algorithm"),
+        ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 33},
+         r"--speculative-num-draft-tokens must be in \[2, 32\]"),
+        ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, "--speculative-num-draft-tokens"),
+        ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "x"},
+         "--speculative-draft-model-path does not apply to --speculative-algorithm NGRAM"),
+        ({"speculative_algorithm": "NGRAM", "speculative_ngram_max_match_window_size": 20},
+         "--speculative-ngram-max-match-window-size .* < --speculative-ngram-branch-length"),
+        ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_bfs_breadth": 11},
+         "--speculative-ngram-min-bfs-breadth"),
+        ({"speculative_algorithm": "NGRAM", "speculative_ngram_match_type": "DFS"},
+         "--speculative-ngram-match-type must be one of"),
+        ({"speculative_algorithm": "NGRAM", "speculative_accept_threshold_single": 0.5},
+         "--speculative-accept-threshold-single: only 1.0"),
+    ]
+    for kwargs, message in refused:
+        with pytest.raises(ValueError, match=message):
+            ServerArgs(**kwargs)

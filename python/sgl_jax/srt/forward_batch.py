@@ -17,13 +17,17 @@ from typing import Any, List, Optional
 import numpy as np
 
 from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, shift_placeholders
+from sgl_jax.srt.speculative.draft_tree import NO_TREE
 
 
 class ForwardMode(enum.IntEnum):
-    """EXTEND: prefill / extend of one or more sequences (any query lengths). DECODE: one token each."""
+    """EXTEND: prefill / extend of one or more sequences (any query lengths). DECODE: one token each.
+    TARGET_VERIFY (SGLang's name): speculative decoding's verify step, an extend whose queries are each request's
+    draft tree (``tree_bits``) and whose logits are taken at every token, not only at each sequence's last."""
 
     EXTEND = 1
     DECODE = 2
+    TARGET_VERIFY = 3
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
@@ -44,7 +48,7 @@ class ForwardBatch:
     -- the ragged paged attention metadata.
     (With data-parallel ranks the model sees D such batches stacked along axis 0, `stack_ranks`.)
     logits_indices: int32[S] row of each sequence's last token in the T axis (where next-token logits
-    are taken).
+    are taken); in a TARGET_VERIFY step int32[T], every token's row (each draft slot's logits are sampled).
     prefix_lens: int32[S], segment_starts: int32[T] -- the multi-item scoring segment mask (see
     `ragged_paged_attention`); zeros for ordinary sequences. ``positions`` are then the rotary positions,
     which restart after the shared prefix, while causality follows the KV position.
@@ -91,10 +95,12 @@ class ForwardBatch:
         writes the padding page 0. `num_pools` 2 (a KV spec with a second pool, read by the sliding-window
         layers): the second pool's slot and page fields too."""
         z = lambda n: np.zeros(n, np.int32)  # noqa: E731
+        verify = mode == ForwardMode.TARGET_VERIFY
         fb = cls(input_ids=z(t_pad), positions=z(t_pad), out_cache_loc=z(t_pad), cu_q_lens=z(s_pad + 1),
                  kv_lens=z(s_pad), page_indices=np.zeros((s_pad, pages_per_seq), np.int32),
-                 num_seqs=np.asarray(0, np.int32), logits_indices=z(s_pad), prefix_lens=z(s_pad),
-                 segment_starts=z(t_pad), shared_prefix_len=np.asarray(0, np.int32), forward_mode=mode)
+                 num_seqs=np.asarray(0, np.int32), logits_indices=z(t_pad if verify else s_pad),
+                 prefix_lens=z(s_pad), segment_starts=z(t_pad), shared_prefix_len=np.asarray(0, np.int32),
+                 tree_bits=np.full(t_pad, NO_TREE, np.int32) if verify else None, forward_mode=mode)
         if num_pools > 1:
             fb.swa_out_cache_loc, fb.swa_page_indices = fb.out_cache_loc, fb.page_indices
         return fb
@@ -126,6 +132,16 @@ class ModelWorkerBatch:
     def padded_shape(self) -> tuple:
         fb = self.forward_batch
         return (fb.forward_mode, int(np.shape(fb.input_ids)[0]), int(np.shape(fb.kv_lens)[0]))
+
+    @property
+    def rows_pad(self) -> int:
+        """Sampling rows of the padded batch: S_pad, or T_pad in a TARGET_VERIFY step (a row per token)."""
+        return int(np.shape(self.forward_batch.logits_indices)[0])
+
+    @property
+    def num_rows(self) -> int:
+        """Real sampling rows: the sequences, or the tokens in a TARGET_VERIFY step."""
+        return self.num_tokens if self.forward_batch.forward_mode == ForwardMode.TARGET_VERIFY else self.num_seqs
 
 
 _PER_RANK_SCALARS = ("num_seqs", "shared_prefix_len")
@@ -163,7 +179,7 @@ def stack_ranks(batches: List[ModelWorkerBatch], slots_per_rank: int) -> ModelWo
         else:
             fields[name] = np.concatenate(parts)
     fb = ForwardBatch(**fields, forward_mode=fbs[0].forward_mode, attention_backend=fbs[0].attention_backend)
-    sampling = SamplingBatch.stack([b.sampling for b in batches], s_pad, slots_per_rank)
+    sampling = SamplingBatch.stack([b.sampling for b in batches], batches[0].rows_pad, slots_per_rank)
     return ModelWorkerBatch(forward_batch=fb, sampling=sampling,
                             num_tokens=sum(b.num_tokens for b in batches),
                             num_seqs=sum(b.num_seqs for b in batches))

@@ -142,6 +142,8 @@ class TokenOut:
     decode: DecodeConfig
     logprobs: Optional[LogprobDelta] = None
     routed_experts: Optional[str] = None  # on the final message of a return_routed_experts request (see Req)
+    # speculative decoding's counts so far (scheduler/speculation.SpecCounts as a dict) when the server speculates
+    spec: Optional[dict] = None
 
 
 @dataclasses.dataclass
@@ -168,6 +170,7 @@ class StrOut:
     logprobs: Optional[LogprobDelta] = None
     error: Optional[str] = None
     routed_experts: Optional[str] = None  # TokenOut's, passed on
+    spec: Optional[dict] = None  # TokenOut's, passed on
 
 
 @dataclasses.dataclass

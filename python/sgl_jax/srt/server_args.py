@@ -31,6 +31,10 @@ TOKENIZER_MODES = ("auto", "slow")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")  # scheduler/load_balance.py
 SCHEDULE_POLICIES = ("fcfs", "lpm")  # scheduler/admission.py
 RADIX_EVICTION_POLICIES = ("lru", "lfu")  # mem_cache/registry.cache_kind_for
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")  # SGLang's --speculative-algorithm names
+SPECULATIVE_SERVED = ("NGRAM",)  # the ones this build runs (speculative/)
+NGRAM_MATCH_TYPES = ("BFS", "PROB")
+MAX_DRAFT_TOKENS = 32  # draft-tree slots per request (the attention kernels' tree mask is one int32 per query)
 
 
 def resolve_attention_backend(name: str, platform: str) -> str:
@@ -78,9 +82,10 @@ _CHOICES = {
     "log_level": LOG_LEVELS, "multi_item_algorithm": MULTI_ITEM_ALGORITHMS, "grammar_backend": GRAMMAR_BACKENDS,
     "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
     "load_balance_method": LOAD_BALANCE_METHODS, "schedule_policy": SCHEDULE_POLICIES,
-    "radix_eviction_policy": RADIX_EVICTION_POLICIES,
+    "radix_eviction_policy": RADIX_EVICTION_POLICIES, "speculative_algorithm": SPECULATIVE_ALGORITHMS,
+    "speculative_ngram_match_type": NGRAM_MATCH_TYPES,
 }
-_OPTIONAL_CHOICES = ("tool_call_parser", "reasoning_parser")
+_OPTIONAL_CHOICES = ("tool_call_parser", "reasoning_parser", "speculative_algorithm")
 # positive ints; _POSITIVE_OR_NONE: positive when set
 _POSITIVE = ("max_multi_item_count", "max_multi_item_seq_len", "multi_item_extend_batch_size", "tp_size", "dp_size",
              "ep_size",
@@ -219,6 +224,23 @@ class ServerArgs:
     enable_request_log: bool = False
     watchdog_timeout: float = 300.0
 
+    # Speculative decoding (SGLang's flags; speculative/)
+    speculative_algorithm: Optional[str] = None
+    speculative_draft_model_path: Optional[str] = None
+    speculative_draft_model_revision: Optional[str] = None
+    speculative_num_steps: Optional[int] = None
+    speculative_eagle_topk: Optional[int] = None
+    speculative_num_draft_tokens: Optional[int] = None
+    speculative_accept_threshold_single: float = 1.0
+    speculative_accept_threshold_acc: float = 1.0
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 1_000_000
+
     def __post_init__(self):
         """Validate every flag (ValueError naming the flag and what it allows) and fill the derived defaults."""
         for name, choices in _CHOICES.items():
@@ -237,6 +259,7 @@ class ServerArgs:
         self._check_scoring()
         self._check_multihost()
         self._check_limits()
+        self._check_speculative()
         self._resolve_defaults()
 
     def _check_scoring(self) -> None:
@@ -300,6 +323,36 @@ class ServerArgs:
                 setattr(self, name, sorted({int(v) for v in values}))
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
+
+    def _check_speculative(self) -> None:
+        """The speculative-decoding flags (SGLang's checks and defaults); a combination that cannot run names the
+        flags."""
+        algo = self.speculative_algorithm
+        spec_flags = [f for f in ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
+                                  "speculative_num_draft_tokens") if getattr(self, f) is not None]
+        if algo is None:
+            if spec_flags:
+                raise ValueError(f"--{_flag(spec_flags[0])} needs --speculative-algorithm")
+            return
+        if algo not in SPECULATIVE_SERVED:
+            raise ValueError(f"--speculative-algorithm {algo} is not available in this build yet; it serves "
+                             f"{list(SPECULATIVE_SERVED)}")
+        if algo == "NGRAM":
+            for f in ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk"):
+                if getattr(self, f) is not None:
+                    raise ValueError(f"--{_flag(f)} does not apply to --speculative-algorithm NGRAM (it drafts "
+                                     f"from an n-gram cache, not a draft model)")
+            if self.speculative_num_draft_tokens is None:  # SGLang's NGRAM default: the longest match window
+                self.speculative_num_draft_tokens = self.speculative_ngram_max_match_window_size
+            check_ngram_flags(self.speculative_num_draft_tokens, self.speculative_ngram_min_match_window_size,
+                              self.speculative_ngram_max_match_window_size, self.speculative_ngram_min_bfs_breadth,
+                              self.speculative_ngram_max_bfs_breadth, self.speculative_ngram_branch_length,
+                              self.speculative_ngram_match_type, self.speculative_ngram_capacity)
+        for f in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
+            if getattr(self, f) != 1.0:  # (SGLang's relaxed acceptance changes the output distribution)
+                raise ValueError(f"--{_flag(f)}: only 1.0 (exact verification) is served, got {getattr(self, f)!r}")
+        if self.nnodes > 1:
+            raise ValueError("--speculative-algorithm is not supported with --nnodes > 1 yet")
 
     def _resolve_defaults(self) -> None:
         if self.random_seed is None:
@@ -495,11 +548,67 @@ FLAG_HELP = {
     "random_seed": "seed of the sampling seeds drawn for requests without sampling_seed, and of --load-format "
                    "dummy's random weights (default: random; 0 when --nnodes > 1)",
     "log_level": f"logging level, one of {list(LOG_LEVELS)}",
+    "speculative_algorithm": f"speculative decoding, one of {list(SPECULATIVE_ALGORITHMS)} (SGLang's names; this "
+                             f"build serves {list(SPECULATIVE_SERVED)}): each decode step verifies a draft tree of up "
+                             "to --speculative-num-draft-tokens tokens per request in one forward and emits the "
+                             "accepted tokens plus one; greedy output is token-identical to decoding without it. "
+                             "Turns the overlap scheduler off. NGRAM drafts from an n-gram cache of every request's "
+                             "prompt and output. Requests with temperature > 0, penalties, a grammar or logprobs "
+                             "decode without drafts",
+    "speculative_draft_model_path": "the draft model of STANDALONE, or the EAGLE head (not available yet)",
+    "speculative_draft_model_revision": "the hub revision of --speculative-draft-model-path",
+    "speculative_num_steps": "draft steps of STANDALONE / EAGLE (not available yet)",
+    "speculative_eagle_topk": "candidates per draft step of EAGLE (not available yet)",
+    "speculative_num_draft_tokens": f"draft-tree slots per request, the root (the last accepted token) included, "
+                                    f"2..{MAX_DRAFT_TOKENS} (NGRAM default: "
+                                    "--speculative-ngram-max-match-window-size)",
+    "speculative_accept_threshold_single": "SGLang's relaxed acceptance of sampled drafts; only 1.0 (exact) is "
+                                           "served",
+    "speculative_accept_threshold_acc": "SGLang's relaxed acceptance of sampled drafts; only 1.0 (exact) is served",
+    "speculative_ngram_min_match_window_size": "NGRAM: the shortest suffix of a request matched in the cache",
+    "speculative_ngram_max_match_window_size": "NGRAM: the longest suffix matched",
+    "speculative_ngram_min_bfs_breadth": "NGRAM BFS: children taken per node after the longest match",
+    "speculative_ngram_max_bfs_breadth": "NGRAM BFS: children taken per node after the shortest match",
+    "speculative_ngram_match_type": f"NGRAM: how a draft tree grows from the matches, one of "
+                                    f"{list(NGRAM_MATCH_TYPES)} (most recent children first, or the most frequent)",
+    "speculative_ngram_branch_length": "NGRAM: the longest token path inserted into the cache",
+    "speculative_ngram_capacity": "NGRAM: trie nodes the cache keeps (least recently used evicted)",
 }
 
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+def check_ngram_flags(num_draft_tokens: int, min_window: int, max_window: int, min_breadth: int, max_breadth: int,
+                      branch_length: int, match_type: str, capacity: int) -> None:
+    """The n-gram drafter's settings (speculative/ngram_cache.NgramConfig; SGLang's checks).
+
+    Raises:
+        ValueError: naming the flag that is out of range.
+    """
+    ints = (num_draft_tokens, min_window, max_window, min_breadth, max_breadth, branch_length, capacity)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
+        raise ValueError(f"the --speculative-ngram-* sizes and --speculative-num-draft-tokens must be integers, "
+                         f"got {ints}")
+    if not 2 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--speculative-num-draft-tokens must be in [2, {MAX_DRAFT_TOKENS}] (the root and at least "
+                         f"one draft token), got {num_draft_tokens}")
+    if branch_length < 2:
+        raise ValueError(f"--speculative-ngram-branch-length must be at least 2, got {branch_length}")
+    if not 0 < min_window <= max_window < branch_length:
+        raise ValueError(f"need 0 < --speculative-ngram-min-match-window-size ({min_window}) <= "
+                         f"--speculative-ngram-max-match-window-size ({max_window}) < "
+                         f"--speculative-ngram-branch-length ({branch_length})")
+    if not 0 < min_breadth <= max_breadth:
+        raise ValueError(f"need 0 < --speculative-ngram-min-bfs-breadth ({min_breadth}) <= "
+                         f"--speculative-ngram-max-bfs-breadth ({max_breadth})")
+    if match_type not in NGRAM_MATCH_TYPES:
+        raise ValueError(f"--speculative-ngram-match-type must be one of {list(NGRAM_MATCH_TYPES)}, got "
+                         f"{match_type!r}")
+    if capacity < branch_length:
+        raise ValueError(f"--speculative-ngram-capacity ({capacity}) must hold at least one branch "
+                         f"(--speculative-ngram-branch-length nodes)")
 
 
 def prepare_server_args(argv: List[str]) -> ServerArgs:

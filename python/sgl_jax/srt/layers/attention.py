@@ -94,3 +94,32 @@ def paged_attention(
             out_specs=(HEADS, KV_CACHE, KV_CACHE), check_vma=False,
         )(q, k, v, kv[0], kv[1], fb)
     return out, (k_pages, v_pages)
+
+
+def move_kv_slots(kv_caches: list, src: jax.Array, dst: jax.Array, mesh: Optional[Mesh] = None) -> list:
+    """Copy every layer's K/V from slot ``src[i]`` to slot ``dst[i]`` (speculative decoding: a verify step wrote the
+    draft tree's slots in slot order, and the accepted path's K/V moves to the positions it ends at).
+
+    Args:
+        kv_caches: per layer (k_pages, v_pages), [dp * pages, page_size, kv_heads, head_dim] each (donated by the
+            caller's jit: updated in place).
+        src, dst: int32[dp * M]: rank r's moves at rows [r * M, (r + 1) * M), slots local to its KV block (as
+            ``out_cache_loc``); padding moves are 0 -> 0 (the padding page). Every source is read before any
+            destination is written, so a move chain may overlap.
+        mesh: the device mesh (ranks over ``data``, heads over ``tensor``); None: one device.
+    Returns:
+        The updated caches.
+    """
+    def local(kv, src, dst):
+        out = []
+        for k_pages, v_pages in kv:
+            ps = k_pages.shape[1]
+            k, v = k_pages[src // ps, src % ps], v_pages[src // ps, src % ps]
+            out.append(write_kv_to_pages(k_pages, v_pages, k, v, dst))
+        return out
+
+    if mesh is None:
+        return local(kv_caches, src, dst)
+    specs = [(KV_CACHE, KV_CACHE)] * len(kv_caches)
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs, RANK_ROWS, RANK_ROWS), out_specs=specs,
+                         check_vma=False)(kv_caches, src, dst)

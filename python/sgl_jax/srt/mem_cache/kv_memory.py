@@ -12,9 +12,9 @@ and the sliding window is known here and in the models only.
 The device buffers are not built here: `plan_kv_cache` describes them as a `KVCacheSpec` (pools, pages, which
 layer reads which pool), which the model runner allocates and this object mirrors on the host.
 
-Room is left for what comes next: a rollback of unaccepted draft tokens (speculative decoding) is a trim of a
-request's own positions (`session_kv.trim_kv` already does it for a session's turn), and adapter-keyed
-prefixes (LoRA) a cache kind whose keys carry the adapter.
+Speculative decoding: a verify step's draft slots are extra positions of the request (`allocate_drafts`), and
+the unaccepted ones are given back by a trim of the request's own positions (`rollback`, `session_kv.trim_kv`).
+Room is left for adapter-keyed prefixes (LoRA): a cache kind whose keys carry the adapter.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from sgl_jax.srt.mem_cache.common import alloc_with_evict, evict_for_pages, rele
 from sgl_jax.srt.mem_cache.kv_invariants import check_kv_invariants
 from sgl_jax.srt.mem_cache.registry import cache_kind_for, create_prefix_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
-from sgl_jax.srt.mem_cache.session_kv import SessionKV
+from sgl_jax.srt.mem_cache.session_kv import SessionKV, trim_kv
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator, split_hybrid_budget
 
 FULL_POOL, SWA_POOL = 0, 1
@@ -254,6 +254,26 @@ class KVMemory:
         for req, end in zip(reqs, ends.tolist()):
             req.kv_allocated_len = end
         return True
+
+    def allocate_drafts(self, req, n: int) -> bool:
+        """KV slots for `n` more positions of `req` after the ones it has (a verify step's draft slots after its
+        root's, which `allocate_decode` gave), evicting cached KV if needed. False, with nothing taken, when even
+        eviction cannot free the pages (the step then verifies no draft for it)."""
+        end = req.kv_allocated_len + n
+        slots = alloc_with_evict(self.allocator, self.tree_cache, self.row(req), req.kv_allocated_len, end)
+        if slots is None:
+            return False
+        self.req_to_token_pool.write(req.req_pool_idx, req.kv_allocated_len, slots)
+        req.kv_allocated_len = end
+        return True
+
+    def rollback(self, req, keep: int) -> None:
+        """Give back `req`'s positions from `keep` on (a verify step's unaccepted draft slots): the pages wholly
+        past it are freed; ``kv_allocated_len`` and ``kv_committed_len`` become at most `keep`.
+
+        Raises:
+            ValueError: `keep` below the request's cached prefix (`session_kv.trim_kv`)."""
+        trim_kv(req, self.tree_cache, keep)
 
     def layer_pool_fields(self, page_indices: np.ndarray, out_cache_loc: np.ndarray) -> Dict[str, np.ndarray]:
         """The ForwardBatch fields of the layers that read another pool than the full one: with hybrid SWA memory,

@@ -2,7 +2,8 @@
 
 Extend batches are keyed by T only: their S is derived from T (the smallest batch-size padding that
 holds min(T, largest batch-size padding) sequences), because attention work follows the real sequences
-and only the logits/sampling rows grow with S. Decode batches are keyed by S (T == S).
+and only the logits/sampling rows grow with S. Decode batches are keyed by S (T == S). With speculative decoding,
+verify batches (TARGET_VERIFY) are keyed by S too: T == S x draft slots per request, every token a sampling row.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ def _smallest_at_least(sorted_values: List[int], n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ShapeBuckets:
-    """token_paddings: sorted extend token counts; bs_paddings: sorted batch sizes."""
+    """token_paddings: sorted extend token counts; bs_paddings: sorted batch sizes; verify_tokens: draft-tree
+    slots per request of a verify step (--speculative-num-draft-tokens; 0: no speculative decoding)."""
 
     token_paddings: Tuple[int, ...]
     bs_paddings: Tuple[int, ...]
+    verify_tokens: int = 0
 
     @property
     def max_tokens(self) -> int:
@@ -51,10 +54,20 @@ class ShapeBuckets:
         s = _smallest_at_least(list(self.bs_paddings), num_seqs)
         return s, s
 
+    def verify_shape(self, num_seqs: int) -> Tuple[int, int]:
+        """(T_pad, S_pad) for a verify batch of `num_seqs` draft trees. Raises ValueError without speculative
+        decoding (verify_tokens 0) or when no batch-size padding holds them."""
+        if self.verify_tokens <= 0:
+            raise ValueError("verify batches need speculative decoding (verify_tokens > 0)")
+        s = _smallest_at_least(list(self.bs_paddings), num_seqs)
+        return s * self.verify_tokens, s
+
     def all_shapes(self) -> List[Tuple[ForwardMode, int, int]]:
         """Every (mode, T_pad, S_pad) that serving can produce; warm-up compiles exactly these."""
         shapes = [(ForwardMode.EXTEND, t, self.extend_bs(t)) for t in self.token_paddings]
         shapes += [(ForwardMode.DECODE, s, s) for s in self.bs_paddings]
+        if self.verify_tokens > 0:
+            shapes += [(ForwardMode.TARGET_VERIFY, s * self.verify_tokens, s) for s in self.bs_paddings]
         return shapes
 
 
@@ -102,7 +115,8 @@ def derive_limits(server_args, model_config, platform: str):
     if chunk is not None and chunk > tokens[-1]:
         raise ValueError(f"--chunked-prefill-size ({chunk}) exceeds the largest --precompile-token-paddings "
                          f"({tokens[-1]})")
-    buckets = ShapeBuckets(tuple(tokens), tuple(bs))
+    verify = server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else 0
+    buckets = ShapeBuckets(tuple(tokens), tuple(bs), verify or 0)
     if server_args.dp_size > 1 and buckets.max_tokens < max_running:
         raise ValueError(f"--dp-size {server_args.dp_size} runs a rank's decode batch inside another rank's extend "
                          f"step: the largest --precompile-token-paddings ({buckets.max_tokens}) must hold "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -30,6 +31,7 @@ from sgl_jax.srt.distributed.mesh import create_mesh, tp_size_of
 from sgl_jax.srt.distributed.multihost import init_distributed
 from sgl_jax.srt.distributed.sharding import KV_CACHE, RANK_ROWS, REPLICATED, check_tp, padded_kv_heads
 
+from sgl_jax.srt.layers.attention import move_kv_slots
 from sgl_jax.srt.layers.moe import expert_token_counts
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
@@ -79,7 +81,8 @@ class PendingStep:
     Args:
         arrays: the step's outputs (next_ids int32[dp * S_pad], next_lp float32[dp * S_pad], (logits, lse) (see
             StepOutput), hidden, expert counts, routed experts).
-        num_seqs: real sequences per rank (None: the rank idled); s_pad, t_pad: the step's padded shape per rank.
+        num_seqs: real sampling rows per rank (None: the rank idled: sequences, or tokens in a verify step); s_pad:
+            sampling rows per rank, t_pad: tokens per rank.
         moe_stats: the runner's `MoeStats` (counts are added at resolve), or None; routed: whether routed experts
             are returned.
     """
@@ -116,8 +119,9 @@ class LaunchedForward:
 
     logits: float32[dp * S_pad, V] on device; hidden, moe: the forward's other outputs (see StepOutput); sampling:
     the rank-stacked SamplingBatch (host arrays; its vocab mask None when no row has a grammar or the scheduler
-    fills the masks later); num_seqs: real sequences per rank (None: idle); s_pad, t_pad: the padded shape per
-    rank; batch: one real rank batch (named when a compile is reported).
+    fills the masks later); num_seqs: real sampling rows per rank (None: idle); s_pad: sampling rows per rank
+    (`ModelWorkerBatch.rows_pad`: S_pad, T_pad in a verify step), t_pad: tokens per rank; batch: one real rank
+    batch (named when a compile is reported).
     """
 
     logits: jax.Array
@@ -317,6 +321,8 @@ class ModelRunner:
         self._sample = jax.jit(self._sample_impl, donate_argnums=(1, 2), static_argnums=(5,),
                                out_shardings=(r, r, r, r, r))
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r)
+        self._move_kv = jax.jit(functools.partial(move_kv_slots, mesh=self.mesh), donate_argnums=(0,),
+                                out_shardings=self._kv_sharding)
         self._logprobs = jax.jit(self._logprobs_impl)
         self.logits_vocab = jax.eval_shape(  # logits columns (the LM head's rows)
             self._logprobs_impl, self.params,
@@ -463,13 +469,14 @@ class ModelRunner:
         real = [b for b in batches if b is not None]
         if not real:
             raise ValueError("a step needs at least one rank batch")
-        _, t_pad, s_pad = real[0].padded_shape
+        _, t_pad, _ = real[0].padded_shape
         stacked = self._step_batch(batches)
         self.kv_caches, logits, hidden, moe = self._forward(
             self._param_leaves, self.kv_caches, self.future_tokens, *self._forward_inputs(stacked.forward_batch))
         self._check_no_new_compile(real[0])
         return LaunchedForward(logits, hidden, moe, stacked.sampling,
-                               [None if b is None else b.num_seqs for b in batches], s_pad, t_pad, real[0])
+                               [None if b is None else b.num_rows for b in batches], real[0].rows_pad, t_pad,
+                               real[0])
 
     def launch_sample(self, fwd: "LaunchedForward", vocab_mask: Optional[np.ndarray] = None) -> PendingStep:
         """Dispatch the sampling program of a launched forward. vocab_mask: int32[dp * S_pad, words] of the stacked
@@ -501,6 +508,27 @@ class ModelRunner:
                 logits, self.penalty_state, self.future_tokens, *sample_inputs)
         jax.block_until_ready((self.kv_caches, next_ids))
         return (time.perf_counter() - t0) / repeats
+
+    def move_kv(self, moves: Sequence[Tuple[np.ndarray, np.ndarray]]) -> None:
+        """Copy K/V between slots of every layer, on device after the steps launched before (speculative
+        decoding: the accepted draft slots of a verify step to the positions they end at, `layers.attention.
+        move_kv_slots`). moves: per rank (src, dst) int32 arrays of rank-local slots; they are padded with the
+        padding slot 0 to the smallest verify step's T_pad that holds them (one compiled program per verify shape).
+
+        Raises:
+            ValueError: more moves than a verify step has slots, or no verify shapes (no speculative decoding)."""
+        sizes = sorted(t for mode, t, _ in self.buckets.all_shapes() if mode == ForwardMode.TARGET_VERIFY)
+        n = max(len(a) for a, _ in moves)
+        m = next((t for t in sizes if t >= n), None)
+        if m is None:
+            raise ValueError(f"{n} KV moves exceed every verify shape ({sizes})")
+        src = np.zeros((self.dp_size, m), np.int32)
+        dst = np.zeros((self.dp_size, m), np.int32)
+        for r, (a, b) in enumerate(moves):
+            src[r, :len(a)], dst[r, :len(b)] = a, b
+        put = lambda x: jax.device_put(x.reshape(-1), self._replicated)  # noqa: E731
+        self.kv_caches = self._move_kv(self.kv_caches, put(src), put(dst))
+        self._check_no_new_compile(None)
 
     def init_penalty_row(self, slot: int, token_ids: List[int], num_prompt: int,
                          logit_bias: Optional[Dict[int, float]]) -> None:
@@ -581,7 +609,8 @@ class ModelRunner:
     def dummy_batch(self, mode: ForwardMode, t_pad: int, s_pad: int) -> ModelWorkerBatch:
         """An all-padding batch of the given padded shape (num_seqs = 0; writes only the padding page)."""
         fb = ForwardBatch.padding(mode, t_pad, s_pad, self.pages_per_seq, num_pools=self.kv_spec.num_pools)
-        return ModelWorkerBatch(forward_batch=fb, sampling=SamplingBatch.padding(s_pad), num_tokens=0, num_seqs=0)
+        rows = t_pad if mode == ForwardMode.TARGET_VERIFY else s_pad  # (a verify step samples every token)
+        return ModelWorkerBatch(forward_batch=fb, sampling=SamplingBatch.padding(rows), num_tokens=0, num_seqs=0)
 
     def warmup(self) -> None:
         """Compile every bucket's step program (and the logprob, label-logprob and penalty-row programs) ahead
@@ -595,7 +624,10 @@ class ModelRunner:
         hidden_dim = self.model_config.hidden_size
         dtype = np.dtype(JNP_DTYPES[self.model_config.dtype])
         programs = [(f"{mode.name.lower()} T={t} S={s}", self._lower_step(mode, t, s)) for mode, t, s in shapes]
-        programs += [(f"sampling S={s}", self._lower_sample(s)) for s in sorted({s for _, _, s in shapes})]
+        rows = sorted({t if mode == ForwardMode.TARGET_VERIFY else s for mode, t, s in shapes})
+        programs += [(f"sampling S={s}", self._lower_sample(s)) for s in rows]
+        programs += [(f"KV move M={t}", self._lower_move(t)) for mode, t, _ in shapes
+                     if mode == ForwardMode.TARGET_VERIFY]
         programs.append((f"input logprobs R={LOGPROB_CHUNK_ROWS}", lambda: self._logprobs.lower(
             self.params, np.zeros((LOGPROB_CHUNK_ROWS, hidden_dim), dtype))))
         programs.append(("penalty row", lambda: self._init_penalty_row.lower(
@@ -639,6 +671,13 @@ class ModelRunner:
             stacked = self._step_batch([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
             return self._forward.lower(self._param_leaves, self.kv_caches, self.future_tokens,
                                        *self._forward_inputs(stacked.forward_batch))
+        return lower
+
+    def _lower_move(self, m: int):
+        """A thunk lowering the KV move program of `m` slots per rank (`move_kv`)."""
+        def lower():
+            z = jax.device_put(np.zeros(self.dp_size * m, np.int32), self._replicated)
+            return self._move_kv.lower(self.kv_caches, z, z)
         return lower
 
     def _lower_sample(self, s_pad: int):

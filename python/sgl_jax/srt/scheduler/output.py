@@ -8,6 +8,7 @@ output token i under the model's (temperature 1) next-token distribution.
 from __future__ import annotations
 
 import base64
+import dataclasses
 
 from typing import Callable, List, Optional
 
@@ -133,7 +134,16 @@ def _process_one(req: Req, i: int, start: int, is_extend: bool, out: StepOutput,
         return
     if check is not None:
         check(req)
-    token = int(out.next_token_ids[i])
+    append_token(req, int(out.next_token_ids[i]), i, out, rows, decode_tail)
+
+
+def append_token(req: Req, token: int, i: int, out: StepOutput, rows, decode_tail) -> None:
+    """Append one sampled token to `req`'s output: its logprobs (row `i` of the rank's sampling rows), its routed
+    experts, the grammar's step, then the finish checks (`Req.check_finished`; a finished grammar stops it too).
+    rows: the step's logprob rows (`StepOutput.logprob_rows`) when some request wants top or token-id logprobs.
+
+    Raises:
+        RuntimeError: the request's grammar rejects the token."""
     req.output_ids.append(token)
     if req.return_routed_experts and out.routed_experts is not None:
         req.routed_experts.append(out.routed_experts[i])
@@ -186,6 +196,7 @@ def token_out(req: Req, stream_interval: int, with_logprobs: bool = True) -> Opt
                             sp.no_stop_trim),
         logprobs=delta,
         routed_experts=encode_routed_experts(req.routed_experts) if finished and req.return_routed_experts else None,
+        spec=None if req.spec is None else dataclasses.asdict(req.spec),
     )
     req.sent_len = len(req.output_ids)
     return msg

@@ -41,6 +41,7 @@ from sgl_jax.srt.scheduler.admission import AdmissionPolicy
 from sgl_jax.srt.scheduler.output import process_batch_result, token_out
 from sgl_jax.srt.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, finish_abort
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
+from sgl_jax.srt.scheduler.speculation import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -129,11 +130,13 @@ class RankScheduler:
         scoring: the rank's `SchedulerScoring`.
         admission: the rank's `AdmissionPolicy`.
         hooks: `RankHooks`.
+        speculator: the rank's `speculation.Speculator` with --speculative-algorithm, else None.
     """
 
     def __init__(self, config: RankConfig, memory: KVMemory, scoring: SchedulerScoring, admission: AdmissionPolicy,
-                 hooks: RankHooks):
+                 hooks: RankHooks, speculator: Optional[Speculator] = None):
         self.config = config
+        self.speculator = speculator
         self.rank = config.rank
         self.tag = f"[DP {config.rank}] " if config.dp_size > 1 else ""
         self.memory = memory
@@ -300,8 +303,10 @@ class RankScheduler:
             ahead = [r for r in batch.reqs if not r.done_by_length_ahead()]
             if len(ahead) < len(batch.reqs):
                 batch = batch.subset(ahead)
-            if batch.is_empty() or batch.prepare_for_decode(self.memory):
-                return None if batch.is_empty() else batch
+            if batch.is_empty():
+                return None
+            if batch.prepare_for_decode(self.memory):
+                return batch if self.speculator is None else self.speculator.verify_batch(batch, self.memory)
             if self.hooks.drain():
                 continue
             self.retract(1)
@@ -331,15 +336,23 @@ class RankScheduler:
         self.last_mixed = batch.forward_mode == ForwardMode.EXTEND and batch.num_decode_rows > 0
         self.num_mixed_steps += self.last_mixed
         self.idle_checked = False
+        generated = sum(len(r.output_ids) for r in batch.reqs)
         if out is not None:
             starts = [r.kv_committed_len for r in batch.reqs]  # positions this step computed start here
-            process_batch_result(batch, out, self.memory, self.hooks.full_logprobs, self.hooks.decode_tail,
-                                 on_error=self.fail_after_step,
-                                 check=lambda req: fault_injection.check("sample", (req.rid,)))
+            check = lambda req: fault_injection.check("sample", (req.rid,))  # noqa: E731
+            if batch.forward_mode == ForwardMode.TARGET_VERIFY:
+                self.speculator.apply_verify(batch, out, self.memory, self.hooks.decode_tail,
+                                             on_error=self.fail_after_step, check=check)
+            else:
+                process_batch_result(batch, out, self.memory, self.hooks.full_logprobs, self.hooks.decode_tail,
+                                     on_error=self.fail_after_step, check=check)
             if batch.forward_mode == ForwardMode.EXTEND and any(r.score is not None for r in batch.reqs):
                 self.collect_scores(batch, out, starts)
+        generated = sum(len(r.output_ids) for r in batch.reqs) - generated
+        if self.speculator is not None:
+            self.speculator.after_step(batch)
         if batch.reqs:
-            self.log_batch(batch)
+            self.log_batch(batch, generated)
         self.stream_and_release(batch)
         self.memory.after_step(batch.reqs)
         if self.config.check_invariants:
@@ -408,8 +421,9 @@ class RankScheduler:
         self.hooks.send([token_out(req, self.stream_interval)])
         self.memory.release(req)
 
-    def log_batch(self, batch: ScheduleBatch) -> None:
-        """One line per prefill batch, and one per DECODE_LOG_INTERVAL decode steps (with throughput)."""
+    def log_batch(self, batch: ScheduleBatch, generated: int) -> None:
+        """One line per prefill batch, and one per DECODE_LOG_INTERVAL decode steps (with throughput; with
+        speculative decoding, the tokens per step). `generated`: output tokens the step appended."""
         acc = self.kv_accounting()
         used = 100.0 * acc["kv_tokens_in_use"] / max(acc["kv_tokens_total"], 1)
         if batch.forward_mode == ForwardMode.EXTEND:
@@ -426,13 +440,16 @@ class RankScheduler:
             self.num_generated_tokens += n_dec
             return
         self._decode_steps += 1
-        self.num_generated_tokens += len(batch.reqs)
+        self.num_generated_tokens += generated
         if self._decode_steps % DECODE_LOG_INTERVAL == 0:
             t0, n0 = self._decode_log_start
             now = time.time()
-            logger.info("%sDecode batch: %d running, %d waiting, KV %.1f%% used, gen throughput %.1f token/s",
+            spec = ""
+            if self.speculator is not None:
+                spec = f", {(self.num_generated_tokens - n0) / DECODE_LOG_INTERVAL:.2f} tokens per step"
+            logger.info("%sDecode batch: %d running, %d waiting, KV %.1f%% used, gen throughput %.1f token/s%s",
                         self.tag, len(batch.reqs), len(self.waiting_queue), used,
-                        (self.num_generated_tokens - n0) / max(now - t0, 1e-9))
+                        (self.num_generated_tokens - n0) / max(now - t0, 1e-9), spec)
             self._decode_log_start = (now, self.num_generated_tokens)
 
     def stream_and_release(self, batch: ScheduleBatch) -> None:
@@ -491,6 +508,8 @@ class RankScheduler:
             "req_slots_session_held": sum(s.holds_kv() for s in self.sessions()),
             "sessions": [session_state(s, self.memory.page_size) for s in self.sessions()],
         })
+        if self.speculator is not None:
+            state.update(self.speculator.stats())
         return state
 
     def holds_work(self) -> bool:

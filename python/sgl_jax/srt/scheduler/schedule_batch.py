@@ -150,6 +150,8 @@ class Req:
         self.grammar_future = None
         # the ReqToTokenPool row whose penalty state holds this request's history (None: not set up)
         self.penalty_slot: Optional[int] = None
+        # speculative decoding's counts (scheduler/speculation.SpecCounts) when the server speculates, else None
+        self.spec = None
 
         self.created_time = time.time()
         stops = sampling_params.stop or []
@@ -271,6 +273,30 @@ def shared_prefix_len(token_rows: np.ndarray, limits: List[int], page_size: int)
     return n // page_size * page_size
 
 
+def pad_to(a, n: int, dtype=np.int32, value=0) -> np.ndarray:
+    """`a` padded with `value` to `n` entries."""
+    out = np.full(n, value, dtype)
+    out[:len(a)] = a
+    return out
+
+
+def page_table(pool, rows: np.ndarray, s_pad: int, page_size: int) -> np.ndarray:
+    """int32[s_pad, pages_per_seq]: the KV page of every page-sized position span of each request's pool row
+    (`rows`), zero rows for padding sequences."""
+    pages_per_seq = -(-pool.max_context_len // page_size)
+    table = np.zeros((s_pad, pages_per_seq), np.int32)
+    table[:len(rows)] = pool.req_to_token[rows][:, ::page_size][:, :pages_per_seq] // page_size
+    return table
+
+
+def cumulative_lens(q_lens: np.ndarray, s_pad: int) -> np.ndarray:
+    """int32[s_pad + 1]: the cumulative query lengths of len(q_lens) sequences, padding sequences empty."""
+    cu = np.zeros(s_pad + 1, np.int32)
+    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1:] = cu[len(q_lens)]
+    return cu
+
+
 def step_shape(batches: List[Optional["ScheduleBatch"]], buckets: ShapeBuckets) -> tuple:
     """(mode, T_pad, S_pad) of one step that runs every rank's batch (None: an idle rank): EXTEND when any
     batch extends (decode batches then run as one-token extends), else DECODE; the smallest bucket that
@@ -285,6 +311,10 @@ def step_shape(batches: List[Optional["ScheduleBatch"]], buckets: ShapeBuckets) 
     s = max(len(b.reqs) for b in live)
     if all(b.forward_mode == ForwardMode.DECODE for b in live):
         return (ForwardMode.DECODE, *buckets.decode_shape(s))
+    if all(b.forward_mode == ForwardMode.TARGET_VERIFY for b in live):
+        return (ForwardMode.TARGET_VERIFY, *buckets.verify_shape(s))
+    if any(b.forward_mode == ForwardMode.TARGET_VERIFY for b in live):
+        raise ValueError("a verify batch runs with verify batches only (speculation.unify_step makes them so)")
     return (ForwardMode.EXTEND, *buckets.extend_shape(max(b.num_step_tokens() for b in live), s))
 
 
@@ -298,11 +328,16 @@ class ScheduleBatch:
     Mixed chunked prefill (SGLang's ``--enable-mixed-chunk``): an EXTEND batch may also carry running
     requests' decode rows (`mix_with_running`), after its prefill rows; each is a one-token extend of the
     request's last sampled token, and samples the request's next token as a decode step would.
+
+    TARGET_VERIFY (speculative decoding, scheduler/speculation.py): a decode step whose rows are draft trees;
+    ``drafts`` maps id(req) to its tree (tokens int32[n], parents int32[n]; slot 0 the request's last token). A
+    request without an entry runs a one-slot tree: its root only, a decode row.
     """
 
-    def __init__(self, reqs: List[Req], forward_mode: ForwardMode):
+    def __init__(self, reqs: List[Req], forward_mode: ForwardMode, drafts: Optional[dict] = None):
         self.reqs = reqs
         self.forward_mode = forward_mode
+        self.drafts: dict = drafts if drafts is not None else {}
         self._decode_ids: set = set()  # id() of the decode rows of a mixed EXTEND batch
         # set by `launched` (a launched step's own copy), per row: the KV length once the step has run, whether
         # the row samples a token, its index among the step's sequences and its first token in the step
@@ -324,7 +359,7 @@ class ScheduleBatch:
         out.row_samples = [self.samples(r) for r in self.reqs]
         out.row_ends = [r.kv_allocated_len for r in self.reqs]
         out.row_index = list(range(len(self.reqs)))
-        lens = [1 if self.forward_mode == ForwardMode.DECODE else r.extend_input_len for r in self.reqs]
+        lens = [self.row_tokens(r) for r in self.reqs]
         out.row_token_starts = [int(x) for x in np.cumsum([0] + lens[:-1])] if lens else []
         for r, s in zip(self.reqs, out.row_samples):
             r.num_inflight += s
@@ -341,19 +376,27 @@ class ScheduleBatch:
         self.reqs = self.reqs + list(running)
 
     def is_decode_row(self, req: Req) -> bool:
-        """Whether `req` runs a decode step in this batch (every row of a DECODE batch; the mixed-in running
-        requests of an EXTEND batch)."""
-        return self.forward_mode == ForwardMode.DECODE or id(req) in self._decode_ids
+        """Whether `req` runs a decode step in this batch (every row of a DECODE or TARGET_VERIFY batch; the
+        mixed-in running requests of an EXTEND batch)."""
+        return self.forward_mode != ForwardMode.EXTEND or id(req) in self._decode_ids
 
     @property
     def num_decode_rows(self) -> int:
-        return len(self.reqs) if self.forward_mode == ForwardMode.DECODE else \
+        return len(self.reqs) if self.forward_mode != ForwardMode.EXTEND else \
             sum(id(r) in self._decode_ids for r in self.reqs)
+
+    def row_tokens(self, req: Req) -> int:
+        """Query tokens of `req`'s row this step: its extend length, its draft tree's slots, or 1."""
+        if self.forward_mode == ForwardMode.EXTEND:
+            return req.extend_input_len
+        draft = self.drafts.get(id(req))
+        return 1 if draft is None else len(draft[0])
 
     def subset(self, reqs: List[Req]) -> "ScheduleBatch":
         """A batch of some of this batch's requests, each in the same role (prefill or decode row)."""
         out = ScheduleBatch(list(reqs), self.forward_mode)
         out._decode_ids = {id(r) for r in reqs if id(r) in self._decode_ids}
+        out.drafts = {id(r): self.drafts[id(r)] for r in reqs if id(r) in self.drafts}
         return out
 
     def drop_finished_rows(self) -> "ScheduleBatch":
@@ -403,10 +446,9 @@ class ScheduleBatch:
 
     # ---- layout
     def num_step_tokens(self) -> int:
-        """Tokens this step computes: one per request in decode, the extend lengths in extend."""
-        if self.forward_mode == ForwardMode.DECODE:
-            return len(self.reqs)
-        return sum(r.extend_input_len for r in self.reqs)
+        """Tokens this step computes: one per request in decode, the extend lengths in extend, the draft trees'
+        slots in a verify step."""
+        return sum(self.row_tokens(r) for r in self.reqs)
 
     def build_model_worker_batch(self, buckets: ShapeBuckets, memory, padded_shape: Optional[tuple] = None,
                                  fill_vocab_mask: bool = True) -> ModelWorkerBatch:
@@ -458,17 +500,9 @@ class ScheduleBatch:
             limits = [r.kv_committed_len if i not in packed else min(r.kv_committed_len, r.score.prefix_len)
                       for i, r in enumerate(reqs)]
             shared = shared_prefix_len(pool.req_to_token[rows], limits, page_size)
-        pages_per_seq = -(-pool.max_context_len // page_size)
-        page_indices = np.zeros((S_pad, pages_per_seq), np.int32)
-        page_indices[:S] = pool.req_to_token[rows][:, ::page_size][:, :pages_per_seq] // page_size
-        cu = np.zeros(S_pad + 1, np.int32)
-        cu[1:S + 1] = np.cumsum(q_lens)
-        cu[S + 1:] = T
-
-        def pad(a, n, dtype=np.int32, value=0):
-            out = np.full(n, value, dtype)
-            out[:len(a)] = a
-            return out
+        page_indices = page_table(pool, rows, S_pad, page_size)
+        cu = cumulative_lens(q_lens, S_pad)
+        pad = pad_to
 
         fb = ForwardBatch(
             input_ids=pad(input_ids, T_pad),

@@ -77,6 +77,7 @@ from sgl_jax.srt.scheduler.rank import RankConfig, RankScheduler
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_abort, step_shape
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
 from sgl_jax.srt.scheduler.sessions import Session, SessionController, SessionError
+from sgl_jax.srt.scheduler.speculation import SpecCounts, build_verify_batch, new_speculators, unify_step
 from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget, RowWork, StepTimeModel, step_features
 from sgl_jax.srt.scheduler.watchdog import StepWatchdog
 from sgl_jax.srt.utils import configure_logging, prepare_child_process
@@ -163,7 +164,12 @@ class Scheduler:
         budget_ms = server_args.max_prefill_step_ms
         self.step_budget = (PrefillStepBudget(budget_ms, self.buckets, server_args.page_size, self.step_time_model)
                             if budget_ms > 0 and self.chunk_size else None)
-        self.ranks: List[RankScheduler] = [self._new_rank(r) for r in range(self.dp_size)]
+        if server_args.speculative_algorithm is not None and self.model_runner.kv_spec.num_pools > 1:
+            raise ValueError("--speculative-algorithm with a sliding-window model's separate SWA KV pool is not "
+                             "supported yet; pass --disable-hybrid-swa-memory")
+        self.speculating = server_args.speculative_algorithm is not None
+        speculators = new_speculators(server_args, self.context_len, self.dp_size)
+        self.ranks: List[RankScheduler] = [self._new_rank(r, speculators[r]) for r in range(self.dp_size)]
         self.kv_size = self.ranks[0].memory.size  # tokens of KV per rank
         self.kv_limits = KVLimits(self.context_len, self.max_req_input_len, self.kv_size, self.page_size)
         if self.dp_size > 1:
@@ -178,11 +184,15 @@ class Scheduler:
         self.session_bos_id = bos if bos is not None and self.tokenizer.encode("a")[:1] == [bos] else None
         self.grammar_queue = GrammarQueue(None if server_args.grammar_backend == "none"
                                           else GrammarBackend(self.tokenizer, mc.vocab_size))
-        self.overlap = not server_args.disable_overlap_schedule
+        self.overlap = not server_args.disable_overlap_schedule and not self.speculating
         self.inflight: Optional[LaunchedStep] = None  # the launched step whose result is not applied yet
         self.last_applied_at = 0.0  # time.perf_counter() when the last step's result was applied
         self.num_overlapped_steps = 0  # steps launched while the step before was still running
-        logger.info("Overlap scheduler: %s", "on" if self.overlap else "off (--disable-overlap-schedule)")
+        why = "--disable-overlap-schedule" if server_args.disable_overlap_schedule else "--speculative-algorithm"
+        logger.info("Overlap scheduler: %s", "on" if self.overlap else f"off ({why})")
+        if self.speculating:
+            logger.info("Speculative decoding: %s, up to %d draft-tree slots per request",
+                        server_args.speculative_algorithm, server_args.speculative_num_draft_tokens)
         if not server_args.disable_precompile:
             self.model_runner.warmup()
         if self.grammar_queue.backend is not None:
@@ -204,7 +214,7 @@ class Scheduler:
             self.recv_from_tokenizer = None
             self.send_to_detokenizer = self.send_to_tokenizer = _Discard()
 
-    def _new_rank(self, rank: int) -> RankScheduler:
+    def _new_rank(self, rank: int, speculator=None) -> RankScheduler:
         """Rank `rank`: its KV memory (its own block of the KV buffers, request slots and prefix cache), its
         scoring state, its admission policy and its scheduling state."""
         sa, mc = self.server_args, self.model_config
@@ -222,7 +232,7 @@ class Scheduler:
             stream_interval=sa.stream_interval, enable_mixed_chunk=sa.enable_mixed_chunk,
             test_retract="1" in (os.environ.get(TEST_RETRACT_ENV), os.environ.get("SGLANG_TEST_RETRACT")),
             check_invariants=os.environ.get(CHECK_KV_INVARIANTS_ENV) == "1")
-        return RankScheduler(config, memory, scoring, admission, hooks=self)
+        return RankScheduler(config, memory, scoring, admission, hooks=self, speculator=speculator)
 
     def info(self) -> SchedulerInfo:
         """Facts the TokenizerManager needs (validation limits, pool sizes: per rank)."""
@@ -279,6 +289,7 @@ class Scheduler:
         for rank, batch, out in zip(self.ranks, rec.batches, outs):
             if batch is not None:
                 rank.apply_step(batch, out)
+        self.move_accepted_kv()
         now = time.perf_counter()
         if rec.cost_features is not None:
             self.step_time_model.observe(rec.cost_features, (now - max(rec.launched_at, self.last_applied_at)) * 1e3)
@@ -353,6 +364,8 @@ class Scheduler:
                 if batch is not None and batch.forward_mode == ForwardMode.DECODE:
                     batch.filter_finished()
             batches = [b if b is not None and b.reqs else None for b in batches]
+        if self.speculating:
+            batches = unify_step(batches, [rank.memory for rank in self.ranks])
         for rank, batch in zip(self.ranks, batches):
             if batch is None:
                 rank.on_idle()
@@ -384,6 +397,7 @@ class Scheduler:
             for rank, batch, out in zip(self.ranks, launched, outs):
                 if batch is not None:
                     rank.apply_step(batch, out)
+            self.move_accepted_kv()
             self.last_applied_at = time.perf_counter()
             return
         launched = [None if b is None else b.launched() for b in batches]
@@ -426,8 +440,21 @@ class Scheduler:
         worker_batches = [None] * self.dp_size
         for r, batch in live:
             rank = self.ranks[r]
-            worker_batches[r] = batch.build_model_worker_batch(self.buckets, rank.memory, shape, fill_vocab_masks)
+            if batch.forward_mode == ForwardMode.TARGET_VERIFY:
+                worker_batches[r] = build_verify_batch(batch, self.buckets, rank.memory, shape)
+            else:
+                worker_batches[r] = batch.build_model_worker_batch(self.buckets, rank.memory, shape,
+                                                                   fill_vocab_masks)
         return worker_batches
+
+    def move_accepted_kv(self) -> None:
+        """Dispatch the K/V moves of the verify steps just applied (`Speculator.take_moves`), before any later
+        step's forward reads the positions they fill."""
+        if not self.speculating:
+            return
+        moves = [rank.speculator.take_moves() for rank in self.ranks]
+        if any(len(src) for src, _ in moves):
+            self.model_runner.move_kv(moves)
 
     def forward_isolating_faults(self, batches: List[Optional[ScheduleBatch]]) -> list:
         """Each rank's step output (None for idle ranks and emptied batches); when the step fails, the requests
@@ -560,6 +587,8 @@ class Scheduler:
             top_logprobs_num=msg.top_logprobs_num, token_ids_logprob=msg.token_ids_logprob, stream=msg.stream,
             return_routed_experts=msg.return_routed_experts,
         )
+        if self.speculating:
+            req.spec = SpecCounts()
         try:
             waits_for_grammar = self.grammar_queue.needs_grammar(req)
         except ValueError as e:

@@ -15,6 +15,11 @@ from typing import List, Tuple
 
 import numpy as np
 
+from sgl_jax.srt.server_args import MAX_DRAFT_TOKENS
+
+NO_TREE = -1  # the tree bits of a query that is no draft slot: the causal mask alone
+MAX_TREE_SLOTS = MAX_DRAFT_TOKENS  # slots per tree: one bit each in an int32
+
 
 def check_tree(parents: np.ndarray) -> None:
     """Raises ValueError unless ``parents`` (int32[n]) is a tree laid out parent-first with slot 0 as its root."""
@@ -46,6 +51,17 @@ def tree_mask(parents: np.ndarray) -> np.ndarray:
             mask[i] = mask[parents[i]]
         mask[i, i] = True
     return mask
+
+
+def tree_bits(parents: np.ndarray) -> np.ndarray:
+    """int32[n]: each slot's row of `tree_mask` packed into one int32 (bit j: slot j is an ancestor or itself), as
+    `ForwardBatch.tree_bits` and the attention kernels take it (slot 31 is the sign bit). Raises ValueError for
+    more than MAX_TREE_SLOTS slots."""
+    if len(parents) > MAX_TREE_SLOTS:
+        raise ValueError(f"a draft tree has at most {MAX_TREE_SLOTS} slots, got {len(parents)}")
+    mask = tree_mask(parents)
+    weights = np.left_shift(np.uint64(1), np.arange(len(parents), dtype=np.uint64))
+    return (mask.astype(np.uint64) * weights).sum(1).astype(np.uint32).view(np.int32)
 
 
 def _children(parents: np.ndarray) -> List[List[int]]:

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-MATCH_TYPES = ("BFS", "PROB")
+from sgl_jax.srt.server_args import NGRAM_MATCH_TYPES as MATCH_TYPES, ServerArgs, check_ngram_flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,31 +46,30 @@ class NgramConfig:
     step. capacity: trie nodes kept (``--speculative-ngram-capacity``).
     """
 
-    num_draft_tokens: int = 12
-    min_match_window: int = 1
-    max_match_window: int = 12
-    min_bfs_breadth: int = 1
-    max_bfs_breadth: int = 10
-    match_type: str = "BFS"
-    branch_length: int = 18
-    capacity: int = 1_000_000
+    num_draft_tokens: int = ServerArgs.speculative_ngram_max_match_window_size  # (the defaults are the flags')
+    min_match_window: int = ServerArgs.speculative_ngram_min_match_window_size
+    max_match_window: int = ServerArgs.speculative_ngram_max_match_window_size
+    min_bfs_breadth: int = ServerArgs.speculative_ngram_min_bfs_breadth
+    max_bfs_breadth: int = ServerArgs.speculative_ngram_max_bfs_breadth
+    match_type: str = ServerArgs.speculative_ngram_match_type
+    branch_length: int = ServerArgs.speculative_ngram_branch_length
+    capacity: int = ServerArgs.speculative_ngram_capacity
 
     def validate(self) -> None:
-        """Raises ValueError naming the flag when a setting is out of range (SGLang's checks)."""
-        if self.num_draft_tokens < 2:
-            raise ValueError("--speculative-num-draft-tokens must be at least 2 (the root and one draft token)")
-        if self.branch_length < 2:
-            raise ValueError("--speculative-ngram-branch-length must be at least 2")
-        if not 0 < self.min_match_window <= self.max_match_window < self.branch_length:
-            raise ValueError("need 0 < --speculative-ngram-min-match-window-size <= "
-                             "--speculative-ngram-max-match-window-size < --speculative-ngram-branch-length")
-        if not 0 < self.min_bfs_breadth <= self.max_bfs_breadth:
-            raise ValueError("need 0 < --speculative-ngram-min-bfs-breadth <= --speculative-ngram-max-bfs-breadth")
-        if self.match_type not in MATCH_TYPES:
-            raise ValueError(f"--speculative-ngram-match-type must be one of {MATCH_TYPES}")
-        if self.capacity < self.branch_length:
-            raise ValueError("--speculative-ngram-capacity must hold at least one branch "
-                             "(--speculative-ngram-branch-length nodes)")
+        """Raises ValueError naming the flag when a setting is out of range (`server_args.check_ngram_flags`)."""
+        check_ngram_flags(self.num_draft_tokens, self.min_match_window, self.max_match_window, self.min_bfs_breadth,
+                          self.max_bfs_breadth, self.branch_length, self.match_type, self.capacity)
+
+    @classmethod
+    def from_server_args(cls, args) -> "NgramConfig":
+        """The settings ``--speculative-*`` give (`ServerArgs`, validated)."""
+        return cls(num_draft_tokens=args.speculative_num_draft_tokens,
+                   min_match_window=args.speculative_ngram_min_match_window_size,
+                   max_match_window=args.speculative_ngram_max_match_window_size,
+                   min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
+                   max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
+                   match_type=args.speculative_ngram_match_type,
+                   branch_length=args.speculative_ngram_branch_length, capacity=args.speculative_ngram_capacity)
 
 
 class NgramCache:
@@ -177,13 +176,16 @@ class NgramCache:
                 out.append((node, w))
         return out
 
-    def draft(self, context: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+    def draft(self, context: Sequence[int], pad: bool = True,
+              max_tokens: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
         """The draft tree after `context` (the request's tokens so far; its last is the root): (tokens int32[n],
-        parents int32[n]), n = num_draft_tokens, ``parents[0] = -1`` and ``parents[i] < i``; unfilled slots hold
-        token 0 under the root. Raises ValueError for an empty context."""
+        parents int32[n]), ``parents[0] = -1`` and ``parents[i] < i``. n = num_draft_tokens (or `max_tokens` when
+        smaller); unfilled slots hold token 0 under the root, or, without `pad`, are left out (n is then the
+        slots the matches filled, 1 when nothing matched). Raises ValueError for an empty context."""
         if len(context) == 0:
             raise ValueError("drafting needs at least one token of context")
-        n = self.config.num_draft_tokens
+        n = self.config.num_draft_tokens if max_tokens is None else max(1, min(max_tokens,
+                                                                                 self.config.num_draft_tokens))
         tree = _DraftTree(int(context[-1]), n)
         for node, w in self.matches(context):
             if tree.full():
@@ -192,7 +194,7 @@ class NgramCache:
                 self._grow_bfs(tree, node, w)
             else:
                 self._grow_prob(tree, node)
-        return tree.arrays()
+        return tree.arrays(pad)
 
     def _grow_bfs(self, tree: "_DraftTree", node: int, w: int) -> None:
         cfg = self.config
@@ -261,6 +263,6 @@ class _DraftTree:
         self.kids[parent][token] = slot
         return slot
 
-    def arrays(self) -> Tuple[np.ndarray, np.ndarray]:
-        pad = self.size - len(self.tokens)
+    def arrays(self, pad: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+        pad = self.size - len(self.tokens) if pad else 0
         return (np.asarray(self.tokens + [0] * pad, np.int32), np.asarray(self.parents + [0] * pad, np.int32))

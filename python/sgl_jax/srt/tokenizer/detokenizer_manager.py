@@ -153,7 +153,8 @@ class DetokenizerManager:
             del self.states[t.rid]
         return StrOut(rid=t.rid, text=text, new_token_ids=t.new_token_ids, finished_reason=t.finished_reason,
                       prompt_tokens=t.prompt_tokens, completion_tokens=t.completion_tokens,
-                      cached_tokens=t.cached_tokens, logprobs=t.logprobs, routed_experts=t.routed_experts)
+                      cached_tokens=t.cached_tokens, logprobs=t.logprobs, routed_experts=t.routed_experts,
+                      spec=t.spec)
 
     def event_loop(self) -> None:
         while True:

@@ -150,6 +150,17 @@ class PreparedReq:
     received_time: float = dataclasses.field(default_factory=time.perf_counter)  # arrival, before tokenizing
 
 
+def spec_meta_info(spec: dict, completion_tokens: int) -> dict:
+    """SGLang's speculative-decoding entries of ``meta_info`` from a request's counts (scheduler/speculation.
+    SpecCounts): ``spec_verify_ct`` (verify steps), ``spec_accept_length`` (completion tokens per verify step,
+    SGLang's average accept length; 0 before the first), ``spec_accept_rate`` (accepted / drafted tokens; 0 before
+    the first draft), ``spec_accept_token_num`` and ``spec_draft_token_num``."""
+    ct, drafted, accepted = spec["verify_ct"], spec["draft_tokens"], spec["accepted_tokens"]
+    return {"spec_verify_ct": ct, "spec_accept_length": completion_tokens / ct if ct else 0.0,
+            "spec_accept_rate": accepted / drafted if drafted else 0.0, "spec_accept_token_num": accepted,
+            "spec_draft_token_num": drafted}
+
+
 @dataclasses.dataclass
 class ReqState:
     """Accumulated output of one in-flight request."""
@@ -165,6 +176,7 @@ class ReqState:
     cached_tokens: int = 0
     logprobs: Dict[str, list] = dataclasses.field(default_factory=dict)
     routed_experts: Optional[str] = None  # base64 int32 [output tokens, layers, top-k], from the final output
+    spec: Optional[dict] = None  # speculative decoding's counts (the latest output's)
     created: float = dataclasses.field(default_factory=time.time)
     error: Optional[RequestError] = None
     # set when the client went away or the request failed before its end: the rid stays reserved until
@@ -639,6 +651,8 @@ class TokenizerManager:
             state.finished_reason = out.finished_reason
         if out.routed_experts is not None:
             state.routed_experts = out.routed_experts
+        if out.spec is not None:
+            state.spec = out.spec
         if out.logprobs is not None:
             lp = out.logprobs
             for key in _LOGPROB_KEYS:
@@ -683,6 +697,8 @@ class TokenizerManager:
                 meta[key] = self._with_text(state.logprobs.get(key, []), obj.return_text_in_logprobs)
         if state.routed_experts is not None:
             meta["routed_experts"] = state.routed_experts
+        if state.spec is not None:
+            meta.update(spec_meta_info(state.spec, state.completion_tokens))
         return {
             "text": delta_text if incremental else state.text,
             "output_ids": delta_ids if incremental else list(state.output_ids),

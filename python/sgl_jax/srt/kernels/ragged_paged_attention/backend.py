@@ -2,7 +2,8 @@
 "auto" is resolved to one of them by `server_args.resolve_attention_backend`).
 
 - native: the pure-JAX implementation (`ref`), which XLA compiles for any device; on CPU its decode batches
-  run the C++ kernel of `cpu` instead (built at install; `ref` where it is missing or switched off).
+  run the C++ kernel of `cpu` instead (built at install; `ref` where it is missing or switched off), and so do
+  speculative verify steps at page size 1 (each draft-tree slot as a decode query, `cpu.tree_attention_as_decode`).
 - pallas: the Pallas kernel of the platform: Mosaic TPU (`tpu`) on TPU, Triton (`gpu`) on GPU; on CPU the
   TPU kernel in Pallas' interpreter (slow; for verifying the kernel end to end, not for serving).
 
@@ -34,6 +35,10 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         if decode_only and _cpu_decode_kernel(q.dtype, k_pages.dtype):
             return cpu.decode_attention(q, k_pages, v_pages, kv_lens, page_indices, num_seqs, sm_scale=sm_scale,
                                         sliding_window=sliding_window, soft_cap=soft_cap)
+        if tree_bits is not None and k_pages.shape[1] == 1 and _cpu_decode_kernel(q.dtype, k_pages.dtype):
+            return cpu.tree_attention_as_decode(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                                tree_bits, sm_scale=sm_scale, sliding_window=sliding_window,
+                                                soft_cap=soft_cap)
         return ref.ragged_paged_attention(*args, shared_prefix_len=shared_prefix_len, **kwargs)
     if backend not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention backend {backend!r} (expected one of {list(IMPLEMENTATIONS)})")

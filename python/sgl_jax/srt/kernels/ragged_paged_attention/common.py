@@ -70,8 +70,9 @@ def block_sizes(table: dict, generation: str, override: Optional[BlockSizes]) ->
     return table.get(generation, table["default"])
 
 
-NO_TREE = -1  # tree bits of a query row that is not a draft-tree slot (the causal mask alone)
-MAX_TREE_SLOTS = 32  # draft-tree slots per sequence: one bit each in an int32
+# NO_TREE: tree bits of a query row that is not a draft-tree slot (the causal mask alone); MAX_TREE_SLOTS: draft-tree
+# slots per sequence, one bit each in an int32 (speculative/draft_tree.py)
+from sgl_jax.srt.speculative.draft_tree import MAX_TREE_SLOTS, NO_TREE  # noqa: E402
 
 
 class QBlockMeta(NamedTuple):

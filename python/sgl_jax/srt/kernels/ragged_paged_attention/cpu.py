@@ -89,3 +89,52 @@ def decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_le
     return call(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
                 jnp.asarray(num_seqs, jnp.int32).reshape(()), sm_scale=np.float32(sm_scale),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+
+
+def tree_attention_as_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
+                             page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, tree_bits: jax.Array,
+                             *, sm_scale: float, sliding_window: Optional[int] = None,
+                             soft_cap: Optional[float] = None) -> jax.Array:
+    """A speculative verify step's attention (queries that are draft-tree slots, `ref.ragged_paged_attention`'s
+    ``tree_bits``) by the decode kernel, at page size 1: every query token runs as a sequence of its own, whose keys
+    are its sequence's keys before the tree followed by its ancestors and itself (bit k of its tree bits: the slot
+    written at position ``base + k``, base = the sequence's keys before its queries), in depth order -- a page table
+    of its own, which page size 1 lets any slot fill. A query without tree bits (``NO_TREE``) sees the causal
+    prefix. The key positions the kernel sees are the slots' depths, so a sliding window is measured on the draft's
+    real positions. Multi-item segment masks do not apply (a verify step has none).
+
+    Args:
+        q: [T, H, D]; k_pages, v_pages: [pages, 1, KVH, D]; kv_lens int32[S]; page_indices int32[S, P]; cu_q_lens
+            int32[S + 1]; num_seqs int32 (scalar or [1]); tree_bits int32[T].
+    Returns:
+        [T, H, D] in q.dtype; padding rows (past cu_q_lens[num_seqs]) are zero.
+    Raises:
+        ValueError: a page size other than 1.
+    """
+    from sgl_jax.srt.kernels.ragged_paged_attention.common import MAX_TREE_SLOTS, NO_TREE
+
+    if k_pages.shape[1] != 1:
+        raise ValueError("tree_attention_as_decode needs page size 1")
+    T, S, P = q.shape[0], kv_lens.shape[0], page_indices.shape[1]
+    n = jnp.asarray(num_seqs, jnp.int32).reshape(())
+    t = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right"), 0, S - 1).astype(jnp.int32)
+    real = t < cu_q_lens[n]
+    j = t - cu_q_lens[seq]
+    base = kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq])
+    bits = tree_bits.astype(jnp.int32)
+    k = jnp.arange(MAX_TREE_SLOTS, dtype=jnp.int32)
+    has = (jnp.right_shift(bits[:, None], k[None, :]) & 1) == 1  # [T, slots]
+    count = jnp.sum(has, axis=1).astype(jnp.int32)
+    rank = jnp.cumsum(has, axis=1) - 1  # the depth of each ancestor slot
+    # anc[t, d] = the slot of query t's ancestor at depth d (d < count[t])
+    anc = jnp.zeros((T, MAX_TREE_SLOTS), jnp.int32).at[t[:, None], jnp.where(has, rank, MAX_TREE_SLOTS)].set(
+        jnp.broadcast_to(k, (T, MAX_TREE_SLOTS)), mode="drop")
+    rows = page_indices[seq]  # [T, P]
+    src = jnp.clip(base[:, None] + anc, 0, P - 1)
+    dst = jnp.where(k[None, :] < count[:, None], base[:, None] + k[None, :], P)  # past the table: dropped
+    rows = rows.at[t[:, None], dst].set(jnp.take_along_axis(rows, src, axis=1), mode="drop")
+    lens = jnp.where(bits == NO_TREE, base + j + 1, base + count)
+    lens = jnp.where(real, lens, 0).astype(jnp.int32)
+    return decode_attention(q, k_pages, v_pages, lens, rows, cu_q_lens[n], sm_scale=sm_scale,
+                            sliding_window=sliding_window, soft_cap=soft_cap)

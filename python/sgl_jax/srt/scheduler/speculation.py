@@ -1,0 +1,306 @@
+"""Speculative decoding in the scheduler (``--speculative-algorithm NGRAM``): drafts, the verify step's layout, and
+acceptance. One `Speculator` per DP rank.
+
+A rank that speculates turns a decode step into a verify step (``ForwardMode.TARGET_VERIFY``) when some running
+request has a draft (SGLang's n-gram worker; Leviathan et al. 2023, Miao et al. 2024 for the tree):
+
+1. Draft (`Speculator.verify_batch`): each request that may speculate gets a draft tree from the rank's n-gram cache
+   (speculative/ngram_cache.py), of at most --speculative-num-draft-tokens slots (fewer when max_new_tokens or the
+   context is near), and KV slots for its draft positions after its root's (`KVMemory.allocate_drafts`). A batch in
+   which nothing was drafted stays a decode step: speculation costs nothing where it has nothing to offer.
+2. Layout (`build_verify_batch`): request i's tree slots are its queries; slot j is written at KV position
+   ``seq_len - 1 + j`` and rotated at position ``seq_len - 1 + depth[j]``, attending to the committed KV and to its
+   ancestors (``ForwardBatch.tree_bits``). Logits are taken at every slot and every slot is a sampling row, sampled
+   as its request samples (its step index ``output tokens + depth``), so the greedy token after each slot comes
+   out of the ordinary sampling program.
+3. Acceptance (`Speculator.apply_verify`): `draft_tree.verify_greedy` walks the tree with the target's token after
+   each slot; the accepted tokens and the bonus token are appended one at a time (`output.append_token`), so a stop
+   token, a stop string or max_new_tokens ends the run where it lands. The K/V of the accepted slots moves to the
+   positions they end at (`take_moves`, run by `ModelRunner.move_kv` before the next step), and every position past
+   the last accepted one is given back (`KVMemory.rollback`): the prefix cache only ever sees accepted tokens.
+
+Requests that sample (temperature > 0 and top_k != 1), use penalties or logit_bias, or follow a grammar decode
+without drafts: their row in a verify step is a one-slot tree (the root), sampled exactly as in a decode step, so
+their output is what it is without speculation. The overlap scheduler is off while speculating: the next step
+needs this one's accepted length (SGLang's first speculative worker does the same).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
+from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask
+from sgl_jax.srt.scheduler.output import append_token, commit_launched_row
+from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, cumulative_lens, last_input_token, pad_to, \
+    page_table
+from sgl_jax.srt.speculative.draft_tree import NO_TREE, tree_bits, tree_depths, verify_greedy
+from sgl_jax.srt.speculative.ngram_cache import NgramCache, NgramConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SpecCounts:
+    """A request's speculative-decoding counts, reported in ``meta_info`` (SGLang's names): ``verify_ct`` decode
+    steps run while speculating (verify steps, and decode steps in which nothing was drafted), ``draft_tokens``
+    draft slots verified (roots not counted), ``accepted_tokens`` of them accepted."""
+
+    verify_ct: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+def may_draft(req: Req) -> bool:
+    """Whether `req` may run draft tokens: greedy (temperature 0 or top_k 1), without penalties or logit_bias, and
+    without a grammar (see the module docstring)."""
+    sp = req.sampling_params
+    return (sp.temperature <= 0.0 or sp.top_k == 1) and not sp.uses_penalties() and req.grammar is None
+
+
+def _tail(req: Req, n: int) -> List[int]:
+    """The last `n` tokens of `req`'s prompt + output."""
+    out = req.output_ids
+    if len(out) >= n:
+        return out[len(out) - n:]
+    return req.origin_input_ids[max(0, len(req.origin_input_ids) - (n - len(out))):] + out
+
+
+def _root_tree(req: Req) -> Tuple[np.ndarray, np.ndarray]:
+    """The one-slot tree of a request that drafted nothing: its last token."""
+    return np.asarray([last_input_token(req)], np.int32), np.asarray([-1], np.int32)
+
+
+class Speculator:
+    """One rank's n-gram speculation (see the module docstring).
+
+    Args:
+        config: the drafter's settings (`NgramConfig.from_server_args`).
+        context_len: tokens per sequence (a draft never reaches past it).
+    """
+
+    def __init__(self, config: NgramConfig, context_len: int):
+        self.cache = NgramCache(config)
+        self.num_draft_tokens = config.num_draft_tokens
+        self.context_len = context_len
+        self._moves: Tuple[List[int], List[int]] = ([], [])
+        self.num_verify_steps = 0
+        self.num_draft_tokens_total = 0
+        self.num_accepted_tokens_total = 0
+        self.num_kv_moves = 0
+
+    # ---- before a step
+    def _context(self, req: Req) -> List[int]:
+        """The last tokens of `req` that the cache matches (its newest output last)."""
+        return _tail(req, self.cache.config.max_match_window)
+
+    def _budget(self, req: Req) -> int:
+        """Draft slots `req` may run this step (root included): a verify step emits at most one token per slot, so
+        no more than max_new_tokens leaves, and no slot past the context."""
+        n = min(self.num_draft_tokens, self.context_len - req.seqlen + 1)
+        mx = req.sampling_params.max_new_tokens
+        return n if mx is None else min(n, mx - req.num_output_total)
+
+    def verify_batch(self, batch: ScheduleBatch, memory) -> ScheduleBatch:
+        """The step for a decode batch whose requests each have their root's KV slot (`prepare_for_decode`): a
+        TARGET_VERIFY batch with the drafts found and their KV slots taken, or `batch` itself when nothing was
+        drafted. A request whose draft slots cannot be had, even by evicting cached KV, runs without a draft."""
+        drafts = {}
+        for req in batch.reqs:
+            if not may_draft(req):
+                continue
+            budget = self._budget(req)
+            if budget < 2:
+                continue
+            tokens, parents = self.cache.draft(self._context(req), pad=False, max_tokens=budget)
+            if len(tokens) > 1 and memory.allocate_drafts(req, len(tokens) - 1):
+                drafts[id(req)] = (tokens, parents)
+        if not drafts:
+            return batch
+        return ScheduleBatch(list(batch.reqs), ForwardMode.TARGET_VERIFY, drafts)
+
+    @staticmethod
+    def as_decode(batch: ScheduleBatch, memory) -> ScheduleBatch:
+        """A verify batch without its drafts (their KV slots given back): a decode batch, for a step that another
+        DP rank's extend decides (`unify_step`)."""
+        for req in batch.reqs:
+            if id(req) in batch.drafts:
+                memory.rollback(req, req.seqlen)
+        return ScheduleBatch(list(batch.reqs), ForwardMode.DECODE)
+
+    # ---- after a step
+    def apply_verify(self, batch: ScheduleBatch, out, memory, decode_tail: Callable,
+                     on_error: Optional[Callable] = None, check: Optional[Callable] = None) -> None:
+        """Apply a verify step's result (`batch`: its launched copy; `out`: the rank's StepOutput, a row per slot):
+        accept each request's longest matching path, append its tokens, queue its K/V moves and give back the rest
+        of its draft slots. `on_error` / `check` as in `output.process_batch_result`."""
+        lp_rows = None
+        if any(r.return_logprob and (r.top_logprobs_num > 0 or r.token_ids_logprob) for r in batch.reqs):
+            lp_rows = out.logprob_rows()
+        self.num_verify_steps += 1
+        for i, req in enumerate(batch.reqs):
+            commit_launched_row(batch, i)
+            tree = batch.drafts.get(id(req)) or _root_tree(req)
+            try:
+                self._accept(req, tree, batch.row_token_starts[i], out, lp_rows, memory, decode_tail, check)
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                on_error(req, exc)
+
+    def _accept(self, req: Req, tree, first: int, out, lp_rows, memory, decode_tail, check) -> None:
+        """One request of a verify step: `first` its root's row among the rank's sampling rows."""
+        tokens, parents = tree
+        base = req.seqlen - 1  # the root's position
+        appended = 0
+        try:
+            if req.to_abort is not None:
+                req.finished_reason = req.to_abort
+                return
+            if check is not None:
+                check(req)
+            target = np.asarray(out.next_token_ids[first:first + len(tokens)])
+            accepted, emitted = verify_greedy(tokens, parents, target)
+            for k, token in enumerate(emitted):
+                append_token(req, token, first + accepted[k], out, lp_rows, decode_tail)
+                appended += 1
+                if req.finished():
+                    break
+            row = memory.row(req)
+            for m in range(1, appended):  # accepted slot accepted[m] ends at position base + m
+                if accepted[m] != m:
+                    self._moves[0].append(int(row[base + accepted[m]]))
+                    self._moves[1].append(int(row[base + m]))
+            if req.spec is not None:
+                req.spec.draft_tokens += len(tokens) - 1
+                req.spec.accepted_tokens += max(appended - 1, 0)
+            self.num_draft_tokens_total += len(tokens) - 1
+            self.num_accepted_tokens_total += max(appended - 1, 0)
+        finally:  # positions past the root and the accepted drafts are given back, whatever happened
+            memory.rollback(req, base + max(appended, 1))
+
+    def take_moves(self) -> Tuple[np.ndarray, np.ndarray]:
+        """The K/V moves the steps applied since the last call queued, (src, dst) int32 rank-local slots; they must
+        run before the next step's forward (the freed pages may be handed out again)."""
+        src, dst = self._moves
+        self._moves = ([], [])
+        self.num_kv_moves += len(src)
+        return np.asarray(src, np.int32), np.asarray(dst, np.int32)
+
+    def after_step(self, batch: ScheduleBatch) -> None:
+        """Feed the n-gram cache (a request's prompt once its prefill completes, every decode row's newest tokens)
+        and count the decode rows' verify steps."""
+        for req in batch.reqs:
+            if req.score is not None:
+                continue
+            if batch.is_decode_row(req):
+                if req.spec is not None:
+                    req.spec.verify_ct += 1
+                self.cache.insert_tail(_tail(req, self.cache.config.branch_length))
+            elif not req.is_chunked:
+                self.cache.insert_prompt(req.origin_input_ids)
+
+    def stats(self) -> dict:
+        """Totals for the internal state: verify steps, draft tokens verified, accepted, and accepted slots whose K/V
+        moved (a path off the tree's first branch)."""
+        return {"spec_verify_steps": self.num_verify_steps, "spec_draft_tokens": self.num_draft_tokens_total,
+                "spec_accepted_tokens": self.num_accepted_tokens_total, "spec_kv_moves": self.num_kv_moves}
+
+
+def unify_step(batches: List[Optional[ScheduleBatch]], memories: Sequence) -> List[Optional[ScheduleBatch]]:
+    """Make the DP ranks' batches of one step share a mode: a verify batch runs only with verify batches (a rank's
+    decode batch then runs as a verify batch without drafts); when another rank extends, verify batches drop their
+    drafts and decode inside the extend step."""
+    modes = {b.forward_mode for b in batches if b is not None and b.reqs}
+    if ForwardMode.TARGET_VERIFY not in modes:
+        return batches
+    out = []
+    for b, memory in zip(batches, memories):
+        if b is not None and b.forward_mode == ForwardMode.TARGET_VERIFY and ForwardMode.EXTEND in modes:
+            b = Speculator.as_decode(b, memory)
+        elif b is not None and b.forward_mode == ForwardMode.DECODE and ForwardMode.EXTEND not in modes:
+            b = ScheduleBatch(list(b.reqs), ForwardMode.TARGET_VERIFY)
+        out.append(b)
+    return out
+
+
+def build_verify_batch(batch: ScheduleBatch, buckets: ShapeBuckets, memory,
+                       padded_shape: Optional[tuple] = None) -> ModelWorkerBatch:
+    """Host arrays of a verify step (see the module docstring), padded to ``padded_shape`` (TARGET_VERIFY, T_pad,
+    S_pad) or the verify bucket of the batch.
+
+    Raises:
+        ValueError: the batch does not fit the shape. RuntimeError: a request's KV slots are not its tree's.
+    """
+    reqs = batch.reqs
+    pool, page_size = memory.req_to_token_pool, memory.page_size
+    S = len(reqs)
+    trees = [batch.drafts.get(id(r)) or _root_tree(r) for r in reqs]
+    q_lens = np.asarray([len(t[0]) for t in trees], np.int64)
+    T = int(q_lens.sum())
+    _, T_pad, S_pad = padded_shape or (ForwardMode.TARGET_VERIFY, *buckets.verify_shape(S))
+    if T > T_pad or S > S_pad:
+        raise ValueError(f"a verify batch of {T} slots in {S} trees does not fit the step shape ({T_pad}, {S_pad})")
+    base = np.asarray([r.seqlen - 1 for r in reqs], np.int64)
+    kv_lens = np.asarray([r.kv_allocated_len for r in reqs], np.int32)
+    if np.any(kv_lens != base + q_lens):
+        raise RuntimeError("a verify row's KV slots do not match its draft tree")
+    depths = [tree_depths(p) for _, p in trees]
+    rows = np.asarray([r.req_pool_idx for r in reqs], np.int64)
+    input_ids = np.concatenate([t[0] for t in trees]).astype(np.int32)
+    positions = np.concatenate([b + d for b, d in zip(base, depths)]).astype(np.int32)
+    kv_pos = np.concatenate([b + np.arange(n) for b, n in zip(base, q_lens)])
+    out_cache_loc = pool.req_to_token[np.repeat(rows, q_lens), kv_pos]
+    bits = np.concatenate([tree_bits(p) if len(p) > 1 else np.full(1, NO_TREE, np.int32) for _, p in trees])
+    cu = cumulative_lens(q_lens, S_pad)
+    fb = ForwardBatch(
+        input_ids=pad_to(input_ids, T_pad), positions=pad_to(positions, T_pad),
+        out_cache_loc=pad_to(out_cache_loc, T_pad), cu_q_lens=cu, kv_lens=pad_to(kv_lens, S_pad),
+        page_indices=page_table(pool, rows, S_pad, page_size), num_seqs=np.asarray(S, np.int32),
+        logits_indices=pad_to(np.arange(T), T_pad), prefix_lens=np.zeros(S_pad, np.int32),
+        segment_starts=np.zeros(T_pad, np.int32), shared_prefix_len=np.asarray(0, np.int32),
+        tree_bits=pad_to(bits, T_pad, value=NO_TREE), forward_mode=ForwardMode.TARGET_VERIFY)
+    fb = dataclasses.replace(fb, **memory.layer_pool_fields(fb.page_indices, fb.out_cache_loc))
+    sampling = _verify_sampling(reqs, trees, depths, cu[:S], T_pad)
+    return ModelWorkerBatch(forward_batch=fb, sampling=sampling, num_tokens=T, num_seqs=S)
+
+
+def _verify_sampling(reqs: List[Req], trees: list, depths: list, starts: np.ndarray, rows_pad: int) -> SamplingBatch:
+    """A sampling row per slot: the request's parameters and seed, the step index of the token after the slot
+    (output tokens + depth); the root row is the request's decode row (its penalties and grammar mask), a draft
+    slot's row is plain (requests with penalties or a grammar never draft)."""
+    sps, cols = [], {k: [] for k in ("seeds", "steps", "suppress_eos", "slots", "penalized", "last_token",
+                                     "last_token_index", "constrained")}
+    for req, (tokens, _), depth in zip(reqs, trees, depths):
+        sp, n_out = req.sampling_params, req.num_output_total
+        for j in range(len(tokens)):
+            root = j == 0
+            sps.append(sp)
+            cols["seeds"].append(req.seed)
+            cols["steps"].append(n_out + int(depth[j]))
+            cols["suppress_eos"].append(n_out + int(depth[j]) < sp.min_new_tokens)
+            cols["slots"].append(req.req_pool_idx)
+            cols["penalized"].append(root and sp.uses_penalties())
+            cols["last_token"].append(int(tokens[0]) if root else 0)
+            cols["last_token_index"].append(n_out - 1 if root else -1)
+            cols["constrained"].append(root and req.grammar is not None)
+    mask = None
+    grammar_reqs = [(req, int(s)) for req, s in zip(reqs, starts) if req.grammar is not None]
+    if grammar_reqs:
+        mask = all_allowed_mask(rows_pad, grammar_reqs[0][0].grammar.mask_width)
+        for req, row in grammar_reqs:
+            req.grammar.fill_vocab_mask(mask, row)
+    return SamplingBatch.build(sps, cols, rows_pad, mask)
+
+
+def new_speculators(server_args, context_len: int, num_ranks: int) -> List[Optional[Speculator]]:
+    """One `Speculator` per DP rank when ``--speculative-algorithm`` is set, else Nones."""
+    if server_args.speculative_algorithm is None:
+        return [None] * num_ranks
+    config = NgramConfig.from_server_args(server_args)
+    return [Speculator(config, context_len) for _ in range(num_ranks)]

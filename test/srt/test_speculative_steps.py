@@ -1,0 +1,121 @@
+"""Speculative decoding's host side without a model (scheduler/speculation.py): a decode batch turned into a verify
+step -- draft slots allocated, the verify layout (positions by depth, KV slots in slot order, tree bits, a logits
+row and a sampling row per slot) --, then a step's sampled tokens applied: the accepted path off the tree's first
+branch (its K/V queued to move), the bonus token, the unaccepted slots' pages given back, the pools exact after
+the requests are released. The model's part (the same outputs as without speculation) is test_speculative_serving.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sgl_jax.srt.forward_batch import ForwardMode
+from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.kv_memory import KVMemory
+from sgl_jax.srt.mem_cache.radix_cache import RadixCache
+from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+from sgl_jax.srt.model_executor.model_runner import StepOutput
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_length
+from sgl_jax.srt.scheduler.speculation import SpecCounts, Speculator, build_verify_batch
+from sgl_jax.srt.speculative.draft_tree import NO_TREE, tree_bits
+from sgl_jax.srt.speculative.ngram_cache import NgramConfig
+
+PAGE = 4
+
+
+def _setup(max_new=(20, 20)):
+    pool = ReqToTokenPool(4, 64)
+    alloc = PagedTokenToKVPoolAllocator(256, PAGE)
+    memory = KVMemory(pool, alloc, RadixCache(pool, alloc, PAGE))
+    spec = Speculator(NgramConfig(num_draft_tokens=6, max_match_window=3, min_bfs_breadth=2, max_bfs_breadth=2,
+                                  branch_length=8), context_len=64)
+    # a: its prompt holds "5 6 7 8" and "5 6 9 10" (two continuations of 5 6: a tree); b: nothing to match
+    a = Req("a", [1, 5, 6, 7, 8, 2, 5, 6, 9, 10, 3, 4],
+            SamplingParams(max_new_tokens=max_new[0], temperature=0.0, stop_token_ids=[]), eos_token_ids=[0], seed=1)
+    b = Req("b", [40, 41, 42], SamplingParams(max_new_tokens=max_new[1], temperature=0.8, stop_token_ids=[]),
+            eos_token_ids=[0], seed=2)
+    for r in (a, b):
+        r.spec = SpecCounts()
+        r.extend_input_len = len(r.origin_input_ids)
+    ScheduleBatch([a, b], ForwardMode.EXTEND).prepare_for_extend(memory)
+    for r, first in ((a, 5), (b, 43)):  # the prefill ran and sampled each request's first token
+        r.kv_committed_len = r.kv_allocated_len
+        r.output_ids.append(first)
+        spec.cache.insert_prompt(r.origin_input_ids)
+    return memory, spec, a, b
+
+
+def test_verify_step_layout_acceptance_and_rollback():
+    memory, spec, a, b = _setup()
+    free0 = memory.free_tokens()
+    dec = ScheduleBatch([a, b], ForwardMode.DECODE)
+    assert dec.prepare_for_decode(memory)
+    verify = spec.verify_batch(dec, memory)
+    assert verify.forward_mode == ForwardMode.TARGET_VERIFY and list(verify.drafts) == [id(a)]  # b samples
+    tokens, parents = verify.drafts[id(a)]
+    assert tokens[0] == 5 and 6 in tokens[1:].tolist()
+    assert len(tokens) == 6 and a.kv_allocated_len == a.seqlen - 1 + 6 and b.kv_allocated_len == b.seqlen
+    depth_of = {0: 0}
+    for i in range(1, len(parents)):
+        depth_of[i] = depth_of[int(parents[i])] + 1
+
+    buckets = ShapeBuckets((16,), (1, 4), verify_tokens=6)
+    mwb = build_verify_batch(verify, buckets, memory)
+    fb = mwb.forward_batch
+    base = a.seqlen - 1
+    assert fb.forward_mode == ForwardMode.TARGET_VERIFY and fb.input_ids.shape == (24,) and fb.kv_lens.shape == (4,)
+    assert mwb.rows_pad == 24 and mwb.num_rows == 7 and fb.logits_indices[:7].tolist() == list(range(7))
+    assert fb.input_ids[:7].tolist() == tokens.tolist() + [43]
+    assert fb.positions[:6].tolist() == [base + depth_of[i] for i in range(6)] and fb.positions[6] == b.seqlen - 1
+    row = memory.row(a)
+    assert fb.out_cache_loc[:6].tolist() == row[base:base + 6].tolist()  # slot order
+    assert fb.tree_bits[:6].tolist() == tree_bits(parents).tolist() and fb.tree_bits[6] == NO_TREE
+    assert (fb.tree_bits[7:] == NO_TREE).all() and fb.cu_q_lens[:3].tolist() == [0, 6, 7]
+    assert fb.kv_lens[:2].tolist() == [a.kv_allocated_len, b.kv_allocated_len]
+    s = mwb.sampling
+    assert s.steps[:7].tolist() == [1 + depth_of[i] for i in range(6)] + [1]
+    assert s.params["temperature"][6] == np.float32(0.8) and s.seeds[:7].tolist() == [1] * 6 + [2]
+
+    # the target agrees with the draft along the branch through the slot holding 9 (the second continuation of 5 6),
+    # then predicts 77: accepted 6, 9, 10, bonus 77 -- unless the tree holds 10 under 9 only on the other branch
+    launched = verify.launched()
+    target = np.zeros(24, np.int32)
+    kids = {i: [j for j in range(1, 6) if parents[j] == i] for i in range(6)}
+    six = next(j for j in kids[0] if tokens[j] == 6)
+    nine = next(j for j in kids[six] if tokens[j] == 9)
+    target[0], target[six], target[nine] = 6, 9, 10
+    ten = next((j for j in kids[nine] if tokens[j] == 10), None)
+    want = [6, 9, 10] if ten is None else [6, 9, 10, 77]
+    if ten is not None:
+        target[ten] = 77
+    target[6] = 44  # b's sampled token
+    out = StepOutput(target, np.zeros(24, np.float32), None, None, None)
+    slots = {j: int(memory.row(a)[base + j]) for j in range(6)}
+    spec.apply_verify(launched, out, memory, decode_tail=lambda r, ids: "")
+    assert a.output_ids == [5] + want and b.output_ids == [43, 44]
+    path = [0, six, nine] + ([ten] if ten is not None else [])
+    assert a.kv_allocated_len == a.kv_committed_len == a.seqlen - 1 == base + len(path)
+    src, dst = spec.take_moves()
+    moved = [(slots[p], slots[m]) for m, p in enumerate(path) if m and p != m]
+    assert list(zip(src.tolist(), dst.tolist())) == moved and moved  # the second branch: its K/V moves
+    assert a.spec.draft_tokens == 5 and a.spec.accepted_tokens == len(path) - 1
+    assert b.spec.draft_tokens == 0 and b.kv_allocated_len == b.kv_committed_len == b.seqlen - 1
+    assert memory.check_invariants([a, b]) == []
+    for r in (a, b):
+        r.finished_reason = finish_length(len(r.output_ids))
+        memory.release(r)
+    acc = memory.accounting()
+    assert acc["kv_tokens_free"] + acc["kv_tokens_cached"] == acc["kv_tokens_total"] and memory.free_tokens() <= free0
+
+
+def test_drafts_stop_at_max_new_tokens_and_nothing_to_draft_stays_a_decode_step():
+    memory, spec, a, b = _setup(max_new=(3, 20))
+    dec = ScheduleBatch([a, b], ForwardMode.DECODE)
+    assert dec.prepare_for_decode(memory)
+    verify = spec.verify_batch(dec, memory)
+    tokens, _ = verify.drafts[id(a)]
+    assert len(tokens) == 2  # 2 of 3 output tokens left: the root and one draft, never past max_new_tokens
+    solo = ScheduleBatch([b], ForwardMode.DECODE)
+    assert spec.verify_batch(solo, memory) is solo  # b samples (temperature 0.8): no verify step
