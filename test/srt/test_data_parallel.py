@@ -1,8 +1,8 @@
 """Data-parallel attention ranks through real servers on 8 virtual CPU devices (``XLA_FLAGS`` set in the
 server's environment before jax is imported).
 
-A tiny random Llama (SmolLM2's tokenizer and vocabulary, 4 heads, 2 KV heads) served three ways: dp 1, dp 2
-x tp 2 (round_robin) and dp 4 (cache_aware):
+A tiny random Llama (SmolLM2's tokenizer and vocabulary, 4 heads, 2 KV heads) served four ways: dp 1, dp 2
+x tp 2 (round_robin), dp 2 x tp 2 with NGRAM speculative decoding, and dp 4 (cache_aware):
 - greedy tokens identical to dp 1 over 16 prompts x 32 tokens sent at once (so every rank batches), output
   logprobs within 1e-3;
 - round_robin: requests per rank differ by at most 1;
@@ -46,6 +46,12 @@ def dp1(tiny_model):
 @pytest.fixture(scope="module")
 def dp2_tp2(tiny_model):
     yield from serve(tiny_model, "--dp-size", "2", "--tp-size", "2", "--load-balance-method", "round_robin")
+
+
+@pytest.fixture(scope="module")
+def dp2_tp2_ngram(tiny_model):
+    yield from serve(tiny_model, "--dp-size", "2", "--tp-size", "2", "--speculative-algorithm", "NGRAM",
+                     "--speculative-num-draft-tokens", "6")
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +116,18 @@ def test_dp2_tp2_no_compile_over_100_requests(dp2_tp2):
     assigned = [s["num_assigned_reqs"] for s in state]
     assert max(assigned) - min(assigned) <= 1, assigned
     wait_pool_idle(dp2_tp2.url)
+
+
+def test_dp2_tp2_speculative_matches_dp1(dp2_tp2_ngram, reference):
+    """NGRAM speculative decoding with 2 DP ranks of 2 tensor-parallel devices: the same greedy tokens (and
+    logprobs within LOGPROB_TOL) as dp 1 without it, drafts accepted on both ranks (the tiny model's greedy output
+    repeats itself); 16 requests at once, so one rank prefills while the other verifies (`unify_step`)."""
+    check_same_as_dp1(dp2_tp2_ngram.url, reference)
+    state = ranks(dp2_tp2_ngram.url)
+    assert all(s["spec_accepted_tokens"] > 0 for s in state), state
+    assert state[0]["spec_unified_steps"] > 0  # ranks in different modes shared steps
+    assert all(s["num_compiles_after_warmup"] == 0 for s in state), state
+    wait_pool_idle(dp2_tp2_ngram.url)
 
 
 def test_dp4_matches_dp1(dp4, reference):

@@ -8,7 +8,8 @@ memory, answering the README's chat request.
   those token ids gives the same greedy answer (and a plain completion prompt is answered " Paris", as the
   README says);
 - /get_server_info shows the separate SWA pool (swa_tokens_*) beside the full pool, and both are idle
-  afterwards.
+  afterwards;
+- with --speculative-algorithm NGRAM (a second server), the same greedy tokens past the window, drafts accepted.
 """
 
 from __future__ import annotations
@@ -83,3 +84,32 @@ def test_readme_chat_request_through_gemma_template(server):
     # radix cache on: the finished requests' KV stays cached in both pools (SWARadixCache), nothing in use
     assert state["swa_tokens_free"] + state["swa_tokens_cached"] == state["swa_tokens_total"]
     assert state["swa_tokens_cached"] > 0 and state["kv_tokens_cached"] > 0
+
+
+# a ~700-token prompt (past Gemma 3's 512-token window) that the model continues by repeating its pattern
+LONG_PROMPT = "".join(f"Step {i}: add {i} to the total, then write the total down.\n" for i in range(48))
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    yield from module_server(["--model-path", GEMMA3_270M_PACKAGE, "--speculative-algorithm", "NGRAM",
+                              "--speculative-num-draft-tokens", "6"], engine_args=ENGINE_ARGS)
+
+
+def test_speculative_decoding_with_the_sliding_window(server, spec_server):
+    """NGRAM speculative decoding on the sliding-window model with hybrid SWA memory: the same greedy tokens as
+    without it for a prompt and output past the 512-token window (SWA KV released as it leaves the window while
+    drafts are verified and rolled back), drafts accepted as chains (the window is measured on the KV position:
+    no draft tree, no K/V move), and both pools idle afterwards."""
+    body = {"text": LONG_PROMPT, "sampling_params": {"max_new_tokens": 64, "temperature": 0}}
+    outs = []
+    for url in (server.url, spec_server.url):
+        r = httpx.post(url + "/generate", json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        outs.append(r.json())
+    ref, spec = outs
+    assert ref["meta_info"]["prompt_tokens"] > 600 and ref["meta_info"]["completion_tokens"] == 64
+    assert spec["output_ids"] == ref["output_ids"]
+    assert spec["meta_info"]["spec_accept_token_num"] > 16, spec["meta_info"]
+    state = wait_pool_idle(spec_server.url)
+    assert 0 < state["swa_tokens_total"] < state["kv_tokens_total"] and state["spec_kv_moves"] == 0

@@ -3,8 +3,9 @@ acceptance (speculative/draft_tree.py), on host arrays.
 
 References: a brute-force greedy walk over every root path for `verify_greedy` (hypothesis-generated trees and
 targets); for `verify_sampled`, the exact distribution of a toy language model's first tokens (chi-square over
-seeded draws, a statistic that must also reject a wrong distribution); for the drafter, hand-built token streams whose continuations are known (a copied passage, two
-continuations of one prefix seen with different counts), and its capacity bound under a stream that overflows it.
+seeded draws, a statistic that must also reject a wrong distribution); for the drafter, hand-built token streams
+whose continuations are known (a copied passage, two continuations of one prefix seen with different counts), and
+its capacity bound under a stream that overflows it; `first_chain` on a hand-built tree.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_jax.srt.speculative.draft_tree import check_tree, tree_depths, tree_mask, verify_greedy, verify_sampled
+from sgl_jax.srt.speculative.draft_tree import check_tree, first_chain, tree_depths, tree_mask, verify_greedy, \
+    verify_sampled
 from sgl_jax.srt.speculative.ngram_cache import NgramCache, NgramConfig
 
 
@@ -214,3 +216,11 @@ def test_sampled_verification_keeps_the_target_distribution():
     rounds = [len(verify_sampled(toy_draft((0,)), TOY_TREE, np.array([toy_lm((0,))] * len(TOY_TREE)), rng)[1])
               for _ in range(200)]
     assert np.mean(rounds) > 1.2
+
+
+def test_first_chain_follows_each_slots_first_child():
+    tokens = np.array([7, 1, 2, 3, 4, 5, 6])
+    parents = np.array([-1, 0, 0, 1, 1, 3, 2])  # slot 1's first child is 3, whose is 5
+    chain, chain_parents = first_chain(tokens, parents)
+    assert chain.tolist() == [7, 1, 3, 5] and chain_parents.tolist() == [-1, 0, 1, 2]
+    assert first_chain(np.array([9]), np.array([-1]))[0].tolist() == [9]

@@ -18,7 +18,7 @@ from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.model_runner import StepOutput
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_length
-from sgl_jax.srt.scheduler.speculation import SpecCounts, Speculator, build_verify_batch
+from sgl_jax.srt.scheduler.speculation import PROBE_INTERVAL, SpecCounts, Speculator, build_verify_batch
 from sgl_jax.srt.speculative.draft_tree import NO_TREE, tree_bits
 from sgl_jax.srt.speculative.ngram_cache import NgramConfig
 
@@ -53,7 +53,7 @@ def test_verify_step_layout_acceptance_and_rollback():
     dec = ScheduleBatch([a, b], ForwardMode.DECODE)
     assert dec.prepare_for_decode(memory)
     verify = spec.verify_batch(dec, memory)
-    assert verify.forward_mode == ForwardMode.TARGET_VERIFY and list(verify.drafts) == [id(a)]  # b samples
+    assert verify.forward_mode == ForwardMode.TARGET_VERIFY and list(verify.drafts) == [id(a)]  # b: no match
     tokens, parents = verify.drafts[id(a)]
     assert tokens[0] == 5 and 6 in tokens[1:].tolist()
     assert len(tokens) == 6 and a.kv_allocated_len == a.seqlen - 1 + 6 and b.kv_allocated_len == b.seqlen
@@ -118,4 +118,28 @@ def test_drafts_stop_at_max_new_tokens_and_nothing_to_draft_stays_a_decode_step(
     tokens, _ = verify.drafts[id(a)]
     assert len(tokens) == 2  # 2 of 3 output tokens left: the root and one draft, never past max_new_tokens
     solo = ScheduleBatch([b], ForwardMode.DECODE)
-    assert spec.verify_batch(solo, memory) is solo  # b samples (temperature 0.8): no verify step
+    assert spec.verify_batch(solo, memory) is solo  # nothing in the cache follows b: no verify step
+
+
+def test_draft_size_follows_acceptance():
+    """A request's drafts grow while they are accepted and shrink when they are not; with nothing accepted it
+    stops drafting, but for one verify step every PROBE_INTERVAL decode steps."""
+    spec = Speculator(NgramConfig(num_draft_tokens=12), context_len=1024)
+    counts = SpecCounts()
+    assert spec.draft_size(counts) == 6  # 2 + 2 x the optimistic start (2.0)
+    for _ in range(10):
+        counts.verify_ct += 1
+        counts.observe(spec.draft_size(counts) - 1, spec.draft_size(counts) - 1)  # everything accepted
+    assert spec.draft_size(counts) == 12
+    sizes = []
+    for _ in range(30):
+        counts.verify_ct += 1
+        n = spec.draft_size(counts)
+        sizes.append(n)
+        counts.observe(max(n - 1, 0), 0)  # nothing accepted
+    first_stop = sizes.index(0)
+    drafting = sizes[:first_stop]
+    assert drafting[0] == 12 and drafting == sorted(drafting, reverse=True) and drafting[-1] == 2
+    probes = [i for i, n in enumerate(sizes) if i > first_stop and n]
+    assert len(probes) >= 2 and all(sizes[i] == 2 for i in probes)
+    assert [b - a for a, b in zip([first_stop - 1] + probes, probes)] == [PROBE_INTERVAL] * len(probes)

@@ -551,10 +551,10 @@ FLAG_HELP = {
     "speculative_algorithm": f"speculative decoding, one of {list(SPECULATIVE_ALGORITHMS)} (SGLang's names; this "
                              f"build serves {list(SPECULATIVE_SERVED)}): each decode step verifies a draft tree of up "
                              "to --speculative-num-draft-tokens tokens per request in one forward and emits the "
-                             "accepted tokens plus one; greedy output is token-identical to decoding without it. "
-                             "Turns the overlap scheduler off. NGRAM drafts from an n-gram cache of every request's "
-                             "prompt and output. Requests with temperature > 0, penalties, a grammar or logprobs "
-                             "decode without drafts",
+                             "accepted tokens plus one; outputs are token-identical to decoding without it, greedy "
+                             "or seeded. Turns the overlap scheduler off. NGRAM drafts from an n-gram cache of every "
+                             "request's prompt and output. Requests with penalties, logit_bias or a grammar decode "
+                             "without drafts",
     "speculative_draft_model_path": "the draft model of STANDALONE, or the EAGLE head (not available yet)",
     "speculative_draft_model_revision": "the hub revision of --speculative-draft-model-path",
     "speculative_num_steps": "draft steps of STANDALONE / EAGLE (not available yet)",

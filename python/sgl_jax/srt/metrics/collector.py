@@ -20,6 +20,9 @@ What is measured where (SGLang's TokenizerMetricsCollector and SchedulerMetricsC
   fraction of the prompt tokens of finished requests that came from the prefix cache (cumulative; SGLang
   reports the last prefill batch's fraction, which jumps between 0 and 1 on a quiet server); it is set as
   requests finish.
+- Speculative decoding (--speculative-algorithm), at scrape time from the scheduler's counts since start:
+  ``sglang:spec_accept_length`` (the mean tokens a verify step emits: its accepted draft tokens + the bonus
+  token) and ``sglang:spec_accept_rate`` (accepted / verified draft tokens); 0 before the first verify step.
 - Mixture-of-experts models, at scrape time from the scheduler's ``moe`` state (model_executor/moe_stats.py):
   ``sglang:moe_ep_imbalance`` (max / mean tokens per expert-parallel device over the last window of steps)
   and the histogram ``sglang:moe_expert_load_ratio`` (each sparse layer's experts' tokens over a window / the
@@ -112,6 +115,10 @@ class MetricsCollector:
         self.num_streaming_sessions = gauge("sglang:num_streaming_sessions", "The number of open streaming sessions.")
         self.streaming_session_held_tokens = gauge("sglang:streaming_session_held_tokens",
                                                    "KV tokens held by streaming sessions between turns.")
+        self.spec_accept_length = gauge("sglang:spec_accept_length",
+                                        "The average acceptance length of speculative decoding.")
+        self.spec_accept_rate = gauge("sglang:spec_accept_rate",
+                                      "The fraction of verified draft tokens accepted by speculative decoding.")
         self.moe = _MoeCollector(model_name)
         self.registry.register(self.moe)
 
@@ -155,7 +162,8 @@ class MetricsCollector:
     def update_gauges(self, internal_state: dict) -> None:
         """Set the gauges from the scheduler's internal state (``TokenizerManager.get_internal_state()``:
         ``kv_tokens_total``, ``kv_tokens_free``, ``kv_tokens_evictable``, ``num_running_reqs``,
-        ``num_waiting_reqs``, ``num_streaming_sessions``, ``kv_tokens_session_held``; token counts in tokens)."""
+        ``num_waiting_reqs``, ``num_streaming_sessions``, ``kv_tokens_session_held``, and with speculative decoding
+        ``spec_verify_steps``, ``spec_draft_tokens``, ``spec_accepted_tokens``; token counts in tokens)."""
         total = internal_state["kv_tokens_total"]
         used = total - internal_state["kv_tokens_free"] - internal_state["kv_tokens_evictable"]
         self.num_running_reqs.set(internal_state["num_running_reqs"])
@@ -166,6 +174,11 @@ class MetricsCollector:
         self.num_streaming_sessions.set(internal_state.get("num_streaming_sessions", 0))
         self.streaming_session_held_tokens.set(internal_state.get("kv_tokens_session_held", 0))
         self.moe.state = internal_state.get("moe")
+        steps = internal_state.get("spec_verify_steps")
+        if steps:
+            accepted = internal_state["spec_accepted_tokens"]
+            self.spec_accept_length.set((accepted + steps) / steps)
+            self.spec_accept_rate.set(accepted / max(internal_state["spec_draft_tokens"], 1))
 
     def render(self) -> bytes:
         """Every metric in the Prometheus text format (`METRICS_CONTENT_TYPE`)."""

@@ -101,7 +101,8 @@ CHECK_KV_INVARIANTS_ENV = "SGL_JAX_CHECK_KV_INVARIANTS"
 # per-rank entries of the internal state that the server-wide state sums (besides the KV accounting's)
 SUMMED_STATE_KEYS = ("num_running_reqs", "num_waiting_reqs", "req_slots_free", "memory_errors", "num_retracted_reqs",
                      "num_assigned_reqs", "num_score_handles", "num_expired_score_handles", "num_score_groups",
-                     "num_sessions", "num_streaming_sessions", "req_slots_session_held", "num_mixed_steps")
+                     "num_sessions", "num_streaming_sessions", "req_slots_session_held", "num_mixed_steps",
+                     "spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens", "spec_kv_moves")
 
 
 class _Discard:
@@ -164,11 +165,10 @@ class Scheduler:
         budget_ms = server_args.max_prefill_step_ms
         self.step_budget = (PrefillStepBudget(budget_ms, self.buckets, server_args.page_size, self.step_time_model)
                             if budget_ms > 0 and self.chunk_size else None)
-        if server_args.speculative_algorithm is not None and self.model_runner.kv_spec.num_pools > 1:
-            raise ValueError("--speculative-algorithm with a sliding-window model's separate SWA KV pool is not "
-                             "supported yet; pass --disable-hybrid-swa-memory")
         self.speculating = server_args.speculative_algorithm is not None
-        speculators = new_speculators(server_args, self.context_len, self.dp_size)
+        self.num_spec_unified_steps = 0  # steps whose DP ranks' batches changed mode to share one (unify_step)
+        speculators = new_speculators(server_args, self.context_len, self.dp_size,
+                                      sliding_window=mc.sliding_window is not None)
         self.ranks: List[RankScheduler] = [self._new_rank(r, speculators[r]) for r in range(self.dp_size)]
         self.kv_size = self.ranks[0].memory.size  # tokens of KV per rank
         self.kv_limits = KVLimits(self.context_len, self.max_req_input_len, self.kv_size, self.page_size)
@@ -365,7 +365,8 @@ class Scheduler:
                     batch.filter_finished()
             batches = [b if b is not None and b.reqs else None for b in batches]
         if self.speculating:
-            batches = unify_step(batches, [rank.memory for rank in self.ranks])
+            batches, changed = unify_step(batches, [rank.memory for rank in self.ranks])
+            self.num_spec_unified_steps += changed
         for rank, batch in zip(self.ranks, batches):
             if batch is None:
                 rank.on_idle()
@@ -678,12 +679,14 @@ class Scheduler:
                   "warmup": self.model_runner.warmup_stats,
                   "prefill_step_budget": None if self.step_budget is None else self.step_budget.state(),
                   "moe": None if self.model_runner.moe_stats is None else self.model_runner.moe_stats.state(),
+                  **({"spec_unified_steps": self.num_spec_unified_steps} if self.speculating else {}),
                   **self.info().to_json()}
         per_rank = [{**rank.internal_state(), **shared} for rank in self.ranks]
         state = {k: v for k, v in per_rank[0].items() if k != "dp_rank"}
         summed = SUMMED_STATE_KEYS + tuple(self.ranks[0].kv_accounting())  # every accounting entry is a count
         for key in summed:
-            state[key] = sum(p[key] for p in per_rank)
+            if key in state:  # (the speculative-decoding counts exist only with --speculative-algorithm)
+                state[key] = sum(p[key] for p in per_rank)
         state["new_token_ratio"] = min(p["new_token_ratio"] for p in per_rank)
         state["sessions"] = [s for p in per_rank for s in p["sessions"]]
         state["dp_ranks"] = per_rank

@@ -15,13 +15,18 @@ request has a draft (SGLang's n-gram worker; Leviathan et al. 2023, Miao et al. 
    out of the ordinary sampling program.
 3. Acceptance (`Speculator.apply_verify`): `draft_tree.verify_greedy` walks the tree with the target's token after
    each slot; the accepted tokens and the bonus token are appended one at a time (`output.append_token`), so a stop
-   token, a stop string or max_new_tokens ends the run where it lands. The K/V of the accepted slots moves to the
-   positions they end at (`take_moves`, run by `ModelRunner.move_kv` before the next step), and every position past
+   token, a stop string or max_new_tokens ends the run where it lands. Under sampling the target's token after a
+   slot is drawn with the request's own random stream at that output index (fold_in(key(seed), step), as without
+   speculation), so the accepted path's tokens are exactly the tokens sampling one at a time draws: the output
+   keeps the target's distribution and, for a seeded request, is the same as without speculation. (For a drafter
+   without probabilities, as the n-gram one, this accepts a draft token with the target's probability of it, as
+   the rejection sampling of Leviathan et al. 2023 does for a point-mass draft.) The K/V of the accepted slots moves
+   to the positions they end at (`take_moves`, run by `ModelRunner.move_kv` before the next step), and every position past
    the last accepted one is given back (`KVMemory.rollback`): the prefix cache only ever sees accepted tokens.
 
-Requests that sample (temperature > 0 and top_k != 1), use penalties or logit_bias, or follow a grammar decode
-without drafts: their row in a verify step is a one-slot tree (the root), sampled exactly as in a decode step, so
-their output is what it is without speculation. The overlap scheduler is off while speculating: the next step
+Requests that use penalties or logit_bias, or follow a grammar, decode without drafts: their row in a verify step is
+a one-slot tree (the root), sampled exactly as in a decode step, so their output is what it is without
+speculation. The overlap scheduler is off while speculating: the next step
 needs this one's accepted length (SGLang's first speculative worker does the same).
 """
 
@@ -39,28 +44,52 @@ from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask
 from sgl_jax.srt.scheduler.output import append_token, commit_launched_row
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, cumulative_lens, last_input_token, pad_to, \
     page_table
-from sgl_jax.srt.speculative.draft_tree import NO_TREE, tree_bits, tree_depths, verify_greedy
+from sgl_jax.srt.speculative.draft_tree import NO_TREE, first_chain, tree_bits, tree_depths, verify_greedy
 from sgl_jax.srt.speculative.ngram_cache import NgramCache, NgramConfig
 
 logger = logging.getLogger(__name__)
+
+
+# Adaptive drafting (see `Speculator.draft_size`): a verify step of n slots costs about a decode step plus ~0.11 of
+# one per draft slot (SmolLM2 on CPU: 8 slots 93 ms, a decode step 52 ms at 1,500 tokens of context), so drafts
+# pay when more than about 0.11 x (n - 1) of them are accepted.
+ACCEPT_EMA_START = 2.0  # a new request's expected accepted tokens per verify step (optimistic: it drafts at once)
+ACCEPT_EMA_WEIGHT = 0.3  # the newest verify step's weight in the average
+MIN_ACCEPT_EMA = 0.25  # below it a request stops drafting ...
+PROBE_INTERVAL = 8  # ... but for one verify step every this many decode steps, to notice when drafts match again
+# a prompt's last this many tokens enter the n-gram cache when its prefill ends (in Python the insertion costs ~30 us
+# a token: a 2,000-token prompt ~60 ms on a 2-core CPU, a few % of its prefill; longer prompts are cut to bound it)
+PROMPT_INSERT_TOKENS = 4096
 
 
 @dataclasses.dataclass
 class SpecCounts:
     """A request's speculative-decoding counts, reported in ``meta_info`` (SGLang's names): ``verify_ct`` decode
     steps run while speculating (verify steps, and decode steps in which nothing was drafted), ``draft_tokens``
-    draft slots verified (roots not counted), ``accepted_tokens`` of them accepted."""
+    draft slots verified (roots not counted), ``accepted_tokens`` of them accepted. ``accept_ema``: the moving
+    average of its accepted tokens per verify step with drafts (what its next draft is sized by), ``next_probe``:
+    the verify_ct at which a request that stopped drafting tries again."""
 
     verify_ct: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    accept_ema: float = ACCEPT_EMA_START
+    next_probe: int = 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verify step verified `drafted` draft tokens of the request and accepted `accepted` of them."""
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if drafted:
+            self.accept_ema += ACCEPT_EMA_WEIGHT * (accepted - self.accept_ema)
+            if self.accept_ema < MIN_ACCEPT_EMA:
+                self.next_probe = self.verify_ct + PROBE_INTERVAL
 
 
 def may_draft(req: Req) -> bool:
-    """Whether `req` may run draft tokens: greedy (temperature 0 or top_k 1), without penalties or logit_bias, and
-    without a grammar (see the module docstring)."""
-    sp = req.sampling_params
-    return (sp.temperature <= 0.0 or sp.top_k == 1) and not sp.uses_penalties() and req.grammar is None
+    """Whether `req` may run draft tokens: without penalties or logit_bias (their history would have to follow each
+    tree path) and without a grammar (so would its matcher); greedy or sampled alike (see the module docstring)."""
+    return not req.sampling_params.uses_penalties() and req.grammar is None
 
 
 def _tail(req: Req, n: int) -> List[int]:
@@ -82,9 +111,13 @@ class Speculator:
     Args:
         config: the drafter's settings (`NgramConfig.from_server_args`).
         context_len: tokens per sequence (a draft never reaches past it).
+        chain_only: draft chains, each tree's first branch (`draft_tree.first_chain`): for sliding-window models,
+            whose windows are measured on the KV position, which a chain's slots have in depth order. A chain's
+            accepted slots are its first ones: no K/V ever moves (so a separate SWA pool needs no move either).
     """
 
-    def __init__(self, config: NgramConfig, context_len: int):
+    def __init__(self, config: NgramConfig, context_len: int, chain_only: bool = False):
+        self.chain_only = chain_only
         self.cache = NgramCache(config)
         self.num_draft_tokens = config.num_draft_tokens
         self.context_len = context_len
@@ -100,11 +133,22 @@ class Speculator:
         return _tail(req, self.cache.config.max_match_window)
 
     def _budget(self, req: Req) -> int:
-        """Draft slots `req` may run this step (root included): a verify step emits at most one token per slot, so
-        no more than max_new_tokens leaves, and no slot past the context."""
-        n = min(self.num_draft_tokens, self.context_len - req.seqlen + 1)
+        """Draft slots `req` may run this step (root included): `draft_size`, and since a verify step emits at most
+        one token per slot, no more than max_new_tokens leaves; no slot past the context."""
+        n = min(self.draft_size(req.spec), self.context_len - req.seqlen + 1)
         mx = req.sampling_params.max_new_tokens
         return n if mx is None else min(n, mx - req.num_output_total)
+
+    def draft_size(self, counts: Optional[SpecCounts]) -> int:
+        """Draft-tree slots (root included) for a request with `counts` (None: the most): sized to what its drafts
+        have been accepted for -- 2 + twice its average accepted tokens, so a tree grows while its drafts match and
+        shrinks when they do not (a slot costs ~0.11 of a decode step on CPU) --, and 0 while its average is
+        below MIN_ACCEPT_EMA, but at every PROBE_INTERVAL-th decode step."""
+        if counts is None:
+            return self.num_draft_tokens
+        if counts.accept_ema < MIN_ACCEPT_EMA and counts.verify_ct < counts.next_probe:
+            return 0
+        return max(2, min(self.num_draft_tokens, 2 + int(2 * counts.accept_ema)))
 
     def verify_batch(self, batch: ScheduleBatch, memory) -> ScheduleBatch:
         """The step for a decode batch whose requests each have their root's KV slot (`prepare_for_decode`): a
@@ -118,6 +162,8 @@ class Speculator:
             if budget < 2:
                 continue
             tokens, parents = self.cache.draft(self._context(req), pad=False, max_tokens=budget)
+            if self.chain_only:
+                tokens, parents = first_chain(tokens, parents)
             if len(tokens) > 1 and memory.allocate_drafts(req, len(tokens) - 1):
                 drafts[id(req)] = (tokens, parents)
         if not drafts:
@@ -177,8 +223,7 @@ class Speculator:
                     self._moves[0].append(int(row[base + accepted[m]]))
                     self._moves[1].append(int(row[base + m]))
             if req.spec is not None:
-                req.spec.draft_tokens += len(tokens) - 1
-                req.spec.accepted_tokens += max(appended - 1, 0)
+                req.spec.observe(len(tokens) - 1, max(appended - 1, 0))
             self.num_draft_tokens_total += len(tokens) - 1
             self.num_accepted_tokens_total += max(appended - 1, 0)
         finally:  # positions past the root and the accepted drafts are given back, whatever happened
@@ -193,8 +238,8 @@ class Speculator:
         return np.asarray(src, np.int32), np.asarray(dst, np.int32)
 
     def after_step(self, batch: ScheduleBatch) -> None:
-        """Feed the n-gram cache (a request's prompt once its prefill completes, every decode row's newest tokens)
-        and count the decode rows' verify steps."""
+        """Feed the n-gram cache (a request's prompt, its last PROMPT_INSERT_TOKENS tokens, once its prefill
+        completes; every decode row's newest tokens) and count the decode rows' verify steps."""
         for req in batch.reqs:
             if req.score is not None:
                 continue
@@ -203,7 +248,7 @@ class Speculator:
                     req.spec.verify_ct += 1
                 self.cache.insert_tail(_tail(req, self.cache.config.branch_length))
             elif not req.is_chunked:
-                self.cache.insert_prompt(req.origin_input_ids)
+                self.cache.insert_prompt(req.origin_input_ids[-PROMPT_INSERT_TOKENS:])
 
     def stats(self) -> dict:
         """Totals for the internal state: verify steps, draft tokens verified, accepted, and accepted slots whose K/V
@@ -212,13 +257,14 @@ class Speculator:
                 "spec_accepted_tokens": self.num_accepted_tokens_total, "spec_kv_moves": self.num_kv_moves}
 
 
-def unify_step(batches: List[Optional[ScheduleBatch]], memories: Sequence) -> List[Optional[ScheduleBatch]]:
+def unify_step(batches: List[Optional[ScheduleBatch]],
+               memories: Sequence) -> Tuple[List[Optional[ScheduleBatch]], bool]:
     """Make the DP ranks' batches of one step share a mode: a verify batch runs only with verify batches (a rank's
     decode batch then runs as a verify batch without drafts); when another rank extends, verify batches drop their
-    drafts and decode inside the extend step."""
+    drafts and decode inside the extend step. Returns (the batches, whether any changed mode)."""
     modes = {b.forward_mode for b in batches if b is not None and b.reqs}
-    if ForwardMode.TARGET_VERIFY not in modes:
-        return batches
+    if ForwardMode.TARGET_VERIFY not in modes or len(modes) == 1:
+        return batches, False
     out = []
     for b, memory in zip(batches, memories):
         if b is not None and b.forward_mode == ForwardMode.TARGET_VERIFY and ForwardMode.EXTEND in modes:
@@ -226,7 +272,7 @@ def unify_step(batches: List[Optional[ScheduleBatch]], memories: Sequence) -> Li
         elif b is not None and b.forward_mode == ForwardMode.DECODE and ForwardMode.EXTEND not in modes:
             b = ScheduleBatch(list(b.reqs), ForwardMode.TARGET_VERIFY)
         out.append(b)
-    return out
+    return out, True
 
 
 def build_verify_batch(batch: ScheduleBatch, buckets: ShapeBuckets, memory,
@@ -298,9 +344,11 @@ def _verify_sampling(reqs: List[Req], trees: list, depths: list, starts: np.ndar
     return SamplingBatch.build(sps, cols, rows_pad, mask)
 
 
-def new_speculators(server_args, context_len: int, num_ranks: int) -> List[Optional[Speculator]]:
-    """One `Speculator` per DP rank when ``--speculative-algorithm`` is set, else Nones."""
+def new_speculators(server_args, context_len: int, num_ranks: int,
+                    sliding_window: bool = False) -> List[Optional[Speculator]]:
+    """One `Speculator` per DP rank when ``--speculative-algorithm`` is set, else Nones; `sliding_window`: the
+    model has sliding-window layers (chains only)."""
     if server_args.speculative_algorithm is None:
         return [None] * num_ranks
     config = NgramConfig.from_server_args(server_args)
-    return [Speculator(config, context_len) for _ in range(num_ranks)]
+    return [Speculator(config, context_len, chain_only=sliding_window) for _ in range(num_ranks)]

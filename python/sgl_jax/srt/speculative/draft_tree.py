@@ -64,6 +64,17 @@ def tree_bits(parents: np.ndarray) -> np.ndarray:
     return (mask.astype(np.uint64) * weights).sum(1).astype(np.uint32).view(np.int32)
 
 
+def first_chain(tokens: np.ndarray, parents: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The tree's chain from the root through each slot's first child (its most likely continuation, the drafters
+    put it first): (tokens int32[m], parents int32[m]) with ``parents[i] = i - 1``. A chain's slot order is its
+    depth order, which sliding-window attention needs (a window is measured on the KV position)."""
+    children = _children(parents)
+    path = [0]
+    while children[path[-1]]:
+        path.append(children[path[-1]][0])
+    return np.asarray(tokens, np.int32)[path], np.arange(-1, len(path) - 1, dtype=np.int32)
+
+
 def _children(parents: np.ndarray) -> List[List[int]]:
     """Each slot's children, in slot order."""
     children: List[List[int]] = [[] for _ in range(len(parents))]
