@@ -381,17 +381,18 @@ def format_server_summary(report: dict) -> str:
 
 def speculation_summary(start: List[dict], end: List[dict]) -> str:
     """Speculative decoding during the run (end - start of every rank's counters, the warm-up requests included):
-    verify steps, draft tokens verified and accepted, the mean accepted length (tokens a verify step emits: its
-    accepted drafts + the bonus token) and the acceptance rate; "" when the server does not speculate."""
-    keys = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens")
+    verify steps, the requests' drafts verified in them, draft tokens verified and accepted, the mean accepted
+    length (tokens a request's verified draft gives: its accepted drafts + the bonus token) and the acceptance rate;
+    "" when the server does not speculate."""
+    keys = ("spec_verify_steps", "spec_drafted_rows", "spec_draft_tokens", "spec_accepted_tokens")
     if not end or any(k not in end[0] for k in keys):
         return ""
-    steps, drafted, accepted = (sum(e[k] - s.get(k, 0) for s, e in zip(start, end)) for k in keys)
-    if steps == 0:
-        return "speculative decoding: no verify step during the run"
-    return (f"speculative decoding during the run: {steps} verify steps, {drafted} draft tokens verified, {accepted} "
-            f"accepted; mean accepted length {(accepted + steps) / steps:.2f} tokens per verify step, acceptance rate "
-            f"{accepted / max(drafted, 1):.2f}")
+    steps, rows, drafted, accepted = (sum(e[k] - s.get(k, 0) for s, e in zip(start, end)) for k in keys)
+    if rows == 0:
+        return "speculative decoding: no draft verified during the run"
+    return (f"speculative decoding during the run: {steps} verify steps, {rows} drafts verified ({drafted} draft "
+            f"tokens), {accepted} accepted; mean accepted length {(accepted + rows) / rows:.2f} tokens per verified "
+            f"draft, acceptance rate {accepted / max(drafted, 1):.2f}")
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -122,8 +122,8 @@ def test_outputs_identical_with_and_without_speculation(spec_server, reference):
     assert state["spec_kv_moves"] > before["spec_kv_moves"]  # a path off the first branch was accepted
     metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in
                httpx.get(spec_server.url + "/metrics", timeout=30).text.splitlines() if line.startswith("sglang:spec")}
-    steps, accepted = state["spec_verify_steps"], state["spec_accepted_tokens"]
-    assert metrics["sglang:spec_accept_length"] == pytest.approx((accepted + steps) / steps)
+    rows, accepted = state["spec_drafted_rows"], state["spec_accepted_tokens"]
+    assert metrics["sglang:spec_accept_length"] == pytest.approx((accepted + rows) / rows)
     assert metrics["sglang:spec_accept_rate"] == pytest.approx(accepted / state["spec_draft_tokens"])
 
 

@@ -143,3 +143,34 @@ def test_draft_size_follows_acceptance():
     probes = [i for i, n in enumerate(sizes) if i > first_stop and n]
     assert len(probes) >= 2 and all(sizes[i] == 2 for i in probes)
     assert [b - a for a, b in zip([first_stop - 1] + probes, probes)] == [PROBE_INTERVAL] * len(probes)
+
+
+def test_a_failure_midway_keeps_only_positions_whose_kv_is_in_place():
+    """The target follows the tree's second branch (5 6 7 8, slots 0, 1, 3, 5); taking the fourth token raises (its
+    stop-string check). The request keeps the positions whose K/V is in place: root, 6, and 7 moved from slot 3 to
+    position base + 2; no move for 8 (its position is not kept)."""
+    memory, spec, a, b = _setup()
+    a.sampling_params.stop = ["never"]
+    dec = ScheduleBatch([a, b], ForwardMode.DECODE)
+    assert dec.prepare_for_decode(memory)
+    verify = spec.verify_batch(dec, memory)
+    tokens, parents = verify.drafts[id(a)]
+    assert tokens.tolist() == [5, 6, 9, 7, 10, 8] and parents.tolist() == [-1, 0, 1, 1, 2, 3]  # 9: seen last
+    target = np.zeros(24, np.int32)
+    target[0], target[1], target[3], target[5] = 6, 7, 8, 55
+    base = a.seqlen - 1
+    slots = [int(x) for x in memory.row(a)[base:base + 6]]
+    failed = []
+
+    def decode_tail(req, ids):
+        if req is a and len(a.output_ids) == 5:  # the fourth token (55) fails its check
+            raise RuntimeError("planted")
+        return ""
+
+    spec.apply_verify(verify.launched(), StepOutput(target, np.zeros(24, np.float32), None, None, None), memory,
+                      decode_tail, on_error=lambda req, exc: failed.append(req))
+    assert failed == [a] and a.output_ids == [5, 6, 7, 8, 55]
+    assert a.kv_allocated_len == a.kv_committed_len == base + 3  # root, 6, 7 (three tokens were taken)
+    src, dst = spec.take_moves()
+    assert list(zip(src.tolist(), dst.tolist())) == [(slots[3], slots[2])]
+    assert memory.check_invariants([a, b]) == []

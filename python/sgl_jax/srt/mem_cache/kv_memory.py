@@ -257,10 +257,10 @@ class KVMemory:
 
     def allocate_drafts(self, req, n: int) -> bool:
         """KV slots for `n` more positions of `req` after the ones it has (a verify step's draft slots after its
-        root's, which `allocate_decode` gave), evicting cached KV if needed. False, with nothing taken, when even
-        eviction cannot free the pages (the step then verifies no draft for it)."""
+        root's, which `allocate_decode` gave), from free pages only: slots that live one step never evict cached
+        prefixes. False, with nothing taken, when too few pages are free (the step then verifies no draft for it)."""
         end = req.kv_allocated_len + n
-        slots = alloc_with_evict(self.allocator, self.tree_cache, self.row(req), req.kv_allocated_len, end)
+        slots = self.allocator.alloc_token_slots(self.row(req), req.kv_allocated_len, end)
         if slots is None:
             return False
         self.req_to_token_pool.write(req.req_pool_idx, req.kv_allocated_len, slots)

@@ -21,8 +21,8 @@ What is measured where (SGLang's TokenizerMetricsCollector and SchedulerMetricsC
   reports the last prefill batch's fraction, which jumps between 0 and 1 on a quiet server); it is set as
   requests finish.
 - Speculative decoding (--speculative-algorithm), at scrape time from the scheduler's counts since start:
-  ``sglang:spec_accept_length`` (the mean tokens a verify step emits: its accepted draft tokens + the bonus
-  token) and ``sglang:spec_accept_rate`` (accepted / verified draft tokens); 0 before the first verify step.
+  ``sglang:spec_accept_length`` (the mean tokens a request's verified draft gives: its accepted draft tokens + the
+  bonus token) and ``sglang:spec_accept_rate`` (accepted / verified draft tokens); 0 before the first draft.
 - Mixture-of-experts models, at scrape time from the scheduler's ``moe`` state (model_executor/moe_stats.py):
   ``sglang:moe_ep_imbalance`` (max / mean tokens per expert-parallel device over the last window of steps)
   and the histogram ``sglang:moe_expert_load_ratio`` (each sparse layer's experts' tokens over a window / the
@@ -163,7 +163,7 @@ class MetricsCollector:
         """Set the gauges from the scheduler's internal state (``TokenizerManager.get_internal_state()``:
         ``kv_tokens_total``, ``kv_tokens_free``, ``kv_tokens_evictable``, ``num_running_reqs``,
         ``num_waiting_reqs``, ``num_streaming_sessions``, ``kv_tokens_session_held``, and with speculative decoding
-        ``spec_verify_steps``, ``spec_draft_tokens``, ``spec_accepted_tokens``; token counts in tokens)."""
+        ``spec_drafted_rows``, ``spec_draft_tokens``, ``spec_accepted_tokens``; token counts in tokens)."""
         total = internal_state["kv_tokens_total"]
         used = total - internal_state["kv_tokens_free"] - internal_state["kv_tokens_evictable"]
         self.num_running_reqs.set(internal_state["num_running_reqs"])
@@ -174,10 +174,10 @@ class MetricsCollector:
         self.num_streaming_sessions.set(internal_state.get("num_streaming_sessions", 0))
         self.streaming_session_held_tokens.set(internal_state.get("kv_tokens_session_held", 0))
         self.moe.state = internal_state.get("moe")
-        steps = internal_state.get("spec_verify_steps")
-        if steps:
+        rows = internal_state.get("spec_drafted_rows")
+        if rows:
             accepted = internal_state["spec_accepted_tokens"]
-            self.spec_accept_length.set((accepted + steps) / steps)
+            self.spec_accept_length.set((accepted + rows) / rows)
             self.spec_accept_rate.set(accepted / max(internal_state["spec_draft_tokens"], 1))
 
     def render(self) -> bytes:

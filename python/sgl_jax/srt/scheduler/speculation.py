@@ -20,14 +20,18 @@ request has a draft (SGLang's n-gram worker; Leviathan et al. 2023, Miao et al. 
    speculation), so the accepted path's tokens are exactly the tokens sampling one at a time draws: the output
    keeps the target's distribution and, for a seeded request, is the same as without speculation. (For a drafter
    without probabilities, as the n-gram one, this accepts a draft token with the target's probability of it, as
-   the rejection sampling of Leviathan et al. 2023 does for a point-mass draft.) The K/V of the accepted slots moves
-   to the positions they end at (`take_moves`, run by `ModelRunner.move_kv` before the next step), and every position past
-   the last accepted one is given back (`KVMemory.rollback`): the prefix cache only ever sees accepted tokens.
+   the rejection sampling of Leviathan et al. 2023 does for a point-mass draft.) The K/V of the accepted slots
+   moves to the positions they end at (`take_moves`, run by `ModelRunner.move_kv` before the next step), and every
+   position past the last accepted one is given back (`KVMemory.rollback`): the prefix cache only ever sees
+   accepted tokens.
 
 Requests that use penalties or logit_bias, or follow a grammar, decode without drafts: their row in a verify step is
 a one-slot tree (the root), sampled exactly as in a decode step, so their output is what it is without
-speculation. The overlap scheduler is off while speculating: the next step
-needs this one's accepted length (SGLang's first speculative worker does the same).
+speculation. The overlap scheduler is off while speculating: the next step needs this one's accepted length
+(SGLang's first speculative worker does the same).
+
+Known limit: a verify step's shape is keyed by its sequences (T = S_pad x draft slots), so one drafting request in a
+large batch pads the whole step to that many tokens; the adaptive draft sizes are measured at batch 1.
 """
 
 from __future__ import annotations
@@ -68,13 +72,15 @@ class SpecCounts:
     steps run while speculating (verify steps, and decode steps in which nothing was drafted), ``draft_tokens``
     draft slots verified (roots not counted), ``accepted_tokens`` of them accepted. ``accept_ema``: the moving
     average of its accepted tokens per verify step with drafts (what its next draft is sized by), ``next_probe``:
-    the verify_ct at which a request that stopped drafting tries again."""
+    the verify_ct at which a request that stopped drafting tries again; ``new_tokens``: what its last step
+    appended."""
 
     verify_ct: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accept_ema: float = ACCEPT_EMA_START
     next_probe: int = 0
+    new_tokens: int = 1  # tokens its last step appended (the n-gram cache takes in every window ending in them)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verify step verified `drafted` draft tokens of the request and accepted `accepted` of them."""
@@ -123,6 +129,7 @@ class Speculator:
         self.context_len = context_len
         self._moves: Tuple[List[int], List[int]] = ([], [])
         self.num_verify_steps = 0
+        self.num_drafted_rows = 0  # (request, verify step) pairs with a draft
         self.num_draft_tokens_total = 0
         self.num_accepted_tokens_total = 0
         self.num_kv_moves = 0
@@ -212,20 +219,22 @@ class Speculator:
                 check(req)
             target = np.asarray(out.next_token_ids[first:first + len(tokens)])
             accepted, emitted = verify_greedy(tokens, parents, target)
+            row = memory.row(req)
             for k, token in enumerate(emitted):
                 append_token(req, token, first + accepted[k], out, lp_rows, decode_tail)
-                appended += 1
+                appended += 1  # positions up to base + k are kept: accepted slot accepted[k] must sit at base + k
+                if k and accepted[k] != k:  # (queued at once, so a later failure keeps only positions in place)
+                    self._moves[0].append(int(row[base + accepted[k]]))
+                    self._moves[1].append(int(row[base + k]))
                 if req.finished():
                     break
-            row = memory.row(req)
-            for m in range(1, appended):  # accepted slot accepted[m] ends at position base + m
-                if accepted[m] != m:
-                    self._moves[0].append(int(row[base + accepted[m]]))
-                    self._moves[1].append(int(row[base + m]))
             if req.spec is not None:
                 req.spec.observe(len(tokens) - 1, max(appended - 1, 0))
-            self.num_draft_tokens_total += len(tokens) - 1
-            self.num_accepted_tokens_total += max(appended - 1, 0)
+                req.spec.new_tokens = appended
+            if len(tokens) > 1:
+                self.num_drafted_rows += 1
+                self.num_draft_tokens_total += len(tokens) - 1
+                self.num_accepted_tokens_total += max(appended - 1, 0)
         finally:  # positions past the root and the accepted drafts are given back, whatever happened
             memory.rollback(req, base + max(appended, 1))
 
@@ -239,21 +248,29 @@ class Speculator:
 
     def after_step(self, batch: ScheduleBatch) -> None:
         """Feed the n-gram cache (a request's prompt, its last PROMPT_INSERT_TOKENS tokens, once its prefill
-        completes; every decode row's newest tokens) and count the decode rows' verify steps."""
+        completes; every decode row's windows that end in the tokens its step appended) and count the decode rows'
+        verify steps."""
         for req in batch.reqs:
             if req.score is not None:
                 continue
             if batch.is_decode_row(req):
+                new = 1
                 if req.spec is not None:
                     req.spec.verify_ct += 1
-                self.cache.insert_tail(_tail(req, self.cache.config.branch_length))
+                    new, req.spec.new_tokens = req.spec.new_tokens, 1
+                if new <= 1:
+                    self.cache.insert_tail(_tail(req, self.cache.config.branch_length))
+                else:  # every window that ends in one of the new tokens
+                    self.cache.insert_prompt(_tail(req, self.cache.config.branch_length + new - 1))
             elif not req.is_chunked:
                 self.cache.insert_prompt(req.origin_input_ids[-PROMPT_INSERT_TOKENS:])
 
     def stats(self) -> dict:
-        """Totals for the internal state: verify steps, draft tokens verified, accepted, and accepted slots whose K/V
-        moved (a path off the tree's first branch)."""
-        return {"spec_verify_steps": self.num_verify_steps, "spec_draft_tokens": self.num_draft_tokens_total,
+        """Totals for the internal state: verify steps, the requests' drafts verified in them (a request with a
+        draft in a verify step: the mean accepted length is (accepted + drafted rows) / drafted rows), draft tokens
+        verified, accepted, and accepted slots whose K/V moved (a path off the tree's first branch)."""
+        return {"spec_verify_steps": self.num_verify_steps, "spec_drafted_rows": self.num_drafted_rows,
+                "spec_draft_tokens": self.num_draft_tokens_total,
                 "spec_accepted_tokens": self.num_accepted_tokens_total, "spec_kv_moves": self.num_kv_moves}
 
 
