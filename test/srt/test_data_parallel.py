@@ -121,11 +121,11 @@ def test_dp2_tp2_no_compile_over_100_requests(dp2_tp2):
 def test_dp2_tp2_speculative_matches_dp1(dp2_tp2_ngram, reference):
     """NGRAM speculative decoding with 2 DP ranks of 2 tensor-parallel devices: the same greedy tokens (and
     logprobs within LOGPROB_TOL) as dp 1 without it, drafts accepted on both ranks (the tiny model's greedy output
-    repeats itself); 16 requests at once, so one rank prefills while the other verifies (`unify_step`)."""
+    repeats itself). When one rank prefills while the other verifies depends on arrival timing, so `unify_step` is
+    checked on its own in test_speculative_steps."""
     check_same_as_dp1(dp2_tp2_ngram.url, reference)
     state = ranks(dp2_tp2_ngram.url)
     assert all(s["spec_accepted_tokens"] > 0 for s in state), state
-    assert state[0]["spec_unified_steps"] > 0  # ranks in different modes shared steps
     assert all(s["num_compiles_after_warmup"] == 0 for s in state), state
     wait_pool_idle(dp2_tp2_ngram.url)
 

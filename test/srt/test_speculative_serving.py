@@ -64,7 +64,8 @@ def copy_requests(url: str, stop: str) -> list:
 @pytest.fixture(scope="module")
 def spec_page16_server():
     yield from module_server(SPEC_ARGS + ["--disable-radix-cache"], env={"SGL_JAX_TEST_RETRACT": "1"},
-                             engine_args={"page_size": 16, "precompile_token_paddings": [256]})
+                             engine_args={"page_size": 16, "precompile_token_paddings": [256],
+                                          "precompile_bs_paddings": [1, 32]})  # (its steps: 1 or 17 requests)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.model_runner import StepOutput
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_length
-from sgl_jax.srt.scheduler.speculation import PROBE_INTERVAL, SpecCounts, Speculator, build_verify_batch
+from sgl_jax.srt.scheduler.speculation import PROBE_INTERVAL, SpecCounts, Speculator, build_verify_batch, unify_step
 from sgl_jax.srt.speculative.draft_tree import NO_TREE, tree_bits
 from sgl_jax.srt.speculative.ngram_cache import NgramConfig
 
@@ -174,3 +174,23 @@ def test_a_failure_midway_keeps_only_positions_whose_kv_is_in_place():
     src, dst = spec.take_moves()
     assert list(zip(src.tolist(), dst.tolist())) == [(slots[3], slots[2])]
     assert memory.check_invariants([a, b]) == []
+
+
+def test_unify_step_gives_the_dp_ranks_one_mode():
+    """A verify batch beside another rank's extend drops its drafts (their slots given back: a decode batch); beside
+    a decode batch, the decode batch runs as a verify batch without drafts."""
+    (mem0, spec0, a0, b0), (mem1, _, a1, b1) = _setup(), _setup()
+    dec = ScheduleBatch([a0, b0], ForwardMode.DECODE)
+    assert dec.prepare_for_decode(mem0)
+    free = mem0.free_tokens()
+    verify = spec0.verify_batch(dec, mem0)
+    assert verify.forward_mode == ForwardMode.TARGET_VERIFY and mem0.free_tokens() < free
+    extend = ScheduleBatch([a1], ForwardMode.EXTEND)
+    out, changed = unify_step([verify, extend], [mem0, mem1])
+    assert changed and out[0].forward_mode == ForwardMode.DECODE and not out[0].drafts and out[1] is extend
+    assert mem0.free_tokens() == free and a0.kv_allocated_len == a0.seqlen  # the draft slots are back
+    verify = spec0.verify_batch(ScheduleBatch([a0, b0], ForwardMode.DECODE), mem0)
+    decode = ScheduleBatch([b1], ForwardMode.DECODE)
+    out, changed = unify_step([verify, decode], [mem0, mem1])
+    assert changed and out[0] is verify and out[1].forward_mode == ForwardMode.TARGET_VERIFY and not out[1].drafts
+    assert unify_step([verify, None], [mem0, mem1]) == ([verify, None], False)
