@@ -321,6 +321,8 @@ class ModelRunner:
         self._sample = jax.jit(self._sample_impl, donate_argnums=(1, 2), static_argnums=(5,),
                                out_shardings=(r, r, r, r, r))
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r)
+        # the K/V move program's sizes: one per verify shape's T_pad (move_kv), sorted
+        self._move_sizes = sorted(t for mode, t, _ in buckets.all_shapes() if mode == ForwardMode.TARGET_VERIFY)
         self._move_kv = jax.jit(functools.partial(move_kv_slots, mesh=self.mesh), donate_argnums=(0,),
                                 out_shardings=self._kv_sharding)
         self._logprobs = jax.jit(self._logprobs_impl)
@@ -517,11 +519,10 @@ class ModelRunner:
 
         Raises:
             ValueError: more moves than a verify step has slots, or no verify shapes (no speculative decoding)."""
-        sizes = sorted(t for mode, t, _ in self.buckets.all_shapes() if mode == ForwardMode.TARGET_VERIFY)
         n = max(len(a) for a, _ in moves)
-        m = next((t for t in sizes if t >= n), None)
+        m = next((t for t in self._move_sizes if t >= n), None)
         if m is None:
-            raise ValueError(f"{n} KV moves exceed every verify shape ({sizes})")
+            raise ValueError(f"{n} KV moves exceed every verify shape ({self._move_sizes})")
         src = np.zeros((self.dp_size, m), np.int32)
         dst = np.zeros((self.dp_size, m), np.int32)
         for r, (a, b) in enumerate(moves):
