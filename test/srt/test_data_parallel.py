@@ -2,7 +2,8 @@
 server's environment before jax is imported).
 
 A tiny random Llama (SmolLM2's tokenizer and vocabulary, 4 heads, 2 KV heads) served four ways: dp 1, dp 2
-x tp 2 (round_robin), dp 2 x tp 2 with NGRAM speculative decoding, and dp 4 (cache_aware):
+x tp 2 (round_robin), dp 2 x tp 2 with NGRAM and with STANDALONE speculative decoding (the model drafting for
+itself), and dp 4 (cache_aware):
 - greedy tokens identical to dp 1 over 16 prompts x 32 tokens sent at once (so every rank batches), output
   logprobs within 1e-3;
 - round_robin: requests per rank differ by at most 1;
@@ -52,6 +53,12 @@ def dp2_tp2(tiny_model):
 def dp2_tp2_ngram(tiny_model):
     yield from serve(tiny_model, "--dp-size", "2", "--tp-size", "2", "--speculative-algorithm", "NGRAM",
                      "--speculative-num-draft-tokens", "6")
+
+
+@pytest.fixture(scope="module")
+def dp2_tp2_standalone(tiny_model):
+    yield from serve(tiny_model, "--dp-size", "2", "--tp-size", "2", "--speculative-algorithm", "STANDALONE",
+                     "--speculative-draft-model-path", tiny_model[0])
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +135,17 @@ def test_dp2_tp2_speculative_matches_dp1(dp2_tp2_ngram, reference):
     assert all(s["spec_accepted_tokens"] > 0 for s in state), state
     assert all(s["num_compiles_after_warmup"] == 0 for s in state), state
     wait_pool_idle(dp2_tp2_ngram.url)
+
+
+def test_dp2_tp2_standalone_matches_dp1(dp2_tp2_standalone, reference):
+    """STANDALONE with 2 DP ranks of 2 tensor-parallel devices, the model drafting for itself (the draft model's
+    K/V sharded as the target's, in the same slots): the same greedy tokens and logprobs as dp 1, and nearly every
+    draft accepted on both ranks."""
+    check_same_as_dp1(dp2_tp2_standalone.url, reference)
+    state = ranks(dp2_tp2_standalone.url)
+    assert all(s["spec_accepted_tokens"] >= 0.9 * s["spec_draft_tokens"] > 0 for s in state), state
+    assert all(s["num_compiles_after_warmup"] == 0 for s in state), state
+    wait_pool_idle(dp2_tp2_standalone.url)
 
 
 def test_dp4_matches_dp1(dp4, reference):

@@ -87,8 +87,19 @@ def test_speculative_flags():
                              "--speculative-ngram-match-type", "PROB", "--speculative-ngram-max-bfs-breadth", "3"])
     assert (a.speculative_num_draft_tokens, a.speculative_ngram_match_type, a.speculative_ngram_max_bfs_breadth) == (
         4, "PROB", 3)
+    a = prepare_server_args(["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d"])
+    assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (3, 1, 4)
+    a = prepare_server_args(["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d",
+                             "--speculative-num-draft-tokens", "6"])
+    assert (a.speculative_num_steps, a.speculative_num_draft_tokens) == (5, 6)
+    standalone = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "d"}
     refused = [
         ({"speculative_algorithm": "MEDUSA"}, "--speculative-algorithm must be one of"),
+        ({"speculative_algorithm": "STANDALONE"}, "STANDALONE needs --speculative-draft-model-path"),
+        ({**standalone, "speculative_eagle_topk": 2}, "--speculative-eagle-topk 2: STANDALONE drafts chains"),
+        ({**standalone, "speculative_num_steps": 3, "speculative_num_draft_tokens": 8},
+         r"--speculative-num-draft-tokens \(8\) must be --speculative-num-steps \(3\) \+ 1"),
+        ({**standalone, "speculative_num_steps": 32}, r"--speculative-num-steps must be in \[1, 31\]"),
         ({"speculative_algorithm": "EAGLE3"}, "--speculative-algorithm EAGLE3 is not available"),
         ({"speculative_num_draft_tokens": 4}, "--speculative-num-draft-tokens needs --speculative-algorithm"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 33},

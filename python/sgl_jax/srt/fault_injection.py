@@ -6,10 +6,13 @@ Then a request whose rid starts with ``fault-<stage>`` raises `InjectedFault` at
 - ``schedule``: while the scheduler considers it for admission (before it holds any KV);
 - ``forward``: while its batch's step is built and run (it holds KV; the other requests of the batch too);
 - ``sample``: while its sampled token is taken after the step (the step ran for the whole batch);
-- ``detokenize``: while the detokenizer turns its tokens into text.
+- ``detokenize``: while the detokenizer turns its tokens into text;
+- ``draft``: while a draft model drafts for it (STANDALONE speculative decoding).
 
 The engine must fail only that request (HTTP 500 with a one-line reason), free its KV and serve the
-rest, which is what test/srt/test_fault_isolation.py checks.
+rest, which is what test/srt/test_fault_isolation.py checks. A ``draft`` fault fails no request: the draft model
+stops drafting for good and every request decodes on without speculation, its output unchanged
+(test_speculative_serving.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import os
 from typing import Iterable
 
 FAULT_INJECTION_ENV = "SGL_JAX_TEST_FAULT_INJECTION"
-STAGES = ("schedule", "forward", "sample", "detokenize")
+STAGES = ("schedule", "forward", "sample", "detokenize", "draft")
 _ENABLED = os.environ.get(FAULT_INJECTION_ENV) == "1"
 
 

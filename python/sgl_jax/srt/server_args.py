@@ -32,7 +32,8 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")  # sched
 SCHEDULE_POLICIES = ("fcfs", "lpm")  # scheduler/admission.py
 RADIX_EVICTION_POLICIES = ("lru", "lfu")  # mem_cache/registry.cache_kind_for
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")  # SGLang's --speculative-algorithm names
-SPECULATIVE_SERVED = ("NGRAM",)  # the ones this build runs (speculative/)
+SPECULATIVE_SERVED = ("NGRAM", "STANDALONE")  # the ones this build runs (speculative/)
+DEFAULT_DRAFT_STEPS = 3  # SGLang's default draft steps for a draft model (chains: 4 draft-tree slots)
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 MAX_DRAFT_TOKENS = 32  # draft-tree slots per request (the attention kernels' tree mask is one int32 per query)
 
@@ -348,11 +349,36 @@ class ServerArgs:
                               self.speculative_ngram_max_match_window_size, self.speculative_ngram_min_bfs_breadth,
                               self.speculative_ngram_max_bfs_breadth, self.speculative_ngram_branch_length,
                               self.speculative_ngram_match_type, self.speculative_ngram_capacity)
+        else:
+            self._check_draft_model_flags()
         for f in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
             if getattr(self, f) != 1.0:  # (SGLang's relaxed acceptance changes the output distribution)
                 raise ValueError(f"--{_flag(f)}: only 1.0 (exact verification) is served, got {getattr(self, f)!r}")
         if self.nnodes > 1:
             raise ValueError("--speculative-algorithm is not supported with --nnodes > 1 yet")
+
+    def _check_draft_model_flags(self) -> None:
+        """STANDALONE's flags: a draft model, chains of --speculative-num-steps tokens (SGLang's defaults: 3 steps,
+        top-k 1, steps + 1 draft-tree slots)."""
+        algo = self.speculative_algorithm
+        if not self.speculative_draft_model_path:
+            raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
+        if self.speculative_eagle_topk is None:
+            self.speculative_eagle_topk = 1
+        if self.speculative_eagle_topk != 1:
+            raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: {algo} drafts chains "
+                             f"(top-k 1) in this build; draft trees from a draft model are not available yet")
+        steps, slots = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if steps is None:
+            steps = DEFAULT_DRAFT_STEPS if slots is None else slots - 1
+        if slots is None:
+            slots = steps + 1
+        if not isinstance(steps, int) or not 1 <= steps < MAX_DRAFT_TOKENS:
+            raise ValueError(f"--speculative-num-steps must be in [1, {MAX_DRAFT_TOKENS - 1}], got {steps!r}")
+        if slots != steps + 1:
+            raise ValueError(f"with --speculative-eagle-topk 1 a draft is a chain: --speculative-num-draft-tokens "
+                             f"({slots}) must be --speculative-num-steps ({steps}) + 1")
+        self.speculative_num_steps, self.speculative_num_draft_tokens = steps, slots
 
     def _resolve_defaults(self) -> None:
         if self.random_seed is None:
@@ -553,15 +579,19 @@ FLAG_HELP = {
                              "to --speculative-num-draft-tokens tokens per request in one forward and emits the "
                              "accepted tokens plus one; outputs are token-identical to decoding without it, greedy "
                              "or seeded. Turns the overlap scheduler off. NGRAM drafts from an n-gram cache of every "
-                             "request's prompt and output. Requests with penalties, logit_bias or a grammar decode "
-                             "without drafts",
-    "speculative_draft_model_path": "the draft model of STANDALONE, or the EAGLE head (not available yet)",
+                             "request's prompt and output; STANDALONE runs a smaller model of the same vocabulary "
+                             "(--speculative-draft-model-path) --speculative-num-steps times. Requests with "
+                             "penalties, logit_bias or a grammar decode without drafts",
+    "speculative_draft_model_path": "STANDALONE's draft model (a hub id, directory or .gguf, of the target's "
+                                    "vocabulary), or the EAGLE head (not available yet)",
     "speculative_draft_model_revision": "the hub revision of --speculative-draft-model-path",
-    "speculative_num_steps": "draft steps of STANDALONE / EAGLE (not available yet)",
-    "speculative_eagle_topk": "candidates per draft step of EAGLE (not available yet)",
+    "speculative_num_steps": f"STANDALONE: draft tokens per request and step, one draft-model decode step each "
+                             f"(default {DEFAULT_DRAFT_STEPS})",
+    "speculative_eagle_topk": "candidates per draft step; STANDALONE drafts chains (1) in this build",
     "speculative_num_draft_tokens": f"draft-tree slots per request, the root (the last accepted token) included, "
                                     f"2..{MAX_DRAFT_TOKENS} (NGRAM default: "
-                                    "--speculative-ngram-max-match-window-size)",
+                                    "--speculative-ngram-max-match-window-size; STANDALONE: --speculative-num-steps + "
+                                    "1)",
     "speculative_accept_threshold_single": "SGLang's relaxed acceptance of sampled drafts; only 1.0 (exact) is "
                                            "served",
     "speculative_accept_threshold_acc": "SGLang's relaxed acceptance of sampled drafts; only 1.0 (exact) is served",

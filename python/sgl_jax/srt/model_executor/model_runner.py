@@ -192,13 +192,16 @@ def _available_memory_bytes(platform: str) -> int:
     raise RuntimeError("cannot determine available memory; pass --max-total-tokens")
 
 
-def compute_max_total_tokens(server_args, model_config, weight_bytes: int, platform: str) -> int:
+def compute_max_total_tokens(server_args, model_config, weight_bytes: int, platform: str,
+                             reserve: Tuple[int, int] = (0, 0)) -> int:
     """KV pool size in tokens: --max-total-tokens, or what --mem-fraction-static leaves after weights
     (`weight_bytes`: on one device; every device of the mesh holds the same share; called once they are loaded).
 
     Defaults for the fraction: 0.8 on TPU/GPU (of the device's memory, weights included, less what is already in
     use: `device_kv_budget_bytes`), 0.2 on CPU (of available host memory, split among the mesh's virtual
-    devices, which share it).
+    devices, which share it). `reserve`: (weight bytes, KV bytes per token) on one device of another model whose
+    K/V sits in the same slots (STANDALONE's draft model): its weights come out of the budget first and each token
+    costs its K/V too.
     Raises ValueError when the budget holds no KV at all.
     """
     if server_args.max_total_tokens is not None:
@@ -212,7 +215,8 @@ def compute_max_total_tokens(server_args, model_config, weight_bytes: int, platf
             budget = device_kv_budget_bytes(*mem, weight_bytes, frac)
         else:  # no allocator statistics: the fraction of what is free (host memory, or the test hook)
             budget = int(_available_memory_bytes(platform) * frac) - weight_bytes
-    tokens = budget // kv_bytes_per_token(model_config, server_args.tp_size, server_args.kv_cache_dtype)
+    per_token = kv_bytes_per_token(model_config, server_args.tp_size, server_args.kv_cache_dtype) + reserve[1]
+    tokens = (budget - reserve[0]) // per_token
     if tokens <= 0:
         raise ValueError("--mem-fraction-static leaves no memory for the KV cache; raise it or pass "
                          "--max-total-tokens")
@@ -605,6 +609,11 @@ class ModelRunner:
             shape = batch.padded_shape if batch is not None else "logprob/penalty program"
             logger.warning("Compiled a new program while serving (%s); add the shape to the precompile "
                            "paddings", shape)
+
+    def restart_compile_count(self) -> None:
+        """Count compiles from now on (another runner of the process warmed up after this one)."""
+        if self._compiled_after_warmup is not None:
+            self._compiled_after_warmup = compile_counts().programs
 
     # ---- warm-up
     def dummy_batch(self, mode: ForwardMode, t_pad: int, s_pad: int) -> ModelWorkerBatch:

@@ -77,6 +77,8 @@ from sgl_jax.srt.scheduler.rank import RankConfig, RankScheduler
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_abort, step_shape
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
 from sgl_jax.srt.scheduler.sessions import Session, SessionController, SessionError
+from sgl_jax.srt.scheduler.draft_model import check_draft_config, draft_reserve, draft_server_args, \
+    new_draft_model
 from sgl_jax.srt.scheduler.speculation import SpecCounts, build_verify_batch, new_speculators, unify_step
 from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget, RowWork, StepTimeModel, step_features
 from sgl_jax.srt.scheduler.watchdog import StepWatchdog
@@ -150,12 +152,19 @@ class Scheduler:
                                                                                    self.buckets.max_tokens)
         logger.info("Model %s (%s, %s) on %s; context %d tokens", mc.model_path, mc.architecture, mc.dtype,
                     platform, self.context_len)
+        draft_mc = None
+        if server_args.speculative_algorithm == "STANDALONE":
+            draft_mc = ModelConfig.from_server_args(draft_server_args(server_args, self.context_len), platform)
+            check_draft_config(draft_mc, mc)
+        reserve = (0, 0) if draft_mc is None else draft_reserve(server_args, draft_mc)
         self.model_runner = ModelRunner(
             server_args, mc, buckets=self.buckets, max_context_len=self.context_len,
             kv_spec_fn=lambda weight_bytes: kv_spec_for(
-                server_args, mc, compute_max_total_tokens(server_args, mc, weight_bytes, platform)),
+                server_args, mc, compute_max_total_tokens(server_args, mc, weight_bytes, platform, reserve)),
             num_request_slots=self.max_running_requests,
         )
+        self.draft_model = (None if draft_mc is None else
+                            new_draft_model(server_args, self.model_runner, self.buckets, draft_mc))
         self.page_size = server_args.page_size
         self.dp_size = server_args.dp_size
         self.load_balance_method = server_args.load_balance_method
@@ -195,7 +204,11 @@ class Scheduler:
             logger.info("Speculative decoding: %s, up to %d draft-tree slots per request",
                         server_args.speculative_algorithm, server_args.speculative_num_draft_tokens)
         if not server_args.disable_precompile:
+            if self.draft_model is not None:
+                self.draft_model.runner.warmup()
             self.model_runner.warmup()
+            if self.draft_model is not None:
+                self.draft_model.runner.restart_compile_count()
         if self.grammar_queue.backend is not None:
             self.grammar_queue.backend.warmup()
 
@@ -365,6 +378,8 @@ class Scheduler:
                 if batch is not None and batch.forward_mode == ForwardMode.DECODE:
                     batch.filter_finished()
             batches = [b if b is not None and b.reqs else None for b in batches]
+        if self.draft_model is not None:
+            batches = self.draft_model.draft(batches, self.ranks)
         if self.speculating:
             batches, changed = unify_step(batches, [rank.memory for rank in self.ranks])
             self.num_spec_unified_steps += changed
@@ -386,7 +401,7 @@ class Scheduler:
         masks_later = self.inflight is not None and any(
             b is not None and any(r.grammar is not None for r in b.reqs) for b in batches)
         try:
-            fwd = self.model_runner.launch_forward(self._worker_batches(batches, fill_vocab_masks=not masks_later))
+            fwd = self._launch_forward(self._worker_batches(batches, fill_vocab_masks=not masks_later))
         except Exception:
             if self.model_runner.kv_cache_lost():
                 raise
@@ -424,7 +439,15 @@ class Scheduler:
 
     def _launch(self, batches: List[Optional[ScheduleBatch]]):
         """Build every rank's batch and dispatch the step (the model runner's `PendingStep`)."""
-        return self.model_runner.launch_ranks(self._worker_batches(batches))
+        return self.model_runner.launch_sample(self._launch_forward(self._worker_batches(batches)))
+
+    def _launch_forward(self, worker_batches: list):
+        """Dispatch the forward of a step (`ModelRunner.launch_forward`), and with a draft model its forward of the
+        same batches (the draft's K/V at the same slots, scheduler/draft_model.py)."""
+        fwd = self.model_runner.launch_forward(worker_batches)
+        if self.draft_model is not None:
+            self.draft_model.mirror(worker_batches)
+        return fwd
 
     def _worker_batches(self, batches: List[Optional[ScheduleBatch]], fill_vocab_masks: bool = True) -> list:
         """Every rank's `ModelWorkerBatch` of the step (None: idle), padded to one shape, the penalty rows of
@@ -457,6 +480,8 @@ class Scheduler:
         moves = [rank.speculator.take_moves() for rank in self.ranks]
         if any(len(src) for src, _ in moves):
             self.model_runner.move_kv(moves)
+            if self.draft_model is not None:
+                self.draft_model.move_kv(moves)
 
     def forward_isolating_faults(self, batches: List[Optional[ScheduleBatch]]) -> list:
         """Each rank's step output (None for idle ranks and emptied batches); when the step fails, the requests
@@ -681,6 +706,8 @@ class Scheduler:
                   "prefill_step_budget": None if self.step_budget is None else self.step_budget.state(),
                   "moe": None if self.model_runner.moe_stats is None else self.model_runner.moe_stats.state(),
                   **({"spec_unified_steps": self.num_spec_unified_steps} if self.speculating else {}),
+                  **({"spec_draft_model_steps": self.draft_model.num_draft_steps,
+                      "spec_draft_model_failed": self.draft_model.failed} if self.draft_model else {}),
                   **self.info().to_json()}
         per_rank = [{**rank.internal_state(), **shared} for rank in self.ranks]
         state = {k: v for k, v in per_rank[0].items() if k != "dp_rank"}

@@ -1,5 +1,6 @@
-"""Speculative decoding in the scheduler (``--speculative-algorithm NGRAM``): drafts, the verify step's layout, and
-acceptance. One `Speculator` per DP rank.
+"""Speculative decoding in the scheduler (``--speculative-algorithm NGRAM|STANDALONE``): drafts, the verify step's
+layout, and acceptance. One `Speculator` per DP rank. With STANDALONE a draft model drafts chains instead of the
+n-gram cache (scheduler/draft_model.py, asking `Speculator.draft_budget`); the rest is the same.
 
 A rank that speculates turns a decode step into a verify step (``ForwardMode.TARGET_VERIFY``) when some running
 request has a draft (SGLang's n-gram worker; Leviathan et al. 2023, Miao et al. 2024 for the tree):
@@ -112,20 +113,23 @@ def _root_tree(req: Req) -> Tuple[np.ndarray, np.ndarray]:
 
 
 class Speculator:
-    """One rank's n-gram speculation (see the module docstring).
+    """One rank's speculation (see the module docstring).
 
     Args:
-        config: the drafter's settings (`NgramConfig.from_server_args`).
+        config: the n-gram drafter's settings (`NgramConfig.from_server_args`); None: a draft model drafts
+            (STANDALONE, scheduler/draft_model.py: it asks `draft_budget` and builds the verify batch itself).
         context_len: tokens per sequence (a draft never reaches past it).
         chain_only: draft chains, each tree's first branch (`draft_tree.first_chain`): for sliding-window models,
             whose windows are measured on the KV position, which a chain's slots have in depth order. A chain's
             accepted slots are its first ones: no K/V ever moves (so a separate SWA pool needs no move either).
+        num_draft_tokens: the draft-tree slots of a draft model's chains (root included), without `config`.
     """
 
-    def __init__(self, config: NgramConfig, context_len: int, chain_only: bool = False):
+    def __init__(self, config: Optional[NgramConfig], context_len: int, chain_only: bool = False,
+                 num_draft_tokens: Optional[int] = None):
         self.chain_only = chain_only
-        self.cache = NgramCache(config)
-        self.num_draft_tokens = config.num_draft_tokens
+        self.cache = None if config is None else NgramCache(config)
+        self.num_draft_tokens = config.num_draft_tokens if config is not None else num_draft_tokens
         self.context_len = context_len
         self._moves: Tuple[List[int], List[int]] = ([], [])
         self.num_verify_steps = 0
@@ -157,10 +161,17 @@ class Speculator:
             return 0
         return max(2, min(self.num_draft_tokens, 2 + int(2 * counts.accept_ema)))
 
+    def draft_budget(self, req: Req) -> int:
+        """Draft slots (root included) `req` may run this step; 0 when it may not draft (`may_draft`)."""
+        return self._budget(req) if may_draft(req) else 0
+
     def verify_batch(self, batch: ScheduleBatch, memory) -> ScheduleBatch:
         """The step for a decode batch whose requests each have their root's KV slot (`prepare_for_decode`): a
         TARGET_VERIFY batch with the drafts found and their KV slots taken, or `batch` itself when nothing was
-        drafted. A request whose draft slots cannot be had, even by evicting cached KV, runs without a draft."""
+        drafted. A request whose draft slots cannot be had, even by evicting cached KV, runs without a draft. With a
+        draft model (no n-gram cache) `batch` itself: the scheduler drafts for every rank at once."""
+        if self.cache is None:
+            return batch
         drafts = {}
         for req in batch.reqs:
             if not may_draft(req):
@@ -258,11 +269,13 @@ class Speculator:
                 if req.spec is not None:
                     req.spec.verify_ct += 1
                     new, req.spec.new_tokens = req.spec.new_tokens, 1
+                if self.cache is None:
+                    continue
                 if new <= 1:
                     self.cache.insert_tail(_tail(req, self.cache.config.branch_length))
                 else:  # every window that ends in one of the new tokens
                     self.cache.insert_prompt(_tail(req, self.cache.config.branch_length + new - 1))
-            elif not req.is_chunked:
+            elif not req.is_chunked and self.cache is not None:
                 self.cache.insert_prompt(req.origin_input_ids[-PROMPT_INSERT_TOKENS:])
 
     def stats(self) -> dict:
@@ -364,8 +377,11 @@ def _verify_sampling(reqs: List[Req], trees: list, depths: list, starts: np.ndar
 def new_speculators(server_args, context_len: int, num_ranks: int,
                     sliding_window: bool = False) -> List[Optional[Speculator]]:
     """One `Speculator` per DP rank when ``--speculative-algorithm`` is set, else Nones; `sliding_window`: the
-    model has sliding-window layers (chains only)."""
+    model has sliding-window layers (chains only; a draft model drafts chains anyway)."""
     if server_args.speculative_algorithm is None:
         return [None] * num_ranks
+    if server_args.speculative_algorithm != "NGRAM":  # a draft model drafts chains
+        return [Speculator(None, context_len, chain_only=True,
+                           num_draft_tokens=server_args.speculative_num_draft_tokens) for _ in range(num_ranks)]
     config = NgramConfig.from_server_args(server_args)
     return [Speculator(config, context_len, chain_only=sliding_window) for _ in range(num_ranks)]
