@@ -49,13 +49,13 @@ def dp2_tp2(tiny_model):
     yield from serve(tiny_model, "--dp-size", "2", "--tp-size", "2", "--load-balance-method", "round_robin")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # (one test: torn down after it)
 def dp2_tp2_ngram(tiny_model):
     yield from serve(tiny_model, "--dp-size", "2", "--tp-size", "2", "--speculative-algorithm", "NGRAM",
                      "--speculative-num-draft-tokens", "6")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # (one test: torn down after it)
 def dp2_tp2_standalone(tiny_model):
     yield from serve(tiny_model, "--dp-size", "2", "--tp-size", "2", "--speculative-algorithm", "STANDALONE",
                      "--speculative-draft-model-path", tiny_model[0])

@@ -15,8 +15,8 @@ move; the KV pools end at rest with no compile after warm-up.
 The page-16 server runs the copy-heavy requests, with retracts (drafted pages released with the rest).
 
 STANDALONE (a draft model drafts chains, its K/V in the target's slots) on two more servers: a tiny random draft at
-page size 1 with the radix cache runs the workload and the copy-heavy requests (identity; its drafts are rarely
-accepted), then an injected draft-model failure (speculation stops, outputs unchanged); SmolLM2 drafting for itself
+page size 1 with the radix cache runs the workload's session, JSON-schema and sampled requests and the copy-heavy
+requests (identity; its drafts are rarely accepted), then an injected draft-model failure (speculation stops, outputs unchanged); SmolLM2 drafting for itself
 at page size 16 without the radix cache, under forced retracts, runs the copy-heavy requests with 4 samples, and
 its greedy drafts must be nearly all accepted.
 """
@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from srt_helpers import check_clean, default_model_path, module_server, save_tiny_llama, wait_pool_idle
-from test_overlap_schedule import compare, run_workload
+from test_overlap_schedule import compare, run_alone, run_json, run_session, run_workload
 
 PASSAGE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
            "    return 2 * (width + height)\n\n\ndef describe(width, height):\n"
@@ -39,7 +39,7 @@ SPEC_ARGS = ["--enable-streaming-session", "--enable-metrics", "--speculative-al
              "--speculative-num-draft-tokens", "8"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # (one test each: torn down after it, so the module never holds two at once)
 def spec_server():
     yield from module_server(SPEC_ARGS)
 
@@ -67,7 +67,7 @@ def copy_requests(url: str, stop: str, seeds: int = SEEDS) -> list:
                       sampling_params=[{**greedy, "max_new_tokens": 40}] + sampled)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # (one test each: torn down after it, so the module never holds two at once)
 def spec_page16_server():
     yield from module_server(SPEC_ARGS + ["--disable-radix-cache"], env={"SGL_JAX_TEST_RETRACT": "1"},
                              engine_args={"page_size": 16, "precompile_token_paddings": [256],
@@ -153,7 +153,7 @@ def test_page16_without_radix_under_forced_retract(spec_page16_server, reference
 
 
 # ---------------------------------------------------------------- STANDALONE: a draft model drafts chains
-@pytest.fixture(scope="module")
+@pytest.fixture  # (one test each: torn down after it, so the module never holds two at once)
 def standalone_server(tmp_path_factory):
     """Page size 1 with the radix cache; the draft is a tiny random Llama of SmolLM2's vocabulary (its drafts are
     rarely accepted: identity is what it shows)."""
@@ -162,7 +162,7 @@ def standalone_server(tmp_path_factory):
                               "--speculative-draft-model-path", draft], env={"SGL_JAX_TEST_FAULT_INJECTION": "1"})
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # (one test each: torn down after it, so the module never holds two at once)
 def self_draft_server():
     """Page size 16 without the radix cache, a retract forced every few decode steps; SmolLM2 drafts for itself
     (its drafts are the target's own greedy tokens)."""
@@ -173,16 +173,20 @@ def self_draft_server():
 
 
 def test_standalone_random_draft_outputs_identical(standalone_server, reference):
-    """A random draft model: the workload's outputs and the copy-heavy requests as without speculation, drafts
-    verified (and mostly rejected), the draft model's K/V kept beside the target's through sessions, grammar and
-    penalized rows and chunked prefill. Then the draft model fails while drafting (an injected fault): the
-    request still gets its output, unchanged, and the server decodes on without drafts."""
+    """A random draft model: the copy-heavy requests and the workload's streaming session, JSON-schema and
+    sampled-with-logprobs requests (its 24-request batch is the NGRAM test's) as without speculation, drafts
+    verified (and mostly rejected), the draft model's K/V kept beside the target's through the session's turns and
+    chunked prefill. Then the draft model fails while drafting (an injected fault): the request still gets its
+    output, unchanged, and the server decodes on without drafts."""
     reference_parts, reference_copies, stop = reference
     url = standalone_server.url
-    speculated, _ = run_workload(url)
+    speculated = {"session": run_session(url), "json_alone": [run_json(url)], "alone": [run_alone(url)]}
     copies = copy_requests(url, stop)
     state = check_clean(url)
-    check_workload(speculated, reference_parts)
+    for part, outs in speculated.items():
+        assert len(outs) == len(reference_parts[part])
+        for a, b in zip(outs, reference_parts[part]):
+            compare(a, b)
     check_copies(copies, reference_copies, stop, drafts_accepted=False)
     assert state["spec_drafted_rows"] > 0 and state["spec_draft_model_steps"] > 0, state
     assert speculated["json_alone"][0]["meta_info"]["spec_draft_token_num"] == 0  # a grammar: no drafts
