@@ -39,6 +39,7 @@ from sgl_jax.srt.models.registry import get_model_class
 from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, cumulative_lens, last_input_token, pad_to, \
     page_table
+from sgl_jax.srt.speculative.draft_tree import chain_parents
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +102,6 @@ def _for_draft(batch: Optional[ModelWorkerBatch]) -> Optional[ModelWorkerBatch]:
         return batch
     fb = dataclasses.replace(batch.forward_batch, swa_page_indices=None, swa_out_cache_loc=None)
     return dataclasses.replace(batch, forward_batch=fb)
-
-
-def chain_parents(n: int) -> np.ndarray:
-    """int32[n]: the parents of a chain of n slots (slot 0 the root)."""
-    return np.arange(-1, n - 1, dtype=np.int32)
 
 
 def draft_step_batch(reqs: Sequence[Req], tokens: Sequence[int], k: int, memory, shape: tuple) -> ModelWorkerBatch:

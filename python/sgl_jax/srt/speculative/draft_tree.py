@@ -72,7 +72,12 @@ def first_chain(tokens: np.ndarray, parents: np.ndarray) -> Tuple[np.ndarray, np
     path = [0]
     while children[path[-1]]:
         path.append(children[path[-1]][0])
-    return np.asarray(tokens, np.int32)[path], np.arange(-1, len(path) - 1, dtype=np.int32)
+    return np.asarray(tokens, np.int32)[path], chain_parents(len(path))
+
+
+def chain_parents(n: int) -> np.ndarray:
+    """int32[n]: the parents of a chain of n slots (slot 0 the root, ``parents[i] = i - 1``)."""
+    return np.arange(-1, n - 1, dtype=np.int32)
 
 
 def _children(parents: np.ndarray) -> List[List[int]]:
