@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -394,9 +395,11 @@ def hf_greedy_penalized(model, input_ids: List[int], n: int, **penalties) -> Lis
     return out
 
 
-def save_tiny_llama(path) -> tuple:
-    """A random tiny Llama (SmolLM2's vocabulary, 4 heads, 2 KV heads, 2 layers) saved as safetensors in
-    `path`; returns (model dir, tokenizer dir: SmolLM2's, for --tokenizer-path)."""
+def save_tiny_llama(path, num_layers: int = 2, init_std: float = 0.02) -> tuple:
+    """A random tiny Llama (SmolLM2's vocabulary, 4 heads, 2 KV heads, `num_layers` layers, weights drawn with
+    standard deviation `init_std`: at transformers' default 0.02 its greedy output repeats one token whatever the
+    context, at 0.2 it follows the context) saved as safetensors in `path`; returns (model dir, tokenizer dir:
+    SmolLM2's, for --tokenizer-path)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -404,11 +407,94 @@ def save_tiny_llama(path) -> tuple:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      rms_norm_eps=1e-6, tie_word_embeddings=True)
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=init_std)
     LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
     return str(path), resolve_model_path(default_model_path()).hf_dir
+
+
+def save_tiny_eagle3_head(path, hidden: int = 64, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                          draft_vocab_size: int = 512, aux_layer_ids=(0, 1, 2), seed: int = 0) -> str:
+    """A random EAGLE-3 head in the published ``LlamaForCausalLMEagle3`` format (SGLang's / SpecForge's tensor names,
+    an int64 ``d2t`` offset map of `draft_vocab_size` ids over SmolLM2's 49,152, a bool ``t2d``, no embedding),
+    written by hand with safetensors (transformers has no class for it) in `path`; `aux_layer_ids` None leaves
+    ``eagle_config`` out (the default layers). Returns the directory."""
+    import torch
+    from safetensors.torch import save_file
+
+    vocab, inter = 49152, 2 * hidden
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+
+    hot = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab_size]).values
+    a = "midlayer.self_attn."
+    tensors = {
+        "fc.weight": rand(hidden, len(aux_layer_ids or (0, 0, 0)) * hidden), "norm.weight": 1 + rand(hidden),
+        "midlayer.input_layernorm.weight": 1 + rand(hidden), "midlayer.hidden_norm.weight": 1 + rand(hidden),
+        "midlayer.post_attention_layernorm.weight": 1 + rand(hidden),
+        a + "q_proj.weight": rand(num_heads * head_dim, 2 * hidden),
+        a + "k_proj.weight": rand(num_kv_heads * head_dim, 2 * hidden),
+        a + "v_proj.weight": rand(num_kv_heads * head_dim, 2 * hidden),
+        a + "o_proj.weight": rand(hidden, num_heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": rand(inter, hidden), "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, inter), "lm_head.weight": rand(draft_vocab_size, hidden),
+        "d2t": (hot - torch.arange(draft_vocab_size)).long(),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, hot, True),
+    }
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": num_heads,
+              "num_key_value_heads": num_kv_heads, "head_dim": head_dim, "hidden_act": "silu",
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 1024, "vocab_size": vocab,
+              "draft_vocab_size": draft_vocab_size, "tie_word_embeddings": False, "torch_dtype": "float32"}
+    if aux_layer_ids is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
+
+
+def save_tiny_eagle_head(path, hidden: int = 64, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                         seed: int = 0) -> str:
+    """A random EAGLE (1/2) head in SafeAILab's published format (``fc`` over [embedding, hidden] with a bias,
+    ``layers.0.*`` without an input norm, an ``embed_tokens.weight`` the server does not read, a config naming
+    ``LlamaForCausalLM`` with one layer), written with safetensors in `path`. Returns the directory."""
+    import torch
+    from safetensors.torch import save_file
+
+    vocab, inter = 49152, 2 * hidden
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+
+    a = "layers.0.self_attn."
+    tensors = {
+        "fc.weight": rand(hidden, 2 * hidden), "fc.bias": rand(hidden), "embed_tokens.weight": rand(vocab, hidden),
+        "layers.0.post_attention_layernorm.weight": 1 + rand(hidden),
+        a + "q_proj.weight": rand(num_heads * head_dim, hidden),
+        a + "k_proj.weight": rand(num_kv_heads * head_dim, hidden),
+        a + "v_proj.weight": rand(num_kv_heads * head_dim, hidden),
+        a + "o_proj.weight": rand(hidden, num_heads * head_dim),
+        "layers.0.mlp.gate_proj.weight": rand(inter, hidden), "layers.0.mlp.up_proj.weight": rand(inter, hidden),
+        "layers.0.mlp.down_proj.weight": rand(hidden, inter),
+    }
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": num_heads,
+              "num_key_value_heads": num_kv_heads, "head_dim": head_dim, "hidden_act": "silu", "bias": True,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 1024, "vocab_size": vocab,
+              "torch_dtype": "float32"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
 
 
 def edit_checkpoint(model_dir: str, edit) -> None:

@@ -1,24 +1,26 @@
-"""Speculative decoding (--speculative-algorithm NGRAM and STANDALONE) on real servers against the suite's default
-server (no speculation): the same outputs. Two NGRAM servers: page size 1 with the radix cache, and page size 16
-without it, with a retract forced every few decode steps.
+"""Speculative decoding (--speculative-algorithm NGRAM, STANDALONE and EAGLE3) on real servers against the suite's
+default server (no speculation): the same outputs. Two NGRAM servers: page size 1 with the radix cache, and page size
+16 without it, with a retract forced every few decode steps.
 
 The speculating server runs test_overlap_schedule's workload -- a batch of 24 requests with every stop kind,
 seeded temperature sampling with top-p / top-k, penalties with a logit bias, output logprobs (top-3 and two ids) on
 every row, next to a JSON-schema request and a three-turn streaming session, then a seeded temperature request and
 the JSON request alone -- and copy-heavy requests whose drafts are accepted: a passage to repeat, greedy, with
-max_new_tokens and a stop string that land inside accepted runs, with logprobs, and 16 seeded samples of it.
+max_new_tokens and a stop string that land inside accepted runs, with logprobs, and 8 seeded samples of it.
 Greedy and sampled rows draft and verify; penalized and grammar rows decode without drafts. Output ids, finish
 reasons and completion tokens must be equal (so the samples' distribution is the reference's) and logprobs within
 1e-4; drafts must have been accepted (meta_info's spec_* counts, the server's
 totals, /metrics' sglang:spec_accept_length and spec_accept_rate), some along a tree branch whose K/V had to
 move; the KV pools end at rest with no compile after warm-up.
-The page-16 server runs the copy-heavy requests, with retracts (drafted pages released with the rest).
+The page-16 server runs the copy-heavy requests (4 samples), with retracts (drafted pages released with the rest).
 
-STANDALONE (a draft model drafts chains, its K/V in the target's slots) on two more servers: a tiny random draft at
-page size 1 with the radix cache runs the workload's session, JSON-schema and sampled requests and the copy-heavy
-requests (identity; its drafts are rarely accepted), then an injected draft-model failure (speculation stops, outputs unchanged); SmolLM2 drafting for itself
-at page size 16 without the radix cache, under forced retracts, runs the copy-heavy requests with 4 samples, and
-its greedy drafts must be nearly all accepted.
+STANDALONE (a draft model drafts chains, its K/V in the target's slots): SmolLM2 drafting for itself at page size 16
+without the radix cache, under forced retracts, runs the workload's session, JSON-schema and sampled requests and the
+copy-heavy requests with 4 samples (identity; its greedy drafts must be nearly all accepted), then an injected
+draft-model failure (speculation stops, outputs unchanged). EAGLE3 (a head over the target's hidden states, run
+after each target step): a random head at page size 16 with the radix cache under forced retracts, the same requests
+(identity; a random head's drafts are rarely accepted) and the injected failure. (STANDALONE, EAGLE3 and EAGLE at
+page size 1 and tp 2 x dp 2: test_data_parallel; the heads' arithmetic: test_eagle.)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from srt_helpers import check_clean, default_model_path, module_server, save_tiny_llama, wait_pool_idle
+from srt_helpers import check_clean, default_model_path, module_server, save_tiny_eagle3_head, wait_pool_idle
 from test_overlap_schedule import compare, run_alone, run_json, run_session, run_workload
 
 PASSAGE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
@@ -50,7 +52,7 @@ def generate(url: str, **body) -> dict:
     return r.json()
 
 
-SEEDS = 16
+SEEDS = 8  # seeded samples of the copy prompt (the page-1 NGRAM server's; the others run 4)
 
 
 def copy_requests(url: str, stop: str, seeds: int = SEEDS) -> list:
@@ -145,7 +147,7 @@ def test_outputs_identical_with_and_without_speculation(spec_server, reference):
 def test_page16_without_radix_under_forced_retract(spec_page16_server, reference):
     _, reference_copies, stop = reference
     url = spec_page16_server.url
-    copies = copy_requests(url, stop)
+    copies = copy_requests(url, stop, seeds=4)
     state = check_clean(url)
     check_copies(copies, reference_copies, stop)
     assert state["num_retracted_reqs"] > 0 and state["spec_accepted_tokens"] > 100
@@ -154,60 +156,71 @@ def test_page16_without_radix_under_forced_retract(spec_page16_server, reference
 
 # ---------------------------------------------------------------- STANDALONE: a draft model drafts chains
 @pytest.fixture  # (one test each: torn down after it, so the module never holds two at once)
-def standalone_server(tmp_path_factory):
-    """Page size 1 with the radix cache; the draft is a tiny random Llama of SmolLM2's vocabulary (its drafts are
-    rarely accepted: identity is what it shows)."""
-    draft, _ = save_tiny_llama(tmp_path_factory.mktemp("tiny_draft"))
-    yield from module_server(["--enable-streaming-session", "--speculative-algorithm", "STANDALONE",
-                              "--speculative-draft-model-path", draft], env={"SGL_JAX_TEST_FAULT_INJECTION": "1"})
-
-
-@pytest.fixture  # (one test each: torn down after it, so the module never holds two at once)
 def self_draft_server():
     """Page size 16 without the radix cache, a retract forced every few decode steps; SmolLM2 drafts for itself
     (its drafts are the target's own greedy tokens)."""
-    yield from module_server(["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
-                              default_model_path(), "--disable-radix-cache"], env={"SGL_JAX_TEST_RETRACT": "1"},
+    yield from module_server(["--enable-streaming-session", "--speculative-algorithm", "STANDALONE",
+                              "--speculative-draft-model-path", default_model_path(), "--disable-radix-cache"],
+                             env={"SGL_JAX_TEST_RETRACT": "1", "SGL_JAX_TEST_FAULT_INJECTION": "1"},
                              engine_args={"page_size": 16, "precompile_token_paddings": [256],
                                           "precompile_bs_paddings": [1, 32]})
 
 
-def test_standalone_random_draft_outputs_identical(standalone_server, reference):
-    """A random draft model: the copy-heavy requests and the workload's streaming session, JSON-schema and
+def check_drafter(url: str, reference, seeds: int = SEEDS, drafts_accepted: bool = False) -> tuple:
+    """A draft model or head: the copy-heavy requests and the workload's streaming session, JSON-schema and
     sampled-with-logprobs requests (its 24-request batch is the NGRAM test's) as without speculation, drafts
-    verified (and mostly rejected), the draft model's K/V kept beside the target's through the session's turns and
-    chunked prefill. Then the draft model fails while drafting (an injected fault): the request still gets its
-    output, unchanged, and the server decodes on without drafts."""
+    verified (a random drafter's mostly rejected: see `check_copies`), the draft's K/V kept beside the target's
+    through the session's turns, retracts and chunked prefill. Then the drafter fails while drafting (an injected
+    fault): the request still gets its output, unchanged, and the server decodes on without drafts. Returns (the
+    copy-heavy outputs, the server's state before the fault)."""
     reference_parts, reference_copies, stop = reference
-    url = standalone_server.url
     speculated = {"session": run_session(url), "json_alone": [run_json(url)], "alone": [run_alone(url)]}
-    copies = copy_requests(url, stop)
+    copies = copy_requests(url, stop, seeds=seeds)
     state = check_clean(url)
     for part, outs in speculated.items():
         assert len(outs) == len(reference_parts[part])
         for a, b in zip(outs, reference_parts[part]):
             compare(a, b)
-    check_copies(copies, reference_copies, stop, drafts_accepted=False)
+    check_copies(copies, reference_copies, stop, drafts_accepted=drafts_accepted)
     assert state["spec_drafted_rows"] > 0 and state["spec_draft_model_steps"] > 0, state
     assert speculated["json_alone"][0]["meta_info"]["spec_draft_token_num"] == 0  # a grammar: no drafts
     assert state["spec_draft_model_failed"] is None
     greedy = {"temperature": 0, "max_new_tokens": 90}
     out = generate(url, text=COPY_PROMPT, rid="fault-draft-1", sampling_params=greedy)
     assert out["output_ids"] == reference_copies[0]["output_ids"]
-    state = check_clean(url)
-    assert "injected draft fault for request fault-draft-1" in state["spec_draft_model_failed"], state
+    after = check_clean(url)
+    assert "injected draft fault for request fault-draft-1" in after["spec_draft_model_failed"], after
     assert generate(url, text=COPY_PROMPT, sampling_params=greedy)["output_ids"] == reference_copies[0]["output_ids"]
+    return copies, state
 
 
 def test_standalone_self_draft_accepts_nearly_everything(self_draft_server, reference):
-    """SmolLM2 drafting for itself, at page size 16 under forced retracts: the copy-heavy requests as without
-    speculation, and the greedy requests' drafts accepted (>= 90%: a draft is lost only where a stop ends the
-    run, or where the draft's decode step and the target's verify step round a near tie differently)."""
-    _, reference_copies, stop = reference
-    url = self_draft_server.url
-    copies = copy_requests(url, stop, seeds=4)
-    state = check_clean(url)
-    check_copies(copies, reference_copies, stop)
+    """SmolLM2 drafting for itself, at page size 16 under forced retracts: `check_drafter` (4 samples), and the
+    greedy requests' drafts accepted (>= 90%: a draft is lost only where a stop ends the run, or where the draft's
+    decode step and the target's verify step round a near tie differently)."""
+    copies, state = check_drafter(self_draft_server.url, reference, seeds=4, drafts_accepted=True)
     assert state["num_retracted_reqs"] > 0
     for i in (0, 1, 3):  # (the greedy ones that no stop string cuts)
         assert copies[i]["meta_info"]["spec_accept_rate"] >= 0.9, copies[i]["meta_info"]
+
+
+# ---------------------------------------------------------------- EAGLE3: a head over the target's hidden states
+@pytest.fixture  # (one test each: torn down after it, so the module never holds two at once)
+def eagle3_server(tmp_path_factory):
+    """Page size 16 with the radix cache, a retract forced every few decode steps; a random EAGLE-3 head of
+    SmolLM2's shapes in the published format, without eagle_config (the default layers 1, 14 and 26 of 30), over a
+    draft vocabulary of 2,048 ids."""
+    head = save_tiny_eagle3_head(tmp_path_factory.mktemp("eagle3_head"), hidden=576, num_heads=9, num_kv_heads=3,
+                                 head_dim=64, draft_vocab_size=2048, aux_layer_ids=None)
+    yield from module_server(["--enable-streaming-session", "--speculative-algorithm", "EAGLE3",
+                              "--speculative-draft-model-path", head],
+                             env={"SGL_JAX_TEST_RETRACT": "1", "SGL_JAX_TEST_FAULT_INJECTION": "1"},
+                             engine_args={"page_size": 16, "precompile_token_paddings": [256],
+                                          "precompile_bs_paddings": [1, 32]})
+
+
+def test_eagle3_random_head_outputs_identical(eagle3_server, reference):
+    """EAGLE3 with a random head at page size 16 under forced retracts: `check_drafter` (4 samples). The head's
+    arithmetic is checked against PyTorch in test_eagle."""
+    _, state = check_drafter(eagle3_server.url, reference, seeds=4)
+    assert state["num_retracted_reqs"] > 0

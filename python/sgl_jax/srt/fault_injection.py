@@ -7,7 +7,7 @@ Then a request whose rid starts with ``fault-<stage>`` raises `InjectedFault` at
 - ``forward``: while its batch's step is built and run (it holds KV; the other requests of the batch too);
 - ``sample``: while its sampled token is taken after the step (the step ran for the whole batch);
 - ``detokenize``: while the detokenizer turns its tokens into text;
-- ``draft``: while a draft model drafts for it (STANDALONE speculative decoding).
+- ``draft``: while a draft model drafts for it (STANDALONE, EAGLE or EAGLE3 speculative decoding).
 
 The engine must fail only that request (HTTP 500 with a one-line reason), free its KV and serve the
 rest, which is what test/srt/test_fault_isolation.py checks. A ``draft`` fault fails no request: the draft model

@@ -32,7 +32,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")  # sched
 SCHEDULE_POLICIES = ("fcfs", "lpm")  # scheduler/admission.py
 RADIX_EVICTION_POLICIES = ("lru", "lfu")  # mem_cache/registry.cache_kind_for
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")  # SGLang's --speculative-algorithm names
-SPECULATIVE_SERVED = ("NGRAM", "STANDALONE")  # the ones this build runs (speculative/)
+SPECULATIVE_SERVED = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")  # the ones this build runs (speculative/)
 DEFAULT_DRAFT_STEPS = 3  # SGLang's default draft steps for a draft model (chains: 4 draft-tree slots)
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 MAX_DRAFT_TOKENS = 32  # draft-tree slots per request (the attention kernels' tree mask is one int32 per query)
@@ -358,8 +358,8 @@ class ServerArgs:
             raise ValueError("--speculative-algorithm is not supported with --nnodes > 1 yet")
 
     def _check_draft_model_flags(self) -> None:
-        """STANDALONE's flags: a draft model, chains of --speculative-num-steps tokens (SGLang's defaults: 3 steps,
-        top-k 1, steps + 1 draft-tree slots)."""
+        """STANDALONE's, EAGLE's and EAGLE3's flags: a draft model (or head), chains of --speculative-num-steps tokens
+        (SGLang's defaults: 3 steps, top-k 1, steps + 1 draft-tree slots)."""
         algo = self.speculative_algorithm
         if not self.speculative_draft_model_path:
             raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
@@ -580,18 +580,22 @@ FLAG_HELP = {
                              "accepted tokens plus one; outputs are token-identical to decoding without it, greedy "
                              "or seeded. Turns the overlap scheduler off. NGRAM drafts from an n-gram cache of every "
                              "request's prompt and output; STANDALONE runs a smaller model of the same vocabulary "
-                             "(--speculative-draft-model-path) --speculative-num-steps times. Requests with "
+                             "(--speculative-draft-model-path) --speculative-num-steps times; EAGLE3 and EAGLE run an "
+                             "EAGLE-3 head (LlamaForCausalLMEagle3) or an EAGLE head (SafeAILab's format) over the "
+                             "target's hidden states. Requests with "
                              "penalties, logit_bias or a grammar decode without drafts",
     "speculative_draft_model_path": "STANDALONE's draft model (a hub id, directory or .gguf, of the target's "
-                                    "vocabulary), or the EAGLE head (not available yet)",
+                                    "vocabulary), or the EAGLE3 / EAGLE head (a hub id or directory: config.json and "
+                                    "*.safetensors in the LlamaForCausalLMEagle3 / SafeAILab EAGLE format)",
     "speculative_draft_model_revision": "the hub revision of --speculative-draft-model-path",
-    "speculative_num_steps": f"STANDALONE: draft tokens per request and step, one draft-model decode step each "
+    "speculative_num_steps": f"STANDALONE, EAGLE, EAGLE3: draft tokens per request and step (STANDALONE: one "
+                             f"draft-model decode step each; EAGLE: one fewer, its first comes with the target's step) "
                              f"(default {DEFAULT_DRAFT_STEPS})",
-    "speculative_eagle_topk": "candidates per draft step; STANDALONE drafts chains (1) in this build",
+    "speculative_eagle_topk": "candidates per draft step; STANDALONE, EAGLE and EAGLE3 draft chains (1) in this build",
     "speculative_num_draft_tokens": f"draft-tree slots per request, the root (the last accepted token) included, "
                                     f"2..{MAX_DRAFT_TOKENS} (NGRAM default: "
-                                    "--speculative-ngram-max-match-window-size; STANDALONE: --speculative-num-steps + "
-                                    "1)",
+                                    "--speculative-ngram-max-match-window-size; STANDALONE, EAGLE, EAGLE3: "
+                                    "--speculative-num-steps + 1)",
     "speculative_accept_threshold_single": "SGLang's relaxed acceptance of sampled drafts; only 1.0 (exact) is "
                                            "served",
     "speculative_accept_threshold_acc": "SGLang's relaxed acceptance of sampled drafts; only 1.0 (exact) is served",

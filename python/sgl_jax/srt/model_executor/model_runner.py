@@ -43,6 +43,7 @@ from sgl_jax.srt.fault_injection import PlantedFaults
 from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch, stack_ranks
 from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask, vocab_mask_words
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES, load_model
+from sgl_jax.srt.models.llama import sown_aux_hidden_states
 from sgl_jax.srt.server_args import resolve_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class StepOutput:
     seq_offset: int = 0
     token_offset: int = 0
     routed_experts: Optional[np.ndarray] = None  # int32[n, L, k]: each sampled token's experts (-1: dense layer)
+    aux: Optional[jax.Array] = None  # EAGLE-3: the captured layers' outputs [dp * T_pad, n * hidden] (on device)
 
     def logprob_rows(self) -> np.ndarray:
         """float32[dp * S_pad, V] on the host: the log-softmax of the raw logits of every row of the step (copies the
@@ -80,7 +82,7 @@ class PendingStep:
 
     Args:
         arrays: the step's outputs (next_ids int32[dp * S_pad], next_lp float32[dp * S_pad], (logits, lse) (see
-            StepOutput), hidden, expert counts, routed experts).
+            StepOutput), hidden, expert counts, routed experts, aux hidden states or None).
         num_seqs: real sampling rows per rank (None: the rank idled: sequences, or tokens in a verify step); s_pad:
             sampling rows per rank, t_pad: tokens per rank.
         moe_stats: the runner's `MoeStats` (counts are added at resolve), or None; routed: whether routed experts
@@ -90,13 +92,13 @@ class PendingStep:
     def __init__(self, arrays: tuple, num_seqs: List[Optional[int]], s_pad: int, t_pad: int, moe_stats, routed: bool):
         self.arrays, self.num_seqs, self.s_pad, self.t_pad = arrays, num_seqs, s_pad, t_pad
         self.moe_stats, self.routed = moe_stats, routed
-        next_ids, next_lp, _, _, counts, rows = arrays
+        next_ids, next_lp, _, _, counts, rows, _ = arrays
         for x in (next_ids, next_lp) + ((counts,) if moe_stats is not None else ()) + ((rows,) if routed else ()):
             x.copy_to_host_async()
 
     def resolve(self) -> List[Optional[StepOutput]]:
         """Wait for the step and return one StepOutput per rank (None for idle ranks)."""
-        next_ids, next_lp, (logits, lse), hidden, counts, routed = self.arrays
+        next_ids, next_lp, (logits, lse), hidden, counts, routed, aux = self.arrays
         next_ids, next_lp = np.asarray(next_ids), np.asarray(next_lp)
         if self.moe_stats is not None:
             self.moe_stats.add_step(np.asarray(counts))
@@ -109,7 +111,7 @@ class PendingStep:
             a = r * self.s_pad
             outs.append(StepOutput(next_ids[a:a + n], next_lp[a:a + n], logits, lse, hidden, seq_offset=a,
                                    token_offset=r * self.t_pad,
-                                   routed_experts=None if routed is None else routed[a:a + n]))
+                                   routed_experts=None if routed is None else routed[a:a + n], aux=aux))
         return outs
 
 
@@ -121,7 +123,7 @@ class LaunchedForward:
     the rank-stacked SamplingBatch (host arrays; its vocab mask None when no row has a grammar or the scheduler
     fills the masks later); num_seqs: real sampling rows per rank (None: idle); s_pad: sampling rows per rank
     (`ModelWorkerBatch.rows_pad`: S_pad, T_pad in a verify step), t_pad: tokens per rank; batch: one real rank
-    batch (named when a compile is reported).
+    batch (named when a compile is reported); aux: the captured layers' outputs (EAGLE-3) or None.
     """
 
     logits: jax.Array
@@ -132,6 +134,7 @@ class LaunchedForward:
     s_pad: int
     t_pad: int
     batch: ModelWorkerBatch
+    aux: Optional[jax.Array] = None
 
 
 def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
@@ -255,12 +258,15 @@ class ModelRunner:
             pools, their usable tokens, the pool of each layer; page 0 of every pool is added on top as the
             padding sink). Called once the weights are loaded, so it can size the pools from what is left.
         num_request_slots: ReqToTokenPool rows of one rank.
+        aux_layers: layer ids whose outputs every forward also returns (`StepOutput.aux`: an EAGLE-3 head's input,
+            `models.llama.run_layers`); empty: none.
     """
 
     def __init__(self, server_args, model_config, *, buckets: ShapeBuckets, max_context_len: int,
-                 kv_spec_fn, num_request_slots: int = 1):
+                 kv_spec_fn, num_request_slots: int = 1, aux_layers: Tuple[int, ...] = ()):
         compile_counts()  # start counting compilations (warm-up reports them; serving must not add any)
         self.server_args = server_args
+        self.aux_layers = tuple(sorted(aux_layers))
         self.model_config = model_config
         self.buckets = buckets
         self.page_size = server_args.page_size
@@ -320,8 +326,9 @@ class ModelRunner:
         r = self._replicated
         # hidden states stay with their rank, unless ranks span hosts (then every host reads them all)
         hidden = NamedSharding(self.mesh, P("data", None)) if jax.process_count() == 1 else r
+        self._hidden_sharding = hidden
         self._forward = jax.jit(self._forward_impl, donate_argnums=(1,), static_argnums=(4,),
-                                out_shardings=(self._kv_sharding, r, hidden, (r, r)))
+                                out_shardings=(self._kv_sharding, r, hidden, (r, r), hidden if self.aux_layers else r))
         self._sample = jax.jit(self._sample_impl, donate_argnums=(1, 2), static_argnums=(5,),
                                out_shardings=(r, r, r, r, r))
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r)
@@ -330,14 +337,17 @@ class ModelRunner:
         self._move_kv = jax.jit(functools.partial(move_kv_slots, mesh=self.mesh), donate_argnums=(0,),
                                 out_shardings=self._kv_sharding)
         self._logprobs = jax.jit(self._logprobs_impl)
-        self.logits_vocab = jax.eval_shape(  # logits columns (the LM head's rows)
-            self._logprobs_impl, self.params,
-            jax.ShapeDtypeStruct((1, model_config.hidden_size), JNP_DTYPES[model_config.dtype])).shape[-1]
         self._label_logprobs = jax.jit(self._label_logprobs_impl)
         self._compiled_after_warmup: Optional[int] = None
         self._num_compiles_after_warmup = 0
         self.faults = PlantedFaults.from_env()  # test hooks (fault_injection.py); none outside tests
         self.warmup_stats: Dict[str, float] = {}  # what warm-up compiled and loaded (see warmup)
+
+    @functools.cached_property
+    def logits_vocab(self) -> int:
+        """Logits columns (the LM head's rows), from the abstract logprob program."""
+        return jax.eval_shape(self._logprobs_impl, self.params, jax.ShapeDtypeStruct(
+            (1, self.model_config.hidden_size), JNP_DTYPES[self.model_config.dtype])).shape[-1]
 
     # ---- compiled functions
     def _allocate_kv(self, spec, kv_heads: int, head_dim: int, dtype) -> list:
@@ -369,7 +379,8 @@ class ModelRunner:
         """The forward program (see the module docstring). param_leaves: `params` flattened; future: the
         future-token buffer (read: placeholders of tokens the step before is sampling); packed / layout: the step's
         ForwardBatch as one int32 buffer (model_executor/packed_inputs.py). Returns (kv_caches, logits float32[S, V]
-        gathered, hidden, MoE outputs)."""
+        gathered, hidden, MoE outputs, the aux hidden states [T, n * hidden] of `aux_layers` (else an empty
+        array))."""
         params = jax.tree.unflatten(self._param_treedef, param_leaves)
         fb = unpack(packed, layout)
         fb = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._rank_rows), fb)  # (rows by rank)
@@ -377,9 +388,12 @@ class ModelRunner:
         # trace-time backend; placeholders of tokens the previous step sampled read from the future buffer
         fb = dataclasses.replace(fb, attention_backend=self.attention_backend,
                                  input_ids=resolve_placeholders(fb.input_ids, future))
+        if self.aux_layers:
+            model.model.capture_layers = self.aux_layers
         hidden, kv_caches = model(fb, kv_caches)
         logits = self._gathered(model.compute_logits(hidden[fb.logits_indices]))
-        return kv_caches, logits, hidden, self._moe_outputs(model, fb)
+        aux = sown_aux_hidden_states(model.model) if self.aux_layers else jnp.zeros((0,), hidden.dtype)
+        return kv_caches, logits, hidden, self._moe_outputs(model, fb), aux
 
     def _sample_impl(self, logits, penalty_state, future, packed, vocab_mask, layout):
         """The sampling program: logits float32[S, V] from the forward; packed / layout: the SamplingBatch
@@ -477,12 +491,12 @@ class ModelRunner:
             raise ValueError("a step needs at least one rank batch")
         _, t_pad, _ = real[0].padded_shape
         stacked = self._step_batch(batches)
-        self.kv_caches, logits, hidden, moe = self._forward(
+        self.kv_caches, logits, hidden, moe, aux = self._forward(
             self._param_leaves, self.kv_caches, self.future_tokens, *self._forward_inputs(stacked.forward_batch))
         self._check_no_new_compile(real[0])
         return LaunchedForward(logits, hidden, moe, stacked.sampling,
                                [None if b is None else b.num_rows for b in batches], real[0].rows_pad, t_pad,
-                               real[0])
+                               real[0], aux if self.aux_layers else None)
 
     def launch_sample(self, fwd: "LaunchedForward", vocab_mask: Optional[np.ndarray] = None) -> PendingStep:
         """Dispatch the sampling program of a launched forward. vocab_mask: int32[dp * S_pad, words] of the stacked
@@ -493,8 +507,8 @@ class ModelRunner:
             jax.jit(lambda x: x * 3.0 + 1.0)(np.zeros(7, np.float32)).block_until_ready()  # a planted fault
         self._check_no_new_compile(fwd.batch)
         counts, routed = fwd.moe
-        return PendingStep((next_ids, next_lp, (fwd.logits, lse), fwd.hidden, counts, routed), fwd.num_seqs,
-                           fwd.s_pad, fwd.t_pad, self.moe_stats, self.return_routed_experts)
+        return PendingStep((next_ids, next_lp, (fwd.logits, lse), fwd.hidden, counts, routed, fwd.aux),
+                           fwd.num_seqs, fwd.s_pad, fwd.t_pad, self.moe_stats, self.return_routed_experts)
 
     def device_seconds_per_step(self, batch: ModelWorkerBatch, repeats: int) -> float:
         """Seconds the device takes per step of `batch` (rank 0), host work excluded: its inputs are put on the device
@@ -622,14 +636,10 @@ class ModelRunner:
         rows = t_pad if mode == ForwardMode.TARGET_VERIFY else s_pad  # (a verify step samples every token)
         return ModelWorkerBatch(forward_batch=fb, sampling=SamplingBatch.padding(rows), num_tokens=0, num_seqs=0)
 
-    def warmup(self) -> None:
-        """Compile every bucket's step program (and the logprob, label-logprob and penalty-row programs) ahead
-        of time (``jit(...).lower(...).compile()``: nothing runs), with a progress bar and one log line per
-        program saying whether XLA compiled it or it was loaded from the persistent compilation cache.
-
-        Serving then finds each program in jit's in-memory cache; any later compile is counted in
-        ``num_compiles_after_warmup`` (see compile_stats).
-        """
+    def warmup_programs(self) -> List[Tuple[str, object]]:
+        """(name, thunk returning the lowered program) of every program serving runs: each bucket's step, the
+        sampling per row count, the K/V moves per verify shape, the logprob, label-logprob and penalty-row
+        programs."""
         shapes = self.buckets.all_shapes()
         hidden_dim = self.model_config.hidden_size
         dtype = np.dtype(JNP_DTYPES[self.model_config.dtype])
@@ -646,6 +656,17 @@ class ModelRunner:
         for r in SCORE_ROW_PADDINGS:
             programs.append((f"label logprobs R={r}", lambda r=r: self._label_logprobs.lower(
                 self.params, np.zeros((r, hidden_dim), dtype), np.zeros(SCORE_LABEL_CHUNK, np.int32))))
+        return programs
+
+    def warmup(self) -> None:
+        """Compile every program of `warmup_programs` ahead of time (``jit(...).lower(...).compile()``: nothing
+        runs), with a progress bar and one log line per program saying whether XLA compiled it or it was loaded from
+        the persistent compilation cache.
+
+        Serving then finds each program in jit's in-memory cache; any later compile is counted in
+        ``num_compiles_after_warmup`` (see compile_stats).
+        """
+        programs = self.warmup_programs()
         t0, start = time.time(), compile_counts()
         # tracing is Python (one thread); XLA compiles (or loads) off the GIL: trace the next program while the
         # previous ones compile, on as many threads as the host has cores (at least 2)

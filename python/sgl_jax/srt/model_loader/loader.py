@@ -49,6 +49,22 @@ def _iterate_safetensors(model_dir: str) -> Iterator[Tuple[str, object]]:
                 yield name, f.get_tensor(name)
 
 
+def read_checkpoint_tensor(model_config, name: str) -> Optional[np.ndarray]:
+    """The host array of the checkpoint tensor `name` (first match in the model's *.safetensors files, in its own
+    dtype), None when no file has it: tensors that are not parameters, as an EAGLE-3 head's int64 ``d2t`` map.
+
+    Raises:
+        FileNotFoundError: the model directory has no *.safetensors files.
+    """
+    from safetensors import safe_open
+
+    for path in _safetensors_files(model_config.resolved.hf_dir):
+        with safe_open(path, framework="numpy") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    return None
+
+
 def _count_safetensors(model_dir: str) -> int:
     from safetensors import safe_open
 

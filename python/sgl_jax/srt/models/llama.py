@@ -61,13 +61,14 @@ class LlamaAttention(nnx.Module):
     its queries see only the last ``sliding_window`` positions, and its rotary base may differ
     (`ModelConfig.layer_rope_parameters`). `norm_cls` is the q/k norm (Gemma's is ``x * (1 + w)``),
     `sm_scale` overrides ``head_dim ** -0.5`` (Gemma's ``query_pre_attn_scalar ** -0.5``), `soft_cap` caps the
-    attention scores (Gemma 2).
+    attention scores (Gemma 2), `in_features` the q/k/v projections' input width (default hidden_size).
     """
 
     def __init__(self, cfg, model_config, layer_id: int, *, qk_norm: bool, dtype, rngs: nnx.Rngs,
                  mesh: Optional[Mesh] = None, norm_cls=RMSNorm, sm_scale: Optional[float] = None,
-                 soft_cap: Optional[float] = None):
+                 soft_cap: Optional[float] = None, in_features: Optional[int] = None):
         hidden = model_config.hidden_size
+        q_in = in_features or hidden  # q/k/v input width (an EAGLE-3 draft layer's is 2 x hidden)
         self.num_heads = model_config.num_attention_heads
         tp = 1 if mesh is None else tp_size_of(mesh)
         self.num_kv_heads = padded_kv_heads(model_config.num_key_value_heads, tp)
@@ -75,9 +76,9 @@ class LlamaAttention(nnx.Module):
         self.head_dim = model_config.head_dim
         # q/k/v biases: Llama's attention_bias, Qwen2's qkv_bias (o_proj never has one here)
         bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False))
-        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(q_in, self.num_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, dtype=dtype, rngs=rngs)
         eps = float(cfg.rms_norm_eps)
         self.q_norm = norm_cls(self.head_dim, eps=eps, dtype=dtype) if qk_norm else None
@@ -132,12 +133,36 @@ class LlamaModel(nnx.Module):
 
 def run_layers(model, x: jax.Array, fb: ForwardBatch, kv_caches: List[LayerKV]) -> Tuple[jax.Array, List[LayerKV]]:
     """Every decoder layer of `model` (``.layers``, ``.norm``) over embeddings x [T, hidden_size]; returns the
-    final-norm hidden states [T, hidden_size] and the updated per-layer KV caches."""
-    new_caches = []
-    for layer, kv in zip(model.layers, kv_caches):
+    final-norm hidden states [T, hidden_size] and the updated per-layer KV caches.
+
+    When ``model.capture_layers`` (a sorted tuple of layer ids, set by the model runner for EAGLE-3) is not empty,
+    the residual stream after each of those layers (before the final norm) is concatenated in layer order into
+    [T, len(ids) * hidden_size] and sown as the ``aux_hidden_states`` intermediate (`sown_aux_hidden_states`):
+    SGLang's ``layers_to_capture``, where id l means the output of layer l."""
+    capture = getattr(model, "capture_layers", ())
+    aux, new_caches = [], []
+    for i, (layer, kv) in enumerate(zip(model.layers, kv_caches)):
         x, kv = layer(x, fb, kv)
         new_caches.append(kv)
+        if i in capture:
+            aux.append(x)
+    if aux:
+        model.sow(nnx.Intermediate, "aux_hidden_states", jnp.concatenate(aux, axis=-1),
+                  reduce_fn=lambda _, new: new, init_fn=lambda: None)
     return model.norm(x), new_caches
+
+
+def sown_aux_hidden_states(model) -> jax.Array:
+    """The aux hidden states [T, len(ids) * hidden_size] that `run_layers` captured from `model` (the decoder stack,
+    ``capture_layers`` set) in a call of the same trace.
+
+    Raises:
+        ValueError: nothing was captured (no ``capture_layers``, or the stack has not run).
+    """
+    sown = getattr(model, "aux_hidden_states", None)
+    if sown is None:
+        raise ValueError("the decoder stack captured no aux hidden states (capture_layers unset or not run)")
+    return sown.get_value()
 
 
 class LlamaForCausalLM(nnx.Module):

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from sgl_jax.srt.models.gemma3 import Gemma3ForCausalLM
 from sgl_jax.srt.models.llama import LlamaForCausalLM
+from sgl_jax.srt.models.llama_eagle import LlamaForCausalLMEagle
+from sgl_jax.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 from sgl_jax.srt.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from sgl_jax.srt.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "LlamaForCausalLMEagle": LlamaForCausalLMEagle,
+    "LlamaForCausalLMEagle3": LlamaForCausalLMEagle3,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

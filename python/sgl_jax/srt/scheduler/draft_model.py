@@ -33,6 +33,7 @@ from sgl_jax.srt import fault_injection
 from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from sgl_jax.srt.mem_cache.kv_memory import KVCacheSpec
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+from sgl_jax.srt.model_executor.draft_runners import DraftModelRunner
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, kv_bytes_per_token
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES
 from sgl_jax.srt.models.registry import get_model_class
@@ -95,7 +96,7 @@ def draft_kv_spec(target_spec: KVCacheSpec, num_layers: int) -> KVCacheSpec:
                        layer_pool=(0,) * num_layers)
 
 
-def _for_draft(batch: Optional[ModelWorkerBatch]) -> Optional[ModelWorkerBatch]:
+def for_draft(batch: Optional[ModelWorkerBatch]) -> Optional[ModelWorkerBatch]:
     """A target step's batch as the draft runs it: without the sliding-window pool's fields (every draft layer
     reads the full-attention slots)."""
     if batch is None or batch.forward_batch.swa_page_indices is None:
@@ -148,9 +149,12 @@ class DraftModel:
         """Dispatch the target step's forward on the draft model (its K/V at the step's slots; logits unused)."""
         if self.failed is None:
             try:
-                self.runner.launch_forward([_for_draft(b) for b in batches])
+                self.runner.launch_forward([for_draft(b) for b in batches])
             except Exception as exc:
                 self._fail("running a step on the draft model", exc)
+
+    def after_step(self, launched, outs) -> None:
+        """Nothing: the draft model ran the step with the target (`mirror`); an EAGLE head runs here."""
 
     def move_kv(self, moves) -> None:
         """The K/V moves of a verify step (`ModelRunner.move_kv`), on the draft's buffers too."""
@@ -225,9 +229,9 @@ def new_draft_model(server_args, target_runner: ModelRunner, buckets: ShapeBucke
     """Load the draft model (`draft_config`: its `ModelConfig`, from `draft_server_args`) with K/V buffers beside
     the target's."""
     spec = draft_kv_spec(target_runner.kv_spec, draft_config.num_hidden_layers)
-    runner = ModelRunner(draft_server_args(server_args, target_runner.max_context_len), draft_config, buckets=buckets,
-                         max_context_len=target_runner.max_context_len, kv_spec_fn=lambda _: spec,
-                         num_request_slots=target_runner.num_request_slots)
+    runner = DraftModelRunner(draft_server_args(server_args, target_runner.max_context_len), draft_config,
+                              buckets=buckets, max_context_len=target_runner.max_context_len,
+                              kv_spec_fn=lambda _: spec, num_request_slots=target_runner.num_request_slots)
     logger.info("Draft model %s (%s, %d layers) for STANDALONE speculative decoding", draft_config.model_path,
                 draft_config.architecture, draft_config.num_hidden_layers)
     return DraftModel(runner, buckets)

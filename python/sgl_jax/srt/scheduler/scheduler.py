@@ -77,8 +77,8 @@ from sgl_jax.srt.scheduler.rank import RankConfig, RankScheduler
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_abort, step_shape
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
 from sgl_jax.srt.scheduler.sessions import Session, SessionController, SessionError
-from sgl_jax.srt.scheduler.draft_model import check_draft_config, draft_reserve, draft_server_args, \
-    new_draft_model
+from sgl_jax.srt.scheduler.draft_model import draft_reserve
+from sgl_jax.srt.scheduler.drafters import draft_model_config, new_drafter
 from sgl_jax.srt.scheduler.speculation import SpecCounts, build_verify_batch, new_speculators, unify_step
 from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget, RowWork, StepTimeModel, step_features
 from sgl_jax.srt.scheduler.watchdog import StepWatchdog
@@ -152,19 +152,16 @@ class Scheduler:
                                                                                    self.buckets.max_tokens)
         logger.info("Model %s (%s, %s) on %s; context %d tokens", mc.model_path, mc.architecture, mc.dtype,
                     platform, self.context_len)
-        draft_mc = None
-        if server_args.speculative_algorithm == "STANDALONE":
-            draft_mc = ModelConfig.from_server_args(draft_server_args(server_args, self.context_len), platform)
-            check_draft_config(draft_mc, mc)
+        draft_mc, aux_layers = draft_model_config(server_args, mc, self.context_len, platform)
         reserve = (0, 0) if draft_mc is None else draft_reserve(server_args, draft_mc)
         self.model_runner = ModelRunner(
             server_args, mc, buckets=self.buckets, max_context_len=self.context_len,
             kv_spec_fn=lambda weight_bytes: kv_spec_for(
                 server_args, mc, compute_max_total_tokens(server_args, mc, weight_bytes, platform, reserve)),
-            num_request_slots=self.max_running_requests,
+            num_request_slots=self.max_running_requests, aux_layers=aux_layers,
         )
         self.draft_model = (None if draft_mc is None else
-                            new_draft_model(server_args, self.model_runner, self.buckets, draft_mc))
+                            new_drafter(server_args, self.model_runner, self.buckets, draft_mc))
         self.page_size = server_args.page_size
         self.dp_size = server_args.dp_size
         self.load_balance_method = server_args.load_balance_method
@@ -303,6 +300,8 @@ class Scheduler:
         for rank, batch, out in zip(self.ranks, rec.batches, outs):
             if batch is not None:
                 rank.apply_step(batch, out)
+        if self.draft_model is not None:
+            self.draft_model.after_step(rec.batches, outs)
         self.move_accepted_kv()
         now = time.perf_counter()
         if rec.cost_features is not None:
@@ -414,6 +413,8 @@ class Scheduler:
             for rank, batch, out in zip(self.ranks, launched, outs):
                 if batch is not None:
                     rank.apply_step(batch, out)
+            if self.draft_model is not None:
+                self.draft_model.after_step(launched, outs)
             self.move_accepted_kv()
             self.last_applied_at = time.perf_counter()
             return

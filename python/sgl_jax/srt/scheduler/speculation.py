@@ -1,6 +1,7 @@
-"""Speculative decoding in the scheduler (``--speculative-algorithm NGRAM|STANDALONE``): drafts, the verify step's
-layout, and acceptance. One `Speculator` per DP rank. With STANDALONE a draft model drafts chains instead of the
-n-gram cache (scheduler/draft_model.py, asking `Speculator.draft_budget`); the rest is the same.
+"""Speculative decoding in the scheduler (``--speculative-algorithm NGRAM|STANDALONE|EAGLE|EAGLE3``): drafts, the verify
+step's layout, and acceptance. One `Speculator` per DP rank. With STANDALONE a draft model drafts chains instead of
+the n-gram cache (scheduler/draft_model.py, asking `Speculator.draft_budget`), with EAGLE / EAGLE3 an EAGLE
+head (scheduler/eagle_draft.py); the rest is the same.
 
 A rank that speculates turns a decode step into a verify step (``ForwardMode.TARGET_VERIFY``) when some running
 request has a draft (SGLang's n-gram worker; Leviathan et al. 2023, Miao et al. 2024 for the tree):
