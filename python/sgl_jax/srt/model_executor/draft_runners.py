@@ -116,26 +116,25 @@ class EagleRunner(ModelRunner):
                      rows: Sequence[Optional[np.ndarray]]) -> None:
         """Dispatch the head over a target step's rows (`batches`: per rank, the step's batch with each token
         replaced by the token after it; None: idle); aux: the target step's features (`StepOutput.aux` or
-        ``.hidden``); rows: per rank,
-        int32 per logits row, the request slot whose state that row's result goes to (-1: none)."""
-        stacked = self._step_batch(batches)
-        packed, layout = self._forward_inputs(stacked.forward_batch)
-        self.kv_caches, self.g_state, self.tok_state = self._draft_extend(
-            self._param_leaves, self.kv_caches, self.g_state, self.tok_state, packed, layout, aux,
-            self._rows(rows, stacked.rows_pad // self.dp_size), self.embed, self.target_head, self.hot)
-        self._check_no_new_compile(stacked)
+        ``.hidden``); rows: per rank, int32 per logits row, the request slot whose state that row's result goes to
+        (-1: none)."""
+        self._dispatch(self._draft_extend, batches, aux, rows)
 
     def draft_decode(self, batches: Sequence[Optional[ModelWorkerBatch]], slots: Sequence[Optional[np.ndarray]]
                      ) -> np.ndarray:
         """Run one draft step (per rank a DECODE batch of one row per request, None: idle; slots: the rows' request
         slots) and return the state's tokens on the host, int32[dp * num_request_slots] (`tokens`)."""
+        self._dispatch(self._draft_decode, batches, None, slots)
+        return self.tokens()
+
+    def _dispatch(self, program, batches, hidden, rows) -> None:
+        """Stack the ranks' batches and dispatch `program` (the draft extend or decode) on them."""
         stacked = self._step_batch(batches)
         packed, layout = self._forward_inputs(stacked.forward_batch)
-        self.kv_caches, self.g_state, self.tok_state = self._draft_decode(
-            self._param_leaves, self.kv_caches, self.g_state, self.tok_state, packed, layout, None,
-            self._rows(slots, stacked.rows_pad // self.dp_size), self.embed, self.target_head, self.hot)
+        self.kv_caches, self.g_state, self.tok_state = program(
+            self._param_leaves, self.kv_caches, self.g_state, self.tok_state, packed, layout, hidden,
+            self._rows(rows, stacked.rows_pad // self.dp_size), self.embed, self.target_head, self.hot)
         self._check_no_new_compile(stacked)
-        return self.tokens()
 
     def tokens(self) -> np.ndarray:
         """int32[dp * num_request_slots]: each request slot's next draft token (waits for the programs before)."""
