@@ -3,7 +3,7 @@
 # the runtime dependencies importable; the package from ./python, not installed):
 #
 #   scripts/gpu_checks.sh OUT_DIR [all] [tests] [kernel] [decode-tiles] [pages] [serving] [score] [score-native]
-#                         [overlap] [serving-no-overlap] [moe] [moe-probe] [moe-serving]
+#                         [overlap] [serving-no-overlap] [moe] [moe-probe] [moe-serving] [spec]
 #
 #   all           (the default) tests, kernel, decode-tiles, serving and score, each under its own limit (240, 150,
 #                 120, 180 and 360 s); issue #38 asks for all of it within 9 minutes on an H100
@@ -33,10 +33,17 @@
 #                 PYTHONPATH for this stage only)
 #   moe-serving   the serving stage with the whole Qwen3-30B-A3B (48 layers) and bench_serving's baseline,
 #                 continuous_batching and paged_attention workloads
+#   spec          speculative decoding at real sizes (issue #39), dummy weights, bfloat16, bench_serving's baseline
+#                 (batch 1) at 0.3 of its requests: a Llama-3.1-8B target (benchmark/configs/Llama-3.1-8B) without
+#                 speculation, with STANDALONE drafts from Llama-3.2-1B's shapes and from the target's own config
+#                 (the same dummy weights: the accept-everything bound), and with an EAGLE-3 head of the published
+#                 EAGLE3-LLaMA3.1-Instruct-8B's shapes; 3 steps, top-k 1, 4 draft tokens. $SPEC_TARGET, $SPEC_DRAFT
+#                 and $SPEC_HEAD replace the three configs (tiny ones for a dry run on CPU with
+#                 GPU_CHECKS_PLATFORMS=cpu)
 #
 # The scoring and serving runs need a tokenizer: SmolLM2's HF directory in $TOKENIZER_PATH (its ids are valid
 # Qwen3 ids). With $GPU_CHECKS_ARCHIVE set, OUT_DIR is packed into that .tar.gz after every stage (so a run cut
-# short still leaves what it did in one file).
+# short still leaves what it did in one file). $GPU_CHECKS_PLATFORMS (default cuda) is the JAX platform the stages run on.
 # Every stage runs under its own time limit and writes its log and report under OUT_DIR; the script goes on
 # after a failed stage and exits non-zero if any failed.
 set -u
@@ -45,7 +52,7 @@ shift
 stages=${*:-all}
 stages=${stages/all/tests kernel decode-tiles serving score}
 mkdir -p "$out"
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 JAX_PLATFORMS=${GPU_CHECKS_PLATFORMS:-cuda}
 export SGL_JAX_CACHE_DIR=${SGL_JAX_CACHE_DIR:-/tmp/sgl_jax_cache}
 failed=0
 
@@ -89,7 +96,8 @@ serve_and_bench() {  # NAME MODEL_DIR MAX_TOTAL_TOKENS WORKLOADS [BENCH_SERVING_
         --dtype bfloat16 --tokenizer-path "${TOKENIZER_PATH:-}" --host 127.0.0.1 --port $port \
         --attention-backend "${ATTENTION_BACKEND:-auto}" ${SERVER_FLAGS:-} \
         --context-length 4096 --max-total-tokens "$tokens" --max-running-requests 64 \
-        --precompile-bs-paddings 1 8 64 --precompile-token-paddings 256 2048 > "$out/$name-server.log" 2>&1 &
+        ${PRECOMPILE_FLAGS:---precompile-bs-paddings 1 8 64 --precompile-token-paddings 256 2048} \
+        > "$out/$name-server.log" 2>&1 &
     local pid=$!
     python3 - "$url" $pid <<'PY' || { kill $pid; return 1; }
 import json, os, sys, time, urllib.request
@@ -116,11 +124,29 @@ PY
     return $rc
 }
 
-nvidia-smi -L
+spec_serving() {  # the spec stage's four servers in turn (see the header); fails if any failed
+    local target=${SPEC_TARGET:-benchmark/configs/Llama-3.1-8B} rc=0
+    local steps="--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+    export PRECOMPILE_FLAGS="--max-running-requests 4 --chunked-prefill-size 512 --precompile-bs-paddings 1 4
+        --precompile-token-paddings 512"
+    local -a runs=(
+        "spec-off|"
+        "spec-standalone-1b|--speculative-algorithm STANDALONE $steps --speculative-draft-model-path ${SPEC_DRAFT:-benchmark/configs/Llama-3.2-1B}"
+        "spec-eagle3|--speculative-algorithm EAGLE3 $steps --speculative-draft-model-path ${SPEC_HEAD:-benchmark/configs/EAGLE3-LLaMA3.1-8B}"
+        "spec-standalone-self|--speculative-algorithm STANDALONE $steps --speculative-draft-model-path $target")
+    for r in "${runs[@]}"; do
+        echo "--- ${r%%|*}: ${r#*|}"
+        SERVER_FLAGS="${r#*|}" serve_and_bench "${r%%|*}" "$target" 65536 baseline --num-requests-scale 0.3 || rc=1
+        grep -E "Speculative|speculative|accept" "$out/${r%%|*}-server.log" | head -n 5
+    done
+    return $rc
+}
+
+command -v nvidia-smi > /dev/null && nvidia-smi -L
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 
 export out
-export -f moe_one_batch serve_and_bench overlap_one_batch
+export -f moe_one_batch serve_and_bench overlap_one_batch spec_serving
 score_args=(--query-tokens 2000 --num-items 500 --item-tokens 20 --model-path benchmark/configs/Qwen3-0.6B
             --load-format dummy --dtype bfloat16 --tokenizer-path "${TOKENIZER_PATH:-}")
 for s in $stages; do
@@ -152,6 +178,7 @@ for s in $stages; do
         serving-no-overlap) SERVER_FLAGS=--disable-overlap-schedule stage serving-no-overlap 180 \
                                 serve_and_bench qwen3-0.6b-no-overlap benchmark/configs/Qwen3-0.6B 131072 \
                                 baseline,continuous_batching --num-requests-scale 0.5 ;;
+        spec) stage spec 300 spec_serving ;;
         serving) stage serving 180 serve_and_bench qwen3-0.6b benchmark/configs/Qwen3-0.6B 131072 \
                      baseline,continuous_batching --num-requests-scale 0.5 ;;
         *) echo "unknown stage $s"; failed=1 ;;

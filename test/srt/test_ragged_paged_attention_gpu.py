@@ -95,3 +95,16 @@ def test_gpu_kernel_model_shapes(heads, batch):
     args, kwargs, rows = _model_batch(H, KVH, D, q_lens, kv_lens, 16, "bfloat16", seed=len(q_lens))
     out = np.asarray(ragged_paged_attention(*args, **kwargs, backend="pallas").astype(jnp.float32))
     assert_matches_reference(f"gpu kernel {heads} {batch}", out, args, kwargs, rows, "bfloat16")
+
+
+@pytest.mark.parametrize("tiles", sorted(TILES))
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_kernel_draft_tree_rows(tiles, page_size, dtype):
+    """Speculative verify rows (issue #39): every other sequence's queries are a random draft tree's slots
+    (`tree_bits`), beside ordinary extend rows, as in the interpreted kernels' test."""
+    args, kwargs, rows = make_batch(21 + page_size, "extend", page_size, 64, 4, 1, dtype, False, trees=True)
+    blocks, decode_blocks = TILES[tiles]
+    out = np.asarray(ragged_paged_attention_gpu(*args, **kwargs, blocks=blocks, decode_blocks=decode_blocks)
+                     .astype(jnp.float32))
+    assert_matches_reference(f"gpu kernel draft tree ({tiles} tiles)", out, args, kwargs, rows, dtype)
