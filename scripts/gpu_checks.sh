@@ -34,12 +34,14 @@
 #   moe-serving   the serving stage with the whole Qwen3-30B-A3B (48 layers) and bench_serving's baseline,
 #                 continuous_batching and paged_attention workloads
 #   spec          speculative decoding at real sizes (issue #39), dummy weights, bfloat16, bench_serving's baseline
-#                 (batch 1) at 0.3 of its requests: a Llama-3.1-8B target (benchmark/configs/Llama-3.1-8B) without
-#                 speculation, with STANDALONE drafts from Llama-3.2-1B's shapes and from the target's own config
-#                 (the same dummy weights: the accept-everything bound), and with an EAGLE-3 head of the published
-#                 EAGLE3-LLaMA3.1-Instruct-8B's shapes; 3 steps, top-k 1, 4 draft tokens. $SPEC_TARGET, $SPEC_DRAFT
-#                 and $SPEC_HEAD replace the three configs (tiny ones for a dry run on CPU with
-#                 GPU_CHECKS_PLATFORMS=cpu)
+#                 (batch 1) at 0.3 of its requests, a Llama-3.1-8B target (benchmark/configs/Llama-3.1-8B): without
+#                 speculation, with and without the overlap scheduler (which speculation turns off); with STANDALONE
+#                 drafts of Llama-3.2-1B's shapes and of the target's own config (the same dummy weights: the
+#                 accept-everything bound); with an EAGLE-3 head of the published EAGLE3-LLaMA3.1-Instruct-8B's
+#                 shapes; 3 steps, top-k 1, 4 draft tokens. $SPEC_TARGET, $SPEC_DRAFT and $SPEC_HEAD replace the
+#                 three configs (tiny ones for a dry run on CPU with GPU_CHECKS_PLATFORMS=cpu); $SPEC_RUNS picks
+#                 some of the five servers by name (spec-off, spec-off-no-overlap, spec-standalone-1b, spec-eagle3,
+#                 spec-standalone-self). About 100 s a server on an H200
 #
 # The scoring and serving runs need a tokenizer: SmolLM2's HF directory in $TOKENIZER_PATH (its ids are valid
 # Qwen3 ids). With $GPU_CHECKS_ARCHIVE set, OUT_DIR is packed into that .tar.gz after every stage (so a run cut
@@ -124,17 +126,20 @@ PY
     return $rc
 }
 
-spec_serving() {  # the spec stage's four servers in turn (see the header); fails if any failed
+spec_serving() {  # the spec stage's five servers in turn (see the header); fails if any failed
     local target=${SPEC_TARGET:-benchmark/configs/Llama-3.1-8B} rc=0
     local steps="--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
     export PRECOMPILE_FLAGS="--max-running-requests 4 --chunked-prefill-size 512 --precompile-bs-paddings 1 4
         --precompile-token-paddings 512"
-    local -a runs=(
+    local draft=${SPEC_DRAFT:-benchmark/configs/Llama-3.2-1B} head=${SPEC_HEAD:-benchmark/configs/EAGLE3-LLaMA3.1-8B}
+    local -a runs=(  # NAME|SERVER_FLAGS
         "spec-off|"
-        "spec-standalone-1b|--speculative-algorithm STANDALONE $steps --speculative-draft-model-path ${SPEC_DRAFT:-benchmark/configs/Llama-3.2-1B}"
-        "spec-eagle3|--speculative-algorithm EAGLE3 $steps --speculative-draft-model-path ${SPEC_HEAD:-benchmark/configs/EAGLE3-LLaMA3.1-8B}"
+        "spec-off-no-overlap|--disable-overlap-schedule"  # speculation turns the overlap loop off: the equal peer
+        "spec-standalone-1b|--speculative-algorithm STANDALONE $steps --speculative-draft-model-path $draft"
+        "spec-eagle3|--speculative-algorithm EAGLE3 $steps --speculative-draft-model-path $head"
         "spec-standalone-self|--speculative-algorithm STANDALONE $steps --speculative-draft-model-path $target")
     for r in "${runs[@]}"; do
+        [[ " ${SPEC_RUNS:-${runs[*]%%|*}} " == *" ${r%%|*} "* ]] || continue  # $SPEC_RUNS: some of them, by name
         echo "--- ${r%%|*}: ${r#*|}"
         SERVER_FLAGS="${r#*|}" serve_and_bench "${r%%|*}" "$target" 65536 baseline --num-requests-scale 0.3 || rc=1
         grep -E "Speculative|speculative|accept" "$out/${r%%|*}-server.log" | head -n 5
@@ -178,7 +183,7 @@ for s in $stages; do
         serving-no-overlap) SERVER_FLAGS=--disable-overlap-schedule stage serving-no-overlap 180 \
                                 serve_and_bench qwen3-0.6b-no-overlap benchmark/configs/Qwen3-0.6B 131072 \
                                 baseline,continuous_batching --num-requests-scale 0.5 ;;
-        spec) stage spec 300 spec_serving ;;
+        spec) stage spec 540 spec_serving ;;
         serving) stage serving 180 serve_and_bench qwen3-0.6b benchmark/configs/Qwen3-0.6B 131072 \
                      baseline,continuous_batching --num-requests-scale 0.5 ;;
         *) echo "unknown stage $s"; failed=1 ;;
