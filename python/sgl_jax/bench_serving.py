@@ -388,11 +388,13 @@ def speculation_summary(start: List[dict], end: List[dict]) -> str:
     if not end or any(k not in end[0] for k in keys):
         return ""
     steps, rows, drafted, accepted = (sum(e[k] - s.get(k, 0) for s, e in zip(start, end)) for k in keys)
+    unpaid = sum(e.get("spec_unpaid_steps", 0) - s.get("spec_unpaid_steps", 0) for s, e in zip(start, end))
+    rule = f"; {unpaid} decode batches did not draft because drafting would not pay" if unpaid else ""
     if rows == 0:
-        return "speculative decoding: no draft verified during the run"
+        return f"speculative decoding: no draft verified during the run{rule}"
     return (f"speculative decoding during the run: {steps} verify steps, {rows} drafts verified ({drafted} draft "
             f"tokens), {accepted} accepted; mean accepted length {(accepted + rows) / rows:.2f} tokens per verified "
-            f"draft, acceptance rate {accepted / max(drafted, 1):.2f}")
+            f"draft, acceptance rate {accepted / max(drafted, 1):.2f}{rule}")
 
 
 # ---------------------------------------------------------------------------------------------- main

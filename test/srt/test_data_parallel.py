@@ -21,10 +21,14 @@ import httpx
 import numpy as np
 import pytest
 
+from sgl_jax.srt.scheduler.spec_costs import ALWAYS_DRAFT_ENV
+
 from srt_helpers import module_server, save_tiny_eagle3_head, save_tiny_eagle_head, save_tiny_llama, \
     wait_pool_idle
 
 XLA_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+# the speculative servers verify drafts at every batch size (speculation's batch rule off: scheduler/spec_costs.py)
+SPEC_ENV = {**XLA_ENV, ALWAYS_DRAFT_ENV: "1"}
 LOGPROB_TOL = 1e-3
 PROMPTS = [f"Prompt {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 5) for i in range(16)]
 
@@ -34,10 +38,10 @@ def tiny_model(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_dp"))
 
 
-def serve(tiny_model, *args):
+def serve(tiny_model, *args, env=XLA_ENV):
     model, tokenizer = tiny_model
     yield from module_server(["--model-path", model, "--tokenizer-path", tokenizer, "--context-length", "1024",
-                              "--max-total-tokens", "4096", *args], env=XLA_ENV)
+                              "--max-total-tokens", "4096", *args], env=env)
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +57,13 @@ def dp2_tp2(tiny_model):
 @pytest.fixture  # (one test: torn down after it)
 def dp2_tp2_ngram(tiny_model):
     yield from serve(tiny_model, "--dp-size", "2", "--tp-size", "2", "--speculative-algorithm", "NGRAM",
-                     "--speculative-num-draft-tokens", "6")
+                     "--speculative-num-draft-tokens", "6", env=SPEC_ENV)
 
 
 @pytest.fixture  # (one test: torn down after it)
 def dp2_tp2_standalone(tiny_model):
     yield from serve(tiny_model, "--dp-size", "2", "--tp-size", "2", "--speculative-algorithm", "STANDALONE",
-                     "--speculative-draft-model-path", tiny_model[0])
+                     "--speculative-draft-model-path", tiny_model[0], env=SPEC_ENV)
 
 
 @pytest.fixture(params=["EAGLE3", "EAGLE"])  # (one test each: torn down after it)
@@ -67,7 +71,7 @@ def dp2_tp2_eagle(request, tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("eagle_head_dp")
     head = save_tiny_eagle3_head(d, aux_layer_ids=(0, 1)) if request.param == "EAGLE3" else save_tiny_eagle_head(d)
     yield from serve(tiny_model, "--dp-size", "2", "--tp-size", "2", "--speculative-algorithm", request.param,
-                     "--speculative-draft-model-path", head, "--disable-radix-cache")
+                     "--speculative-draft-model-path", head, "--disable-radix-cache", env=SPEC_ENV)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from test_gguf_gemma3 import GEMMA3_OFFICIAL_CHAT_TEMPLATE
 from srt_helpers import module_server, wait_pool_idle
 from sgl_jax.srt.model_loader.default_model import GEMMA3_270M_PACKAGE, find_packaged_gguf
 from sgl_jax.srt.model_loader.gguf_file import prepare_gguf_hf_dir
+from sgl_jax.srt.scheduler.spec_costs import ALWAYS_DRAFT_ENV
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SECTION = "## Gemma-3-270M (sliding-window model)"
@@ -93,7 +94,8 @@ LONG_PROMPT = "".join(f"Step {i}: add {i} to the total, then write the total dow
 @pytest.fixture(scope="module")
 def spec_server():
     yield from module_server(["--model-path", GEMMA3_270M_PACKAGE, "--speculative-algorithm", "NGRAM",
-                              "--speculative-num-draft-tokens", "6"], engine_args=ENGINE_ARGS)
+                              "--speculative-num-draft-tokens", "6"], engine_args=ENGINE_ARGS,
+                             env={ALWAYS_DRAFT_ENV: "1"})  # (drafts verified at every batch size)
 
 
 def test_speculative_decoding_with_the_sliding_window(server, spec_server):

@@ -20,7 +20,10 @@ copy-heavy requests with 4 samples (identity; its greedy drafts must be nearly a
 draft-model failure (speculation stops, outputs unchanged). EAGLE3 (a head over the target's hidden states, run
 after each target step): a random head at page size 16 with the radix cache under forced retracts, the same requests
 (identity; a random head's drafts are rarely accepted) and the injected failure. (STANDALONE, EAGLE3 and EAGLE at
-page size 1 and tp 2 x dp 2: test_data_parallel; the heads' arithmetic: test_eagle.)
+page size 1 and tp 2 x dp 2: test_data_parallel; the heads' arithmetic: test_eagle.) The page-16 NGRAM server
+runs speculation's batch rule (costs measured at start-up; a batch whose drafts would not pay decodes normally:
+the rule's decisions are test_speculative_steps'); the others verify drafts at every batch size (its test hook,
+ALWAYS_DRAFT).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from sgl_jax.srt.scheduler.spec_costs import ALWAYS_DRAFT_ENV
 from srt_helpers import check_clean, default_model_path, module_server, save_tiny_eagle3_head, wait_pool_idle
 from test_overlap_schedule import compare, run_alone, run_json, run_session, run_workload
 
@@ -41,9 +45,15 @@ SPEC_ARGS = ["--enable-streaming-session", "--enable-metrics", "--speculative-al
              "--speculative-num-draft-tokens", "8"]
 
 
+# servers with this environment verify drafts at every batch size (speculation's batch rule off,
+# scheduler/spec_costs.py: the drafts, and the injected draft faults, happen whatever this machine's step costs);
+# the page-16 NGRAM server runs the rule
+ALWAYS_DRAFT = {ALWAYS_DRAFT_ENV: "1"}
+
+
 @pytest.fixture  # (one test each: torn down after it, so the module never holds two at once)
 def spec_server():
-    yield from module_server(SPEC_ARGS)
+    yield from module_server(SPEC_ARGS, env=ALWAYS_DRAFT)
 
 
 def generate(url: str, **body) -> dict:
@@ -89,12 +99,14 @@ def reference(default_server):
     return parts, copies, stop
 
 
-def check_copies(copies: list, reference_copies: list, stop: str, drafts_accepted: bool = True) -> None:
+def check_copies(copies: list, reference_copies: list, stop: str, drafts_accepted: bool = True,
+                 batch_drafts: bool = True) -> None:
     """The copy-heavy requests against the reference: the same tokens and text (the seeded samples too: under
     sampling each draft slot's token is drawn from the request's own stream at its output index, so the emitted
     tokens are those sampling one at a time draws -- the empirical distribution of the SEEDS samples is the
     reference's exactly, total variation 0 -- while drafts are accepted, unless not `drafts_accepted`: a random
-    draft model's). `copies` may have fewer samples than the reference (its first ones)."""
+    draft model's; in the batch of samples only with `batch_drafts`: the batch rule may decode it normally).
+    `copies` may have fewer samples than the reference (its first ones)."""
     samples = copies[5:]
     assert len(copies) == 5 + len(samples) and len(samples) >= 4
     for a, b in zip(copies, reference_copies):
@@ -106,7 +118,7 @@ def check_copies(copies: list, reference_copies: list, stop: str, drafts_accepte
     assert copies[2]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     if not drafts_accepted:
         return
-    assert sum(o["meta_info"]["spec_accept_token_num"] for o in samples) > len(samples)
+    assert not batch_drafts or sum(o["meta_info"]["spec_accept_token_num"] for o in samples) > len(samples)
     meta = copies[0]["meta_info"]
     assert meta["spec_accept_token_num"] > 30 and meta["spec_accept_length"] > 2.0, meta
     assert meta["spec_verify_ct"] * meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"])
@@ -145,12 +157,19 @@ def test_outputs_identical_with_and_without_speculation(spec_server, reference):
 
 
 def test_page16_without_radix_under_forced_retract(spec_page16_server, reference):
+    """Page size 16 without the radix cache under forced retracts, with the batch rule (scheduler/spec_costs.py):
+    the step costs measured at start-up at both batch-size paddings, the single copy requests drafting (a verify
+    step of 8 slots at batch 1 pays for their accepted runs), the same tokens as without speculation."""
     _, reference_copies, stop = reference
     url = spec_page16_server.url
+    costs = check_clean(url)["spec_step_costs_ms"]
+    assert [row[0] for row in costs] == [1, 32] and all(d > 0 and v > 0 for _, d, v, _ in costs), costs
+    assert costs[1][2] > costs[0][2]  # a verify step of 32 x 8 slots costs more than one of 8
     copies = copy_requests(url, stop, seeds=4)
     state = check_clean(url)
-    check_copies(copies, reference_copies, stop)
+    check_copies(copies, reference_copies, stop, batch_drafts=False)
     assert state["num_retracted_reqs"] > 0 and state["spec_accepted_tokens"] > 100
+    assert "spec_unpaid_steps" in state and state["spec_step_costs_ms"][0][3] > 0  # drafting time observed
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in copies)
 
 
@@ -161,7 +180,7 @@ def self_draft_server():
     (its drafts are the target's own greedy tokens)."""
     yield from module_server(["--enable-streaming-session", "--speculative-algorithm", "STANDALONE",
                               "--speculative-draft-model-path", default_model_path(), "--disable-radix-cache"],
-                             env={"SGL_JAX_TEST_RETRACT": "1", "SGL_JAX_TEST_FAULT_INJECTION": "1"},
+                             env={"SGL_JAX_TEST_RETRACT": "1", "SGL_JAX_TEST_FAULT_INJECTION": "1", **ALWAYS_DRAFT},
                              engine_args={"page_size": 16, "precompile_token_paddings": [256],
                                           "precompile_bs_paddings": [1, 32]})
 
@@ -214,7 +233,7 @@ def eagle3_server(tmp_path_factory):
                                  head_dim=64, draft_vocab_size=2048, aux_layer_ids=None)
     yield from module_server(["--enable-streaming-session", "--speculative-algorithm", "EAGLE3",
                               "--speculative-draft-model-path", head],
-                             env={"SGL_JAX_TEST_RETRACT": "1", "SGL_JAX_TEST_FAULT_INJECTION": "1"},
+                             env={"SGL_JAX_TEST_RETRACT": "1", "SGL_JAX_TEST_FAULT_INJECTION": "1", **ALWAYS_DRAFT},
                              engine_args={"page_size": 16, "precompile_token_paddings": [256],
                                           "precompile_bs_paddings": [1, 32]})
 

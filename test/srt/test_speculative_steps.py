@@ -18,6 +18,7 @@ from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.model_runner import StepOutput
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_length
+from sgl_jax.srt.scheduler.spec_costs import PAY_MARGIN, StepCosts
 from sgl_jax.srt.scheduler.speculation import PROBE_INTERVAL, SpecCounts, Speculator, build_verify_batch, unify_step
 from sgl_jax.srt.speculative.draft_tree import NO_TREE, tree_bits
 from sgl_jax.srt.speculative.ngram_cache import NgramConfig
@@ -121,9 +122,59 @@ def test_drafts_stop_at_max_new_tokens_and_nothing_to_draft_stays_a_decode_step(
     assert spec.verify_batch(solo, memory) is solo  # nothing in the cache follows b: no verify step
 
 
+def test_batch_rule_decodes_batches_whose_drafts_do_not_pay():
+    """The batch rule (scheduler/spec_costs.py): with a verify step costing 4x a decode step at S_pad 2 (as on a
+    CPU in a batch), a's draft (2.0 accepted tokens expected: the optimistic start) does not pay -- the batch decodes,
+    no draft slot taken -- while at 1.2x (a GPU at batch 1) it does; drafting time counts against it."""
+    memory, spec, a, b = _setup()
+    spec.costs = StepCosts({1: 10.0, 2: 10.0}, {1: 12.0, 2: 40.0})
+    dec = ScheduleBatch([a, b], ForwardMode.DECODE)
+    assert dec.prepare_for_decode(memory)
+    free1 = memory.free_tokens()
+    assert spec.verify_batch(dec, memory) is dec and spec.num_unpaid_steps == 1
+    assert memory.free_tokens() == free1 and a.kv_allocated_len == a.seqlen  # no draft slot was taken
+    assert spec.expected_tokens(2, [(a, 6)]) == 2 + 2.0  # a has not drafted yet: the optimistic start
+    spec.costs = StepCosts({1: 10.0, 2: 10.0}, {1: 12.0, 2: 12.0})
+    verify = spec.verify_batch(dec, memory)
+    assert verify.forward_mode == ForwardMode.TARGET_VERIFY and list(verify.drafts) == [id(a)]
+    assert 2 in spec.costs.draft_ms  # the n-gram lookups' time, observed at S_pad 2
+    # 4 tokens expected from 2 sequences: pays while 12 + draft ms <= 4 x 10 / (2 x PAY_MARGIN) ms
+    assert spec.costs.pays(2, 4.0)
+    spec.costs.draft_ms[2] = 4 * 10.0 / (2 * PAY_MARGIN) - 12.0 + 0.5
+    assert not spec.costs.pays(2, 4.0)
+    assert memory.check_invariants([a, b]) == []
+    for r in (a, b):
+        memory.rollback(r, r.seqlen)  # (the step did not run: its draft slots go back)
+        r.finished_reason = finish_length(len(r.output_ids))
+        memory.release(r)
+    acc = memory.accounting()
+    assert acc["kv_tokens_free"] + acc["kv_tokens_cached"] == acc["kv_tokens_total"]
+
+
+def test_step_costs_and_expected_tokens():
+    """S_pad lookup (the smallest padding that holds the batch, else the largest); the drafting time's moving
+    average; a request's expected accepted tokens (its moving average, capped by its draft's length)."""
+    costs = StepCosts({1: 5.0, 4: 6.0, 16: 9.0}, {1: 6.0, 4: 20.0, 16: 80.0})
+    assert [costs.s_pad(n) for n in (1, 2, 4, 5, 16, 40)] == [1, 4, 4, 16, 16, 16]
+    assert costs.pays(1, 1.0 * PAY_MARGIN * 6.0 / 5.0) and not costs.pays(1, 0.99 * PAY_MARGIN * 6.0 / 5.0)
+    costs.observe_draft(3, 10.0)
+    costs.observe_draft(4, 20.0)
+    assert costs.draft_ms == {4: 13.0} and costs.table()[1] == (4, 6.0, 20.0, 13.0)
+    req = Req("r", [1, 2, 3], SamplingParams(max_new_tokens=8), eos_token_ids=[0], seed=0)
+    req.spec = SpecCounts()
+    assert Speculator.expected_tokens(3, [(req, 12)]) == 3 + 2.0  # before its first draft: the optimistic start
+    req.spec.observe(11, 9)
+    assert Speculator.expected_tokens(3, [(req, 12)]) == 3 + req.spec.accept_ema > 3 + 2.0
+    for _ in range(3):
+        req.spec.observe(11, 0)
+    assert Speculator.expected_tokens(3, [(req, 12)]) == 3 + req.spec.accept_ema < 3 + 2.0
+    assert Speculator.expected_tokens(3, [(req, 2)]) == 3 + 1  # a 2-slot draft accepts at most 1 token
+
+
 def test_draft_size_follows_acceptance():
     """A request's drafts grow while they are accepted and shrink when they are not; with nothing accepted it
-    stops drafting, but for one verify step every PROBE_INTERVAL decode steps."""
+    stops drafting, but probes with a new request's draft after PROBE_INTERVAL decode steps without one, the
+    interval doubling after each probe that finds nothing, and a probe whose drafts match resumes drafting."""
     spec = Speculator(NgramConfig(num_draft_tokens=12), context_len=1024)
     counts = SpecCounts()
     assert spec.draft_size(counts) == 6  # 2 + 2 x the optimistic start (2.0)
@@ -132,17 +183,23 @@ def test_draft_size_follows_acceptance():
         counts.observe(spec.draft_size(counts) - 1, spec.draft_size(counts) - 1)  # everything accepted
     assert spec.draft_size(counts) == 12
     sizes = []
-    for _ in range(30):
-        counts.verify_ct += 1
+    for _ in range(150):
         n = spec.draft_size(counts)
         sizes.append(n)
         counts.observe(max(n - 1, 0), 0)  # nothing accepted
+        counts.verify_ct += 1
     first_stop = sizes.index(0)
     drafting = sizes[:first_stop]
     assert drafting[0] == 12 and drafting == sorted(drafting, reverse=True) and drafting[-1] == 2
     probes = [i for i, n in enumerate(sizes) if i > first_stop and n]
-    assert len(probes) >= 2 and all(sizes[i] == 2 for i in probes)
-    assert [b - a for a, b in zip([first_stop - 1] + probes, probes)] == [PROBE_INTERVAL] * len(probes)
+    assert len(probes) == 3 and all(sizes[i] == 6 for i in probes)  # sized as a new request's draft
+    gaps = [b - a for a, b in zip([first_stop - 1] + probes, probes)]
+    assert gaps == [PROBE_INTERVAL, 2 * PROBE_INTERVAL, 4 * PROBE_INTERVAL]
+    while not counts.probing:
+        counts.verify_ct += 1
+    counts.observe(5, 5)  # the probe's drafts match: drafting resumes at once, the interval back to its start
+    counts.verify_ct += 1
+    assert spec.draft_size(counts) >= 4 and counts.probe_interval == PROBE_INTERVAL
 
 
 def test_a_failure_midway_keeps_only_positions_whose_kv_is_in_place():

@@ -510,23 +510,25 @@ class ModelRunner:
         return PendingStep((next_ids, next_lp, (fwd.logits, lse), fwd.hidden, counts, routed, fwd.aux),
                            fwd.num_seqs, fwd.s_pad, fwd.t_pad, self.moe_stats, self.return_routed_experts)
 
-    def device_seconds_per_step(self, batch: ModelWorkerBatch, repeats: int) -> float:
+    def device_seconds_per_step(self, batch: ModelWorkerBatch, repeats: int, sample: bool = True) -> float:
         """Seconds the device takes per step of `batch` (rank 0), host work excluded: its inputs are put on the device
-        once, the step (forward and sampling) is dispatched `repeats` times back to back without reading a result,
-        then waited for once. Re-running a step rewrites the same KV slots with the same values; its sampled ids
-        are dropped (benchmarks only: the penalty rows of its sequences count its tokens again). Compares with a
-        loop's wall time per step to give the host's gap (bench_one_batch)."""
+        once, the step (forward, and sampling unless `sample` is False) is dispatched `repeats` times back to back
+        without reading a result, then waited for once. Re-running a step rewrites the same KV slots with the same
+        values; its sampled ids are dropped (benchmarks only: the penalty rows of its sequences count its tokens
+        again). Compares with a loop's wall time per step to give the host's gap (bench_one_batch); times the
+        programs for speculation's batch rule (scheduler/spec_costs.py)."""
         stacked = self._step_batch([batch] + [None] * (self.dp_size - 1))
         fwd_inputs = self._forward_inputs(stacked.forward_batch)
-        sample_inputs = self._sample_inputs(stacked.sampling)
+        sample_inputs = self._sample_inputs(stacked.sampling) if sample else None
         jax.block_until_ready(self.kv_caches)
         t0 = time.perf_counter()
         for _ in range(repeats):
-            self.kv_caches, logits, *_ = self._forward(self._param_leaves, self.kv_caches, self.future_tokens,
-                                                       *fwd_inputs)
-            self.penalty_state, self.future_tokens, next_ids, *_ = self._sample(
-                logits, self.penalty_state, self.future_tokens, *sample_inputs)
-        jax.block_until_ready((self.kv_caches, next_ids))
+            self.kv_caches, out, *_ = self._forward(self._param_leaves, self.kv_caches, self.future_tokens,
+                                                    *fwd_inputs)
+            if sample:
+                self.penalty_state, self.future_tokens, out, *_ = self._sample(
+                    out, self.penalty_state, self.future_tokens, *sample_inputs)
+        jax.block_until_ready((self.kv_caches, out))
         return (time.perf_counter() - t0) / repeats
 
     def move_kv(self, moves: Sequence[Tuple[np.ndarray, np.ndarray]]) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -176,7 +177,11 @@ class DraftModel:
         if not any(plans):
             return batches
         try:
+            t0 = time.perf_counter()
             chains = self._decode_chains(plans, ranks)
+            for batch, plan, rank in zip(batches, plans, ranks):
+                if plan:
+                    rank.speculator.observe_draft(len(batch.reqs), time.perf_counter() - t0)
         except Exception as exc:
             self._fail("drafting", exc)
             for plan, rank in zip(plans, ranks):
@@ -193,15 +198,16 @@ class DraftModel:
 
     @staticmethod
     def _plan(batches: List[Optional[ScheduleBatch]], ranks) -> List[List[Tuple[Req, int]]]:
-        """Per rank, its decode batch's requests that draft and their chains' slots (KV slots taken)."""
+        """Per rank, its decode batch's requests that draft and their chains' slots (KV slots taken); none in a
+        batch where drafting does not pay (`Speculator.batch_pays`)."""
         plans: List[List[Tuple[Req, int]]] = []
         for batch, rank in zip(batches, ranks):
             plan = []
             if batch is not None and batch.forward_mode == ForwardMode.DECODE:
-                for req in batch.reqs:
-                    n = rank.speculator.draft_budget(req)
-                    if n >= 2 and rank.memory.allocate_drafts(req, n - 1):
-                        plan.append((req, n))
+                budgets = [(req, rank.speculator.draft_budget(req)) for req in batch.reqs]
+                budgets = [(req, n) for req, n in budgets if n >= 2]
+                if rank.speculator.batch_pays(len(batch.reqs), budgets):
+                    plan = [(req, n) for req, n in budgets if rank.memory.allocate_drafts(req, n - 1)]
             plans.append(plan)
         return plans
 

@@ -79,6 +79,7 @@ from sgl_jax.srt.scheduler.scoring import SchedulerScoring
 from sgl_jax.srt.scheduler.sessions import Session, SessionController, SessionError
 from sgl_jax.srt.scheduler.draft_model import draft_reserve
 from sgl_jax.srt.scheduler.drafters import draft_model_config, new_drafter
+from sgl_jax.srt.scheduler.spec_costs import batch_rule_on, measure_step_costs
 from sgl_jax.srt.scheduler.speculation import SpecCounts, build_verify_batch, new_speculators, unify_step
 from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget, RowWork, StepTimeModel, step_features
 from sgl_jax.srt.scheduler.watchdog import StepWatchdog
@@ -105,7 +106,7 @@ SUMMED_STATE_KEYS = ("num_running_reqs", "num_waiting_reqs", "req_slots_free", "
                      "num_assigned_reqs", "num_score_handles", "num_expired_score_handles", "num_score_groups",
                      "num_sessions", "num_streaming_sessions", "req_slots_session_held", "num_mixed_steps",
                      "spec_verify_steps", "spec_drafted_rows", "spec_draft_tokens", "spec_accepted_tokens",
-                     "spec_kv_moves")
+                     "spec_kv_moves", "spec_unpaid_steps")
 
 
 class _Discard:
@@ -204,6 +205,11 @@ class Scheduler:
             if self.draft_model is not None:
                 self.draft_model.runner.warmup()
             self.model_runner.warmup()
+            if self.speculating and batch_rule_on():  # its step costs (a STANDALONE draft mirrors each step)
+                mirror = self.draft_model.runner if server_args.speculative_algorithm == "STANDALONE" else None
+                costs = measure_step_costs(self.model_runner, self.buckets, mirror)
+                for rank in self.ranks:
+                    rank.speculator.costs = costs
             if self.draft_model is not None:
                 self.draft_model.runner.restart_compile_count()
         if self.grammar_queue.backend is not None:

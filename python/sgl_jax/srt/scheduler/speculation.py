@@ -32,14 +32,17 @@ a one-slot tree (the root), sampled exactly as in a decode step, so their output
 speculation. The overlap scheduler is off while speculating: the next step needs this one's accepted length
 (SGLang's first speculative worker does the same).
 
-Known limit: a verify step's shape is keyed by its sequences (T = S_pad x draft slots), so one drafting request in a
-large batch pads the whole step to that many tokens; the adaptive draft sizes are measured at batch 1.
+A verify step's shape is keyed by its sequences (T = S_pad x draft slots), so one drafting request in a large batch
+pads the whole step to that many tokens. A batch therefore drafts only when the tokens it is expected to give pay for
+its verify step, by the step costs measured at start-up (scheduler/spec_costs.py: `Speculator.batch_pays`); else it
+decodes normally.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -50,6 +53,7 @@ from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask
 from sgl_jax.srt.scheduler.output import append_token, commit_launched_row
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, cumulative_lens, last_input_token, pad_to, \
     page_table
+from sgl_jax.srt.scheduler.spec_costs import StepCosts
 from sgl_jax.srt.speculative.draft_tree import NO_TREE, first_chain, tree_bits, tree_depths, verify_greedy
 from sgl_jax.srt.speculative.ngram_cache import NgramCache, NgramConfig
 
@@ -61,8 +65,13 @@ logger = logging.getLogger(__name__)
 # pay when more than about 0.11 x (n - 1) of them are accepted.
 ACCEPT_EMA_START = 2.0  # a new request's expected accepted tokens per verify step (optimistic: it drafts at once)
 ACCEPT_EMA_WEIGHT = 0.3  # the newest verify step's weight in the average
-MIN_ACCEPT_EMA = 0.25  # below it a request stops drafting ...
-PROBE_INTERVAL = 8  # ... but for one verify step every this many decode steps, to notice when drafts match again
+MIN_ACCEPT_EMA = 0.25  # below it a request stops drafting (the batch rule, scheduler/spec_costs.py, stops it sooner)
+# ... but a request that has not drafted for this many decode steps probes: one draft sized and counted as a new
+# request's (ACCEPT_EMA_START), to notice when its drafts match again (a copy that starts late in an answer). A probe
+# that leaves the average below ACCEPT_EMA_START / 2 doubles the interval, up to MAX_PROBE_INTERVAL (on text with
+# nothing to copy probes then cost ~1% of the steps); one that lifts it above resets it
+PROBE_INTERVAL = 16
+MAX_PROBE_INTERVAL = 256
 # a prompt's last this many tokens enter the n-gram cache when its prefill ends (in Python the insertion costs ~30 us
 # a token: a 2,000-token prompt ~60 ms on a 2-core CPU, a few % of its prefill; longer prompts are cut to bound it)
 PROMPT_INSERT_TOKENS = 4096
@@ -73,25 +82,41 @@ class SpecCounts:
     """A request's speculative-decoding counts, reported in ``meta_info`` (SGLang's names): ``verify_ct`` decode
     steps run while speculating (verify steps, and decode steps in which nothing was drafted), ``draft_tokens``
     draft slots verified (roots not counted), ``accepted_tokens`` of them accepted. ``accept_ema``: the moving
-    average of its accepted tokens per verify step with drafts (what its next draft is sized by), ``next_probe``:
-    the verify_ct at which a request that stopped drafting tries again; ``new_tokens``: what its last step
-    appended."""
+    average of its accepted tokens per verify step with drafts; ``last_draft_ct``: the verify_ct of its last
+    draft, ``probe_interval``: the decode steps without a draft after which it probes (`probing`);
+    ``new_tokens``: what its last step appended."""
 
     verify_ct: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accept_ema: float = ACCEPT_EMA_START
-    next_probe: int = 0
+    last_draft_ct: int = 0
+    probe_interval: int = PROBE_INTERVAL
     new_tokens: int = 1  # tokens its last step appended (the n-gram cache takes in every window ending in them)
+
+    @property
+    def probing(self) -> bool:
+        """Whether it has gone `probe_interval` decode steps without a draft: its next draft is a probe."""
+        return self.verify_ct - self.last_draft_ct >= self.probe_interval
+
+    @property
+    def expected_accepted(self) -> float:
+        """Draft tokens its next verify step is expected to accept: its average, or a new request's when probing
+        (what its draft is sized by, `Speculator.draft_size`, and counted as by the batch rule)."""
+        return ACCEPT_EMA_START if self.probing else self.accept_ema
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verify step verified `drafted` draft tokens of the request and accepted `accepted` of them."""
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
         if drafted:
+            probe = self.probing
             self.accept_ema += ACCEPT_EMA_WEIGHT * (accepted - self.accept_ema)
-            if self.accept_ema < MIN_ACCEPT_EMA:
-                self.next_probe = self.verify_ct + PROBE_INTERVAL
+            self.last_draft_ct = self.verify_ct
+            if self.accept_ema >= ACCEPT_EMA_START / 2:
+                self.probe_interval = PROBE_INTERVAL
+            elif probe:
+                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
 
 
 def may_draft(req: Req) -> bool:
@@ -128,6 +153,8 @@ class Speculator:
 
     def __init__(self, config: Optional[NgramConfig], context_len: int, chain_only: bool = False,
                  num_draft_tokens: Optional[int] = None):
+        self.costs: Optional[StepCosts] = None  # the batch rule's step costs (set after warm-up; None: always draft)
+        self.num_unpaid_steps = 0  # decode batches that would have drafted but did not pay (`batch_pays`)
         self.chain_only = chain_only
         self.cache = None if config is None else NgramCache(config)
         self.num_draft_tokens = config.num_draft_tokens if config is not None else num_draft_tokens
@@ -153,18 +180,43 @@ class Speculator:
 
     def draft_size(self, counts: Optional[SpecCounts]) -> int:
         """Draft-tree slots (root included) for a request with `counts` (None: the most): sized to what its drafts
-        have been accepted for -- 2 + twice its average accepted tokens, so a tree grows while its drafts match and
-        shrinks when they do not (a slot costs ~0.11 of a decode step on CPU) --, and 0 while its average is
-        below MIN_ACCEPT_EMA, but at every PROBE_INTERVAL-th decode step."""
+        are expected to be accepted for (`SpecCounts.expected_accepted`) -- 2 + twice that, so a tree grows while
+        its drafts match and shrinks when they do not --, and 0 while that is below MIN_ACCEPT_EMA (until it
+        probes)."""
         if counts is None:
             return self.num_draft_tokens
-        if counts.accept_ema < MIN_ACCEPT_EMA and counts.verify_ct < counts.next_probe:
+        expected = counts.expected_accepted
+        if expected < MIN_ACCEPT_EMA:
             return 0
-        return max(2, min(self.num_draft_tokens, 2 + int(2 * counts.accept_ema)))
+        return max(2, min(self.num_draft_tokens, 2 + int(2 * expected)))
 
     def draft_budget(self, req: Req) -> int:
         """Draft slots (root included) `req` may run this step; 0 when it may not draft (`may_draft`)."""
         return self._budget(req) if may_draft(req) else 0
+
+    @staticmethod
+    def expected_tokens(num_seqs: int, drafts: Sequence[Tuple[Req, int]]) -> float:
+        """Tokens a verify step of `num_seqs` sequences is expected to give when `drafts` (request, draft slots with
+        the root) draft: one per sequence, plus per drafting request its expected accepted tokens
+        (`SpecCounts.expected_accepted`: its moving average, optimistic before its first draft and when it probes),
+        at most its draft's length."""
+        return num_seqs + sum(min(req.spec.expected_accepted if req.spec is not None else ACCEPT_EMA_START,
+                                  slots - 1) for req, slots in drafts)
+
+    def batch_pays(self, num_seqs: int, drafts: Sequence[Tuple[Req, int]]) -> bool:
+        """Whether a batch of `num_seqs` sequences in which `drafts` draft should verify rather than decode
+        (`spec_costs.StepCosts.pays`; always without measured costs). Counts the batches that do not pay."""
+        if not drafts:
+            return False
+        if self.costs is None or self.costs.pays(num_seqs, self.expected_tokens(num_seqs, drafts)):
+            return True
+        self.num_unpaid_steps += 1
+        return False
+
+    def observe_draft(self, num_seqs: int, seconds: float) -> None:
+        """Drafting for a batch of `num_seqs` sequences took `seconds` of wall time (`StepCosts.draft_ms`)."""
+        if self.costs is not None:
+            self.costs.observe_draft(num_seqs, 1000.0 * seconds)
 
     def verify_batch(self, batch: ScheduleBatch, memory) -> ScheduleBatch:
         """The step for a decode batch whose requests each have their root's KV slot (`prepare_for_decode`): a
@@ -173,18 +225,24 @@ class Speculator:
         draft model (no n-gram cache) `batch` itself: the scheduler drafts for every rank at once."""
         if self.cache is None:
             return batch
-        drafts = {}
-        for req in batch.reqs:
-            if not may_draft(req):
-                continue
-            budget = self._budget(req)
-            if budget < 2:
-                continue
+        n = len(batch.reqs)
+        budgets = [(req, self._budget(req)) for req in batch.reqs if may_draft(req)]
+        budgets = [(req, b) for req, b in budgets if b >= 2]
+        if not self.batch_pays(n, budgets):  # not even if every request drafted its whole budget
+            return batch
+        t0 = time.perf_counter()
+        found = []
+        for req, budget in budgets:
             tokens, parents = self.cache.draft(self._context(req), pad=False, max_tokens=budget)
             if self.chain_only:
                 tokens, parents = first_chain(tokens, parents)
-            if len(tokens) > 1 and memory.allocate_drafts(req, len(tokens) - 1):
-                drafts[id(req)] = (tokens, parents)
+            if len(tokens) > 1:
+                found.append((req, tokens, parents))
+        self.observe_draft(n, time.perf_counter() - t0)
+        if not self.batch_pays(n, [(req, len(tokens)) for req, tokens, _ in found]):
+            return batch
+        drafts = {id(req): (tokens, parents) for req, tokens, parents in found
+                  if memory.allocate_drafts(req, len(tokens) - 1)}
         if not drafts:
             return batch
         return ScheduleBatch(list(batch.reqs), ForwardMode.TARGET_VERIFY, drafts)
@@ -282,10 +340,13 @@ class Speculator:
     def stats(self) -> dict:
         """Totals for the internal state: verify steps, the requests' drafts verified in them (a request with a
         draft in a verify step: the mean accepted length is (accepted + drafted rows) / drafted rows), draft tokens
-        verified, accepted, and accepted slots whose K/V moved (a path off the tree's first branch)."""
+        verified, accepted, accepted slots whose K/V moved (a path off the tree's first branch), decode batches that
+        decoded normally because drafting did not pay, and the batch rule's step costs (`StepCosts.table`)."""
         return {"spec_verify_steps": self.num_verify_steps, "spec_drafted_rows": self.num_drafted_rows,
                 "spec_draft_tokens": self.num_draft_tokens_total,
-                "spec_accepted_tokens": self.num_accepted_tokens_total, "spec_kv_moves": self.num_kv_moves}
+                "spec_accepted_tokens": self.num_accepted_tokens_total, "spec_kv_moves": self.num_kv_moves,
+                "spec_unpaid_steps": self.num_unpaid_steps,
+                "spec_step_costs_ms": None if self.costs is None else self.costs.table()}
 
 
 def unify_step(batches: List[Optional[ScheduleBatch]],
