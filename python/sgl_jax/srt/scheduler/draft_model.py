@@ -146,6 +146,12 @@ class DraftModel:
         self.failed = f"{what}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         logger.error("The draft model failed (%s); decoding goes on without speculation", self.failed)
 
+    @property
+    def mirror_runner(self) -> Optional[ModelRunner]:
+        """The runner that runs every target step too (`mirror`): its cost counts in both of the batch rule's
+        programs (scheduler/spec_costs.py)."""
+        return self.runner
+
     def mirror(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> None:
         """Dispatch the target step's forward on the draft model (its K/V at the step's slots; logits unused)."""
         if self.failed is None:
@@ -179,9 +185,10 @@ class DraftModel:
         try:
             t0 = time.perf_counter()
             chains = self._decode_chains(plans, ranks)
+            seconds = time.perf_counter() - t0
             for batch, plan, rank in zip(batches, plans, ranks):
                 if plan:
-                    rank.speculator.observe_draft(len(batch.reqs), time.perf_counter() - t0)
+                    rank.speculator.observe_draft(len(batch.reqs), seconds)
         except Exception as exc:
             self._fail("drafting", exc)
             for plan, rank in zip(plans, ranks):

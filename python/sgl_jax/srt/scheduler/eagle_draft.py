@@ -124,6 +124,12 @@ class EagleDraft(DraftModel):
         self.features = features
         self._step: Optional[list] = None  # the worker batches of the target step last dispatched
 
+    @property
+    def mirror_runner(self) -> None:
+        """None: the head runs after each step over its rows (`after_step`), one layer, left out of the batch
+        rule's costs."""
+        return None
+
     def mirror(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> None:
         """Remember the target step's worker batches (the head runs over them once the step's tokens are known:
         `after_step`)."""

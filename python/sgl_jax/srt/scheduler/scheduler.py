@@ -205,8 +205,8 @@ class Scheduler:
             if self.draft_model is not None:
                 self.draft_model.runner.warmup()
             self.model_runner.warmup()
-            if self.speculating and batch_rule_on():  # its step costs (a STANDALONE draft mirrors each step)
-                mirror = self.draft_model.runner if server_args.speculative_algorithm == "STANDALONE" else None
+            if self.speculating and batch_rule_on():  # the batch rule's step costs
+                mirror = None if self.draft_model is None else self.draft_model.mirror_runner
                 costs = measure_step_costs(self.model_runner, self.buckets, mirror)
                 for rank in self.ranks:
                     rank.speculator.costs = costs
