@@ -100,13 +100,14 @@ def reference(default_server):
 
 
 def check_copies(copies: list, reference_copies: list, stop: str, drafts_accepted: bool = True,
-                 batch_drafts: bool = True) -> None:
+                 batch_rule: bool = False) -> None:
     """The copy-heavy requests against the reference: the same tokens and text (the seeded samples too: under
     sampling each draft slot's token is drawn from the request's own stream at its output index, so the emitted
     tokens are those sampling one at a time draws -- the empirical distribution of the SEEDS samples is the
     reference's exactly, total variation 0 -- while drafts are accepted, unless not `drafts_accepted`: a random
-    draft model's; in the batch of samples only with `batch_drafts`: the batch rule may decode it normally).
-    `copies` may have fewer samples than the reference (its first ones)."""
+    draft model's). With `batch_rule` (a server running it) how much drafts depends on this machine's step costs:
+    each greedy copy request drafts at once (its first draft counts as wholly accepted) and most of what it
+    drafts is accepted. `copies` may have fewer samples than the reference (its first ones)."""
     samples = copies[5:]
     assert len(copies) == 5 + len(samples) and len(samples) >= 4
     for a, b in zip(copies, reference_copies):
@@ -118,9 +119,12 @@ def check_copies(copies: list, reference_copies: list, stop: str, drafts_accepte
     assert copies[2]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     if not drafts_accepted:
         return
-    assert not batch_drafts or sum(o["meta_info"]["spec_accept_token_num"] for o in samples) > len(samples)
     meta = copies[0]["meta_info"]
-    assert meta["spec_accept_token_num"] > 30 and meta["spec_accept_length"] > 2.0, meta
+    if batch_rule:
+        assert all(o["meta_info"]["spec_accept_rate"] > 0.5 for o in copies[:4]), [o["meta_info"] for o in copies]
+    else:
+        assert sum(o["meta_info"]["spec_accept_token_num"] for o in samples) > len(samples)
+        assert meta["spec_accept_token_num"] > 30 and meta["spec_accept_length"] > 2.0, meta
     assert meta["spec_verify_ct"] * meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"])
     assert meta["spec_accept_rate"] == pytest.approx(meta["spec_accept_token_num"] / meta["spec_draft_token_num"])
 
@@ -158,8 +162,9 @@ def test_outputs_identical_with_and_without_speculation(spec_server, reference):
 
 def test_page16_without_radix_under_forced_retract(spec_page16_server, reference):
     """Page size 16 without the radix cache under forced retracts, with the batch rule (scheduler/spec_costs.py):
-    the step costs measured at start-up at both batch-size paddings, the single copy requests drafting (a verify
-    step of 8 slots at batch 1 pays for their accepted runs), the same tokens as without speculation."""
+    the step costs measured at start-up at both batch-size paddings, the single copy requests drafting (their
+    first draft counts as wholly accepted; then as far as this machine's verify step pays for their accepted
+    runs), the same tokens as without speculation."""
     _, reference_copies, stop = reference
     url = spec_page16_server.url
     costs = check_clean(url)["spec_step_costs_ms"]
@@ -167,8 +172,8 @@ def test_page16_without_radix_under_forced_retract(spec_page16_server, reference
     assert costs[1][2] > costs[0][2]  # a verify step of 32 x 8 slots costs more than one of 8
     copies = copy_requests(url, stop, seeds=4)
     state = check_clean(url)
-    check_copies(copies, reference_copies, stop, batch_drafts=False)
-    assert state["num_retracted_reqs"] > 0 and state["spec_accepted_tokens"] > 100
+    check_copies(copies, reference_copies, stop, batch_rule=True)
+    assert state["num_retracted_reqs"] > 0 and state["spec_accepted_tokens"] > 0
     assert "spec_unpaid_steps" in state and state["spec_step_costs_ms"][0][3] > 0  # drafting time observed
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in copies)
 

@@ -124,8 +124,9 @@ def test_drafts_stop_at_max_new_tokens_and_nothing_to_draft_stays_a_decode_step(
 
 def test_batch_rule_decodes_batches_whose_drafts_do_not_pay():
     """The batch rule (scheduler/spec_costs.py): with a verify step costing 4x a decode step at S_pad 2 (as on a
-    CPU in a batch), a's draft (2.0 accepted tokens expected: the optimistic start) does not pay -- the batch decodes,
-    no draft slot taken -- while at 1.2x (a GPU at batch 1) it does; drafting time counts against it."""
+    CPU in a batch), a's draft (counted as wholly accepted, 5 tokens: it has not drafted yet) does not pay -- the
+    batch decodes, no draft slot taken -- while at 1.2x (a GPU at batch 1) it does; drafting time counts against
+    it."""
     memory, spec, a, b = _setup()
     spec.costs = StepCosts({1: 10.0, 2: 10.0}, {1: 12.0, 2: 40.0})
     dec = ScheduleBatch([a, b], ForwardMode.DECODE)
@@ -133,7 +134,7 @@ def test_batch_rule_decodes_batches_whose_drafts_do_not_pay():
     free1 = memory.free_tokens()
     assert spec.verify_batch(dec, memory) is dec and spec.num_unpaid_steps == 1
     assert memory.free_tokens() == free1 and a.kv_allocated_len == a.seqlen  # no draft slot was taken
-    assert spec.expected_tokens(2, [(a, 6)]) == 2 + 2.0  # a has not drafted yet: the optimistic start
+    assert spec.expected_tokens(2, [(a, 6)]) == 2 + 5  # a has not drafted yet: its whole draft
     spec.costs = StepCosts({1: 10.0, 2: 10.0}, {1: 12.0, 2: 12.0})
     verify = spec.verify_batch(dec, memory)
     assert verify.forward_mode == ForwardMode.TARGET_VERIFY and list(verify.drafts) == [id(a)]
@@ -153,7 +154,8 @@ def test_batch_rule_decodes_batches_whose_drafts_do_not_pay():
 
 def test_step_costs_and_expected_tokens():
     """S_pad lookup (the smallest padding that holds the batch, else the largest); the drafting time's moving
-    average; a request's expected accepted tokens (its moving average, capped by its draft's length)."""
+    average; a request's expected accepted tokens (its whole draft before its first verified draft token and
+    when it probes, else its moving average capped by its draft's length)."""
     costs = StepCosts({1: 5.0, 4: 6.0, 16: 9.0}, {1: 6.0, 4: 20.0, 16: 80.0})
     assert [costs.s_pad(n) for n in (1, 2, 4, 5, 16, 40)] == [1, 4, 4, 16, 16, 16]
     assert costs.pays(1, 1.0 * PAY_MARGIN * 6.0 / 5.0) and not costs.pays(1, 0.99 * PAY_MARGIN * 6.0 / 5.0)
@@ -162,13 +164,15 @@ def test_step_costs_and_expected_tokens():
     assert costs.draft_ms == {4: 13.0} and costs.table()[1] == (4, 6.0, 20.0, 13.0)
     req = Req("r", [1, 2, 3], SamplingParams(max_new_tokens=8), eos_token_ids=[0], seed=0)
     req.spec = SpecCounts()
-    assert Speculator.expected_tokens(3, [(req, 12)]) == 3 + 2.0  # before its first draft: the optimistic start
+    assert Speculator.expected_tokens(3, [(req, 12)]) == 3 + 11  # before its first draft: all of it
     req.spec.observe(11, 9)
     assert Speculator.expected_tokens(3, [(req, 12)]) == 3 + req.spec.accept_ema > 3 + 2.0
     for _ in range(3):
         req.spec.observe(11, 0)
     assert Speculator.expected_tokens(3, [(req, 12)]) == 3 + req.spec.accept_ema < 3 + 2.0
     assert Speculator.expected_tokens(3, [(req, 2)]) == 3 + 1  # a 2-slot draft accepts at most 1 token
+    req.spec.verify_ct += req.spec.probe_interval
+    assert req.spec.probing and Speculator.expected_tokens(3, [(req, 6)]) == 3 + 5  # a probe: all of it
 
 
 def test_draft_size_follows_acceptance():

@@ -11,8 +11,10 @@ expected to give, per millisecond, beat a decode step's one token per sequence:
 - ``draft_ms``: what drafting took (the n-gram lookups, a draft model's or EAGLE head's decode steps), a moving
   average of the wall time of the steps that drafted, per S_pad; 0 until a batch of that size first drafts.
 - ``expected_tokens``: per sequence 1 (the token a decode step gives too) plus the draft tokens it is expected to
-  have accepted (`speculation.Speculator.expected_tokens`: its moving average, optimistic before its first draft,
-  so every request gets to show what its drafts are worth where a batch is small enough for that to pay).
+  have accepted (`speculation.Speculator.expected_tokens`: its moving average; its whole draft before its first
+  verified draft token and when it probes, so every request gets to show what its drafts are worth wherever a wholly
+  accepted draft would pay -- the average's optimistic start alone kept a copy-heavy request from ever drafting on a
+  machine where a verify step at batch 1 costs over 2.7 decode steps: CI's, 2026-11-28).
 
 SGLang serves speculation at every batch size; vLLM turns it off above a fixed batch size
 (``speculative_disable_by_batch_size``). Both leave the choice to the operator; measuring the two programs instead

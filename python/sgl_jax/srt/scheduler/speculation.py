@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 # Adaptive drafting (see `Speculator.draft_size`): a verify step of n slots costs about a decode step plus ~0.11 of
 # one per draft slot (SmolLM2 on CPU: 8 slots 93 ms, a decode step 52 ms at 1,500 tokens of context), so drafts
 # pay when more than about 0.11 x (n - 1) of them are accepted.
-ACCEPT_EMA_START = 2.0  # a new request's expected accepted tokens per verify step (optimistic: it drafts at once)
+ACCEPT_EMA_START = 2.0  # a new request's expected accepted tokens per verify step: its first draft is 2 + 2 x 2 slots
 ACCEPT_EMA_WEIGHT = 0.3  # the newest verify step's weight in the average
 MIN_ACCEPT_EMA = 0.25  # below it a request stops drafting (the batch rule, scheduler/spec_costs.py, stops it sooner)
 # ... but a request that has not drafted for this many decode steps probes: one draft sized and counted as a new
@@ -100,9 +100,15 @@ class SpecCounts:
         return self.verify_ct - self.last_draft_ct >= self.probe_interval
 
     @property
+    def unproven(self) -> bool:
+        """Whether the batch rule counts its next draft as wholly accepted (`Speculator.expected_tokens`): it has
+        verified no draft token yet, or it probes."""
+        return self.draft_tokens == 0 or self.probing
+
+    @property
     def expected_accepted(self) -> float:
         """Draft tokens its next verify step is expected to accept: its average, or a new request's when probing
-        (what its draft is sized by, `Speculator.draft_size`, and counted as by the batch rule)."""
+        (what its draft is sized by, `Speculator.draft_size`; the batch rule counts a probe's whole draft)."""
         return ACCEPT_EMA_START if self.probing else self.accept_ema
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -197,11 +203,13 @@ class Speculator:
     @staticmethod
     def expected_tokens(num_seqs: int, drafts: Sequence[Tuple[Req, int]]) -> float:
         """Tokens a verify step of `num_seqs` sequences is expected to give when `drafts` (request, draft slots with
-        the root) draft: one per sequence, plus per drafting request its expected accepted tokens
-        (`SpecCounts.expected_accepted`: its moving average, optimistic before its first draft and when it probes),
-        at most its draft's length."""
-        return num_seqs + sum(min(req.spec.expected_accepted if req.spec is not None else ACCEPT_EMA_START,
-                                  slots - 1) for req, slots in drafts)
+        the root) draft: one per sequence, plus per drafting request its expected accepted tokens -- its whole
+        draft before it has verified a draft token and when it probes (`SpecCounts.unproven`: so a request gets to
+        show what its drafts are worth wherever a fully accepted draft would pay; an estimate below that could keep
+        a request whose drafts would all be accepted from ever drafting), else its moving average, at most its
+        draft's length."""
+        return num_seqs + sum(slots - 1 if req.spec is None or req.spec.unproven
+                              else min(req.spec.accept_ema, slots - 1) for req, slots in drafts)
 
     def batch_pays(self, num_seqs: int, drafts: Sequence[Tuple[Req, int]]) -> bool:
         """Whether a batch of `num_seqs` sequences in which `drafts` draft should verify rather than decode
