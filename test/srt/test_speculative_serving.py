@@ -83,7 +83,8 @@ def copy_requests(url: str, stop: str, seeds: int = SEEDS) -> list:
 def spec_page16_server():
     yield from module_server(SPEC_ARGS + ["--disable-radix-cache"], env={"SGL_JAX_TEST_RETRACT": "1"},
                              engine_args={"page_size": 16, "precompile_token_paddings": [256],
-                                          "precompile_bs_paddings": [1, 32]})  # (its steps: 1 or 17 requests)
+                                          "precompile_bs_paddings": [1, 8],  # (its steps: 1 or 5 requests)
+                                          "max_running_requests": 8})
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +169,8 @@ def test_page16_without_radix_under_forced_retract(spec_page16_server, reference
     _, reference_copies, stop = reference
     url = spec_page16_server.url
     costs = check_clean(url)["spec_step_costs_ms"]
-    assert [row[0] for row in costs] == [1, 32] and all(d > 0 and v > 0 for _, d, v, _ in costs), costs
-    assert costs[1][2] > costs[0][2]  # a verify step of 32 x 8 slots costs more than one of 8
+    assert [row[0] for row in costs] == [1, 8] and all(d > 0 and v > 0 for _, d, v, _ in costs), costs
+    assert costs[1][2] > costs[0][2]  # a verify step of 8 x 8 slots costs more than one of 8
     copies = copy_requests(url, stop, seeds=4)
     state = check_clean(url)
     check_copies(copies, reference_copies, stop, batch_rule=True)
@@ -187,7 +188,8 @@ def self_draft_server():
                               "--speculative-draft-model-path", default_model_path(), "--disable-radix-cache"],
                              env={"SGL_JAX_TEST_RETRACT": "1", "SGL_JAX_TEST_FAULT_INJECTION": "1", **ALWAYS_DRAFT},
                              engine_args={"page_size": 16, "precompile_token_paddings": [256],
-                                          "precompile_bs_paddings": [1, 32]})
+                                          "precompile_bs_paddings": [1, 8],  # (its steps: 1 to 5 requests)
+                                          "max_running_requests": 8})
 
 
 def check_drafter(url: str, reference, seeds: int = SEEDS, drafts_accepted: bool = False) -> tuple:
@@ -240,7 +242,8 @@ def eagle3_server(tmp_path_factory):
                               "--speculative-draft-model-path", head],
                              env={"SGL_JAX_TEST_RETRACT": "1", "SGL_JAX_TEST_FAULT_INJECTION": "1", **ALWAYS_DRAFT},
                              engine_args={"page_size": 16, "precompile_token_paddings": [256],
-                                          "precompile_bs_paddings": [1, 32]})
+                                          "precompile_bs_paddings": [1, 8],  # (its steps: 1 to 5 requests)
+                                          "max_running_requests": 8})
 
 
 def test_eagle3_random_head_outputs_identical(eagle3_server, reference):
