@@ -5,7 +5,8 @@ References: a brute-force greedy walk over every root path for `verify_greedy` (
 targets); for `verify_sampled`, the exact distribution of a toy language model's first tokens (chi-square over
 seeded draws, a statistic that must also reject a wrong distribution); for the drafter, hand-built token streams
 whose continuations are known (a copied passage, two continuations of one prefix seen with different counts), and
-its capacity bound under a stream that overflows it; `first_chain` on a hand-built tree.
+its capacity bound under a stream that overflows it; `first_chain` on a hand-built tree; for `TopkTree` (top-k
+drafts of a draft model or EAGLE head), the same search written over whole token paths.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_jax.srt.speculative.draft_tree import check_tree, first_chain, tree_depths, tree_mask, verify_greedy, \
-    verify_sampled
+from sgl_jax.srt.speculative.draft_tree import TopkTree, check_tree, first_chain, tree_depths, tree_mask, \
+    verify_greedy, verify_sampled
 from sgl_jax.srt.speculative.ngram_cache import NgramCache, NgramConfig
 
 
@@ -224,3 +225,70 @@ def test_first_chain_follows_each_slots_first_child():
     chain, chain_parents = first_chain(tokens, parents)
     assert chain.tolist() == [7, 1, 3, 5] and chain_parents.tolist() == [-1, 0, 1, 2]
     assert first_chain(np.array([9]), np.array([-1]))[0].tolist() == [9]
+
+
+def toy_logprobs(path: tuple, vocab: int) -> np.ndarray:
+    """A toy draft model: log-probabilities of the next token after `path` (a deterministic function of it)."""
+    logits = np.random.default_rng(zlib.crc32(repr(path).encode())).normal(size=vocab) * 2.0
+    return logits - np.logaddexp.reduce(logits)
+
+
+def reference_topk_search(root: int, topk: int, steps: int, vocab: int):
+    """SGLang's EAGLE draft search over whole paths: (each step's frontier paths, every candidate path -> score)."""
+    frontier, scores, fronts = [(root,)], {}, []
+    for _ in range(steps):
+        fronts.append(frontier)
+        cands = []
+        for path in frontier:
+            lp = toy_logprobs(path, vocab)
+            for tok in np.argsort(-lp, kind="stable")[:topk]:
+                child = path + (int(tok),)
+                scores[child] = scores.get(path, 0.0) + float(lp[tok])
+                cands.append(child)
+        frontier = sorted(cands, key=lambda c: -scores[c])[:topk]
+    return fronts, scores
+
+
+def tree_paths(tokens, parents) -> list:
+    """Each slot's token path from the root."""
+    paths = []
+    for i, p in enumerate(parents):
+        paths.append((int(tokens[i]),) if p < 0 else paths[p] + (int(tokens[i]),))
+    return paths
+
+
+@settings(max_examples=60, deadline=None)
+@given(topk=st.integers(1, 4), steps=st.integers(1, 4), num_slots=st.integers(2, 32), vocab=st.integers(4, 9))
+def test_topk_tree_matches_the_search_over_paths(topk, steps, num_slots, vocab):
+    """Each step feeds the frontier's paths (and only their prefixes), the frontier is the k best candidates, and
+    the final tree is the best num_slots - 1 candidates, parent-first with each slot's children best first."""
+    topk = min(topk, vocab)
+    fronts, scores = reference_topk_search(7, topk, steps, vocab)
+    tree = TopkTree(7, topk)
+    for front in fronts:
+        tokens, parents, rows = tree.fed()
+        check_tree(parents)
+        paths = tree_paths(tokens, parents)
+        assert [paths[r] for r in rows] == front
+        assert set(paths) == {f[:d] for f in front for d in range(1, len(f) + 1)}  # the frontier's prefixes only
+        lps = [toy_logprobs(p, vocab) for p in front]
+        best = [np.argsort(-lp, kind="stable")[:topk] for lp in lps]
+        tree.expand(np.asarray(best), np.asarray([lp[b] for lp, b in zip(lps, best)]))
+    tokens, parents = tree.final(num_slots)
+    check_tree(parents)
+    paths = tree_paths(tokens, parents)
+    want = sorted(scores, key=lambda c: -scores[c])[:num_slots - 1]
+    assert len(paths) == 1 + len(want) and set(paths[1:]) == set(want)
+    for node in range(len(paths)):  # children best first
+        kids = [scores[paths[c]] for c in range(len(paths)) if parents[c] == node]
+        assert kids == sorted(kids, reverse=True)
+    if topk == 1:  # a chain: the draft's greedy tokens
+        assert len(paths) == min(num_slots, steps + 1) and list(parents) == list(range(-1, len(paths) - 1))
+
+
+def test_topk_tree_rejects_wrong_shapes():
+    tree = TopkTree(3, 2)
+    with pytest.raises(ValueError, match="expected \\[1, 2\\] candidates"):
+        tree.expand(np.zeros((2, 2), np.int32), np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="top-k must be >= 1"):
+        TopkTree(3, 0)

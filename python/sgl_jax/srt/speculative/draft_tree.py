@@ -152,3 +152,85 @@ def verify_sampled(tokens: np.ndarray, parents: np.ndarray, probs: np.ndarray,
         accepted.append(chosen)
         emitted.append(int(tokens[chosen]))
         node = chosen
+
+
+class TopkTree:
+    """A draft tree grown by a drafter that proposes the top-k tokens at each step, with their log-probabilities
+    (--speculative-eagle-topk k > 1: EAGLE, EAGLE-3 and STANDALONE; SGLang's EAGLE worker and its
+    ``organize_draft_results``, after EAGLE-2's dynamic draft tree, Li et al. 2024).
+
+    Nodes carry a score: the draft's log-probability of the path from the root. Step d expands each node of the
+    frontier (the root first) into its k most likely next tokens; the new frontier is the k best of those k x k
+    candidates by score. After the last step, `final` keeps the best `n - 1` of every candidate ever proposed:
+    scores only fall along a path, so the kept set holds each kept node's parent too (ties are broken towards
+    earlier candidates, which are never children of later ones).
+
+    Host data only: the drafter runs the forwards (`fed`: the nodes its next step feeds, laid out as a tree) and
+    hands each step's top-k back (`expand`).
+
+    Args:
+        root_token: the request's last token (slot 0 of every tree).
+        topk: candidates per node and frontier size (>= 1).
+    """
+
+    def __init__(self, root_token: int, topk: int):
+        if topk < 1:
+            raise ValueError(f"top-k must be >= 1, got {topk}")
+        self.topk = topk
+        self.tokens: List[int] = [int(root_token)]
+        self.parents: List[int] = [-1]
+        self.scores: List[float] = [0.0]
+        self.frontier: List[int] = [0]
+
+    def fed(self) -> Tuple[np.ndarray, np.ndarray, List[int]]:
+        """The tree the drafter's next step feeds: the root and every frontier node's ancestors, parent-first
+        (tokens int32[m], parents int32[m]), and where each frontier node sits in it (the rows whose next-token
+        top-k `expand` takes, in frontier order). m <= 1 + k x steps so far."""
+        keep = set()
+        for node in self.frontier:
+            while node >= 0 and node not in keep:
+                keep.add(node)
+                node = self.parents[node]
+        order = sorted(keep)  # node ids grow with depth: a parent precedes its children
+        at = {node: i for i, node in enumerate(order)}
+        tokens = np.asarray([self.tokens[n] for n in order], np.int32)
+        parents = np.asarray([at[self.parents[n]] if self.parents[n] >= 0 else -1 for n in order], np.int32)
+        return tokens, parents, [at[n] for n in self.frontier]
+
+    def expand(self, child_tokens: np.ndarray, child_logprobs: np.ndarray) -> None:
+        """One draft step: row i of `child_tokens` / `child_logprobs` (int / float [len(frontier), k], each row
+        best first) are the frontier's i-th node's k most likely next tokens and their log-probabilities."""
+        child_tokens = np.asarray(child_tokens)
+        child_logprobs = np.asarray(child_logprobs, np.float64)
+        if child_tokens.shape != (len(self.frontier), self.topk) or child_logprobs.shape != child_tokens.shape:
+            raise ValueError(f"expected [{len(self.frontier)}, {self.topk}] candidates, got {child_tokens.shape} "
+                             f"and {child_logprobs.shape}")
+        new = []
+        for node, toks, lps in zip(self.frontier, child_tokens, child_logprobs):
+            for tok, lp in zip(toks, lps):
+                new.append(len(self.tokens))
+                self.tokens.append(int(tok))
+                self.parents.append(node)
+                self.scores.append(self.scores[node] + float(lp))
+        # stable: among equal scores the earlier candidate (the better parent's, the better rank's) wins
+        self.frontier = sorted(new, key=lambda i: -self.scores[i])[:self.topk]
+
+    def final(self, num_slots: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The draft tree to verify: the root and the best ``num_slots - 1`` candidates by score (each with its
+        parent), parent-first and each node's children best first (so `first_chain` is the draft's most likely
+        path): (tokens int32[m], parents int32[m]), m <= num_slots."""
+        best = sorted(range(1, len(self.tokens)), key=lambda i: -self.scores[i])[:max(num_slots - 1, 0)]
+        keep = {0}
+        for node in best:  # (already closed under parents: see the class docstring; made sure of)
+            while node not in keep:
+                keep.add(node)
+                node = self.parents[node]
+        depth = {0: 0}
+        for node in sorted(keep):
+            if node:
+                depth[node] = depth[self.parents[node]] + 1
+        order = sorted(keep, key=lambda i: (depth[i], -self.scores[i], i))
+        at = {node: i for i, node in enumerate(order)}
+        tokens = np.asarray([self.tokens[n] for n in order], np.int32)
+        parents = np.asarray([at[self.parents[n]] if n else -1 for n in order], np.int32)
+        return tokens[:num_slots], parents[:num_slots]
