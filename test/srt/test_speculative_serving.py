@@ -183,9 +183,12 @@ def test_page16_without_radix_under_forced_retract(spec_page16_server, reference
 @pytest.fixture  # (one test each: torn down after it, so the module never holds two at once)
 def self_draft_server():
     """Page size 16 without the radix cache, a retract forced every few decode steps; SmolLM2 drafts for itself
-    (its drafts are the target's own greedy tokens)."""
+    (its drafts' first branches are the target's own greedy tokens) top-2 trees 3 deep in 6 slots (chains:
+    test_data_parallel's STANDALONE servers)."""
     yield from module_server(["--enable-streaming-session", "--speculative-algorithm", "STANDALONE",
-                              "--speculative-draft-model-path", default_model_path(), "--disable-radix-cache"],
+                              "--speculative-draft-model-path", default_model_path(), "--disable-radix-cache",
+                              "--speculative-eagle-topk", "2", "--speculative-num-steps", "3",
+                              "--speculative-num-draft-tokens", "6"],
                              env={"SGL_JAX_TEST_RETRACT": "1", "SGL_JAX_TEST_FAULT_INJECTION": "1", **ALWAYS_DRAFT},
                              engine_args={"page_size": 16, "precompile_token_paddings": [256],
                                           "precompile_bs_paddings": [1, 8],  # (its steps: 1 to 5 requests)
@@ -221,13 +224,17 @@ def check_drafter(url: str, reference, seeds: int = SEEDS, drafts_accepted: bool
 
 
 def test_standalone_self_draft_accepts_nearly_everything(self_draft_server, reference):
-    """SmolLM2 drafting for itself, at page size 16 under forced retracts: `check_drafter` (4 samples), and the
-    greedy requests' drafts accepted (>= 90%: a draft is lost only where a stop ends the run, or where the draft's
-    decode step and the target's verify step round a near tie differently)."""
+    """SmolLM2 drafting top-2 trees for itself, at page size 16 under forced retracts: `check_drafter` (4
+    samples); the greedy requests' trees accepted 3 deep at nearly every step (>= 0.85 x 4 tokens per step: a
+    draft falls short only where the output ends, or where the draft's tree step and the target's verify step
+    round a near tie differently); the samples accept second branches too (K/V moves)."""
     copies, state = check_drafter(self_draft_server.url, reference, seeds=4, drafts_accepted=True)
     assert state["num_retracted_reqs"] > 0
     for i in (0, 1, 3):  # (the greedy ones that no stop string cuts)
-        assert copies[i]["meta_info"]["spec_accept_rate"] >= 0.9, copies[i]["meta_info"]
+        meta = copies[i]["meta_info"]
+        assert meta["spec_accept_length"] >= 0.85 * 4, meta
+        assert meta["spec_draft_token_num"] > 1.4 * meta["spec_accept_token_num"], meta  # 5 slots for 3 deep
+    assert state["spec_kv_moves"] > 0
 
 
 # ---------------------------------------------------------------- EAGLE3: a head over the target's hidden states

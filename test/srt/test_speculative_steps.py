@@ -8,6 +8,7 @@ the requests are released. The model's part (the same outputs as without specula
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
@@ -255,3 +256,62 @@ def test_unify_step_gives_the_dp_ranks_one_mode():
     out, changed = unify_step([verify, decode], [mem0, mem1])
     assert changed and out[0] is verify and out[1].forward_mode == ForwardMode.TARGET_VERIFY and not out[1].drafts
     assert unify_step([verify, None], [mem0, mem1]) == ([verify, None], False)
+
+
+def test_top_k_trees_refused_for_a_sliding_window_target():
+    """STANDALONE top-k > 1 trees over a target with sliding-window layers are refused at start-up, naming
+    --speculative-eagle-topk (a window is measured on the KV position: such targets verify chains); chains pass."""
+    import dataclasses as dc
+
+    from sgl_jax.srt.configs.model_config import ModelConfig
+    from sgl_jax.srt.scheduler.drafters import draft_model_config
+    from sgl_jax.srt.server_args import prepare_server_args
+    from srt_helpers import default_model_path
+
+    path = default_model_path()
+    args = prepare_server_args(["--model-path", path, "--speculative-algorithm", "STANDALONE",
+                                "--speculative-draft-model-path", path, "--speculative-eagle-topk", "2"])
+    target = ModelConfig.from_server_args(args, "cpu")
+    assert draft_model_config(args, target, target.context_len, "cpu")[0] is not None
+    windowed = dc.replace(target, sliding_window=16)
+    with pytest.raises(ValueError, match="--speculative-eagle-topk 2: a model with sliding-window layers"):
+        draft_model_config(args, windowed, target.context_len, "cpu")
+    chains = dc.replace(args, speculative_eagle_topk=1, speculative_num_steps=None, speculative_num_draft_tokens=None)
+    assert draft_model_config(chains, windowed, target.context_len, "cpu")[0] is not None
+
+
+def test_tree_draft_step_lays_out_the_fed_tree_as_a_verify_step():
+    """A top-k tree draft step (`draft_model.tree_step_batch`) feeds each request's tree so far exactly as a verify
+    step lays out a draft tree (`build_verify_batch`: slots, positions seq_len - 1 + depth, the tree mask's bits,
+    kv lens, page tables), also when the request holds more draft slots than the tree uses; `tree_steps` keeps the
+    tree a step feeds within the slots."""
+    from sgl_jax.srt.scheduler.draft_model import tree_step_batch, tree_steps
+    from sgl_jax.srt.speculative.draft_tree import TopkTree
+
+    memory, _, a, b = _setup()
+    dec = ScheduleBatch([a, b], ForwardMode.DECODE)
+    assert dec.prepare_for_decode(memory)
+    tree = TopkTree(a.output_ids[-1], 2)
+    tree.expand([[30, 31]], [[-0.1, -0.2]])
+    tree.expand([[32, 33], [34, 35]], [[-0.3, -0.4], [-0.05, -2.0]])  # frontier: 34 (under 31), 32 (under 30)
+    fed = tree.fed()
+    assert fed[0].tolist() == [a.output_ids[-1], 30, 31, 32, 34] and fed[1].tolist() == [-1, 0, 0, 1, 2]
+    assert memory.allocate_drafts(a, len(fed[0]) - 1)
+    trees = {id(a): fed[:2]}
+    buckets = ShapeBuckets((16,), (1, 4), verify_tokens=6)
+    want = build_verify_batch(ScheduleBatch([a, b], ForwardMode.TARGET_VERIFY, trees), buckets, memory).forward_batch
+    assert memory.allocate_drafts(a, 1)  # a sixth slot the fed tree does not use
+    root_b = (np.asarray([b.output_ids[-1]], np.int32), np.asarray([-1], np.int32))
+    got = tree_step_batch([a, b], [fed[:2], root_b], memory, (ForwardMode.TARGET_VERIFY, 24, 4)).forward_batch
+    for field in ("input_ids", "positions", "out_cache_loc", "cu_q_lens", "kv_lens", "page_indices", "tree_bits",
+                  "logits_indices", "num_seqs"):
+        assert np.array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field))), field
+    assert got.tree_bits[:5].tolist() == tree_bits(fed[1]).tolist()
+    assert [tree_steps(n, 2, 3) for n in (2, 3, 4, 5, 6, 8)] == [1, 2, 2, 3, 3, 3]
+    assert all(1 + 4 * (tree_steps(n, 4, 5) - 1) <= n for n in range(2, 33))
+    for r in (a, b):
+        memory.rollback(r, r.seqlen)
+        r.finished_reason = finish_length(len(r.output_ids))
+        memory.release(r)
+    acc = memory.accounting()
+    assert acc["kv_tokens_free"] + acc["kv_tokens_cached"] == acc["kv_tokens_total"]

@@ -358,16 +358,24 @@ class ServerArgs:
             raise ValueError("--speculative-algorithm is not supported with --nnodes > 1 yet")
 
     def _check_draft_model_flags(self) -> None:
-        """STANDALONE's, EAGLE's and EAGLE3's flags: a draft model (or head), chains of --speculative-num-steps tokens
-        (SGLang's defaults: 3 steps, top-k 1, steps + 1 draft-tree slots)."""
+        """STANDALONE's, EAGLE's and EAGLE3's flags: a draft model (or head) drafting --speculative-num-steps
+        tokens deep; with --speculative-eagle-topk 1 a chain (SGLang's defaults: 3 steps, steps + 1 draft-tree
+        slots), with top-k k > 1 (STANDALONE) a tree of --speculative-num-draft-tokens slots chosen among the k +
+        (steps - 1) x k^2 candidates (default: 1 + k x steps slots, at most MAX_DRAFT_TOKENS)."""
         algo = self.speculative_algorithm
         if not self.speculative_draft_model_path:
             raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
         if self.speculative_eagle_topk is None:
             self.speculative_eagle_topk = 1
-        if self.speculative_eagle_topk != 1:
-            raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: {algo} drafts chains "
-                             f"(top-k 1) in this build; draft trees from a draft model are not available yet")
+        topk = self.speculative_eagle_topk
+        if not isinstance(topk, int) or topk < 1:
+            raise ValueError(f"--speculative-eagle-topk must be an integer >= 1, got {topk!r}")
+        if topk > 1:
+            if algo != "STANDALONE":
+                raise ValueError(f"--speculative-eagle-topk {topk}: {algo} drafts chains (top-k 1) in this build; "
+                                 f"draft trees come from --speculative-algorithm STANDALONE")
+            self._check_tree_flags(topk)
+            return
         steps, slots = self.speculative_num_steps, self.speculative_num_draft_tokens
         if steps is None:
             steps = DEFAULT_DRAFT_STEPS if slots is None else slots - 1
@@ -378,6 +386,22 @@ class ServerArgs:
         if slots != steps + 1:
             raise ValueError(f"with --speculative-eagle-topk 1 a draft is a chain: --speculative-num-draft-tokens "
                              f"({slots}) must be --speculative-num-steps ({steps}) + 1")
+        self.speculative_num_steps, self.speculative_num_draft_tokens = steps, slots
+
+    def _check_tree_flags(self, topk: int) -> None:
+        """--speculative-num-steps and --speculative-num-draft-tokens of a top-k > 1 draft tree (see
+        `_check_draft_model_flags`)."""
+        steps = DEFAULT_DRAFT_STEPS if self.speculative_num_steps is None else self.speculative_num_steps
+        if not isinstance(steps, int) or not 1 <= steps < MAX_DRAFT_TOKENS:
+            raise ValueError(f"--speculative-num-steps must be in [1, {MAX_DRAFT_TOKENS - 1}], got {steps!r}")
+        slots = self.speculative_num_draft_tokens
+        if slots is None:
+            slots = min(MAX_DRAFT_TOKENS, 1 + topk * steps)
+        candidates = topk + (steps - 1) * topk * topk
+        if not isinstance(slots, int) or not 2 <= slots <= min(MAX_DRAFT_TOKENS, 1 + candidates):
+            raise ValueError(f"--speculative-num-draft-tokens must be in [2, {min(MAX_DRAFT_TOKENS, 1 + candidates)}] "
+                             f"with --speculative-eagle-topk {topk} and --speculative-num-steps {steps} (the root "
+                             f"and at most {candidates} candidates; at most {MAX_DRAFT_TOKENS}), got {slots!r}")
         self.speculative_num_steps, self.speculative_num_draft_tokens = steps, slots
 
     def _resolve_defaults(self) -> None:
@@ -591,11 +615,12 @@ FLAG_HELP = {
     "speculative_num_steps": f"STANDALONE, EAGLE, EAGLE3: draft tokens per request and step (STANDALONE: one "
                              f"draft-model decode step each; EAGLE: one fewer, its first comes with the target's step) "
                              f"(default {DEFAULT_DRAFT_STEPS})",
-    "speculative_eagle_topk": "candidates per draft step; STANDALONE, EAGLE and EAGLE3 draft chains (1) in this build",
+    "speculative_eagle_topk": "candidates per draft step: 1 drafts chains; > 1 draft trees (STANDALONE only in this "
+                              "build)",
     "speculative_num_draft_tokens": f"draft-tree slots per request, the root (the last accepted token) included, "
                                     f"2..{MAX_DRAFT_TOKENS} (NGRAM default: "
                                     "--speculative-ngram-max-match-window-size; STANDALONE, EAGLE, EAGLE3: "
-                                    "--speculative-num-steps + 1)",
+                                    "--speculative-num-steps + 1; with --speculative-eagle-topk k > 1: 1 + k x steps)",
     "speculative_accept_threshold_single": "SGLang's relaxed acceptance of sampled drafts; only 1.0 (exact) is "
                                            "served",
     "speculative_accept_threshold_acc": "SGLang's relaxed acceptance of sampled drafts; only 1.0 (exact) is served",

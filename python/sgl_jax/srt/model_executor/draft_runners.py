@@ -38,14 +38,23 @@ from sgl_jax.srt.model_loader.loader import JNP_DTYPES
 
 
 class DraftModelRunner(ModelRunner):
-    """A `ModelRunner` of STANDALONE's draft model (see the module docstring); the same arguments."""
+    """A `ModelRunner` of STANDALONE's draft model (see the module docstring); the same arguments.
+    ``draft_trees``: set when it drafts top-k trees (its K/V then moves with an accepted path off the first
+    branch: the K/V move programs are compiled too)."""
+
+    draft_trees = False
 
     def warmup_programs(self) -> List[Tuple[str, object]]:
-        """Every step shape's forward, the sampling of DECODE shapes."""
+        """Every step shape's forward, the sampling of DECODE shapes, and with `draft_trees` the K/V moves of
+        each verify shape."""
         shapes = self.buckets.all_shapes()
         programs = [(f"draft {mode.name.lower()} T={t} S={s}", self._lower_step(mode, t, s)) for mode, t, s in shapes]
         rows = sorted({s for mode, _, s in shapes if mode == ForwardMode.DECODE})
-        return programs + [(f"draft sampling S={s}", self._lower_sample(s)) for s in rows]
+        programs += [(f"draft sampling S={s}", self._lower_sample(s)) for s in rows]
+        if self.draft_trees:
+            programs += [(f"draft KV move M={t}", self._lower_move(t)) for mode, t, _ in shapes
+                         if mode == ForwardMode.TARGET_VERIFY]
+        return programs
 
 
 class EagleRunner(ModelRunner):

@@ -15,6 +15,12 @@ request's last token, first) at position ``seq_len - 1 + k`` and takes the greed
 rank's TARGET_VERIFY batch (scheduler/speculation.py verifies, accepts and rolls back as for NGRAM). Chains have
 their accepted slots in place: no K/V moves.
 
+With --speculative-eagle-topk k > 1 the draft model drafts a tree instead (`DraftModel._decode_trees`, SGLang's
+EAGLE search over a draft model, `draft_tree.TopkTree`): each draft step feeds the tree so far -- the root and the
+ancestors of the k best paths -- as a TARGET_VERIFY forward of the draft model (tree-masked, into the request's
+draft slots, which the target's verify step overwrites) and takes the k most likely next tokens after each of the k
+paths; the verify step checks the best --speculative-num-draft-tokens slots of every candidate.
+
 Sampled requests draft greedily too: verification draws the target's tokens with the request's own random stream
 (see speculation.py), so a draft only decides how many of those tokens one step emits, never which.
 """
@@ -41,7 +47,7 @@ from sgl_jax.srt.models.registry import get_model_class
 from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, cumulative_lens, last_input_token, pad_to, \
     page_table
-from sgl_jax.srt.speculative.draft_tree import chain_parents
+from sgl_jax.srt.speculative.draft_tree import NO_TREE, TopkTree, chain_parents, tree_bits, tree_depths
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +112,39 @@ def for_draft(batch: Optional[ModelWorkerBatch]) -> Optional[ModelWorkerBatch]:
     return dataclasses.replace(batch, forward_batch=fb)
 
 
+def tree_step_batch(reqs: Sequence[Req], trees: Sequence[Tuple[np.ndarray, np.ndarray]], memory,
+                    shape: tuple) -> ModelWorkerBatch:
+    """Host arrays of a tree draft step (a TARGET_VERIFY forward of the draft model, padded to `shape` =
+    (TARGET_VERIFY, T_pad, S_pad)): request i's tree ``trees[i]`` (tokens, parents; `TopkTree.fed`) in its root's
+    and first draft slots, slot j at position ``seq_len - 1 + depth[j]`` under the tree mask; logits at every
+    slot; padding (greedy) sampling rows."""
+    _, t_pad, s_pad = shape
+    pool = memory.req_to_token_pool
+    base = np.asarray([r.seqlen - 1 for r in reqs], np.int64)
+    q_lens = np.asarray([len(t) for t, _ in trees], np.int64)
+    rows = np.asarray([r.req_pool_idx for r in reqs], np.int64)
+    kv_pos = np.concatenate([b + np.arange(n) for b, n in zip(base, q_lens)])
+    positions = np.concatenate([b + tree_depths(p) for b, (_, p) in zip(base, trees)])
+    bits = np.concatenate([tree_bits(p) if len(p) > 1 else np.full(1, NO_TREE, np.int32) for _, p in trees])
+    T, n = int(q_lens.sum()), len(reqs)
+    fb = ForwardBatch(
+        input_ids=pad_to(np.concatenate([t for t, _ in trees]).astype(np.int32), t_pad),
+        positions=pad_to(positions.astype(np.int32), t_pad),
+        out_cache_loc=pad_to(pool.req_to_token[np.repeat(rows, q_lens), kv_pos], t_pad),
+        cu_q_lens=cumulative_lens(q_lens, s_pad), kv_lens=pad_to((base + q_lens).astype(np.int32), s_pad),
+        page_indices=page_table(pool, rows, s_pad, memory.page_size), num_seqs=np.asarray(n, np.int32),
+        logits_indices=pad_to(np.arange(T), t_pad), prefix_lens=np.zeros(s_pad, np.int32),
+        segment_starts=np.zeros(t_pad, np.int32), shared_prefix_len=np.asarray(0, np.int32),
+        tree_bits=pad_to(bits, t_pad, value=NO_TREE), forward_mode=ForwardMode.TARGET_VERIFY)
+    return ModelWorkerBatch(forward_batch=fb, sampling=SamplingBatch.padding(t_pad), num_tokens=T, num_seqs=n)
+
+
+def tree_steps(num_slots: int, topk: int, num_steps: int) -> int:
+    """Draft steps of a top-k tree of `num_slots` slots: at most `num_steps`, and no more than the slots hold the
+    tree a step feeds (1 + topk x (steps - 1) <= num_slots)."""
+    return max(1, min(num_steps, 1 + (num_slots - 1) // topk))
+
+
 def draft_step_batch(reqs: Sequence[Req], tokens: Sequence[int], k: int, memory, shape: tuple) -> ModelWorkerBatch:
     """Host arrays of draft step `k` (a DECODE step of the draft model, padded to `shape` = (DECODE, T_pad, S_pad)):
     request i feeds ``tokens[i]`` at position ``seq_len - 1 + k`` into that position's KV slot (its root's, or a
@@ -134,9 +173,11 @@ class DraftModel:
         buckets: the compiled shapes (the target's: the draft runs every target step and its own decode steps).
     """
 
-    def __init__(self, runner: ModelRunner, buckets: ShapeBuckets):
+    def __init__(self, runner: ModelRunner, buckets: ShapeBuckets, topk: int = 1, num_steps: int = 1):
         self.runner = runner
         self.buckets = buckets
+        self.topk = topk  # --speculative-eagle-topk: 1 drafts chains, more draft trees (`_decode_trees`)
+        self.num_steps = num_steps  # --speculative-num-steps: a tree's depth
         self.num_draft_steps = 0  # draft-model decode steps run
         self.failed: Optional[str] = None  # why drafting stopped for good (a draft-model program failed)
 
@@ -184,7 +225,11 @@ class DraftModel:
             return batches
         try:
             t0 = time.perf_counter()
-            chains = self._decode_chains(plans, ranks)
+            if self.topk > 1:
+                drafts = self._decode_trees(plans, ranks)
+            else:
+                drafts = [{key: (np.asarray(c, np.int32), chain_parents(len(c))) for key, c in chains.items()}
+                          for chains in self._decode_chains(plans, ranks)]
             seconds = time.perf_counter() - t0
             for batch, plan, rank in zip(batches, plans, ranks):
                 if plan:
@@ -196,24 +241,25 @@ class DraftModel:
                     rank.memory.rollback(req, req.seqlen)
             return batches
         out = []
-        for batch, chain in zip(batches, chains):
-            if chain:
-                drafts = {key: (np.asarray(c, np.int32), chain_parents(len(c))) for key, c in chain.items()}
-                batch = ScheduleBatch(list(batch.reqs), ForwardMode.TARGET_VERIFY, drafts)
+        for batch, rank_drafts in zip(batches, drafts):
+            if rank_drafts:
+                batch = ScheduleBatch(list(batch.reqs), ForwardMode.TARGET_VERIFY, rank_drafts)
             out.append(batch)
         return out
 
-    @staticmethod
-    def _plan(batches: List[Optional[ScheduleBatch]], ranks) -> List[List[Tuple[Req, int]]]:
-        """Per rank, its decode batch's requests that draft and their chains' slots (KV slots taken); none in a
-        batch where drafting does not pay (`Speculator.batch_pays`)."""
+    def _plan(self, batches: List[Optional[ScheduleBatch]], ranks) -> List[List[Tuple[Req, int]]]:
+        """Per rank, its decode batch's requests that draft and their drafts' slots (KV slots taken); none in a
+        batch where drafting does not pay (`Speculator.batch_pays`, which counts a tree as its deepest path: the
+        most it can have accepted)."""
         plans: List[List[Tuple[Req, int]]] = []
         for batch, rank in zip(batches, ranks):
             plan = []
             if batch is not None and batch.forward_mode == ForwardMode.DECODE:
                 budgets = [(req, rank.speculator.draft_budget(req)) for req in batch.reqs]
                 budgets = [(req, n) for req, n in budgets if n >= 2]
-                if rank.speculator.batch_pays(len(batch.reqs), budgets):
+                paths = budgets if self.topk == 1 else [(req, 1 + tree_steps(n, self.topk, self.num_steps))
+                                                        for req, n in budgets]
+                if rank.speculator.batch_pays(len(batch.reqs), paths):
                     plan = [(req, n) for req, n in budgets if rank.memory.allocate_drafts(req, n - 1)]
             plans.append(plan)
         return plans
@@ -237,6 +283,45 @@ class DraftModel:
                     chains[i][id(r)].append(int(token))
         return chains
 
+    def _decode_trees(self, plans: List[List[Tuple[Req, int]]], ranks) -> List[Dict[int, tuple]]:
+        """Grow every planned request's top-k tree (`draft_tree.TopkTree`, `tree_step_batch`): per rank, id(req)
+        -> the tree to verify (tokens int32, parents int32), its unused draft slots given back."""
+        fault_injection.check("draft", [r.rid for p in plans for r, _ in p])
+        trees = [{id(r): TopkTree(last_input_token(r), self.topk) for r, _ in p} for p in plans]
+        steps = [{id(r): tree_steps(n, self.topk, self.num_steps) for r, n in p} for p in plans]
+        for k in range(max(s for rank in steps for s in rank.values())):
+            live = [[r for r, _ in p if steps[i][id(r)] > k] for i, p in enumerate(plans)]
+            fed = [[trees[i][id(r)].fed() for r in x] for i, x in enumerate(live)]
+            shape = (ForwardMode.TARGET_VERIFY, *self.buckets.verify_shape(max(len(x) for x in live)))
+            step = [tree_step_batch(x, [(t, p) for t, p, _ in f], ranks[i].memory, shape) if x else None
+                    for i, (x, f) in enumerate(zip(live, fed))]
+            fwd = self.runner.launch_forward(step)  # (logits only: nothing is sampled)
+            self.num_draft_steps += 1
+            logits = np.asarray(fwd.logits)  # [dp * T_pad, V]: every rank's slots
+            for i, x in enumerate(live):
+                if not x:
+                    continue
+                start = i * fwd.s_pad
+                for r, (tokens, _, rows) in zip(x, fed[i]):
+                    at = logits[start + np.asarray(rows)]
+                    top = at.max(axis=1, keepdims=True)  # the frontier's next-token log-probabilities:
+                    at = at - top - np.log(np.exp(at - top).sum(axis=1, keepdims=True))
+                    best = np.argpartition(-at, self.topk - 1, axis=1)[:, :self.topk]
+                    top = np.take_along_axis(at, best, axis=1)
+                    order = np.argsort(-top, axis=1, kind="stable")  # (each row best first)
+                    trees[i][id(r)].expand(np.take_along_axis(best, order, axis=1),
+                                           np.take_along_axis(top, order, axis=1))
+                    start += len(tokens)
+        out = []
+        for i, p in enumerate(plans):
+            drafts = {}
+            for r, n in p:
+                tokens, parents = trees[i][id(r)].final(n)
+                ranks[i].memory.rollback(r, r.seqlen - 1 + len(tokens))  # (slots past the tree go back)
+                drafts[id(r)] = (tokens, parents)
+            out.append(drafts)
+        return out
+
 
 def new_draft_model(server_args, target_runner: ModelRunner, buckets: ShapeBuckets, draft_config) -> DraftModel:
     """Load the draft model (`draft_config`: its `ModelConfig`, from `draft_server_args`) with K/V buffers beside
@@ -245,6 +330,9 @@ def new_draft_model(server_args, target_runner: ModelRunner, buckets: ShapeBucke
     runner = DraftModelRunner(draft_server_args(server_args, target_runner.max_context_len), draft_config,
                               buckets=buckets, max_context_len=target_runner.max_context_len,
                               kv_spec_fn=lambda _: spec, num_request_slots=target_runner.num_request_slots)
-    logger.info("Draft model %s (%s, %d layers) for STANDALONE speculative decoding", draft_config.model_path,
-                draft_config.architecture, draft_config.num_hidden_layers)
-    return DraftModel(runner, buckets)
+    topk = server_args.speculative_eagle_topk or 1
+    runner.draft_trees = topk > 1
+    logger.info("Draft model %s (%s, %d layers) for STANDALONE speculative decoding: %s", draft_config.model_path,
+                draft_config.architecture, draft_config.num_hidden_layers,
+                "chains" if topk == 1 else f"top-{topk} trees, {server_args.speculative_num_steps} steps deep")
+    return DraftModel(runner, buckets, topk, server_args.speculative_num_steps or 1)
