@@ -47,7 +47,8 @@ from sgl_jax.srt.models.registry import get_model_class
 from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, cumulative_lens, last_input_token, pad_to, \
     page_table
-from sgl_jax.srt.speculative.draft_tree import NO_TREE, TopkTree, chain_parents, tree_bits, tree_depths
+from sgl_jax.srt.scheduler.speculation import tree_forward_batch
+from sgl_jax.srt.speculative.draft_tree import TopkTree, chain_parents
 
 logger = logging.getLogger(__name__)
 
@@ -115,28 +116,13 @@ def for_draft(batch: Optional[ModelWorkerBatch]) -> Optional[ModelWorkerBatch]:
 def tree_step_batch(reqs: Sequence[Req], trees: Sequence[Tuple[np.ndarray, np.ndarray]], memory,
                     shape: tuple) -> ModelWorkerBatch:
     """Host arrays of a tree draft step (a TARGET_VERIFY forward of the draft model, padded to `shape` =
-    (TARGET_VERIFY, T_pad, S_pad)): request i's tree ``trees[i]`` (tokens, parents; `TopkTree.fed`) in its root's
-    and first draft slots, slot j at position ``seq_len - 1 + depth[j]`` under the tree mask; logits at every
-    slot; padding (greedy) sampling rows."""
+    (TARGET_VERIFY, T_pad, S_pad)): request i's tree ``trees[i]`` (tokens, parents; `TopkTree.fed`) laid out as a
+    verify step lays out a draft tree (`speculation.tree_forward_batch`) in its root's and first draft slots;
+    padding (greedy) sampling rows."""
     _, t_pad, s_pad = shape
-    pool = memory.req_to_token_pool
-    base = np.asarray([r.seqlen - 1 for r in reqs], np.int64)
-    q_lens = np.asarray([len(t) for t, _ in trees], np.int64)
-    rows = np.asarray([r.req_pool_idx for r in reqs], np.int64)
-    kv_pos = np.concatenate([b + np.arange(n) for b, n in zip(base, q_lens)])
-    positions = np.concatenate([b + tree_depths(p) for b, (_, p) in zip(base, trees)])
-    bits = np.concatenate([tree_bits(p) if len(p) > 1 else np.full(1, NO_TREE, np.int32) for _, p in trees])
-    T, n = int(q_lens.sum()), len(reqs)
-    fb = ForwardBatch(
-        input_ids=pad_to(np.concatenate([t for t, _ in trees]).astype(np.int32), t_pad),
-        positions=pad_to(positions.astype(np.int32), t_pad),
-        out_cache_loc=pad_to(pool.req_to_token[np.repeat(rows, q_lens), kv_pos], t_pad),
-        cu_q_lens=cumulative_lens(q_lens, s_pad), kv_lens=pad_to((base + q_lens).astype(np.int32), s_pad),
-        page_indices=page_table(pool, rows, s_pad, memory.page_size), num_seqs=np.asarray(n, np.int32),
-        logits_indices=pad_to(np.arange(T), t_pad), prefix_lens=np.zeros(s_pad, np.int32),
-        segment_starts=np.zeros(t_pad, np.int32), shared_prefix_len=np.asarray(0, np.int32),
-        tree_bits=pad_to(bits, t_pad, value=NO_TREE), forward_mode=ForwardMode.TARGET_VERIFY)
-    return ModelWorkerBatch(forward_batch=fb, sampling=SamplingBatch.padding(t_pad), num_tokens=T, num_seqs=n)
+    fb = tree_forward_batch(reqs, trees, memory, t_pad, s_pad)
+    return ModelWorkerBatch(forward_batch=fb, sampling=SamplingBatch.padding(t_pad),
+                            num_tokens=sum(len(t) for t, _ in trees), num_seqs=len(reqs))
 
 
 def tree_steps(num_slots: int, topk: int, num_steps: int) -> int:

@@ -375,6 +375,32 @@ def unify_step(batches: List[Optional[ScheduleBatch]],
     return out, True
 
 
+def tree_forward_batch(reqs: Sequence[Req], trees: Sequence[Tuple[np.ndarray, np.ndarray]], memory, t_pad: int,
+                       s_pad: int) -> ForwardBatch:
+    """The forward arrays of a TARGET_VERIFY step over draft trees (a verify step, and a top-k draft model's tree
+    step, scheduler/draft_model.py): request i's tree ``trees[i]`` (tokens, parents) in its KV slots from its
+    root's (seq_len - 1) on, slot j at position ``seq_len - 1 + depth[j]`` under the tree mask, its KV length the
+    root's position + the tree's slots, logits at every slot; padded to (t_pad, s_pad). Full-attention pool fields
+    only (`KVMemory.layer_pool_fields` adds the others)."""
+    pool = memory.req_to_token_pool
+    base = np.asarray([r.seqlen - 1 for r in reqs], np.int64)
+    q_lens = np.asarray([len(t) for t, _ in trees], np.int64)
+    rows = np.asarray([r.req_pool_idx for r in reqs], np.int64)
+    kv_pos = np.concatenate([b + np.arange(n) for b, n in zip(base, q_lens)])
+    positions = np.concatenate([b + tree_depths(p) for b, (_, p) in zip(base, trees)])
+    bits = np.concatenate([tree_bits(p) if len(p) > 1 else np.full(1, NO_TREE, np.int32) for _, p in trees])
+    T = int(q_lens.sum())
+    return ForwardBatch(
+        input_ids=pad_to(np.concatenate([t for t, _ in trees]).astype(np.int32), t_pad),
+        positions=pad_to(positions.astype(np.int32), t_pad),
+        out_cache_loc=pad_to(pool.req_to_token[np.repeat(rows, q_lens), kv_pos], t_pad),
+        cu_q_lens=cumulative_lens(q_lens, s_pad), kv_lens=pad_to((base + q_lens).astype(np.int32), s_pad),
+        page_indices=page_table(pool, rows, s_pad, memory.page_size), num_seqs=np.asarray(len(reqs), np.int32),
+        logits_indices=pad_to(np.arange(T), t_pad), prefix_lens=np.zeros(s_pad, np.int32),
+        segment_starts=np.zeros(t_pad, np.int32), shared_prefix_len=np.asarray(0, np.int32),
+        tree_bits=pad_to(bits, t_pad, value=NO_TREE), forward_mode=ForwardMode.TARGET_VERIFY)
+
+
 def build_verify_batch(batch: ScheduleBatch, buckets: ShapeBuckets, memory,
                        padded_shape: Optional[tuple] = None) -> ModelWorkerBatch:
     """Host arrays of a verify step (see the module docstring), padded to ``padded_shape`` (TARGET_VERIFY, T_pad,
@@ -384,7 +410,6 @@ def build_verify_batch(batch: ScheduleBatch, buckets: ShapeBuckets, memory,
         ValueError: the batch does not fit the shape. RuntimeError: a request's KV slots are not its tree's.
     """
     reqs = batch.reqs
-    pool, page_size = memory.req_to_token_pool, memory.page_size
     S = len(reqs)
     trees = [batch.drafts.get(id(r)) or _root_tree(r) for r in reqs]
     q_lens = np.asarray([len(t[0]) for t in trees], np.int64)
@@ -393,26 +418,11 @@ def build_verify_batch(batch: ScheduleBatch, buckets: ShapeBuckets, memory,
     if T > T_pad or S > S_pad:
         raise ValueError(f"a verify batch of {T} slots in {S} trees does not fit the step shape ({T_pad}, {S_pad})")
     base = np.asarray([r.seqlen - 1 for r in reqs], np.int64)
-    kv_lens = np.asarray([r.kv_allocated_len for r in reqs], np.int32)
-    if np.any(kv_lens != base + q_lens):
+    if np.any(np.asarray([r.kv_allocated_len for r in reqs]) != base + q_lens):
         raise RuntimeError("a verify row's KV slots do not match its draft tree")
-    depths = [tree_depths(p) for _, p in trees]
-    rows = np.asarray([r.req_pool_idx for r in reqs], np.int64)
-    input_ids = np.concatenate([t[0] for t in trees]).astype(np.int32)
-    positions = np.concatenate([b + d for b, d in zip(base, depths)]).astype(np.int32)
-    kv_pos = np.concatenate([b + np.arange(n) for b, n in zip(base, q_lens)])
-    out_cache_loc = pool.req_to_token[np.repeat(rows, q_lens), kv_pos]
-    bits = np.concatenate([tree_bits(p) if len(p) > 1 else np.full(1, NO_TREE, np.int32) for _, p in trees])
-    cu = cumulative_lens(q_lens, S_pad)
-    fb = ForwardBatch(
-        input_ids=pad_to(input_ids, T_pad), positions=pad_to(positions, T_pad),
-        out_cache_loc=pad_to(out_cache_loc, T_pad), cu_q_lens=cu, kv_lens=pad_to(kv_lens, S_pad),
-        page_indices=page_table(pool, rows, S_pad, page_size), num_seqs=np.asarray(S, np.int32),
-        logits_indices=pad_to(np.arange(T), T_pad), prefix_lens=np.zeros(S_pad, np.int32),
-        segment_starts=np.zeros(T_pad, np.int32), shared_prefix_len=np.asarray(0, np.int32),
-        tree_bits=pad_to(bits, T_pad, value=NO_TREE), forward_mode=ForwardMode.TARGET_VERIFY)
+    fb = tree_forward_batch(reqs, trees, memory, T_pad, S_pad)
     fb = dataclasses.replace(fb, **memory.layer_pool_fields(fb.page_indices, fb.out_cache_loc))
-    sampling = _verify_sampling(reqs, trees, depths, cu[:S], T_pad)
+    sampling = _verify_sampling(reqs, trees, [tree_depths(p) for _, p in trees], fb.cu_q_lens[:S], T_pad)
     return ModelWorkerBatch(forward_batch=fb, sampling=sampling, num_tokens=T, num_seqs=S)
 
 
