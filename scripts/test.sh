@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
 export JAX_PLATFORMS=cpu
-exec .venv/bin/python -m pytest test -q --durations=25 "$@"
+exec .venv/bin/python -m pytest test -q -n 2 --durations=25 "$@"

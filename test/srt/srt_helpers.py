@@ -89,6 +89,39 @@ def checked_engine(**kwargs):
     assert not alive_after(ours), "the Engine left child processes behind"
 
 
+# conftest's session-wide servers while the tests that share them run: name -> (the server or Engine, its stop)
+_SHARED: dict = {}
+
+
+def shared_server(name: str, start):
+    """The running shared server `name` (conftest's default_server, hardened_server, shared_engine), started by
+    ``start() -> (server, stop)`` when it is not running. They run until `stop_shared_servers`."""
+    if name not in _SHARED:
+        _SHARED[name] = start()
+    return _SHARED[name][0]
+
+
+def stop_shared_servers() -> None:
+    """Stop every running shared server, each with its own checks (clean pool, no compile after warm-up, exit 0,
+    no child left). test/conftest.py calls it at the end of the group of tests that share them (so they do not
+    hold memory while other modules run) and at the end of the session. Raises the first check that failed, once
+    all are stopped."""
+    errors = []
+    while _SHARED:
+        _, (_, stop) = _SHARED.popitem()
+        try:
+            stop()
+        except BaseException as exc:  # (stop the others first)
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def generator_server(gen) -> tuple:
+    """(server, stop) of a `module_server` generator: its server, and the rest of it (checks and stop)."""
+    return next(gen), lambda: next(gen, None)
+
+
 # conftest.shared_engine's configuration: the suite's, plus the scoring flags test_score.py exercises (a small pack
 # limit, so that packed requests are split into several packs; 3 items per extend request; handles that expire
 # after 3 s unused). None of them changes generation.

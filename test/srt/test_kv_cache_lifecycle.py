@@ -6,10 +6,8 @@ retract, and with 16-token pages; the baseline runs without the overlap schedule
 After every scenario the KV pool is back to free + cached.
 
 One server per scenario (a module-scoped fixture, parametrized indirectly: pytest runs every test of a
-scenario on its server, then stops it before starting the next; radix-chunk256, the suite's common
-configuration, runs on conftest's shared default_server); the chunk-interleaving and /flush_cache tests run
-on the scenario server of their configuration. Every test flushes the cache (a shared server may hold
-other modules' prefixes), so the order does not matter.
+scenario on its server, then stops it before starting the next); the chunk-interleaving and /flush_cache tests
+run on the scenario server of their configuration. Every test flushes the cache, so the order does not matter.
 """
 
 from __future__ import annotations
@@ -98,7 +96,7 @@ def baseline(prompts):
 
 CHUNK64 = {"chunked_prefill_size": 64, "precompile_token_paddings": [64]}  # no extend is longer than a chunk
 SCENARIOS = {
-    "radix-chunk256": ({}, {}),  # the suite's defaults (SMALL_ENGINE_ARGS): conftest.default_server
+    "radix-chunk256": ({}, {}),  # the suite's defaults (SMALL_ENGINE_ARGS)
     "radix-chunk64": (CHUNK64, {}),
     # retract forced every few decode steps, on 16-token pages: retracted requests release their pages
     # and resume (re-prefilled through the radix cache) with the same tokens. Its programs are its own (the
@@ -114,12 +112,10 @@ SCENARIOS = {
 @pytest.fixture(scope="module")
 def server(request, baseline):
     """The server of scenario `request.param` (stops with exit 0, no child left behind). Depends on
-    `baseline` so that the baseline's server has come and gone before any scenario server starts."""
+    `baseline` so that the baseline's server has come and gone before any scenario server starts. (Its own
+    servers only: the module shares none with other modules, so that a pytest-xdist worker runs it beside them.)"""
     overrides, env = SCENARIOS[request.param]
-    if not overrides and not env:
-        yield request.getfixturevalue("default_server")
-    else:
-        yield from module_server(engine_args=overrides, env=env)
+    yield from module_server(engine_args=overrides, env=env)
 
 
 @pytest.mark.parametrize("server", list(SCENARIOS), indirect=True)

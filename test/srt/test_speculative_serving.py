@@ -1,6 +1,6 @@
-"""Speculative decoding (--speculative-algorithm NGRAM, STANDALONE and EAGLE3) on real servers against the suite's
-default server (no speculation): the same outputs. Two NGRAM servers: page size 1 with the radix cache, and page size
-16 without it, with a retract forced every few decode steps.
+"""Speculative decoding (--speculative-algorithm NGRAM, STANDALONE and EAGLE3) on real servers against a server
+without speculation (the suite's common configuration): the same outputs. Two NGRAM servers: page size 1 with the
+radix cache, and page size 16 without it, with a retract forced every few decode steps.
 
 The speculating server runs test_overlap_schedule's workload -- a batch of 24 requests with every stop kind,
 seeded temperature sampling with top-p / top-k, penalties with a logit bias, output logprobs (top-3 and two ids) on
@@ -32,7 +32,8 @@ import httpx
 import pytest
 
 from sgl_jax.srt.scheduler.spec_costs import ALWAYS_DRAFT_ENV
-from srt_helpers import check_clean, default_model_path, module_server, save_tiny_eagle3_head, wait_pool_idle
+from srt_helpers import ServerProcess, check_clean, default_model_path, module_server, save_tiny_eagle3_head, \
+    wait_pool_idle
 from test_overlap_schedule import compare, run_alone, run_json, run_session, run_workload
 
 PASSAGE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
@@ -88,15 +89,23 @@ def spec_page16_server():
 
 
 @pytest.fixture(scope="module")
-def reference(default_server):
-    """(test_overlap_schedule's workload, the copy-heavy requests, their stop string) on the default server."""
-    parts, _ = run_workload(default_server.url)
-    full = generate(default_server.url, text=COPY_PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 90})
-    text = full["text"]
-    assert len(text) > 150, text  # the model copies: drafts have something to match
-    stop = text[len(text) // 2:len(text) // 2 + 7]  # lands inside an accepted run
-    copies = copy_requests(default_server.url, stop)
-    wait_pool_idle(default_server.url)
+def reference():
+    """(test_overlap_schedule's workload, the copy-heavy requests, their stop string) on a server without
+    speculation, the suite's common configuration (conftest's session-wide server's flags), stopped once they are
+    in: the module shares no server with other modules, so that a pytest-xdist worker runs it beside them."""
+    server = ServerProcess(["--enable-metrics", "--enable-streaming-session"])
+    try:
+        parts, _ = run_workload(server.url)
+        full = generate(server.url, text=COPY_PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 90})
+        text = full["text"]
+        assert len(text) > 150, text  # the model copies: drafts have something to match
+        stop = text[len(text) // 2:len(text) // 2 + 7]  # lands inside an accepted run
+        copies = copy_requests(server.url, stop)
+        wait_pool_idle(server.url)
+    except BaseException:
+        server.stop()
+        raise
+    server.stop_checked()
     return parts, copies, stop
 
 
