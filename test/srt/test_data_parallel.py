@@ -3,7 +3,8 @@ server's environment before jax is imported).
 
 A tiny random Llama (SmolLM2's tokenizer and vocabulary, 4 heads, 2 KV heads) served four ways: dp 1, dp 2
 x tp 2 (round_robin), dp 2 x tp 2 with NGRAM, with STANDALONE speculative decoding (the model drafting for
-itself) and with EAGLE3 and EAGLE (random heads, no radix cache), and dp 4 (cache_aware):
+itself) and with EAGLE3 and EAGLE (random heads, no radix cache; EAGLE drafting top-2 trees), and dp 4
+(cache_aware):
 - greedy tokens identical to dp 1 over 16 prompts x 32 tokens sent at once (so every rank batches), output
   logprobs within 1e-3;
 - round_robin: requests per rank differ by at most 1;
@@ -70,8 +71,9 @@ def dp2_tp2_standalone(tiny_model):
 def dp2_tp2_eagle(request, tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("eagle_head_dp")
     head = save_tiny_eagle3_head(d, aux_layer_ids=(0, 1)) if request.param == "EAGLE3" else save_tiny_eagle_head(d)
+    trees = ["--speculative-eagle-topk", "2"] if request.param == "EAGLE" else []  # (EAGLE3 drafts chains here)
     yield from serve(tiny_model, "--dp-size", "2", "--tp-size", "2", "--speculative-algorithm", request.param,
-                     "--speculative-draft-model-path", head, "--disable-radix-cache", env=SPEC_ENV)
+                     "--speculative-draft-model-path", head, "--disable-radix-cache", *trees, env=SPEC_ENV)
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +165,9 @@ def test_dp2_tp2_standalone_matches_dp1(dp2_tp2_standalone, reference):
 
 def test_dp2_tp2_eagle_matches_dp1(dp2_tp2_eagle, reference):
     """EAGLE3 (a random head over both layers of the tiny model; its vocabulary-parallel LM head sharded as the
-    target's) and EAGLE (a random head over the final hidden states) with 2 DP ranks of 2 tensor-parallel devices
-    and no radix cache, the head's K/V sharded as the target's: the same greedy tokens and logprobs as dp 1, drafts
-    verified on both ranks (a random head's are rarely accepted)."""
+    target's; chains) and EAGLE (a random head over the final hidden states; top-2 trees) with 2 DP ranks of 2
+    tensor-parallel devices and no radix cache, the head's K/V sharded as the target's: the same greedy tokens and
+    logprobs as dp 1, drafts verified on both ranks (a random head's are rarely accepted)."""
     check_same_as_dp1(dp2_tp2_eagle.url, reference)
     state = ranks(dp2_tp2_eagle.url)
     assert all(s["spec_draft_tokens"] > 0 and s["spec_draft_model_failed"] is None for s in state), state

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -30,12 +31,12 @@ from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.models.llama_eagle3 import eagle_aux_layer_ids, hot_token_ids
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.scheduler.draft_model import draft_server_args, draft_step_batch
-from sgl_jax.srt.scheduler.eagle_draft import draft_extend_batch, eagle_head_config, new_eagle_draft
+from sgl_jax.srt.scheduler.eagle_draft import EagleDraft, draft_extend_batch, eagle_head_config, new_eagle_draft
 from sgl_jax.srt.scheduler.output import process_batch_result
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
-from sgl_jax.srt.scheduler.speculation import Speculator, build_verify_batch
+from sgl_jax.srt.scheduler.speculation import SpecCounts, Speculator, build_verify_batch
 from sgl_jax.srt.server_args import ServerArgs
-from sgl_jax.srt.speculative.draft_tree import chain_parents
+from sgl_jax.srt.speculative.draft_tree import TopkTree, chain_parents
 
 from srt_helpers import save_tiny_eagle3_head, save_tiny_eagle_head, save_tiny_llama
 
@@ -96,8 +97,20 @@ class HeadReference:
             out = self._forward(tokens[:len(h)], h)
             if k < len(extra_tokens):
                 rows_h.append(out[-1:])
-        logits = (self.norms["final"](out) if self.eagle3 else out) @ self.lm_head.T
-        return out, self.hot[logits.argmax(-1)]
+        return out, self.hot[self.logits(out).argmax(-1)]
+
+    def logits(self, out):
+        """The head's logits over its columns (`hot` maps them to target ids) of outputs `out` [N, H]."""
+        return (self.norms["final"](out) if self.eagle3 else out) @ self.lm_head.T
+
+    @torch.no_grad()
+    def top(self, next_tokens, features, path, k: int):
+        """(target ids int[k], log-probabilities float[k]) the head ranks best after the draft `path` (the tokens
+        after the root, [] for the root's own row), best first."""
+        out, _ = self.run(next_tokens, features, extra_tokens=path)
+        lp = torch.log_softmax(self.logits(out[-1:])[0].double(), -1)
+        best = torch.topk(lp, k)
+        return self.hot[best.indices].numpy(), best.values.numpy()
 
     def _forward(self, tokens, h):
         n = len(tokens)
@@ -155,14 +168,16 @@ def test_aux_layer_ids_follow_sglang():
             eagle_aux_layer_ids(Cfg(), 4)
 
 
-@pytest.mark.parametrize("algorithm,page_size", [("EAGLE3", 1), ("EAGLE3", 16), ("EAGLE", 16)])
-def test_head_matches_reference_through_prefill_draft_and_verify(models, algorithm, page_size):
+def _prefilled(models, algorithm: str, page_size: int, topk: int = 1):
+    """A target runner and `new_eagle_draft`'s head on one request prefilled and draft-extended (its first draft
+    token and hidden state checked against the reference). Returns a namespace of what the tests use."""
     target_dir, tok_dir, heads, hf = models
     eagle3 = algorithm == "EAGLE3"
     ref = HeadReference(heads[algorithm], hf, eagle3)
     args = ServerArgs(model_path=target_dir, tokenizer_path=tok_dir, page_size=page_size, max_total_tokens=1024,
                       context_length=CONTEXT, disable_precompile=True, disable_radix_cache=True,
-                      speculative_algorithm=algorithm, speculative_draft_model_path=heads[algorithm])
+                      speculative_algorithm=algorithm, speculative_draft_model_path=heads[algorithm],
+                      speculative_eagle_topk=topk)
     setup_jax(args)
     mc = ModelConfig.from_server_args(args, "cpu")
     buckets = ShapeBuckets((64,), (1, 4), verify_tokens=args.speculative_num_draft_tokens)
@@ -173,7 +188,6 @@ def test_head_matches_reference_through_prefill_draft_and_verify(models, algorit
     draft = new_eagle_draft(args, target, buckets, head_mc)
     features = (lambda out: out.aux) if eagle3 else (lambda out: out.hidden)  # noqa: E731
     memory = KVMemory.create(target.kv_spec, num_request_slots=4, context_len=CONTEXT, disable_radix_cache=True)
-    slot_of = lambda req: req.req_pool_idx  # noqa: E731  (one DP rank: the state row is the request slot)
 
     prompt = [int(x) for x in np.random.default_rng(page_size).integers(100, 49000, 21)]
     params = SamplingParams(max_new_tokens=32, temperature=0.0)
@@ -193,37 +207,129 @@ def test_head_matches_reference_through_prefill_draft_and_verify(models, algorit
     assert req.output_ids == [t_n]
     draft.runner.draft_extend(*_extend_args(launched, wb, out, features))
     ref_out, ref_tok = ref.run(prompt[1:] + [t_n], aux)
-    tok, g = draft.runner.tokens(), np.asarray(draft.runner.g_state)
-    assert tok[slot_of(req)] == ref_tok[-1]
-    np.testing.assert_allclose(g[slot_of(req)], ref_out[-1].numpy(), atol=HIDDEN_TOL, rtol=HIDDEN_TOL)
+    check_state(draft, req, ref_tok[-1], ref_out[-1])
+    return types.SimpleNamespace(ref=ref, hf=hf, eagle3=eagle3, buckets=buckets, target=target, draft=draft,
+                                 features=features, memory=memory, prompt=prompt, req=req, aux=aux, t_n=t_n)
+
+
+def check_state(draft, req, ref_token, ref_hidden) -> None:
+    """The head's stored draft token and hidden state of `req`'s slot (one DP rank: the state row is the slot)."""
+    assert draft.runner.tokens()[req.req_pool_idx] == ref_token
+    np.testing.assert_allclose(np.asarray(draft.runner.states[0])[req.req_pool_idx], ref_hidden.numpy(),
+                               atol=HIDDEN_TOL, rtol=HIDDEN_TOL)
+
+
+def verify_and_extend(s, tree) -> list:
+    """A verify step of `tree` (tokens, parents) for s.req, accepted greedily, its K/V moves on the target and the
+    head after the head's draft extend (as the scheduler orders them); returns the tokens it appended."""
+    req, memory = s.req, s.memory
+    n_out = len(req.output_ids)
+    verify = ScheduleBatch([req], ForwardMode.TARGET_VERIFY, {id(req): tree})
+    wb = build_verify_batch(verify, s.buckets, memory)
+    launched = verify.launched()
+    out = s.target.forward(wb)
+    spec = Speculator(None, CONTEXT, chain_only=False, num_draft_tokens=len(tree[0]))
+    spec.apply_verify(launched, out, memory, lambda r, ids: "")
+    s.draft.runner.draft_extend(*_extend_args(launched, wb, out, s.features))
+    moves = spec.take_moves()
+    if len(moves[0]):
+        s.target.move_kv([moves])
+        s.draft.move_kv([moves])
+    return req.output_ids[n_out:]
+
+
+@pytest.mark.parametrize("algorithm,page_size", [("EAGLE3", 1), ("EAGLE3", 16), ("EAGLE", 16)])
+def test_head_matches_reference_through_prefill_draft_and_verify(models, algorithm, page_size):
+    s = _prefilled(models, algorithm, page_size)
+    req, memory, ref, prompt, t_n = s.req, s.memory, s.ref, s.prompt, s.t_n
 
     # one draft decode step: the stored token at the root's position, with the stored hidden state
-    d1 = int(tok[slot_of(req)])
+    d1 = int(s.draft.runner.tokens()[req.req_pool_idx])
     decode = ScheduleBatch([req], ForwardMode.DECODE)
     assert decode.prepare_for_decode(memory)
     assert memory.allocate_drafts(req, 3)
-    step = draft_step_batch([req], [d1], 0, memory, (ForwardMode.DECODE, *buckets.decode_shape(1)))
-    tok = draft.runner.draft_decode([step], [np.asarray([slot_of(req)], np.int32)])
-    _, ref_tok2 = ref.run(prompt[1:] + [t_n], aux, extra_tokens=[d1])
-    assert tok[slot_of(req)] == ref_tok2[-1]
+    step = draft_step_batch([req], [d1], 0, memory, (ForwardMode.DECODE, *s.buckets.decode_shape(1)))
+    tok = s.draft.runner.draft_decode([step], [np.asarray([req.req_pool_idx], np.int32)])
+    _, ref_tok2 = ref.run(prompt[1:] + [t_n], s.aux, extra_tokens=[d1])
+    assert tok[req.req_pool_idx] == ref_tok2[-1]
 
     # verify [t_n, greedy, greedy, wrong]: two drafts accepted, a bonus; then the draft extend after it
-    greedy = hf_greedy(hf, prompt + [t_n], 3)
+    greedy = hf_greedy(s.hf, prompt + [t_n], 3)
     chain = np.asarray([t_n, greedy[0], greedy[1], (greedy[2] + 1) % 49152], np.int32)
-    verify = ScheduleBatch([req], ForwardMode.TARGET_VERIFY, {id(req): (chain, chain_parents(4))})
-    wb = build_verify_batch(verify, buckets, memory)
-    launched = verify.launched()
-    out = target.forward(wb)
-    Speculator(None, CONTEXT, chain_only=True, num_draft_tokens=4).apply_verify(
-        launched, out, memory, lambda r, ids: "")
-    assert req.output_ids == [t_n] + greedy and req.seqlen == len(prompt) + 4
-    draft.runner.draft_extend(*_extend_args(launched, wb, out, features))
+    assert verify_and_extend(s, (chain, chain_parents(4))) == greedy
+    assert req.seqlen == len(prompt) + 4
     seq = prompt + [t_n] + greedy
-    aux_all, _ = hf_features(hf, seq[:-1], eagle3)
-    ref_out, ref_tok = ref.run(seq[1:], aux_all)
-    tok, g = draft.runner.tokens(), np.asarray(draft.runner.g_state)
-    assert tok[slot_of(req)] == ref_tok[-1]
-    np.testing.assert_allclose(g[slot_of(req)], ref_out[-1].numpy(), atol=HIDDEN_TOL, rtol=HIDDEN_TOL)
+    ref_out, ref_tok = ref.run(seq[1:], hf_features(s.hf, seq[:-1], s.eagle3)[0])
+    check_state(s.draft, req, ref_tok[-1], ref_out[-1])
+
+
+@pytest.mark.parametrize("algorithm,page_size", [("EAGLE3", 1), ("EAGLE", 16)])
+def test_topk_tree_matches_reference_and_kv_follows_an_accepted_side_branch(models, algorithm, page_size):
+    """--speculative-eagle-topk 2, 3 steps, 7 slots: the head's tree (its first level from the draft extend's
+    top-2, then two tree steps over forests fed their parents' outputs) is the tree the reference head's top-2
+    after every frontier path grows (`TopkTree`). Then a verify step accepts a path off the first branch: the
+    head's state is its last slot's, and after the K/V moves a second tree is again the reference's (every
+    committed position's head K/V in place)."""
+    s = _prefilled(models, algorithm, page_size, topk=2)
+    req, memory, ref = s.req, s.memory, s.ref
+    assert isinstance(s.draft, EagleDraft) and s.draft.topk == 2 and s.draft.num_steps == 3
+
+    def drafted_tree():
+        decode = ScheduleBatch([req], ForwardMode.DECODE)
+        assert decode.prepare_for_decode(memory)
+        assert memory.allocate_drafts(req, 6)
+        rank = types.SimpleNamespace(memory=memory)
+        tokens, parents = s.draft._decode_trees([[(req, 7)]], [rank])[0][id(req)]
+        assert req.kv_allocated_len == req.seqlen - 1 + len(tokens)  # (unused draft slots given back)
+        return tokens, parents
+
+    def reference_tree():
+        seq = req.origin_input_ids + req.output_ids
+        feats = hf_features(s.hf, seq[:-1], s.eagle3)[0]
+        tree = TopkTree(seq[-1], 2)
+        for _ in range(3):
+            paths = [_path(tree, node) for node in tree.frontier]
+            tops = [ref.top(seq[1:], feats, path, 2) for path in paths]
+            tree.expand(np.stack([t for t, _ in tops]), np.stack([lp for _, lp in tops]))
+        return tree.final(7)
+
+    tokens, parents = drafted_tree()
+    want_tokens, want_parents = reference_tree()
+    np.testing.assert_array_equal(parents, want_parents)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    assert s.draft.num_draft_steps == 2
+
+    # a verify tree whose first branch is wrong and whose second is the target's greedy path: slots 2 and 4 are
+    # accepted, and the kept position's row is slot 4, not slot 3 before it at the same depth
+    greedy = hf_greedy(s.hf, req.origin_input_ids + req.output_ids, 3)
+    wrong = [(g + 1) % 49152 for g in greedy]
+    memory.rollback(req, req.seqlen - 1 + 5)
+    req.spec = SpecCounts()  # (as the server keeps it: `SpecCounts.last_slot`)
+    side = (np.asarray([req.output_ids[-1], wrong[0], greedy[0], wrong[1], greedy[1]], np.int32),
+            np.asarray([-1, 0, 0, 1, 2], np.int32))
+    assert verify_and_extend(s, side) == greedy[:3] and req.spec.last_slot == 4
+    seq = req.origin_input_ids + req.output_ids
+    ref_out, ref_tok = ref.run(seq[1:], hf_features(s.hf, seq[:-1], s.eagle3)[0])
+    check_state(s.draft, req, ref_tok[-1], ref_out[-1])
+    tokens, parents = drafted_tree()  # reads the head's K/V at every committed position (moved ones included)
+    want_tokens, want_parents = reference_tree()
+    np.testing.assert_array_equal(parents, want_parents)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    # and to the hidden state's tolerance: a draft decode step from the stored token reads the same K/V
+    d1 = int(s.draft.runner.tokens()[req.req_pool_idx])
+    step = draft_step_batch([req], [d1], 0, memory, (ForwardMode.DECODE, *s.buckets.decode_shape(1)))
+    s.draft.runner.draft_decode([step], [np.asarray([req.req_pool_idx], np.int32)])
+    ref_out, ref_tok = ref.run(seq[1:], hf_features(s.hf, seq[:-1], s.eagle3)[0], extra_tokens=[d1])
+    check_state(s.draft, req, ref_tok[-1], ref_out[-1])
+
+
+def _path(tree: TopkTree, node: int) -> list:
+    """The tokens from the root's child down to `node` (none for the root)."""
+    path = []
+    while node:
+        path.append(tree.tokens[node])
+        node = tree.parents[node]
+    return path[::-1]
 
 
 def _extend_args(launched, wb, out, features):

@@ -102,6 +102,9 @@ def test_speculative_flags():
                              "--speculative-eagle-topk", "2", "--speculative-num-steps", "2",
                              "--speculative-num-draft-tokens", "7"])  # the root and all 2 + 4 candidates
     assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (2, 2, 7)
+    a = prepare_server_args(["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "h",
+                             "--speculative-eagle-topk", "4"])  # SGLang's EAGLE trees
+    assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (3, 4, 13)
     standalone = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "d"}
     refused = [
         ({"speculative_algorithm": "MEDUSA"}, "--speculative-algorithm must be one of"),
@@ -115,8 +118,9 @@ def test_speculative_flags():
          r"--speculative-num-draft-tokens \(8\) must be --speculative-num-steps \(3\) \+ 1"),
         ({**standalone, "speculative_num_steps": 32}, r"--speculative-num-steps must be in \[1, 31\]"),
         ({"speculative_algorithm": "EAGLE3"}, "EAGLE3 needs --speculative-draft-model-path"),
-        ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "h", "speculative_eagle_topk": 4},
-         "--speculative-eagle-topk 4: EAGLE3 drafts chains .* come from --speculative-algorithm STANDALONE"),
+        ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "h", "speculative_eagle_topk": 4,
+          "speculative_num_steps": 2, "speculative_num_draft_tokens": 22},
+         r"--speculative-num-draft-tokens must be in \[2, 21\] with --speculative-eagle-topk 4"),
         ({"speculative_algorithm": "EAGLE"}, "EAGLE needs --speculative-draft-model-path"),
         ({"speculative_num_draft_tokens": 4}, "--speculative-num-draft-tokens needs --speculative-algorithm"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 33},

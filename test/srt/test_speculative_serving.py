@@ -18,9 +18,10 @@ STANDALONE (a draft model drafts chains, its K/V in the target's slots): SmolLM2
 without the radix cache, under forced retracts, runs the workload's session, JSON-schema and sampled requests and the
 copy-heavy requests with 4 samples (identity; its greedy drafts must be nearly all accepted), then an injected
 draft-model failure (speculation stops, outputs unchanged). EAGLE3 (a head over the target's hidden states, run
-after each target step): a random head at page size 16 with the radix cache under forced retracts, the same requests
-(identity; a random head's drafts are rarely accepted) and the injected failure. (STANDALONE, EAGLE3 and EAGLE at
-page size 1 and tp 2 x dp 2: test_data_parallel; the heads' arithmetic: test_eagle.) The page-16 NGRAM server
+after each target step): a random head drafting top-2 trees at page size 16 with the radix cache under forced
+retracts, the same requests (identity; a random head's drafts are rarely accepted) and the injected failure.
+(STANDALONE, EAGLE3 and EAGLE at page size 1 and tp 2 x dp 2: test_data_parallel; the heads' arithmetic:
+test_eagle.) The page-16 NGRAM server
 runs speculation's batch rule (costs measured at start-up; a batch whose drafts would not pay decodes normally:
 the rule's decisions are test_speculative_steps'); the others verify drafts at every batch size (its test hook,
 ALWAYS_DRAFT).
@@ -251,11 +252,12 @@ def test_standalone_self_draft_accepts_nearly_everything(self_draft_server, refe
 def eagle3_server(tmp_path_factory):
     """Page size 16 with the radix cache, a retract forced every few decode steps; a random EAGLE-3 head of
     SmolLM2's shapes in the published format, without eagle_config (the default layers 1, 14 and 26 of 30), over a
-    draft vocabulary of 2,048 ids."""
+    draft vocabulary of 2,048 ids, drafting top-2 trees (3 steps deep, 6 slots)."""
     head = save_tiny_eagle3_head(tmp_path_factory.mktemp("eagle3_head"), hidden=576, num_heads=9, num_kv_heads=3,
                                  head_dim=64, draft_vocab_size=2048, aux_layer_ids=None)
     yield from module_server(["--enable-streaming-session", "--speculative-algorithm", "EAGLE3",
-                              "--speculative-draft-model-path", head],
+                              "--speculative-draft-model-path", head, "--speculative-eagle-topk", "2",
+                              "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "6"],
                              env={"SGL_JAX_TEST_RETRACT": "1", "SGL_JAX_TEST_FAULT_INJECTION": "1", **ALWAYS_DRAFT},
                              engine_args={"page_size": 16, "precompile_token_paddings": [256],
                                           "precompile_bs_paddings": [1, 8],  # (its steps: 1 to 5 requests)
@@ -263,7 +265,9 @@ def eagle3_server(tmp_path_factory):
 
 
 def test_eagle3_random_head_outputs_identical(eagle3_server, reference):
-    """EAGLE3 with a random head at page size 16 under forced retracts: `check_drafter` (4 samples). The head's
-    arithmetic is checked against PyTorch in test_eagle."""
+    """EAGLE3 with a random head drafting top-2 trees at page size 16 under forced retracts: `check_drafter` (4
+    samples), the head's tree steps run (a request's first draft is a whole tree; later ones shrink: a random head's
+    drafts are rarely accepted). The head's arithmetic (chains and trees) is checked against PyTorch in
+    test_eagle."""
     _, state = check_drafter(eagle3_server.url, reference, seeds=4)
-    assert state["num_retracted_reqs"] > 0
+    assert state["num_retracted_reqs"] > 0 and state["spec_draft_model_steps"] > 0, state

@@ -259,8 +259,9 @@ def test_unify_step_gives_the_dp_ranks_one_mode():
 
 
 def test_top_k_trees_refused_for_a_sliding_window_target():
-    """STANDALONE top-k > 1 trees over a target with sliding-window layers are refused at start-up, naming
-    --speculative-eagle-topk (a window is measured on the KV position: such targets verify chains); chains pass."""
+    """STANDALONE and EAGLE3 top-k > 1 trees over a target with sliding-window layers are refused at start-up,
+    naming --speculative-eagle-topk (a window is measured on the KV position: such targets verify chains); chains
+    pass."""
     import dataclasses as dc
 
     from sgl_jax.srt.configs.model_config import ModelConfig
@@ -278,6 +279,10 @@ def test_top_k_trees_refused_for_a_sliding_window_target():
         draft_model_config(args, windowed, target.context_len, "cpu")
     chains = dc.replace(args, speculative_eagle_topk=1, speculative_num_steps=None, speculative_num_draft_tokens=None)
     assert draft_model_config(chains, windowed, target.context_len, "cpu")[0] is not None
+    eagle3 = prepare_server_args(["--model-path", path, "--speculative-algorithm", "EAGLE3",
+                                  "--speculative-draft-model-path", "h", "--speculative-eagle-topk", "2"])
+    with pytest.raises(ValueError, match="--speculative-eagle-topk 2: a model with sliding-window layers"):
+        draft_model_config(eagle3, windowed, target.context_len, "cpu")  # (before the head is read)
 
 
 def test_tree_draft_step_lays_out_the_fed_tree_as_a_verify_step():

@@ -360,7 +360,7 @@ class ServerArgs:
     def _check_draft_model_flags(self) -> None:
         """STANDALONE's, EAGLE's and EAGLE3's flags: a draft model (or head) drafting --speculative-num-steps
         tokens deep; with --speculative-eagle-topk 1 a chain (SGLang's defaults: 3 steps, steps + 1 draft-tree
-        slots), with top-k k > 1 (STANDALONE) a tree of --speculative-num-draft-tokens slots chosen among the k +
+        slots), with top-k k > 1 a tree of --speculative-num-draft-tokens slots chosen among the k +
         (steps - 1) x k^2 candidates (default: 1 + k x steps slots, at most MAX_DRAFT_TOKENS)."""
         algo = self.speculative_algorithm
         if not self.speculative_draft_model_path:
@@ -371,9 +371,6 @@ class ServerArgs:
         if not isinstance(topk, int) or topk < 1:
             raise ValueError(f"--speculative-eagle-topk must be an integer >= 1, got {topk!r}")
         if topk > 1:
-            if algo != "STANDALONE":
-                raise ValueError(f"--speculative-eagle-topk {topk}: {algo} drafts chains (top-k 1) in this build; "
-                                 f"draft trees come from --speculative-algorithm STANDALONE")
             self._check_tree_flags(topk)
             return
         steps, slots = self.speculative_num_steps, self.speculative_num_draft_tokens
@@ -615,8 +612,8 @@ FLAG_HELP = {
     "speculative_num_steps": f"STANDALONE, EAGLE, EAGLE3: draft tokens per request and step (STANDALONE: one "
                              f"draft-model decode step each; EAGLE: one fewer, its first comes with the target's step) "
                              f"(default {DEFAULT_DRAFT_STEPS})",
-    "speculative_eagle_topk": "candidates per draft step: 1 drafts chains; > 1 draft trees (STANDALONE only in this "
-                              "build)",
+    "speculative_eagle_topk": "candidates per draft step (STANDALONE, EAGLE, EAGLE3): 1 drafts chains; k > 1 draft "
+                              "trees (each step the k best next tokens of the k best paths)",
     "speculative_num_draft_tokens": f"draft-tree slots per request, the root (the last accepted token) included, "
                                     f"2..{MAX_DRAFT_TOKENS} (NGRAM default: "
                                     "--speculative-ngram-max-match-window-size; STANDALONE, EAGLE, EAGLE3: "

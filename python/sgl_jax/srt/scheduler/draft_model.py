@@ -283,21 +283,22 @@ class DraftModel:
                     for i, (x, f) in enumerate(zip(live, fed))]
             fwd = self.runner.launch_forward(step)  # (logits only: nothing is sampled)
             self.num_draft_steps += 1
-            logits = np.asarray(fwd.logits)  # [dp * T_pad, V]: every rank's slots
+            lp, tok = self.runner.tree_top(fwd)  # [dp * T_pad, k]: every rank's slots, best first
             for i, x in enumerate(live):
                 if not x:
                     continue
                 start = i * fwd.s_pad
                 for r, (tokens, _, rows) in zip(x, fed[i]):
-                    at = logits[start + np.asarray(rows)]
-                    top = at.max(axis=1, keepdims=True)  # the frontier's next-token log-probabilities:
-                    at = at - top - np.log(np.exp(at - top).sum(axis=1, keepdims=True))
-                    best = np.argpartition(-at, self.topk - 1, axis=1)[:, :self.topk]
-                    top = np.take_along_axis(at, best, axis=1)
-                    order = np.argsort(-top, axis=1, kind="stable")  # (each row best first)
-                    trees[i][id(r)].expand(np.take_along_axis(best, order, axis=1),
-                                           np.take_along_axis(top, order, axis=1))
+                    at = start + np.asarray(rows)
+                    trees[i][id(r)].expand(tok[at], lp[at])
                     start += len(tokens)
+        return self._final_trees(plans, trees, ranks)
+
+    @staticmethod
+    def _final_trees(plans: List[List[Tuple[Req, int]]], trees: List[Dict[int, TopkTree]], ranks
+                     ) -> List[Dict[int, tuple]]:
+        """Per rank, id(req) -> the tree to verify of each planned request (`TopkTree.final` of its slots), its draft
+        slots past the tree given back."""
         out = []
         for i, p in enumerate(plans):
             drafts = {}
@@ -313,11 +314,11 @@ def new_draft_model(server_args, target_runner: ModelRunner, buckets: ShapeBucke
     """Load the draft model (`draft_config`: its `ModelConfig`, from `draft_server_args`) with K/V buffers beside
     the target's."""
     spec = draft_kv_spec(target_runner.kv_spec, draft_config.num_hidden_layers)
+    topk = server_args.speculative_eagle_topk or 1
     runner = DraftModelRunner(draft_server_args(server_args, target_runner.max_context_len), draft_config,
                               buckets=buckets, max_context_len=target_runner.max_context_len,
-                              kv_spec_fn=lambda _: spec, num_request_slots=target_runner.num_request_slots)
-    topk = server_args.speculative_eagle_topk or 1
-    runner.draft_trees = topk > 1
+                              kv_spec_fn=lambda _: spec, num_request_slots=target_runner.num_request_slots,
+                              topk=topk)
     logger.info("Draft model %s (%s, %d layers) for STANDALONE speculative decoding: %s", draft_config.model_path,
                 draft_config.architecture, draft_config.num_hidden_layers,
                 "chains" if topk == 1 else f"top-{topk} trees, {server_args.speculative_num_steps} steps deep")

@@ -26,13 +26,13 @@ def draft_model_config(server_args, target_config, context_len: int, platform: s
     algo = server_args.speculative_algorithm
     if algo not in DRAFT_MODEL_ALGORITHMS:
         return None, ()
+    if (server_args.speculative_eagle_topk or 1) > 1 and target_config.sliding_window is not None:
+        raise ValueError(f"--speculative-eagle-topk {server_args.speculative_eagle_topk}: a model with "
+                         f"sliding-window layers verifies chains only (its windows are measured on the KV "
+                         f"position); use --speculative-eagle-topk 1")
     draft = ModelConfig.from_server_args(draft_server_args(server_args, context_len), platform)
     if algo == "STANDALONE":
         check_draft_config(draft, target_config)
-        if (server_args.speculative_eagle_topk or 1) > 1 and target_config.sliding_window is not None:
-            raise ValueError(f"--speculative-eagle-topk {server_args.speculative_eagle_topk}: a model with "
-                             f"sliding-window layers verifies chains only (its windows are measured on the KV "
-                             f"position); use --speculative-eagle-topk 1")
         return draft, ()
     draft = eagle_head_config(draft, target_config, algo)
     aux = eagle_aux_layer_ids(draft.hf_config, target_config.num_hidden_layers) if algo == "EAGLE3" else ()

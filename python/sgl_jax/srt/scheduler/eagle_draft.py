@@ -39,8 +39,9 @@ from sgl_jax.srt.model_loader.loader import read_checkpoint_tensor
 from sgl_jax.srt.models.llama_eagle import head_architecture
 from sgl_jax.srt.models.llama_eagle3 import hot_token_ids
 from sgl_jax.srt.scheduler.draft_model import DraftModel, draft_kv_spec, for_draft, draft_server_args, \
-    draft_step_batch
+    draft_step_batch, tree_step_batch, tree_steps
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, last_input_token
+from sgl_jax.srt.speculative.draft_tree import TopkTree
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +92,12 @@ def draft_extend_batch(batch: ScheduleBatch, wb: ModelWorkerBatch, out) -> Tuple
     for i, req in enumerate(batch.reqs):
         a, b = int(cu[i]), int(cu[i + 1])
         keep = not req.finished() and req.score is None
-        if verify:
+        if verify:  # (the last kept slot: in a tree, off the first branch too; the K/V moves run after this)
             new[a:b] = sampled[a:b]
-            at = np.nonzero(positions[a:b] == req.seqlen - 2)[0]
-            if keep and len(at):
-                rows[a + int(at[0])] = req.req_pool_idx
+            at = np.nonzero(positions[a:b] == req.seqlen - 2)[0]  # (a chain's, or without SpecCounts)
+            last = req.spec.last_slot if req.spec is not None else (int(at[0]) if len(at) else -1)
+            if keep and 0 <= last < b - a and int(positions[a + last]) == req.seqlen - 2:
+                rows[a + last] = req.req_pool_idx
             continue
         new[a:b - 1] = ids[a + 1:b]
         if batch.row_samples[i]:
@@ -117,10 +119,13 @@ class EagleDraft(DraftModel):
         runner: the head's `EagleRunner`; buckets: the compiled shapes (the target's).
         features: which of the target's outputs the head reads: "aux" (`StepOutput.aux`, EAGLE-3) or "hidden" (the
             final hidden states, EAGLE).
+        topk, num_steps: --speculative-eagle-topk (1: chains, more: trees, `_decode_trees`) and
+            --speculative-num-steps (a tree's depth).
     """
 
-    def __init__(self, runner: EagleRunner, buckets: ShapeBuckets, features: str):
-        super().__init__(runner, buckets)
+    def __init__(self, runner: EagleRunner, buckets: ShapeBuckets, features: str, topk: int = 1,
+                 num_steps: int = 1):
+        super().__init__(runner, buckets, topk, num_steps)
         self.features = features
         self._step: Optional[list] = None  # the worker batches of the target step last dispatched
 
@@ -136,7 +141,10 @@ class EagleDraft(DraftModel):
         self._step = list(batches)
 
     def move_kv(self, moves) -> None:
-        """Nothing: an EAGLE3 draft is a chain, whose accepted slots stay in place (no K/V moves)."""
+        """The K/V moves of a verify step on the head's buffers too when it drafts trees (the draft extend wrote
+        its K/V at the tree's slots); a chain's accepted slots stay in place."""
+        if self.topk > 1:
+            super().move_kv(moves)
 
     def after_step(self, launched: Sequence[Optional[ScheduleBatch]], outs: Sequence) -> None:
         """Dispatch the draft extend of the target step just applied (`launched`: its launched batches, `outs`: the
@@ -178,6 +186,55 @@ class EagleDraft(DraftModel):
                     chains[i][id(r)].append(int(tok[i * slots + r.req_pool_idx]))
         return chains
 
+    def _decode_trees(self, plans: List[List[Tuple[Req, int]]], ranks) -> List[Dict[int, tuple]]:
+        """Grow every planned request's top-k tree (`draft_tree.TopkTree`): its first level from the k best tokens
+        the draft extend stored, then one head tree step per level. A tree step feeds the fed tree without its root
+        -- a forest of the root's children and their descendants, in the root's slot and the draft slots, a node at
+        position ``seq_len - 2 + depth`` (the head's row of a token sits one position before it) -- each node with
+        its parent's output (`EagleRunner.draft_tree`). Per rank, id(req) -> the tree to verify, unused draft
+        slots given back (`DraftModel._final_trees`)."""
+        fault_injection.check("draft", [r.rid for p in plans for r, _ in p])
+        slots = self.runner.num_request_slots
+        top_lp, top_tok = self.runner.top_states()
+        trees = [{id(r): TopkTree(last_input_token(r), self.topk) for r, _ in p} for p in plans]
+        for i, p in enumerate(plans):
+            for r, _ in p:
+                row = i * slots + r.req_pool_idx
+                trees[i][id(r)].expand(top_tok[row][None], top_lp[row][None])
+        steps = [{id(r): tree_steps(n, self.topk, self.num_steps) for r, n in p} for p in plans]
+        rows_before: List[Dict[int, Dict[int, int]]] = [{} for _ in plans]  # node -> its row in the step before
+        for k in range(1, max(s for rank in steps for s in rank.values())):
+            live = [[r for r, _ in p if steps[i][id(r)] > k] for i, p in enumerate(plans)]
+            if not any(live):
+                break
+            shape = (ForwardMode.TARGET_VERIFY, *self.buckets.verify_shape(max(len(x) for x in live)))
+            batches, srcs, frontier_rows, rows_now = [], [], [], []
+            for i, x in enumerate(live):
+                forests, src, fr, now = [], [], {}, {}
+                for r in x:
+                    tree, t0 = trees[i][id(r)], len(src)
+                    nodes = tree.fed_nodes()[1:]
+                    at = {node: j for j, node in enumerate(nodes)}
+                    parents = np.asarray([at.get(tree.parents[n], -1) for n in nodes], np.int32)
+                    forests.append((np.asarray([tree.tokens[n] for n in nodes], np.int32), parents))
+                    src += [-1 - r.req_pool_idx if tree.parents[n] == 0 else rows_before[i][id(r)][tree.parents[n]]
+                            for n in nodes]
+                    now[id(r)] = {n: t0 + j for j, n in enumerate(nodes)}
+                    fr[id(r)] = [t0 + at[n] for n in tree.frontier]
+                batches.append(tree_step_batch(x, forests, ranks[i].memory, shape) if x else None)
+                srcs.append(np.asarray(src, np.int32) if x else None)
+                frontier_rows.append(fr)
+                rows_now.append(now)
+            lp, tok = self.runner.draft_tree(batches, srcs)
+            self.num_draft_steps += 1
+            t_pad = lp.shape[0] // len(plans)
+            for i, x in enumerate(live):
+                for r in x:
+                    at = i * t_pad + np.asarray(frontier_rows[i][id(r)])
+                    trees[i][id(r)].expand(tok[at], lp[at])
+            rows_before = rows_now
+        return self._final_trees(plans, trees, ranks)
+
 
 def new_eagle_draft(server_args, target_runner: ModelRunner, buckets: ShapeBuckets, head_config) -> EagleDraft:
     """Load the EAGLE or EAGLE-3 head (`head_config`: its `ModelConfig` from `eagle_head_config`) with one layer of
@@ -199,10 +256,12 @@ def new_eagle_draft(server_args, target_runner: ModelRunner, buckets: ShapeBucke
     runner = EagleRunner(draft_server_args(server_args, target_runner.max_context_len), head_config,
                          buckets=buckets, max_context_len=target_runner.max_context_len, kv_spec_fn=lambda _: spec,
                          num_request_slots=target_runner.num_request_slots, embed=embed, target_head=target_head,
-                         hot=hot_token_ids(d2t, columns), aux_width=aux_width, aux_dtype=embed.dtype)
+                         hot=hot_token_ids(d2t, columns), aux_width=aux_width, aux_dtype=embed.dtype,
+                         topk=server_args.speculative_eagle_topk or 1)
     if eagle3:
         logger.info("EAGLE-3 head %s (draft vocabulary %d) over the target's layers %s", head_config.model_path,
                     columns, list(target_runner.aux_layers))
     else:
         logger.info("EAGLE head %s over the target's final hidden states", head_config.model_path)
-    return EagleDraft(runner, buckets, "aux" if eagle3 else "hidden")
+    topk = server_args.speculative_eagle_topk or 1
+    return EagleDraft(runner, buckets, "aux" if eagle3 else "hidden", topk, server_args.speculative_num_steps or 1)

@@ -1,7 +1,7 @@
 """Speculative decoding in the scheduler (``--speculative-algorithm NGRAM|STANDALONE|EAGLE|EAGLE3``): drafts, the verify
-step's layout, and acceptance. One `Speculator` per DP rank. With STANDALONE a draft model drafts chains instead of
-the n-gram cache (scheduler/draft_model.py, asking `Speculator.draft_budget`), with EAGLE / EAGLE3 an EAGLE
-head (scheduler/eagle_draft.py); the rest is the same.
+step's layout, and acceptance. One `Speculator` per DP rank. With STANDALONE a draft model drafts chains or trees
+instead of the n-gram cache (scheduler/draft_model.py, asking `Speculator.draft_budget`), with EAGLE / EAGLE3 an
+EAGLE head (scheduler/eagle_draft.py); the rest is the same.
 
 A rank that speculates turns a decode step into a verify step (``ForwardMode.TARGET_VERIFY``) when some running
 request has a draft (SGLang's n-gram worker; Leviathan et al. 2023, Miao et al. 2024 for the tree):
@@ -84,7 +84,9 @@ class SpecCounts:
     draft slots verified (roots not counted), ``accepted_tokens`` of them accepted. ``accept_ema``: the moving
     average of its accepted tokens per verify step with drafts; ``last_draft_ct``: the verify_ct of its last
     draft, ``probe_interval``: the decode steps without a draft after which it probes (`probing`);
-    ``new_tokens``: what its last step appended."""
+    ``new_tokens``: what its last step appended; ``last_slot``: the slot of its last verify step's tree whose K/V
+    its last kept position holds once the step's K/V moves ran (an EAGLE head's draft extend, run before them,
+    stores that slot's row: scheduler/eagle_draft.py)."""
 
     verify_ct: int = 0
     draft_tokens: int = 0
@@ -93,6 +95,7 @@ class SpecCounts:
     last_draft_ct: int = 0
     probe_interval: int = PROBE_INTERVAL
     new_tokens: int = 1  # tokens its last step appended (the n-gram cache takes in every window ending in them)
+    last_slot: int = 0  # the slot of its last verify tree that its last kept position's K/V came from
 
     @property
     def probing(self) -> bool:
@@ -309,6 +312,7 @@ class Speculator:
             if req.spec is not None:
                 req.spec.observe(len(tokens) - 1, max(appended - 1, 0))
                 req.spec.new_tokens = appended
+                req.spec.last_slot = accepted[max(appended, 1) - 1]
             if len(tokens) > 1:
                 self.num_drafted_rows += 1
                 self.num_draft_tokens_total += len(tokens) - 1
@@ -457,10 +461,11 @@ def _verify_sampling(reqs: List[Req], trees: list, depths: list, starts: np.ndar
 def new_speculators(server_args, context_len: int, num_ranks: int,
                     sliding_window: bool = False) -> List[Optional[Speculator]]:
     """One `Speculator` per DP rank when ``--speculative-algorithm`` is set, else Nones; `sliding_window`: the
-    model has sliding-window layers (chains only; a draft model drafts chains anyway)."""
+    model has sliding-window layers (n-gram drafts: chains only; a draft model's trees are refused for such models
+    at start-up, scheduler/drafters.py)."""
     if server_args.speculative_algorithm is None:
         return [None] * num_ranks
-    if server_args.speculative_algorithm != "NGRAM":  # a draft model drafts chains
+    if server_args.speculative_algorithm != "NGRAM":  # (the draft model's drafts: `chain_only` is the n-gram path's)
         return [Speculator(None, context_len, chain_only=True,
                            num_draft_tokens=server_args.speculative_num_draft_tokens) for _ in range(num_ranks)]
     config = NgramConfig.from_server_args(server_args)

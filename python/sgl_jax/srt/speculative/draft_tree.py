@@ -33,21 +33,24 @@ def check_tree(parents: np.ndarray) -> None:
 
 
 def tree_depths(parents: np.ndarray) -> np.ndarray:
-    """int32[n]: each slot's depth below the root (the root 0); its query position is seq_len + depth."""
+    """int32[n]: each slot's depth below the root (the root 0); its query position is seq_len + depth. A forest
+    (more slots with parent -1, laid out parent-first: an EAGLE head's tree step, scheduler/eagle_draft.py) has
+    each of its roots at depth 0."""
     parents = np.asarray(parents)
     depth = np.zeros(len(parents), np.int32)
     for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
+        depth[i] = depth[parents[i]] + 1 if parents[i] >= 0 else 0
     return depth
 
 
 def tree_mask(parents: np.ndarray) -> np.ndarray:
-    """bool[n, n]: row i marks the slots query i attends to among the drafts (its ancestors and itself)."""
+    """bool[n, n]: row i marks the slots query i attends to among the drafts (its ancestors and itself; in a
+    forest, only its own tree's)."""
     parents = np.asarray(parents)
     n = len(parents)
     mask = np.zeros((n, n), bool)
     for i in range(n):
-        if i:
+        if parents[i] >= 0:
             mask[i] = mask[parents[i]]
         mask[i, i] = True
     return mask
@@ -182,16 +185,22 @@ class TopkTree:
         self.scores: List[float] = [0.0]
         self.frontier: List[int] = [0]
 
-    def fed(self) -> Tuple[np.ndarray, np.ndarray, List[int]]:
-        """The tree the drafter's next step feeds: the root and every frontier node's ancestors, parent-first
-        (tokens int32[m], parents int32[m]), and where each frontier node sits in it (the rows whose next-token
-        top-k `expand` takes, in frontier order). m <= 1 + k x steps so far."""
+    def fed_nodes(self) -> List[int]:
+        """The node ids `fed` lays out, in its order: the root and every frontier node's ancestors, parent-first
+        (node ids grow with depth). Every one but the root was fed in the step before too (a frontier node's
+        parent was on the frontier then)."""
         keep = set()
         for node in self.frontier:
             while node >= 0 and node not in keep:
                 keep.add(node)
                 node = self.parents[node]
-        order = sorted(keep)  # node ids grow with depth: a parent precedes its children
+        return sorted(keep)
+
+    def fed(self) -> Tuple[np.ndarray, np.ndarray, List[int]]:
+        """The tree the drafter's next step feeds: the root and every frontier node's ancestors, parent-first
+        (tokens int32[m], parents int32[m]), and where each frontier node sits in it (the rows whose next-token
+        top-k `expand` takes, in frontier order). m <= 1 + k x steps so far."""
+        order = self.fed_nodes()
         at = {node: i for i, node in enumerate(order)}
         tokens = np.asarray([self.tokens[n] for n in order], np.int32)
         parents = np.asarray([at[self.parents[n]] if self.parents[n] >= 0 else -1 for n in order], np.int32)
