@@ -56,8 +56,11 @@ def _group_order(item) -> tuple:
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's scheduler: LoadScopeScheduling with `_group` as the scope."""
+    """pytest-xdist's scheduler: LoadScopeScheduling with `_group` as the scope, the groups in collection order (not
+    re-sorted by their number of tests, xdist's default)."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
