@@ -43,6 +43,13 @@ from sgl_jax.srt.model_executor.packed_inputs import unpack
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES
 
 
+def top_k_logprobs(logits: jax.Array, k: int) -> Tuple[jax.Array, jax.Array]:
+    """(float32[rows, k] each row's k best log-probabilities, best first; int32[rows, k] their columns) of logits
+    [rows, V] (a draft step's top-k: SGLang's EAGLE search takes the draft's log-probabilities)."""
+    lp, idx = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+    return lp, idx.astype(jnp.int32)
+
+
 class DraftModelRunner(ModelRunner):
     """A `ModelRunner` of STANDALONE's draft model (see the module docstring); ModelRunner's arguments, and
     ``topk`` (--speculative-eagle-topk): with k > 1 it drafts top-k trees, so it also runs a top-k program over a
@@ -51,13 +58,8 @@ class DraftModelRunner(ModelRunner):
     def __init__(self, *args, topk: int = 1, **kwargs):
         self.topk = int(topk)
         super().__init__(*args, **kwargs)
-        self._tree_top = jax.jit(self._top_impl, out_shardings=(self._replicated, self._replicated))
-
-    def _top_impl(self, logits: jax.Array) -> Tuple[jax.Array, jax.Array]:
-        """(float32[rows, topk] each logits row's k best log-probabilities, best first; int32[rows, topk] their
-        token ids)."""
-        lp, idx = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), self.topk)
-        return lp, idx.astype(jnp.int32)
+        self._tree_top = jax.jit(functools.partial(top_k_logprobs, k=self.topk),
+                                 out_shardings=(self._replicated, self._replicated))
 
     def tree_top(self, fwd) -> Tuple[np.ndarray, np.ndarray]:
         """A tree step's (`launch_forward` of a TARGET_VERIFY batch) k most likely next tokens after every slot, on
@@ -143,11 +145,7 @@ class EagleRunner(ModelRunner):
         ``num_state_rows`` to write nothing (and to read row 0). Returns (kv_caches, states: g, tok, and with
         top-k > 1 after an extend each row's top-k tokens and log-probabilities)."""
         g_state, tok_state, top_tok, top_lp = states
-        params = jax.tree.unflatten(self._param_treedef, param_leaves)
-        fb = unpack(packed, layout)
-        fb = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._rank_rows), fb)
-        fb = dataclasses.replace(fb, attention_backend=self.attention_backend)
-        model = nnx.merge(self.graphdef, params)
+        model, fb = self._model_and_batch(param_leaves, packed, layout)
         if not project:
             hidden = g_state[jnp.minimum(rows, self.num_state_rows - 1)]
         out, kv_caches = model(fb, kv_caches, hidden, embed, project=project)
@@ -161,10 +159,17 @@ class EagleRunner(ModelRunner):
             top_tok, top_lp = top_tok.at[rows].set(idx, mode="drop"), top_lp.at[rows].set(lp, mode="drop")
         return kv_caches, (g_state, tok_state, top_tok, top_lp)
 
+    def _model_and_batch(self, param_leaves, packed, layout):
+        """(the head's module from its parameter leaves, the packed ForwardBatch unpacked with its rows by rank): the
+        start of every head program."""
+        fb = unpack(packed, layout)
+        fb = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._rank_rows), fb)
+        fb = dataclasses.replace(fb, attention_backend=self.attention_backend)
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._param_treedef, param_leaves)), fb
+
     def _top(self, logits: jax.Array, hot: jax.Array) -> Tuple[jax.Array, jax.Array]:
-        """(float32[rows, topk] the k best log-probabilities of each row, best first; int32[rows, topk] their
-        target token ids)."""
-        lp, idx = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), self.topk)
+        """`top_k_logprobs` of the head's logits, the columns mapped to target token ids."""
+        lp, idx = top_k_logprobs(logits, self.topk)
         return lp, hot[idx].astype(jnp.int32)
 
     def _tree_impl(self, param_leaves, kv_caches, node_out, packed, layout, src, g_state, embed, target_head, hot):
@@ -172,11 +177,7 @@ class EagleRunner(ModelRunner):
         reads row ``src[t]`` of [g; node_out] (its parent's output: the stored one for the root's children, else the
         step before's), int32[dp * T_pad]. Returns (kv_caches, node_out with this step's outputs in each rank's
         first T_pad rows, float32[dp * T_pad, topk] top-k log-probabilities, int32[dp * T_pad, topk] tokens)."""
-        params = jax.tree.unflatten(self._param_treedef, param_leaves)
-        fb = unpack(packed, layout)
-        fb = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._rank_rows), fb)
-        fb = dataclasses.replace(fb, attention_backend=self.attention_backend)
-        model = nnx.merge(self.graphdef, params)
+        model, fb = self._model_and_batch(param_leaves, packed, layout)
         hidden = jnp.concatenate([g_state, node_out.astype(g_state.dtype)])[src]
         out, kv_caches = model(fb, kv_caches, hidden, embed, project=False)
         at = out[fb.logits_indices]

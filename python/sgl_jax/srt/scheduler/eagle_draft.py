@@ -111,6 +111,25 @@ def draft_extend_batch(batch: ScheduleBatch, wb: ModelWorkerBatch, out) -> Tuple
                             num_seqs=wb.num_seqs), rows
 
 
+def fed_forest(tree: TopkTree, slot: int, rows_before: Dict[int, int], t0: int) -> tuple:
+    """One request's part of an EAGLE tree step (`EagleDraft._decode_trees`): its fed tree without the root.
+
+    Args:
+        tree: the request's tree; slot: its request slot; rows_before: node -> its token row in the step before;
+        t0: the rank's token row of the forest's first node.
+    Returns:
+        ((tokens int32[m], parents int32[m], -1 for the root's children), each node's feature source for
+        `EagleRunner.draft_tree` (``-1 - slot``: the stored output, else its parent's row in the step before), node ->
+        its token row in this step).
+    """
+    nodes = tree.fed_nodes()[1:]
+    at = {node: j for j, node in enumerate(nodes)}
+    parents = np.asarray([at.get(tree.parents[n], -1) for n in nodes], np.int32)
+    tokens = np.asarray([tree.tokens[n] for n in nodes], np.int32)
+    sources = [-1 - slot if tree.parents[n] == 0 else rows_before[tree.parents[n]] for n in nodes]
+    return (tokens, parents), sources, {n: t0 + j for j, n in enumerate(nodes)}
+
+
 class EagleDraft(DraftModel):
     """The EAGLE or EAGLE-3 head of every DP rank (see the module docstring): `DraftModel`'s planning, failure
     handling and verify batches, with the head's draft extend after each target step and its own draft steps.
@@ -212,15 +231,12 @@ class EagleDraft(DraftModel):
             for i, x in enumerate(live):
                 forests, src, fr, now = [], [], {}, {}
                 for r in x:
-                    tree, t0 = trees[i][id(r)], len(src)
-                    nodes = tree.fed_nodes()[1:]
-                    at = {node: j for j, node in enumerate(nodes)}
-                    parents = np.asarray([at.get(tree.parents[n], -1) for n in nodes], np.int32)
-                    forests.append((np.asarray([tree.tokens[n] for n in nodes], np.int32), parents))
-                    src += [-1 - r.req_pool_idx if tree.parents[n] == 0 else rows_before[i][id(r)][tree.parents[n]]
-                            for n in nodes]
-                    now[id(r)] = {n: t0 + j for j, n in enumerate(nodes)}
-                    fr[id(r)] = [t0 + at[n] for n in tree.frontier]
+                    forest, sources, rows = fed_forest(trees[i][id(r)], r.req_pool_idx, rows_before[i].get(id(r), {}),
+                                                       len(src))
+                    forests.append(forest)
+                    src += sources
+                    now[id(r)] = rows
+                    fr[id(r)] = [rows[n] for n in trees[i][id(r)].frontier]
                 batches.append(tree_step_batch(x, forests, ranks[i].memory, shape) if x else None)
                 srcs.append(np.asarray(src, np.int32) if x else None)
                 frontier_rows.append(fr)
