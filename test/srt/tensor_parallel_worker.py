@@ -3,6 +3,7 @@ is imported): greedy decoding of the same prompts through ModelRunners of severa
 sharding of every parameter and KV buffer, and per-device parameter bytes. Prints one JSON object.
 
     python test/srt/tensor_parallel_worker.py MODEL_PATH --tp 1 2 4 --prompts 16 --steps 32 [--ep]
+        [--quantization int8 w8a8_int8 ...]
 """
 
 from __future__ import annotations
@@ -81,12 +82,14 @@ def main():
     ap.add_argument("--max-prompt-len", type=int, default=40)
     ap.add_argument("--ep", action="store_true", help="--ep-size equal to each --tp (expert parallelism)")
     ap.add_argument("--moe-backend", default="auto")
+    ap.add_argument("--quantization", nargs="+", default=[None], help="--quantization methods: results keyed by "
+                                                                      "METHOD/TP for more than one")
     args = ap.parse_args()
     results = {}
-    for tp in args.tp:
+    for quantization, tp in [(q, tp) for q in args.quantization for tp in args.tp]:
         sa = ServerArgs(model_path=args.model_path, max_total_tokens=MAX_TOTAL_TOKENS, context_length=CONTEXT,
                         disable_precompile=True, tp_size=tp, page_size=args.page_size, random_seed=0,
-                        ep_size=tp if args.ep else 1, moe_backend=args.moe_backend)
+                        ep_size=tp if args.ep else 1, moe_backend=args.moe_backend, quantization=quantization)
         mc = ModelConfig.from_server_args(sa, "cpu")
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, mc.vocab_size, int(n)).tolist()
@@ -97,7 +100,8 @@ def main():
                              kv_spec_fn=lambda _: kv_spec_for(sa, mc, MAX_TOTAL_TOKENS))
         runner.warmup()  # every shape compiled first: serving must not compile again
         tokens, logprobs = greedy(runner, buckets, prompts, args.steps, args.page_size)
-        results[str(tp)] = {"tokens": tokens, "logprobs": logprobs, **describe(runner),
+        key = str(tp) if len(args.quantization) == 1 else f"{quantization}/{tp}"
+        results[key] = {"tokens": tokens, "logprobs": logprobs, **describe(runner),
                             "num_compiles_after_warmup": runner.num_compiles_after_warmup}
         del runner
         jax.clear_caches()

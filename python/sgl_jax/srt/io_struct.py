@@ -254,7 +254,8 @@ class SchedulerInfo:
     model's context in tokens; page_size: tokens per KV page; kv_cache_dtype: the KV storage dtype's name;
     chunked_prefill_size: -1 when off; prefix_cache: the prefix cache kind (mem_cache/registry.py);
     vocab_size, architecture: the model's; token_paddings / bs_paddings: the compiled buckets; dp_size,
-    tp_size: the mesh; load_balance_method; enable_mixed_chunk; max_prefill_step_ms: 0 when off.
+    tp_size: the mesh; load_balance_method; enable_mixed_chunk; max_prefill_step_ms: 0 when off;
+    weight_bytes_per_device: the weights' bytes on one device as stored; quantization: --quantization.
     """
 
     max_total_tokens: int
@@ -276,6 +277,8 @@ class SchedulerInfo:
     enable_mixed_chunk: bool
     max_prefill_step_ms: float
     return_routed_experts: bool = False  # requests may ask for their routed experts (a MoE model, and the flag)
+    weight_bytes_per_device: int = 0  # bytes of the model's weights on one device, as stored (quantized or not)
+    quantization: Optional[str] = None  # --quantization: the linear layers' method, None: not quantized
 
     def to_json(self) -> dict:
         """The JSON object of /get_server_info's ``scheduler_info`` (``radix_cache``: whether prefixes are shared,

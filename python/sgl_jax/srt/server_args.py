@@ -18,7 +18,8 @@ from sgl_jax.srt.chat_templates import BUILTIN_CHAT_TEMPLATES, resolve_chat_temp
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")  # SGLang's aliases: half, float
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATION_METHODS = ("int8", "fp8", "w8a8_int8", "w8a8_fp8")  # SGLang's names (quantization/methods.py)
 DEVICES = ("auto", "cpu", "tpu", "gpu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MULTI_ITEM_ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
@@ -79,14 +80,14 @@ def _default_cache_root() -> str:
 _CHOICES = {
     "load_format": LOAD_FORMATS, "dtype": DTYPES, "tokenizer_mode": TOKENIZER_MODES,
     "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
-    "moe_backend": MOE_BACKENDS,
+    "moe_backend": MOE_BACKENDS, "quantization": QUANTIZATION_METHODS,
     "log_level": LOG_LEVELS, "multi_item_algorithm": MULTI_ITEM_ALGORITHMS, "grammar_backend": GRAMMAR_BACKENDS,
     "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
     "load_balance_method": LOAD_BALANCE_METHODS, "schedule_policy": SCHEDULE_POLICIES,
     "radix_eviction_policy": RADIX_EVICTION_POLICIES, "speculative_algorithm": SPECULATIVE_ALGORITHMS,
     "speculative_ngram_match_type": NGRAM_MATCH_TYPES,
 }
-_OPTIONAL_CHOICES = ("tool_call_parser", "reasoning_parser", "speculative_algorithm")
+_OPTIONAL_CHOICES = ("tool_call_parser", "reasoning_parser", "speculative_algorithm", "quantization")
 # positive ints; _POSITIVE_OR_NONE: positive when set
 _POSITIVE = ("max_multi_item_count", "max_multi_item_seq_len", "multi_item_extend_batch_size", "tp_size", "dp_size",
              "ep_size",
@@ -146,6 +147,7 @@ class ServerArgs:
     served_model_name: Optional[str] = None
     load_format: str = "auto"
     dtype: str = "auto"
+    quantization: Optional[str] = None
     context_length: Optional[int] = None
     trust_remote_code: bool = False
 
@@ -475,9 +477,13 @@ FLAG_HELP = {
                      f"one ({', '.join(sorted(BUILTIN_CHAT_TEMPLATES))}) or the path of a Jinja file",
     "load_format": f"weight format, one of {list(LOAD_FORMATS)}; dummy builds random weights from config.json",
     "dtype": "float32 (float) | bfloat16 | float16 (half) | auto (bfloat16 on TPU/GPU, float32 on CPU)",
+    "quantization": "quantize the linear layers' weights at load: int8 | fp8 (weight-only, one scale per output "
+                    "channel) | w8a8_int8 | w8a8_fp8 (activations quantized per token too, so the matmul is an "
+                    "int8 or fp8 dot); docs/quantization.md",
     "page_size": "tokens per KV cache page (default: 128 on TPU, 16 on GPU, 1 on CPU; the platform from --device, "
                  "else $JAX_PLATFORMS, else the accelerator plugin installed: server_args.platform_hint)",
-    "kv_cache_dtype": "KV cache storage: auto (the model's --dtype) | bfloat16 (bf16) | float32; "
+    "kv_cache_dtype": "KV cache storage: auto (the model's --dtype) | bfloat16 (bf16) | float32 | fp8_e4m3 | "
+                      "fp8_e5m2 (one byte per value, scale 1, saturating; native attention backend); "
                       "attention computes in the model's dtype, or in float32 on the native (CPU) "
                       "backend when the cache is float32",
     "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static)",

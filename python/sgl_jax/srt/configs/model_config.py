@@ -295,6 +295,7 @@ class ModelConfig:
     local_rope_parameters: Optional[dict] = None
     moe_backend: str = "ragged_dot"  # a resolved --moe-backend (server_args.resolve_moe_backend)
     ep_size: int = 1  # --ep-size: 1, tp or dp * tp (distributed/sharding.expert_axes)
+    quantization: Optional[str] = None  # --quantization: the linear layers' method (quantization/methods.py)
 
     def layer_window(self, layer_id: int) -> Optional[int]:
         """The sliding window (tokens a query sees, itself included) of layer `layer_id`, None for a full one."""
@@ -356,6 +357,7 @@ class ModelConfig:
             local_rope_parameters=_rope_parameters(hf_config, SLIDING_ATTENTION) if has_swa else None,
             moe_backend=resolve_moe_backend(server_args.moe_backend, platform),
             ep_size=int(server_args.ep_size),
+            quantization=server_args.quantization,
         )
 
 

@@ -9,6 +9,8 @@ Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM"), with weights in HF layo
   the partial sums;
 - vocab-parallel: the embedding table and the LM head ``[vocab, hidden]`` split the vocabulary,
   ``P("tensor", None)``; logits are gathered (replicated) before sampling;
+- a quantized layer's per-output-channel scales (``weight_scale`` [out], --quantization) follow its output
+  features: split with a column-parallel layer's, replicated with a row-parallel one's;
 - everything else (norms, per-head q/k norms) is replicated.
 
 Data-parallel attention ranks (``--dp-size``, the mesh's ``data`` axis): every array of a step is the ranks'
@@ -40,7 +42,7 @@ RANK_ROWS = P("data")  # per-rank step metadata stacked along axis 0 (tokens, se
 # (regex over the dotted parameter path, spec); the first match wins, no match means replicated
 PARAM_SPECS: List[Tuple[str, P]] = [
     (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$", COLUMN),
-    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.bias$", P("tensor")),
+    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(bias|weight_scale)$", P("tensor")),
     (r"\.(o_proj|down_proj)\.weight$", ROW),
     (r"(^|\.)embed_tokens\.weight$", VOCAB),
     (r"(^|\.)lm_head\.weight$", VOCAB),

@@ -219,8 +219,10 @@ class Engine:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_aclose(agen), self._loop))
 
     def get_server_info(self) -> dict:
+        """The server's flags, ``scheduler_info`` (`SchedulerInfo.to_json`) and per-rank ``internal_states``, as
+        /get_server_info gives them."""
         return {"internal_states": self._run(self.tokenizer_manager.get_internal_state())["dp_ranks"],
-                **self.server_args.__dict__}
+                "scheduler_info": self.scheduler_info.to_json(), **self.server_args.__dict__}
 
     def flush_cache(self):
         return self._run(self.tokenizer_manager.flush_cache())

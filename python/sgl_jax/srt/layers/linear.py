@@ -1,4 +1,4 @@
-"""Dense layers with HF-layout weights."""
+"""Dense layers with HF-layout weights, in the model dtype or quantized (``--quantization``, quantization/)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import qwix
 from flax import nnx
+
+from sgl_jax.srt.quantization.methods import QuantMethod, get_method
 
 
 def dot_weight_t(x: jax.Array, w: jax.Array, preferred_element_type: Optional[jnp.dtype] = None) -> jax.Array:
@@ -23,15 +26,23 @@ def dot_weight_t(x: jax.Array, w: jax.Array, preferred_element_type: Optional[jn
     bfloat16 dot down a path ten times slower than two rows (30 x [4608, 576]: 120 ms for one row, 11 ms
     padded to two, 12 ms for one float32 row), which made a batch-1 bfloat16 decode step 5x slower than
     float32's."""
+    def dot(x):
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())),
+                                   preferred_element_type=preferred_element_type)
+
     x = x.astype(w.dtype)
-    single = jax.default_backend() == "cpu" and w.dtype != jnp.float32 and math.prod(x.shape[:-1]) == 1
-    if single:
-        lead = x.shape[:-1]
-        x = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-    y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=preferred_element_type)
-    if single:
-        y = y[:1].reshape(lead + (w.shape[0],))
-    return y
+    return dot(x) if w.dtype == jnp.float32 else _two_rows_on_cpu(x, dot)
+
+
+def _two_rows_on_cpu(x: jax.Array, dot):
+    """dot(x) [..., out], with a single row of x padded to two on CPU (and the result cut back): XLA's CPU backend
+    runs a one-row dot of bfloat16 or int8 operands ten times slower than a two-row one (30 layers of
+    [1536, 576] int8: 64 ms for one row, 4 ms for two)."""
+    if jax.default_backend() != "cpu" or math.prod(x.shape[:-1]) != 1:
+        return dot(x)
+    lead = x.shape[:-1]
+    y = dot(jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)]))
+    return y[:1].reshape(lead + y.shape[-1:])
 
 
 class Linear(nnx.Module):
@@ -43,26 +54,68 @@ class Linear(nnx.Module):
     Args:
         in_features, out_features: sizes in elements.
         use_bias: add a [out_features] bias.
-        dtype: parameter and compute dtype.
+        dtype: parameter and compute dtype (the output's dtype; a quantized layer's bias stays in it).
         rngs: initializer randomness (normal, std 0.02); real weights are loaded over it.
+        quantization: a ``--quantization`` method name (quantization/methods.py); None: W in `dtype`. Quantized,
+            W is int8 or float8_e4m3fn and ``weight_scale`` float32 [out_features] holds its per-output-channel
+            scales (the loader fills both from a float checkpoint: model_loader/loader.py).
+    Raises:
+        ValueError: an unknown quantization method.
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, dtype=jnp.float32,
-                 rngs: nnx.Rngs):
-        self.weight = nnx.Param(jax.random.normal(rngs.params(), (out_features, in_features), dtype) * 0.02)
+                 rngs: nnx.Rngs, quantization: Optional[str] = None):
+        self.quantization = quantization
+        if quantization is None:
+            self.weight = nnx.Param(jax.random.normal(rngs.params(), (out_features, in_features), dtype) * 0.02)
+            self.weight_scale = None
+        else:
+            method = get_method(quantization)
+            self.weight = nnx.Param(jnp.zeros((out_features, in_features), method.weight_dtype))
+            self.weight_scale = nnx.Param(jnp.ones((out_features,), jnp.float32))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+        self.dtype = jnp.dtype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [..., in_features] -> [..., out_features] in the parameter dtype.
+        """x: [..., in_features] -> [..., out_features] in the layer's dtype.
 
         On CPU the product accumulates in float32 and is cast back: asked for a bfloat16 result, XLA's CPU
         backend took a path 2x slower than float32 (2048 x 576 x 1536: 19 ms), while a float32 result from
         bfloat16 operands ran 2x faster than float32 (9 ms) on a CPU with AVX512-BF16. TPU/GPU keep the
         parameter dtype's result (their dots accumulate in float32 anyway), so a tensor-parallel row layer's
         partial sums cross devices in bfloat16."""
-        w = self.weight[...]
-        acc = jnp.float32 if jax.default_backend() == "cpu" else None
-        y = dot_weight_t(x, w, acc)
+        if self.quantization is not None:
+            y = quantized_matmul(x.astype(self.dtype), self.weight[...], self.weight_scale[...],
+                                 get_method(self.quantization))
+        else:
+            w = self.weight[...]
+            acc = jnp.float32 if jax.default_backend() == "cpu" else None
+            y = dot_weight_t(x, w, acc)
         if self.bias is not None:
             y = y + self.bias[...]
-        return y.astype(w.dtype)
+        return y.astype(self.dtype)
+
+
+def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, method: QuantMethod) -> jax.Array:
+    """x @ (q * scale[:, None]).T without a dequantized weight: the scales multiply the dot's result.
+
+    Args:
+        x: [..., in] activations (float32 or bfloat16).
+        q: [out, in] int8 or float8_e4m3fn weight; scale: float32 [out], its per-output-channel scales.
+        method: weight-only (``int8``/``fp8``): q enters the dot converted to x's dtype (XLA fuses the convert
+            into the dot on TPU/GPU; exact for int8 in bfloat16). W8A8: x is quantized per token (absmax, one
+            scale per row) and the dot is int8 x int8 accumulating in int32 (exact), or fp8 x fp8 accumulating
+            in float32 (``preferred_element_type``): qwix's ``quantize`` and ``dot_general`` with the weight as a
+            ``QArray``. qwix's own weight-only path dequantizes the weight before the dot, hence ours.
+    Returns:
+        float32 [..., out].
+    """
+    if not method.activations:
+        return dot_weight_t(x, q.astype(x.dtype), jnp.float32) * scale
+    w = qwix.QArray(qvalue=q, scale=scale[:, None])
+
+    def dot(x):
+        xq = qwix.quantize(x, q.dtype, channelwise_axes=tuple(range(x.ndim - 1)))
+        return qwix.dot_general(xq, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    return _two_rows_on_cpu(x, dot)

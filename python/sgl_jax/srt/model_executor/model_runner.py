@@ -144,11 +144,16 @@ def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+FP8_KV_DTYPES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}  # SGLang's --kv-cache-dtype names
+
+
 def kv_cache_dtype(model_config, flag: str = "auto"):
     """The KV cache's storage dtype for ``--kv-cache-dtype`` `flag` ("auto": the model's dtype; "bf16" is
-    SGLang's spelling of "bfloat16")."""
+    SGLang's spelling of "bfloat16"; "fp8_e4m3" / "fp8_e5m2": float8_e4m3fn / float8_e5m2)."""
     if flag in (None, "auto"):
         return JNP_DTYPES[model_config.dtype]
+    if flag in FP8_KV_DTYPES:
+        return FP8_KV_DTYPES[flag]
     return JNP_DTYPES["bfloat16" if flag == "bf16" else flag]
 
 
@@ -288,7 +293,9 @@ class ModelRunner:
                         [d.id for d in self.mesh.devices.flat])
         self.graphdef, self.params = load_model(model_config, server_args.load_format, server_args.random_seed,
                                                 mesh=self.mesh)
-        weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.params))
+        # bytes of weights on one device, as stored (int8/fp8 plus scales when quantized): sizes the KV pool
+        self.weight_bytes = weight_bytes = sum(x.addressable_shards[0].data.nbytes
+                                               for x in jax.tree.leaves(self.params))
         routing = getattr(nnx.merge(self.graphdef, self.params), "moe_routing", lambda: None)()
         self.moe_stats = None if routing is None else MoeStats(
             model_config.num_hidden_layers, routing[0], routing[2], ep_size=getattr(model_config, "ep_size", 1))

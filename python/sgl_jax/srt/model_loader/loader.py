@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from sgl_jax.srt.distributed.sharding import expert_axes, padded_kv_heads, param_spec, replicate_kv_rows
 from sgl_jax.srt.models.registry import get_model_class
+from sgl_jax.srt.quantization.methods import get_method, quantize_weight
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ def _weight_source(model_config, load_format: str):
     raise ValueError(f"--load-format {load_format!r} is not a checkpoint format")
 
 
-_KV_PROJ = (".k_proj.weight", ".k_proj.bias", ".v_proj.weight", ".v_proj.bias")
+_KV_PROJ = (".k_proj.weight", ".k_proj.bias", ".v_proj.weight", ".v_proj.bias", ".k_proj.weight_scale",
+            ".v_proj.weight_scale")
 
 
 class _Placer:
@@ -120,8 +122,9 @@ class _Placer:
             return (shape[0] * self.kv_heads // self.padded_kv_heads, *shape[1:])
         return tuple(shape)
 
-    def place(self, name: str, arr) -> jax.Array:
-        host = np.asarray(arr).astype(self.dtype, copy=False)
+    def place(self, name: str, arr, dtype=None) -> jax.Array:
+        """`arr` (host) as parameter `name` on the devices, in `dtype` (None: the model dtype)."""
+        host = np.asarray(arr).astype(self.dtype if dtype is None else dtype, copy=False)
         if name.endswith(_KV_PROJ):
             host = replicate_kv_rows(host, self.kv_heads, self.padded_kv_heads)
         if self.mesh is None:
@@ -146,6 +149,21 @@ class _Placer:
                          out_shardings=sharding)
             self._dummy_fns[key] = fn
         return fn(jnp.uint32(seed), jnp.uint32(index))
+
+
+    def dummy_quantized(self, name: str, shape: tuple, seed: int, index: int, method) -> Tuple[jax.Array, jax.Array]:
+        """`dummy`'s random weight for a quantized linear layer, quantized on the devices with `method`:
+        (q [out, in], scale float32 [out]) in the shardings of ``name`` and ``name + "_scale"``."""
+        ckpt = self.checkpoint_shape(name, shape)
+        kv = (self.kv_heads, self.padded_kv_heads) if name.endswith(_KV_PROJ) and ckpt != shape else None
+        shardings = None if self.mesh is None else tuple(
+            NamedSharding(self.mesh, param_spec(n, self.expert_axes)) for n in (name, name + "_scale"))
+
+        def make(seed, index):
+            w = _dummy_value(ckpt, jnp.dtype(self.dtype), False, kv, seed, index)
+            return quantize_weight(w, method, jnp)
+
+        return jax.jit(make, out_shardings=shardings)(jnp.uint32(seed), jnp.uint32(index))
 
 
 def _dummy_value(shape, dtype, ones, kv_heads, seed, index):
@@ -231,12 +249,18 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
     flat = list(nnx.to_flat_state(abstract_state))
     by_name = {_path_name(path): (i, var) for i, (path, var) in enumerate(flat)}
     placer = _Placer(model_config, dtype, mesh)
+    method = get_method(model_config.quantization) if model_config.quantization else None
+    quantized = {n for n in by_name if n + "_scale" in by_name}  # quantized layers' weights (layers/linear.py)
     values = {}
 
     if load_format == "dummy":
         for i, (name, (_, var)) in enumerate(tqdm(by_name.items(), desc="Initializing dummy weights",
                                                   unit="tensor")):
-            values[name] = placer.dummy(name, tuple(var.get_value().shape), seed, i)
+            shape = tuple(var.get_value().shape)
+            if name in quantized:
+                values[name], values[name + "_scale"] = placer.dummy_quantized(name, shape, seed, i, method)
+            elif not (name.endswith("_scale") and name[:-6] in quantized):
+                values[name] = placer.dummy(name, shape, seed, i)
     else:
         source, total = _weight_source(model_config, load_format)
         stacker = ExpertStacker({n: v.get_value().shape for n, (_, v) in by_name.items()}, dtype)
@@ -252,6 +276,11 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
             expected = placer.checkpoint_shape(name, by_name[name][1].get_value().shape)
             if tuple(arr.shape) != expected:
                 raise ValueError(f"Checkpoint tensor {name} has shape {tuple(arr.shape)}, model expects {expected}")
+            if name in quantized:  # a float weight quantized on the host: only int8/fp8 values reach the devices
+                q, scale = quantize_weight(np.asarray(arr, np.float32), method)
+                values[name] = placer.place(name, q, q.dtype)
+                values[name + "_scale"] = placer.place(name + "_scale", scale, np.float32)
+                continue
             values[name] = placer.place(name, arr)
     missing = [n for n in by_name if n not in values]
     if missing:
@@ -259,5 +288,7 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
     new_flat = [(path, var.replace(values[_path_name(path)])) for path, var in flat]
     params = nnx.from_flat_state(new_flat)
     n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params))
-    logger.info("Loaded %s: %.1fM parameters in %s", model_config.architecture, n_params / 1e6, model_config.dtype)
+    quant = f", {len(quantized)} linear layers quantized {method.name}" if quantized else ""
+    logger.info("Loaded %s: %.1fM parameters in %s%s", model_config.architecture, n_params / 1e6, model_config.dtype,
+                quant)
     return graphdef, params

@@ -34,18 +34,21 @@ ACTIVATIONS = {
 
 
 class LlamaMLP(nnx.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)); act is silu (SwiGLU) or gelu-tanh (GeGLU, Gemma).
+    """Gated MLP: down(act(gate(x)) * up(x)); act is silu (SwiGLU) or gelu-tanh (GeGLU, Gemma). `quantization`:
+    the projections' ``--quantization`` method (None: not quantized).
 
     Raises:
         NotImplementedError: an activation outside ACTIVATIONS.
     """
 
-    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, activation: str = "silu"):
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, activation: str = "silu",
+                 quantization: Optional[str] = None):
         if activation not in ACTIVATIONS:
             raise NotImplementedError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
-        self.gate_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(intermediate, hidden, dtype=dtype, rngs=rngs)
+        kw = dict(dtype=dtype, rngs=rngs, quantization=quantization)
+        self.gate_proj = Linear(hidden, intermediate, **kw)
+        self.up_proj = Linear(hidden, intermediate, **kw)
+        self.down_proj = Linear(intermediate, hidden, **kw)
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -76,10 +79,11 @@ class LlamaAttention(nnx.Module):
         self.head_dim = model_config.head_dim
         # q/k/v biases: Llama's attention_bias, Qwen2's qkv_bias (o_proj never has one here)
         bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False))
-        self.q_proj = Linear(q_in, self.num_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, dtype=dtype, rngs=rngs)
+        kw = dict(dtype=dtype, rngs=rngs, quantization=getattr(model_config, "quantization", None))
+        self.q_proj = Linear(q_in, self.num_heads * self.head_dim, use_bias=bias, **kw)
+        self.k_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, **kw)
+        self.v_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, **kw)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, **kw)
         eps = float(cfg.rms_norm_eps)
         self.q_norm = norm_cls(self.head_dim, eps=eps, dtype=dtype) if qk_norm else None
         self.k_norm = norm_cls(self.head_dim, eps=eps, dtype=dtype) if qk_norm else None
@@ -113,7 +117,8 @@ class LlamaDecoderLayer(nnx.Module):
         self.self_attn = LlamaAttention(cfg, model_config, layer_id, qk_norm=qk_norm, dtype=dtype, rngs=rngs,
                                         mesh=mesh)
         self.post_attention_layernorm = RMSNorm(model_config.hidden_size, eps=eps, dtype=dtype)
-        self.mlp = LlamaMLP(model_config.hidden_size, int(cfg.intermediate_size), dtype, rngs)
+        self.mlp = LlamaMLP(model_config.hidden_size, int(cfg.intermediate_size), dtype, rngs,
+                            quantization=getattr(model_config, "quantization", None))
 
     def __call__(self, x: jax.Array, fb: ForwardBatch, kv: LayerKV) -> Tuple[jax.Array, LayerKV]:
         attn_out, kv = self.self_attn(self.input_layernorm(x), fb, kv)

@@ -56,10 +56,10 @@ logger = logging.getLogger(__name__)
 def draft_server_args(server_args, context_len: int):
     """The `ServerArgs` the draft model loads with: --speculative-draft-model-path (+ revision) as the model, the
     target's context length `context_len` (the draft reads every position the target does), no speculation of its
-    own."""
+    own, and its weights in the model dtype (--quantization applies to the target only)."""
     return dataclasses.replace(
         server_args, model_path=server_args.speculative_draft_model_path, context_length=context_len,
-        revision=server_args.speculative_draft_model_revision, speculative_algorithm=None,
+        revision=server_args.speculative_draft_model_revision, speculative_algorithm=None, quantization=None,
         speculative_draft_model_path=None, speculative_draft_model_revision=None, speculative_num_steps=None,
         speculative_eagle_topk=None, speculative_num_draft_tokens=None)
 

@@ -273,6 +273,8 @@ class Scheduler:
             enable_mixed_chunk=bool(self.server_args.enable_mixed_chunk and self.chunk_size),
             max_prefill_step_ms=self.step_budget.budget_ms if self.step_budget is not None else 0,
             return_routed_experts=self.model_runner.return_routed_experts,
+            weight_bytes_per_device=self.model_runner.weight_bytes,
+            quantization=self.model_config.quantization,
         )
 
     # ------------------------------------------------------------ RankHooks

@@ -58,9 +58,21 @@ def write_kv_to_pages(
     """
     ps = k_pages.shape[1]
     page, offset = loc // ps, loc % ps
-    k_pages = k_pages.at[page, offset].set(k.astype(k_pages.dtype))
-    v_pages = v_pages.at[page, offset].set(v.astype(v_pages.dtype))
+    k_pages = k_pages.at[page, offset].set(to_cache_dtype(k, k_pages.dtype))
+    v_pages = v_pages.at[page, offset].set(to_cache_dtype(v, v_pages.dtype))
     return k_pages, v_pages
+
+
+def to_cache_dtype(x: jax.Array, dtype) -> jax.Array:
+    """x in the KV cache's storage dtype. An fp8 cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2, scale 1 as SGLang
+    uses without checkpoint scales) saturates at the format's largest finite value (448 / 57344) instead of
+    overflowing to NaN (float8_e4m3fn has no infinity); a value's relative rounding error is 2**-4 (e4m3) or
+    2**-3 (e5m2)."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        big = float(jnp.finfo(dtype).max)
+        return jnp.clip(x.astype(jnp.float32), -big, big).astype(dtype)
+    return x.astype(dtype)
 
 
 def _scores(q, k, sm_scale, soft_cap):
