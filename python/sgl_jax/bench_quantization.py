@@ -6,7 +6,8 @@
     JAX_PLATFORMS=cpu python -m sgl_jax.bench_quantization --model-path gemma-3-270m.gguf --skip-speed
 
 Every ServerArgs flag works (``--model-path``, ``--page-size`` ...); the rows differ in ``--dtype`` (float32,
-bfloat16) or ``--quantization`` (over ``--dtype`` float32 on CPU, bfloat16 elsewhere: ``--base-dtype``).
+bfloat16), ``--quantization`` (over ``--dtype`` float32 on CPU, bfloat16 elsewhere: ``--base-dtype``) or, in the
+``kv_fp8_e4m3`` / ``kv_fp8_e5m2`` rows, ``--kv-cache-dtype`` (float32 weights).
 
 - **Accuracy**: an offline Engine (the real scheduler and model runner) scores a fixed natural text (``--text-file``,
   default the GPL-3.0 text shipped in ``benchmark/data``), tokenized and cut into ``--windows`` windows of
@@ -41,17 +42,20 @@ from sgl_jax.bench_utils import git_commit, write_report
 from sgl_jax.srt.server_args import QUANTIZATION_METHODS, ServerArgs
 from sgl_jax.srt.utils import configure_logging
 
-ROWS = ("float32", "bfloat16") + QUANTIZATION_METHODS
+KV_ROWS = ("kv_fp8_e4m3", "kv_fp8_e5m2")  # float32 weights, --kv-cache-dtype fp8_e4m3 / fp8_e5m2
+ROWS = ("float32", "bfloat16") + QUANTIZATION_METHODS + KV_ROWS
 DEFAULT_TEXT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmark", "data", "GPL-3.0.txt")
 COLUMNS = ("row", "ppl", "ppl vs bf16", "top-1 agree", "mean abs dlp", "max abs dlp", "weight MB", "x bf16 bytes",
            "prefill s", "decode b1 ms", "decode bN ms")
 
 
 def row_server_args(sa: ServerArgs, row: str, base_dtype: str) -> ServerArgs:
-    """The ServerArgs of one row: ``--dtype row`` for float32 / bfloat16, else ``--quantization row`` over
-    `base_dtype` weights."""
+    """The ServerArgs of one row: ``--dtype row`` for float32 / bfloat16, ``--kv-cache-dtype`` fp8 over float32 for
+    a ``kv_*`` row, else ``--quantization row`` over `base_dtype` weights."""
     if row in ("float32", "bfloat16"):
         return dataclasses.replace(sa, dtype=row, quantization=None)
+    if row in KV_ROWS:
+        return dataclasses.replace(sa, dtype="float32", quantization=None, kv_cache_dtype=row[len("kv_"):])
     return dataclasses.replace(sa, dtype=base_dtype, quantization=row)
 
 
@@ -180,15 +184,19 @@ def parse_args(argv: List[str]):
 def _flags(argv: List[str], row: str, base_dtype: str) -> List[str]:
     """`argv` without this script's own flags, plus the row's --dtype / --quantization."""
     own = {"--rows", "--base-dtype", "--text-file", "--windows", "--window-len", "--prefill-len", "--decode-batch",
-           "--output-len", "--report", "--skip-speed", "--dtype", "--quantization", "--log-level"}
+           "--output-len", "--report", "--skip-speed", "--dtype", "--quantization", "--log-level",
+           "--kv-cache-dtype"}
     kept, skip = [], False
     for a in argv:
         if a.startswith("--"):
             skip = a.split("=")[0] in own
         if not skip:
             kept.append(a)
-    extra = ["--dtype", row] if row in ("float32", "bfloat16") else ["--dtype", base_dtype, "--quantization", row]
-    return kept + extra
+    if row in ("float32", "bfloat16"):
+        return kept + ["--dtype", row]
+    if row in KV_ROWS:
+        return kept + ["--dtype", "float32", "--kv-cache-dtype", row[len("kv_"):]]
+    return kept + ["--dtype", base_dtype, "--quantization", row]
 
 
 def main(argv: Optional[List[str]] = None) -> None:
