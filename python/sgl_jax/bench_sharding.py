@@ -2,7 +2,8 @@
 
 ``python -m sgl_jax.bench_sharding [--output reports/sharding-plan-2026-11-26.md]``
 
-Dense models (Llama-3-8B, Qwen3-8B, Qwen3-32B; bfloat16) at tp 1, 4, 8, and mixture-of-experts models
+Dense models (Llama-3-8B, Qwen3-8B, Qwen3-32B; bfloat16) at tp 1, 4, 8 (and quantized, `QUANT_PLANS`, at tp
+1, 2, 4), and mixture-of-experts models
 (Qwen3-30B-A3B, Qwen3-235B-A22B, Mixtral-8x7B) at expert parallelism ep 4, 8, 16. A row at ep N is tp N with
 ``ModelConfig.ep_size`` N (experts over the tensor axis; DP attention + EP, ``--ep-size`` = tp x dp, is only in
 the dispatch table): attention, embeddings and LM head split as in the dense rows, each MoE layer's stacked
@@ -87,7 +88,7 @@ def num_experts(hf_config) -> int:
     return int(getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0) or 0)
 
 
-def make_model_config(name: str, dtype: str = "bfloat16", ep_size: int = 1):
+def make_model_config(name: str, dtype: str = "bfloat16", ep_size: int = 1, quantization: Optional[str] = None):
     """A `ModelConfig` for ``MODELS[name]`` or ``MOE_MODELS[name]`` with a plain-namespace ``hf_config`` (no
     transformers, no files).
 
@@ -95,6 +96,8 @@ def make_model_config(name: str, dtype: str = "bfloat16", ep_size: int = 1):
         name: a key of `MODELS` or `MOE_MODELS`.
         dtype: "bfloat16" or "float32" (parameter and KV-cache dtype).
         ep_size: ``--ep-size``: 1, or the tp the model is built for (experts split over the tensor axis).
+        quantization: ``--quantization`` (its linear layers' weights in one byte plus a float32 scale per output
+            channel), None: not quantized.
     """
     from sgl_jax.srt.configs.model_config import ModelConfig, ResolvedModel
 
@@ -105,7 +108,7 @@ def make_model_config(name: str, dtype: str = "bfloat16", ep_size: int = 1):
         context_len=c["max_position_embeddings"], vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
         num_key_value_heads=c["num_key_value_heads"], head_dim=c["head_dim"], eos_token_ids=[],
-        rope_parameters=dict(c["rope_parameters"]), ep_size=ep_size)
+        rope_parameters=dict(c["rope_parameters"]), ep_size=ep_size, quantization=quantization)
 
 
 def param_shapes(model_config, tp: int) -> Dict[str, Tuple[Tuple[int, ...], int]]:
@@ -158,16 +161,18 @@ def kv_pool_tokens(hbm_bytes: int, weight_bytes: int, kv_bytes_per_token: int,
     return max(0, int(fraction * hbm_bytes) - weight_bytes) // kv_bytes_per_token
 
 
-def plan(models: Sequence[str] = tuple(MODELS), tp_sizes: Sequence[int] = TP_SIZES) -> List[dict]:
+def plan(models: Sequence[str] = tuple(MODELS), tp_sizes: Sequence[int] = TP_SIZES,
+         quantization: Optional[str] = None, kv_cache_dtype: str = "auto") -> List[dict]:
     """One row per (model, tp): ``weight_bytes`` (per device, bytes), ``kv_bytes_per_1k`` (per device, bytes
     per 1024 tokens), and for each device of `DEVICES` ``<dev>_tokens`` (KV pool, tokens) and ``<dev>_batch``
-    (sequences of `SEQ_LEN` tokens)."""
+    (sequences of `SEQ_LEN` tokens). `quantization` / `kv_cache_dtype`: the ``--quantization`` and
+    ``--kv-cache-dtype`` flags (bfloat16 weights and KV when not given); rows carry both."""
     from sgl_jax.srt.distributed.sharding import check_tp, padded_kv_heads
     from sgl_jax.srt.model_executor.model_runner import kv_bytes_per_token
 
     rows = []
     for name in models:
-        mc = make_model_config(name)
+        mc = make_model_config(name, quantization=quantization)
         shapes = {}  # the mesh changes the model's shapes only through padded_kv_heads: build once per value
         for tp in tp_sizes:
             check_tp(mc.num_attention_heads, mc.num_key_value_heads, mc.vocab_size,
@@ -175,9 +180,35 @@ def plan(models: Sequence[str] = tuple(MODELS), tp_sizes: Sequence[int] = TP_SIZ
             key = padded_kv_heads(mc.num_key_value_heads, tp)
             if key not in shapes:
                 shapes[key] = param_shapes(mc, tp)
-            w, kv = weight_bytes_per_device(mc, tp, shapes[key]), kv_bytes_per_token(mc, tp)
-            rows.append(_add_fit({"model": name, "tp": tp, "weight_bytes": w, "kv_bytes_per_1k": kv * 1024}, w, kv))
+            w, kv = weight_bytes_per_device(mc, tp, shapes[key]), kv_bytes_per_token(mc, tp, kv_cache_dtype)
+            row = {"model": name, "tp": tp, "weight_bytes": w, "kv_bytes_per_1k": kv * 1024}
+            if quantization is not None or kv_cache_dtype != "auto":
+                row.update(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+            rows.append(_add_fit(row, w, kv))
     return rows
+
+
+# the quantized plans: (--quantization, --kv-cache-dtype) at these tp sizes (W8A8's weights are the weight-only's)
+QUANT_PLANS = (("int8", "auto"), ("fp8", "auto"), ("fp8", "fp8_e4m3"))
+QUANT_TP_SIZES = (1, 2, 4)
+QUANT_TABLE_HEADER = ("| model | --quantization | KV | tp | weights GiB/device | KV MiB per 1k tokens/device "
+                      "| v6e KV tokens | v6e batch@4k | H100 KV tokens | H100 batch@4k |")
+
+
+def quant_plan(models: Sequence[str] = tuple(MODELS), tp_sizes: Sequence[int] = QUANT_TP_SIZES) -> List[dict]:
+    """`plan`'s rows for every (--quantization, --kv-cache-dtype) of `QUANT_PLANS`."""
+    return [r for q, kv in QUANT_PLANS for r in plan(models, tp_sizes, quantization=q, kv_cache_dtype=kv)]
+
+
+def format_quant_table(rows: List[dict]) -> str:
+    """`quant_plan`'s rows as a markdown table ("bfloat16" for an ``auto`` KV cache)."""
+    lines = [QUANT_TABLE_HEADER, "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        kv = "bfloat16" if r["kv_cache_dtype"] == "auto" else r["kv_cache_dtype"]
+        cells = [r["model"], r["quantization"], kv, str(r["tp"]), f"{r['weight_bytes'] / GIB:.2f}",
+                 f"{r['kv_bytes_per_1k'] / MIB:.0f}"]
+        lines.append("| " + " | ".join(cells + _fit_cells(r)) + " |")
+    return "\n".join(lines)
 
 
 def _add_fit(row: dict, weight_bytes: int, kv_bytes_per_token: int) -> dict:
@@ -342,7 +373,20 @@ needs one more exchange (the counts) and ragged sizes (`jax.lax.ragged_all_to_al
 """
 
 
-def write_report(path: str, rows: List[dict], command: str, moe_rows: Sequence[dict] = ()) -> None:
+def _quant_section(quant_rows: List[dict]) -> str:
+    """The report's quantized part: what changes, and `format_quant_table`."""
+    return f"""## Quantized weights and KV (`--quantization`, `--kv-cache-dtype`)
+
+The same models with their linear layers quantized (docs/quantization.md): each projection's weight in one byte
+(int8 or float8_e4m3fn) plus a float32 scale per output channel, the embedding table, LM head and norms still in
+bfloat16; W8A8's weights are the weight-only method's. KV in bfloat16, or fp8 (one byte per value).
+
+{format_quant_table(quant_rows)}
+"""
+
+
+def write_report(path: str, rows: List[dict], command: str, moe_rows: Sequence[dict] = (),
+                 quant_rows: Sequence[dict] = ()) -> None:
     """Write the generated markdown report (command, date, assumptions, the dense table, and the MoE table when
     `moe_rows` are given) to `path` and its raw rows with the command to the .json beside it
     (`bench_utils.write_report`; notes go in the .notes.md beside them)."""
@@ -368,11 +412,15 @@ workspace; the server's own default `--mem-fraction-static` is 0.8); TPU v6e = 3
 """
     if moe_rows:
         body += "\n" + _moe_section(list(moe_rows))
+    if quant_rows:
+        body += "\n" + _quant_section(list(quant_rows))
     title = "tensor and expert parallelism" if moe_rows else "tensor parallelism"
     raw = {"date": today, "rows": rows, "mem_fraction": MEM_FRACTION, "devices_hbm_bytes": DEVICES,
            "seq_len": SEQ_LEN}
     if moe_rows:
         raw["moe_rows"] = list(moe_rows)
+    if quant_rows:
+        raw["quant_rows"] = list(quant_rows)
     write_generated(path, f"Sharding plan: memory per device under {title} ({today})", command, body, raw)
 
 
@@ -380,15 +428,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", default=None, help="write the markdown report here")
     args = p.parse_args(argv)
-    rows, moe_rows = plan(), moe_plan()
+    rows, moe_rows, quant_rows = plan(), moe_plan(), quant_plan()
     print(format_table(rows))
     print()
     print(format_moe_table(moe_rows))
     print()
     print(format_dispatch_table())
+    print()
+    print(format_quant_table(quant_rows))
     if args.output:
         cmd = "python -m sgl_jax.bench_sharding " + " ".join(sys.argv[1:] if argv is None else argv)
-        write_report(args.output, rows, cmd.strip(), moe_rows)
+        write_report(args.output, rows, cmd.strip(), moe_rows, quant_rows)
 
 
 if __name__ == "__main__":

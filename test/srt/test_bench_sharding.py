@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sgl_jax.bench_sharding import (DEVICES, MEM_FRACTION, MOE_TABLE_HEADER, TABLE_HEADER, format_moe_table,
-                                    moe_plan, plan, write_report)
+from sgl_jax.bench_sharding import (DEVICES, MEM_FRACTION, MOE_TABLE_HEADER, QUANT_TABLE_HEADER, TABLE_HEADER,
+                                    format_moe_table, moe_plan, plan, quant_plan, write_report)
 
 # Llama-3-8B (meta-llama/Meta-Llama-3-8B config.json), counted by hand
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4096, 32, 32, 8, 128, 14336, 128256
@@ -50,6 +50,27 @@ def test_report_has_the_table(rows, tmp_path):
     assert "| Llama-3-8B | 1 | 14.96 | 128 |" in text
     raw = json.loads((out.parent / "plan.json").read_text())  # the raw rows beside the generated .md
     assert raw["command"] in text and raw["rows"] == list(rows.values())
+
+
+def test_quantized_plans_count_one_byte_per_linear_weight_and_its_scales(rows, tmp_path):
+    """--quantization int8 / fp8: each projection's weight in one byte plus a float32 scale per output channel, the
+    rest bfloat16; --kv-cache-dtype fp8_e4m3 halves the KV bytes; the report gains their table."""
+    linear = LAYERS * (HIDDEN * HEADS * HEAD_DIM * 2 + HIDDEN * KV_HEADS * HEAD_DIM * 2 + 3 * HIDDEN * INTER)
+    scales = LAYERS * (HEADS * HEAD_DIM * 2 + KV_HEADS * HEAD_DIM * 2 + HIDDEN + 2 * INTER)
+    quant = {(r["quantization"], r["kv_cache_dtype"], r["tp"]): r for r in quant_plan(["Llama-3-8B"], (1, 4))}
+    for method in ("int8", "fp8"):
+        r = quant[(method, "auto", 1)]
+        assert r["weight_bytes"] == 2 * (_llama3_8b_params() - linear) + linear + 4 * scales
+        assert r["kv_bytes_per_1k"] == rows[1]["kv_bytes_per_1k"]
+    # the bfloat16 embedding and LM head (4% of Qwen3-32B, 13% of Llama-3-8B) keep the ratio above one half
+    assert 0.56 < quant[("int8", "auto", 1)]["weight_bytes"] / rows[1]["weight_bytes"] < 0.57
+    (q32,), (b32,) = quant_plan(["Qwen3-32B"], (1,))[:1], plan(["Qwen3-32B"], (1,))
+    assert 0.52 < q32["weight_bytes"] / b32["weight_bytes"] < 0.53
+    assert quant[("fp8", "fp8_e4m3", 4)]["kv_bytes_per_1k"] * 2 == rows[4]["kv_bytes_per_1k"]
+    out = tmp_path / "plan.md"
+    write_report(str(out), list(rows.values()), "python -m sgl_jax.bench_sharding", quant_rows=list(quant.values()))
+    text = out.read_text()
+    assert QUANT_TABLE_HEADER in text and "| Llama-3-8B | fp8 | fp8_e4m3 | 4 |" in text
 
 
 # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): every layer sparse
