@@ -9,6 +9,7 @@ from typing import Dict, List, Optional
 
 from sgl_jax.srt.chat_templates import resolve_chat_template
 from sgl_jax.srt.model_loader.default_model import find_default_model_path, packaged_gguf_for
+from sgl_jax.srt.quantization.checkpoint import check_checkpoint_quantization
 from sgl_jax.srt.server_args import resolve_moe_backend
 
 
@@ -325,6 +326,7 @@ class ModelConfig:
 
         resolved = resolve_model(server_args)
         hf_config = AutoConfig.from_pretrained(resolved.hf_dir, trust_remote_code=server_args.trust_remote_code)
+        check_checkpoint_quantization(hf_config, resolved.model_path)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"{resolved.hf_dir}/config.json has no 'architectures' field")
