@@ -206,6 +206,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     sa, args = parse_args(argv)
     configure_logging("warning" if sa.log_level == "info" else sa.log_level, "bench_quantization")
+    commit = git_commit()  # the code that runs: read before the rows, which take minutes
     platform = os.environ.get("JAX_PLATFORMS", "") or "auto"
     base = args.base_dtype or ("float32" if platform == "cpu" else "bfloat16")
     rows = {}
@@ -222,10 +223,11 @@ def main(argv: Optional[List[str]] = None) -> None:
               f"each scored from its start; top-1 agreement and |delta logprob| (of the text's next token) against "
               f"float32; ppl vs bf16 = ppl / ppl(bfloat16) - 1",
               "weight MB: /get_server_info weight_bytes_per_device (as stored, scales included)",
+              "speed: not measured (--skip-speed)" if args.skip_speed else
               f"speed: bench_one_batch, prefill of {args.prefill_len} tokens at batch 1, decode medians of "
               f"{args.output_len} steps at batch 1 and {args.decode_batch} (128-token prompts)"]
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    raw = {"header": header, "commit": git_commit(), "date": now,
+    raw = {"header": header, "commit": commit, "date": now,
            "cpus": f"{os.cpu_count()} CPUs ({len(os.sched_getaffinity(0))} usable)", "rows": rows}
     print("\n" + report_body(raw))
     if args.report:
