@@ -34,6 +34,7 @@ UNIT_TEST_FILES = ("test_detokenizer.py", "test_request_validation.py", "test_ra
 SHARED_SERVERS = ("default_server", "hardened_server", "shared_engine")
 SHARED_GROUP = "shared-servers"
 SLOW_MODULES_FIRST = ("test_speculative_serving.py", "test_kv_cache_lifecycle.py", "test_swa_memory.py",
+                      "test_quantization.py", "test_quantization_accuracy.py",
                       "test_tensor_parallel.py", "test_runtime_install.py", "test_sessions.py", "test_gemma3_270m.py",
                       "test_bench_multi_item_score.py", "test_gemma3_270m_serving.py", "test_bad_requests_fuzz.py")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
