@@ -253,3 +253,29 @@ def test_a_quantized_checkpoint_is_refused_at_start_naming_its_method(tmp_path):
         (d / "config.json").write_text(json.dumps(raw))
         with pytest.raises(ValueError, match=rf"quant_method '{method}'.*--quantization"):
             ModelConfig.from_server_args(ServerArgs(model_path=str(d), tokenizer_path=str(d)), "cpu")
+
+
+def test_dummy_weights_are_the_float_dummies_quantized(tiny_llama):
+    """--load-format dummy with --quantization: each quantized weight is the unquantized run's random weight,
+    quantized on the device (values and scales equal to the host quantizer's), the other parameters identical."""
+    from sgl_jax.srt.configs.model_config import ModelConfig
+    from sgl_jax.srt.model_loader.loader import load_model
+
+    def flat(quantization):
+        sa = ServerArgs(model_path=tiny_llama, load_format="dummy", quantization=quantization)
+        _, params = load_model(ModelConfig.from_server_args(sa, "cpu"), "dummy", seed=3)
+        return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
+
+    plain = flat(None)
+    for method in ("int8", "w8a8_fp8"):
+        quant = flat(method)
+        scaled = [n for n in quant if n.endswith("weight_scale")]
+        assert len(scaled) == 2 * 7
+        for name, value in plain.items():
+            if name + "_scale" in quant:
+                q, scale = quantize_weight(value, get_method(method))
+                assert quant[name].dtype == get_method(method).weight_dtype
+                np.testing.assert_array_equal(quant[name].astype(np.float32), q.astype(np.float32))
+                np.testing.assert_allclose(quant[name + "_scale"], scale, rtol=1e-6)
+            else:
+                np.testing.assert_array_equal(quant[name], value)

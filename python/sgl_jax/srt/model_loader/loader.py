@@ -150,20 +150,23 @@ class _Placer:
             self._dummy_fns[key] = fn
         return fn(jnp.uint32(seed), jnp.uint32(index))
 
-
     def dummy_quantized(self, name: str, shape: tuple, seed: int, index: int, method) -> Tuple[jax.Array, jax.Array]:
         """`dummy`'s random weight for a quantized linear layer, quantized on the devices with `method`:
-        (q [out, in], scale float32 [out]) in the shardings of ``name`` and ``name + "_scale"``."""
+        (q [out, in], scale float32 [out]) in the shardings of ``name`` and ``name + "_scale"``. One compiled
+        function per (shape, method, sharding), as `dummy` keeps."""
         ckpt = self.checkpoint_shape(name, shape)
         kv = (self.kv_heads, self.padded_kv_heads) if name.endswith(_KV_PROJ) and ckpt != shape else None
         shardings = None if self.mesh is None else tuple(
             NamedSharding(self.mesh, param_spec(n, self.expert_axes)) for n in (name, name + "_scale"))
+        key = (ckpt, kv, shardings, method.name)
+        fn = self._dummy_fns.get(key)
+        if fn is None:
+            def make(seed, index):
+                w = _dummy_value(ckpt, jnp.dtype(self.dtype), False, kv, seed, index)
+                return quantize_weight(w, method, jnp)
 
-        def make(seed, index):
-            w = _dummy_value(ckpt, jnp.dtype(self.dtype), False, kv, seed, index)
-            return quantize_weight(w, method, jnp)
-
-        return jax.jit(make, out_shardings=shardings)(jnp.uint32(seed), jnp.uint32(index))
+            fn = self._dummy_fns[key] = jax.jit(make, out_shardings=shardings)
+        return fn(jnp.uint32(seed), jnp.uint32(index))
 
 
 def _dummy_value(shape, dtype, ones, kv_heads, seed, index):
@@ -254,12 +257,14 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
     values = {}
 
     if load_format == "dummy":
-        for i, (name, (_, var)) in enumerate(tqdm(by_name.items(), desc="Initializing dummy weights",
-                                                  unit="tensor")):
-            shape = tuple(var.get_value().shape)
+        # a tensor's randomness is indexed among the unquantized model's parameters (scales are not counted), so
+        # a quantized model's dummy weights are the unquantized model's, quantized
+        tensors = [n for n in by_name if not (n.endswith("_scale") and n[:-len("_scale")] in quantized)]
+        for i, name in enumerate(tqdm(tensors, desc="Initializing dummy weights", unit="tensor")):
+            shape = tuple(by_name[name][1].get_value().shape)
             if name in quantized:
                 values[name], values[name + "_scale"] = placer.dummy_quantized(name, shape, seed, i, method)
-            elif not (name.endswith("_scale") and name[:-6] in quantized):
+            else:
                 values[name] = placer.dummy(name, shape, seed, i)
     else:
         source, total = _weight_source(model_config, load_format)
