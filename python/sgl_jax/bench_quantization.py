@@ -49,14 +49,14 @@ COLUMNS = ("row", "ppl", "ppl vs bf16", "top-1 agree", "mean abs dlp", "max abs 
            "prefill s", "decode b1 ms", "decode bN ms")
 
 
-def row_server_args(sa: ServerArgs, row: str, base_dtype: str) -> ServerArgs:
-    """The ServerArgs of one row: ``--dtype row`` for float32 / bfloat16, ``--kv-cache-dtype`` fp8 over float32 for
-    a ``kv_*`` row, else ``--quantization row`` over `base_dtype` weights."""
+def row_overrides(row: str, base_dtype: str) -> dict:
+    """The ServerArgs fields a row sets: ``dtype`` = row for float32 / bfloat16; float32 weights and an fp8
+    ``kv_cache_dtype`` for a ``kv_*`` row; else ``quantization`` = row over `base_dtype` weights."""
     if row in ("float32", "bfloat16"):
-        return dataclasses.replace(sa, dtype=row, quantization=None)
+        return {"dtype": row, "quantization": None}
     if row in KV_ROWS:
-        return dataclasses.replace(sa, dtype="float32", quantization=None, kv_cache_dtype=row[len("kv_"):])
-    return dataclasses.replace(sa, dtype=base_dtype, quantization=row)
+        return {"dtype": "float32", "quantization": None, "kv_cache_dtype": row[len("kv_"):]}
+    return {"dtype": base_dtype, "quantization": row}
 
 
 def text_windows(tokenizer, path: str, windows: int, window_len: int) -> List[List[int]]:
@@ -182,21 +182,21 @@ def parse_args(argv: List[str]):
 
 
 def _flags(argv: List[str], row: str, base_dtype: str) -> List[str]:
-    """`argv` without this script's own flags, plus the row's --dtype / --quantization."""
+    """`argv` without this script's own flags and the ones a row sets, plus the row's (`row_overrides`)."""
+    overrides = row_overrides(row, base_dtype)
     own = {"--rows", "--base-dtype", "--text-file", "--windows", "--window-len", "--prefill-len", "--decode-batch",
-           "--output-len", "--report", "--skip-speed", "--dtype", "--quantization", "--log-level",
-           "--kv-cache-dtype"}
+           "--output-len", "--report", "--skip-speed", "--log-level"} | {_flag(k) for k in overrides}
     kept, skip = [], False
     for a in argv:
         if a.startswith("--"):
             skip = a.split("=")[0] in own
         if not skip:
             kept.append(a)
-    if row in ("float32", "bfloat16"):
-        return kept + ["--dtype", row]
-    if row in KV_ROWS:
-        return kept + ["--dtype", "float32", "--kv-cache-dtype", row[len("kv_"):]]
-    return kept + ["--dtype", base_dtype, "--quantization", row]
+    return kept + [x for k, v in overrides.items() if v is not None for x in (_flag(k), str(v))]
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -211,7 +211,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     base = args.base_dtype or ("float32" if platform == "cpu" else "bfloat16")
     rows = {}
     for row in ["float32"] + [r for r in args.rows if r != "float32"]:
-        rsa = row_server_args(sa, row, base)
+        rsa = dataclasses.replace(sa, **row_overrides(row, base))
         with Engine(**dataclasses.asdict(accuracy_server_args(rsa, args.window_len))) as engine:
             rows[row] = score_text(engine, args.text_file, args.windows, args.window_len)
         if not args.skip_speed:

@@ -89,9 +89,3 @@ def quantize_weight(w, method: QuantMethod, xp=np) -> Tuple[object, object]:
     `xp`: numpy (the loader, on host) or jax.numpy (dummy weights, made on the devices)."""
     scale = absmax_scale(w, 1, method.qmax, xp)
     return quantize(w, scale, method, xp), scale[:, 0]
-
-
-def dequantize_weight(q, scale, xp=np):
-    """q [out, in] and its per-channel scale [out] -> float32 [out, in] (tests and reports; never the serving
-    path)."""
-    return q.astype(xp.float32) * scale[:, None]
