@@ -149,7 +149,7 @@ def weight_bytes_per_device(model_config, tp: int, shapes: Optional[dict] = None
     for name, (shape, itemsize) in (shapes or param_shapes(model_config, tp)).items():
         if only is not None and not re.search(only, name):
             continue
-        spec = tuple(param_spec(name, ("tensor",) if expert_parallel else ())) + (None,) * len(shape)
+        spec = tuple(param_spec(name, ("tensor",) if expert_parallel else (), len(shape))) + (None,) * len(shape)
         total += itemsize * math.prod(-(-d // tp) if ax == "tensor" else d for d, ax in zip(shape, spec))
     return total
 

@@ -187,19 +187,29 @@ SMOLLM2_SCALES = 30 * (576 + 192 + 192 + 576 + 1536 + 1536 + 576)
 SMOLLM2_FLOAT = 49152 * 576 + 30 * 2 * 576 + 576
 
 
-@pytest.fixture(scope="module")
-def quantized_server():
-    yield from module_server(["--quantization", "w8a8_fp8", "--kv-cache-dtype", "fp8_e4m3"],
-                             engine_args=SERVER_ARGS)
+# (flags, /get_server_info's quantization, KV cache dtype, weight bytes): W8A8 fp8 weights with an fp8 KV cache,
+# and the GGUF's own Q4_1 blocks kept (int8 values, a float32 scale and min per 32 values: SMOLLM2_LINEAR / 4 bytes)
+SERVED = {
+    "w8a8_fp8": (["--quantization", "w8a8_fp8", "--kv-cache-dtype", "fp8_e4m3"], "w8a8_fp8", "float8_e4m3fn",
+                 SMOLLM2_LINEAR + 4 * SMOLLM2_SCALES + 4 * SMOLLM2_FLOAT),
+    "gguf": (["--quantization", "gguf"], "gguf", "float32", SMOLLM2_LINEAR + SMOLLM2_LINEAR // 4 + 4 * SMOLLM2_FLOAT),
+}
+
+
+@pytest.fixture(scope="module", params=list(SERVED))
+def quantized_server(request):
+    for server in module_server(SERVED[request.param][0], engine_args=SERVER_ARGS):
+        yield request.param, server
 
 
 def test_a_quantized_server_answers_every_api(quantized_server):
-    url = quantized_server.url
+    name, server = quantized_server
+    url = server.url
     info = httpx.get(url + "/get_server_info", timeout=30).json()
-    assert info["scheduler_info"]["quantization"] == "w8a8_fp8"
-    assert info["scheduler_info"]["kv_cache_dtype"] == "float8_e4m3fn"
-    assert info["scheduler_info"]["weight_bytes_per_device"] == (SMOLLM2_LINEAR + 4 * SMOLLM2_SCALES +
-                                                                 4 * SMOLLM2_FLOAT)
+    _, quantization, kv_dtype, weight_bytes = SERVED[name]
+    assert info["scheduler_info"]["quantization"] == quantization
+    assert info["scheduler_info"]["kv_cache_dtype"] == kv_dtype
+    assert info["scheduler_info"]["weight_bytes_per_device"] == weight_bytes
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     calls = [
         ("/generate", {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8,
@@ -230,29 +240,6 @@ def test_a_quantized_server_answers_every_api(quantized_server):
                                                                    "stream": True}, timeout=120) as r:
         assert r.status_code == 200 and sum(line.startswith("data: ") for line in r.iter_lines()) >= 2
     wait_pool_idle(url)
-
-
-# --------------------------------------------------------------------------------------------- checkpoints
-def test_a_quantized_checkpoint_is_refused_at_start_naming_its_method(tmp_path):
-    """A checkpoint stored quantized (HF FP8 with weight_scale_inv, compressed-tensors, GPTQ ...) is refused before
-    its tensors are read, naming the quant_method: loading its int8 / fp8 tensors without their scales would serve
-    a broken model."""
-    import json
-
-    from transformers import LlamaConfig
-
-    from sgl_jax.srt.configs.model_config import ModelConfig
-
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
-    for method in ("fp8", "compressed-tensors", "gptq"):
-        d = tmp_path / method
-        d.mkdir()
-        raw = config.to_dict()
-        raw["quantization_config"] = {"quant_method": method, "weight_block_size": [128, 128]}
-        (d / "config.json").write_text(json.dumps(raw))
-        with pytest.raises(ValueError, match=rf"quant_method '{method}'.*--quantization"):
-            ModelConfig.from_server_args(ServerArgs(model_path=str(d), tokenizer_path=str(d)), "cpu")
 
 
 def test_dummy_weights_are_the_float_dummies_quantized(tiny_llama):

@@ -20,6 +20,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")  # SGLang's aliases: half, float
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATION_METHODS = ("int8", "fp8", "w8a8_int8", "w8a8_fp8")  # SGLang's names (quantization/methods.py)
+QUANTIZATION_CHOICES = QUANTIZATION_METHODS + ("gguf",)  # gguf: a .gguf file's blocks kept (quantization/checkpoint.py)
 DEVICES = ("auto", "cpu", "tpu", "gpu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MULTI_ITEM_ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
@@ -80,7 +81,7 @@ def _default_cache_root() -> str:
 _CHOICES = {
     "load_format": LOAD_FORMATS, "dtype": DTYPES, "tokenizer_mode": TOKENIZER_MODES,
     "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
-    "moe_backend": MOE_BACKENDS, "quantization": QUANTIZATION_METHODS,
+    "moe_backend": MOE_BACKENDS, "quantization": QUANTIZATION_CHOICES,
     "log_level": LOG_LEVELS, "multi_item_algorithm": MULTI_ITEM_ALGORITHMS, "grammar_backend": GRAMMAR_BACKENDS,
     "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
     "load_balance_method": LOAD_BALANCE_METHODS, "schedule_policy": SCHEDULE_POLICIES,
@@ -479,7 +480,9 @@ FLAG_HELP = {
     "dtype": "float32 (float) | bfloat16 | float16 (half) | auto (bfloat16 on TPU/GPU, float32 on CPU)",
     "quantization": "quantize the linear layers' weights at load: int8 | fp8 (weight-only, one scale per output "
                     "channel) | w8a8_int8 | w8a8_fp8 (activations quantized per token too, so the matmul is an "
-                    "int8 or fp8 dot); docs/quantization.md",
+                    "int8 or fp8 dot) | gguf (a .gguf model's Q8_0 / Q4_0 / Q4_1 blocks kept as int8 with per-block "
+                    "scales); unset: a pre-quantized checkpoint (HF block FP8, compressed-tensors int8) is served "
+                    "as stored; docs/quantization.md",
     "page_size": "tokens per KV cache page (default: 128 on TPU, 16 on GPU, 1 on CPU; the platform from --device, "
                  "else $JAX_PLATFORMS, else the accelerator plugin installed: server_args.platform_hint)",
     "kv_cache_dtype": "KV cache storage: auto (the model's --dtype) | bfloat16 (bf16) | float32 | fp8_e4m3 | "

@@ -9,7 +9,8 @@ from typing import Dict, List, Optional
 
 from sgl_jax.srt.chat_templates import resolve_chat_template
 from sgl_jax.srt.model_loader.default_model import find_default_model_path, packaged_gguf_for
-from sgl_jax.srt.quantization.checkpoint import check_checkpoint_quantization
+from sgl_jax.srt.quantization.checkpoint import GGUF_LINEAR_SUFFIXES, ResolvedQuantization, resolve_quantization
+from sgl_jax.srt.quantization.methods import QuantScheme, as_scheme
 from sgl_jax.srt.server_args import resolve_moe_backend
 
 
@@ -296,7 +297,15 @@ class ModelConfig:
     local_rope_parameters: Optional[dict] = None
     moe_backend: str = "ragged_dot"  # a resolved --moe-backend (server_args.resolve_moe_backend)
     ep_size: int = 1  # --ep-size: 1, tp or dp * tp (distributed/sharding.expert_axes)
-    quantization: Optional[str] = None  # --quantization: the linear layers' method (quantization/methods.py)
+    quantization: Optional[str] = None  # --quantization: the linear layers' method (quantization/methods.py), "gguf"
+    # how the linear layers are stored (None: from `quantization`) and what the checkpoint holds
+    # (quantization/checkpoint.py: resolve_quantization)
+    quant_scheme: Optional[QuantScheme] = None
+    quant_checkpoint: Optional[ResolvedQuantization] = None
+
+    def __post_init__(self):
+        if self.quant_scheme is None and self.quantization not in (None, "gguf"):
+            self.quant_scheme = as_scheme(self.quantization)
 
     def layer_window(self, layer_id: int) -> Optional[int]:
         """The sliding window (tokens a query sees, itself included) of layer `layer_id`, None for a full one."""
@@ -326,7 +335,8 @@ class ModelConfig:
 
         resolved = resolve_model(server_args)
         hf_config = AutoConfig.from_pretrained(resolved.hf_dir, trust_remote_code=server_args.trust_remote_code)
-        check_checkpoint_quantization(hf_config, resolved.model_path)
+        quant = resolve_quantization(hf_config, resolved.model_path, server_args.quantization,
+                                     _gguf_linear_types(resolved.gguf_file))
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"{resolved.hf_dir}/config.json has no 'architectures' field")
@@ -359,8 +369,19 @@ class ModelConfig:
             local_rope_parameters=_rope_parameters(hf_config, SLIDING_ATTENTION) if has_swa else None,
             moe_backend=resolve_moe_backend(server_args.moe_backend, platform),
             ep_size=int(server_args.ep_size),
-            quantization=server_args.quantization,
+            quantization=quant.name,
+            quant_scheme=quant.scheme,
+            quant_checkpoint=quant,
         )
+
+
+def _gguf_linear_types(gguf_file: Optional[str]):
+    """The GGUF tensor types of a .gguf model's dense linear weights (None for a model of another format)."""
+    if not gguf_file:
+        return None
+    from sgl_jax.srt.model_loader.gguf_reader import open_gguf
+
+    return {t.tensor_type.name for t in open_gguf(gguf_file).tensors if t.name.endswith(GGUF_LINEAR_SUFFIXES)}
 
 
 def _eos_token_ids(hf_dir: str, hf_config) -> List[int]:

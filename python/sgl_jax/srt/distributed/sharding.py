@@ -9,8 +9,10 @@ Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM"), with weights in HF layo
   the partial sums;
 - vocab-parallel: the embedding table and the LM head ``[vocab, hidden]`` split the vocabulary,
   ``P("tensor", None)``; logits are gathered (replicated) before sampling;
-- a quantized layer's per-output-channel scales (``weight_scale`` [out], --quantization) follow its output
-  features: split with a column-parallel layer's, replicated with a row-parallel one's;
+- a quantized layer's scales follow its weight: per output channel (``weight_scale`` [out], --quantization) split
+  with a column-parallel layer's and replicated with a row-parallel one's; per group of input features
+  (``weight_scale`` / ``weight_min`` [out, groups]: GGUF and HF FP8 blocks) split like the weight (a row-parallel
+  layer's replicated when the groups do not split evenly: the loader's `_Placer`);
 - everything else (norms, per-head q/k norms) is replicated.
 
 Data-parallel attention ranks (``--dp-size``, the mesh's ``data`` axis): every array of a step is the ranks'
@@ -25,7 +27,7 @@ exactly one (SGLang's behaviour); k/v projection rows are repeated to match when
 from __future__ import annotations
 
 import re
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,8 +44,8 @@ RANK_ROWS = P("data")  # per-rank step metadata stacked along axis 0 (tokens, se
 # (regex over the dotted parameter path, spec); the first match wins, no match means replicated
 PARAM_SPECS: List[Tuple[str, P]] = [
     (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$", COLUMN),
-    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(bias|weight_scale)$", P("tensor")),
-    (r"\.(o_proj|down_proj)\.weight$", ROW),
+    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(bias|weight_scale|weight_min)$", P("tensor")),
+    (r"\.(o_proj|down_proj)\.(weight|weight_scale|weight_min)$", ROW),
     (r"(^|\.)embed_tokens\.weight$", VOCAB),
     (r"(^|\.)lm_head\.weight$", VOCAB),
 ]
@@ -80,15 +82,16 @@ def expert_axes(ep_size: int, tp_size: int, dp_size: int = 1) -> Tuple[str, ...]
                      f"over no axis, the tensor axis, or every device), got {ep_size}")
 
 
-def param_spec(name: str, expert_axes: Tuple[str, ...] = ()) -> P:
+def param_spec(name: str, expert_axes: Tuple[str, ...] = (), ndim: Optional[int] = None) -> P:
     """The PartitionSpec of the parameter at dotted path `name` (e.g. ``model.layers.0.mlp.up_proj.weight``).
     Stacked expert weights are split by expert over `expert_axes` (`expert_axes`: from ``--ep-size``; empty:
-    replicated)."""
+    replicated). `ndim`: the parameter's rank, when known: a spec of more axes (a row-parallel layer's
+    per-channel ``weight_scale`` [out] under the rule for its [out, groups] form) means replicated."""
     if re.search(STACKED_EXPERTS, name):
         return {(): REPLICATED, ("tensor",): EXPERTS, ("data", "tensor"): EXPERTS_OVER_MESH}[tuple(expert_axes)]
     for pattern, spec in PARAM_SPECS:
         if re.search(pattern, name):
-            return spec
+            return REPLICATED if ndim is not None and len(spec) > ndim else spec
     return REPLICATED
 
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
 
-from sgl_jax.srt.quantization.methods import QuantMethod, get_method
+from sgl_jax.srt.quantization.methods import QuantMethod, QuantScheme, as_scheme, get_method
 
 
 def dot_weight_t(x: jax.Array, w: jax.Array, preferred_element_type: Optional[jnp.dtype] = None) -> jax.Array:
@@ -56,23 +56,32 @@ class Linear(nnx.Module):
         use_bias: add a [out_features] bias.
         dtype: parameter and compute dtype (the output's dtype; a quantized layer's bias stays in it).
         rngs: initializer randomness (normal, std 0.02); real weights are loaded over it.
-        quantization: a ``--quantization`` method name (quantization/methods.py); None: W in `dtype`. Quantized,
-            W is int8 or float8_e4m3fn and ``weight_scale`` float32 [out_features] holds its per-output-channel
-            scales (the loader fills both from a float checkpoint: model_loader/loader.py).
+        quantization: a ``--quantization`` method name or a `QuantScheme` (quantization/methods.py); None: W in
+            `dtype`. Quantized, W is int8 or float8_e4m3fn and ``weight_scale`` float32 holds its scales: [out] per
+            output channel, or [out, in / group_size] per group of input features (GGUF blocks, HF FP8 blocks),
+            with ``weight_min`` [out, in / group_size] where groups carry an offset (GGUF Q4_1). The loader fills
+            them from a float checkpoint or a pre-quantized one (model_loader/loader.py).
     Raises:
-        ValueError: an unknown quantization method.
+        ValueError: an unknown quantization method, or a group size that does not divide `in_features`.
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, dtype=jnp.float32,
-                 rngs: nnx.Rngs, quantization: Optional[str] = None):
-        self.quantization = quantization
-        if quantization is None:
+                 rngs: nnx.Rngs, quantization: Union[str, QuantScheme, None] = None):
+        scheme = self.quantization = as_scheme(quantization)
+        if scheme is None:
             self.weight = nnx.Param(jax.random.normal(rngs.params(), (out_features, in_features), dtype) * 0.02)
             self.weight_scale = None
         else:
-            method = get_method(quantization)
+            method = get_method(scheme.method)
             self.weight = nnx.Param(jnp.zeros((out_features, in_features), method.weight_dtype))
-            self.weight_scale = nnx.Param(jnp.ones((out_features,), jnp.float32))
+            scale_shape = (out_features,)
+            if scheme.group_size is not None:
+                if in_features % scheme.group_size:
+                    raise ValueError(f"a quantization group of {scheme.group_size} input features does not divide "
+                                     f"a layer's {in_features}")
+                scale_shape = (out_features, in_features // scheme.group_size)
+            self.weight_scale = nnx.Param(jnp.ones(scale_shape, jnp.float32))
+        self.weight_min = nnx.Param(jnp.zeros(scale_shape, jnp.float32)) if scheme and scheme.with_min else None
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
         self.dtype = jnp.dtype(dtype)
 
@@ -84,9 +93,13 @@ class Linear(nnx.Module):
         bfloat16 operands ran 2x faster than float32 (9 ms) on a CPU with AVX512-BF16. TPU/GPU keep the
         parameter dtype's result (their dots accumulate in float32 anyway), so a tensor-parallel row layer's
         partial sums cross devices in bfloat16."""
-        if self.quantization is not None:
+        scheme = self.quantization
+        if scheme is not None and scheme.group_size is not None:
+            y = group_quantized_matmul(x.astype(self.dtype), self.weight[...], self.weight_scale[...],
+                                       None if self.weight_min is None else self.weight_min[...])
+        elif scheme is not None:
             y = quantized_matmul(x.astype(self.dtype), self.weight[...], self.weight_scale[...],
-                                 get_method(self.quantization))
+                                 get_method(scheme.method))
         else:
             w = self.weight[...]
             acc = jnp.float32 if jax.default_backend() == "cpu" else None
@@ -119,3 +132,70 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, method: Quant
         return qwix.dot_general(xq, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     return _two_rows_on_cpu(x, dot)
+
+
+# the most bytes of float32 partial products [groups, tokens, out] one step of `group_quantized_matmul` may hold
+GROUP_PARTIALS_BYTES = 64 << 20
+
+
+def group_quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, minimum: Optional[jax.Array] = None,
+                           partials_bytes: int = GROUP_PARTIALS_BYTES) -> jax.Array:
+    """x @ w.T for a weight quantized per group of input features, w[o, k] ~ q[o, k] * scale[o, k // g]
+    (+ minimum[o, k // g]), without a dequantized weight: each group's dot runs on q converted to x's dtype
+    (exact: int8 and float8_e4m3fn values are bfloat16 values) and its [tokens, out] result is scaled and summed
+    over the groups in float32. The minimums add (sum of x over the group) @ minimum.T.
+
+    Args:
+        x: [..., in] activations (float32 or bfloat16).
+        q: [out, in] int8 or float8_e4m3fn; scale, minimum: float32 [out, in / g] (g = in / scale.shape[1]).
+        partials_bytes: the groups are taken a chunk at a time (a loop over chunks) so that the float32 partial
+            products [groups, tokens, out] stay under this many bytes (a 2,000-token prefill of a 5120 x 25600
+            layer would otherwise hold 40 x 2000 x 25600 floats).
+    Returns:
+        float32 [..., out].
+
+    The layouts served: GGUF Q8_0 / Q4_0 / Q4_1 blocks of 32 (llama.cpp's ggml-quants), HF FP8 blocks of
+    [128, 128] (``weight_scale_inv``, DeepSeek-V3 / Qwen3-FP8 releases).
+    """
+    out, n_in = q.shape
+    n_groups = scale.shape[1]
+    g = n_in // n_groups
+
+    def dot(x):
+        x3 = x.reshape(-1, n_groups, g)
+        tokens = x3.shape[0]
+        step = _groups_per_step(n_groups, tokens * out * 4, partials_bytes)
+
+        def partial(xc, qc, sc):  # [T, G, g], [out, G, g], [out, G] -> [T, out]
+            p = jax.lax.dot_general(xc, qc.astype(x.dtype), (((2,), (2,)), ((1,), (1,))),
+                                    preferred_element_type=jnp.float32)  # [G, T, out]
+            return jnp.einsum("gto,og->to", p, sc)
+
+        if step == n_groups:
+            y = partial(x3, q.reshape(out, n_groups, g), scale)
+        else:
+            chunks = n_groups // step
+            x4 = x3.reshape(tokens, chunks, step, g)
+            q4, s4 = q.reshape(out, chunks, step, g), scale.reshape(out, chunks, step)
+
+            def body(c, acc):
+                def take(a):
+                    return jax.lax.dynamic_index_in_dim(a, c, 1, keepdims=False)
+                return acc + partial(take(x4), take(q4), take(s4))
+
+            y = jax.lax.fori_loop(0, chunks, body, jnp.zeros((tokens, out), jnp.float32))
+        if minimum is not None:
+            sums = x3.astype(jnp.float32).sum(-1)  # [T, groups]
+            y = y + jax.lax.dot_general(sums, minimum, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return y.reshape(x.shape[:-1] + (out,))
+
+    return _two_rows_on_cpu(x, dot)
+
+
+def _groups_per_step(n_groups: int, bytes_per_group: int, limit: int) -> int:
+    """The largest divisor of `n_groups` whose partial products fit `limit` bytes (at least 1)."""
+    best = 1
+    for d in range(1, n_groups + 1):
+        if n_groups % d == 0 and d * bytes_per_group <= limit:
+            best = d
+    return best

@@ -19,6 +19,7 @@ the GGUF spec (``gguf-py/gguf/constants.py``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -28,7 +29,9 @@ from typing import Iterator, Optional, Tuple
 import numpy as np
 
 from sgl_jax.srt.chat_templates import BUILTIN_CHAT_TEMPLATES
+from sgl_jax.srt.model_loader.gguf_blocks import BLOCK_DTYPES, GroupQuantized, read_blocks
 from sgl_jax.srt.model_loader.gguf_reader import open_gguf
+from sgl_jax.srt.quantization.checkpoint import GGUF_LINEAR_SUFFIXES
 
 logger = logging.getLogger(__name__)
 
@@ -336,7 +339,7 @@ def _hf_name(gguf_name: str, arch: str) -> Optional[str]:
     return None
 
 
-def iterate_gguf_tensors(path: str, reader=None) -> Iterator[Tuple[str, np.ndarray]]:
+def iterate_gguf_tensors(path: str, reader=None, keep_blocks: bool = False) -> Iterator[Tuple[str, object]]:
     """Yield ``(hf_name, float32 array)`` for every tensor of the GGUF file, in file order.
 
     Arrays are dequantized (any type `gguf.quants.dequantize` supports: F32, F16, BF16, Q4_0/1, Q5_0/1,
@@ -344,6 +347,9 @@ def iterate_gguf_tensors(path: str, reader=None) -> Iterator[Tuple[str, np.ndarr
     Tensors with no HF counterpart are skipped with a debug log. llama q/k rows are un-permuted and gemma3
     norm weights shifted back (``w = stored - 1``), so the arrays are HF's. Pass an open
     `gguf_reader.GGUFFile` as `reader` to avoid parsing the file's metadata again.
+
+    `keep_blocks` (--quantization gguf): the dense linear layers' Q8_0 / Q4_0 / Q4_1 weights come as
+    `gguf_blocks.GroupQuantized` (int8 values, per-block scales and mins, rows un-permuted alike) instead.
     """
     from gguf.quants import dequantize
 
@@ -358,16 +364,24 @@ def iterate_gguf_tensors(path: str, reader=None) -> Iterator[Tuple[str, np.ndarr
         if name is None:
             logger.debug("Skipping GGUF tensor %s", t.name)
             continue
-        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(t.shape)
+        if keep_blocks and t.name.endswith(GGUF_LINEAR_SUFFIXES) and t.tensor_type.name in BLOCK_DTYPES:
+            arr = read_blocks(t.data, t.tensor_type.name, t.shape)
+        else:
+            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(t.shape)
         if "_exps." in t.name:  # stacked experts [E, out, in] -> the model's [E, in, out]
             arr = np.ascontiguousarray(arr.transpose(0, 2, 1))
         elif t.name.endswith("ffn_gate_inp_shexp.weight"):
             arr = arr.reshape(1, -1)  # HF's shared_expert_gate is a Linear(hidden, 1)
         if arch == "llama":
             if name.endswith(("q_proj.weight", "q_proj.bias")):
-                arr = unpermute_qk(arr, n_heads)
+                arr = _rows(arr, functools.partial(unpermute_qk, n_heads=n_heads))
             elif name.endswith(("k_proj.weight", "k_proj.bias")):
-                arr = unpermute_qk(arr, n_kv)
+                arr = _rows(arr, functools.partial(unpermute_qk, n_heads=n_kv))
         elif arch == "gemma3" and name.endswith("norm.weight"):
             arr = arr - np.float32(GEMMA3_NORM_SHIFT)
         yield name, arr
+
+
+def _rows(arr, fn):
+    """`fn` (a reordering of rows) applied to a float array or to every part of a `GroupQuantized`."""
+    return arr.rows(fn) if isinstance(arr, GroupQuantized) else fn(arr)

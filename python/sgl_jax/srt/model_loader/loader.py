@@ -9,21 +9,26 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import logging
 import os
 import re
+import struct
 from typing import Iterator, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from sgl_jax.srt.distributed.sharding import expert_axes, padded_kv_heads, param_spec, replicate_kv_rows
 from sgl_jax.srt.models.registry import get_model_class
-from sgl_jax.srt.quantization.methods import get_method, quantize_weight
+from sgl_jax.srt.model_loader.gguf_blocks import GroupQuantized
+from sgl_jax.srt.quantization.methods import get_method, quantize_weight, quantize_weight_groups
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +52,33 @@ def _iterate_safetensors(model_dir: str) -> Iterator[Tuple[str, object]]:
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="numpy") as f:  # host arrays: each is placed shard by shard
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, _get_tensor(f, path, name)
+
+
+# safetensors dtypes numpy has no type for, read through their bytes as ml_dtypes' types
+_FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _get_tensor(f, path: str, name: str) -> np.ndarray:
+    """Tensor `name` of the open safetensors file `f` (at `path`) as a host array; fp8 tensors (which safetensors'
+    numpy reader cannot return: numpy has no fp8 dtype) are mapped from the file as ml_dtypes' float8 arrays."""
+    dtype = f.get_slice(name).get_dtype()
+    if dtype not in _FP8_DTYPES:
+        return f.get_tensor(name)
+    header_len, header = _safetensors_header(path)
+    info = header[name]
+    start, end = info["data_offsets"]
+    raw = np.memmap(path, np.uint8, "r", offset=8 + header_len + start, shape=(end - start,))
+    return raw.view(_FP8_DTYPES[dtype]).reshape(info["shape"])
+
+
+@functools.lru_cache(maxsize=64)
+def _safetensors_header(path: str) -> Tuple[int, dict]:
+    """(header bytes, header) of a safetensors file: an 8-byte little-endian length, then a JSON object mapping
+    each tensor to its dtype, shape and data_offsets (relative to the end of the header); the safetensors format."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        return n, json.loads(fh.read(n))
 
 
 def read_checkpoint_tensor(model_config, name: str) -> Optional[np.ndarray]:
@@ -62,7 +93,7 @@ def read_checkpoint_tensor(model_config, name: str) -> Optional[np.ndarray]:
     for path in _safetensors_files(model_config.resolved.hf_dir):
         with safe_open(path, framework="numpy") as f:
             if name in f.keys():
-                return f.get_tensor(name)
+                return _get_tensor(f, path, name)
     return None
 
 
@@ -89,15 +120,16 @@ def _weight_source(model_config, load_format: str):
         if not gguf:
             raise ValueError("--load-format gguf needs a .gguf --model-path")
         reader = open_gguf(gguf)
-        return iterate_gguf_tensors(gguf, reader), len(reader.tensors)
+        quant = getattr(model_config, "quant_checkpoint", None)
+        keep = quant is not None and quant.checkpoint == "gguf"
+        return iterate_gguf_tensors(gguf, reader, keep_blocks=keep), len(reader.tensors)
     if fmt == "safetensors":
         d = model_config.resolved.hf_dir
         return _iterate_safetensors(d), _count_safetensors(d)
     raise ValueError(f"--load-format {load_format!r} is not a checkpoint format")
 
 
-_KV_PROJ = (".k_proj.weight", ".k_proj.bias", ".v_proj.weight", ".v_proj.bias", ".k_proj.weight_scale",
-            ".v_proj.weight_scale")
+_KV_PROJ = tuple(f".{p}.{t}" for p in ("k_proj", "v_proj") for t in ("weight", "bias", "weight_scale", "weight_min"))
 
 
 class _Placer:
@@ -129,7 +161,20 @@ class _Placer:
             host = replicate_kv_rows(host, self.kv_heads, self.padded_kv_heads)
         if self.mesh is None:
             return jnp.asarray(host)
-        return jax.device_put(host, NamedSharding(self.mesh, param_spec(name, self.expert_axes)))
+        return jax.device_put(host, self.sharding(name, host.shape))
+
+    def sharding(self, name: str, shape: tuple) -> Optional[NamedSharding]:
+        """Parameter `name`'s sharding (distributed/sharding.param_spec) for an array of `shape`; replicated where
+        a split axis does not divide evenly (a row-parallel layer's [out, groups] scales with groups not a
+        multiple of tp). None without a mesh."""
+        if self.mesh is None:
+            return None
+        spec = param_spec(name, self.expert_axes, len(shape))
+        for dim, axes in zip(shape, spec):
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+            if dim % int(np.prod([self.mesh.shape[a] for a in axes])):
+                spec = P()
+        return NamedSharding(self.mesh, spec)
 
     def dummy(self, name: str, shape: tuple, seed: int, index: int) -> jax.Array:
         """A random parameter of `shape` made on the devices, each computing only its own shard (no host copy:
@@ -140,7 +185,7 @@ class _Placer:
         ones = name.endswith("norm.weight")
         ckpt = self.checkpoint_shape(name, shape)
         kv = name.endswith(_KV_PROJ) and ckpt != shape
-        sharding = None if self.mesh is None else NamedSharding(self.mesh, param_spec(name, self.expert_axes))
+        sharding = self.sharding(name, shape)
         key = (ckpt, ones, kv, sharding)
         fn = self._dummy_fns.get(key)
         if fn is None:
@@ -150,23 +195,31 @@ class _Placer:
             self._dummy_fns[key] = fn
         return fn(jnp.uint32(seed), jnp.uint32(index))
 
-    def dummy_quantized(self, name: str, shape: tuple, seed: int, index: int, method) -> Tuple[jax.Array, jax.Array]:
-        """`dummy`'s random weight for a quantized linear layer, quantized on the devices with `method`:
-        (q [out, in], scale float32 [out]) in the shardings of ``name`` and ``name + "_scale"``. One compiled
-        function per (shape, method, sharding), as `dummy` keeps."""
+    def dummy_quantized(self, name: str, shapes: dict, seed: int, index: int, scheme) -> dict:
+        """`dummy`'s random weight for a quantized linear layer, quantized on the devices with `scheme`
+        (quantization/methods.QuantScheme): {parameter name: array} for ``name`` (q [out, in]), its
+        ``_scale`` and, with mins, ``_min`` (zeros), each in its sharding; `shapes`: those parameters' shapes.
+        One compiled function per (shape, scheme, sharding), as `dummy` keeps."""
+        shape = shapes[name]
         ckpt = self.checkpoint_shape(name, shape)
         kv = (self.kv_heads, self.padded_kv_heads) if name.endswith(_KV_PROJ) and ckpt != shape else None
-        shardings = None if self.mesh is None else tuple(
-            NamedSharding(self.mesh, param_spec(n, self.expert_axes)) for n in (name, name + "_scale"))
-        key = (ckpt, kv, shardings, method.name)
+        names = tuple(n for n in (name, name + "_scale", name + "_min") if n in shapes)
+        shardings = None if self.mesh is None else tuple(self.sharding(n, shapes[n]) for n in names)
+        key = (ckpt, kv, shardings, scheme)
         fn = self._dummy_fns.get(key)
         if fn is None:
+            method = get_method(scheme.method)
+
             def make(seed, index):
                 w = _dummy_value(ckpt, jnp.dtype(self.dtype), False, kv, seed, index)
-                return quantize_weight(w, method, jnp)
+                if scheme.group_size is None:
+                    q, scale = quantize_weight(w, method, jnp)
+                else:
+                    q, scale = quantize_weight_groups(w, method, scheme.group_size, jnp)
+                return (q, scale, jnp.zeros_like(scale)) if scheme.with_min else (q, scale)
 
             fn = self._dummy_fns[key] = jax.jit(make, out_shardings=shardings)
-        return fn(jnp.uint32(seed), jnp.uint32(index))
+        return dict(zip(names, fn(jnp.uint32(seed), jnp.uint32(index))))
 
 
 def _dummy_value(shape, dtype, ones, kv_heads, seed, index):
@@ -232,6 +285,63 @@ class ExpertStacker:
         return target, self.buffers.pop(target)
 
 
+class _CheckpointQuantization:
+    """Turns one checkpoint tensor into the parameters it fills, for quantized linear layers
+    (quantization/checkpoint.py):
+
+    - a float weight of a quantized layer: quantized on the host with the layer's scheme (only int8/fp8 values
+      and their scales reach the devices);
+    - a weight stored quantized (HF FP8, compressed-tensors int8): placed as stored;
+    - HF FP8's ``weight_scale_inv`` [ceil(out / bo), in / bi]: the layer's ``weight_scale``, each block row's
+      scale repeated for its bo rows ([out, in / bi]);
+    - compressed-tensors' ``weight_scale`` [out, 1]: the layer's [out];
+    - a GGUF block tensor (gguf_blocks.GroupQuantized): its values, scales and mins.
+
+    Args:
+        scheme: the model's QuantScheme (None: not quantized); quant: its ResolvedQuantization (None: a float
+            checkpoint); quantized: the quantized layers' weight names; checkpoint_shape: parameter name -> the
+            shape its checkpoint tensor has.
+    """
+
+    def __init__(self, scheme, quant, quantized: set, checkpoint_shape):
+        self.scheme = scheme
+        self.method = get_method(scheme.method) if scheme is not None else None
+        self.format = getattr(quant, "checkpoint", None)
+        self.block = getattr(quant, "block", None)
+        self.quantized = quantized
+        self.checkpoint_shape = checkpoint_shape
+
+    def entries(self, name: str, arr) -> list:
+        """[(parameter name, host array, dtype to place it in (None: the model dtype))] for checkpoint tensor
+        `name`."""
+        if isinstance(arr, GroupQuantized):
+            out = [(name, arr.q, np.int8), (name + "_scale", arr.scale, np.float32)]
+            if self.scheme.with_min:
+                out.append((name + "_min", np.zeros_like(arr.scale) if arr.minimum is None else arr.minimum,
+                            np.float32))
+            return out
+        if self.format == "fp8" and name.endswith(".weight_scale_inv"):
+            target = name[:-len("_inv")]
+            if target[:-len("_scale")] in self.quantized:
+                rows = self.checkpoint_shape(target)[0]
+                return [(target, np.repeat(np.asarray(arr, np.float32), self.block[0], axis=0)[:rows], np.float32)]
+        if self.format == "compressed-tensors" and name.endswith(".weight_scale") and np.ndim(arr) == 2:
+            return [(name, np.asarray(arr, np.float32).reshape(-1), np.float32)]
+        if name not in self.quantized:
+            return [(name, arr, None)]
+        if np.dtype(arr.dtype) == self.method.weight_dtype:  # stored quantized: its scales come as their own tensor
+            return [(name, arr, arr.dtype)]
+        w = np.asarray(arr, np.float32)
+        if self.scheme.group_size is None:
+            q, scale = quantize_weight(w, self.method)
+        else:
+            q, scale = quantize_weight_groups(w, self.method, self.scheme.group_size)
+        out = [(name, q, q.dtype), (name + "_scale", scale, np.float32)]
+        if self.scheme.with_min:
+            out.append((name + "_min", np.zeros_like(scale), np.float32))
+        return out
+
+
 def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Optional[Mesh] = None):
     """Instantiate the model for ``model_config.architecture`` and load its weights.
 
@@ -252,48 +362,47 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
     flat = list(nnx.to_flat_state(abstract_state))
     by_name = {_path_name(path): (i, var) for i, (path, var) in enumerate(flat)}
     placer = _Placer(model_config, dtype, mesh)
-    method = get_method(model_config.quantization) if model_config.quantization else None
+    scheme = getattr(model_config, "quant_scheme", None)
     quantized = {n for n in by_name if n + "_scale" in by_name}  # quantized layers' weights (layers/linear.py)
+    shapes = {n: tuple(v.get_value().shape) for n, (_, v) in by_name.items()}
     values = {}
 
     if load_format == "dummy":
         # a tensor's randomness is indexed among the unquantized model's parameters (scales are not counted), so
         # a quantized model's dummy weights are the unquantized model's, quantized
-        tensors = [n for n in by_name if not (n.endswith("_scale") and n[:-len("_scale")] in quantized)]
+        tensors = [n for n in by_name if n in quantized or re.sub(r"_(scale|min)$", "", n) not in quantized]
         for i, name in enumerate(tqdm(tensors, desc="Initializing dummy weights", unit="tensor")):
-            shape = tuple(by_name[name][1].get_value().shape)
             if name in quantized:
-                values[name], values[name + "_scale"] = placer.dummy_quantized(name, shape, seed, i, method)
+                values.update(placer.dummy_quantized(name, shapes, seed, i, scheme))
             else:
-                values[name] = placer.dummy(name, shape, seed, i)
+                values[name] = placer.dummy(name, shapes[name], seed, i)
     else:
         source, total = _weight_source(model_config, load_format)
-        stacker = ExpertStacker({n: v.get_value().shape for n, (_, v) in by_name.items()}, dtype)
+        stacker = ExpertStacker(shapes, dtype)
+        quant = _CheckpointQuantization(scheme, getattr(model_config, "quant_checkpoint", None), quantized,
+                                        lambda n: placer.checkpoint_shape(n, shapes[n]))
         for name, arr in tqdm(source, total=total, desc="Loading weights", unit="tensor"):
             if name not in by_name and stacker.target(name) is not None:  # one expert of a stacked parameter
                 target, stacked = stacker.add(name, arr)
                 if stacked is not None:
                     values[target] = placer.place(target, stacked)
                 continue
-            if name not in by_name:
-                logger.debug("Ignoring checkpoint tensor %s (no matching parameter)", name)
-                continue
-            expected = placer.checkpoint_shape(name, by_name[name][1].get_value().shape)
-            if tuple(arr.shape) != expected:
-                raise ValueError(f"Checkpoint tensor {name} has shape {tuple(arr.shape)}, model expects {expected}")
-            if name in quantized:  # a float weight quantized on the host: only int8/fp8 values reach the devices
-                q, scale = quantize_weight(np.asarray(arr, np.float32), method)
-                values[name] = placer.place(name, q, q.dtype)
-                values[name + "_scale"] = placer.place(name + "_scale", scale, np.float32)
-                continue
-            values[name] = placer.place(name, arr)
+            for target, host, host_dtype in quant.entries(name, arr):
+                if target not in by_name:
+                    logger.debug("Ignoring checkpoint tensor %s (no matching parameter)", name)
+                    continue
+                expected = placer.checkpoint_shape(target, shapes[target])
+                if tuple(host.shape) != expected:
+                    raise ValueError(f"Checkpoint tensor {name} has shape {tuple(host.shape)}, model expects "
+                                     f"{expected}")
+                values[target] = placer.place(target, host, host_dtype)
     missing = [n for n in by_name if n not in values]
     if missing:
         raise ValueError(f"Checkpoint has no tensors for {len(missing)} parameters, e.g. {missing[:5]}")
     new_flat = [(path, var.replace(values[_path_name(path)])) for path, var in flat]
     params = nnx.from_flat_state(new_flat)
     n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params))
-    quant = f", {len(quantized)} linear layers quantized {method.name}" if quantized else ""
+    quant = f", {len(quantized)} linear layers quantized {model_config.quantization}" if quantized else ""
     logger.info("Loaded %s: %.1fM parameters in %s%s", model_config.architecture, n_params / 1e6, model_config.dtype,
                 quant)
     return graphdef, params

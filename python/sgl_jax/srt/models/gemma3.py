@@ -50,7 +50,7 @@ class Gemma3DecoderLayer(nnx.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps=eps, dtype=dtype)
         self.mlp = LlamaMLP(hidden, int(cfg.intermediate_size), dtype, rngs,
                             activation=getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh",
-                            quantization=model_config.quantization)
+                            quantization=model_config.quant_scheme)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps=eps, dtype=dtype)
 
     def __call__(self, x: jax.Array, fb: ForwardBatch, kv: LayerKV) -> Tuple[jax.Array, LayerKV]:

@@ -35,14 +35,14 @@ ACTIVATIONS = {
 
 class LlamaMLP(nnx.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); act is silu (SwiGLU) or gelu-tanh (GeGLU, Gemma). `quantization`:
-    the projections' ``--quantization`` method (None: not quantized).
+    the projections' ``--quantization`` method or QuantScheme (None: not quantized).
 
     Raises:
         NotImplementedError: an activation outside ACTIVATIONS.
     """
 
     def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, activation: str = "silu",
-                 quantization: Optional[str] = None):
+                 quantization=None):
         if activation not in ACTIVATIONS:
             raise NotImplementedError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         kw = dict(dtype=dtype, rngs=rngs, quantization=quantization)
@@ -79,7 +79,7 @@ class LlamaAttention(nnx.Module):
         self.head_dim = model_config.head_dim
         # q/k/v biases: Llama's attention_bias, Qwen2's qkv_bias (o_proj never has one here)
         bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False))
-        kw = dict(dtype=dtype, rngs=rngs, quantization=getattr(model_config, "quantization", None))
+        kw = dict(dtype=dtype, rngs=rngs, quantization=getattr(model_config, "quant_scheme", None))
         self.q_proj = Linear(q_in, self.num_heads * self.head_dim, use_bias=bias, **kw)
         self.k_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, **kw)
         self.v_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, **kw)
@@ -118,7 +118,7 @@ class LlamaDecoderLayer(nnx.Module):
                                         mesh=mesh)
         self.post_attention_layernorm = RMSNorm(model_config.hidden_size, eps=eps, dtype=dtype)
         self.mlp = LlamaMLP(model_config.hidden_size, int(cfg.intermediate_size), dtype, rngs,
-                            quantization=getattr(model_config, "quantization", None))
+                            quantization=getattr(model_config, "quant_scheme", None))
 
     def __call__(self, x: jax.Array, fb: ForwardBatch, kv: LayerKV) -> Tuple[jax.Array, LayerKV]:
         attn_out, kv = self.self_attn(self.input_layernorm(x), fb, kv)

@@ -124,7 +124,7 @@ class Qwen3MoeForCausalLM(_MoeForCausalLM):
     def build_mlp(self, cfg, model_config, layer_id, dtype, rngs):
         hidden = model_config.hidden_size
         if not is_sparse_layer(cfg, layer_id):
-            return LlamaMLP(hidden, int(cfg.intermediate_size), dtype, rngs, quantization=model_config.quantization)
+            return LlamaMLP(hidden, int(cfg.intermediate_size), dtype, rngs, quantization=model_config.quant_scheme)
         return SparseMoeBlock(hidden, int(cfg.moe_intermediate_size), int(cfg.num_experts),
                               int(cfg.num_experts_per_tok), bool(cfg.norm_topk_prob), model_config.moe_backend,
                               dtype=dtype, rngs=rngs, shared_expert=self.shared_expert(cfg, hidden, dtype, rngs),

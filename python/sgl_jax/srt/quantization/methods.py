@@ -15,7 +15,7 @@ Symmetric absmax scaling as in LLM.int8() (Dettmers et al. 2022) and SmoothQuant
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -89,3 +89,48 @@ def quantize_weight(w, method: QuantMethod, xp=np) -> Tuple[object, object]:
     `xp`: numpy (the loader, on host) or jax.numpy (dummy weights, made on the devices)."""
     scale = absmax_scale(w, 1, method.qmax, xp)
     return quantize(w, scale, method, xp), scale[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantScheme:
+    """How a model's quantized linear layers store their weights.
+
+    Attributes:
+        method: the ``--quantization`` method name (METHODS): the weight dtype and whether activations are
+            quantized.
+        group_size: None: one scale per output channel (``weight_scale`` float32 [out]); an int g: one scale per
+            output channel and group of g input features (``weight_scale`` float32 [out, in / g]), as GGUF's
+            32-value blocks and HF FP8's [128, 128] blocks (whose one scale per 128 rows is repeated per row at
+            load: 4 bytes per 128 weights more, and k/v head replication and tensor-parallel splits then act on
+            rows alone).
+        with_min: the groups also carry an offset, w ~ q * scale + min (``weight_min`` float32 [out, in / g]):
+            GGUF Q4_1.
+    """
+
+    method: str
+    group_size: Optional[int] = None
+    with_min: bool = False
+
+    def __post_init__(self):
+        if get_method(self.method).activations and self.group_size is not None:
+            raise ValueError(f"{self.method} quantizes activations per token; per-group weight scales are served "
+                             f"weight-only (int8 / fp8)")
+        if self.with_min and self.group_size is None:
+            raise ValueError("a quantization scheme with per-group mins needs a group_size")
+
+
+def as_scheme(quantization) -> Optional[QuantScheme]:
+    """A ``--quantization`` method name, a `QuantScheme` or None, as a `QuantScheme` (or None)."""
+    if quantization is None or isinstance(quantization, QuantScheme):
+        return quantization
+    return QuantScheme(str(quantization))
+
+
+def quantize_weight_groups(w, method: QuantMethod, group_size: int, xp=np) -> Tuple[object, object]:
+    """A weight [out, in] (in divisible by `group_size`) -> (q [out, in] in ``method.weight_dtype``, scale float32
+    [out, in / group_size]), symmetric absmax per group of `group_size` input features: w ~ q * scale repeated
+    along the input axis. `xp`: numpy or jax.numpy."""
+    out, n_in = w.shape
+    g = w.reshape(out, n_in // group_size, group_size)
+    scale = absmax_scale(g, 2, method.qmax, xp)
+    return quantize(g, scale, method, xp).reshape(out, n_in), scale[..., 0]
