@@ -200,6 +200,15 @@ def quant_plan(models: Sequence[str] = tuple(MODELS), tp_sizes: Sequence[int] = 
     return [r for q, kv in QUANT_PLANS for r in plan(models, tp_sizes, quantization=q, kv_cache_dtype=kv)]
 
 
+# the quantized mixture-of-experts plan: --quantization fp8 (experts included), KV in bfloat16, at EP_SIZES
+QUANT_MOE_METHOD = "fp8"
+
+
+def quant_moe_plan(models: Sequence[str] = tuple(MOE_MODELS), ep_sizes: Sequence[int] = EP_SIZES) -> List[dict]:
+    """`moe_plan`'s rows with ``--quantization`` `QUANT_MOE_METHOD`."""
+    return moe_plan(models, ep_sizes, quantization=QUANT_MOE_METHOD)
+
+
 def format_quant_table(rows: List[dict]) -> str:
     """`quant_plan`'s rows as a markdown table ("bfloat16" for an ``auto`` KV cache)."""
     lines = [QUANT_TABLE_HEADER, "|---|---|---|---|---|---|---|---|---|---|"]
@@ -237,12 +246,14 @@ def moe_problem(model_config, ep: int) -> Optional[str]:
     return None
 
 
-def moe_plan(models: Sequence[str] = tuple(MOE_MODELS), ep_sizes: Sequence[int] = EP_SIZES) -> List[dict]:
+def moe_plan(models: Sequence[str] = tuple(MOE_MODELS), ep_sizes: Sequence[int] = EP_SIZES,
+             quantization: Optional[str] = None) -> List[dict]:
     """One row per (MoE model, ep), the model built at tp = ep with its experts split ep ways: ``ep``, ``tp``,
     ``experts`` (per layer) and ``problem`` (`moe_problem`, None when it builds); when it builds, also
     ``experts_per_device``, ``weight_bytes``, ``expert_bytes`` (the stacked experts' share of it),
     ``attention_bytes`` (the attention layers' share) -- all per device, bytes -- and ``kv_bytes_per_1k`` and the
-    device columns as `plan`'s rows."""
+    device columns as `plan`'s rows. `quantization`: the ``--quantization`` flag (linear layers and stacked
+    experts in one byte per value with their scales); rows then carry it."""
     from sgl_jax.srt.distributed.sharding import STACKED_EXPERTS, padded_kv_heads
     from sgl_jax.srt.model_executor.model_runner import kv_bytes_per_token
 
@@ -250,9 +261,11 @@ def moe_plan(models: Sequence[str] = tuple(MOE_MODELS), ep_sizes: Sequence[int] 
     for name in models:
         shapes = {}  # global shapes change with the mesh only through padded_kv_heads: build once per value
         for ep in ep_sizes:
-            mc = make_model_config(name, ep_size=ep)
+            mc = make_model_config(name, ep_size=ep, quantization=quantization)
             experts = num_experts(mc.hf_config)
             row = {"model": name, "ep": ep, "tp": ep, "experts": experts, "problem": moe_problem(mc, ep)}
+            if quantization is not None:
+                row["quantization"] = quantization
             rows.append(row)
             if row["problem"] is not None:
                 continue
@@ -373,7 +386,22 @@ needs one more exchange (the counts) and ragged sizes (`jax.lax.ragged_all_to_al
 """
 
 
-def _quant_section(quant_rows: List[dict]) -> str:
+def _quant_moe_part(rows: List[dict]) -> str:
+    """The quantized mixture-of-experts table, when there are rows."""
+    if not rows:
+        return ""
+    return f"""
+### Mixture-of-experts models with `--quantization {QUANT_MOE_METHOD}`
+
+The MoE table above with every projection and every stacked expert in float8_e4m3fn (one float32 scale per
+expert and output channel, layers/moe.StackedExperts), the router, embedding, LM head and norms in bfloat16, KV in
+bfloat16.
+
+{format_moe_table(rows)}
+"""
+
+
+def _quant_section(quant_rows: List[dict], quant_moe_rows: Sequence[dict] = ()) -> str:
     """The report's quantized part: what changes, and `format_quant_table`."""
     return f"""## Quantized weights and KV (`--quantization`, `--kv-cache-dtype`)
 
@@ -382,11 +410,11 @@ The same models with their linear layers quantized (docs/quantization.md): each 
 bfloat16; W8A8's weights are the weight-only method's. KV in bfloat16, or fp8 (one byte per value).
 
 {format_quant_table(quant_rows)}
-"""
+{_quant_moe_part(quant_moe_rows)}"""
 
 
 def write_report(path: str, rows: List[dict], command: str, moe_rows: Sequence[dict] = (),
-                 quant_rows: Sequence[dict] = ()) -> None:
+                 quant_rows: Sequence[dict] = (), quant_moe_rows: Sequence[dict] = ()) -> None:
     """Write the generated markdown report (command, date, assumptions, the dense table, and the MoE table when
     `moe_rows` are given) to `path` and its raw rows with the command to the .json beside it
     (`bench_utils.write_report`; notes go in the .notes.md beside them)."""
@@ -413,7 +441,7 @@ workspace; the server's own default `--mem-fraction-static` is 0.8); TPU v6e = 3
     if moe_rows:
         body += "\n" + _moe_section(list(moe_rows))
     if quant_rows:
-        body += "\n" + _quant_section(list(quant_rows))
+        body += "\n" + _quant_section(list(quant_rows), list(quant_moe_rows))
     title = "tensor and expert parallelism" if moe_rows else "tensor parallelism"
     raw = {"date": today, "rows": rows, "mem_fraction": MEM_FRACTION, "devices_hbm_bytes": DEVICES,
            "seq_len": SEQ_LEN}
@@ -421,6 +449,8 @@ workspace; the server's own default `--mem-fraction-static` is 0.8); TPU v6e = 3
         raw["moe_rows"] = list(moe_rows)
     if quant_rows:
         raw["quant_rows"] = list(quant_rows)
+    if quant_moe_rows:
+        raw["quant_moe_rows"] = list(quant_moe_rows)
     write_generated(path, f"Sharding plan: memory per device under {title} ({today})", command, body, raw)
 
 
@@ -428,7 +458,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", default=None, help="write the markdown report here")
     args = p.parse_args(argv)
-    rows, moe_rows, quant_rows = plan(), moe_plan(), quant_plan()
+    rows, moe_rows, quant_rows, quant_moe_rows = plan(), moe_plan(), quant_plan(), quant_moe_plan()
     print(format_table(rows))
     print()
     print(format_moe_table(moe_rows))
@@ -436,9 +466,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(format_dispatch_table())
     print()
     print(format_quant_table(quant_rows))
+    print()
+    print(format_moe_table(quant_moe_rows))
     if args.output:
         cmd = "python -m sgl_jax.bench_sharding " + " ".join(sys.argv[1:] if argv is None else argv)
-        write_report(args.output, rows, cmd.strip(), moe_rows, quant_rows)
+        write_report(args.output, rows, cmd.strip(), moe_rows, quant_rows, quant_moe_rows)
 
 
 if __name__ == "__main__":

@@ -132,6 +132,26 @@ def test_qwen3_235b_at_ep4_does_not_fit_either_device():
     assert format_moe_table([r]).splitlines()[-1].endswith("| does not fit | 0 | does not fit | 0 |")
 
 
+def test_qwen3_235b_fp8_on_v6e_16_fits_with_room_for_kv(tmp_path):
+    """--quantization fp8 stores the stacked experts in one byte per value plus a float32 scale per expert and
+    output channel: Qwen3-235B-A22B at ep 16 holds half its bfloat16 bytes per device and fits a v6e chip with a
+    KV pool for 80 sequences of 4k tokens (bfloat16: 6); the report gains the table."""
+    from sgl_jax.bench_sharding import quant_moe_plan
+
+    (b16,), (f8,) = moe_plan(models=["Qwen3-235B-A22B"], ep_sizes=(16,)), quant_moe_plan(["Qwen3-235B-A22B"], (16,))
+    layers, experts, hidden, inter = 94, 128, 4096, 1536
+    expert_values = layers * (experts // 16) * 3 * hidden * inter
+    expert_scales = layers * (experts // 16) * (2 * inter + hidden)
+    assert b16["expert_bytes"] == 2 * expert_values
+    assert f8["expert_bytes"] == expert_values + 4 * expert_scales
+    assert 0.50 < f8["weight_bytes"] / b16["weight_bytes"] < 0.51
+    assert f8["quantization"] == "fp8" and f8["v6e_batch"] == 80 and b16["v6e_batch"] == 6
+    out = tmp_path / "plan.md"
+    write_report(str(out), [], "python -m sgl_jax.bench_sharding", quant_rows=quant_plan(["Qwen3-32B"], (1,)),
+                 quant_moe_rows=[f8])
+    assert "### Mixture-of-experts models with `--quantization fp8`" in out.read_text()
+
+
 def test_report_has_the_moe_table(rows, moe_rows, tmp_path):
     out = tmp_path / "plan.md"
     write_report(str(out), list(rows.values()), "python -m sgl_jax.bench_sharding --output plan.md",

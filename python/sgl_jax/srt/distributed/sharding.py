@@ -87,8 +87,9 @@ def param_spec(name: str, expert_axes: Tuple[str, ...] = (), ndim: Optional[int]
     Stacked expert weights are split by expert over `expert_axes` (`expert_axes`: from ``--ep-size``; empty:
     replicated). `ndim`: the parameter's rank, when known: a spec of more axes (a row-parallel layer's
     per-channel ``weight_scale`` [out] under the rule for its [out, groups] form) means replicated."""
-    if re.search(STACKED_EXPERTS, name):
-        return {(): REPLICATED, ("tensor",): EXPERTS, ("data", "tensor"): EXPERTS_OVER_MESH}[tuple(expert_axes)]
+    if re.search(STACKED_EXPERTS, name):  # (quantized experts' scales [E, out]: the same split of E)
+        spec = {(): REPLICATED, ("tensor",): EXPERTS, ("data", "tensor"): EXPERTS_OVER_MESH}[tuple(expert_axes)]
+        return P(*tuple(spec)[:ndim]) if ndim is not None else spec
     for pattern, spec in PARAM_SPECS:
         if re.search(pattern, name):
             return REPLICATED if ndim is not None and len(spec) > ndim else spec

@@ -32,6 +32,7 @@ from flax import nnx
 
 from sgl_jax.srt.distributed.sharding import expert_axes
 from sgl_jax.srt.layers.linear import Linear
+from sgl_jax.srt.quantization.methods import as_scheme, get_method
 
 
 def route(router_logits: jax.Array, top_k: int, renormalize: bool) -> Tuple[jax.Array, jax.Array]:
@@ -56,16 +57,40 @@ def experts_dense(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.
     """The reference: every expert on every token, combined with the routing weights.
 
     Args:
-        x: [T, hidden]; w_gate, w_up: [E, hidden, intermediate]; w_down: [E, intermediate, hidden].
+        x: [T, hidden]; w_gate, w_up: [E, hidden, intermediate]; w_down: [E, intermediate, hidden]; each either
+            an array in the model dtype or, quantized (`StackedExperts` with a quantization), a pair (int8 / fp8
+            values of that shape, float32 scales [E, out]: one per expert and output channel).
         weights, ids: `route`'s [T, k] outputs. act: the gate activation (silu).
     Returns:
         [T, hidden] in x's dtype.
     """
-    num_experts = w_gate.shape[0]
-    h = act(jnp.einsum("td,edi->tei", x, w_gate)) * jnp.einsum("td,edi->tei", x, w_up)
-    y = jnp.einsum("tei,eid->ted", h, w_down)
+    num_experts = _values(w_gate).shape[0]
+
+    def each(eq, x, w):  # every expert's product [T, E, out], scaled per expert and output channel if quantized
+        if not isinstance(w, tuple):
+            return jnp.einsum(eq, x, w)
+        q, scale = w
+        return (jnp.einsum(eq, x, q.astype(x.dtype), preferred_element_type=jnp.float32) * scale).astype(x.dtype)
+
+    h = act(each("td,edi->tei", x, w_gate)) * each("td,edi->tei", x, w_up)
+    y = each("tei,eid->ted", h, w_down)
     combine = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32) * weights[..., None], axis=1)  # [T, E]
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine).astype(x.dtype)
+
+
+def _values(w):
+    """The weight array of an expert weight given as an array or as a quantized (values, scales) pair."""
+    return w[0] if isinstance(w, tuple) else w
+
+
+def _grouped_product(matmul: Callable, x: jax.Array, w, group_sizes: jax.Array, row_expert: jax.Array):
+    """`matmul`(x, w, group_sizes) for an expert weight given as an array or a quantized (values, scales) pair:
+    quantized, the grouped matmul runs on the int8 / fp8 values (ragged_dot and the tiled loop take them as they
+    are, converting inside the dot) and row r's result is scaled by its expert's (`row_expert` [M]) scales."""
+    if not isinstance(w, tuple):
+        return matmul(x, w, group_sizes)
+    q, scale = w
+    return (matmul(x, q, group_sizes).astype(jnp.float32) * scale[row_expert]).astype(x.dtype)
 
 
 def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -85,6 +110,8 @@ def _gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, interpret: bool
 
     m, k = lhs.shape
     tiling = (_tile(m), _tile(k), _tile(rhs.shape[2]))
+    if rhs.dtype != lhs.dtype:  # quantized experts: Megablox's kernel takes one dtype (a converted copy)
+        rhs = rhs.astype(lhs.dtype)
     return gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32, tiling=tiling,
                interpret=interpret).astype(lhs.dtype)
 
@@ -155,14 +182,19 @@ def experts_grouped(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: ja
     (a pair to skip: `experts_expert_parallel`) sorts after every group, where the grouped matmul gives 0.
     """
     num_tokens, top_k = ids.shape
-    num_experts = w_gate.shape[0]
+    num_experts = _values(w_gate).shape[0]
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
     token = order // top_k
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    row_expert = jnp.minimum(flat[order], num_experts - 1)  # (a skipped pair's rows are 0 whatever their scale)
+
+    def mm(x, w):
+        return _grouped_product(matmul, x, w, group_sizes, row_expert)
+
     xs = x[token]
-    h = act(matmul(xs, w_gate, group_sizes)) * matmul(xs, w_up, group_sizes)
-    y = matmul(h, w_down, group_sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    h = act(mm(xs, w_gate)) * mm(xs, w_up)
+    y = mm(h, w_down).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token].add(y)
     return out.astype(x.dtype)
 
@@ -192,13 +224,15 @@ def experts_expert_parallel(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_
     over_data = "data" in axes
 
     def local(x, wg, wu, wd, weights, ids):
-        num_local = wg.shape[0]
+        num_local = _values(wg).shape[0]
         if over_data:  # every rank's tokens on every device
             x, weights, ids = (jax.lax.all_gather(a, "data", axis=0, tiled=True) for a in (x, weights, ids))
         rel = ids - jax.lax.axis_index(tuple(axes)) * num_local
         mine = (rel >= 0) & (rel < num_local)
 
         def with_zero_group(w):
+            if isinstance(w, tuple):
+                return tuple(with_zero_group(a) for a in w)
             return jnp.concatenate([w, jnp.zeros((1, *w.shape[1:]), w.dtype)]) if zero_group else w
 
         out = experts_grouped(x, with_zero_group(wg), with_zero_group(wu), with_zero_group(wd),
@@ -208,9 +242,14 @@ def experts_expert_parallel(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_
             out = jax.lax.psum_scatter(out, "data", scatter_dimension=0, tiled=True)
         return jax.lax.psum(out, "tensor").astype(x.dtype)
 
-    rows, experts = P("data", None), P(tuple(axes) if over_data else axes[0], None, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(rows, experts, experts, experts, rows, rows), out_specs=rows,
-                         check_vma=False)(x, w_gate, w_up, w_down, weights, ids)
+    split = tuple(axes) if over_data else axes[0]
+    rows = P("data", None)
+
+    def experts(w):  # an array [E, in, out], or quantized (values, scales [E, out])
+        return (P(split, None, None), P(split, None)) if isinstance(w, tuple) else P(split, None, None)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, experts(w_gate), experts(w_up), experts(w_down), rows, rows),
+                         out_specs=rows, check_vma=False)(x, w_gate, w_up, w_down, weights, ids)
 
 
 def moe_experts(backend: str, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
@@ -231,17 +270,30 @@ class StackedExperts(nnx.Module):
     """The E experts' gated-MLP weights, stacked: ``<gate>`` and ``<up>`` [E, hidden, intermediate], ``<down>``
     [E, intermediate, hidden], under the checkpoint's own names (`names`: (gate, up, down), e.g.
     ("gate_proj", "up_proj", "down_proj"), Mixtral's ("w1", "w3", "w2")). The loader stacks the checkpoint's
-    per-expert ``experts.<e>.<name>.weight`` [out, in] tensors into them, transposed."""
+    per-expert ``experts.<e>.<name>.weight`` [out, in] tensors into them, transposed.
+
+    With a `quantization` (a --quantization method or QuantScheme), each is stored in the method's int8 / fp8
+    dtype with ``<name>_scale`` float32 [E, out] (one scale per expert and output channel; the loader quantizes
+    the stacked float weights), weight-only for every method: the grouped matmul takes the int8 / fp8 values and
+    the scales multiply its rows (`experts_grouped`)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, names: Sequence[str], *, dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, quantization=None):
         self.names = tuple(names)
+        scheme = as_scheme(quantization)
+        self.quantized = scheme is not None
         for name, shape in zip(self.names, ((hidden, intermediate), (hidden, intermediate), (intermediate, hidden))):
-            setattr(self, name, nnx.Param(jax.random.normal(rngs.params(), (num_experts, *shape), dtype) * 0.02))
+            if scheme is None:
+                setattr(self, name, nnx.Param(jax.random.normal(rngs.params(), (num_experts, *shape), dtype) * 0.02))
+            else:
+                setattr(self, name, nnx.Param(jnp.zeros((num_experts, *shape), get_method(scheme.method).weight_dtype)))
+                setattr(self, name + "_scale", nnx.Param(jnp.ones((num_experts, shape[1]), jnp.float32)))
 
-    def weights(self) -> Tuple[jax.Array, jax.Array, jax.Array]:
-        """(w_gate, w_up, w_down) arrays."""
-        return tuple(getattr(self, n)[...] for n in self.names)
+    def weights(self) -> tuple:
+        """(w_gate, w_up, w_down): arrays, or (values, scales) pairs when quantized."""
+        if not self.quantized:
+            return tuple(getattr(self, n)[...] for n in self.names)
+        return tuple((getattr(self, n)[...], getattr(self, n + "_scale")[...]) for n in self.names)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -257,6 +309,8 @@ class SparseMoeBlock(nnx.Module):
         shared_expert: a module computing the shared expert ([T, hidden] -> [T, hidden]), or None.
         mesh, ep_size: with ep_size > 1, `experts_expert_parallel` over the axes
             `distributed.sharding.expert_axes` gives (the tensor axis, or every device).
+        quantization: the experts' --quantization method or QuantScheme (`StackedExperts`); the router stays in
+            the model dtype.
     Raises:
         ValueError: ep_size > 1 without a mesh, not dividing num_experts, or not an ``--ep-size`` the mesh
             allows (`expert_axes`).
@@ -265,11 +319,12 @@ class SparseMoeBlock(nnx.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
                  backend: str, *, dtype, rngs: nnx.Rngs, expert_names: Sequence[str] = ("gate_proj", "up_proj",
                                                                                          "down_proj"),
-                 shared_expert: Optional[nnx.Module] = None, mesh=None, ep_size: int = 1):
+                 shared_expert: Optional[nnx.Module] = None, mesh=None, ep_size: int = 1, quantization=None):
         if ep_size > 1 and (mesh is None or num_experts % ep_size):
             raise ValueError(f"--ep-size {ep_size} needs a mesh and must divide the {num_experts} experts")
         self.gate = Linear(hidden, num_experts, dtype=dtype, rngs=rngs)
-        self.experts = StackedExperts(num_experts, hidden, intermediate, expert_names, dtype=dtype, rngs=rngs)
+        self.experts = StackedExperts(num_experts, hidden, intermediate, expert_names, dtype=dtype, rngs=rngs,
+                                      quantization=quantization)
         self.num_experts, self.top_k = int(num_experts), int(top_k)
         self.renormalize = bool(renormalize)
         self.backend = backend

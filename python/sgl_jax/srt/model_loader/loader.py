@@ -28,7 +28,7 @@ from tqdm import tqdm
 from sgl_jax.srt.distributed.sharding import expert_axes, padded_kv_heads, param_spec, replicate_kv_rows
 from sgl_jax.srt.models.registry import get_model_class
 from sgl_jax.srt.model_loader.gguf_blocks import GroupQuantized
-from sgl_jax.srt.quantization.methods import get_method, quantize_weight, quantize_weight_groups
+from sgl_jax.srt.quantization.methods import get_method, quantize_for
 
 logger = logging.getLogger(__name__)
 
@@ -208,15 +208,9 @@ class _Placer:
         key = (ckpt, kv, shardings, scheme)
         fn = self._dummy_fns.get(key)
         if fn is None:
-            method = get_method(scheme.method)
-
             def make(seed, index):
                 w = _dummy_value(ckpt, jnp.dtype(self.dtype), False, kv, seed, index)
-                if scheme.group_size is None:
-                    q, scale = quantize_weight(w, method, jnp)
-                else:
-                    q, scale = quantize_weight_groups(w, method, scheme.group_size, jnp)
-                return (q, scale, jnp.zeros_like(scale)) if scheme.with_min else (q, scale)
+                return quantize_for(w, scheme, jnp)[:len(names)]
 
             fn = self._dummy_fns[key] = jax.jit(make, out_shardings=shardings)
         return dict(zip(names, fn(jnp.uint32(seed), jnp.uint32(index))))
@@ -269,6 +263,10 @@ class ExpertStacker:
         """
         m = _EXPERT_WEIGHT.match(name)
         target, e = self.target(name), int(m["e"])
+        if np.dtype(arr.dtype).itemsize == 1:
+            raise ValueError(f"Checkpoint tensor {name} is stored quantized ({np.dtype(arr.dtype)}): pre-quantized "
+                             f"mixture-of-experts experts are not served yet; load the float checkpoint with "
+                             f"--quantization")
         shape = tuple(self.shapes[target])
         if e >= shape[0] or tuple(arr.shape[::-1]) != shape[1:]:
             raise ValueError(f"Checkpoint tensor {name} has shape {tuple(arr.shape)}: expected expert < {shape[0]} "
@@ -331,15 +329,8 @@ class _CheckpointQuantization:
             return [(name, arr, None)]
         if np.dtype(arr.dtype) == self.method.weight_dtype:  # stored quantized: its scales come as their own tensor
             return [(name, arr, arr.dtype)]
-        w = np.asarray(arr, np.float32)
-        if self.scheme.group_size is None:
-            q, scale = quantize_weight(w, self.method)
-        else:
-            q, scale = quantize_weight_groups(w, self.method, self.scheme.group_size)
-        out = [(name, q, q.dtype), (name + "_scale", scale, np.float32)]
-        if self.scheme.with_min:
-            out.append((name + "_min", np.zeros_like(scale), np.float32))
-        return out
+        q, *scales = quantize_for(np.asarray(arr, np.float32), self.scheme)
+        return [(name, q, q.dtype)] + [(name + suffix, a, np.float32) for suffix, a in zip(("_scale", "_min"), scales)]
 
 
 def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Optional[Mesh] = None):
@@ -383,10 +374,9 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
                                         lambda n: placer.checkpoint_shape(n, shapes[n]))
         for name, arr in tqdm(source, total=total, desc="Loading weights", unit="tensor"):
             if name not in by_name and stacker.target(name) is not None:  # one expert of a stacked parameter
-                target, stacked = stacker.add(name, arr)
-                if stacked is not None:
-                    values[target] = placer.place(target, stacked)
-                continue
+                name, arr = stacker.add(name, arr)
+                if arr is None:
+                    continue
             for target, host, host_dtype in quant.entries(name, arr):
                 if target not in by_name:
                     logger.debug("Ignoring checkpoint tensor %s (no matching parameter)", name)

@@ -127,10 +127,11 @@ class Qwen3MoeForCausalLM(_MoeForCausalLM):
             return LlamaMLP(hidden, int(cfg.intermediate_size), dtype, rngs, quantization=model_config.quant_scheme)
         return SparseMoeBlock(hidden, int(cfg.moe_intermediate_size), int(cfg.num_experts),
                               int(cfg.num_experts_per_tok), bool(cfg.norm_topk_prob), model_config.moe_backend,
-                              dtype=dtype, rngs=rngs, shared_expert=self.shared_expert(cfg, hidden, dtype, rngs),
-                              mesh=self.mesh, ep_size=model_config.ep_size)
+                              dtype=dtype, rngs=rngs, mesh=self.mesh, ep_size=model_config.ep_size,
+                              shared_expert=self.shared_expert(cfg, hidden, dtype, rngs, model_config.quant_scheme),
+                              quantization=model_config.quant_scheme)
 
-    def shared_expert(self, cfg, hidden: int, dtype, rngs) -> Optional[nnx.Module]:
+    def shared_expert(self, cfg, hidden: int, dtype, rngs, quantization=None) -> Optional[nnx.Module]:
         return None
 
 
@@ -140,9 +141,9 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
 
     qk_norm = False
 
-    def shared_expert(self, cfg, hidden, dtype, rngs):
+    def shared_expert(self, cfg, hidden, dtype, rngs, quantization=None):
         size = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
-        return LlamaMLP(hidden, size, dtype, rngs) if size > 0 else None
+        return LlamaMLP(hidden, size, dtype, rngs, quantization=quantization) if size > 0 else None
 
 
 class MixtralForCausalLM(_MoeForCausalLM):
@@ -155,4 +156,5 @@ class MixtralForCausalLM(_MoeForCausalLM):
     def build_mlp(self, cfg, model_config, layer_id, dtype, rngs):
         return SparseMoeBlock(model_config.hidden_size, int(cfg.intermediate_size), int(cfg.num_local_experts),
                               int(cfg.num_experts_per_tok), True, model_config.moe_backend, dtype=dtype, rngs=rngs,
-                              expert_names=("w1", "w3", "w2"), mesh=self.mesh, ep_size=model_config.ep_size)
+                              expert_names=("w1", "w3", "w2"), mesh=self.mesh, ep_size=model_config.ep_size,
+                              quantization=model_config.quant_scheme)

@@ -134,3 +134,24 @@ def quantize_weight_groups(w, method: QuantMethod, group_size: int, xp=np) -> Tu
     g = w.reshape(out, n_in // group_size, group_size)
     scale = absmax_scale(g, 2, method.qmax, xp)
     return quantize(g, scale, method, xp).reshape(out, n_in), scale[..., 0]
+
+
+def quantize_experts(w, method: QuantMethod, xp=np) -> Tuple[object, object]:
+    """A mixture-of-experts layer's stacked expert weights [E, in, out] -> (q [E, in, out] in
+    ``method.weight_dtype``, scale float32 [E, out]): one symmetric absmax scale per expert and output channel
+    (the reduction axis is `in`, as a linear layer's per-output-channel scale). `xp`: numpy or jax.numpy."""
+    scale = absmax_scale(w, 1, method.qmax, xp)
+    return quantize(w, scale, method, xp), scale[:, 0, :]
+
+
+def quantize_for(w, scheme: QuantScheme, xp=np) -> Tuple[object, ...]:
+    """`w` quantized as a layer of `scheme` stores it: (q, scale) for a linear weight [out, in] (per output
+    channel, or per group of ``scheme.group_size`` input features, with zero mins appended for ``with_min``) or
+    for stacked experts [E, in, out] (per expert and output channel, whatever the group size)."""
+    method = get_method(scheme.method)
+    if w.ndim == 3:
+        return quantize_experts(w, method, xp)
+    if scheme.group_size is None:
+        return quantize_weight(w, method, xp)
+    q, scale = quantize_weight_groups(w, method, scheme.group_size, xp)
+    return (q, scale, xp.zeros_like(scale)) if scheme.with_min else (q, scale)
