@@ -6,8 +6,9 @@
     JAX_PLATFORMS=cpu python -m sgl_jax.bench_quantization --model-path gemma-3-270m.gguf --skip-speed
 
 Every ServerArgs flag works (``--model-path``, ``--page-size`` ...); the rows differ in ``--dtype`` (float32,
-bfloat16), ``--quantization`` (over ``--dtype`` float32 on CPU, bfloat16 elsewhere: ``--base-dtype``) or, in the
-``kv_fp8_e4m3`` / ``kv_fp8_e5m2`` rows, ``--kv-cache-dtype`` (float32 weights).
+bfloat16), ``--quantization`` (over ``--dtype`` float32 on CPU, bfloat16 elsewhere: ``--base-dtype``; the ``gguf``
+row, for a .gguf model only, keeps its Q8_0 / Q4_0 / Q4_1 blocks) or, in the ``kv_fp8_e4m3`` / ``kv_fp8_e5m2``
+rows, ``--kv-cache-dtype`` (float32 weights).
 
 - **Accuracy**: an offline Engine (the real scheduler and model runner) scores a fixed natural text (``--text-file``,
   default the GPL-3.0 text shipped in ``benchmark/data``), tokenized and cut into ``--windows`` windows of
@@ -43,7 +44,8 @@ from sgl_jax.srt.server_args import QUANTIZATION_METHODS, ServerArgs
 from sgl_jax.srt.utils import configure_logging
 
 KV_ROWS = ("kv_fp8_e4m3", "kv_fp8_e5m2")  # float32 weights, --kv-cache-dtype fp8_e4m3 / fp8_e5m2
-ROWS = ("float32", "bfloat16") + QUANTIZATION_METHODS + KV_ROWS
+GGUF_ROW = "gguf"  # --quantization gguf: a .gguf model's own blocks kept (its float32 rows dequantize them)
+ROWS = ("float32", "bfloat16") + QUANTIZATION_METHODS + (GGUF_ROW,) + KV_ROWS
 DEFAULT_TEXT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmark", "data", "GPL-3.0.txt")
 COLUMNS = ("row", "ppl", "ppl vs bf16", "top-1 agree", "mean abs dlp", "max abs dlp", "weight MB", "x bf16 bytes",
            "prefill s", "decode b1 ms", "decode bN ms")
@@ -164,7 +166,8 @@ def report_body(raw: dict) -> str:
 def parse_args(argv: List[str]):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ServerArgs.add_cli_args(parser)
-    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS, help="float32 must be one")
+    parser.add_argument("--rows", nargs="+", default=None, choices=ROWS,
+                        help="float32 must be one (default: every row; gguf for a .gguf model only)")
     parser.add_argument("--base-dtype", default=None, help="the quantized rows' --dtype (default: float32 on CPU, "
                                                            "bfloat16 elsewhere)")
     parser.add_argument("--text-file", default=DEFAULT_TEXT)
@@ -176,6 +179,9 @@ def parse_args(argv: List[str]):
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--report", help="generated report NAME.md (+ NAME.json)")
     args = parser.parse_args(argv)
+    if args.rows is None:
+        gguf = str(args.model_path or "").endswith(".gguf") or args.model_path is None  # (default: SmolLM2's GGUF)
+        args.rows = [r for r in ROWS if gguf or r != GGUF_ROW]
     if "float32" not in args.rows:
         parser.error("--rows must include float32 (the reference)")
     return ServerArgs.from_cli_args(args), args

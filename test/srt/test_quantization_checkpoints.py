@@ -6,6 +6,7 @@ library and the dequantized model."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import ml_dtypes
@@ -220,6 +221,63 @@ def test_gguf_blocks_kept_quantized_match_the_dequantized_model(smollm2_tokenize
     assert all((x.argmax(-1) == y.argmax(-1)).all() for x, y in zip(a[1], b[1]))
     dense.release(a[0])
     kept.release(b[0])
+
+
+# ------------------------------------------------------------------------------------------- the group matmul
+IN, OUT, GROUP = 576, 1536, 32  # SmolLM2's hidden and intermediate widths, GGUF's block
+
+
+def group_program_problems(lowered: str, compiled: str, storage: str) -> list:
+    """What is wrong with the program of a group-quantized layer [OUT, IN] (empty: nothing): the weight must enter
+    in its storage dtype (`storage`: "i8" or "f8E4M3FN"), and nothing may multiply an array of the weight's
+    shape, flat [OUT, IN] or grouped [OUT, IN / GROUP, GROUP] (a dequantized weight)."""
+    problems = []
+    if f"tensor<{OUT}x{IN}x{storage}>" not in lowered:
+        problems.append(f"the weight is not a {storage} parameter")
+    shapes = (f"{OUT}x{IN}", f"{OUT}x{IN // GROUP}x{GROUP}")
+    for m in re.finditer(rf"= stablehlo\.multiply .*tensor<({'|'.join(shapes)})x\w+>$", lowered, re.M):
+        problems.append(f"a weight-shaped multiply: {m.group(0)[:160]}")
+    compiled_shapes = (f"{OUT},{IN}", f"{OUT},{IN // GROUP},{GROUP}")
+    if re.search(rf"\S+\[({'|'.join(compiled_shapes)})\]\{{[^}}]*\}} multiply\(", compiled):
+        problems.append("the compiled program multiplies a weight-shaped array")
+    return problems
+
+
+def _programs(fn, *args):
+    lowered = jax.jit(fn).lower(*args)
+    return lowered.as_text(), lowered.compile().as_text()
+
+
+@pytest.mark.parametrize("method,with_min", [("int8", True), ("int8", False), ("fp8", False)])
+def test_the_group_dot_takes_the_stored_values_and_scales_its_results(method, with_min):
+    """A layer quantized per group of 32 input features (GGUF blocks; FP8 blocks alike) computes on its int8 /
+    fp8 parameter without a dequantized weight, and gives x @ (q * scale + min).T; a planted layer that
+    dequantizes first is caught by the same check."""
+    from sgl_jax.srt.layers.linear import Linear
+    from sgl_jax.srt.quantization.methods import METHODS, QuantScheme, quantize_weight_groups
+
+    rng = np.random.default_rng(3)
+    q, scale = quantize_weight_groups(rng.standard_normal((OUT, IN)).astype(np.float32), METHODS[method], GROUP)
+    minimum = (rng.standard_normal(scale.shape) * 0.01).astype(np.float32)
+    layer = Linear(IN, OUT, rngs=nnx.Rngs(0), quantization=QuantScheme(method, GROUP, with_min))
+    layer.weight.set_value(jax.numpy.asarray(q))
+    layer.weight_scale.set_value(jax.numpy.asarray(scale))
+    if with_min:
+        layer.weight_min.set_value(jax.numpy.asarray(minimum))
+    graphdef, state = nnx.split(layer)
+    x = jax.numpy.asarray(rng.standard_normal((8, IN)), jax.numpy.float32)
+    storage = "i8" if method == "int8" else "f8E4M3FN"
+    assert group_program_problems(*_programs(lambda s, x: nnx.merge(graphdef, s)(x), state, x), storage) == []
+    w = (q.astype(np.float32).reshape(OUT, -1, GROUP) * scale[..., None]
+         + (minimum[..., None] if with_min else 0)).reshape(OUT, IN)
+    ref = np.asarray(x) @ w.T
+    assert np.abs(np.asarray(layer(x)) - ref).max() < 1e-4 * np.abs(ref).max()
+
+    def dequantize_first(q, scale, x):
+        return x @ (q.astype(jax.numpy.float32).reshape(OUT, -1, GROUP) * scale[..., None]).reshape(OUT, IN).T
+
+    assert any("weight-shaped" in p for p in group_program_problems(
+        *_programs(dequantize_first, jax.numpy.asarray(q), jax.numpy.asarray(scale), x), storage))
 
 
 # ----------------------------------------------------------------------------------------------------- refusals
