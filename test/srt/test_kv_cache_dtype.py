@@ -102,3 +102,64 @@ def test_kv_bytes_and_flag():
     assert kv_cache_dtype(mc, "auto") == np.float32
     with pytest.raises(ValueError, match="kv_cache_dtype|kv-cache-dtype"):
         ServerArgs(kv_cache_dtype="fp4")
+
+
+# KV scales from the checkpoint: a tiny Llama whose keys and values are 1000x (and 10x for one KV head's values)
+# larger than fp8 e4m3 holds, with q_proj and o_proj scaled back so that the model computes what the original does.
+# Max |logprob difference| against transformers (float32), fp8_e4m3 cache: measured 0.349 for the original model,
+# 0.349 for the large one with the checkpoint's k_scale (per tensor, 1000) and v_scale (per head, [1000, 10]), 4.66
+# without them (keys and values saturate at 448). With its scales the large model must stay within 10% of the
+# original's fp8 error; without them it is off by more than 5x that.
+KV_SCALED_RATIO, KV_UNSCALED_RATIO = 1.1, 5.0
+
+
+def _save_big_kv(tiny, out, with_scales: bool) -> None:
+    """`tiny` (save_tiny_llama: 4 heads of 16, 2 KV heads) with K x 1000, V x [1000, 10] per KV head, q_proj / 1000
+    and o_proj's columns divided alike; with `with_scales`, plus ``self_attn.k_scale`` [] and ``v_scale`` [2]."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(str(tiny / "model.safetensors"))
+    head_dim, v_factor = 16, np.repeat(np.float32([1000.0, 10.0]), 16)
+    for layer in range(2):
+        p = f"model.layers.{layer}.self_attn."
+        t[p + "k_proj.weight"] = t[p + "k_proj.weight"] * 1000
+        t[p + "q_proj.weight"] = t[p + "q_proj.weight"] / 1000
+        t[p + "v_proj.weight"] = t[p + "v_proj.weight"] * v_factor[:, None]
+        # query heads 0, 1 read KV head 0; 2, 3 read KV head 1
+        t[p + "o_proj.weight"] = t[p + "o_proj.weight"] / np.repeat(v_factor[::head_dim], 2 * head_dim)[None, :]
+        if with_scales:
+            t[p + "k_scale"] = np.array(1000.0, np.float32)
+            t[p + "v_scale"] = np.float32([1000.0, 10.0])
+    out.mkdir()
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(json.loads((tiny / "config.json").read_text())))
+
+
+def test_fp8_kv_scales_from_the_checkpoint_keep_large_keys_and_values(tmp_path):
+    """--kv-cache-dtype fp8_e4m3 with the checkpoint's k_scale (per tensor) and v_scale (per KV head): the cache
+    holds K / k_scale and V / v_scale and attention puts the scales back, so keys and values far beyond 448 are
+    served like the float32 reference; the same checkpoint without scales (scale 1) saturates."""
+    from transformers import AutoModelForCausalLM
+
+    from srt_helpers import save_tiny_llama
+    from test_model_parity import RunnerHarness, _random_prompts, hf_reference
+
+    save_tiny_llama(tmp_path / "tiny", init_std=0.1)
+    _save_big_kv(tmp_path / "tiny", tmp_path / "scaled", True)
+    _save_big_kv(tmp_path / "tiny", tmp_path / "unscaled", False)
+    torch.set_num_threads(1)
+    ref = hf_reference(AutoModelForCausalLM.from_pretrained(str(tmp_path / "scaled"), dtype=torch.float32).eval(),
+                       _random_prompts(4, 2048, [12, 50]))
+    diffs = {}
+    for name in ("tiny", "scaled", "unscaled"):  # the original; the large one with and without scales
+        h = RunnerHarness(str(tmp_path / name), kv_cache_dtype="fp8_e4m3", token_paddings=(64,))
+        assert h.runner.kv_cache_dtype == jnp.float8_e4m3fn
+        reqs, per_req, _ = h.prefill(ref.prompts)
+        diffs[name] = max(float(np.abs(a - b).max()) for a, b in zip(per_req, ref.prefill))
+        h.release(reqs)
+    print(f"fp8 KV, max |logprob difference| vs float32: the original model {diffs['tiny']:.2e}, with the "
+          f"checkpoint's scales {diffs['scaled']:.2e}, without {diffs['unscaled']:.2e}")
+    assert diffs["scaled"] <= KV_SCALED_RATIO * diffs["tiny"]
+    assert diffs["unscaled"] > KV_UNSCALED_RATIO * diffs["tiny"]

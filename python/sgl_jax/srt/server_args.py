@@ -486,7 +486,8 @@ FLAG_HELP = {
     "page_size": "tokens per KV cache page (default: 128 on TPU, 16 on GPU, 1 on CPU; the platform from --device, "
                  "else $JAX_PLATFORMS, else the accelerator plugin installed: server_args.platform_hint)",
     "kv_cache_dtype": "KV cache storage: auto (the model's --dtype) | bfloat16 (bf16) | float32 | fp8_e4m3 | "
-                      "fp8_e5m2 (one byte per value, scale 1, saturating; native attention backend); "
+                      "fp8_e5m2 (one byte per value, saturating, scaled per KV head by the checkpoint's "
+                      "self_attn.k_scale / v_scale, else 1; native attention backend); "
                       "attention computes in the model's dtype, or in float32 on the native (CPU) "
                       "backend when the cache is float32",
     "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static)",

@@ -302,6 +302,8 @@ class ModelConfig:
     # (quantization/checkpoint.py: resolve_quantization)
     quant_scheme: Optional[QuantScheme] = None
     quant_checkpoint: Optional[ResolvedQuantization] = None
+    # --kv-cache-dtype fp8_*: attention layers hold per-KV-head k_scale / v_scale (the checkpoint's, else 1)
+    kv_cache_scales: bool = False
 
     def __post_init__(self):
         if self.quant_scheme is None and self.quantization not in (None, "gguf"):
@@ -372,6 +374,7 @@ class ModelConfig:
             quantization=quant.name,
             quant_scheme=quant.scheme,
             quant_checkpoint=quant,
+            kv_cache_scales=str(server_args.kv_cache_dtype).startswith("fp8"),
         )
 
 

@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from sgl_jax.srt.distributed.sharding import HEADS, KV_CACHE, RANK_ROWS
 from sgl_jax.srt.kernels.ragged_paged_attention import ragged_paged_attention, write_kv_to_pages
@@ -31,17 +32,31 @@ def attention_compute_dtype(model_dtype, kv_dtype, backend: str):
     return jnp.dtype(model_dtype)
 
 
+def _per_kv_head(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [T, H, D] (H = KVH * G query heads, or KVH) times scale [KVH] of each head's KV head, in float32."""
+    t, h, d = x.shape
+    kvh = scale.shape[0]
+    return (x.astype(jnp.float32).reshape(t, kvh, h // kvh, d) * scale[None, :, None, None]).reshape(t, h, d)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
-def _write_and_attend(q, k, v, k_pages, v_pages, fb: ForwardBatch, *, sm_scale: float,
+def _write_and_attend(q, k, v, k_pages, v_pages, fb: ForwardBatch, kv_scales=None, *, sm_scale: float,
                       sliding_window: Optional[int], soft_cap: Optional[float]):
     """One device's part of `paged_attention`: write the step's K/V into the pages, then attend.
+
+    With `kv_scales` (k_scale, v_scale: float32 [KVH]), the pages hold k / k_scale and v / v_scale per KV head,
+    and the scales are put back outside the kernel: q times k_scale gives q . k (scores, soft cap and softmax
+    unchanged), and the output times v_scale gives sum p v. Any attention backend serves scaled pages so.
 
     A jit of its own, nested in the model's step: every layer with the same shapes and settings reuses one
     trace and one lowering instead of tracing the attention once per layer (start-up tracing of a 30-layer
     model fell from ~2 s to ~0.5 s per bucket); XLA inlines the call, so the compiled step is unchanged."""
-    k_pages, v_pages = write_kv_to_pages(k_pages, v_pages, k, v, fb.out_cache_loc)
     out_dtype = q.dtype
-    q = q.astype(attention_compute_dtype(q.dtype, k_pages.dtype, fb.attention_backend))
+    if kv_scales is not None:
+        k_scale, v_scale = kv_scales
+        k, v, q = _per_kv_head(k, 1.0 / k_scale), _per_kv_head(v, 1.0 / v_scale), _per_kv_head(q, k_scale)
+    k_pages, v_pages = write_kv_to_pages(k_pages, v_pages, k, v, fb.out_cache_loc)
+    q = q.astype(attention_compute_dtype(out_dtype, k_pages.dtype, fb.attention_backend))
     out = ragged_paged_attention(
         q, k_pages, v_pages, fb.kv_lens, fb.page_indices, fb.cu_q_lens, jnp.reshape(fb.num_seqs, ()),
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
@@ -49,6 +64,8 @@ def _write_and_attend(q, k, v, k_pages, v_pages, fb: ForwardBatch, *, sm_scale: 
         segment_starts=fb.segment_starts, shared_prefix_len=jnp.reshape(fb.shared_prefix_len, ()),
         tree_bits=fb.tree_bits, backend=fb.attention_backend,
     )
+    if kv_scales is not None:
+        out = _per_kv_head(out, kv_scales[1])
     return out.astype(out_dtype), k_pages, v_pages
 
 
@@ -63,6 +80,7 @@ def paged_attention(
     sliding_window: Optional[int] = None,
     soft_cap: Optional[float] = None,
     mesh: Optional[Mesh] = None,
+    kv_scales: Optional[Tuple[jax.Array, jax.Array]] = None,
 ) -> Tuple[jax.Array, LayerKV]:
     """One layer's attention for a batch.
 
@@ -77,6 +95,9 @@ def paged_attention(
             attends over its own heads of its own rank's tokens, KV pages and metadata (``fb`` holds the ranks'
             arrays stacked, ``num_seqs`` and ``shared_prefix_len`` one value per rank) inside ``jax.shard_map``,
             so the kernel never sees a sharded array. None: no mesh (a plain single-device call).
+        kv_scales: (k_scale, v_scale) float32 [num_kv_heads] of an fp8 KV cache (per head; a per-tensor scale
+            repeated), from the checkpoint's ``self_attn.k_scale`` / ``v_scale`` (1 without them): the cache holds
+            K / k_scale and V / v_scale (`_write_and_attend`). None: unscaled.
     Returns:
         ([T, num_heads, head_dim] attention output, updated kv).
     """
@@ -87,12 +108,13 @@ def paged_attention(
                               soft_cap=soft_cap)
 
     if mesh is None:
-        out, k_pages, v_pages = local(q, k, v, kv[0], kv[1], fb)
+        out, k_pages, v_pages = local(q, k, v, kv[0], kv[1], fb, kv_scales)
     else:
-        out, k_pages, v_pages = jax.shard_map(
-            local, mesh=mesh, in_specs=(HEADS, HEADS, HEADS, KV_CACHE, KV_CACHE, RANK_ROWS),
-            out_specs=(HEADS, KV_CACHE, KV_CACHE), check_vma=False,
-        )(q, k, v, kv[0], kv[1], fb)
+        specs, args = (HEADS, HEADS, HEADS, KV_CACHE, KV_CACHE, RANK_ROWS), (q, k, v, kv[0], kv[1], fb)
+        if kv_scales is not None:  # each device's KV heads' scales
+            specs, args = specs + ((P("tensor"), P("tensor")),), args + (kv_scales,)
+        out, k_pages, v_pages = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(HEADS, KV_CACHE, KV_CACHE),
+                                              check_vma=False)(*args)
     return out, (k_pages, v_pages)
 
 

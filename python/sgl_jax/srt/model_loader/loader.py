@@ -129,7 +129,10 @@ def _weight_source(model_config, load_format: str):
     raise ValueError(f"--load-format {load_format!r} is not a checkpoint format")
 
 
-_KV_PROJ = tuple(f".{p}.{t}" for p in ("k_proj", "v_proj") for t in ("weight", "bias", "weight_scale", "weight_min"))
+# an fp8 KV cache's per-KV-head scales (models/llama.LlamaAttention), 1 where the checkpoint has none
+KV_SCALES = (".self_attn.k_scale", ".self_attn.v_scale")
+_KV_PROJ = tuple(f".{p}.{t}" for p in ("k_proj", "v_proj")
+                 for t in ("weight", "bias", "weight_scale", "weight_min")) + KV_SCALES
 
 
 class _Placer:
@@ -182,7 +185,7 @@ class _Placer:
         normal(0, 0.02) from ``fold_in(key(seed), index)``, norms ("*norm.weight") 1; k/v projections drawn
         at the checkpoint's shape and their heads replicated as `place` does. The values depend on `seed` and
         `index` only, not on the mesh (JAX's partitionable threefry)."""
-        ones = name.endswith("norm.weight")
+        ones = name.endswith(("norm.weight",) + KV_SCALES)
         ckpt = self.checkpoint_shape(name, shape)
         kv = name.endswith(_KV_PROJ) and ckpt != shape
         sharding = self.sharding(name, shape)
@@ -312,6 +315,13 @@ class _CheckpointQuantization:
     def entries(self, name: str, arr) -> list:
         """[(parameter name, host array, dtype to place it in (None: the model dtype))] for checkpoint tensor
         `name`."""
+        if name.endswith(KV_SCALES):  # per tensor ([] or [1]) or per KV head ([kv_heads])
+            try:
+                heads = self.checkpoint_shape(name)
+            except KeyError:  # no fp8 KV cache: no scale parameters
+                return [(name, arr, None)]
+            a = np.asarray(arr, np.float32).reshape(-1)
+            return [(name, np.full(heads, a[0], np.float32) if a.size == 1 else a, np.float32)]
         if isinstance(arr, GroupQuantized):
             out = [(name, arr.q, np.int8), (name + "_scale", arr.scale, np.float32)]
             if self.scheme.with_min:
@@ -386,6 +396,12 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
                     raise ValueError(f"Checkpoint tensor {name} has shape {tuple(host.shape)}, model expects "
                                      f"{expected}")
                 values[target] = placer.place(target, host, host_dtype)
+    unscaled = [n for n in by_name if n.endswith(KV_SCALES) and n not in values]
+    if unscaled:
+        logger.info("fp8 KV cache: the checkpoint has no k_scale / v_scale for %d layers; scale 1 (saturating)",
+                    len(unscaled) // 2)
+        for n in unscaled:
+            values[n] = placer.place(n, np.ones(placer.checkpoint_shape(n, shapes[n]), np.float32), np.float32)
     missing = [n for n in by_name if n not in values]
     if missing:
         raise ValueError(f"Checkpoint has no tensors for {len(missing)} parameters, e.g. {missing[:5]}")

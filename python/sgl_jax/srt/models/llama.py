@@ -93,6 +93,11 @@ class LlamaAttention(nnx.Module):
         self.sm_scale = float(sm_scale) if sm_scale is not None else self.head_dim ** -0.5
         self.soft_cap = None if soft_cap is None else float(soft_cap)
         self.sliding_window = model_config.layer_window(layer_id)
+        if getattr(model_config, "kv_cache_scales", False):  # an fp8 KV cache: per-KV-head scales (1 by default)
+            self.k_scale = nnx.Param(jnp.ones((self.num_kv_heads,), jnp.float32))
+            self.v_scale = nnx.Param(jnp.ones((self.num_kv_heads,), jnp.float32))
+        else:
+            self.k_scale = self.v_scale = None
 
     def __call__(self, x: jax.Array, fb: ForwardBatch, kv: LayerKV) -> Tuple[jax.Array, LayerKV]:
         T = x.shape[0]
@@ -104,8 +109,9 @@ class LlamaAttention(nnx.Module):
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q = apply_rope(q, fb.positions, inv_freq)
         k = apply_rope(k, fb.positions, inv_freq)
+        scales = None if self.k_scale is None else (self.k_scale[...], self.v_scale[...])
         out, kv = paged_attention(q, k, v, kv, fb, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
-                                  soft_cap=self.soft_cap, mesh=self.mesh)
+                                  soft_cap=self.soft_cap, mesh=self.mesh, kv_scales=scales)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), kv
 
 
