@@ -163,3 +163,27 @@ def test_fp8_kv_scales_from_the_checkpoint_keep_large_keys_and_values(tmp_path):
           f"checkpoint's scales {diffs['scaled']:.2e}, without {diffs['unscaled']:.2e}")
     assert diffs["scaled"] <= KV_SCALED_RATIO * diffs["tiny"]
     assert diffs["unscaled"] > KV_UNSCALED_RATIO * diffs["tiny"]
+
+
+def test_dummy_weights_with_an_fp8_kv_cache_are_the_same_model_with_unit_scales(tmp_path):
+    """--load-format dummy: an fp8 KV cache adds k_scale / v_scale (float32 ones) without changing any other
+    parameter's random values."""
+    from flax import nnx
+
+    from sgl_jax.srt.configs.model_config import ModelConfig
+    from sgl_jax.srt.model_loader.loader import load_model
+    from srt_helpers import save_tiny_llama
+
+    model, _ = save_tiny_llama(tmp_path / "tiny")
+
+    def flat(kv):
+        mc = ModelConfig.from_server_args(ServerArgs(model_path=model, load_format="dummy", kv_cache_dtype=kv), "cpu")
+        return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in
+                nnx.to_flat_state(load_model(mc, "dummy", seed=5)[1])}
+
+    plain, fp8 = flat("auto"), flat("fp8_e4m3")
+    scales = sorted(set(fp8) - set(plain))
+    assert len(scales) == 2 * 2 and all(n.endswith(("k_scale", "v_scale")) for n in scales)
+    assert all(fp8[n].dtype == np.float32 and (fp8[n] == 1).all() and fp8[n].shape == (2,) for n in scales)
+    for name, value in plain.items():
+        np.testing.assert_array_equal(fp8[name], value)

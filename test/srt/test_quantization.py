@@ -185,13 +185,14 @@ SERVER_ARGS = {"precompile_token_paddings": [64], "precompile_bs_paddings": [1, 
 SMOLLM2_LINEAR = 30 * (2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576)
 SMOLLM2_SCALES = 30 * (576 + 192 + 192 + 576 + 1536 + 1536 + 576)
 SMOLLM2_FLOAT = 49152 * 576 + 30 * 2 * 576 + 576
+SMOLLM2_KV_SCALES = 30 * 2 * 3  # an fp8 KV cache's k_scale and v_scale per layer and KV head (float32)
 
 
 # (flags, /get_server_info's quantization, KV cache dtype, weight bytes): W8A8 fp8 weights with an fp8 KV cache,
 # and the GGUF's own Q4_1 blocks kept (int8 values, a float32 scale and min per 32 values: SMOLLM2_LINEAR / 4 bytes)
 SERVED = {
     "w8a8_fp8": (["--quantization", "w8a8_fp8", "--kv-cache-dtype", "fp8_e4m3"], "w8a8_fp8", "float8_e4m3fn",
-                 SMOLLM2_LINEAR + 4 * SMOLLM2_SCALES + 4 * SMOLLM2_FLOAT),
+                 SMOLLM2_LINEAR + 4 * SMOLLM2_SCALES + 4 * SMOLLM2_FLOAT + 4 * SMOLLM2_KV_SCALES),
     "gguf": (["--quantization", "gguf"], "gguf", "float32", SMOLLM2_LINEAR + SMOLLM2_LINEAR // 4 + 4 * SMOLLM2_FLOAT),
 }
 

@@ -48,10 +48,10 @@ def _fp8_blocks(w: torch.Tensor, block=(128, 128)):
     return q, scale.float()
 
 
-def _save_fp8_qwen3(path) -> None:
+def _save_fp8_qwen3(path, quantized=_linear) -> None:
     """A tiny random Qwen3 written as an HF FP8 checkpoint (Qwen3-*-FP8's config and tensor names): every
     attention and MLP projection float8_e4m3fn with ``weight_scale_inv``, the rest float32. One KV head of 64
-    rows exercises a block row taller than the weight."""
+    rows exercises a block row taller than the weight. `quantized`: which tensor names are stored fp8."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -62,7 +62,7 @@ def _save_fp8_qwen3(path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = {}
     for name, t in model.state_dict().items():
-        if _linear(name):
+        if quantized(name):
             tensors[name], tensors[name + "_scale_inv"] = _fp8_blocks(t)
         else:
             tensors[name] = t.contiguous()
@@ -323,3 +323,14 @@ def test_fp8_checkpoint_tensors_are_read_without_a_float_copy(tmp_path):
     assert got["w"].dtype == ml_dtypes.float8_e4m3fn
     np.testing.assert_array_equal(got["w"].astype(np.float32), t.float().numpy())
     assert jax.numpy.asarray(got["w"]).dtype == jax.numpy.float8_e4m3fn
+
+
+def test_a_quantized_tensor_of_a_layer_served_unquantized_is_refused(tmp_path):
+    """An fp8 LM head (a layer sgl-jax serves in the model dtype) cannot be cast without its scales: the load
+    fails naming the tensor instead of serving a wrong model."""
+    from sgl_jax.srt.model_loader.loader import load_model
+
+    _save_fp8_qwen3(tmp_path, quantized=lambda n: _linear(n) or n == "lm_head.weight")
+    mc = ModelConfig.from_server_args(ServerArgs(model_path=str(tmp_path)), "cpu")
+    with pytest.raises(ValueError, match=r"lm_head\.weight.*serves unquantized"):
+        load_model(mc, "auto")

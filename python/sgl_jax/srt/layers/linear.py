@@ -155,7 +155,7 @@ def group_quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, minimum
         float32 [..., out].
 
     The layouts served: GGUF Q8_0 / Q4_0 / Q4_1 blocks of 32 (llama.cpp's ggml-quants), HF FP8 blocks of
-    [128, 128] (``weight_scale_inv``, DeepSeek-V3 / Qwen3-FP8 releases).
+    [128, 128] (``weight_scale_inv``, the dense Qwen3-*-FP8 releases).
     """
     out, n_in = q.shape
     n_groups = scale.shape[1]

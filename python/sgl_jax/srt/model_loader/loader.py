@@ -167,12 +167,15 @@ class _Placer:
         return jax.device_put(host, self.sharding(name, host.shape))
 
     def sharding(self, name: str, shape: tuple) -> Optional[NamedSharding]:
-        """Parameter `name`'s sharding (distributed/sharding.param_spec) for an array of `shape`; replicated where
-        a split axis does not divide evenly (a row-parallel layer's [out, groups] scales with groups not a
-        multiple of tp). None without a mesh."""
+        """Parameter `name`'s sharding (distributed/sharding.param_spec) for an array of `shape`; a quantized
+        layer's scales or mins are replicated where a split axis does not divide evenly (a row-parallel layer's
+        [out, groups] scales with groups not a multiple of tp; any other parameter then fails in device_put,
+        naming its shape). None without a mesh."""
         if self.mesh is None:
             return None
         spec = param_spec(name, self.expert_axes, len(shape))
+        if not name.endswith(("_scale", "_min")):
+            return NamedSharding(self.mesh, spec)
         for dim, axes in zip(shape, spec):
             axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
             if dim % int(np.prod([self.mesh.shape[a] for a in axes])):
@@ -185,7 +188,7 @@ class _Placer:
         normal(0, 0.02) from ``fold_in(key(seed), index)``, norms ("*norm.weight") 1; k/v projections drawn
         at the checkpoint's shape and their heads replicated as `place` does. The values depend on `seed` and
         `index` only, not on the mesh (JAX's partitionable threefry)."""
-        ones = name.endswith(("norm.weight",) + KV_SCALES)
+        ones = name.endswith("norm.weight")
         ckpt = self.checkpoint_shape(name, shape)
         kv = name.endswith(_KV_PROJ) and ckpt != shape
         sharding = self.sharding(name, shape)
@@ -286,6 +289,10 @@ class ExpertStacker:
         return target, self.buffers.pop(target)
 
 
+# the dtypes of a weight stored quantized (HF FP8, compressed-tensors int8)
+_QUANTIZED_DTYPES = (np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+
+
 class _CheckpointQuantization:
     """Turns one checkpoint tensor into the parameters it fills, for quantized linear layers
     (quantization/checkpoint.py):
@@ -311,6 +318,7 @@ class _CheckpointQuantization:
         self.block = getattr(quant, "block", None)
         self.quantized = quantized
         self.checkpoint_shape = checkpoint_shape
+        self.blocks_kept = self.quantized_here = 0  # layers read as stored blocks / quantized from float here
 
     def entries(self, name: str, arr) -> list:
         """[(parameter name, host array, dtype to place it in (None: the model dtype))] for checkpoint tensor
@@ -323,6 +331,7 @@ class _CheckpointQuantization:
             a = np.asarray(arr, np.float32).reshape(-1)
             return [(name, np.full(heads, a[0], np.float32) if a.size == 1 else a, np.float32)]
         if isinstance(arr, GroupQuantized):
+            self.blocks_kept += 1
             out = [(name, arr.q, np.int8), (name + "_scale", arr.scale, np.float32)]
             if self.scheme.with_min:
                 out.append((name + "_min", np.zeros_like(arr.scale) if arr.minimum is None else arr.minimum,
@@ -336,9 +345,15 @@ class _CheckpointQuantization:
         if self.format == "compressed-tensors" and name.endswith(".weight_scale") and np.ndim(arr) == 2:
             return [(name, np.asarray(arr, np.float32).reshape(-1), np.float32)]
         if name not in self.quantized:
+            stored_quantized = name.endswith(".weight") and np.dtype(arr.dtype) in _QUANTIZED_DTYPES
+            if stored_quantized or name.endswith((".weight_scale", ".weight_scale_inv")):
+                raise ValueError(f"Checkpoint tensor {name} ({np.dtype(arr.dtype)}) belongs to a layer sgl-jax "
+                                 f"serves unquantized (embedding, LM head, router, ...): it cannot be loaded "
+                                 f"without its scales")
             return [(name, arr, None)]
         if np.dtype(arr.dtype) == self.method.weight_dtype:  # stored quantized: its scales come as their own tensor
             return [(name, arr, arr.dtype)]
+        self.quantized_here += 1
         q, *scales = quantize_for(np.asarray(arr, np.float32), self.scheme)
         return [(name, q, q.dtype)] + [(name + suffix, a, np.float32) for suffix, a in zip(("_scale", "_min"), scales)]
 
@@ -371,7 +386,9 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
     if load_format == "dummy":
         # a tensor's randomness is indexed among the unquantized model's parameters (scales are not counted), so
         # a quantized model's dummy weights are the unquantized model's, quantized
-        tensors = [n for n in by_name if n in quantized or re.sub(r"_(scale|min)$", "", n) not in quantized]
+        # (an fp8 KV cache's scales are not drawn: they are 1, filled below)
+        tensors = [n for n in by_name if (n in quantized or re.sub(r"_(scale|min)$", "", n) not in quantized)
+                   and not n.endswith(KV_SCALES)]
         for i, name in enumerate(tqdm(tensors, desc="Initializing dummy weights", unit="tensor")):
             if name in quantized:
                 values.update(placer.dummy_quantized(name, shapes, seed, i, scheme))
@@ -396,6 +413,10 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
                     raise ValueError(f"Checkpoint tensor {name} has shape {tuple(host.shape)}, model expects "
                                      f"{expected}")
                 values[target] = placer.place(target, host, host_dtype)
+        if quant.format == "gguf":
+            logger.info("--quantization gguf: %d linear layers kept as the file's Q8_0 / Q4_0 / Q4_1 blocks, %d of "
+                        "other types quantized to int8 groups of 32 from their float values", quant.blocks_kept,
+                        quant.quantized_here)
     unscaled = [n for n in by_name if n.endswith(KV_SCALES) and n not in values]
     if unscaled:
         logger.info("fp8 KV cache: the checkpoint has no k_scale / v_scale for %d layers; scale 1 (saturating)",

@@ -5,12 +5,13 @@ Served as stored (no detour through a float copy):
 
 - HF FP8, block-wise (``quant_method: "fp8"``, ``fmt: "e4m3"``, ``weight_block_size: [bo, bi]``, each projection's
   ``weight`` float8_e4m3fn [out, in] and ``weight_scale_inv`` float32 [ceil(out / bo), in / bi], w = q * scale):
-  transformers' ``FineGrainedFP8Config``, the Qwen3-*-FP8 and DeepSeek-V3 releases. Weight-only here: activations
+  transformers' ``FineGrainedFP8Config``, the dense Qwen3-*-FP8 releases' layout (an MoE release's experts are refused
+  at load). Weight-only here: activations
   stay in the model dtype (SGLang quantizes them per group of 128 on GPUs with fp8 dots).
 - compressed-tensors int8 (``quant_method: "compressed-tensors"``, ``format: "int-quantized"``, one config group of
   8-bit symmetric int weights with ``strategy: "channel"``; ``weight`` int8 [out, in], ``weight_scale`` [out, 1]),
   with 8-bit dynamic per-token activations (W8A8: llm-compressor's ``W8A8`` scheme) -> ``w8a8_int8``, or without
-  (W8A16) -> ``int8``.
+  (an int-quantized W8A16) -> ``int8``.
 - a GGUF file with ``--quantization gguf``: Q8_0 / Q4_0 / Q4_1 blocks of 32 kept as int8 plus per-block scales
   (and Q4_1's mins); see model_loader/gguf_blocks.py.
 """

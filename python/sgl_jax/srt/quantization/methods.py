@@ -101,8 +101,8 @@ class QuantScheme:
         group_size: None: one scale per output channel (``weight_scale`` float32 [out]); an int g: one scale per
             output channel and group of g input features (``weight_scale`` float32 [out, in / g]), as GGUF's
             32-value blocks and HF FP8's [128, 128] blocks (whose one scale per 128 rows is repeated per row at
-            load: 4 bytes per 128 weights more, and k/v head replication and tensor-parallel splits then act on
-            rows alone).
+            load: 4 bytes per 128 weights more, so that k/v head replication and a column-parallel split act on
+            rows alone; a row-parallel split divides the groups: distributed/sharding.py).
         with_min: the groups also carry an offset, w ~ q * scale + min (``weight_min`` float32 [out, in / g]):
             GGUF Q4_1.
     """
