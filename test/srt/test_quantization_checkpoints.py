@@ -15,6 +15,7 @@ import pytest
 import torch
 from flax import nnx
 from test_model_parity import RunnerHarness, _random_prompts, check_parity
+from test_quantization import _programs
 from test_tensor_parallel import run_worker
 
 from sgl_jax.srt.configs.model_config import ModelConfig
@@ -241,11 +242,6 @@ def group_program_problems(lowered: str, compiled: str, storage: str) -> list:
     if re.search(rf"\S+\[({'|'.join(compiled_shapes)})\]\{{[^}}]*\}} multiply\(", compiled):
         problems.append("the compiled program multiplies a weight-shaped array")
     return problems
-
-
-def _programs(fn, *args):
-    lowered = jax.jit(fn).lower(*args)
-    return lowered.as_text(), lowered.compile().as_text()
 
 
 @pytest.mark.parametrize("method,with_min", [("int8", True), ("int8", False), ("fp8", False)])

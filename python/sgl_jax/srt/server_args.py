@@ -18,7 +18,8 @@ from sgl_jax.srt.chat_templates import BUILTIN_CHAT_TEMPLATES, resolve_chat_temp
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")  # SGLang's aliases: half, float
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16", "fp8_e4m3", "fp8_e5m2")
+FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")  # SGLang's names: float8_e4m3fn / float8_e5m2 pages
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16") + FP8_KV_CACHE_DTYPES
 QUANTIZATION_METHODS = ("int8", "fp8", "w8a8_int8", "w8a8_fp8")  # SGLang's names (quantization/methods.py)
 QUANTIZATION_CHOICES = QUANTIZATION_METHODS + ("gguf",)  # gguf: a .gguf file's blocks kept (quantization/checkpoint.py)
 DEVICES = ("auto", "cpu", "tpu", "gpu")

@@ -11,7 +11,7 @@ from sgl_jax.srt.chat_templates import resolve_chat_template
 from sgl_jax.srt.model_loader.default_model import find_default_model_path, packaged_gguf_for
 from sgl_jax.srt.quantization.checkpoint import GGUF_LINEAR_SUFFIXES, ResolvedQuantization, resolve_quantization
 from sgl_jax.srt.quantization.methods import QuantScheme, as_scheme
-from sgl_jax.srt.server_args import resolve_moe_backend
+from sgl_jax.srt.server_args import FP8_KV_CACHE_DTYPES, resolve_moe_backend
 
 
 @dataclasses.dataclass
@@ -298,16 +298,18 @@ class ModelConfig:
     moe_backend: str = "ragged_dot"  # a resolved --moe-backend (server_args.resolve_moe_backend)
     ep_size: int = 1  # --ep-size: 1, tp or dp * tp (distributed/sharding.expert_axes)
     quantization: Optional[str] = None  # --quantization: the linear layers' method (quantization/methods.py), "gguf"
-    # how the linear layers are stored (None: from `quantization`) and what the checkpoint holds
-    # (quantization/checkpoint.py: resolve_quantization)
-    quant_scheme: Optional[QuantScheme] = None
+    # what serves the linear layers and what the checkpoint holds (quantization/checkpoint.py: resolve_quantization);
+    # None: `quantization` applied at load to a float checkpoint
     quant_checkpoint: Optional[ResolvedQuantization] = None
     # --kv-cache-dtype fp8_*: attention layers hold per-KV-head k_scale / v_scale (the checkpoint's, else 1)
     kv_cache_scales: bool = False
 
-    def __post_init__(self):
-        if self.quant_scheme is None and self.quantization not in (None, "gguf"):
-            self.quant_scheme = as_scheme(self.quantization)
+    @property
+    def quant_scheme(self) -> Optional[QuantScheme]:
+        """How the quantized layers store their weights (None: not quantized)."""
+        if self.quant_checkpoint is not None:
+            return self.quant_checkpoint.scheme
+        return None if self.quantization == "gguf" else as_scheme(self.quantization)
 
     def layer_window(self, layer_id: int) -> Optional[int]:
         """The sliding window (tokens a query sees, itself included) of layer `layer_id`, None for a full one."""
@@ -337,8 +339,8 @@ class ModelConfig:
 
         resolved = resolve_model(server_args)
         hf_config = AutoConfig.from_pretrained(resolved.hf_dir, trust_remote_code=server_args.trust_remote_code)
-        quant = resolve_quantization(hf_config, resolved.model_path, server_args.quantization,
-                                     _gguf_linear_types(resolved.gguf_file))
+        gguf_types = _gguf_linear_types(resolved.gguf_file) if server_args.quantization == "gguf" else None
+        quant = resolve_quantization(hf_config, resolved.model_path, server_args.quantization, gguf_types)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"{resolved.hf_dir}/config.json has no 'architectures' field")
@@ -372,9 +374,8 @@ class ModelConfig:
             moe_backend=resolve_moe_backend(server_args.moe_backend, platform),
             ep_size=int(server_args.ep_size),
             quantization=quant.name,
-            quant_scheme=quant.scheme,
             quant_checkpoint=quant,
-            kv_cache_scales=str(server_args.kv_cache_dtype).startswith("fp8"),
+            kv_cache_scales=server_args.kv_cache_dtype in FP8_KV_CACHE_DTYPES,
         )
 
 

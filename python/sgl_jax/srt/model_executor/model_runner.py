@@ -44,7 +44,7 @@ from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatc
 from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask, vocab_mask_words
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES, load_model
 from sgl_jax.srt.models.llama import sown_aux_hidden_states
-from sgl_jax.srt.server_args import resolve_attention_backend
+from sgl_jax.srt.server_args import FP8_KV_CACHE_DTYPES, resolve_attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-FP8_KV_DTYPES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}  # SGLang's --kv-cache-dtype names
+FP8_KV_DTYPES = dict(zip(FP8_KV_CACHE_DTYPES, (jnp.float8_e4m3fn, jnp.float8_e5m2)))  # --kv-cache-dtype fp8_*
 
 
 def kv_cache_dtype(model_config, flag: str = "auto"):
