@@ -97,7 +97,8 @@ def make_model_config(name: str, dtype: str = "bfloat16", ep_size: int = 1, quan
         dtype: "bfloat16" or "float32" (parameter and KV-cache dtype).
         ep_size: ``--ep-size``: 1, or the tp the model is built for (experts split over the tensor axis).
         quantization: ``--quantization`` (its linear layers' weights in one byte plus a float32 scale per output
-            channel), None: not quantized.
+            channel, the embedding table and LM head in one byte plus a float32 scale per group:
+            ModelConfig.table_quant_scheme), None: not quantized.
     """
     from sgl_jax.srt.configs.model_config import ModelConfig, ResolvedModel
 

@@ -54,18 +54,21 @@ def test_report_has_the_table(rows, tmp_path):
 
 def test_quantized_plans_count_one_byte_per_linear_weight_and_its_scales(rows, tmp_path):
     """--quantization int8 / fp8: each projection's weight in one byte plus a float32 scale per output channel, the
-    rest bfloat16; --kv-cache-dtype fp8_e4m3 halves the KV bytes; the report gains their table."""
+    embedding table and LM head in one byte plus a float32 scale per 128 values (methods.table_scheme), the norms
+    bfloat16; --kv-cache-dtype fp8_e4m3 halves the KV bytes; the report gains their table."""
     linear = LAYERS * (HIDDEN * HEADS * HEAD_DIM * 2 + HIDDEN * KV_HEADS * HEAD_DIM * 2 + 3 * HIDDEN * INTER)
     scales = LAYERS * (HEADS * HEAD_DIM * 2 + KV_HEADS * HEAD_DIM * 2 + HIDDEN + 2 * INTER)
+    tables = 2 * VOCAB * HIDDEN
     quant = {(r["quantization"], r["kv_cache_dtype"], r["tp"]): r for r in quant_plan(["Llama-3-8B"], (1, 4))}
     for method in ("int8", "fp8"):
         r = quant[(method, "auto", 1)]
-        assert r["weight_bytes"] == 2 * (_llama3_8b_params() - linear) + linear + 4 * scales
+        assert r["weight_bytes"] == (2 * (_llama3_8b_params() - linear - tables) + linear + 4 * scales
+                                     + tables + 4 * tables // 128)
         assert r["kv_bytes_per_1k"] == rows[1]["kv_bytes_per_1k"]
-    # the bfloat16 embedding and LM head (4% of Qwen3-32B, 13% of Llama-3-8B) keep the ratio above one half
-    assert 0.56 < quant[("int8", "auto", 1)]["weight_bytes"] / rows[1]["weight_bytes"] < 0.57
+    # the issue's goal: at most 0.55x of bfloat16's bytes (the scales are the rest above one half)
+    assert 0.50 < quant[("int8", "auto", 1)]["weight_bytes"] / rows[1]["weight_bytes"] < 0.51
     (q32,), (b32,) = quant_plan(["Qwen3-32B"], (1,))[:1], plan(["Qwen3-32B"], (1,))
-    assert 0.52 < q32["weight_bytes"] / b32["weight_bytes"] < 0.53
+    assert 0.50 < q32["weight_bytes"] / b32["weight_bytes"] < 0.51
     assert quant[("fp8", "fp8_e4m3", 4)]["kv_bytes_per_1k"] * 2 == rows[4]["kv_bytes_per_1k"]
     out = tmp_path / "plan.md"
     write_report(str(out), list(rows.values()), "python -m sgl_jax.bench_sharding", quant_rows=list(quant.values()))
@@ -135,7 +138,7 @@ def test_qwen3_235b_at_ep4_does_not_fit_either_device():
 def test_qwen3_235b_fp8_on_v6e_16_fits_with_room_for_kv(tmp_path):
     """--quantization fp8 stores the stacked experts in one byte per value plus a float32 scale per expert and
     output channel: Qwen3-235B-A22B at ep 16 holds half its bfloat16 bytes per device and fits a v6e chip with a
-    KV pool for 80 sequences of 4k tokens (bfloat16: 6); the report gains the table."""
+    KV pool for 81 sequences of 4k tokens (bfloat16: 6); the report gains the table."""
     from sgl_jax.bench_sharding import quant_moe_plan
 
     (b16,), (f8,) = moe_plan(models=["Qwen3-235B-A22B"], ep_sizes=(16,)), quant_moe_plan(["Qwen3-235B-A22B"], (16,))
@@ -145,7 +148,7 @@ def test_qwen3_235b_fp8_on_v6e_16_fits_with_room_for_kv(tmp_path):
     assert b16["expert_bytes"] == 2 * expert_values
     assert f8["expert_bytes"] == expert_values + 4 * expert_scales
     assert 0.50 < f8["weight_bytes"] / b16["weight_bytes"] < 0.51
-    assert f8["quantization"] == "fp8" and f8["v6e_batch"] == 80 and b16["v6e_batch"] == 6
+    assert f8["quantization"] == "fp8" and f8["v6e_batch"] == 81 and b16["v6e_batch"] == 6
     out = tmp_path / "plan.md"
     write_report(str(out), [], "python -m sgl_jax.bench_sharding", quant_rows=quant_plan(["Qwen3-32B"], (1,)),
                  quant_moe_rows=[f8])

@@ -168,16 +168,17 @@ def test_aux_layer_ids_follow_sglang():
             eagle_aux_layer_ids(Cfg(), 4)
 
 
-def _prefilled(models, algorithm: str, page_size: int, topk: int = 1):
-    """A target runner and `new_eagle_draft`'s head on one request prefilled and draft-extended (its first draft
-    token and hidden state checked against the reference). Returns a namespace of what the tests use."""
+def _prefilled(models, algorithm: str, page_size: int, topk: int = 1, quantization=None):
+    """A target runner (with `quantization`: ``--quantization`` of it) and `new_eagle_draft`'s head on one request
+    prefilled and draft-extended (its first draft token and hidden state checked against the reference). Returns a
+    namespace of what the tests use."""
     target_dir, tok_dir, heads, hf = models
     eagle3 = algorithm == "EAGLE3"
     ref = HeadReference(heads[algorithm], hf, eagle3)
     args = ServerArgs(model_path=target_dir, tokenizer_path=tok_dir, page_size=page_size, max_total_tokens=1024,
                       context_length=CONTEXT, disable_precompile=True, disable_radix_cache=True,
                       speculative_algorithm=algorithm, speculative_draft_model_path=heads[algorithm],
-                      speculative_eagle_topk=topk)
+                      speculative_eagle_topk=topk, quantization=quantization)
     setup_jax(args)
     mc = ModelConfig.from_server_args(args, "cpu")
     buckets = ShapeBuckets((64,), (1, 4), verify_tokens=args.speculative_num_draft_tokens)
@@ -261,6 +262,37 @@ def test_head_matches_reference_through_prefill_draft_and_verify(models, algorit
     seq = prompt + [t_n] + greedy
     ref_out, ref_tok = ref.run(seq[1:], hf_features(s.hf, seq[:-1], s.eagle3)[0])
     check_state(s.draft, req, ref_tok[-1], ref_out[-1])
+
+
+def test_head_over_an_int8_target_reads_its_int8_tables(models):
+    """--quantization int8 on the target: its embedding table (tied LM head) is int8 in groups
+    (methods.table_scheme), and the EAGLE head embeds its tokens and computes its logits from that table as stored
+    (no float copy): the target, fed to transformers as its dequantized weights, and the head match the reference
+    through a prefill, a draft extend and a draft decode step."""
+    from transformers import LlamaForCausalLM
+
+    from sgl_jax.srt.quantization.methods import QuantScheme, dequantize_rows, quantize_for, table_scheme
+
+    target_dir, tok_dir, heads, _ = models
+    hf = LlamaForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, w in hf.state_dict().items():
+            table = name.endswith("embed_tokens.weight")
+            if table or name.endswith("_proj.weight"):  # quantized as the loader does, on the host
+                q, scale = quantize_for(w.numpy(), table_scheme(w.shape[1]) if table else QuantScheme("int8"))
+                w.copy_(torch.from_numpy(dequantize_rows(q, scale, np.float32)))
+    s = _prefilled((target_dir, tok_dir, heads, hf), "EAGLE", 16, quantization="int8")
+    for table in (s.draft.runner.embed, s.draft.runner.target_head):
+        assert isinstance(table, tuple) and table[0].dtype == np.int8 and table[1].shape == (49152, 1)
+    req = s.req
+    d1 = int(s.draft.runner.tokens()[req.req_pool_idx])
+    decode = ScheduleBatch([req], ForwardMode.DECODE)
+    assert decode.prepare_for_decode(s.memory)
+    assert s.memory.allocate_drafts(req, 3)
+    step = draft_step_batch([req], [d1], 0, s.memory, (ForwardMode.DECODE, *s.buckets.decode_shape(1)))
+    tok = s.draft.runner.draft_decode([step], [np.asarray([req.req_pool_idx], np.int32)])
+    _, ref_tok2 = s.ref.run(s.prompt[1:] + [s.t_n], s.aux, extra_tokens=[d1])
+    assert tok[req.req_pool_idx] == ref_tok2[-1]
 
 
 @pytest.mark.parametrize("algorithm,page_size", [("EAGLE3", 1), ("EAGLE", 16)])

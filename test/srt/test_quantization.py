@@ -18,7 +18,8 @@ from flax import nnx
 from test_tensor_parallel import run_worker, tiny_llama  # noqa: F401 (tiny_llama: a fixture)
 
 from sgl_jax.srt.layers.linear import Linear
-from sgl_jax.srt.quantization.methods import METHODS, get_method, quantize_weight
+from sgl_jax.srt.quantization.methods import METHODS, QuantScheme, get_method, quantize_for, quantize_weight, \
+    table_scheme
 from sgl_jax.srt.server_args import ServerArgs
 from srt_helpers import module_server, wait_pool_idle
 
@@ -149,6 +150,7 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 # weight-only: tp changes only the float summation order (as unquantized: 1e-3, test_tensor_parallel). W8A8 quantizes
 # every layer's input again, so an activation that order moves across a rounding boundary of x / scale changes by a
 # whole int8 / fp8 step: measured up to 1.3e-3 (w8a8_int8, tp 2), with the same greedy tokens
+TABLES = ("embed_tokens", "lm_head")  # quantized int8 in groups under every method (methods.table_scheme)
 TP_LOGPROB_TOL = {"int8": 1e-3, "fp8": 1e-3, "w8a8_int8": 5e-3, "w8a8_fp8": 5e-3}
 
 
@@ -168,23 +170,32 @@ def test_tp_2_and_4_equal_tp_1_under_every_method(tiny_llama):
             assert diff <= TP_LOGPROB_TOL[method], f"{method} tp {tp}: logprobs differ from tp 1 by {diff}"
             for name, p in r["params"].items():
                 layer = name.split(".")[-2]
-                if name.endswith("_proj.weight"):
+                if name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight")):
                     assert p["bytes"] == np.prod(p["shape"]), (method, name)  # one byte per value
                 if name.endswith("weight_scale") and tp != "1":  # (a mesh of one device reports any spec)
                     spec = [a for a in p["spec"] if a is not None]
-                    assert spec == (["tensor"] if layer in COLUMN else []), (method, tp, name, spec)
-    # every method quantizes every projection: 7 per layer
-    assert sum(n.endswith("weight_scale") for n in results["int8/1"]["params"]) == 2 * 7
+                    split = layer in COLUMN or layer in TABLES  # (the tables' [vocab, groups] scales: by vocabulary)
+                    assert spec == (["tensor"] if split else []), (method, tp, name, spec)
+    # every method quantizes every projection (7 per layer), and the embedding table and LM head in int8 groups of 64
+    # (tiny_llama's hidden size: methods.table_scheme)
+    params = results["int8/1"]["params"]
+    assert sum(n.endswith("weight_scale") for n in params) == 2 * 7 + 2
+    for table in TABLES:
+        scale, weight = (next(p for n, p in params.items() if n.endswith(f"{table}.{kind}"))
+                         for kind in ("weight_scale", "weight"))
+        assert scale["shape"][1] == weight["shape"][1] // 64, table
 
 
 # --------------------------------------------------------------------------------------------- serving
 SERVER_ARGS = {"precompile_token_paddings": [64], "precompile_bs_paddings": [1, 4], "max_running_requests": 4,
                "chunked_prefill_size": 64, "max_total_tokens": 4096, "context_length": 1024}
 # SmolLM2-135M: 30 layers of q, o [576, 576], k, v [192, 576], gate, up [1536, 576], down [576, 1536] in one byte
-# per value plus a float32 scale per output channel; the tied embedding [49152, 576] and the norms in float32
+# per value plus a float32 scale per output channel; the tied embedding [49152, 576] in one byte per value plus a
+# float32 scale per 64 (methods.table_scheme), or in float32 (gguf); the norms in float32
 SMOLLM2_LINEAR = 30 * (2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576)
 SMOLLM2_SCALES = 30 * (576 + 192 + 192 + 576 + 1536 + 1536 + 576)
-SMOLLM2_FLOAT = 49152 * 576 + 30 * 2 * 576 + 576
+SMOLLM2_TABLE = 49152 * 576
+SMOLLM2_NORMS = 30 * 2 * 576 + 576
 SMOLLM2_KV_SCALES = 30 * 2 * 3  # an fp8 KV cache's k_scale and v_scale per layer and KV head (float32)
 
 
@@ -192,8 +203,10 @@ SMOLLM2_KV_SCALES = 30 * 2 * 3  # an fp8 KV cache's k_scale and v_scale per laye
 # and the GGUF's own Q4_1 blocks kept (int8 values, a float32 scale and min per 32 values: SMOLLM2_LINEAR / 4 bytes)
 SERVED = {
     "w8a8_fp8": (["--quantization", "w8a8_fp8", "--kv-cache-dtype", "fp8_e4m3"], "w8a8_fp8", "float8_e4m3fn",
-                 SMOLLM2_LINEAR + 4 * SMOLLM2_SCALES + 4 * SMOLLM2_FLOAT + 4 * SMOLLM2_KV_SCALES),
-    "gguf": (["--quantization", "gguf"], "gguf", "float32", SMOLLM2_LINEAR + SMOLLM2_LINEAR // 4 + 4 * SMOLLM2_FLOAT),
+                 SMOLLM2_LINEAR + 4 * SMOLLM2_SCALES + SMOLLM2_TABLE + 4 * SMOLLM2_TABLE // 64 + 4 * SMOLLM2_NORMS
+                 + 4 * SMOLLM2_KV_SCALES),
+    "gguf": (["--quantization", "gguf"], "gguf", "float32",
+             SMOLLM2_LINEAR + SMOLLM2_LINEAR // 4 + 4 * SMOLLM2_TABLE + 4 * SMOLLM2_NORMS),
 }
 
 
@@ -258,12 +271,18 @@ def test_dummy_weights_are_the_float_dummies_quantized(tiny_llama):
     for method in ("int8", "w8a8_fp8"):
         quant = flat(method)
         scaled = [n for n in quant if n.endswith("weight_scale")]
-        assert len(scaled) == 2 * 7
+        assert len(scaled) == 2 * 7 + 2
         for name, value in plain.items():
             if name + "_scale" in quant:
-                q, scale = quantize_weight(value, get_method(method))
-                assert quant[name].dtype == get_method(method).weight_dtype
-                np.testing.assert_array_equal(quant[name].astype(np.float32), q.astype(np.float32))
+                table = name.split(".")[-2] in TABLES
+                scheme = table_scheme(64) if table else QuantScheme(method)
+                q, scale = quantize_for(value, scheme)
+                assert quant[name].dtype == (np.int8 if table else get_method(method).weight_dtype)
+                steps = np.abs(quant[name].astype(np.float32) - q.astype(np.float32))
+                if table:  # a group's x / scale on the device may round the other way at a half step (1 in 32768)
+                    assert steps.max() <= 1 and np.mean(steps > 0) < 1e-3, (name, steps.max(), np.mean(steps > 0))
+                else:
+                    assert steps.max() == 0, name
                 np.testing.assert_allclose(quant[name + "_scale"], scale, rtol=1e-6)
             else:
                 np.testing.assert_array_equal(quant[name], value)

@@ -20,6 +20,7 @@ from test_tensor_parallel import run_worker
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.model_loader.gguf_blocks import read_blocks
+from sgl_jax.srt.quantization.methods import table_scheme
 from sgl_jax.srt.server_args import ServerArgs
 
 torch.set_num_threads(1)
@@ -118,6 +119,18 @@ def test_hf_fp8_block_checkpoint_tp_2_and_4_equal_tp_1(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- compressed-tensors
+def _on_table_grid(w: np.ndarray) -> np.ndarray:
+    """`w` [V, H] moved onto the grid --quantization stores token tables on (methods.table_scheme: int8 in groups),
+    with power-of-two scales and a value of 127 steps in every group, so that quantizing it at load is exact: the
+    compressed-tensors checkpoint serves its (ignored) tables in float, --quantization quantizes them."""
+    g = table_scheme(w.shape[1]).group_size
+    x = w.reshape(w.shape[0], -1, g).astype(np.float64)
+    scale = 2.0 ** np.round(np.log2(np.abs(x).max(-1, keepdims=True) / 127.0))
+    q = np.clip(np.round(x / scale), -127, 127)
+    np.put_along_axis(q, np.abs(q).argmax(-1)[..., None], 127.0, axis=-1)
+    return (q * scale).reshape(w.shape).astype(np.float32)
+
+
 def _save_int8_pair(tiny_dir, out_float, out_ct, activations: bool) -> None:
     """From the tiny Llama at `tiny_dir`: a compressed-tensors int8 checkpoint (``int-quantized``, per-channel
     symmetric weights, dynamic per-token activations when `activations`) and the float checkpoint of exactly its
@@ -132,6 +145,8 @@ def _save_int8_pair(tiny_dir, out_float, out_ct, activations: bool) -> None:
             q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
             ct[name], ct[name[:-len("weight")] + "weight_scale"] = q, scale.astype(np.float32)
             floats[name] = q.astype(np.float32) * scale
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            ct[name] = floats[name] = _on_table_grid(w)
         else:
             ct[name] = floats[name] = w
     config = json.loads((tiny_dir / "config.json").read_text())
@@ -228,17 +243,17 @@ def test_gguf_blocks_kept_quantized_match_the_dequantized_model(smollm2_tokenize
 IN, OUT, GROUP = 576, 1536, 32  # SmolLM2's hidden and intermediate widths, GGUF's block
 
 
-def group_program_problems(lowered: str, compiled: str, storage: str) -> list:
+def group_program_problems(lowered: str, compiled: str, storage: str, group: int = GROUP) -> list:
     """What is wrong with the program of a group-quantized layer [OUT, IN] (empty: nothing): the weight must enter
     in its storage dtype (`storage`: "i8" or "f8E4M3FN"), and nothing may multiply an array of the weight's
-    shape, flat [OUT, IN] or grouped [OUT, IN / GROUP, GROUP] (a dequantized weight)."""
+    shape, flat [OUT, IN] or grouped [OUT, IN / group, group] (a dequantized weight)."""
     problems = []
     if f"tensor<{OUT}x{IN}x{storage}>" not in lowered:
         problems.append(f"the weight is not a {storage} parameter")
-    shapes = (f"{OUT}x{IN}", f"{OUT}x{IN // GROUP}x{GROUP}")
+    shapes = (f"{OUT}x{IN}", f"{OUT}x{IN // group}x{group}")
     for m in re.finditer(rf"= stablehlo\.multiply .*tensor<({'|'.join(shapes)})x\w+>$", lowered, re.M):
         problems.append(f"a weight-shaped multiply: {m.group(0)[:160]}")
-    compiled_shapes = (f"{OUT},{IN}", f"{OUT},{IN // GROUP},{GROUP}")
+    compiled_shapes = (f"{OUT},{IN}", f"{OUT},{IN // group},{group}")
     if re.search(rf"\S+\[({'|'.join(compiled_shapes)})\]\{{[^}}]*\}} multiply\(", compiled):
         problems.append("the compiled program multiplies a weight-shaped array")
     return problems
@@ -274,6 +289,41 @@ def test_the_group_dot_takes_the_stored_values_and_scales_its_results(method, wi
 
     assert any("weight-shaped" in p for p in group_program_problems(
         *_programs(dequantize_first, jax.numpy.asarray(q), jax.numpy.asarray(scale), x), storage))
+
+
+def test_token_tables_are_int8_groups_looked_up_and_dotted_without_a_float_copy():
+    """--quantization's token tables (methods.table_scheme: int8 in groups of the largest of 128 / 64 / 32 features
+    dividing the hidden size): a lookup gives the looked-up rows dequantized, and the LM head's logits are the group
+    dot on the int8 table (no dequantized [V, H] array in the program; a planted dequantizing head is caught)."""
+    from sgl_jax.srt.layers.embedding import Embedding, lookup
+    from sgl_jax.srt.layers.logits_processor import compute_logits
+    from sgl_jax.srt.quantization.methods import dequantize_rows, quantize_for
+
+    assert [getattr(table_scheme(h), "group_size", None) for h in (576, 640, 2048, 96, 100)] == [64, 128, 128, 32,
+                                                                                                  None]
+    scheme = table_scheme(IN)
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((OUT, IN)) * 0.05).astype(np.float32)
+    q, scale = quantize_for(w, scheme)
+    assert q.dtype == np.int8 and scale.shape == (OUT, IN // 64)
+    table = Embedding(OUT, IN, rngs=nnx.Rngs(0), quantization=scheme)
+    table.weight.set_value(jax.numpy.asarray(q))
+    table.weight_scale.set_value(jax.numpy.asarray(scale))
+    deq = dequantize_rows(q, scale, np.float32)
+    assert np.abs(deq - w).max() <= np.abs(w).max() / 127 / 2 * 1.0001  # half a step of the coarsest group
+    ids = jax.numpy.asarray([0, 7, OUT - 1, 7], jax.numpy.int32)
+    np.testing.assert_array_equal(np.asarray(table(ids)), deq[np.asarray(ids)])
+    np.testing.assert_array_equal(np.asarray(lookup(table.table(), ids, jax.numpy.float32)), deq[np.asarray(ids)])
+    h = jax.numpy.asarray(rng.standard_normal((5, IN)), jax.numpy.float32)
+    ref = np.asarray(h) @ deq.T
+    logits = np.asarray(compute_logits(h, table.table()))
+    assert np.abs(logits - ref).max() < 1e-4 * np.abs(ref).max()
+    args = (jax.numpy.asarray(q), jax.numpy.asarray(scale), h)
+    assert group_program_problems(*_programs(lambda q, s, h: compute_logits(h, (q, s)), *args), "i8", 64) == []
+    assert any("weight-shaped" in p for p in group_program_problems(
+        *_programs(lambda q, s, h: compute_logits(h, jax.numpy.asarray(dequantize_rows(q, s, jax.numpy.float32,
+                                                                                       jax.numpy))), *args),
+        "i8", 64))
 
 
 # ----------------------------------------------------------------------------------------------------- refusals

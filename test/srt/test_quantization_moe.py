@@ -2,8 +2,8 @@
 output channel (layers/moe.StackedExperts), on every grouped-matmul backend and under expert parallelism.
 
 The reference is transformers run on the weights we serve, dequantized (every linear layer's and expert's
-int8 / fp8 values times their scales): our quantized model must compute what that float model computes, within
-test_model_parity's float32 tolerance."""
+int8 / fp8 values times their scales, the token tables' int8 groups too): our quantized model must compute what
+that float model computes, within test_model_parity's float32 tolerance."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import torch
 from flax import nnx
 from test_model_parity import RunnerHarness, _random_prompts, _save_tiny, check_parity
 from test_moe_models import VOCAB, tiny_config
+
+from sgl_jax.srt.quantization.methods import dequantize_rows
 
 torch.set_num_threads(1)
 
@@ -33,8 +35,8 @@ def load_dequantized(model, params: dict) -> int:
             if scale is None:
                 continue
             n += 1
-            if q.ndim == 2:  # a linear layer [out, in], scales [out]
-                state[name].copy_(torch.from_numpy(q * scale[:, None]))
+            if q.ndim == 2:  # a linear layer [out, in], scales [out]; a token table [V, H], scales [V, H / g]
+                state[name].copy_(torch.from_numpy(dequantize_rows(q, scale, np.float32)))
                 continue
             w = torch.from_numpy((q * scale[:, None, :]).transpose(0, 2, 1).copy())  # [E, out, in]
             prefix, kind = name.rsplit(".", 1)
@@ -69,8 +71,9 @@ def test_quantized_experts_compute_the_dequantized_model(qwen2_moe, method, back
         experts = [n for n in raw if n.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj"))]
         assert len(experts) == 2 * 3 and all(raw[n].dtype.itemsize == 1 for n in experts)
         assert raw["model.layers.0.mlp.experts.down_proj_scale"].shape == (8, 64)
-        # q, k, v, o and the shared expert's gate, up, down per layer, and the 3 stacked experts
-        assert load_dequantized(model, params) == 2 * (4 + 3 + 3)
+        # q, k, v, o and the shared expert's gate, up, down per layer, the 3 stacked experts; the embedding table and
+        # the (untied) LM head in int8 groups
+        assert load_dequantized(model, params) == 2 * (4 + 3 + 3) + 2
         check_parity(harness, model, prompts)
 
 

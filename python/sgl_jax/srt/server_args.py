@@ -481,9 +481,10 @@ FLAG_HELP = {
     "dtype": "float32 (float) | bfloat16 | float16 (half) | auto (bfloat16 on TPU/GPU, float32 on CPU)",
     "quantization": "quantize the linear layers' weights at load: int8 | fp8 (weight-only, one scale per output "
                     "channel) | w8a8_int8 | w8a8_fp8 (activations quantized per token too, so the matmul is an "
-                    "int8 or fp8 dot) | gguf (a .gguf model's Q8_0 / Q4_0 / Q4_1 blocks kept as int8 with per-block "
-                    "scales); unset: a pre-quantized checkpoint (HF block FP8, compressed-tensors int8) is served "
-                    "as stored; docs/quantization.md",
+                    "int8 or fp8 dot); under each of the four the embedding table and LM head become int8 with a "
+                    "scale per group of up to 128 values | gguf (a .gguf model's Q8_0 / Q4_0 / Q4_1 blocks kept as "
+                    "int8 with per-block scales); unset: a pre-quantized checkpoint (HF block FP8, "
+                    "compressed-tensors int8) is served as stored; docs/quantization.md",
     "page_size": "tokens per KV cache page (default: 128 on TPU, 16 on GPU, 1 on CPU; the platform from --device, "
                  "else $JAX_PLATFORMS, else the accelerator plugin installed: server_args.platform_hint)",
     "kv_cache_dtype": "KV cache storage: auto (the model's --dtype) | bfloat16 (bf16) | float32 | fp8_e4m3 | "

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 from sgl_jax.srt.chat_templates import resolve_chat_template
 from sgl_jax.srt.model_loader.default_model import find_default_model_path, packaged_gguf_for
 from sgl_jax.srt.quantization.checkpoint import GGUF_LINEAR_SUFFIXES, ResolvedQuantization, resolve_quantization
-from sgl_jax.srt.quantization.methods import QuantScheme, as_scheme
+from sgl_jax.srt.quantization.methods import METHODS, QuantScheme, as_scheme, table_scheme
 from sgl_jax.srt.server_args import FP8_KV_CACHE_DTYPES, resolve_moe_backend
 
 
@@ -310,6 +310,17 @@ class ModelConfig:
         if self.quant_checkpoint is not None:
             return self.quant_checkpoint.scheme
         return None if self.quantization == "gguf" else as_scheme(self.quantization)
+
+    @property
+    def table_quant_scheme(self) -> Optional[QuantScheme]:
+        """How the token embedding table and the LM head store their weights: int8 groups
+        (quantization/methods.table_scheme) when ``--quantization`` applies a method at load to a float
+        checkpoint; None (the model dtype) otherwise: unquantized, or a pre-quantized checkpoint or GGUF blocks,
+        whose tables are served as their checkpoint stores them (dequantized to the model dtype)."""
+        prequantized = self.quant_checkpoint is not None and self.quant_checkpoint.checkpoint is not None
+        if self.quantization not in METHODS or prequantized:
+            return None
+        return table_scheme(self.hidden_size)
 
     def layer_window(self, layer_id: int) -> Optional[int]:
         """The sliding window (tokens a query sees, itself included) of layer `layer_id`, None for a full one."""

@@ -47,8 +47,7 @@ PARAM_SPECS: List[Tuple[str, P]] = [
     (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(bias|weight_scale|weight_min)$", P("tensor")),
     (r"\.(o_proj|down_proj)\.(weight|weight_scale|weight_min)$", ROW),
     (r"\.self_attn\.(k_scale|v_scale)$", P("tensor")),  # an fp8 KV cache's per-KV-head scales, with the heads
-    (r"(^|\.)embed_tokens\.weight$", VOCAB),
-    (r"(^|\.)lm_head\.weight$", VOCAB),
+    (r"(^|\.)(embed_tokens|lm_head)\.(weight|weight_scale)$", VOCAB),  # (a quantized table's scales [vocab, groups])
 ]
 
 

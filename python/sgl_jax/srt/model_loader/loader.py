@@ -289,6 +289,8 @@ class ExpertStacker:
         return target, self.buffers.pop(target)
 
 
+# the token embedding table and the LM head, quantized with ModelConfig.table_quant_scheme
+_TABLES = r"(^|\.)(embed_tokens|lm_head)\.weight$"
 # the dtypes of a weight stored quantized (HF FP8, compressed-tensors int8)
 _QUANTIZED_DTYPES = (np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 
@@ -308,12 +310,17 @@ class _CheckpointQuantization:
     Args:
         scheme: the model's QuantScheme (None: not quantized); quant: its ResolvedQuantization (None: a float
             checkpoint); quantized: the quantized layers' weight names; checkpoint_shape: parameter name -> the
-            shape its checkpoint tensor has.
+            shape its checkpoint tensor has; table_scheme: the token embedding table's and LM head's
+            (ModelConfig.table_quant_scheme; None: not quantized).
     """
 
-    def __init__(self, scheme, quant, quantized: set, checkpoint_shape):
+    def scheme_of(self, name: str):
+        """The QuantScheme of quantized parameter `name` (a weight): the tables' or the linear layers'."""
+        return self.table_scheme if re.search(_TABLES, name) else self.scheme
+
+    def __init__(self, scheme, quant, quantized: set, checkpoint_shape, table_scheme=None):
         self.scheme = scheme
-        self.method = get_method(scheme.method) if scheme is not None else None
+        self.table_scheme = table_scheme
         self.format = getattr(quant, "checkpoint", None)
         self.block = getattr(quant, "block", None)
         self.quantized = quantized
@@ -351,10 +358,11 @@ class _CheckpointQuantization:
                                  f"serves unquantized (embedding, LM head, router, ...): it cannot be loaded "
                                  f"without its scales")
             return [(name, arr, None)]
-        if np.dtype(arr.dtype) == self.method.weight_dtype:  # stored quantized: its scales come as their own tensor
+        scheme = self.scheme_of(name)
+        if np.dtype(arr.dtype) == get_method(scheme.method).weight_dtype:  # stored quantized: scales come apart
             return [(name, arr, arr.dtype)]
         self.quantized_here += 1
-        q, *scales = quantize_for(np.asarray(arr, np.float32), self.scheme)
+        q, *scales = quantize_for(np.asarray(arr, np.float32), scheme)
         return [(name, q, q.dtype)] + [(name + suffix, a, np.float32) for suffix, a in zip(("_scale", "_min"), scales)]
 
 
@@ -383,6 +391,9 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
     shapes = {n: tuple(v.get_value().shape) for n, (_, v) in by_name.items()}
     values = {}
 
+    quant = _CheckpointQuantization(scheme, getattr(model_config, "quant_checkpoint", None), quantized,
+                                    lambda n: placer.checkpoint_shape(n, shapes[n]),
+                                    getattr(model_config, "table_quant_scheme", None))
     if load_format == "dummy":
         # a tensor's randomness is indexed among the unquantized model's parameters (scales are not counted), so
         # a quantized model's dummy weights are the unquantized model's, quantized
@@ -391,14 +402,12 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
                    and not n.endswith(KV_SCALES)]
         for i, name in enumerate(tqdm(tensors, desc="Initializing dummy weights", unit="tensor")):
             if name in quantized:
-                values.update(placer.dummy_quantized(name, shapes, seed, i, scheme))
+                values.update(placer.dummy_quantized(name, shapes, seed, i, quant.scheme_of(name)))
             else:
                 values[name] = placer.dummy(name, shapes[name], seed, i)
     else:
         source, total = _weight_source(model_config, load_format)
         stacker = ExpertStacker(shapes, dtype)
-        quant = _CheckpointQuantization(scheme, getattr(model_config, "quant_checkpoint", None), quantized,
-                                        lambda n: placer.checkpoint_shape(n, shapes[n]))
         for name, arr in tqdm(source, total=total, desc="Loading weights", unit="tensor"):
             if name not in by_name and stacker.target(name) is not None:  # one expert of a stacked parameter
                 name, arr = stacker.add(name, arr)
@@ -429,7 +438,11 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
     new_flat = [(path, var.replace(values[_path_name(path)])) for path, var in flat]
     params = nnx.from_flat_state(new_flat)
     n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params))
-    quant = f", {len(quantized)} linear layers quantized {model_config.quantization}" if quantized else ""
+    tables = [n for n in quantized if re.search(_TABLES, n)]
+    quant = f", {len(quantized) - len(tables)} linear layers quantized {model_config.quantization}" if quantized else ""
+    if tables:
+        quant += f" and the token table{'s' if len(tables) > 1 else ''} int8 in groups of " \
+                 f"{model_config.table_quant_scheme.group_size} (quantization/methods.table_scheme)"
     logger.info("Loaded %s: %.1fM parameters in %s%s", model_config.architecture, n_params / 1e6, model_config.dtype,
                 quant)
     return graphdef, params

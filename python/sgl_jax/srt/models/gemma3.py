@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from sgl_jax.srt.layers.attention import LayerKV
-from sgl_jax.srt.layers.embedding import Embedding
+from sgl_jax.srt.layers.embedding import Embedding, table_of
 from sgl_jax.srt.layers.layernorm import GemmaRMSNorm
 from sgl_jax.srt.layers.linear import Linear
 from sgl_jax.srt.layers.logits_processor import compute_logits
@@ -61,7 +61,8 @@ class Gemma3DecoderLayer(nnx.Module):
 
 class Gemma3Model(nnx.Module):
     def __init__(self, cfg, model_config, *, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
-        self.embed_tokens = Embedding(model_config.vocab_size, model_config.hidden_size, dtype=dtype, rngs=rngs)
+        self.embed_tokens = Embedding(model_config.vocab_size, model_config.hidden_size, dtype=dtype, rngs=rngs,
+                                      quantization=getattr(model_config, "table_quant_scheme", None))
         self.layers = nnx.List([
             Gemma3DecoderLayer(cfg, model_config, i, dtype=dtype, rngs=rngs, mesh=mesh)
             for i in range(model_config.num_hidden_layers)
@@ -84,7 +85,8 @@ class Gemma3ForCausalLM(nnx.Module):
         self.model = Gemma3Model(cfg, model_config, dtype=dtype, rngs=rngs, mesh=mesh)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         self.lm_head = None if self.tie_word_embeddings else Linear(
-            model_config.hidden_size, model_config.vocab_size, dtype=dtype, rngs=rngs)
+            model_config.hidden_size, model_config.vocab_size, dtype=dtype, rngs=rngs,
+            quantization=getattr(model_config, "table_quant_scheme", None))
         self.embed_scale = float(model_config.hidden_size) ** 0.5
         self.final_logit_softcapping = _optional_float(cfg, "final_logit_softcapping")
 
@@ -95,10 +97,10 @@ class Gemma3ForCausalLM(nnx.Module):
             (final-norm hidden states [T, hidden_size], updated kv_caches).
         """
         embed = self.model.embed_tokens
-        return run_layers(self.model, embed(fb.input_ids) * jnp.asarray(self.embed_scale, embed.weight.dtype), fb,
+        return run_layers(self.model, embed(fb.input_ids) * jnp.asarray(self.embed_scale, embed.dtype), fb,
                           kv_caches)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size] (soft-capped when the config says so)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return compute_logits(hidden, head.weight[...], soft_cap=self.final_logit_softcapping)
+        return compute_logits(hidden, table_of(head), soft_cap=self.final_logit_softcapping)

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from sgl_jax.srt.distributed.mesh import tp_size_of
 from sgl_jax.srt.distributed.sharding import padded_kv_heads
 from sgl_jax.srt.layers.attention import LayerKV, paged_attention
-from sgl_jax.srt.layers.embedding import Embedding
+from sgl_jax.srt.layers.embedding import Embedding, table_of
 from sgl_jax.srt.layers.layernorm import RMSNorm
 from sgl_jax.srt.layers.linear import Linear
 from sgl_jax.srt.layers.logits_processor import compute_logits
@@ -134,7 +134,8 @@ class LlamaDecoderLayer(nnx.Module):
 
 class LlamaModel(nnx.Module):
     def __init__(self, cfg, model_config, *, qk_norm: bool, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
-        self.embed_tokens = Embedding(model_config.vocab_size, model_config.hidden_size, dtype=dtype, rngs=rngs)
+        self.embed_tokens = Embedding(model_config.vocab_size, model_config.hidden_size, dtype=dtype, rngs=rngs,
+                                      quantization=getattr(model_config, "table_quant_scheme", None))
         self.layers = nnx.List([
             LlamaDecoderLayer(cfg, model_config, i, qk_norm=qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
             for i in range(model_config.num_hidden_layers)
@@ -194,7 +195,8 @@ class LlamaForCausalLM(nnx.Module):
         self.model = self.build_model(cfg, model_config, dtype=dtype, rngs=rngs, mesh=mesh)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(
-            model_config.hidden_size, model_config.vocab_size, dtype=dtype, rngs=rngs)
+            model_config.hidden_size, model_config.vocab_size, dtype=dtype, rngs=rngs,
+            quantization=getattr(model_config, "table_quant_scheme", None))
 
     def build_model(self, cfg, model_config, *, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh]) -> nnx.Module:
         """The decoder stack (embeddings, ``layers``, final ``norm``); subclasses with other layers override it."""
@@ -223,4 +225,4 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return compute_logits(hidden, head.weight[...])
+        return compute_logits(hidden, table_of(head))

@@ -29,6 +29,7 @@ from sgl_jax.srt.forward_batch import ForwardBatch
 from sgl_jax.srt.layers.attention import LayerKV
 from sgl_jax.srt.layers.layernorm import RMSNorm
 from sgl_jax.srt.layers.linear import Linear
+from sgl_jax.srt.layers.embedding import Table, lookup
 from sgl_jax.srt.layers.logits_processor import compute_logits
 from sgl_jax.srt.models.llama import LlamaAttention, LlamaMLP
 
@@ -79,12 +80,12 @@ class LlamaForCausalLMEagle(nnx.Module):
         self.fc = Linear(2 * hidden, hidden, use_bias=bool(getattr(cfg, "bias", True)), dtype=dtype, rngs=rngs)
         self.layers = nnx.List([EagleDecoderLayer(cfg, model_config, dtype=dtype, rngs=rngs, mesh=mesh)])
 
-    def __call__(self, fb: ForwardBatch, kv_caches: List[LayerKV], hidden_in: jax.Array, embed_weight: jax.Array,
+    def __call__(self, fb: ForwardBatch, kv_caches: List[LayerKV], hidden_in: jax.Array, embed_weight: Table,
                  *, project: bool) -> Tuple[jax.Array, List[LayerKV]]:
         """One draft forward of T rows (see `LlamaForCausalLMEagle3.__call__`; `project` makes no difference
         here: the target's and the head's hidden states both go through ``fc``). Returns (the outputs [T, H]: the
         next draft step's hidden input and what the target's LM head reads, [the updated KV])."""
-        emb = jnp.take(embed_weight, fb.input_ids, axis=0).astype(hidden_in.dtype)
+        emb = lookup(embed_weight, fb.input_ids, hidden_in.dtype)
         x = self.fc(jnp.concatenate([emb, hidden_in], axis=-1))
         out, kv = self.layers[0](x, fb, kv_caches[0])
         return out, [kv]
@@ -93,6 +94,7 @@ class LlamaForCausalLMEagle(nnx.Module):
         """None: the head routes nothing (see `LlamaForCausalLM.moe_routing`)."""
         return None
 
-    def draft_logits(self, hidden: jax.Array, target_head: jax.Array) -> jax.Array:
-        """Outputs [N, H] -> float32 logits [N, V] from the target's LM head `target_head` [V, H] (no norm)."""
+    def draft_logits(self, hidden: jax.Array, target_head: Table) -> jax.Array:
+        """Outputs [N, H] -> float32 logits [N, V] from the target's LM head `target_head` [V, H] (a
+        `layers.embedding.Table`; no norm)."""
         return compute_logits(hidden, target_head)

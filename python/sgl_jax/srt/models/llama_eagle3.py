@@ -30,6 +30,7 @@ from sgl_jax.srt.forward_batch import ForwardBatch
 from sgl_jax.srt.layers.attention import LayerKV
 from sgl_jax.srt.layers.layernorm import RMSNorm
 from sgl_jax.srt.layers.linear import Linear
+from sgl_jax.srt.layers.embedding import Table, lookup
 from sgl_jax.srt.layers.logits_processor import compute_logits
 from sgl_jax.srt.models.llama import LlamaAttention, LlamaMLP
 
@@ -124,7 +125,7 @@ class LlamaForCausalLMEagle3(nnx.Module):
         self.norm = RMSNorm(hidden, eps=float(cfg.rms_norm_eps), dtype=dtype)
         self.lm_head = Linear(hidden, self.draft_vocab_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, fb: ForwardBatch, kv_caches: List[LayerKV], hidden_in: jax.Array, embed_weight: jax.Array,
+    def __call__(self, fb: ForwardBatch, kv_caches: List[LayerKV], hidden_in: jax.Array, embed_weight: Table,
                  *, project: bool) -> Tuple[jax.Array, List[LayerKV]]:
         """One draft forward of T rows.
 
@@ -133,13 +134,13 @@ class LlamaForCausalLMEagle3(nnx.Module):
             kv_caches: the head's one (k_pages, v_pages).
             hidden_in: [T, n * Ht] the target's aux hidden states (`project`: through ``fc``), or [T, H] the
                 head's own outputs (used as they are).
-            embed_weight: the target's embedding table [V, Ht].
+            embed_weight: the target's embedding table [V, Ht] (`layers.embedding.Table`: quantized or not).
             project: static: whether `hidden_in` is the target's (a draft extend) or the head's (a draft decode).
         Returns:
             (the pre-norm outputs [T, H]: the next draft step's hidden input, [the updated KV]).
         """
         h = self.fc(hidden_in) if project else hidden_in
-        emb = jnp.take(embed_weight, fb.input_ids, axis=0).astype(h.dtype)
+        emb = lookup(embed_weight, fb.input_ids, h.dtype)
         out, kv = self.midlayer(emb, h, fb, kv_caches[0])
         return out, [kv]
 
@@ -151,6 +152,6 @@ class LlamaForCausalLMEagle3(nnx.Module):
         """Pre-norm outputs [N, H] -> float32 logits [N, draft_vocab_size] over draft ids."""
         return compute_logits(self.norm(hidden), self.lm_head.weight[...])
 
-    def draft_logits(self, hidden: jax.Array, target_head: jax.Array) -> jax.Array:
+    def draft_logits(self, hidden: jax.Array, target_head: Table) -> jax.Array:
         """`compute_logits` (the head has its own LM head; `target_head` is not read)."""
         return self.compute_logits(hidden)

@@ -65,7 +65,8 @@ class MoeModel(nnx.Module):
 
     def __init__(self, cfg, model_config, build_mlp, mlp_name: str, *, qk_norm: bool, dtype, rngs: nnx.Rngs,
                  mesh: Optional[Mesh] = None):
-        self.embed_tokens = Embedding(model_config.vocab_size, model_config.hidden_size, dtype=dtype, rngs=rngs)
+        self.embed_tokens = Embedding(model_config.vocab_size, model_config.hidden_size, dtype=dtype, rngs=rngs,
+                                      quantization=getattr(model_config, "table_quant_scheme", None))
         self.layers = nnx.List([
             MoeDecoderLayer(cfg, model_config, i, build_mlp(i), mlp_name, qk_norm=qk_norm, dtype=dtype, rngs=rngs,
                             mesh=mesh)

@@ -35,7 +35,7 @@ from sgl_jax.srt.forward_batch import ForwardMode, ModelWorkerBatch
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.draft_runners import EagleRunner
 from sgl_jax.srt.model_executor.model_runner import ModelRunner
-from sgl_jax.srt.model_loader.loader import read_checkpoint_tensor
+from sgl_jax.srt.model_loader.loader import JNP_DTYPES, read_checkpoint_tensor
 from sgl_jax.srt.models.llama_eagle import head_architecture
 from sgl_jax.srt.models.llama_eagle3 import hot_token_ids
 from sgl_jax.srt.scheduler.draft_model import DraftModel, draft_kv_spec, for_draft, draft_server_args, \
@@ -252,6 +252,13 @@ class EagleDraft(DraftModel):
         return self._final_trees(plans, trees, ranks)
 
 
+def _table(layer_state):
+    """A target layer's [V, H] table from its parameter state (`layers.embedding.Table`): the weight, or (int8
+    weight, float32 scales) when ``--quantization`` stored it in groups."""
+    weight = layer_state["weight"].get_value()
+    return (weight, layer_state["weight_scale"].get_value()) if "weight_scale" in layer_state else weight
+
+
 def new_eagle_draft(server_args, target_runner: ModelRunner, buckets: ShapeBuckets, head_config) -> EagleDraft:
     """Load the EAGLE or EAGLE-3 head (`head_config`: its `ModelConfig` from `eagle_head_config`) with one layer of
     K/V buffers beside the target's; an EAGLE-3 head's target captures its aux hidden states
@@ -259,8 +266,8 @@ def new_eagle_draft(server_args, target_runner: ModelRunner, buckets: ShapeBucke
     spec = draft_kv_spec(target_runner.kv_spec, 1)
     eagle3 = head_config.architecture == "LlamaForCausalLMEagle3"
     params = target_runner.params
-    embed = params["model"]["embed_tokens"]["weight"].get_value()
-    target_head = params["lm_head"]["weight"].get_value() if "lm_head" in params else embed
+    embed = _table(params["model"]["embed_tokens"])
+    target_head = _table(params["lm_head"]) if "lm_head" in params else embed
     if eagle3:
         cfg = head_config.hf_config
         columns = int(getattr(cfg, "draft_vocab_size", None) or head_config.vocab_size)
@@ -268,11 +275,13 @@ def new_eagle_draft(server_args, target_runner: ModelRunner, buckets: ShapeBucke
         hidden = target_runner.model_config.hidden_size
         aux_width = len(target_runner.aux_layers) * hidden
     else:
-        columns, d2t, aux_width = target_head.shape[0], None, target_runner.model_config.hidden_size
+        rows = target_head[0] if isinstance(target_head, tuple) else target_head
+        columns, d2t, aux_width = rows.shape[0], None, target_runner.model_config.hidden_size
     runner = EagleRunner(draft_server_args(server_args, target_runner.max_context_len), head_config,
                          buckets=buckets, max_context_len=target_runner.max_context_len, kv_spec_fn=lambda _: spec,
                          num_request_slots=target_runner.num_request_slots, embed=embed, target_head=target_head,
-                         hot=hot_token_ids(d2t, columns), aux_width=aux_width, aux_dtype=embed.dtype,
+                         hot=hot_token_ids(d2t, columns), aux_width=aux_width,
+                         aux_dtype=JNP_DTYPES[target_runner.model_config.dtype],
                          topk=server_args.speculative_eagle_topk or 1)
     if eagle3:
         logger.info("EAGLE-3 head %s (draft vocabulary %d) over the target's layers %s", head_config.model_path,
