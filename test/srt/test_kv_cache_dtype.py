@@ -165,6 +165,34 @@ def test_fp8_kv_scales_from_the_checkpoint_keep_large_keys_and_values(tmp_path):
     assert diffs["unscaled"] > KV_UNSCALED_RATIO * diffs["tiny"]
 
 
+def test_pallas_backend_reads_an_fp8_cache_like_native(tmp_path):
+    """--attention-backend pallas with --kv-cache-dtype fp8_e4m3 (once refused): the Pallas TPU kernel (in Pallas'
+    interpreter) and its flash-decoding kernel widen the fp8 pages in VMEM, and a model with the checkpoint's KV
+    scales gives the native backend's log-probabilities over a prefill of two prompts and 3 decode steps, at page
+    size 16 (the kernels themselves against the reference on fp8 pages: test_ragged_paged_attention_pallas)."""
+    from srt_helpers import save_tiny_llama
+    from test_model_parity import RunnerHarness, _random_prompts
+
+    save_tiny_llama(tmp_path / "tiny", init_std=0.1)
+    _save_big_kv(tmp_path / "tiny", tmp_path / "scaled", True)
+    prompts = _random_prompts(5, 2048, [12, 50])
+    results = {}
+    for backend in ("native", "pallas"):
+        h = RunnerHarness(str(tmp_path / "scaled"), page_size=16, kv_cache_dtype="fp8_e4m3", token_paddings=(64,),
+                          attention_backend=backend)
+        assert h.runner.attention_backend == backend and h.runner.kv_cache_dtype == jnp.float8_e4m3fn
+        reqs, per_req, last = h.prefill(prompts)
+        rows = [np.concatenate(per_req)]
+        for _ in range(3):
+            last = h.decode(reqs, np.argmax(last, -1))
+            rows.append(np.asarray(last))
+        results[backend] = rows
+        h.release(reqs)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(results["native"], results["pallas"]))
+    print(f"fp8 KV cache, pallas vs native: max |logprob difference| {diff:.2e}")
+    assert diff < 1e-4
+
+
 def test_dummy_weights_with_an_fp8_kv_cache_are_the_same_model_with_unit_scales(tmp_path):
     """--load-format dummy: an fp8 KV cache adds k_scale / v_scale (float32 ones) without changing any other
     parameter's random values."""

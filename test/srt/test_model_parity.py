@@ -55,6 +55,8 @@ class RunnerHarness:
         dtype: "float32", "bfloat16" or "float16".
         kv_cache_dtype: --kv-cache-dtype ("auto": the model's dtype).
         moe_backend: --moe-backend (mixture-of-experts models).
+        quantization, attention_backend: --quantization, --attention-backend ("pallas" on CPU: the TPU kernel in
+            Pallas' interpreter).
         context_length: tokens per sequence.
         token_paddings: the extend buckets (the largest must hold all prompts of one `prefill`).
         swa_full_tokens_ratio: None: one KV pool, windows only masked; a ratio: hybrid SWA memory (a separate
@@ -64,13 +66,15 @@ class RunnerHarness:
 
     def __init__(self, model_path: str, page_size: int = 1, max_total_tokens: int = 4096, dtype: str = "float32",
                  context_length: int = 512, token_paddings=(64, 256), swa_full_tokens_ratio: float = None,
-                 kv_cache_dtype: str = "auto", moe_backend: str = "auto", quantization: str = None):
+                 kv_cache_dtype: str = "auto", moe_backend: str = "auto", quantization: str = None,
+                 attention_backend: str = "native"):
         # the hybrid pool runs with the chunk cache only, until SWARadixCache lands
         swa = ({"disable_hybrid_swa_memory": True} if swa_full_tokens_ratio is None else
                {"swa_full_tokens_ratio": swa_full_tokens_ratio, "disable_radix_cache": True})
         args = ServerArgs(model_path=model_path, page_size=page_size, max_total_tokens=max_total_tokens,
                           context_length=context_length, disable_precompile=True, dtype=dtype,
-                          kv_cache_dtype=kv_cache_dtype, moe_backend=moe_backend, quantization=quantization, **swa)
+                          kv_cache_dtype=kv_cache_dtype, moe_backend=moe_backend, quantization=quantization,
+                          attention_backend=attention_backend, **swa)
         setup_jax(args)  # as a server does: the persistent compilation cache serves later runs
         self.mc = ModelConfig.from_server_args(args, "cpu")
         self.buckets = ShapeBuckets(tuple(token_paddings), (1, 4))

@@ -100,6 +100,23 @@ def test_draft_tree_rows_match_reference(kernel, page_size, dtype):
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("kind, cache_dtype", [("mixed", "float8_e4m3fn"), ("decode", "float8_e4m3fn"),
+                                               ("extend", "float8_e5m2")])
+def test_fp8_kv_pages_match_reference(kernel, kind, cache_dtype):
+    """--kv-cache-dtype fp8_e4m3 / fp8_e5m2 with the pallas backend: bfloat16 queries over pages stored in one byte
+    per value (two KV heads, so each head's columns are sliced from the fp8 rows); the kernels widen what they read
+    to bfloat16 (`common.widen`), as the reference converts the pages, and match it to bfloat16's tolerance. The
+    decode batch runs the flash-decoding kernels."""
+    args, kwargs, rows = make_batch(31, kind, 16, 64, 4, 2, "bfloat16", False)
+    fp8 = jnp.dtype(cache_dtype)
+    args = (args[0], args[1].astype(fp8), args[2].astype(fp8)) + args[3:]
+    out = np.asarray(KERNELS[kernel](*args, **kwargs).astype(jnp.float32))
+    if kernel == "tpu":
+        assert not tpu_interpreter.races.races_found, "the TPU interpreter found a data race"
+    assert_matches_reference(kernel, out, args, kwargs, rows, "bfloat16")
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_several_kv_heads_and_default_tiles(kernel):
     """Two KV heads (head slicing of the cache rows) and the table's default tile sizes."""
     fn = {"tpu": functools.partial(ragged_paged_attention_tpu, interpret=True),
@@ -152,20 +169,26 @@ LOWERING_CASES = [
     (64, 32, 8, 128, 16, "bfloat16", True, {}),
     (128, 16, 8, 128, 128, "float32", False, {"sliding_window": 128, "soft_cap": 30.0}),
     (64, 9, 3, 64, 1, "float32", False, {}),
+    # fp8 KV caches (--kv-cache-dtype fp8_e4m3 / fp8_e5m2) under bfloat16 queries
+    (256, 32, 8, 128, 16, "bfloat16", False, {"kv_dtype": "float8_e4m3fn"}),
+    (64, 32, 8, 128, 16, "bfloat16", True, {"kv_dtype": "float8_e5m2"}),
 ]
 
 
 @pytest.mark.parametrize("target", ["tpu", "cuda"])
-@pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: f"T{c[0]}-H{c[1]}-KVH{c[2]}-D{c[3]}-ps{c[4]}-{c[5]}")
+@pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: f"T{c[0]}-H{c[1]}-KVH{c[2]}-D{c[3]}-ps{c[4]}-{c[5]}"
+                         + (f"-kv-{c[7]['kv_dtype']}" if "kv_dtype" in c[7] else ""))
 def test_kernels_lower_for_their_devices(target, case):
     """The kernels lower to Mosaic TPU / Triton without a device (jax.export), segment and tree masks included."""
     T, H, KVH, D, ps, dtype, decode_only, extra = case
+    extra = dict(extra)
     S, P = 8, 32
     dt = jnp.dtype(dtype)
+    kv_dt = jnp.dtype(extra.pop("kv_dtype", dtype))
     fn = ragged_paged_attention_tpu if target == "tpu" else ragged_paged_attention_gpu
     f = functools.partial(fn, sm_scale=D ** -0.5, decode_only=decode_only, **extra)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    kv = jax.ShapeDtypeStruct((64, ps, KVH, D), dt)
+    kv = jax.ShapeDtypeStruct((64, ps, KVH, D), kv_dt)
     checks = [] if target == "tpu" else [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     exported = jax.export.export(
         jax.jit(lambda *a: f(*a[:7], prefix_lens=a[7], segment_starts=a[8], tree_bits=a[9])),

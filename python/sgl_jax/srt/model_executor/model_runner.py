@@ -308,10 +308,11 @@ class ModelRunner:
         self.pages_per_seq = math.ceil(max_context_len / self.page_size)
         dtype = kv_cache_dtype(model_config, server_args.kv_cache_dtype)
         self.kv_cache_dtype = jnp.dtype(dtype)
-        if self.attention_backend == "pallas" and self.kv_cache_dtype != jnp.dtype(JNP_DTYPES[model_config.dtype]):
+        if (self.attention_backend == "pallas" and self.kv_cache_dtype != jnp.dtype(JNP_DTYPES[model_config.dtype])
+                and server_args.kv_cache_dtype not in FP8_KV_DTYPES):  # (fp8 pages are widened in the kernels)
             raise ValueError(f"--kv-cache-dtype {server_args.kv_cache_dtype} differs from the model's dtype "
-                             f"({model_config.dtype}); the pallas attention kernels need them equal: pass "
-                             f"--attention-backend native or --dtype {self.kv_cache_dtype.name}")
+                             f"({model_config.dtype}); the pallas attention kernels need them equal (or an fp8 "
+                             f"cache): pass --attention-backend native or --dtype {self.kv_cache_dtype.name}")
         self.kv_caches = self._allocate_kv(spec, padded_kv_heads(model_config.num_key_value_heads, self.tp_size),
                                            model_config.head_dim, dtype)
         kv_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / self.tp_size / self.dp_size

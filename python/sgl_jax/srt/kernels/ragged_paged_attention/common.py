@@ -255,6 +255,15 @@ def _dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def widen(x, dtype):
+    """K or V read from an fp8 KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2), converted to the queries' dtype
+    `dtype` for the dots (exact: every float8_e4m3fn / float8_e5m2 value is a bfloat16 and float32 value); any other
+    dtype unchanged. The per-KV-head scales are applied outside the kernels (layers/attention.py)."""
+    if jnp.dtype(x.dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+        return x.astype(dtype)
+    return x
+
+
 def qk_scores(q, k):
     """float32[R, bk] = q [R, D] @ k[bk, D]^T (float32 operands multiplied in full float32)."""
     return jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_dot_precision(q.dtype),

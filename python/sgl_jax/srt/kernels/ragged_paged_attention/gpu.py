@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from sgl_jax.srt.kernels.ragged_paged_attention.common import (
     GPU_BLOCK_TABLE, MASK_VALUE, BlockSizes, block_mask, block_sizes, device_generation, finish, prepare_launch,
-    qk_scores, seq_plan, softmax_update,
+    qk_scores, seq_plan, softmax_update, widen,
 )
 from sgl_jax.srt.kernels.ragged_paged_attention.flash_decode import DecodeBlocks
 from sgl_jax.srt.kernels.ragged_paged_attention.gpu_decode import decode_attention_gpu
@@ -71,8 +71,8 @@ def _kernel(cu_ref, kv_lens_ref, pt_ref, prefix_ref, first_ref, last_ref, seg_lo
             col = jnp.minimum(jax.lax.div(kpos, jnp.int32(page_size)), pages_per_seq - 1)
             page = pt_ref[s * pages_per_seq + col]
             slot = jnp.clip(page * page_size + jax.lax.rem(kpos, jnp.int32(page_size)), 0, num_slots - 1)
-            k = k_ref[slot, cols]
-            v = v_ref[slot, cols]
+            k = widen(k_ref[slot, cols], q_ref.dtype)
+            v = widen(v_ref[slot, cols], q_ref.dtype)
             mask = block_mask(plan, rows, seg, kpos[None, :], sliding_window, tree)
             out = []
             for g in range(group):

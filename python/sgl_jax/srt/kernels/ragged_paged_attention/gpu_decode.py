@@ -25,7 +25,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from sgl_jax.srt.kernels.ragged_paged_attention.common import MASK_VALUE, device_generation, qk_scores, softmax_update
+from sgl_jax.srt.kernels.ragged_paged_attention.common import (
+    MASK_VALUE, device_generation, qk_scores, softmax_update, widen,
+)
 from sgl_jax.srt.kernels.ragged_paged_attention.flash_decode import (
     DecodeBlocks, combine, decode_queries, live_kv_lens, num_splits, query_rows,
 )
@@ -66,8 +68,8 @@ def _kernel(kv_lens_ref, pt_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, 
         col = jnp.minimum(jax.lax.div(kpos, jnp.int32(page_size)), pages_per_seq - 1)
         page = pt_ref[s * pages_per_seq + col]
         slot = jnp.clip(page * page_size + jax.lax.rem(kpos, jnp.int32(page_size)), 0, num_slots - 1)
-        k = k_ref[slot, cols]
-        v = v_ref[slot, cols]
+        k = widen(k_ref[slot, cols], q.dtype)
+        v = widen(v_ref[slot, cols], q.dtype)
         mask = jnp.broadcast_to(((kpos >= lo) & (kpos < end))[None, :], (rows, block_kv))
         return softmax_update(*state, qk_scores(q, k), mask, v, soft_cap)
 

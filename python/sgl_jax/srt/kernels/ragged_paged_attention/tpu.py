@@ -31,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from sgl_jax.srt.kernels.ragged_paged_attention.common import (
     MASK_VALUE, TPU_BLOCK_TABLE, BlockSizes, block_mask, block_sizes, device_generation, finish, prepare_launch,
-    qk_scores, seq_plan, softmax_update,
+    qk_scores, seq_plan, softmax_update, widen,
 )
 from sgl_jax.srt.kernels.ragged_paged_attention.flash_decode import DecodeBlocks
 from sgl_jax.srt.kernels.ragged_paged_attention.tpu_decode import decode_attention_tpu
@@ -83,8 +83,8 @@ def _kernel(
         kpos = kb * block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         mask = block_mask(plan, rows, seg, kpos, sliding_window, tree)
         for h in range(num_kv_heads):
-            k = k_buf[slot, :, h * head_dim:(h + 1) * head_dim]
-            v = v_buf[slot, :, h * head_dim:(h + 1) * head_dim]
+            k = widen(k_buf[slot, :, h * head_dim:(h + 1) * head_dim], q_sc.dtype)
+            v = widen(v_buf[slot, :, h * head_dim:(h + 1) * head_dim], q_sc.dtype)
             m, l, acc = softmax_update(m_sc[h], l_sc[h], acc_sc[h], qk_scores(q_sc[h], k), mask, v, soft_cap)
             m_sc[h], l_sc[h], acc_sc[h] = m, l, acc
 
@@ -184,7 +184,8 @@ def ragged_paged_attention_tpu(
     """Pallas TPU ragged paged attention with the contract of `ref.ragged_paged_attention`.
 
     Shapes and dtypes as there: q [T, H, D]; k_pages, v_pages [num_pages, page_size, KVH, D] (bfloat16 or
-    float32); kv_lens int32[S]; page_indices int32[S, pages_per_seq]; cu_q_lens int32[S + 1]; num_seqs
+    float32, or float8_e4m3fn / float8_e5m2: copied to VMEM in one byte per value and widened to q's dtype there,
+    `common.widen`); kv_lens int32[S]; page_indices int32[S, pages_per_seq]; cu_q_lens int32[S + 1]; num_seqs
     int32 scalar; prefix_lens int32[S] and segment_starts int32[T] for the segment mask; tree_bits int32[T] for
     draft-tree rows (see the reference). ``decode_only`` runs `tpu_decode.decode_attention_tpu` (tiles
     ``decode_blocks``, default its table); the cascade hint ``shared_prefix_len`` of the reference is not needed

@@ -22,7 +22,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sgl_jax.srt.kernels.ragged_paged_attention.common import MASK_VALUE, device_generation, qk_scores, softmax_update
+from sgl_jax.srt.kernels.ragged_paged_attention.common import (
+    MASK_VALUE, device_generation, qk_scores, softmax_update, widen,
+)
 from sgl_jax.srt.kernels.ragged_paged_attention.flash_decode import (
     DecodeBlocks, combine, decode_queries, live_kv_lens, num_splits, query_rows,
 )
@@ -95,8 +97,9 @@ def _kernel(kv_lens_ref, pt_ref, q_ref, k_hbm, v_hbm, m_ref, l_ref, acc_ref, k_b
         wait_fetch(slot)
         kpos = kb * block_kv + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
         mask = (kpos >= lo) & (kpos < end)
-        m, l, acc = softmax_update(m_sc[...], l_sc[...], acc_sc[...], qk_scores(q_ref[...], k_buf[slot]), mask,
-                                   v_buf[slot], soft_cap)
+        q = q_ref[...]
+        m, l, acc = softmax_update(m_sc[...], l_sc[...], acc_sc[...], qk_scores(q, widen(k_buf[slot], q.dtype)), mask,
+                                   widen(v_buf[slot], q.dtype), soft_cap)
         m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
 
     m_ref[...] = m_sc[...]
