@@ -108,3 +108,17 @@ def test_gpu_kernel_draft_tree_rows(tiles, page_size, dtype):
     out = np.asarray(ragged_paged_attention_gpu(*args, **kwargs, blocks=blocks, decode_blocks=decode_blocks)
                      .astype(jnp.float32))
     assert_matches_reference(f"gpu kernel draft tree ({tiles} tiles)", out, args, kwargs, rows, dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_gpu_kernel_fp8_kv_pages(batch, cache_dtype):
+    """--kv-cache-dtype fp8_e4m3 / fp8_e5m2 (issue #40): bfloat16 queries over fp8 pages of Llama-3-8B's head
+    shapes, widened in the kernels (`common.widen`), against the reference on the same pages."""
+    q_lens, kv_lens = {"decode": ([1] * 16, [int(x) for x in np.linspace(50, 3000, 16)]),
+                       "mixed": ([1] * 4 + [300, 77], [900] * 4 + [300, 700])}[batch]
+    args, kwargs, rows = _model_batch(32, 8, 128, q_lens, kv_lens, 16, "bfloat16", seed=3)
+    fp8 = jnp.dtype(cache_dtype)
+    args = (args[0], args[1].astype(fp8), args[2].astype(fp8)) + args[3:]
+    out = np.asarray(ragged_paged_attention(*args, **kwargs, backend="pallas").astype(jnp.float32))
+    assert_matches_reference(f"gpu kernel fp8 {cache_dtype} {batch}", out, args, kwargs, rows, "bfloat16")
