@@ -395,8 +395,8 @@ def _quant_moe_part(rows: List[dict]) -> str:
 ### Mixture-of-experts models with `--quantization {QUANT_MOE_METHOD}`
 
 The MoE table above with every projection and every stacked expert in float8_e4m3fn (one float32 scale per
-expert and output channel, layers/moe.StackedExperts), the router, embedding, LM head and norms in bfloat16, KV in
-bfloat16.
+expert and output channel, layers/moe.StackedExperts), the embedding table and LM head in int8 with a float32 scale
+per group of 128 values (quantization/methods.table_scheme), the router and norms in bfloat16, KV in bfloat16.
 
 {format_moe_table(rows)}
 """
@@ -407,8 +407,9 @@ def _quant_section(quant_rows: List[dict], quant_moe_rows: Sequence[dict] = ()) 
     return f"""## Quantized weights and KV (`--quantization`, `--kv-cache-dtype`)
 
 The same models with their linear layers quantized (docs/quantization.md): each projection's weight in one byte
-(int8 or float8_e4m3fn) plus a float32 scale per output channel, the embedding table, LM head and norms still in
-bfloat16; W8A8's weights are the weight-only method's. KV in bfloat16, or fp8 (one byte per value).
+(int8 or float8_e4m3fn) plus a float32 scale per output channel, the embedding table and LM head in int8 plus a
+float32 scale per group of 128 values (quantization/methods.table_scheme), the norms still in bfloat16; W8A8's
+weights are the weight-only method's. KV in bfloat16, or fp8 (one byte per value).
 
 {format_quant_table(quant_rows)}
 {_quant_moe_part(quant_moe_rows)}"""

@@ -19,10 +19,10 @@ from srt_helpers import checked_engine
 # for other CPUs (XLA's CPU code differs between machines): 1% of positions for top-1, +10% mean, +25% max. Measured
 # here equal to the report's values.
 REPORT_FIRST_WINDOW = {
-    "smollm2": {"int8": (0.9650, 0.0623, 0.783), "fp8": (0.9179, 0.1535, 1.807),
-                "w8a8_int8": (0.9049, 0.1935, 2.741), "w8a8_fp8": (0.8949, 0.1929, 1.739)},
-    "gemma3": {"int8": (0.9560, 0.0868, 1.005), "fp8": (0.8959, 0.1999, 3.100),
-               "w8a8_int8": (0.8699, 0.2803, 5.987), "w8a8_fp8": (0.8749, 0.2413, 3.494)},
+    "smollm2": {"int8": (0.9620, 0.0659, 0.844), "fp8": (0.9149, 0.1555, 1.848),
+                "w8a8_int8": (0.8999, 0.1959, 3.092), "w8a8_fp8": (0.8949, 0.1930, 2.469)},
+    "gemma3": {"int8": (0.9499, 0.0897, 1.150), "fp8": (0.8969, 0.2039, 3.727),
+               "w8a8_int8": (0.8789, 0.2644, 4.519), "w8a8_fp8": (0.8759, 0.2337, 3.174)},
 }
 WINDOW = 1000
 
@@ -54,4 +54,6 @@ def test_every_method_stays_within_its_bounds_against_float32(model):
         min_agree, max_mean, max_max = bounds(model, method)
         assert agree >= min_agree and diff.mean() <= max_mean and diff.max() <= max_max, method
         assert diff.max() > 0  # the weights really are quantized
-        assert r["weight_bytes"] < ref["weight_bytes"]
+        # issue #40's memory goal: at most 0.55x of the bfloat16 model's bytes (half of float32's; measured 0.509x
+        # and 0.511x: the projections per channel, the token tables in int8 groups)
+        assert r["weight_bytes"] <= 0.55 * ref["weight_bytes"] / 2, method
