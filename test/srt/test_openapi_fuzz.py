@@ -164,6 +164,8 @@ OPERATIONS = [
     ("POST", "/v1/responses/{response_id}/cancel"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
     ("POST", "/api/chat"), ("POST", "/api/generate"), ("GET", "/api/tags"), ("GET", "/api/ps"), ("POST", "/api/show"),
     ("GET", "/api/version"),
+    # Cohere's and Jina's rerank API (issue #41)
+    ("POST", "/v1/rerank"), ("POST", "/v2/rerank"), ("POST", "/rerank"), ("POST", "/v1/embeddings"),
 ]
 
 

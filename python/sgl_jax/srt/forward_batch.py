@@ -62,6 +62,8 @@ class ForwardBatch:
     tree_bits: int32[T] -- speculative verification's draft-tree mask (see `ragged_paged_attention`): a
     sequence whose queries are a draft tree's slots gives each slot the bits of its ancestors and itself, every
     other token -1. None in every step that verifies no tree (ordinary steps compile without it).
+    token_type_ids: int32[T] -- an encoder model's segment (sentence A 0 / B 1) per token; set (zeros by
+    default) in every step of an encoder model (the model runner sees to it), None for every other model.
     forward_mode, attention_backend: static (part of the compiled program's identity); attention_backend is
     the resolved ``--attention-backend`` ("native" or "pallas"), set by the model runner.
     """
@@ -80,6 +82,7 @@ class ForwardBatch:
     swa_out_cache_loc: Optional[Any] = None
     swa_page_indices: Optional[Any] = None
     tree_bits: Optional[Any] = None
+    token_type_ids: Optional[Any] = None
     forward_mode: ForwardMode = static_field(ForwardMode.EXTEND)
     attention_backend: str = static_field("native")
 

@@ -189,6 +189,9 @@ class ScoreSeq:
     rope_positions / segment_starts: per position of a packed sequence, its rotary position and the KV
         position where its segment starts (None: an ordinary sequence).
     prefix_len: a packed sequence's shared prefix (query) length; 0 otherwise.
+    pool_index: an embedding request's: per score position, the output its final hidden state is averaged into
+        (outputs numbered from 0 in the sequence); None: the label log-probabilities are scored.
+    token_types: an encoder model's segment (sentence A 0 / B 1) per position; None for other models.
     """
 
     input_ids: List[int]
@@ -196,16 +199,21 @@ class ScoreSeq:
     rope_positions: Optional[List[int]] = None
     segment_starts: Optional[List[int]] = None
     prefix_len: int = 0
+    pool_index: Optional[List[int]] = None
+    token_types: Optional[List[int]] = None
 
 
 @dataclasses.dataclass
 class TokenizedScoreReqInput:
-    """Sequences to score for one request; ``handle`` names the scoring-cache query they extend."""
+    """Sequences to score for one request; ``handle`` names the scoring-cache query they extend. ``classify``
+    (embedding sequences, ScoreSeq.pool_index): each pooled output goes through the model's sequence-classification
+    head (ScoreOut.embeddings are then its logits)."""
 
     rid: str
     seqs: List[ScoreSeq]
     label_token_ids: List[int]
     handle: Optional[str] = None
+    classify: bool = False
 
 
 @dataclasses.dataclass
@@ -226,7 +234,9 @@ class ScoreOut:
     """Result of a TokenizedScoreReqInput or ScorePrefillReq.
 
     label_logprobs: per sequence, per score position, the log-probability (full-vocabulary softmax) of
-    each label id; None for a prefill or an error. error / status_code: set when the request failed.
+    each label id; None for a prefill, an embedding request or an error. embeddings: an embedding request's, per
+    sequence, per output (ScoreSeq.pool_index), the mean of its final hidden states (float32 [hidden]).
+    error / status_code: set when the request failed.
     """
 
     rid: str
@@ -235,6 +245,7 @@ class ScoreOut:
     cached_tokens: int
     error: Optional[str] = None
     status_code: int = 400
+    embeddings: Optional[list] = None
 
 
 @dataclasses.dataclass

@@ -205,6 +205,8 @@ class ServerArgs:
     multi_item_enable_prefill_extend: bool = False
     enable_scoring_cache: bool = False
     multi_item_prefill_extend_cache_timeout: float = 60.0
+    rerank_template: Optional[str] = None
+    is_embedding: bool = False
 
     # Parallelism (SGLang's flags)
     tp_size: int = 1
@@ -567,6 +569,13 @@ FLAG_HELP = {
     "multi_item_enable_prefill_extend": "use prefill_extend for /v1/score (with --enable-scoring-cache)",
     "enable_scoring_cache": "keep a scored query's KV in a scoring-cache handle while its items extend it",
     "multi_item_prefill_extend_cache_timeout": "seconds an unused scoring-cache handle lives (TTL)",
+    "is_embedding": "serve the model as an embedding model: /v1/embeddings, pooled as its sentence-transformers "
+                    "modules.json says (else the last token, normalized); generation and scoring requests are "
+                    "refused. On by itself for a checkpoint with no LM head (Qwen3Model, LlamaModel)",
+    "rerank_template": "how /v1/rerank prompts a decoder reranker: qwen3_reranker (Qwen3-Reranker's prompt and "
+                       "yes/no labels) or a JSON file with prefix, query, document, suffix, labels and "
+                       "default_instruct (docs/api.md); default: qwen3_reranker for a Qwen3 model whose path names "
+                       "a reranker, else none",
     "compilation_cache_dir": "JAX persistent compilation cache directory (default: $JAX_COMPILATION_CACHE_DIR, "
                              "else jax_compilation_cache under $SGL_JAX_CACHE_DIR or ~/.cache/sgl_jax)",
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health, /health_generate and "

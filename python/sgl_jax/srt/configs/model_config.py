@@ -226,6 +226,15 @@ def load_tokenizer(server_args):
     return tokenizer
 
 
+# encoders (models/bert.py): bidirectional, every sequence whole in one step (no chunked prefill, no KV reuse)
+ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "BertForSequenceClassification",
+                         "XLMRobertaForSequenceClassification")
+# sequence-classification heads (cross-encoders, rerankers): /v1/rerank scores with the head
+CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "XLMRobertaForSequenceClassification",
+                            "LlamaForSequenceClassification", "Qwen3ForSequenceClassification")
+# architectures with no LM head: served as embedding models (--is-embedding) whatever the flag says
+EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen3Model") + ENCODER_ARCHITECTURES + CLASSIFIER_ARCHITECTURES
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -359,7 +368,11 @@ class ModelConfig:
         if dtype == "auto":
             dtype = "float32" if platform == "cpu" else "bfloat16"
         model_ctx = int(getattr(hf_config, "max_position_embeddings", 2048))
+        if archs[0].startswith("XLMRoberta"):  # its positions start at pad_token_id + 1 (models/bert.py)
+            model_ctx -= int(hf_config.pad_token_id) + 1
         context_len = server_args.context_length or model_ctx
+        if archs[0] in ENCODER_ARCHITECTURES and context_len > model_ctx:
+            raise ValueError(f"--context-length {context_len} exceeds {archs[0]}'s {model_ctx} learned positions")
         heads = int(hf_config.num_attention_heads)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         num_layers = int(hf_config.num_hidden_layers)

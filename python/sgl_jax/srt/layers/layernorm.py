@@ -1,4 +1,4 @@
-"""RMSNorm (Zhang & Sennrich 2019), computed in float32 as in transformers' LlamaRMSNorm."""
+"""RMSNorm (Zhang & Sennrich 2019), computed in float32 as in transformers' LlamaRMSNorm; LayerNorm for the encoders."""
 
 from __future__ import annotations
 
@@ -48,3 +48,28 @@ class GemmaRMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., dim] -> [..., dim], same dtype as x."""
         return (_normalized(x, self.eps) * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm (Ba et al. 2016) with ``weight`` and ``bias`` (HF's names): y = (x - mean) / sqrt(var + eps) *
+    weight + bias over the last axis, computed in float32 and cast back to x's dtype (transformers' BERT and
+    XLM-RoBERTa use torch's nn.LayerNorm, eps from ``layer_norm_eps``).
+
+    Args:
+        dim: size of the normalized (last) axis.
+        eps: added to the variance.
+        dtype: parameter dtype.
+    """
+
+    def __init__(self, dim: int, *, eps: float = 1e-12, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., dim] -> [..., dim], same dtype as x."""
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)

@@ -296,7 +296,11 @@ class ModelRunner:
         # bytes of weights on one device, as stored (int8/fp8 plus scales when quantized): sizes the KV pool
         self.weight_bytes = weight_bytes = sum(x.addressable_shards[0].data.nbytes
                                                for x in jax.tree.leaves(self.params))
-        routing = getattr(nnx.merge(self.graphdef, self.params), "moe_routing", lambda: None)()
+        model = nnx.merge(self.graphdef, self.params)
+        routing = getattr(model, "moe_routing", lambda: None)()
+        # an encoder reads token types in every step (ForwardBatch.token_type_ids); a cross-encoder classifies
+        self.uses_token_types = bool(getattr(model, "uses_token_types", False))
+        self.num_labels = int(getattr(model, "num_labels", 0))
         self.moe_stats = None if routing is None else MoeStats(
             model_config.num_hidden_layers, routing[0], routing[2], ep_size=getattr(model_config, "ep_size", 1))
         self.return_routed_experts = routing is not None and bool(server_args.enable_return_routed_experts)
@@ -346,6 +350,7 @@ class ModelRunner:
                                 out_shardings=self._kv_sharding)
         self._logprobs = jax.jit(self._logprobs_impl)
         self._label_logprobs = jax.jit(self._label_logprobs_impl)
+        self._classify = jax.jit(self._classify_impl)
         self._compiled_after_warmup: Optional[int] = None
         self._num_compiles_after_warmup = 0
         self.faults = PlantedFaults.from_env()  # test hooks (fault_injection.py); none outside tests
@@ -467,8 +472,17 @@ class ModelRunner:
         """The rank-stacked batch of one step (`stack_ranks`): idle ranks (None) run an all-padding batch of the
         real batches' padded shape."""
         mode, t_pad, s_pad = next(b for b in batches if b is not None).padded_shape
-        full = [b if b is not None else self.dummy_batch(mode, t_pad, s_pad) for b in batches]
+        full = [self._token_types(b if b is not None else self.dummy_batch(mode, t_pad, s_pad)) for b in batches]
         return stack_ranks(full, self.num_request_slots)
+
+    def _token_types(self, batch: ModelWorkerBatch) -> ModelWorkerBatch:
+        """`batch` with ``token_type_ids`` as the model takes them: zeros where an encoder's batch has none, and
+        none for any other model (so that one compiled program serves every step)."""
+        fb = batch.forward_batch
+        if self.uses_token_types == (fb.token_type_ids is not None):
+            return batch
+        types = np.zeros(np.shape(fb.input_ids), np.int32) if self.uses_token_types else None
+        return dataclasses.replace(batch, forward_batch=dataclasses.replace(fb, token_type_ids=types))
 
     def forward(self, batch: ModelWorkerBatch) -> StepOutput:
         """Run one step of `batch` on rank 0 (the other ranks idle). The KV cache is updated in place."""
@@ -616,6 +630,21 @@ class ModelRunner:
                 self._check_no_new_compile(None)
         return out
 
+    def classify(self, first_rows: np.ndarray) -> np.ndarray:
+        """float32[N, num_labels]: a sequence-classification model's head (models/bert.py `classify`) on N
+        pooled final hidden states [N, hidden], in chunks padded to SCORE_ROW_PADDINGS (compiled at warm-up)."""
+        out = []
+        big = SCORE_ROW_PADDINGS[-1]
+        for i in range(0, len(first_rows), big):
+            chunk = first_rows[i:i + big]
+            rows = _pad_rows(chunk, next(r for r in SCORE_ROW_PADDINGS if r >= len(chunk)))
+            out.append(np.asarray(self._classify(self.params, rows))[:len(chunk)])
+            self._check_no_new_compile(None)
+        return np.concatenate(out) if out else np.zeros((0, self.num_labels), np.float32)
+
+    def _classify_impl(self, params, rows):
+        return nnx.merge(self.graphdef, params).classify(rows)
+
     @property
     def num_compiles_after_warmup(self) -> Optional[int]:
         """Programs compiled (or loaded from the persistent cache) since warm-up ended; None when compiles are
@@ -666,6 +695,9 @@ class ModelRunner:
         for r in SCORE_ROW_PADDINGS:
             programs.append((f"label logprobs R={r}", lambda r=r: self._label_logprobs.lower(
                 self.params, np.zeros((r, hidden_dim), dtype), np.zeros(SCORE_LABEL_CHUNK, np.int32))))
+            if self.num_labels:
+                programs.append((f"classify R={r}", lambda r=r: self._classify.lower(
+                    self.params, np.zeros((r, hidden_dim), dtype))))
         return programs
 
     def warmup(self) -> None:

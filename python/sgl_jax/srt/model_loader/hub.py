@@ -28,7 +28,8 @@ from typing import Callable, List, Optional, Sequence, TypeVar
 
 logger = logging.getLogger(__name__)
 
-CONFIG_PATTERNS = ("config.json", "generation_config.json")
+# (modules.json and the Pooling module's config: a sentence-transformers model's pooling, tokenizer/embedding.py)
+CONFIG_PATTERNS = ("config.json", "generation_config.json", "modules.json", "*Pooling/config.json")
 TOKENIZER_PATTERNS = ("tokenizer*", "vocab*", "merges*", "special_tokens_map.json", "added_tokens.json",
                       "chat_template*", "*.tiktoken", "spiece.model", "sentencepiece*.model")
 SAFETENSORS_INDEX_PATTERN = "*.safetensors.index.json"

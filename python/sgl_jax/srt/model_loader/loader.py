@@ -409,6 +409,8 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
         source, total = _weight_source(model_config, load_format)
         stacker = ExpertStacker(shapes, dtype)
         for name, arr in tqdm(source, total=total, desc="Loading weights", unit="tensor"):
+            if name not in by_name and "model." + name in by_name:  # a decoder stack saved alone (LlamaModel)
+                name = "model." + name
             if name not in by_name and stacker.target(name) is not None:  # one expert of a stacked parameter
                 name, arr = stacker.add(name, arr)
                 if arr is None:

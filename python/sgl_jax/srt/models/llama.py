@@ -189,11 +189,12 @@ class LlamaForCausalLM(nnx.Module):
     """
 
     qk_norm = False
+    has_lm_head = True  # False: a checkpoint of the decoder stack alone (an embedding model), the table as head
 
     def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         cfg = model_config.hf_config
         self.model = self.build_model(cfg, model_config, dtype=dtype, rngs=rngs, mesh=mesh)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.tie_word_embeddings = not self.has_lm_head or bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(
             model_config.hidden_size, model_config.vocab_size, dtype=dtype, rngs=rngs,
             quantization=getattr(model_config, "table_quant_scheme", None))
@@ -226,3 +227,28 @@ class LlamaForCausalLM(nnx.Module):
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return compute_logits(hidden, table_of(head))
+
+
+class LlamaDecoderModel(LlamaForCausalLM):
+    """transformers' `LlamaModel` checkpoint (the decoder stack without an LM head, tensors named without the
+    ``model.`` prefix, as sentence-transformers saves decoder embedding models): served as an embedding model
+    (--is-embedding), its final hidden states pooled; the embedding table stands in for the missing head."""
+
+    has_lm_head = False
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """transformers' `LlamaForSequenceClassification` (``model.`` + ``score``, no LM head): a decoder reranker or
+    classifier; `classify` maps the last token's final hidden state to ``num_labels`` logits (sentence-transformers'
+    CrossEncoder then applies a sigmoid when there is one label)."""
+
+    has_lm_head = False
+
+    def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
+        super().__init__(model_config, dtype=dtype, rngs=rngs, mesh=mesh)
+        self.num_labels = int(model_config.hf_config.num_labels)
+        self.score = Linear(model_config.hidden_size, self.num_labels, dtype=dtype, rngs=rngs)
+
+    def classify(self, last: jax.Array) -> jax.Array:
+        """last [N, hidden] (each sequence's last token's final hidden state) -> float32 logits [N, labels]."""
+        return self.score(last).astype(jnp.float32)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from sgl_jax.srt.models.bert import (BertForSequenceClassification, BertModel, XLMRobertaForSequenceClassification,
+                                     XLMRobertaModel)
 from sgl_jax.srt.models.gemma3 import Gemma3ForCausalLM
-from sgl_jax.srt.models.llama import LlamaForCausalLM
+from sgl_jax.srt.models.llama import LlamaDecoderModel, LlamaForCausalLM, LlamaForSequenceClassification
 from sgl_jax.srt.models.llama_eagle import LlamaForCausalLMEagle
 from sgl_jax.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 from sgl_jax.srt.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
-from sgl_jax.srt.models.qwen3 import Qwen3ForCausalLM
+from sgl_jax.srt.models.qwen3 import Qwen3DecoderModel, Qwen3ForCausalLM, Qwen3ForSequenceClassification
 
 MODEL_REGISTRY = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
@@ -18,6 +20,17 @@ MODEL_REGISTRY = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # decoder stacks without an LM head (embedding models; configs.model_config.EMBEDDING_ARCHITECTURES)
+    "LlamaModel": LlamaDecoderModel,
+    "Qwen3Model": Qwen3DecoderModel,
+    # sequence-classification heads (rerankers) and encoders (configs.model_config.CLASSIFIER_ARCHITECTURES,
+    # ENCODER_ARCHITECTURES)
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
+    "BertModel": BertModel,
+    "XLMRobertaModel": XLMRobertaModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
 }
 
 

@@ -62,7 +62,9 @@ class ScoreSpec:
     prefix_len: the packed sequence's shared prefix (query) length, 0 otherwise.
     handle: the scoring-cache handle whose query KV this sequence extends (prefill_extend items), or,
     with is_handle_prefill, the handle this query prefill creates.
-    label_logprobs: filled in as positions are computed: one list of floats per score position.
+    label_logprobs: filled in as positions are computed: one list of floats per score position (with
+    `pool_index`: the position's final hidden state, float32 [hidden]).
+    pool_index: an embedding request's: per score position, the output it is averaged into; None when scoring.
     """
 
     group: str
@@ -74,6 +76,8 @@ class ScoreSpec:
     handle: Optional[str] = None
     is_handle_prefill: bool = False
     label_logprobs: List[list] = dataclasses.field(default_factory=list)
+    pool_index: Optional[List[int]] = None
+    token_types: Optional[np.ndarray] = None  # int32 per position: an encoder's segment A / B (ScoreSeq)
 
 
 # ---------------------------------------------------------------- request
@@ -107,8 +111,9 @@ class Req:
         self.rid = rid
         self.score = score
         # positions whose KV may enter the prefix cache (None: all); a packed scoring sequence shares
-        # only its query.
-        self.cacheable_len: Optional[int] = score.prefix_len if score is not None and score.prefix_len else None
+        # only its query (none when it has no query: packed embedding inputs).
+        packed = score is not None and score.rope_positions is not None
+        self.cacheable_len: Optional[int] = score.prefix_len if packed else None
         # prefix KV given at creation (prefill_extend items read the handle's query KV, not the tree's)
         self.fixed_prefix = False
         self.origin_input_ids = list(origin_input_ids)
@@ -494,6 +499,14 @@ class ScheduleBatch:
                 positions[a:b] = sc.rope_positions[s0:s0 + b - a]
                 segment_starts[a:b] = sc.segment_starts[s0:s0 + b - a]
                 prefix_lens[i] = sc.prefix_len
+        token_types = None
+        if any(r.score is not None and r.score.token_types is not None for r in reqs):
+            token_types = np.zeros(T_pad, np.int32)  # (an encoder's step: every sequence whole, from 0)
+            offsets = np.concatenate([[0], np.cumsum(q_lens)])
+            for i, r in enumerate(reqs):
+                if r.score is not None and r.score.token_types is not None:
+                    s0, a, b = r.kv_committed_len, int(offsets[i]), int(offsets[i + 1])
+                    token_types[a:b] = r.score.token_types[s0:s0 + b - a]
         kv_lens = np.array([r.kv_allocated_len for r in reqs], np.int32)
         shared = 0
         if self.forward_mode == ForwardMode.EXTEND:
@@ -516,6 +529,7 @@ class ScheduleBatch:
             prefix_lens=prefix_lens,
             segment_starts=segment_starts,
             shared_prefix_len=np.asarray(shared, np.int32),
+            token_type_ids=token_types,
             forward_mode=step_mode,
         )
         fb = dataclasses.replace(fb, **memory.layer_pool_fields(fb.page_indices, fb.out_cache_loc))

@@ -38,7 +38,8 @@ from typing import List, Optional
 import zmq
 
 from sgl_jax.srt import fault_injection
-from sgl_jax.srt.configs.model_config import ModelConfig, load_tokenizer
+from sgl_jax.srt.configs.model_config import (EMBEDDING_ARCHITECTURES, ENCODER_ARCHITECTURES, ModelConfig,
+                                              load_tokenizer)
 from sgl_jax.srt.constrained.grammar_backend import GrammarBackend
 from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.forward_batch import ForwardMode
@@ -147,6 +148,10 @@ class Scheduler:
         self.tokenizer = load_tokenizer(server_args)
         self.max_running_requests, self.buckets, self.max_prefill_tokens, self.chunk_size = derive_limits(
             server_args, mc, platform)
+        if mc.architecture in ENCODER_ARCHITECTURES and self.chunk_size:
+            logger.info("%s is an encoder: no chunked prefill (each sequence is computed whole in one step)",
+                        mc.architecture)
+            self.chunk_size = None
         self.context_len = mc.context_len
         # the largest prompt: any within the context when chunking, else what one extend bucket holds
         self.max_req_input_len = self.context_len - 1 if self.chunk_size else min(self.context_len - 1,
@@ -212,7 +217,8 @@ class Scheduler:
                     rank.speculator.costs = costs
             if self.draft_model is not None:
                 self.draft_model.runner.restart_compile_count()
-        if self.grammar_queue.backend is not None:
+        embedding = server_args.is_embedding or mc.architecture in EMBEDDING_ARCHITECTURES
+        if self.grammar_queue.backend is not None and not embedding:  # (an embedding model generates nothing)
             self.grammar_queue.backend.warmup()
 
     def _open_sockets(self, port_args) -> None:
@@ -238,7 +244,8 @@ class Scheduler:
         memory = KVMemory.create(self.model_runner.kv_spec, num_request_slots=self.max_running_requests,
                                  context_len=self.context_len, server_args=sa)
         scoring = SchedulerScoring(memory, sa.multi_item_prefill_extend_cache_timeout,
-                                   self.send_to_tokenizer.send_pyobj, mc.eos_token_ids, clock=lambda: self.tick_now)
+                                   self.send_to_tokenizer.send_pyobj, mc.eos_token_ids, clock=lambda: self.tick_now,
+                                   classify=self.model_runner.classify if self.model_runner.num_labels else None)
         admission = AdmissionPolicy(buckets=self.buckets, max_running_requests=self.max_running_requests,
                                     max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size,
                                     memory=memory, scoring=scoring, step_budget=self.step_budget,

@@ -52,6 +52,7 @@ class ScoreGroup:
     reqs: List[Req]
     pending: int
     cached_tokens: int = 0
+    classify: bool = False  # an embedding group whose pooled outputs go through the classification head
 
 
 @dataclasses.dataclass
@@ -65,6 +66,14 @@ class ScoreHandle:
     release_requested: bool = False
 
 
+def pooled_outputs(spec: ScoreSpec) -> List[np.ndarray]:
+    """An embedding sequence's outputs: per output index, the mean (in float32) of the hidden states of its score
+    positions (`ScoreSpec.pool_index`): one position for last-token and CLS pooling, all for mean pooling."""
+    index = np.asarray(spec.pool_index)
+    rows = np.stack(spec.label_logprobs)
+    return [rows[index == k].mean(axis=0, dtype=np.float32) for k in range(int(index.max()) + 1)]
+
+
 class SchedulerScoring:
     """Scoring groups and handles of one scheduler.
 
@@ -75,11 +84,15 @@ class SchedulerScoring:
         send: sends a message to the TokenizerManager.
         eos_token_ids: the model's EOS ids (for Req construction).
         clock: seconds now, for handle TTLs (the scheduler's loop clock: node 0's on every host).
+        classify: a sequence-classification model's head, pooled rows float32 [N, hidden] -> logits [N, labels]
+            (ModelRunner.classify); None for other models.
     """
 
     def __init__(self, memory, handle_timeout_s: float, send: Callable, eos_token_ids: List[int],
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 classify: Optional[Callable[[np.ndarray], np.ndarray]] = None):
         self.memory = memory
+        self.classify = classify
         self.clock = clock
         self.page_size = memory.page_size
         self.handle_timeout_s = handle_timeout_s
@@ -107,6 +120,9 @@ class SchedulerScoring:
                 return []
             handle.last_access = self.clock()
             prefix = handle.req.origin_input_ids
+        if msg.classify and self.classify is None:
+            self.fail(msg.rid, "this model has no sequence-classification head", 400)
+            return []
         reqs = []
         for i, seq in enumerate(msg.seqs):
             ids = prefix + list(seq.input_ids)
@@ -121,6 +137,8 @@ class SchedulerScoring:
                 rope_positions=None if seq.rope_positions is None else np.asarray(seq.rope_positions, np.int32),
                 segment_starts=None if seq.segment_starts is None else np.asarray(seq.segment_starts, np.int32),
                 prefix_len=seq.prefix_len, handle=msg.handle,
+                pool_index=None if seq.pool_index is None else list(seq.pool_index),
+                token_types=None if seq.token_types is None else np.asarray(seq.token_types, np.int32),
             )
             req = self._new_req(f"{msg.rid}/{i}", ids, spec)
             if handle is not None:
@@ -131,7 +149,7 @@ class SchedulerScoring:
             reqs.append(req)
         if handle is not None:
             handle.active_items += len(reqs)
-        self.groups[msg.rid] = ScoreGroup(msg.rid, reqs, pending=len(reqs))
+        self.groups[msg.rid] = ScoreGroup(msg.rid, reqs, pending=len(reqs), classify=msg.classify)
         return reqs
 
     def handle_prefill_request(self, msg: ScorePrefillReq) -> Req:
@@ -143,7 +161,8 @@ class SchedulerScoring:
     # ------------------------------------------------------------ after a step
     def collect(self, reqs: List[Req], hidden, first_rows: List[int], starts: List[int],
                 label_logprobs: Callable[[np.ndarray, List[int]], np.ndarray]) -> None:
-        """Compute the label logprobs of the score positions this extend step produced.
+        """Compute the label logprobs of the score positions this extend step produced (an embedding request's
+        sequences keep the positions' hidden states instead).
 
         Args:
             reqs: requests of the step (or some of them).
@@ -164,6 +183,9 @@ class SchedulerScoring:
         host = np.asarray(hidden)
         by_labels: Dict[tuple, list] = {}
         for req, row in wanted:
+            if req.score.pool_index is not None:
+                req.score.label_logprobs.append(host[row].astype(np.float32))
+                continue
             by_labels.setdefault(tuple(req.score.label_token_ids), []).append((req, row))
         for labels, entries in by_labels.items():
             lps = label_logprobs(host[[row for _, row in entries]], list(labels))
@@ -193,10 +215,25 @@ class SchedulerScoring:
         group.cached_tokens += req.cached_tokens
         if group.pending == 0:
             del self.groups[group.rid]
+            pooled = group.reqs[0].score.pool_index is not None
             self.send(ScoreOut(
-                rid=group.rid, label_logprobs=[r.score.label_logprobs for r in group.reqs],
-                prompt_tokens=sum(len(r.origin_input_ids) for r in group.reqs), cached_tokens=group.cached_tokens))
+                rid=group.rid, label_logprobs=None if pooled else [r.score.label_logprobs for r in group.reqs],
+                prompt_tokens=sum(len(r.origin_input_ids) for r in group.reqs), cached_tokens=group.cached_tokens,
+                embeddings=self._outputs(group) if pooled else None))
         return True
+
+    def _outputs(self, group: ScoreGroup) -> List[List[np.ndarray]]:
+        """An embedding group's outputs per sequence: the pooled hidden states, or (``classify``) the head's
+        logits of them, computed for the whole group at once."""
+        pooled = [pooled_outputs(r.score) for r in group.reqs]
+        if not group.classify:
+            return pooled
+        logits = self.classify(np.stack([v for seq in pooled for v in seq]))
+        out, k = [], 0
+        for seq in pooled:
+            out.append(list(logits[k:k + len(seq)]))
+            k += len(seq)
+        return out
 
     def _item_done(self, handle_id: Optional[str]) -> None:
         handle = self.handles.get(handle_id) if handle_id is not None else None

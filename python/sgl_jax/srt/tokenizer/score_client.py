@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Dict, List
+from typing import Dict, List, Optional
+
+import numpy as np
 
 from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.io_struct import (
@@ -20,6 +22,7 @@ from sgl_jax.srt.io_struct import (
 )
 from sgl_jax.srt.preflight import check_fits
 from sgl_jax.srt.tokenizer.score_request import (
+    ScoreLayout,
     ScoreReqInput,
     build_layout,
     choose_algorithm,
@@ -169,6 +172,7 @@ class ScoreClient:
                 a scored sequence cannot fit, 503 when the server is down, shutting down or its queue is full.
         """
         tm = self.tm
+        tm.check_generates("scoring")
         tm.check_admission(1)  # (503 when shutting down or the queue is full)
         validate_score_input(obj, tm.vocab_size, self.args.max_multi_item_count)
         bound = tm.max_chars_per_token
@@ -178,7 +182,8 @@ class ScoreClient:
                 raise RequestError(f"a query or item of {longest} characters (at least {-(-longest // bound)} "
                                    f"tokens) is longer than the model's context length ({tm.context_len} tokens)")
         special, query, items = await tm.run_blocking(tokenize_score_input, tm.tokenizer, obj)
-        layout = build_layout(special, query, items, obj.item_first, self.args.multi_item_scoring_delimiter)
+        delimiter = self.args.multi_item_scoring_delimiter if obj.use_delimiter else None
+        layout = build_layout(special, query, items, obj.item_first, delimiter)
         algo = choose_algorithm(obj.algorithm, self.args.multi_item_algorithm, obj.item_first,
                                 self.args.prefill_extend_allowed())
         for seq in layout.sequences:
@@ -203,6 +208,41 @@ class ScoreClient:
             self._live.discard(rid)
         return {"scores": scores_from_logprobs(lps, obj.apply_softmax), "prompt_tokens": layout.prompt_tokens,
                 "algorithm": algo}
+
+    async def embed(self, ids: List[List[int]], pool: str, types: Optional[List[List[int]]] = None,
+                    classify: bool = False) -> List[np.ndarray]:
+        """The pooled final hidden states (float32 [hidden], in input order) of token sequences `ids`, packed as
+        segments of as few sequences as fit (score_request.pack_seqs with `pool`, one of POOLING); an encoder's
+        `types` (token types per token of each sequence) go with them; `classify`: the model's classification head's
+        logits of each pooled state instead.
+
+        Raises RequestError: 400 for an input longer than the model's context, 413 (preflight) when one cannot
+        fit, 503 when the server is down; as `score`.
+        """
+        tm = self.tm
+        tm.check_admission(1)
+        for seq in ids:
+            if len(seq) >= tm.context_len:
+                raise RequestError(f"an input of {len(seq)} tokens is longer than the model's context length "
+                                   f"({tm.context_len} tokens)", param="input")
+            check_fits(tm.kv_limits, len(seq), what="An embedding input")
+        limits = tm.kv_limits
+        max_len = min(self.args.max_multi_item_seq_len, limits.max_req_input_len, limits.kv_pool_tokens - 1)
+        layout = ScoreLayout([], [list(x) for x in ids], [list(x) for x in ids])
+        packs, where = pack_seqs(layout, max_len, pool=pool)
+        if types is not None:
+            for pack in packs:
+                pack.token_types = []
+            for (p, _), t in zip(where, types):
+                packs[p].token_types += list(t)
+        rid = uuid.uuid4().hex
+        tm.reserve_rid(rid)
+        self._live.add(rid)
+        try:
+            res = await self._score(TokenizedScoreReqInput(f"{rid}/p", packs, [], classify=classify))
+        finally:
+            self._live.discard(rid)
+        return [res.embeddings[p][i] for p, i in where]
 
     async def _serial(self, rid, layout, labels) -> List[List[float]]:
         out = []

@@ -33,7 +33,9 @@ TextOrIds = Union[str, List[int]]
 @dataclasses.dataclass
 class ScoreReqInput:
     """SGLang's /v1/score request: ``query`` and ``items`` as text or token ids, ``label_token_ids``,
-    ``apply_softmax``, ``item_first``, ``model``; ``algorithm`` forces one of ALGORITHMS."""
+    ``apply_softmax``, ``item_first``, ``model``; ``algorithm`` forces one of ALGORITHMS. ``use_delimiter``
+    (not an HTTP field): False scores exactly ``query + item`` whatever --multi-item-scoring-delimiter says
+    (/v1/rerank's templates)."""
 
     query: Optional[TextOrIds] = None
     items: Optional[List[TextOrIds]] = None
@@ -43,6 +45,7 @@ class ScoreReqInput:
     model: Optional[str] = None
     algorithm: Optional[str] = None
     rid: Optional[str] = None
+    use_delimiter: bool = True
 
 
 def _is_ids(x) -> bool:
@@ -163,10 +166,24 @@ def extend_seqs(layout: ScoreLayout) -> List[ScoreSeq]:
     return [ScoreSeq(input_ids=seg, score_positions=[p + len(seg) - 1]) for seg in layout.segments]
 
 
-def pack_seqs(layout: ScoreLayout, max_pack_len: int) -> Tuple[List[ScoreSeq], List[Tuple[int, int]]]:
+POOLING = ("last", "mean", "cls")
+
+
+def _pooled_positions(start: int, n: int, pool: Optional[str]) -> List[int]:
+    """The KV positions of a segment [start, start + n) that give its output: its last one (scoring, and
+    last-token pooling), all of them (mean pooling) or its first (CLS pooling)."""
+    if pool == "mean":
+        return list(range(start, start + n))
+    return [start] if pool == "cls" else [start + n - 1]
+
+
+def pack_seqs(layout: ScoreLayout, max_pack_len: int,
+              pool: Optional[str] = None) -> Tuple[List[ScoreSeq], List[Tuple[int, int]]]:
     """Pack the items after one copy of the prefix, as few packs as fit `max_pack_len` tokens each.
 
-    Returns (packs, where): ``where[i] = (pack index, score index in that pack)`` for item i.
+    `pool` (one of POOLING; embeddings, with an empty prefix): each item's hidden states at `_pooled_positions`
+    are its output, and the packs' ``pool_index`` says which item each score position belongs to.
+    Returns (packs, where): ``where[i] = (pack index, output index in that pack)`` for item i.
     Raises RequestError when the prefix and one item do not fit a pack.
     """
     prefix = layout.prefix
@@ -180,14 +197,19 @@ def pack_seqs(layout: ScoreLayout, max_pack_len: int) -> Tuple[List[ScoreSeq], L
                                   f"({max_pack_len} tokens)")
         if cur is None or len(cur.input_ids) + len(seg) > max_pack_len:
             cur = ScoreSeq(input_ids=list(prefix), score_positions=[], rope_positions=list(range(p)),
-                           segment_starts=[0] * p, prefix_len=p)
+                           segment_starts=[0] * p, prefix_len=p, pool_index=None if pool is None else [])
             packs.append(cur)
+            outputs = 0
         start = len(cur.input_ids)
         cur.input_ids += seg
         cur.rope_positions += range(p, p + len(seg))
         cur.segment_starts += [start] * len(seg)
-        cur.score_positions.append(start + len(seg) - 1)
-        where.append((len(packs) - 1, len(cur.score_positions) - 1))
+        positions = _pooled_positions(start, len(seg), pool)
+        cur.score_positions += positions
+        if pool is not None:
+            cur.pool_index += [outputs] * len(positions)
+        where.append((len(packs) - 1, outputs))
+        outputs += 1
     return packs, where
 
 

@@ -38,6 +38,7 @@ from sgl_jax.srt.io_struct import (
 )
 from sgl_jax.srt.errors import RequestError  # noqa: F401  (re-exported)
 from sgl_jax.srt.preflight import KVLimits, check_fits
+from sgl_jax.srt.tokenizer.retrieval_client import RetrievalClient
 from sgl_jax.srt.tokenizer.score_client import ScoreClient
 from sgl_jax.srt.tokenizer.score_request import ScoreReqInput
 from sgl_jax.srt.metrics.collector import MetricsCollector, RequestTimes
@@ -236,6 +237,8 @@ class TokenizerManager:
         self.num_rejected_reqs = 0  # requests refused with 503 because the queue was full (--max-queued-requests)
         self._reservations: collections.deque = collections.deque()  # check_admission(reserve=True) times
         self.score_client = ScoreClient(self)
+        # /v1/rerank and /v1/embeddings: the model's kind (reranker, embedding model, encoder, classifier)
+        self.retrieval = RetrievalClient(self)
         self.metrics: Optional[MetricsCollector] = (MetricsCollector(self.served_model_name)
                                                     if server_args.enable_metrics else None)
 
@@ -441,6 +444,13 @@ class TokenizerManager:
         self.start()
         return await self.score_client.score(obj)
 
+    def check_generates(self, what: str = "generation") -> None:
+        """Raise RequestError (400 naming ``model``) on an embedding server (--is-embedding), which answers
+        /v1/embeddings only: every generation path (and scoring, `what`) asks this first."""
+        if self.retrieval.is_embedding:
+            raise RequestError(f"{self.served_model_name} is served as an embedding model (--is-embedding): it "
+                               f"answers /v1/embeddings, not {what} requests", param="model")
+
     # ------------------------------------------------------------ generation
     async def run_blocking(self, fn, *args):
         """Run `fn(*args)` on the tokenizer thread, so the event loop (and /health) stays responsive while
@@ -537,6 +547,7 @@ class TokenizerManager:
         """
         received = time.perf_counter()
         self._check_alive()
+        self.check_generates()
         input_ids = self.tokenize(obj)
         return PreparedReq(obj, input_ids, self.validate(obj, input_ids), received)
 

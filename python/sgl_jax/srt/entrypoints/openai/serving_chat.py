@@ -103,9 +103,10 @@ def chat_prompt_ids(tm: TokenizerManager, req: ChatCompletionRequest, plan: Opti
     (serving_tools.with_tools_in_system_prompt). SGLang's ``input_ids`` are the prompt as they are (no template).
 
     Raises:
-        RequestError: no messages, no chat template, unsupported features, tools neither the template nor the
-            parser can put in the prompt, or a template error.
+        RequestError: an embedding server, no messages, no chat template, unsupported features, tools neither the
+            template nor the parser can put in the prompt, or a template error.
     """
+    tm.check_generates()
     if not req.messages:
         raise RequestError("messages must not be empty")
     if req.input_ids is not None:  # SGLang: a pre-tokenized prompt bypasses the chat template
