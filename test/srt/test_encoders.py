@@ -3,7 +3,7 @@ their cross-encoders (`*ForSequenceClassification`) and a decoder one (`Qwen3For
 /v1/rerank, each a tiny random model with a real tokenizer kind (WordPiece for BERT, SentencePiece Unigram for
 XLM-RoBERTa, trained here with the `tokenizers` library; SmolLM2's BPE for Qwen3), against sentence-transformers
 float32 (`SentenceTransformer.encode`, `CrossEncoder.predict`): embeddings within cosine 0.99999, rerank scores
-within 1e-4, over inputs of 1 to ~250 tokens packed into shared sequences; the pools idle after (the servers'
+within 1e-4, over inputs of 1 to 256 tokens packed into shared sequences; the pools idle after (the servers'
 teardown), no compile while serving.
 """
 
@@ -140,15 +140,25 @@ def cosines(a, b) -> np.ndarray:
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
 def test_encoder_embeddings_equal_sentence_transformers(models_dir, kind):
     """BertModel (WordPiece, mean pooling) and XLMRobertaModel (Unigram, CLS pooling): /v1/embeddings of texts of
-    1 to ~250 tokens in one request, packed together, each within cosine 0.99999 of SentenceTransformer.encode;
+    1 to ~150 tokens in one request, packed together, and of token ids of 1 and 256 tokens (the largest compiled
+    prefill), each within cosine 0.99999 of sentence-transformers';
     the server refuses generation (an encoder has no LM head) and /v1/rerank (no head either)."""
     path = save_encoder(models_dir, kind, head=False)
-    ref = SentenceTransformer(path, device="cpu").encode(TEXTS, convert_to_numpy=True)
+    st = SentenceTransformer(path, device="cpu")
+    ref = st.encode(TEXTS, convert_to_numpy=True)
+    # token-id inputs of 1 token and of the largest compiled prefill (256), packed with each other
+    ids = [[5], [int(t) for t in np.random.default_rng(0).integers(5, st.tokenizer.vocab_size, 256)]]
+    with torch.no_grad():
+        ref_ids = np.stack([st.forward({"input_ids": torch.tensor([x]), "attention_mask": torch.ones(
+            1, len(x), dtype=torch.long)})["sentence_embedding"][0].numpy() for x in ids])
     for server in served(path):
         r = httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS}, timeout=120)
         assert r.status_code == 200, r.text
         got = np.array([d["embedding"] for d in r.json()["data"]])
         assert got.shape == ref.shape and cosines(got, ref).min() >= COSINE_MIN, cosines(got, ref)
+        r = httpx.post(server.url + "/v1/embeddings", json={"input": ids}, timeout=120)
+        got_ids = np.array([d["embedding"] for d in r.json()["data"]])
+        assert cosines(got_ids, ref_ids).min() >= COSINE_MIN, cosines(got_ids, ref_ids)
         for path_, body in (("/generate", {"text": "hi"}), ("/v1/rerank", {"query": "a", "documents": ["b"]})):
             r = httpx.post(server.url + path_, json=body, timeout=30)
             assert r.status_code == 400, r.text

@@ -133,13 +133,25 @@ def test_bad_rerank_requests_get_400_naming_the_field(server, body, param):
 def test_a_delimiter_server_scores_the_template_without_its_delimiter(server, hardened_server):
     """The hardened server has --multi-item-scoring-delimiter (and the scoring cache: prefill_extend, where the
     default server packs): its rerank scores are the default server's, the template's text with no delimiter
-    (test_score.py's bound between algorithms), and it wants its API key."""
+    (test_score.py's bound between algorithms), it wants its API key, and /metrics counts the request."""
     body = {"query": QUERY, "documents": DOCS}
     plain = post(server, "/v1/rerank", body)["results"]
     assert httpx.post(hardened_server.url + "/v1/rerank", json=body, timeout=30).status_code == 401
-    hard = post(hardened_server, "/v1/rerank", body, headers={"authorization": f"Bearer {API_KEY}"})["results"]
+    before = metrics(hardened_server)
+    out = post(hardened_server, "/v1/rerank", body, headers={"authorization": f"Bearer {API_KEY}"})
+    after, hard = metrics(hardened_server), out["results"]
+    # /metrics counts the request and its prompt tokens (--enable-metrics)
+    assert after["sglang:num_requests_total"] - before["sglang:num_requests_total"] == 1
+    assert after["sglang:prompt_tokens_total"] - before["sglang:prompt_tokens_total"] == out["usage"]["prompt_tokens"]
     assert [r["index"] for r in hard] == [r["index"] for r in plain]
     assert [r["score"] for r in hard] == pytest.approx([r["score"] for r in plain], abs=1e-4)
+
+
+def metrics(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def test_a_model_with_no_reranker_template_refuses_naming_model(shared_engine):

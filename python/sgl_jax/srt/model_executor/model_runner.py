@@ -301,6 +301,8 @@ class ModelRunner:
         # an encoder reads token types in every step (ForwardBatch.token_type_ids); a cross-encoder classifies
         self.uses_token_types = bool(getattr(model, "uses_token_types", False))
         self.num_labels = int(getattr(model, "num_labels", 0))
+        # an embedding server (--is-embedding, or a model with no LM head) never decodes: no decode programs
+        self.generates = not server_args.is_embedding and bool(getattr(model, "has_lm_head", True))
         self.moe_stats = None if routing is None else MoeStats(
             model_config.num_hidden_layers, routing[0], routing[2], ep_size=getattr(model_config, "ep_size", 1))
         self.return_routed_experts = routing is not None and bool(server_args.enable_return_routed_experts)
@@ -680,6 +682,8 @@ class ModelRunner:
         sampling per row count, the K/V moves per verify shape, the logprob, label-logprob and penalty-row
         programs."""
         shapes = self.buckets.all_shapes()
+        if not self.generates:  # (an embedding server's steps are all extends)
+            shapes = [(mode, t, s) for mode, t, s in shapes if mode == ForwardMode.EXTEND]
         hidden_dim = self.model_config.hidden_size
         dtype = np.dtype(JNP_DTYPES[self.model_config.dtype])
         programs = [(f"{mode.name.lower()} T={t} S={s}", self._lower_step(mode, t, s)) for mode, t, s in shapes]
@@ -687,6 +691,9 @@ class ModelRunner:
         programs += [(f"sampling S={s}", self._lower_sample(s)) for s in rows]
         programs += [(f"KV move M={t}", self._lower_move(t)) for mode, t, _ in shapes
                      if mode == ForwardMode.TARGET_VERIFY]
+        if not self.generates:
+            return programs + [(f"classify R={r}", lambda r=r: self._classify.lower(
+                self.params, np.zeros((r, hidden_dim), dtype))) for r in SCORE_ROW_PADDINGS if self.num_labels]
         programs.append((f"input logprobs R={LOGPROB_CHUNK_ROWS}", lambda: self._logprobs.lower(
             self.params, np.zeros((LOGPROB_CHUNK_ROWS, hidden_dim), dtype))))
         programs.append(("penalty row", lambda: self._init_penalty_row.lower(

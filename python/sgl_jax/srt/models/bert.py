@@ -153,6 +153,7 @@ class EncoderModel(nnx.Module):
     the sequence-classification head of the cross-encoders (None for the embedding forms)."""
 
     uses_token_types = True  # the model runner gives it `ForwardBatch.token_type_ids` in every step
+    has_lm_head = False  # (it serves embeddings and classification: no decode programs)
     num_labels = 0
 
     def stack(self) -> BertStack:

@@ -6,6 +6,7 @@ label log-probabilities for a template reranker, pooled final hidden states (and
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 from sgl_jax.srt.configs.model_config import (
@@ -15,6 +16,7 @@ from sgl_jax.srt.configs.model_config import (
     resolve_model,
 )
 from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.metrics.collector import RequestTimes
 from sgl_jax.srt.tokenizer import embedding, rerank
 
 
@@ -61,7 +63,7 @@ class RetrievalClient:
         Raises RequestError: 400 when this model is not a reranker (naming ``model``), else as
             `TokenizerManager.score_request`.
         """
-        tm = self.tm
+        tm, received = self.tm, time.perf_counter()
         if self.rerank_template is None and not self.is_classifier:
             raise RequestError(f"{tm.served_model_name} is not a reranker: serve a cross-encoder or a decoder "
                                "reranker such as Qwen3-Reranker, or start the server with --rerank-template",
@@ -71,13 +73,15 @@ class RetrievalClient:
         if not self.is_classifier:
             obj = rerank.score_input(self.rerank_template, self.rerank_labels, query, documents, instruct)
             result = await tm.score_request(obj)
-            return {"scores": [s[1] for s in result["scores"]], "prompt_tokens": result["prompt_tokens"]}
+            return self._observed(received, {"scores": [s[1] for s in result["scores"]],
+                                             "prompt_tokens": result["prompt_tokens"]})
         tm.start()
         ids, types = await tm.run_blocking(embedding.tokenize_pairs, tm.tokenizer, query, documents,
                                            tm.kv_limits.max_req_input_len)
         logits = await tm.score_client.embed(ids, self.pooling.mode, types if self.is_encoder else None,
                                              classify=True)
-        return {"scores": [embedding.relevance(x) for x in logits], "prompt_tokens": sum(map(len, ids))}
+        return self._observed(received, {"scores": [embedding.relevance(x) for x in logits],
+                                         "prompt_tokens": sum(map(len, ids))})
 
     async def embed(self, inputs, dimensions: Optional[int] = None) -> dict:
         """OpenAI's embeddings of `inputs` (`embedding.split_inputs`'s forms): {"embeddings": [float32 [d] per
@@ -87,7 +91,7 @@ class RetrievalClient:
             (naming ``model``), an invalid input (naming ``input``) or `dimensions`; 413 / 503 as
             `TokenizerManager.score_request`.
         """
-        tm = self.tm
+        tm, received = self.tm, time.perf_counter()
         if not self.is_embedding:
             raise RequestError(f"{tm.served_model_name} is a generation model: start the server with "
                                "--is-embedding to serve /v1/embeddings", param="model")
@@ -99,8 +103,17 @@ class RetrievalClient:
         ids = await tm.run_blocking(embedding.tokenize_inputs, tm.tokenizer, items)
         types = [[0] * len(x) for x in ids] if self.is_encoder else None
         vectors = await tm.score_client.embed(ids, self.pooling.mode, types)
-        return {"embeddings": [embedding.finish(v, self.pooling, dimensions) for v in vectors],
-                "prompt_tokens": sum(len(x) for x in ids)}
+        return self._observed(received, {"embeddings": [embedding.finish(v, self.pooling, dimensions)
+                                                        for v in vectors],
+                                         "prompt_tokens": sum(len(x) for x in ids)})
+
+    def _observed(self, received: float, result: dict) -> dict:
+        """`result`, counted in /metrics (--enable-metrics) as one finished request of its prompt tokens and no
+        output (sglang:num_requests_total, sglang:prompt_tokens_total, the end-to-end latency)."""
+        if self.tm.metrics is not None:
+            self.tm.metrics.observe_output(RequestTimes(received=received), 0, True,
+                                           prompt_tokens=result["prompt_tokens"])
+        return result
 
     def _truncated(self, documents: List[str], max_tokens: int) -> List[str]:
         out = []
