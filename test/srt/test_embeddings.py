@@ -83,7 +83,8 @@ def cosines(a, b) -> np.ndarray:
 
 
 def test_pooling_is_read_from_the_sentence_transformers_modules(model_dir, tmp_path):
-    assert embedding.read_pooling(model_dir) == embedding.Pooling("last", True)
+    p = embedding.read_pooling(model_dir)
+    assert (p.mode, p.normalize) == ("last", True)
     assert embedding.read_pooling(str(tmp_path)) == embedding.Pooling("last", True)  # no modules.json
     (tmp_path / "modules.json").write_text(json.dumps([{"idx": 0, "path": "p", "type": embedding.ST_POOLING}]))
     (tmp_path / "p").mkdir()
@@ -94,6 +95,11 @@ def test_pooling_is_read_from_the_sentence_transformers_modules(model_dir, tmp_p
     for unsupported in ({"pooling_mode_max_tokens": True}, {"pooling_mode": "max"}):
         (tmp_path / "p" / "config.json").write_text(json.dumps(unsupported))
         with pytest.raises(ValueError, match="no supported pooling mode"):
+            embedding.read_pooling(str(tmp_path))
+    for several in ({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True},
+                    {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}):
+        (tmp_path / "p" / "config.json").write_text(json.dumps(several))
+        with pytest.raises(ValueError, match="several pooling modes"):
             embedding.read_pooling(str(tmp_path))
 
 
@@ -180,6 +186,32 @@ def test_an_embedding_server_refuses_generation_and_scoring(server):
                        ("/v1/responses", {"model": "m", "input": "hi"})):
         r = httpx.post(server.url + path, json=body, timeout=30)
         assert r.status_code == 400 and "--is-embedding" in r.text, (path, r.text)
+
+
+def test_health_generate_and_model_info_of_an_embedding_server(server):
+    """/health_generate probes the model with a one-token input (it generates nothing); /get_model_info says it
+    is no generation model."""
+    assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
+    assert httpx.get(server.url + "/get_model_info", timeout=30).json()["is_generation"] is False
+
+
+def test_is_embedding_builds_a_causal_lm_without_its_head(model_dir, tmp_path):
+    """A checkpoint that names Qwen3ForCausalLM, does not tie its head and stores none (Qwen3-Embedding-4B / 8B's
+    form) loads with --is-embedding (the stack alone) and is refused without it."""
+    from sgl_jax.srt.configs.model_config import ModelConfig
+    from sgl_jax.srt.model_loader.loader import load_model
+    from sgl_jax.srt.server_args import ServerArgs
+
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{model_dir}/{name}", tmp_path / name)
+    cfg = json.loads(open(f"{model_dir}/config.json").read())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3ForCausalLM"],
+                                                      "tie_word_embeddings": False}))
+    mc = ModelConfig.from_server_args(ServerArgs(model_path=str(tmp_path), is_embedding=True), "cpu")
+    _, params = load_model(mc)
+    assert "lm_head" not in params
+    with pytest.raises(ValueError, match="lm_head"):
+        load_model(ModelConfig.from_server_args(ServerArgs(model_path=str(tmp_path)), "cpu"))
 
 
 def test_a_generation_server_refuses_embeddings(default_server):

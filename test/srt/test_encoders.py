@@ -96,7 +96,7 @@ def save_encoder(root, kind: str, head: bool) -> str:
         AutoModelForSequenceClassification.from_config(cfg).eval().save_pretrained(base)
         return str(base)
     AutoModel.from_config(cfg, add_pooling_layer=False).eval().save_pretrained(base)
-    st = SentenceTransformer(modules=[models.Transformer(str(base)),
+    st = SentenceTransformer(modules=[models.Transformer(str(base), max_seq_length=64),  # (LONG gets truncated)
                                       models.Pooling(64, pooling_mode="mean" if kind == "bert" else "cls"),
                                       models.Normalize()], device="cpu")
     out = root / f"{kind}_st"
@@ -162,6 +162,7 @@ def test_encoder_embeddings_equal_sentence_transformers(models_dir, kind):
         for path_, body in (("/generate", {"text": "hi"}), ("/v1/rerank", {"query": "a", "documents": ["b"]})):
             r = httpx.post(server.url + path_, json=body, timeout=30)
             assert r.status_code == 400, r.text
+        assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
         r = httpx.post(server.url + "/v1/embeddings", json={"input": [5] * 300}, timeout=30)
         assert r.status_code == 413 and "256 tokens" in r.text, r.text  # (an encoder's input is never chunked)
         wait_pool_idle(server.url)
@@ -184,4 +185,18 @@ def test_cross_encoder_rerank_equals_crossencoder_predict(models_dir, kind):
         assert np.abs(np.array([got[i] for i in range(len(DOCS))]) - ref).max() <= SCORE_ATOL, (got, ref)
         r = httpx.post(server.url + "/v1/embeddings", json={"input": "a"}, timeout=30)
         assert r.status_code == 400 and "/v1/rerank" in r.text, r.text
+        r = httpx.post(server.url + "/v1/rerank", json={"query": QUERY, "documents": ["x"] * 513}, timeout=30)
+        assert r.status_code == 400 and "--max-multi-item-count" in r.text, r.text
+        assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
         wait_pool_idle(server.url)
+
+
+def test_an_encoder_refuses_data_parallel_ranks(models_dir):
+    """Encoders compute a step's segments over every rank's tokens at once: --dp-size > 1 is refused at start-up,
+    naming the flag."""
+    from sgl_jax.srt.configs.model_config import ModelConfig
+    from sgl_jax.srt.server_args import ServerArgs
+
+    path = save_encoder(models_dir, "bert", head=True)
+    with pytest.raises(ValueError, match="--dp-size 2"):
+        ModelConfig.from_server_args(ServerArgs(model_path=path, dp_size=2), "cpu")

@@ -181,6 +181,10 @@ def test_templates_from_names_files_and_model_paths(tmp_path, smollm2_tokenizer)
             rerank.load_template(str(path))
     with pytest.raises(ValueError, match="--rerank-template"):
         rerank.load_template("no_such_template")
+    for bad in ({**spec, "query": "{query} {other}"}, {**spec, "document": "{document"}, {**spec, "query": "{0}"}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="does not render"):
+            rerank.load_template(str(path))
     assert rerank.template_for_model(None, "/models/Qwen3-Reranker-0.6B/", "Qwen3ForCausalLM") is rerank.QWEN3_RERANKER
     assert rerank.template_for_model(None, "Qwen/Qwen3-0.6B", "Qwen3ForCausalLM") is None
     assert rerank.template_for_model(None, "x/my-reranker", "LlamaForCausalLM") is None

@@ -312,6 +312,8 @@ class ModelConfig:
     quant_checkpoint: Optional[ResolvedQuantization] = None
     # --kv-cache-dtype fp8_*: attention layers hold per-KV-head k_scale / v_scale (the checkpoint's, else 1)
     kv_cache_scales: bool = False
+    # --is-embedding: a causal LM is built without its LM head (models/registry.EMBEDDING_VARIANTS)
+    is_embedding: bool = False
 
     @property
     def quant_scheme(self) -> Optional[QuantScheme]:
@@ -371,6 +373,9 @@ class ModelConfig:
         if archs[0].startswith("XLMRoberta"):  # its positions start at pad_token_id + 1 (models/bert.py)
             model_ctx -= int(hf_config.pad_token_id) + 1
         context_len = server_args.context_length or model_ctx
+        if archs[0] in ENCODER_ARCHITECTURES and server_args.dp_size > 1:
+            raise ValueError(f"--dp-size {server_args.dp_size}: {archs[0]} is an encoder, served by one "
+                             "data-parallel rank (run replicas behind sglang-router instead)")
         if archs[0] in ENCODER_ARCHITECTURES and context_len > model_ctx:
             raise ValueError(f"--context-length {context_len} exceeds {archs[0]}'s {model_ctx} learned positions")
         heads = int(hf_config.num_attention_heads)
@@ -400,6 +405,7 @@ class ModelConfig:
             quantization=quant.name,
             quant_checkpoint=quant,
             kv_cache_scales=server_args.kv_cache_dtype in FP8_KV_CACHE_DTYPES,
+            is_embedding=bool(server_args.is_embedding),
         )
 
 

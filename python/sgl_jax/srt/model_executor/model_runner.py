@@ -637,6 +637,7 @@ class ModelRunner:
         pooled final hidden states [N, hidden], in chunks padded to SCORE_ROW_PADDINGS (compiled at warm-up)."""
         out = []
         big = SCORE_ROW_PADDINGS[-1]
+        first_rows = np.asarray(first_rows).astype(JNP_DTYPES[self.model_config.dtype])  # (warm-up's dtype)
         for i in range(0, len(first_rows), big):
             chunk = first_rows[i:i + big]
             rows = _pad_rows(chunk, next(r for r in SCORE_ROW_PADDINGS if r >= len(chunk)))

@@ -379,7 +379,7 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
     Raises:
         ValueError: a checkpoint tensor has the wrong shape, or a parameter has no tensor.
     """
-    cls = get_model_class(model_config.architecture)
+    cls = get_model_class(model_config.architecture, getattr(model_config, "is_embedding", False))
     dtype = JNP_DTYPES[model_config.dtype]
     abstract = nnx.eval_shape(lambda: cls(model_config, dtype=dtype, rngs=nnx.Rngs(0), mesh=mesh))
     graphdef, abstract_state = nnx.split(abstract)

@@ -34,12 +34,19 @@ MODEL_REGISTRY = {
 }
 
 
-def get_model_class(architecture: str):
-    """The NNX class for an HF architecture name.
+# --is-embedding on a causal LM: its decoder stack without the LM head (Qwen3-Embedding-4B / 8B name the causal
+# class, store no lm_head and do not tie it)
+EMBEDDING_VARIANTS = {"LlamaForCausalLM": LlamaDecoderModel, "Qwen3ForCausalLM": Qwen3DecoderModel}
+
+
+def get_model_class(architecture: str, embedding: bool = False):
+    """The NNX class for an HF architecture name (`embedding`: the EMBEDDING_VARIANTS one where there is one).
 
     Raises:
         ValueError: unknown architecture; the message lists the supported ones.
     """
+    if embedding and architecture in EMBEDDING_VARIANTS:
+        return EMBEDDING_VARIANTS[architecture]
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:

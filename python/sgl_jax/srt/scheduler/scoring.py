@@ -216,10 +216,16 @@ class SchedulerScoring:
         if group.pending == 0:
             del self.groups[group.rid]
             pooled = group.reqs[0].score.pool_index is not None
+            try:
+                outputs = self._outputs(group) if pooled else None
+            except Exception as exc:  # noqa: BLE001 -- the head's program failed: this request fails, not the server
+                logger.exception("Pooling / classifying score request %s failed", group.rid)
+                self.fail(group.rid, f"computing the request's outputs failed: {exc!r}", 500)
+                return True
             self.send(ScoreOut(
                 rid=group.rid, label_logprobs=None if pooled else [r.score.label_logprobs for r in group.reqs],
                 prompt_tokens=sum(len(r.origin_input_ids) for r in group.reqs), cached_tokens=group.cached_tokens,
-                embeddings=self._outputs(group) if pooled else None))
+                embeddings=outputs))
         return True
 
     def _outputs(self, group: ScoreGroup) -> List[List[np.ndarray]]:

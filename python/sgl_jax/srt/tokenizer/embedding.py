@@ -42,6 +42,7 @@ class Pooling:
 
     mode: str = "last"
     normalize: bool = True
+    max_seq_length: Optional[int] = None  # sentence-transformers' truncation of text inputs (tokens)
 
 
 def read_pooling(model_dir: str, default: Pooling = Pooling()) -> Pooling:
@@ -67,13 +68,27 @@ def read_pooling(model_dir: str, default: Pooling = Pooling()) -> Pooling:
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)
         modes = [name for key, name in _ST_MODES if cfg.get(key)]
+        others = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v and k not in dict(_ST_MODES)]
         if isinstance(cfg.get("pooling_mode"), str):
             modes = [_ST_MODE_NAMES[cfg["pooling_mode"]]] if cfg["pooling_mode"] in _ST_MODE_NAMES else []
+        if len(modes) + len(others) > 1:
+            raise ValueError(f"{cfg_path}: several pooling modes set ({modes + others}); sentence-transformers "
+                             "concatenates them, which is not served")
         if not modes:
             raise ValueError(f"{cfg_path}: no supported pooling mode set (supported: "
                              f"{[key for key, _ in _ST_MODES]})")
         mode = modes[0]
-    return Pooling(mode, normalize)
+    return Pooling(mode, normalize, _max_seq_length(model_dir))
+
+
+def _max_seq_length(model_dir: str) -> Optional[int]:
+    """sentence-transformers' ``max_seq_length`` (``sentence_bert_config.json``), or None."""
+    path = os.path.join(model_dir, "sentence_bert_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        value = json.load(f).get("max_seq_length")
+    return int(value) if value else None
 
 
 def _module_kind(module: dict) -> str:
@@ -117,9 +132,12 @@ def split_inputs(value: EmbeddingInput, vocab_size: int, max_inputs: int) -> Lis
     return items
 
 
-def tokenize_inputs(tokenizer, items: Sequence[Union[str, List[int]]]) -> List[List[int]]:
-    """Texts tokenized with the tokenizer's special tokens (as sentence-transformers does); ids as given."""
-    return [tokenizer.encode(x) if isinstance(x, str) else list(x) for x in items]
+def tokenize_inputs(tokenizer, items: Sequence[Union[str, List[int]]],
+                    max_seq_length: Optional[int] = None) -> List[List[int]]:
+    """Texts tokenized with the tokenizer's special tokens and cut to `max_seq_length` tokens (special tokens
+    kept), as sentence-transformers does; ids as given."""
+    kw = {"truncation": True, "max_length": max_seq_length} if max_seq_length else {}
+    return [tokenizer.encode(x, **kw) if isinstance(x, str) else list(x) for x in items]
 
 
 def tokenize_pairs(tokenizer, query: str, documents: Sequence[str], max_len: int) -> tuple:

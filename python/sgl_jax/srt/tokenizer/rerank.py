@@ -91,7 +91,14 @@ def load_template(name_or_path: str) -> RerankTemplate:
     if not all(isinstance(v, str) for v in fields.values()):
         raise ValueError(f"--rerank-template {name_or_path}: prefix, query, document, suffix and default_instruct "
                          "must be strings")
-    return RerankTemplate(name=os.path.basename(name_or_path), labels=tuple(labels), **fields)
+    template = RerankTemplate(name=os.path.basename(name_or_path), labels=tuple(labels), **fields)
+    try:
+        template.score_texts("q", ["d"], None)
+    except (KeyError, IndexError, ValueError) as e:  # (a placeholder other than {instruct} {query} {document})
+        raise ValueError(f"--rerank-template {name_or_path}: a format string does not render ({e!r}); the "
+                         "placeholders are {instruct} and {query} in 'query', {document} in 'document' (double "
+                         "other braces)") from e
+    return template
 
 
 def template_for_model(flag: Optional[str], model_path: str, architecture: str) -> Optional[RerankTemplate]:

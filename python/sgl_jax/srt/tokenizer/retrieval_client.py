@@ -75,6 +75,9 @@ class RetrievalClient:
             result = await tm.score_request(obj)
             return self._observed(received, {"scores": [s[1] for s in result["scores"]],
                                              "prompt_tokens": result["prompt_tokens"]})
+        if len(documents) > tm.server_args.max_multi_item_count:
+            raise RequestError(f"{len(documents)} documents exceed --max-multi-item-count "
+                               f"({tm.server_args.max_multi_item_count})", param="documents")
         tm.start()
         ids, types = await tm.run_blocking(embedding.tokenize_pairs, tm.tokenizer, query, documents,
                                            tm.kv_limits.max_req_input_len)
@@ -100,12 +103,23 @@ class RetrievalClient:
                                "answers /v1/rerank, not /v1/embeddings", param="model")
         tm.start()
         items = embedding.split_inputs(inputs, tm.vocab_size, tm.server_args.max_multi_item_count)
-        ids = await tm.run_blocking(embedding.tokenize_inputs, tm.tokenizer, items)
+        ids = await tm.run_blocking(embedding.tokenize_inputs, tm.tokenizer, items, self.pooling.max_seq_length)
+        empty = [i for i, x in enumerate(ids) if not x]
+        if empty:
+            raise RequestError(f"input[{empty[0]}] has no tokens", param="input")
         types = [[0] * len(x) for x in ids] if self.is_encoder else None
         vectors = await tm.score_client.embed(ids, self.pooling.mode, types)
         return self._observed(received, {"embeddings": [embedding.finish(v, self.pooling, dimensions)
                                                         for v in vectors],
                                          "prompt_tokens": sum(len(x) for x in ids)})
+
+    async def probe(self) -> None:
+        """/health_generate on an embedding server: one input of one token through the model (and its head).
+        Raises RequestError as `embed`."""
+        tm = self.tm
+        tm.start()
+        await tm.score_client.embed([[0]], self.pooling.mode, [[0]] if self.is_encoder else None,
+                                    classify=self.is_classifier)
 
     def _observed(self, received: float, result: dict) -> dict:
         """`result`, counted in /metrics (--enable-metrics) as one finished request of its prompt tokens and no

@@ -105,8 +105,9 @@ async def health(tm: TokenizerManager = Depends(tokenizer_manager)):
 @router.get("/health_generate")
 async def health_generate(tm: TokenizerManager = Depends(tokenizer_manager)):
     obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
-    try:
-        await asyncio.wait_for(tm.generate(obj), HEALTH_GENERATE_TIMEOUT_S)
+    try:  # (an embedding server computes a one-token input instead: it generates nothing)
+        probe = tm.retrieval.probe() if tm.retrieval.is_embedding else tm.generate(obj)
+        await asyncio.wait_for(probe, HEALTH_GENERATE_TIMEOUT_S)
     except (RequestError, asyncio.TimeoutError) as e:
         return Response(f"unhealthy: {e!r}", status_code=503)
     return Response(status_code=200)
@@ -115,7 +116,8 @@ async def health_generate(tm: TokenizerManager = Depends(tokenizer_manager)):
 @router.get("/get_model_info")
 async def get_model_info(tm: TokenizerManager = Depends(tokenizer_manager)):
     return json_response({"model_path": tm.served_model_name, "tokenizer_path": tm.served_model_name,
-                          "served_model_name": tm.served_model_name, "is_generation": True,
+                          "served_model_name": tm.served_model_name,
+                          "is_generation": not tm.retrieval.is_embedding,
                           "context_length": tm.context_len})
 
 
