@@ -82,13 +82,16 @@ def read_pooling(model_dir: str, default: Pooling = Pooling()) -> Pooling:
 
 
 def _max_seq_length(model_dir: str) -> Optional[int]:
-    """sentence-transformers' ``max_seq_length`` (``sentence_bert_config.json``), or None."""
-    path = os.path.join(model_dir, "sentence_bert_config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        value = json.load(f).get("max_seq_length")
-    return int(value) if value else None
+    """sentence-transformers' ``max_seq_length``: ``sentence_bert_config.json``'s (the published models), else the
+    tokenizer's ``model_max_length`` (sentence-transformers 6 saves it there); None when neither is set."""
+    for name, key in (("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json", "model_max_length")):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                value = json.load(f).get(key)
+            if isinstance(value, (int, float)) and 0 < value < 1e9:  # (transformers' "no limit" is ~1e30)
+                return int(value)
+    return None
 
 
 def _module_kind(module: dict) -> str:
