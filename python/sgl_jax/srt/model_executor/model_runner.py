@@ -703,9 +703,6 @@ class ModelRunner:
         for r in SCORE_ROW_PADDINGS:
             programs.append((f"label logprobs R={r}", lambda r=r: self._label_logprobs.lower(
                 self.params, np.zeros((r, hidden_dim), dtype), np.zeros(SCORE_LABEL_CHUNK, np.int32))))
-            if self.num_labels:
-                programs.append((f"classify R={r}", lambda r=r: self._classify.lower(
-                    self.params, np.zeros((r, hidden_dim), dtype))))
         return programs
 
     def warmup(self) -> None:

@@ -38,8 +38,7 @@ from typing import List, Optional
 import zmq
 
 from sgl_jax.srt import fault_injection
-from sgl_jax.srt.configs.model_config import (EMBEDDING_ARCHITECTURES, ENCODER_ARCHITECTURES, ModelConfig,
-                                              load_tokenizer)
+from sgl_jax.srt.configs.model_config import ENCODER_ARCHITECTURES, ModelConfig, load_tokenizer
 from sgl_jax.srt.constrained.grammar_backend import GrammarBackend
 from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.forward_batch import ForwardMode
@@ -217,8 +216,7 @@ class Scheduler:
                     rank.speculator.costs = costs
             if self.draft_model is not None:
                 self.draft_model.runner.restart_compile_count()
-        embedding = server_args.is_embedding or mc.architecture in EMBEDDING_ARCHITECTURES
-        if self.grammar_queue.backend is not None and not embedding:  # (an embedding model generates nothing)
+        if self.grammar_queue.backend is not None and self.model_runner.generates:  # (embedding servers: no grammar)
             self.grammar_queue.backend.warmup()
 
     def _open_sockets(self, port_args) -> None:

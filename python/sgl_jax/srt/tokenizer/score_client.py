@@ -186,11 +186,7 @@ class ScoreClient:
         layout = build_layout(special, query, items, obj.item_first, delimiter)
         algo = choose_algorithm(obj.algorithm, self.args.multi_item_algorithm, obj.item_first,
                                 self.args.prefill_extend_allowed())
-        for seq in layout.sequences:
-            if len(seq) >= tm.context_len:
-                raise RequestError(f"a scored sequence of {len(seq)} tokens is longer than the model's "
-                                   f"context length ({tm.context_len} tokens)")
-            check_fits(tm.kv_limits, len(seq), what="A scored query + item")  # 413: memory preflight
+        self._check_lengths(layout.sequences, "a scored sequence", "A scored query + item")
         rid = obj.rid or uuid.uuid4().hex
         tm.reserve_rid(rid)
         self._live.add(rid)
@@ -221,15 +217,9 @@ class ScoreClient:
         """
         tm = self.tm
         tm.check_admission(1)
-        for seq in ids:
-            if len(seq) >= tm.context_len:
-                raise RequestError(f"an input of {len(seq)} tokens is longer than the model's context length "
-                                   f"({tm.context_len} tokens)", param="input")
-            check_fits(tm.kv_limits, len(seq), what="An embedding input")
-        limits = tm.kv_limits
-        max_len = min(self.args.max_multi_item_seq_len, limits.max_req_input_len, limits.kv_pool_tokens - 1)
+        self._check_lengths(ids, "an input", "An embedding input", param="input")
         layout = ScoreLayout([], [list(x) for x in ids], [list(x) for x in ids])
-        packs, where = pack_seqs(layout, max_len, pool=pool)
+        packs, where = pack_seqs(layout, self._max_pack_len(), pool=pool)
         if types is not None:
             for pack in packs:
                 pack.token_types = []
@@ -251,10 +241,23 @@ class ScoreClient:
             out += [seq[0] for seq in res.label_logprobs]
         return out
 
+    def _check_lengths(self, seqs, name: str, what: str, param: Optional[str] = None) -> None:
+        """Each sequence within the context (else 400 naming `name` and `param`) and the KV pool (413:
+        preflight.check_fits, naming `what`)."""
+        tm = self.tm
+        for seq in seqs:
+            if len(seq) >= tm.context_len:
+                raise RequestError(f"{name} of {len(seq)} tokens is longer than the model's context length "
+                                   f"({tm.context_len} tokens)", param=param)
+            check_fits(tm.kv_limits, len(seq), what=what)
+
+    def _max_pack_len(self) -> int:
+        """Tokens in one packed sequence: --max-multi-item-seq-len, within one prefill and the KV pool."""
+        limits = self.tm.kv_limits
+        return min(self.args.max_multi_item_seq_len, limits.max_req_input_len, limits.kv_pool_tokens - 1)
+
     async def _packed(self, rid, layout, labels) -> List[List[float]]:
-        limits = self.tm.kv_limits  # a pack must fit one prefill and the KV pool (preflight.check_fits)
-        max_len = min(self.args.max_multi_item_seq_len, limits.max_req_input_len, limits.kv_pool_tokens - 1)
-        packs, where = pack_seqs(layout, max_len)
+        packs, where = pack_seqs(layout, self._max_pack_len())
         res = await self._score(TokenizedScoreReqInput(f"{rid}/p", packs, list(labels)))
         return [res.label_logprobs[p][i] for p, i in where]
 
