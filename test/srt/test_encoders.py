@@ -1,7 +1,8 @@
 """Encoders and classification heads served for RAG stacks: BERT and XLM-RoBERTa embedding models on /v1/embeddings,
-their cross-encoders (`*ForSequenceClassification`) and a decoder one (`Qwen3ForSequenceClassification`) on
-/v1/rerank, each a tiny random model with a real tokenizer kind (WordPiece for BERT, SentencePiece Unigram for
-XLM-RoBERTa, trained here with the `tokenizers` library; SmolLM2's BPE for Qwen3), against sentence-transformers
+their cross-encoders (`*ForSequenceClassification`) and decoder ones (`Qwen3ForSequenceClassification`,
+`Qwen2ForSequenceClassification`) on /v1/rerank, each a tiny random model with a real tokenizer kind (WordPiece
+for BERT, SentencePiece Unigram for XLM-RoBERTa, trained here with the `tokenizers` library; SmolLM2's BPE for
+Qwen), against sentence-transformers
 float32 (`SentenceTransformer.encode`, `CrossEncoder.predict`): embeddings within cosine 0.99999, rerank scores
 within 1e-4, over inputs of 1 to 256 tokens packed into shared sequences; the pools idle after (the servers'
 teardown), no compile while serving.
@@ -104,19 +105,27 @@ def save_encoder(root, kind: str, head: bool) -> str:
     return str(out)
 
 
-def save_qwen3_classifier(root) -> str:
-    """A tiny random Qwen3ForSequenceClassification (1 label) with SmolLM2's tokenizer (its pad token set)."""
-    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+def save_decoder_classifier(root, kind: str) -> str:
+    """A tiny random Qwen3ForSequenceClassification or Qwen2ForSequenceClassification (1 label; Qwen2's q/k/v
+    biases randomized, transformers initializes them to 0) with SmolLM2's tokenizer (its pad token set)."""
+    import transformers
 
     from sgl_jax.srt.configs.model_config import resolve_model_path
 
     torch.manual_seed(2)
-    path = root / "qwen3_cls"
+    path = root / f"{kind}_cls"
     tok_dir = resolve_model_path(default_model_path()).hf_dir
-    cfg = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                      num_labels=1, pad_token_id=2, initializer_range=0.2)
-    Qwen3ForSequenceClassification(cfg).eval().save_pretrained(path, safe_serialization=True)
+    name = "Qwen3" if kind == "qwen3" else "Qwen2"
+    cfg = getattr(transformers, f"{name}Config")(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, num_labels=1, pad_token_id=2,
+        initializer_range=0.2)
+    model = getattr(transformers, f"{name}ForSequenceClassification")(cfg).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{tok_dir}/{name}", path / name)
     return str(path)
@@ -168,15 +177,17 @@ def test_encoder_embeddings_equal_sentence_transformers(models_dir, kind):
         wait_pool_idle(server.url)
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "qwen3"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "qwen3", "qwen2"])
 def test_cross_encoder_rerank_equals_crossencoder_predict(models_dir, kind):
-    """BertForSequenceClassification (token types 0 / 1), XLMRobertaForSequenceClassification and
-    Qwen3ForSequenceClassification (the last token) on /v1/rerank: every document's relevance_score within 1e-4 of
+    """BertForSequenceClassification (token types 0 / 1), XLMRobertaForSequenceClassification,
+    Qwen3ForSequenceClassification and Qwen2ForSequenceClassification (the last token) on /v1/rerank: every
+    document's relevance_score within 1e-4 of
     CrossEncoder.predict on the (query, document) pairs (a sigmoid of the one logit), best first; /v1/embeddings is
     refused (a cross-encoder answers rerank)."""
-    path = save_qwen3_classifier(models_dir) if kind == "qwen3" else save_encoder(models_dir, kind, head=True)
+    path = (save_decoder_classifier(models_dir, kind) if kind.startswith("qwen") else
+            save_encoder(models_dir, kind, head=True))
     ref = CrossEncoder(path, device="cpu").predict([(QUERY, d) for d in DOCS])
-    for server in served(path, 2048 if kind == "qwen3" else 512):
+    for server in served(path, 2048 if kind.startswith("qwen") else 512):
         r = httpx.post(server.url + "/v1/rerank", json={"query": QUERY, "documents": DOCS}, timeout=120)
         assert r.status_code == 200, r.text
         results = r.json()["results"]

@@ -351,10 +351,12 @@ def _save_tiny(tmp_path, config, seed):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # norms are initialized to 1; randomize them so they are really tested
+    with torch.no_grad():  # norms are initialized to 1, biases to 0; randomize them so they are really tested
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
     model.save_pretrained(tmp_path, safe_serialization=True)
     return model
 
@@ -373,6 +375,20 @@ def test_tiny_qwen3_logit_parity_within_1e_3(tmp_path):
     model = _save_tiny(tmp_path, config, seed=0)
     harness = RunnerHarness(str(tmp_path))
     check_parity(harness, model, _random_prompts(0, 512, [5, 40, 130]))
+
+
+def test_tiny_qwen2_logit_parity_within_1e_3(tmp_path):
+    """Qwen2ForCausalLM: its q/k/v biases (no config flag; random, not zero, in the reference) are loaded and
+    added."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+    model = _save_tiny(tmp_path, config, seed=0)
+    assert float(model.model.layers[0].self_attn.q_proj.bias.abs().max()) > 0.01
+    harness = RunnerHarness(str(tmp_path))
+    check_parity(harness, model, _random_prompts(1, 512, [7, 90]))
 
 
 # --dtype / --kv-cache-dtype against the float32 reference on SmolLM2 (4 prompts, prefill + 4 decode steps):

@@ -572,7 +572,7 @@ FLAG_HELP = {
     "is_embedding": "serve the model as an embedding model: /v1/embeddings, pooled as its sentence-transformers "
                     "modules.json says (else the last token, normalized); generation and scoring requests are "
                     "refused; a causal LM is built without its LM head. On by itself for a checkpoint with no LM "
-                    "head (Qwen3Model, LlamaModel, the encoders, the classification heads)",
+                    "head (Qwen3Model, Qwen2Model, LlamaModel, the encoders, the classification heads)",
     "rerank_template": "how /v1/rerank prompts a decoder reranker: qwen3_reranker (Qwen3-Reranker's prompt and "
                        "yes/no labels) or a JSON file with prefix, query, document, suffix, labels and "
                        "default_instruct (docs/api.md); default: qwen3_reranker for a Qwen3 model whose path names "

@@ -231,9 +231,10 @@ ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "BertForSequenceClassif
                          "XLMRobertaForSequenceClassification")
 # sequence-classification heads (cross-encoders, rerankers): /v1/rerank scores with the head
 CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "XLMRobertaForSequenceClassification",
-                            "LlamaForSequenceClassification", "Qwen3ForSequenceClassification")
+                            "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
+                            "Qwen3ForSequenceClassification")
 # architectures with no LM head: served as embedding models (--is-embedding) whatever the flag says
-EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen3Model") + ENCODER_ARCHITECTURES + CLASSIFIER_ARCHITECTURES
+EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "Qwen3Model") + ENCODER_ARCHITECTURES + CLASSIFIER_ARCHITECTURES
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"

@@ -77,8 +77,10 @@ class LlamaAttention(nnx.Module):
         self.num_kv_heads = padded_kv_heads(model_config.num_key_value_heads, tp)
         self.mesh = mesh
         self.head_dim = model_config.head_dim
-        # q/k/v biases: Llama's attention_bias, Qwen2's qkv_bias (o_proj never has one here)
-        bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False))
+        # q/k/v biases: Llama's attention_bias, Qwen2-MoE's qkv_bias, always in dense Qwen2 (model type "qwen2",
+        # no config flag); o_proj never has one here
+        bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False)
+                    or getattr(cfg, "model_type", None) == "qwen2")
         kw = dict(dtype=dtype, rngs=rngs, quantization=getattr(model_config, "quant_scheme", None))
         self.q_proj = Linear(q_in, self.num_heads * self.head_dim, use_bias=bias, **kw)
         self.k_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, **kw)

@@ -9,6 +9,7 @@ from sgl_jax.srt.models.llama import LlamaDecoderModel, LlamaForCausalLM, LlamaF
 from sgl_jax.srt.models.llama_eagle import LlamaForCausalLMEagle
 from sgl_jax.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 from sgl_jax.srt.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from sgl_jax.srt.models.qwen2 import Qwen2DecoderModel, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 from sgl_jax.srt.models.qwen3 import Qwen3DecoderModel, Qwen3ForCausalLM, Qwen3ForSequenceClassification
 
 MODEL_REGISTRY = {
@@ -17,15 +18,18 @@ MODEL_REGISTRY = {
     "LlamaForCausalLMEagle": LlamaForCausalLMEagle,
     "LlamaForCausalLMEagle3": LlamaForCausalLMEagle3,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     # decoder stacks without an LM head (embedding models; configs.model_config.EMBEDDING_ARCHITECTURES)
     "LlamaModel": LlamaDecoderModel,
+    "Qwen2Model": Qwen2DecoderModel,
     "Qwen3Model": Qwen3DecoderModel,
     # sequence-classification heads (rerankers) and encoders (configs.model_config.CLASSIFIER_ARCHITECTURES,
     # ENCODER_ARCHITECTURES)
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
     "BertModel": BertModel,
     "XLMRobertaModel": XLMRobertaModel,
@@ -36,7 +40,8 @@ MODEL_REGISTRY = {
 
 # --is-embedding on a causal LM: its decoder stack without the LM head (Qwen3-Embedding-4B / 8B name the causal
 # class, store no lm_head and do not tie it)
-EMBEDDING_VARIANTS = {"LlamaForCausalLM": LlamaDecoderModel, "Qwen3ForCausalLM": Qwen3DecoderModel}
+EMBEDDING_VARIANTS = {"LlamaForCausalLM": LlamaDecoderModel, "Qwen2ForCausalLM": Qwen2DecoderModel,
+                      "Qwen3ForCausalLM": Qwen3DecoderModel}
 
 
 def get_model_class(architecture: str, embedding: bool = False):
