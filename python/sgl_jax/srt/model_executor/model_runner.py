@@ -32,6 +32,7 @@ from sgl_jax.srt.distributed.multihost import init_distributed
 from sgl_jax.srt.distributed.sharding import KV_CACHE, RANK_ROWS, REPLICATED, check_tp, padded_kv_heads
 
 from sgl_jax.srt.layers.attention import move_kv_slots
+from sgl_jax.srt.layers.encoder_attention import with_encoder_inputs
 from sgl_jax.srt.layers.moe import expert_token_counts
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
@@ -299,7 +300,7 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, self.params)
         routing = getattr(model, "moe_routing", lambda: None)()
         # an encoder reads token types in every step (ForwardBatch.token_type_ids); a cross-encoder classifies
-        self.uses_token_types = bool(getattr(model, "uses_token_types", False))
+        self.is_encoder = bool(getattr(model, "is_encoder", False))
         self.num_labels = int(getattr(model, "num_labels", 0))
         # an embedding server (--is-embedding, or a model with no LM head) never decodes: no decode programs
         self.generates = not server_args.is_embedding and bool(getattr(model, "has_lm_head", True))
@@ -335,6 +336,7 @@ class ModelRunner:
         self.future_tokens = jax.jit(lambda: new_future_tokens(self.dp_size * num_request_slots),
                                      out_shardings=self._replicated)()
         self._all_allowed = {}  # S_pad -> device int32[S_pad, vocab_mask_width] of -1 (no grammar in the batch)
+        self._zero_samples = {}  # rows -> an embedding step's (token ids, logprobs, lse): zeros
         # outputs fed back into the next call keep exactly the shardings they were created with, so a
         # program compiled at warm-up is the one serving uses (a new input sharding would compile again)
         r = self._replicated
@@ -406,7 +408,10 @@ class ModelRunner:
         if self.aux_layers:
             model.model.capture_layers = self.aux_layers
         hidden, kv_caches = model(fb, kv_caches)
-        logits = self._gathered(model.compute_logits(hidden[fb.logits_indices]))
+        if self.generates:
+            logits = self._gathered(model.compute_logits(hidden[fb.logits_indices]))
+        else:  # an embedding server reads hidden states only: no LM head, no sampling (`launch_sample`)
+            logits = jnp.zeros((fb.logits_indices.shape[0], 1), jnp.float32)
         aux = sown_aux_hidden_states(model.model) if self.aux_layers else jnp.zeros((0,), hidden.dtype)
         return kv_caches, logits, hidden, self._moe_outputs(model, fb), aux
 
@@ -474,17 +479,18 @@ class ModelRunner:
         """The rank-stacked batch of one step (`stack_ranks`): idle ranks (None) run an all-padding batch of the
         real batches' padded shape."""
         mode, t_pad, s_pad = next(b for b in batches if b is not None).padded_shape
-        full = [self._token_types(b if b is not None else self.dummy_batch(mode, t_pad, s_pad)) for b in batches]
+        full = [self._encoder_inputs(b if b is not None else self.dummy_batch(mode, t_pad, s_pad)) for b in batches]
         return stack_ranks(full, self.num_request_slots)
 
-    def _token_types(self, batch: ModelWorkerBatch) -> ModelWorkerBatch:
-        """`batch` with ``token_type_ids`` as the model takes them: zeros where an encoder's batch has none, and
-        none for any other model (so that one compiled program serves every step)."""
+    def _encoder_inputs(self, batch: ModelWorkerBatch) -> ModelWorkerBatch:
+        """`batch` with the encoder fields as the model takes them, so that one compiled program serves every step:
+        an encoder's (layers/encoder_attention.with_encoder_inputs), none for any other model."""
         fb = batch.forward_batch
-        if self.uses_token_types == (fb.token_type_ids is not None):
+        if self.is_encoder:
+            return dataclasses.replace(batch, forward_batch=with_encoder_inputs(fb))
+        if fb.token_type_ids is None:
             return batch
-        types = np.zeros(np.shape(fb.input_ids), np.int32) if self.uses_token_types else None
-        return dataclasses.replace(batch, forward_batch=dataclasses.replace(fb, token_type_ids=types))
+        return dataclasses.replace(batch, forward_batch=dataclasses.replace(fb, token_type_ids=None))
 
     def forward(self, batch: ModelWorkerBatch) -> StepOutput:
         """Run one step of `batch` on rank 0 (the other ranks idle). The KV cache is updated in place."""
@@ -524,9 +530,17 @@ class ModelRunner:
 
     def launch_sample(self, fwd: "LaunchedForward", vocab_mask: Optional[np.ndarray] = None) -> PendingStep:
         """Dispatch the sampling program of a launched forward. vocab_mask: int32[dp * S_pad, words] of the stacked
-        rows (`stack_vocab_masks`), or None for the batches' own masks (all allowed when they have none)."""
-        self.penalty_state, self.future_tokens, next_ids, next_lp, lse = self._sample(
-            fwd.logits, self.penalty_state, self.future_tokens, *self._sample_inputs(fwd.sampling, vocab_mask))
+        rows (`stack_vocab_masks`), or None for the batches' own masks (all allowed when they have none). An
+        embedding server's steps sample nothing: their token ids and logprobs are zeros (no program runs)."""
+        if self.generates:
+            self.penalty_state, self.future_tokens, next_ids, next_lp, lse = self._sample(
+                fwd.logits, self.penalty_state, self.future_tokens, *self._sample_inputs(fwd.sampling, vocab_mask))
+        else:  # zeros put on the device once per row count
+            rows = int(fwd.logits.shape[0])
+            if rows not in self._zero_samples:
+                lp = jax.device_put(np.zeros(rows, np.float32), self._replicated)
+                self._zero_samples[rows] = (jax.device_put(np.zeros(rows, np.int32), self._replicated), lp, lp)
+            next_ids, next_lp, lse = self._zero_samples[rows]
         if self._compiled_after_warmup is not None and self.faults.fire("compile_while_serving"):
             jax.jit(lambda x: x * 3.0 + 1.0)(np.zeros(7, np.float32)).block_until_ready()  # a planted fault
         self._check_no_new_compile(fwd.batch)
@@ -543,6 +557,7 @@ class ModelRunner:
         programs for speculation's batch rule (scheduler/spec_costs.py)."""
         stacked = self._step_batch([batch] + [None] * (self.dp_size - 1))
         fwd_inputs = self._forward_inputs(stacked.forward_batch)
+        sample = sample and self.generates
         sample_inputs = self._sample_inputs(stacked.sampling) if sample else None
         jax.block_until_ready(self.kv_caches)
         t0 = time.perf_counter()
@@ -689,7 +704,7 @@ class ModelRunner:
         dtype = np.dtype(JNP_DTYPES[self.model_config.dtype])
         programs = [(f"{mode.name.lower()} T={t} S={s}", self._lower_step(mode, t, s)) for mode, t, s in shapes]
         rows = sorted({t if mode == ForwardMode.TARGET_VERIFY else s for mode, t, s in shapes})
-        programs += [(f"sampling S={s}", self._lower_sample(s)) for s in rows]
+        programs += [(f"sampling S={s}", self._lower_sample(s)) for s in rows if self.generates]
         programs += [(f"KV move M={t}", self._lower_move(t)) for mode, t, _ in shapes
                      if mode == ForwardMode.TARGET_VERIFY]
         if not self.generates:

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from sgl_jax.srt.forward_batch import ForwardBatch
 from sgl_jax.srt.layers.embedding import Embedding
-from sgl_jax.srt.layers.encoder_attention import encoder_attention, segment_ids
+from sgl_jax.srt.layers.encoder_attention import EncoderMask, encoder_attention, encoder_layout, from_rows, to_rows
 from sgl_jax.srt.layers.layernorm import LayerNorm
 from sgl_jax.srt.layers.linear import Linear
 from sgl_jax.srt.layers.logits_processor import compute_logits
@@ -60,10 +60,10 @@ class BertSelfAttention(nnx.Module):
         self.head_dim = h // self.num_heads
         self.query, self.key, self.value = (_linear(h, h, dtype, rngs) for _ in range(3))
 
-    def __call__(self, x, ids) -> jax.Array:
+    def __call__(self, x, mask: EncoderMask) -> jax.Array:
         t = x.shape[0]
         q, k, v = (p(x).reshape(t, self.num_heads, self.head_dim) for p in (self.query, self.key, self.value))
-        return encoder_attention(q, k, v, ids, 1.0 / math.sqrt(self.head_dim)).reshape(t, -1)
+        return encoder_attention(q, k, v, mask, 1.0 / math.sqrt(self.head_dim)).reshape(t, -1)
 
 
 class BertDenseNorm(nnx.Module):
@@ -82,8 +82,8 @@ class BertAttention(nnx.Module):
         self.self = BertSelfAttention(cfg, dtype=dtype, rngs=rngs)  # (transformers' name)
         self.output = BertDenseNorm(cfg.hidden_size, cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, ids) -> jax.Array:
-        return self.output(self.self(x, ids), x)
+    def __call__(self, x, mask: EncoderMask) -> jax.Array:
+        return self.output(self.self(x, mask), x)
 
 
 class BertIntermediate(nnx.Module):
@@ -103,8 +103,8 @@ class BertLayer(nnx.Module):
         self.intermediate = BertIntermediate(cfg, dtype=dtype, rngs=rngs)
         self.output = BertDenseNorm(cfg.intermediate_size, cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, ids) -> jax.Array:
-        a = self.attention(x, ids)
+    def __call__(self, x, mask: EncoderMask) -> jax.Array:
+        a = self.attention(x, mask)
         return self.output(self.intermediate(a), a)
 
 
@@ -112,9 +112,9 @@ class BertEncoder(nnx.Module):
     def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
         self.layer = nnx.List([BertLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
 
-    def __call__(self, x, ids) -> jax.Array:
+    def __call__(self, x, mask: EncoderMask) -> jax.Array:
         for layer in self.layer:
-            x = layer(x, ids)
+            x = layer(x, mask)
         return x
 
 
@@ -132,10 +132,13 @@ class BertStack(nnx.Module):
 
 
 def run_stack(stack, fb: ForwardBatch) -> jax.Array:
-    """A BERT stack (``embeddings``, ``encoder``, ``position_offset``) over a step's tokens -> [T, hidden]."""
+    """A BERT stack (``embeddings``, ``encoder``, ``position_offset``) over a step's tokens -> [T, hidden]. The
+    layers run on the tokens in the step's row layout (layers/encoder_attention.py), the result in the step's
+    order."""
     types = fb.token_type_ids if fb.token_type_ids is not None else jnp.zeros_like(fb.input_ids)
     x = stack.embeddings(fb.input_ids, fb.positions + stack.position_offset, types)
-    return stack.encoder(x, segment_ids(fb))
+    mask, order = encoder_layout(fb)
+    return from_rows(stack.encoder(to_rows(x, order), mask), order)
 
 
 class BertPooler(nnx.Module):
@@ -152,7 +155,7 @@ class EncoderModel(nnx.Module):
     masked-LM head; only warm-up runs it: encoder servers serve embeddings and classification); `classify` is
     the sequence-classification head of the cross-encoders (None for the embedding forms)."""
 
-    uses_token_types = True  # the model runner gives it `ForwardBatch.token_type_ids` in every step
+    is_encoder = True  # the model runner gives it `ForwardBatch.token_type_ids` and the rows plan in every step
     has_lm_head = False  # (it serves embeddings and classification: no decode programs)
     num_labels = 0
 
