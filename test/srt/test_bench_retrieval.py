@@ -1,6 +1,6 @@
-"""bench_retrieval's smoke run (tiny BERT shapes, no decoder row): both servers answer the workloads, their peers run
-in turn with them (a timed pair each), the table and the report pair are written, and each server was idle, exact and compile-free at the
-end (srt_helpers.check_clean_info on the /get_server_info the benchmark kept)."""
+"""bench_retrieval's smoke run (tiny BERT shapes, no decoder row): both servers answer the workloads, their peers
+run in turn with them (a timed pair each), the table and the report pair are written, and each server was idle,
+exact and compile-free at the end (srt_helpers.check_clean_info on the /get_server_info the benchmark kept)."""
 
 from __future__ import annotations
 

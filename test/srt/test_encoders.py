@@ -2,10 +2,10 @@
 their cross-encoders (`*ForSequenceClassification`) and decoder ones (`Qwen3ForSequenceClassification`,
 `Qwen2ForSequenceClassification`) on /v1/rerank, each a tiny random model with a real tokenizer kind (WordPiece
 for BERT, SentencePiece Unigram for XLM-RoBERTa, trained here with the `tokenizers` library; SmolLM2's BPE for
-Qwen), against sentence-transformers
-float32 (`SentenceTransformer.encode`, `CrossEncoder.predict`): embeddings within cosine 0.99999, rerank scores
-within 1e-4, over inputs of 1 to 256 tokens packed into shared sequences; the pools idle after (the servers'
-teardown), no compile while serving.
+Qwen), against sentence-transformers float32 (`SentenceTransformer.encode`, `CrossEncoder.predict`): embeddings
+within cosine 0.99999, rerank scores within 1e-4, over inputs of 1 to 256 tokens packed into shared sequences
+(steps laid out in rows: layers/encoder_attention.py); the pools idle after (the servers' teardown), no compile
+while serving.
 """
 
 from __future__ import annotations

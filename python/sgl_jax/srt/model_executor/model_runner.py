@@ -57,9 +57,9 @@ SCORE_LABEL_CHUNK = 16  # label ids per call
 @dataclasses.dataclass
 class StepOutput:
     """One rank's result of one step. next_token_ids / next_token_logprobs are host arrays over the rank's
-    real sequences; ``logits`` (float32[dp * S_pad, V], raw), their log-sum-exp ``lse`` (float32[dp * S_pad]) and
-    ``hidden`` (float32[dp * T_pad, hidden]) are the whole step's, on device until asked: this rank's rows start at
-    ``seq_offset`` and ``token_offset``."""
+    real sequences; ``logits`` (float32[dp * S_pad, V], raw; an embedding server's: zeros [dp * S_pad, 1]), their
+    log-sum-exp ``lse`` (float32[dp * S_pad]) and ``hidden`` (float32[dp * T_pad, hidden]) are the whole step's, on
+    device until asked: this rank's rows start at ``seq_offset`` and ``token_offset``."""
 
     next_token_ids: np.ndarray
     next_token_logprobs: np.ndarray
@@ -120,7 +120,7 @@ class PendingStep:
 class LaunchedForward:
     """A step whose forward program is dispatched and whose sampling is not (`ModelRunner.launch_forward`).
 
-    logits: float32[dp * S_pad, V] on device; hidden, moe: the forward's other outputs (see StepOutput); sampling:
+    logits: float32[dp * S_pad, V] on device (see StepOutput); hidden, moe: the forward's other outputs (see StepOutput); sampling:
     the rank-stacked SamplingBatch (host arrays; its vocab mask None when no row has a grammar or the scheduler
     fills the masks later); num_seqs: real sampling rows per rank (None: idle); s_pad: sampling rows per rank
     (`ModelWorkerBatch.rows_pad`: S_pad, T_pad in a verify step), t_pad: tokens per rank; batch: one real rank
@@ -396,7 +396,7 @@ class ModelRunner:
         """The forward program (see the module docstring). param_leaves: `params` flattened; future: the
         future-token buffer (read: placeholders of tokens the step before is sampling); packed / layout: the step's
         ForwardBatch as one int32 buffer (model_executor/packed_inputs.py). Returns (kv_caches, logits float32[S, V]
-        gathered, hidden, MoE outputs, the aux hidden states [T, n * hidden] of `aux_layers` (else an empty
+        gathered (an embedding server's: zeros [S, 1]), hidden, MoE outputs, the aux hidden states [T, n * hidden] of `aux_layers` (else an empty
         array))."""
         params = jax.tree.unflatten(self._param_treedef, param_leaves)
         fb = unpack(packed, layout)
@@ -486,7 +486,8 @@ class ModelRunner:
         """`batch` with the encoder fields as the model takes them, so that one compiled program serves every step:
         an encoder's (layers/encoder_attention.with_encoder_inputs), none for any other model."""
         fb = batch.forward_batch
-        if self.is_encoder:
+        if self.is_encoder:  # (one rank: the rows plan indexes one rank's step; encoders refuse --dp-size > 1)
+            assert self.dp_size == 1, "encoder steps are planned for one data-parallel rank"
             return dataclasses.replace(batch, forward_batch=with_encoder_inputs(fb))
         if fb.token_type_ids is None:
             return batch

@@ -152,7 +152,7 @@ class BertPooler(nnx.Module):
 class EncoderModel(nnx.Module):
     """What the model runner calls on an encoder (the `LlamaForCausalLM` interface): ``__call__`` gives the final
     hidden states and leaves the KV buffers as they are; `compute_logits` dots them with the word embeddings (a
-    masked-LM head; only warm-up runs it: encoder servers serve embeddings and classification); `classify` is
+    masked-LM head; serving never runs it: encoder servers serve embeddings and classification); `classify` is
     the sequence-classification head of the cross-encoders (None for the embedding forms)."""
 
     is_encoder = True  # the model runner gives it `ForwardBatch.token_type_ids` and the rows plan in every step
