@@ -120,11 +120,12 @@ class PendingStep:
 class LaunchedForward:
     """A step whose forward program is dispatched and whose sampling is not (`ModelRunner.launch_forward`).
 
-    logits: float32[dp * S_pad, V] on device (see StepOutput); hidden, moe: the forward's other outputs (see StepOutput); sampling:
-    the rank-stacked SamplingBatch (host arrays; its vocab mask None when no row has a grammar or the scheduler
-    fills the masks later); num_seqs: real sampling rows per rank (None: idle); s_pad: sampling rows per rank
-    (`ModelWorkerBatch.rows_pad`: S_pad, T_pad in a verify step), t_pad: tokens per rank; batch: one real rank
-    batch (named when a compile is reported); aux: the captured layers' outputs (EAGLE-3) or None.
+    logits: float32[dp * S_pad, V] on device (see StepOutput); hidden, moe: the forward's other outputs (see
+    StepOutput); sampling: the rank-stacked SamplingBatch (host arrays; its vocab mask None when no row has a
+    grammar or the scheduler fills the masks later); num_seqs: real sampling rows per rank (None: idle); s_pad:
+    sampling rows per rank (`ModelWorkerBatch.rows_pad`: S_pad, T_pad in a verify step), t_pad: tokens per rank;
+    batch: one real rank batch (named when a compile is reported); aux: the captured layers' outputs (EAGLE-3) or
+    None.
     """
 
     logits: jax.Array
@@ -396,8 +397,8 @@ class ModelRunner:
         """The forward program (see the module docstring). param_leaves: `params` flattened; future: the
         future-token buffer (read: placeholders of tokens the step before is sampling); packed / layout: the step's
         ForwardBatch as one int32 buffer (model_executor/packed_inputs.py). Returns (kv_caches, logits float32[S, V]
-        gathered (an embedding server's: zeros [S, 1]), hidden, MoE outputs, the aux hidden states [T, n * hidden] of `aux_layers` (else an empty
-        array))."""
+        gathered (an embedding server's: zeros [S, 1]), hidden, MoE outputs, the aux hidden states [T, n * hidden]
+        of `aux_layers` (else an empty array))."""
         params = jax.tree.unflatten(self._param_treedef, param_leaves)
         fb = unpack(packed, layout)
         fb = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._rank_rows), fb)  # (rows by rank)
