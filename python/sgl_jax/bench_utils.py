@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -350,6 +351,19 @@ def write_report(md_path: str, title: str, command: str, body: str, raw: dict) -
         f.write(text)
     write_json(json_path, {"command": command, **raw, REPORT_SHA_KEY: hashlib.sha256(text.encode()).hexdigest()})
     return json_path
+
+
+def publish_result(module: str, argv: Optional[List[str]], result: dict, title: str,
+                   format_table: Callable[[dict], str], output_file: Optional[str], report: Optional[str]) -> None:
+    """A benchmark's end: record in `result` the command that reproduces it (``python -m module`` and `argv`, or
+    this process's arguments when None), print its table, write the raw JSON to `output_file` and the generated
+    report pair `report` (`write_report`, titled `title`) when given."""
+    result["command"] = f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    print(format_table(result))
+    if output_file:
+        write_json(output_file, result)
+    if report:
+        write_report(report, title, result["command"], format_table(result), result)
 
 
 def generated_report_problem(md_path: str) -> Optional[str]:
