@@ -30,12 +30,11 @@ import datetime
 import os
 import statistics
 import tempfile
-import time
 from typing import List, Optional
 
 import numpy as np
 
-from sgl_jax.bench_utils import LaunchedServer, cpu_name, fetch_server_info, publish_result, wait_idle_info
+from sgl_jax.bench_utils import LaunchedServer, cpu_name, fetch_server_info, publish_result, timed, wait_idle_info
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MINILM_L6 = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
@@ -95,15 +94,14 @@ def texts(words: List[str], n: int, lo: int, hi: int, seed: int) -> List[str]:
     return [" ".join(rng.choice(words, int(rng.integers(lo, hi + 1)))) for _ in range(n)]
 
 
+def _rate(items: int, secs: List[float]) -> dict:
+    return {"per_s": items / statistics.median(secs), "seconds": secs}
+
+
 def median_rate(fn, items: int, repeats: int) -> dict:
     """{"per_s": items / median seconds, "seconds": [...]}: `fn` once untimed, then `repeats` timed runs."""
     fn()
-    secs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        secs.append(time.perf_counter() - t)
-    return {"per_s": items / statistics.median(secs), "seconds": secs}
+    return _rate(items, [timed(fn)[1] for _ in range(repeats)])
 
 
 def paired_rates(ours, peer, items: int, repeats: int) -> tuple:
@@ -111,14 +109,9 @@ def paired_rates(ours, peer, items: int, repeats: int) -> tuple:
     untimed, then `repeats` pairs timed in turn (rates as `median_rate`)."""
     ours()
     peer()
-    mine, theirs = [], []
-    for _ in range(repeats):
-        for fn, secs in ((ours, mine), (peer, theirs)):
-            t = time.perf_counter()
-            fn()
-            secs.append(time.perf_counter() - t)
-    rate = lambda secs: {"per_s": items / statistics.median(secs), "seconds": secs}  # noqa: E731
-    return rate(mine), rate(theirs), statistics.median(b / a for a, b in zip(mine, theirs))
+    pairs = [(timed(ours)[1], timed(peer)[1]) for _ in range(repeats)]
+    return (_rate(items, [a for a, _ in pairs]), _rate(items, [b for _, b in pairs]),
+            statistics.median(b / a for a, b in pairs))
 
 
 def rerank_on_server(args: List[str], query: str, docs: List[str], repeats: int, timeout: float,

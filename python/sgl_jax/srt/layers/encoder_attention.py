@@ -80,16 +80,13 @@ def plan_rows(starts: Sequence[int], lengths: Sequence[int], t_pad: int) -> Tupl
             rows[row].append(i)
             free[row] -= lengths[i]
         else:
-            order = np.empty(t_pad, np.int32)
-            padding = iter(range(sum(lengths), t_pad))
-            at = 0
+            order = np.full(t_pad, -1, np.int32)
             for j in range(n):
+                at = j * r
                 for i in rows[j]:
                     order[at:at + lengths[i]] = np.arange(starts[i], starts[i] + lengths[i])
                     at += lengths[i]
-                for _ in range(free[j]):
-                    order[at] = next(padding)
-                    at += 1
+            order[order < 0] = np.arange(sum(lengths), t_pad)  # the padding rows fill each row's rest
             return branch, order
     return len(layouts), np.arange(t_pad, dtype=np.int32)
 
@@ -139,10 +136,7 @@ def to_rows(x: jax.Array, order) -> jax.Array:
 
 def from_rows(x: jax.Array, order) -> jax.Array:
     """x [T, ...] in the row layout's order -> back in the step's (the inverse of `to_rows`)."""
-    if order is None:
-        return x
-    inverse = jnp.zeros(order.shape, jnp.int32).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-    return x[inverse]
+    return x if order is None else jnp.zeros_like(x).at[order].set(x)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -173,10 +167,6 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
     return jnp.swapaxes(out, 1, 2)
 
 
-def _whole_step(q, k, v, ids):
-    return _attend(q[None], k[None], v[None], ((ids[:, None] == ids[None, :]) & (ids[:, None] >= 0))[None])[0]
-
-
 def _in_rows(r: int):
     def attend(q, k, v, ids):
         t, heads, dim = q.shape
@@ -200,7 +190,7 @@ def encoder_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: EncoderMas
     q, k, v = q.astype(jnp.float32) * scale, k.astype(jnp.float32), v.astype(jnp.float32)
     layouts = row_layouts(q.shape[0])
     if mask.branch is None or not layouts:
-        out = _whole_step(q, k, v, mask.ids)
+        out = _in_rows(q.shape[0])(q, k, v, mask.ids)  # (one row: the whole step)
     else:
-        out = jax.lax.switch(mask.branch, [_in_rows(r) for r in layouts] + [_whole_step], q, k, v, mask.ids)
+        out = jax.lax.switch(mask.branch, [_in_rows(r) for r in layouts + (q.shape[0],)], q, k, v, mask.ids)
     return jnp.where((mask.ids >= 0)[:, None, None], out, 0.0).astype(dtype)

@@ -300,8 +300,10 @@ class ModelRunner:
                                                for x in jax.tree.leaves(self.params))
         model = nnx.merge(self.graphdef, self.params)
         routing = getattr(model, "moe_routing", lambda: None)()
-        # an encoder reads token types in every step (ForwardBatch.token_type_ids); a cross-encoder classifies
+        # an encoder reads token types and a rows plan in every step, on one rank; a cross-encoder classifies
         self.is_encoder = bool(getattr(model, "is_encoder", False))
+        if self.is_encoder and self.dp_size > 1:  # (ModelConfig refuses it first)
+            raise ValueError("an encoder runs on one data-parallel rank (--dp-size 1)")
         self.num_labels = int(getattr(model, "num_labels", 0))
         # an embedding server (--is-embedding, or a model with no LM head) never decodes: no decode programs
         self.generates = not server_args.is_embedding and bool(getattr(model, "has_lm_head", True))
@@ -487,8 +489,7 @@ class ModelRunner:
         """`batch` with the encoder fields as the model takes them, so that one compiled program serves every step:
         an encoder's (layers/encoder_attention.with_encoder_inputs), none for any other model."""
         fb = batch.forward_batch
-        if self.is_encoder:  # (one rank: the rows plan indexes one rank's step; encoders refuse --dp-size > 1)
-            assert self.dp_size == 1, "encoder steps are planned for one data-parallel rank"
+        if self.is_encoder:
             return dataclasses.replace(batch, forward_batch=with_encoder_inputs(fb))
         if fb.token_type_ids is None:
             return batch
@@ -538,8 +539,7 @@ class ModelRunner:
             self.penalty_state, self.future_tokens, next_ids, next_lp, lse = self._sample(
                 fwd.logits, self.penalty_state, self.future_tokens, *self._sample_inputs(fwd.sampling, vocab_mask))
         else:  # zeros put on the device once per row count
-            rows = int(fwd.logits.shape[0])
-            if rows not in self._zero_samples:
+            if (rows := int(fwd.logits.shape[0])) not in self._zero_samples:
                 lp = jax.device_put(np.zeros(rows, np.float32), self._replicated)
                 self._zero_samples[rows] = (jax.device_put(np.zeros(rows, np.int32), self._replicated), lp, lp)
             next_ids, next_lp, lse = self._zero_samples[rows]

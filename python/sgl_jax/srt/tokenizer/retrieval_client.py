@@ -68,6 +68,9 @@ class RetrievalClient:
             raise RequestError(f"{tm.served_model_name} is not a reranker: serve a cross-encoder or a decoder "
                                "reranker such as Qwen3-Reranker, or start the server with --rerank-template",
                                param="model")
+        if self.is_classifier and len(documents) > tm.server_args.max_multi_item_count:
+            raise RequestError(f"{len(documents)} documents exceed --max-multi-item-count "
+                               f"({tm.server_args.max_multi_item_count})", param="documents")
         if max_tokens_per_doc is not None:
             documents = await tm.run_blocking(self._truncated, documents, max_tokens_per_doc)
         if not self.is_classifier:
@@ -75,9 +78,6 @@ class RetrievalClient:
             result = await tm.score_request(obj)
             return self._observed(received, {"scores": [s[1] for s in result["scores"]],
                                              "prompt_tokens": result["prompt_tokens"]})
-        if len(documents) > tm.server_args.max_multi_item_count:
-            raise RequestError(f"{len(documents)} documents exceed --max-multi-item-count "
-                               f"({tm.server_args.max_multi_item_count})", param="documents")
         tm.start()
         ids, types = await tm.run_blocking(embedding.tokenize_pairs, tm.tokenizer, query, documents,
                                            tm.kv_limits.max_req_input_len)
