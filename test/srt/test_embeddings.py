@@ -25,6 +25,7 @@ import torch
 from sentence_transformers import SentenceTransformer, models
 
 from sgl_jax.srt.tokenizer import embedding
+from sgl_jax.srt.tokenizer.score_request import ScoreLayout, pack_seqs
 from srt_helpers import default_model_path, module_server, wait_pool_idle
 
 COSINE_MIN = 0.99999  # issue #41's bound against sentence-transformers float32
@@ -101,6 +102,15 @@ def test_pooling_is_read_from_the_sentence_transformers_modules(model_dir, tmp_p
         (tmp_path / "p" / "config.json").write_text(json.dumps(several))
         with pytest.raises(ValueError, match="several pooling modes"):
             embedding.read_pooling(str(tmp_path))
+
+
+def test_inputs_are_packed_first_fit_keeping_their_order():
+    # in order, the third input would open a third pack; first-fit puts it after the first
+    items = [list(range(1, 301)), list(range(1, 401)), list(range(1, 201))]
+    packs, where = pack_seqs(ScoreLayout([], items, items), 512, pool="mean")
+    assert where == [(0, 0), (1, 0), (0, 1)] and [len(p.input_ids) for p in packs] == [500, 400]
+    assert packs[0].segment_starts == [0] * 300 + [300] * 200 and packs[0].rope_positions[300] == 0
+    assert packs[0].pool_index == [0] * 300 + [1] * 200 and packs[0].score_positions == list(range(500))
 
 
 def test_embeddings_equal_sentence_transformers_across_lengths(server, reference, smollm2_tokenizer):

@@ -179,27 +179,32 @@ def _pooled_positions(start: int, n: int, pool: Optional[str]) -> List[int]:
 
 def pack_seqs(layout: ScoreLayout, max_pack_len: int,
               pool: Optional[str] = None) -> Tuple[List[ScoreSeq], List[Tuple[int, int]]]:
-    """Pack the items after one copy of the prefix, as few packs as fit `max_pack_len` tokens each.
+    """Pack the items after one copy of the prefix, each into the first pack with room for it (first-fit, in item
+    order: packs of short items run nearly full, the step buckets they fill padded little), new packs of at most
+    `max_pack_len` tokens as needed.
 
     `pool` (one of POOLING; embeddings, with an empty prefix): each item's hidden states at `_pooled_positions`
     are its output, and the packs' ``pool_index`` says which item each score position belongs to.
-    Returns (packs, where): ``where[i] = (pack index, output index in that pack)`` for item i.
+    Returns (packs, where): ``where[i] = (pack index, output index in that pack)`` for item i; a pack's items
+    keep their order.
     Raises RequestError when the prefix and one item do not fit a pack.
     """
     prefix = layout.prefix
     p = len(prefix)
     packs: List[ScoreSeq] = []
+    outputs: List[int] = []  # items in each pack
     where: List[Tuple[int, int]] = []
-    cur: Optional[ScoreSeq] = None
     for seg in layout.segments:
         if p + len(seg) > max_pack_len:
             raise RequestError(f"a scored sequence of {p + len(seg)} tokens exceeds the pack limit "
-                                  f"({max_pack_len} tokens)")
-        if cur is None or len(cur.input_ids) + len(seg) > max_pack_len:
-            cur = ScoreSeq(input_ids=list(prefix), score_positions=[], rope_positions=list(range(p)),
-                           segment_starts=[0] * p, prefix_len=p, pool_index=None if pool is None else [])
-            packs.append(cur)
-            outputs = 0
+                               f"({max_pack_len} tokens)")
+        k = next((k for k, pack in enumerate(packs) if len(pack.input_ids) + len(seg) <= max_pack_len), None)
+        if k is None:
+            packs.append(ScoreSeq(input_ids=list(prefix), score_positions=[], rope_positions=list(range(p)),
+                                  segment_starts=[0] * p, prefix_len=p, pool_index=None if pool is None else []))
+            outputs.append(0)
+            k = len(packs) - 1
+        cur = packs[k]
         start = len(cur.input_ids)
         cur.input_ids += seg
         cur.rope_positions += range(p, p + len(seg))
@@ -207,9 +212,9 @@ def pack_seqs(layout: ScoreLayout, max_pack_len: int,
         positions = _pooled_positions(start, len(seg), pool)
         cur.score_positions += positions
         if pool is not None:
-            cur.pool_index += [outputs] * len(positions)
-        where.append((len(packs) - 1, outputs))
-        outputs += 1
+            cur.pool_index += [outputs[k]] * len(positions)
+        where.append((k, outputs[k]))
+        outputs[k] += 1
     return packs, where
 
 
