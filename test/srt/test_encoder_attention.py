@@ -1,8 +1,8 @@
-"""Encoder attention's row layouts (layers/encoder_attention.py): `plan_rows` orders a step's rows as a
-permutation that keeps each segment whole and in order inside one row (the smallest row length that takes them
-in the fixed cases); attention over the permuted rows, put back, equals the whole-step masked form and a float64
-per-segment reference, for steps of many short segments, of a few long ones, of one longer than every row (the
-whole-step form) and of padding only."""
+"""Encoder attention's row layouts (layers/encoder_attention.py): `plan_rows` gives every real token of a step one
+row slot, each segment whole and in order inside one row, and each token its way back (the shortest rows that
+take them in the fixed cases, a nearly full step's included); attention in the rows equals the whole-step masked
+form and a float64 per-segment reference, for steps of many short segments, of a few long ones, of one longer
+than every row (the whole-step form) and of padding only."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from sgl_jax.srt.layers.encoder_attention import (EncoderMask, encoder_attention, plan_rows, row_layouts,
-                                                  step_segments)
+                                                  slot_count, step_segments)
 
 HEADS, DIM = 3, 8
 
@@ -41,18 +41,22 @@ def reference(q, k, v, ids):
 
 
 def check_plan(lengths, t_pad):
-    starts, _ = make_step(lengths, t_pad)
-    branch, order = plan_rows(starts.tolist(), list(lengths), t_pad)
+    starts, ids = make_step(lengths, t_pad)
+    branch, slots, back = plan_rows(starts.tolist(), list(lengths), t_pad)
     layouts = row_layouts(t_pad)
-    assert order.shape == (t_pad,) and order.dtype == np.int32
-    assert sorted(order.tolist()) == list(range(t_pad))  # a permutation of the step's rows
+    assert slots.shape == (slot_count(t_pad),) and back.shape == (t_pad,)
+    assert slots.dtype == back.dtype == np.int32
     if branch == len(layouts):
-        assert (order == np.arange(t_pad)).all()
+        assert (back == np.arange(t_pad)).all() and (slots[:t_pad] == np.arange(t_pad)).all()
         return branch
-    r = layouts[branch]
+    real = np.flatnonzero(ids >= 0)
+    assert sorted(slots[slots < t_pad].tolist()) == real.tolist()  # every real token in one slot
+    assert (slots[back[real]] == real).all()  # and each finds its own way back
+    r, n = layouts[branch]
+    assert slots.shape[0] >= r * n and (slots[r * n:] == t_pad).all()
     for s, m in zip(starts, lengths):  # a segment stays whole in one row, in order
-        at = int(np.flatnonzero(order == s)[0])
-        assert at // r == (at + m - 1) // r and (order[at:at + m] == np.arange(s, s + m)).all()
+        at = int(back[s])
+        assert at // r == (at + m - 1) // r and (slots[at:at + m] == np.arange(s, s + m)).all()
     return branch
 
 
@@ -82,21 +86,21 @@ def test_step_segments_split_sequences_at_their_packed_segments():
 
 
 @pytest.mark.parametrize("t_pad,lengths,expected", [
-    (512, [37, 12, 60, 5, 1, 44, 59, 23, 31, 58, 17, 40, 3, 50], 64),  # many short segments: 8 rows of 64
+    (512, [37, 12, 60, 5, 1, 44, 59, 23, 31, 58, 17, 40, 3, 50], 64),  # many short segments: rows of 64
+    (512, [62] * 8 + [10], 64),  # nearly full: the ninth row of 64 (8 rows of 64, or 4 of 128, leave no room)
     (768, [335, 290, 80], 384),  # a few long ones: 2 rows of 384
     (512, [480, 20], None),  # longer than every row length under 512: the whole-step form
     (256, [], 64),  # padding only
 ])
 def test_rows_equal_the_whole_step_form_and_the_reference(t_pad, lengths, expected):
     starts, ids = make_step(lengths, t_pad)
-    branch, order = plan_rows(starts.tolist(), lengths, t_pad)
+    branch, slots, back = plan_rows(starts.tolist(), lengths, t_pad)
     layouts = row_layouts(t_pad)
-    assert branch == (layouts.index(expected) if expected else len(layouts)), (branch, layouts)
+    assert branch == ([r for r, _ in layouts].index(expected) if expected else len(layouts)), (branch, layouts)
     rng = np.random.default_rng(len(lengths))
     q, k, v = (rng.standard_normal((t_pad, HEADS, DIM)).astype(np.float32) for _ in range(3))
-    inverse = np.argsort(order)
-    attend = jax.jit(lambda q, k, v, ids, b: encoder_attention(q, k, v, EncoderMask(ids, b), DIM ** -0.5))
-    rows = np.asarray(attend(q[order], k[order], v[order], jnp.asarray(ids[order]), jnp.int32(branch)))[inverse]
+    attend = jax.jit(lambda q, k, v, *mask: encoder_attention(q, k, v, EncoderMask(*mask), DIM ** -0.5))
+    rows = np.asarray(attend(q, k, v, jnp.asarray(ids), jnp.int32(branch), slots, back))
     whole = np.asarray(jax.jit(lambda q, k, v, ids: encoder_attention(q, k, v, EncoderMask(ids), DIM ** -0.5))(
         q, k, v, jnp.asarray(ids)))
     ref = reference(q, k, v, ids)

@@ -64,9 +64,10 @@ class ForwardBatch:
     other token -1. None in every step that verifies no tree (ordinary steps compile without it).
     token_type_ids: int32[T] -- an encoder model's segment (sentence A 0 / B 1) per token; set (zeros by
     default) in every step of an encoder model (the model runner sees to it), None for every other model.
-    encoder_branch: int32[1], encoder_rows: int32[T] -- an encoder step's tokens laid out in rows for attention
-    (layers/encoder_attention.py `plan_rows`: the row length's branch, the step row at each position of the
-    layout); set by the model runner in every step of an encoder model, None for every other model.
+    encoder_branch: int32[1], encoder_slots: int32[slot_count(T)], encoder_back: int32[T] -- an encoder step's
+    tokens laid out in rows for attention (layers/encoder_attention.py `plan_rows`: the layout's branch, the
+    token in each row slot, each token's slot); set by the model runner in every step of an encoder model, None
+    for every other model.
     forward_mode, attention_backend: static (part of the compiled program's identity); attention_backend is
     the resolved ``--attention-backend`` ("native" or "pallas"), set by the model runner.
     """
@@ -87,7 +88,8 @@ class ForwardBatch:
     tree_bits: Optional[Any] = None
     token_type_ids: Optional[Any] = None
     encoder_branch: Optional[Any] = None
-    encoder_rows: Optional[Any] = None
+    encoder_slots: Optional[Any] = None
+    encoder_back: Optional[Any] = None
     forward_mode: ForwardMode = static_field(ForwardMode.EXTEND)
     attention_backend: str = static_field("native")
 

@@ -6,20 +6,23 @@ run without chunked prefill). A token attends to the tokens of its own sequence 
 own segment (`ForwardBatch.segment_starts`, the packed-scoring mask's segments), in both directions.
 
 Computed over the whole step with a mask, a step of T tokens costs T^2 scores per head, while its segments need
-only the sum of their squares (a 512-token step of 13 sentences: 512^2 against ~18k). So the step's tokens are
-laid out in rows first (`plan_rows`, on the host, when the model runner builds the step): its segments placed
-first-fit-decreasing into the T / R rows of R tokens, none split, the padding rows filling the gaps. The encoder
-permutes its hidden states into that order once after the embeddings (`to_rows`) and back after the last layer
-(`from_rows`); every layer between works on the permuted rows as on any others, and attention is computed per row
-of R (T R scores) without moving anything. Each step bucket has a few static row lengths (`row_layouts`); the plan
-picks the smallest that takes every segment, else the identity order and the whole-step masked form; every
-attention holds all of them as branches of one `jax.lax.switch`, so no step compiles anything. The results are the
-same in every form (the same keys per query; sums in another order): the layout only saves work.
+only the sum of their squares (a 512-token step of 13 sentences: 512^2 against ~18k). So attention reads the
+step's tokens in rows (`plan_rows`, on the host, when the model runner builds the step): the segments placed
+first-fit-decreasing, none split, into n rows of R token slots, n R a little more than T (`ROW_SLACK`: a step
+nearly full of segments still goes into rows as short as its longest segment allows, where T / R rows would
+have no room left to place them whole). Each layer gathers its queries, keys and values into the slots
+(`ForwardBatch.encoder_slots`), computes attention per row (n R^2 scores rather than T^2) and gathers each
+token's result back from its slot (`encoder_back`); everything else runs on the step's tokens in their own
+order. A step bucket has a few static layouts (`row_layouts`); the plan takes the first (the shortest rows) that
+holds every segment, else the whole-step masked form, which gathers nothing; every attention holds all of them
+as branches of one `jax.lax.switch`, so no step compiles anything. The results are the same in every form (the
+same keys per query; sums in another order): the layout only saves work.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple, Sequence, Tuple
 
 import jax
@@ -28,20 +31,32 @@ import numpy as np
 
 from sgl_jax.srt.forward_batch import ForwardBatch
 
-# row lengths tried, smallest first; a step bucket uses those under its own length that divide it
+# row lengths tried, shortest first; a step bucket uses those under its own length that save scores
 ROW_SIZES = (64, 128, 256, 384, 512, 768, 1024, 2048)
+ROW_SLACK = 1.125  # row slots per step token (`row_layouts`)
 _MASKED = -1e30
 QUERY_BLOCK = 128  # queries per block of a long row's scores (`_attend`)
 
 
-def row_layouts(t_pad: int) -> Tuple[int, ...]:
-    """The row lengths R of a step of `t_pad` tokens (t_pad / R rows each), ascending: every R of ROW_SIZES under
-    t_pad that divides it."""
-    return tuple(r for r in ROW_SIZES if r < t_pad and t_pad % r == 0)
+def row_layouts(t_pad: int) -> Tuple[Tuple[int, int], ...]:
+    """The row layouts (R, n) of a step of `t_pad` tokens, shortest rows first: n rows of R slots, n R the
+    least multiple of R of at least ROW_SLACK t_pad, for every R of ROW_SIZES under t_pad whose rows hold
+    fewer scores than the whole step (n R^2 < t_pad^2)."""
+    out = []
+    for r in ROW_SIZES:
+        n = math.ceil(t_pad * ROW_SLACK / r)
+        if r < t_pad and n * r * r < t_pad * t_pad:
+            out.append((r, n))
+    return tuple(out)
+
+
+def slot_count(t_pad: int) -> int:
+    """The length of a step's `encoder_slots`: the most slots of its layouts (`t_pad` when it has none)."""
+    return max((r * n for r, n in row_layouts(t_pad)), default=t_pad)
 
 
 def step_segments(cu_q_lens: np.ndarray, num_seqs: int, segment_starts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """(start row, length) int64 arrays of the step's segments: each sequence's runs of equal
+    """(first token, length) int64 arrays of the step's segments: each sequence's runs of equal
     ``segment_starts`` (a packed sequence's inputs; an ordinary sequence is one segment)."""
     total = int(cu_q_lens[num_seqs])
     if total == 0:
@@ -53,61 +68,74 @@ def step_segments(cu_q_lens: np.ndarray, num_seqs: int, segment_starts: np.ndarr
     return starts, np.diff(np.append(starts, total))
 
 
-def plan_rows(starts: Sequence[int], lengths: Sequence[int], t_pad: int) -> Tuple[int, np.ndarray]:
-    """Lay a step's tokens out in rows (module docstring).
+def _first_fit(order: Sequence[int], lengths: Sequence[int], r: int, n: int):
+    """The segments of `order` placed first-fit into n rows of r slots: the segment indices of each row, or
+    None when one does not fit."""
+    free, rows = [r] * n, [[] for _ in range(n)]
+    for i in order:
+        row = next((j for j in range(n) if free[j] >= lengths[i]), None)
+        if row is None:
+            return None
+        rows[row].append(i)
+        free[row] -= lengths[i]
+    return rows
+
+
+def plan_rows(starts: Sequence[int], lengths: Sequence[int], t_pad: int) -> Tuple[int, np.ndarray, np.ndarray]:
+    """Lay a step's segments out in rows (module docstring).
 
     Args:
-        starts, lengths: each segment's first row in the step and its tokens (`step_segments`); the segments
-            cover the step's first sum(lengths) rows, the rest are padding.
+        starts, lengths: each segment's first token in the step and its tokens (`step_segments`); the segments
+            cover the step's first sum(lengths) tokens, the rest are padding.
         t_pad: the step's padded tokens.
     Returns:
-        (branch, order): branch i < len(row_layouts(t_pad)) is row length row_layouts(t_pad)[i],
-        len(row_layouts(t_pad)) the whole-step form; order int32[t_pad], a permutation: the step row at each
-        position of the layout (row j of length R at [j R, (j + 1) R)); the identity for the whole-step form.
+        (branch, slots, back): branch i < len(row_layouts(t_pad)) is the layout row_layouts(t_pad)[i],
+        len(row_layouts(t_pad)) the whole-step form; slots int32[slot_count(t_pad)]: the step token in each slot
+        (row j of a layout of R at slots [j R, (j + 1) R)), t_pad where empty; back int32[t_pad]: each token's
+        slot, 0 for padding tokens (whose attention output is zero in every form). The whole-step form: both
+        the identity (slots then t_pad beyond the step's tokens).
     """
-    layouts = row_layouts(t_pad)
+    layouts, size = row_layouts(t_pad), slot_count(t_pad)
     longest = max(lengths, default=0)
     by_length = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    for branch, r in enumerate(layouts):
-        if longest > r:
+    slots = np.full(size, t_pad, np.int32)
+    for branch, (r, n) in enumerate(layouts):
+        rows = _first_fit(by_length, lengths, r, n) if longest <= r else None
+        if rows is None:
             continue
-        n = t_pad // r
-        free, rows = [r] * n, [[] for _ in range(n)]
-        for i in by_length:
-            row = next((j for j in range(n) if free[j] >= lengths[i]), None)
-            if row is None:
-                break
-            rows[row].append(i)
-            free[row] -= lengths[i]
-        else:
-            order = np.full(t_pad, -1, np.int32)
-            for j in range(n):
-                at = j * r
-                for i in rows[j]:
-                    order[at:at + lengths[i]] = np.arange(starts[i], starts[i] + lengths[i])
-                    at += lengths[i]
-            order[order < 0] = np.arange(sum(lengths), t_pad)  # the padding rows fill each row's rest
-            return branch, order
-    return len(layouts), np.arange(t_pad, dtype=np.int32)
+        back = np.zeros(t_pad, np.int32)
+        for j, members in enumerate(rows):
+            at = j * r
+            for i in members:
+                m, s = lengths[i], starts[i]
+                slots[at:at + m] = np.arange(s, s + m)
+                back[s:s + m] = np.arange(at, at + m)
+                at += m
+        return branch, slots, back
+    slots[:t_pad] = np.arange(t_pad)
+    return len(layouts), slots, np.arange(t_pad, dtype=np.int32)
 
 
 def with_encoder_inputs(fb: ForwardBatch) -> ForwardBatch:
     """An encoder step's host ForwardBatch with what the encoder reads in every step: ``token_type_ids`` (zeros
-    where it has none) and its row layout (``encoder_branch``, ``encoder_rows``: `plan_rows` of its segments)."""
+    where it has none) and its row layout (``encoder_branch``, ``encoder_slots``, ``encoder_back``: `plan_rows`
+    of its segments)."""
     t_pad = int(np.shape(fb.input_ids)[0])
     types = fb.token_type_ids if fb.token_type_ids is not None else np.zeros(t_pad, np.int32)
     starts, lengths = step_segments(np.asarray(fb.cu_q_lens), int(fb.num_seqs), np.asarray(fb.segment_starts))
-    branch, order = plan_rows(starts.tolist(), lengths.tolist(), t_pad)
+    branch, slots, back = plan_rows(starts.tolist(), lengths.tolist(), t_pad)
     return dataclasses.replace(fb, token_type_ids=types, encoder_branch=np.asarray([branch], np.int32),
-                               encoder_rows=order)
+                               encoder_slots=slots, encoder_back=back)
 
 
 class EncoderMask(NamedTuple):
-    """What encoder attention needs of a step, in the order of its row layout: ids int32[T] (`segment_ids`
-    permuted), branch int32[] (`plan_rows`; None: always the whole-step form)."""
+    """What encoder attention needs of a step: ids int32[T] (`segment_ids`) and its row layout (`plan_rows`):
+    branch int32[], slots int32[slot_count(T)], back int32[T]; branch None: always the whole-step form."""
 
     ids: jax.Array
     branch: jax.Array = None
+    slots: jax.Array = None
+    back: jax.Array = None
 
 
 def segment_ids(fb: ForwardBatch) -> jax.Array:
@@ -120,23 +148,13 @@ def segment_ids(fb: ForwardBatch) -> jax.Array:
     return jnp.where(real, seq * (t + 1) + fb.segment_starts, -1)
 
 
-def encoder_layout(fb: ForwardBatch) -> Tuple[EncoderMask, jax.Array]:
-    """(the step's EncoderMask, its row order int32[T] or None): from `ForwardBatch.encoder_rows` when the model
-    runner planned the rows, else the step's own order and the whole-step form."""
+def encoder_mask(fb: ForwardBatch) -> EncoderMask:
+    """The step's EncoderMask: its row layout from the ForwardBatch when the model runner planned one, else the
+    whole-step form."""
     ids = segment_ids(fb)
-    if fb.encoder_rows is None:
-        return EncoderMask(ids), None
-    return EncoderMask(ids[fb.encoder_rows], fb.encoder_branch[0]), fb.encoder_rows
-
-
-def to_rows(x: jax.Array, order) -> jax.Array:
-    """x [T, ...] in the step's order -> in the row layout's (`encoder_layout`; None: unchanged)."""
-    return x if order is None else x[order]
-
-
-def from_rows(x: jax.Array, order) -> jax.Array:
-    """x [T, ...] in the row layout's order -> back in the step's (the inverse of `to_rows`)."""
-    return x if order is None else jnp.zeros_like(x).at[order].set(x)
+    if fb.encoder_slots is None:
+        return EncoderMask(ids)
+    return EncoderMask(ids, fb.encoder_branch[0], fb.encoder_slots, fb.encoder_back)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -167,21 +185,33 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
     return jnp.swapaxes(out, 1, 2)
 
 
-def _in_rows(r: int):
-    def attend(q, k, v, ids):
+def _in_rows(r: int, n: int):
+    """One layout's attention: q, k, v, ids gathered into n rows of r slots, attended per row, each token's
+    result gathered back from its slot."""
+    def attend(q, k, v, ids, slots, back):
         t, heads, dim = q.shape
-        sid = ids.reshape(t // r, r)
+        used = slots[:n * r]
+        src = jnp.minimum(used, t - 1)
+        sid = jnp.where(used < t, ids[src], -1).reshape(n, r)
         mask = (sid[:, :, None] == sid[:, None, :]) & (sid[:, :, None] >= 0)
-        return _attend(*(x.reshape(t // r, r, heads, dim) for x in (q, k, v)), mask).reshape(t, heads, dim)
+        out = _attend(*(x[src].reshape(n, r, heads, dim) for x in (q, k, v)), mask)
+        return out.reshape(n * r, heads, dim)[back]
     return attend
+
+
+def _whole_step(q, k, v, ids, slots=None, back=None):
+    """The whole-step masked form: one row of every token, in the step's order (no gathers)."""
+    t, heads, dim = q.shape
+    mask = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
+    return _attend(q[None], k[None], v[None], mask[None])[0]
 
 
 def encoder_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: EncoderMask, scale: float) -> jax.Array:
     """softmax(q k^T * scale) v within each segment.
 
     Args:
-        q, k, v: [T, heads, head_dim], in the row layout's order (`to_rows`).
-        mask: the step's EncoderMask (`encoder_layout`).
+        q, k, v: [T, heads, head_dim], in the step's order.
+        mask: the step's EncoderMask (`encoder_mask`).
         scale: the logit scale (1 / sqrt(head_dim) for BERT).
     Returns:
         [T, heads, head_dim] in q's dtype and order; padding rows are zeros. Scores and softmax in float32.
@@ -190,7 +220,8 @@ def encoder_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: EncoderMas
     q, k, v = q.astype(jnp.float32) * scale, k.astype(jnp.float32), v.astype(jnp.float32)
     layouts = row_layouts(q.shape[0])
     if mask.branch is None or not layouts:
-        out = _in_rows(q.shape[0])(q, k, v, mask.ids)  # (one row: the whole step)
+        out = _whole_step(q, k, v, mask.ids)
     else:
-        out = jax.lax.switch(mask.branch, [_in_rows(r) for r in layouts + (q.shape[0],)], q, k, v, mask.ids)
+        out = jax.lax.switch(mask.branch, [_in_rows(r, n) for r, n in layouts] + [_whole_step], q, k, v,
+                             mask.ids, mask.slots, mask.back)
     return jnp.where((mask.ids >= 0)[:, None, None], out, 0.0).astype(dtype)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from sgl_jax.srt.forward_batch import ForwardBatch
 from sgl_jax.srt.layers.embedding import Embedding
-from sgl_jax.srt.layers.encoder_attention import EncoderMask, encoder_attention, encoder_layout, from_rows, to_rows
+from sgl_jax.srt.layers.encoder_attention import EncoderMask, encoder_attention, encoder_mask
 from sgl_jax.srt.layers.layernorm import LayerNorm
 from sgl_jax.srt.layers.linear import Linear
 from sgl_jax.srt.layers.logits_processor import compute_logits
@@ -132,13 +132,11 @@ class BertStack(nnx.Module):
 
 
 def run_stack(stack, fb: ForwardBatch) -> jax.Array:
-    """A BERT stack (``embeddings``, ``encoder``, ``position_offset``) over a step's tokens -> [T, hidden]. The
-    layers run on the tokens in the step's row layout (layers/encoder_attention.py), the result in the step's
-    order."""
+    """A BERT stack (``embeddings``, ``encoder``, ``position_offset``) over a step's tokens -> [T, hidden];
+    attention in the step's row layout (layers/encoder_attention.py)."""
     types = fb.token_type_ids if fb.token_type_ids is not None else jnp.zeros_like(fb.input_ids)
     x = stack.embeddings(fb.input_ids, fb.positions + stack.position_offset, types)
-    mask, order = encoder_layout(fb)
-    return from_rows(stack.encoder(to_rows(x, order), mask), order)
+    return stack.encoder(x, encoder_mask(fb))
 
 
 class BertPooler(nnx.Module):
