@@ -40,9 +40,9 @@ SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MINILM_L6 = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
                  vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
 # extend buckets: a cross-encoder pair of 301-361 tokens padded to the next 16 (one a step); embedding steps of
-# up to two 512-token packs
+# up to two 512-token packs, padded to the next 128 tokens
 RERANK_BUCKETS = tuple(range(304, 385, 16))
-EMBED_BUCKETS = (128, 256, 512, 1024)
+EMBED_BUCKETS = tuple(range(128, 1025, 128))
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=2000,
             max_position_embeddings=512, type_vocab_size=2)
 
