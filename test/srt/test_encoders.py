@@ -146,6 +146,13 @@ def cosines(a, b) -> np.ndarray:
     return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
+def test_gelu_erf_equals_torch_gelu():
+    from sgl_jax.srt.models.bert import gelu_erf
+    x = np.linspace(-12, 12, 100_001, dtype=np.float32)
+    ref = torch.nn.functional.gelu(torch.from_numpy(x).double()).numpy()
+    assert np.abs(np.asarray(gelu_erf(x)) - ref).max() <= 2e-6
+
+
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
 def test_encoder_embeddings_equal_sentence_transformers(models_dir, kind):
     """BertModel (WordPiece, mean pooling) and XLMRobertaModel (Unigram, CLS pooling): /v1/embeddings of texts of
