@@ -88,7 +88,7 @@ def test_step_segments_split_sequences_at_their_packed_segments():
 @pytest.mark.parametrize("t_pad,lengths,expected", [
     (512, [37, 12, 60, 5, 1, 44, 59, 23, 31, 58, 17, 40, 3, 50], 64),  # many short segments: rows of 64
     (512, [62] * 8 + [10], 64),  # nearly full: the ninth row of 64 (8 rows of 64, or 4 of 128, leave no room)
-    (768, [335, 290, 80], 384),  # a few long ones: 2 rows of 384
+    (768, [335, 290, 80], 384),  # a few long ones: rows of 384
     (512, [480, 20], None),  # longer than every row length under 512: the whole-step form
     (256, [], 64),  # padding only
 ])

@@ -1,16 +1,16 @@
 """Bidirectional attention of encoder models (BERT, XLM-RoBERTa) over one step's tokens, without a KV cache.
 
 An encoder sees its whole sequence at once, so every sequence of a step is computed in that step (the scheduler
-never splits one: tokenizer/embedding.py packs inputs to at most the largest compiled prefill and encoder servers
+never splits one: score_request.pack_seqs packs inputs to at most the largest compiled prefill and encoder servers
 run without chunked prefill). A token attends to the tokens of its own sequence and, in a packed sequence, of its
 own segment (`ForwardBatch.segment_starts`, the packed-scoring mask's segments), in both directions.
 
 Computed over the whole step with a mask, a step of T tokens costs T^2 scores per head, while its segments need
 only the sum of their squares (a 512-token step of 13 sentences: 512^2 against ~18k). So attention reads the
 step's tokens in rows (`plan_rows`, on the host, when the model runner builds the step): the segments placed
-first-fit-decreasing, none split, into n rows of R token slots, n R a little more than T (`ROW_SLACK`: a step
-nearly full of segments still goes into rows as short as its longest segment allows, where T / R rows would
-have no room left to place them whole). Each layer gathers its queries, keys and values into the slots
+first-fit-decreasing, none split, into n rows of R token slots, n R at least ROW_SLACK T (up to ~1.5 T for long
+rows: a step nearly full of segments usually still goes into rows as short as its longest segment allows, where
+T / R rows would have no room left to place them whole). Each layer gathers its queries, keys and values into the slots
 (`ForwardBatch.encoder_slots`), computes attention per row (n R^2 scores rather than T^2) and gathers each
 token's result back from its slot (`encoder_back`); everything else runs on the step's tokens in their own
 order. A step bucket has a few static layouts (`row_layouts`); the plan takes the first (the shortest rows) that
@@ -201,7 +201,6 @@ def _in_rows(r: int, n: int):
 
 def _whole_step(q, k, v, ids, slots=None, back=None):
     """The whole-step masked form: one row of every token, in the step's order (no gathers)."""
-    t, heads, dim = q.shape
     mask = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
     return _attend(q[None], k[None], v[None], mask[None])[0]
 

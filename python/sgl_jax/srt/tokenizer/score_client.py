@@ -207,8 +207,8 @@ class ScoreClient:
 
     async def embed(self, ids: List[List[int]], pool: str, types: Optional[List[List[int]]] = None,
                     classify: bool = False) -> List[np.ndarray]:
-        """The pooled final hidden states (float32 [hidden], in input order) of token sequences `ids`, packed as
-        segments of as few sequences as fit (score_request.pack_seqs with `pool`, one of POOLING); an encoder's
+        """The pooled final hidden states (float32 [hidden], in input order) of token sequences `ids`, packed
+        first-fit as segments of few sequences (score_request.pack_seqs with `pool`, one of POOLING); an encoder's
         `types` (token types per token of each sequence) go with them; `classify`: the model's classification head's
         logits of each pooled state instead.
 
