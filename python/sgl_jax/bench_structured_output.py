@@ -21,15 +21,13 @@ import argparse
 import concurrent.futures
 import datetime
 import json
-import shlex
-import sys
 import time
 from typing import List, Optional
 
 import httpx
 
 from sgl_jax.bench_utils import (MachineRates, cpu_name, fetch_server_info, format_server_claims,
-                                 machine_rates_in_subprocess, write_json, write_report)
+                                 machine_rates_in_subprocess, publish_result)
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
@@ -138,14 +136,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = p.parse_args(argv)
     result = run_benchmark(args.base_url, args.num_requests, args.max_new_tokens, args.seed)
     result["date"] = datetime.date.today().isoformat()
-    result["command"] = ("python -m sgl_jax.bench_structured_output "
-                         + shlex.join(sys.argv[1:] if argv is None else argv))
-    print(format_table(result))
-    if args.output_file:
-        write_json(args.output_file, result)
-    if args.report:
-        write_report(args.report, f"Structured-output benchmark ({result['date']})", result["command"],
-                     format_table(result), result)
+    publish_result("sgl_jax.bench_structured_output", argv, result, f"Structured-output benchmark ({result['date']})",
+                   format_table, args.output_file, args.report)
 
 
 if __name__ == "__main__":
