@@ -53,7 +53,23 @@ INFO = scheduler_info()
 
 @pytest.fixture(scope="module")
 def tm():
-    return TokenizerManager(ServerArgs(), PortArgs.init_new(), INFO)
+    manager = TokenizerManager(ServerArgs(), PortArgs.init_new(), INFO)
+    yield manager
+    manager.close_sockets()
+
+
+@pytest.fixture
+def new_tm():
+    """A TokenizerManager factory (server args, scheduler info); each closed after the test (an unclosed one
+    hung the interpreter's exit for pytest-timeout's 120 s: `TokenizerManager.close_sockets`)."""
+    made = []
+
+    def make(args=None, info=INFO):
+        made.append(TokenizerManager(args or ServerArgs(), PortArgs.init_new(), info))
+        return made[-1]
+    yield make
+    for manager in made:
+        manager.close_sockets()
 
 
 def err(tm, **kw):
@@ -88,9 +104,8 @@ def test_limits_give_400_or_413(tm):
     assert tm.prepare(GenerateReqInput(input_ids=[1] * 64)).input_ids == [1] * 64
 
 
-def test_kv_pool_limit_gives_413():
-    info = scheduler_info(max_req_input_len=511)
-    tm = TokenizerManager(ServerArgs(), PortArgs.init_new(), info)
+def test_kv_pool_limit_gives_413(new_tm):
+    tm = new_tm(info=scheduler_info(max_req_input_len=511))
     e = err(tm, input_ids=[1] * 200)
     assert e.status_code == 413 and "needs 201 KV tokens" in e.message and "KV pool holds 100 tokens" in e.message
 
@@ -305,14 +320,14 @@ def test_generate_request_splits_batches():
         GenerateRequest.model_validate({"text": "a", "junk": 1})
 
 
-def test_max_new_tokens_beyond_the_context_follows_sglang(tm):
+def test_max_new_tokens_beyond_the_context_follows_sglang(tm, new_tm):
     # explicit and too long: 400 with SGLang's message; the default (128) is clipped by the scheduler
     assert "You requested a total of 601 tokens" in body_error(tm, {"input_ids": [1], "sampling_params": {
         "max_new_tokens": 600}})
     assert tm.prepare(GenerateReqInput(input_ids=[1] * 60)).sampling_params.max_new_tokens == 128
     assert tm.prepare(GenerateReqInput(input_ids=[1] * 60, sampling_params={"max_new_tokens": 452})) \
         .sampling_params.max_new_tokens == 452
-    clipping = TokenizerManager(ServerArgs(allow_auto_truncate=True), PortArgs.init_new(), INFO)
+    clipping = new_tm(ServerArgs(allow_auto_truncate=True))
     sp = clipping.prepare(GenerateReqInput(input_ids=[1] * 60, sampling_params={"max_new_tokens": 600})).sampling_params
     assert sp.max_new_tokens == 512 - 60
 
@@ -609,10 +624,9 @@ def test_too_long_text_is_refused_without_tokenizing(tm):
     assert e.status_code == 400 and "characters, at least" in e.message and "context length" in e.message
 
 
-def test_tokenization_runs_off_the_event_loop():
+def test_tokenization_runs_off_the_event_loop(new_tm):
     """prepare_async tokenizes on the tokenizer thread; the event loop keeps ticking meanwhile."""
-    info = scheduler_info(context_len=10**8, max_req_input_len=10**8, max_total_tokens=10**8)
-    tm = TokenizerManager(ServerArgs(), PortArgs.init_new(), info)
+    tm = new_tm(info=scheduler_info(context_len=10**8, max_req_input_len=10**8, max_total_tokens=10**8))
     threads = []
     original = tm.tokenize
     tm.tokenize = lambda obj: (threads.append(threading.current_thread().name), original(obj))[1]
@@ -649,11 +663,11 @@ def test_missing_default_model_says_how_to_install():
     assert find_default_model_path().endswith(".gguf")
 
 
-def test_return_routed_experts_without_a_moe_server_gives_400_naming_it(tm):
+def test_return_routed_experts_without_a_moe_server_gives_400_naming_it(tm, new_tm):
     """SGLang's return_routed_experts is served by /generate, but only by a mixture-of-experts model started with
     --enable-return-routed-experts (SchedulerInfo.return_routed_experts); elsewhere a 400 names the field."""
     msg = body_error(tm, {"text": "hi", "return_routed_experts": True})
     assert "return_routed_experts" in msg and "--enable-return-routed-experts" in msg, msg
     assert body_error(tm, {"text": "hi", "return_routed_experts": False}) == ""
-    moe = TokenizerManager(ServerArgs(), PortArgs.init_new(), scheduler_info(return_routed_experts=True))
+    moe = new_tm(info=scheduler_info(return_routed_experts=True))
     assert body_error(moe, {"text": ["a", "b"], "return_routed_experts": [True, False]}) == ""

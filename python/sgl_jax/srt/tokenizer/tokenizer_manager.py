@@ -250,7 +250,7 @@ class TokenizerManager:
             self._loop_task = self.loop.create_task(self._handle_loop())
 
     async def close(self) -> None:
-        """Stop the receive loop and close the sockets."""
+        """Stop the receive loop, then `close_sockets`."""
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
@@ -258,6 +258,12 @@ class TokenizerManager:
             except asyncio.CancelledError:
                 pass
             self._loop_task = None
+        self.close_sockets()
+
+    def close_sockets(self) -> None:
+        """Close the sockets (no linger) and the tokenizer pool; all a manager whose loop never started needs (a
+        test's). A manager dropped with its sockets open can have its ZMQ context collected first, in one
+        garbage cycle with them, and ``Context.term()`` then blocks for good on the open sockets."""
         self.recv_from_detokenizer.close(linger=0)
         self.send_to_scheduler.close(linger=0)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
