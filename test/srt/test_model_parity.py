@@ -366,13 +366,18 @@ def _random_prompts(seed, vocab, lengths):
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
-def test_tiny_qwen3_logit_parity_within_1e_3(tmp_path):
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_tiny_qwen3_logit_parity_within_1e_3(tmp_path, attention_bias):
+    """Qwen3ForCausalLM; with attention_bias, transformers' biases on q/k/v and o_proj (random in the reference)."""
     from transformers import Qwen3Config
 
     config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+                         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                         attention_bias=attention_bias)
     model = _save_tiny(tmp_path, config, seed=0)
+    if attention_bias:
+        assert float(model.model.layers[0].self_attn.o_proj.bias.abs().max()) > 0.01
     harness = RunnerHarness(str(tmp_path))
     check_parity(harness, model, _random_prompts(0, 512, [5, 40, 130]))
 

@@ -58,6 +58,7 @@ _LAYER_TENSORS = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -158,7 +159,9 @@ def gguf_to_hf_config(reader) -> dict:
         "vocab_size": int(get("vocab_size", n_tokens)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "hidden_act": "silu",
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        # transformers' attention_bias puts a bias on q/k/v and o; qkv_bias on q/k/v only (Qwen2-MoE, dense Qwen2)
+        "attention_bias": "blk.0.attn_output.bias" in tensor_names,
+        "qkv_bias": "blk.0.attn_q.bias" in tensor_names,
         "torch_dtype": "float32",
     }
     scaling_type = get("rope.scaling.type")
@@ -194,7 +197,6 @@ def _add_moe_config(config: dict, arch: str, get, tensor_names: set) -> None:
                   moe_intermediate_size=int(get("expert_feed_forward_length")),
                   norm_topk_prob=bool(get("expert_weights_norm", arch == "qwen3moe")))
     if arch == "qwen2moe":
-        config["qkv_bias"] = config["attention_bias"]
         config["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0))
 
 

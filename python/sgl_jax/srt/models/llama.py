@@ -77,15 +77,15 @@ class LlamaAttention(nnx.Module):
         self.num_kv_heads = padded_kv_heads(model_config.num_key_value_heads, tp)
         self.mesh = mesh
         self.head_dim = model_config.head_dim
-        # q/k/v biases: Llama's attention_bias, Qwen2-MoE's qkv_bias, always in dense Qwen2 (model type "qwen2",
-        # no config flag); o_proj never has one here
-        bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False)
-                    or getattr(cfg, "model_type", None) == "qwen2")
+        # q/k/v biases: attention_bias (Llama, Qwen3, Gemma 3: o_proj's too), Qwen2-MoE's qkv_bias, always in dense
+        # Qwen2 (model type "qwen2", no config flag; o_proj none)
+        o_bias = bool(getattr(cfg, "attention_bias", False))
+        bias = bool(o_bias or getattr(cfg, "qkv_bias", False) or getattr(cfg, "model_type", None) == "qwen2")
         kw = dict(dtype=dtype, rngs=rngs, quantization=getattr(model_config, "quant_scheme", None))
         self.q_proj = Linear(q_in, self.num_heads * self.head_dim, use_bias=bias, **kw)
         self.k_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, **kw)
         self.v_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, **kw)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, **kw)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, use_bias=o_bias, **kw)
         eps = float(cfg.rms_norm_eps)
         self.q_norm = norm_cls(self.head_dim, eps=eps, dtype=dtype) if qk_norm else None
         self.k_norm = norm_cls(self.head_dim, eps=eps, dtype=dtype) if qk_norm else None
