@@ -516,3 +516,23 @@ def test_dummy_load_format_builds_random_weights(tmp_path):
     leaves = jax.tree.leaves(params)
     assert len(leaves) == 1 + 1 * 11 + 1 + 1  # embed, 11 per layer (incl. q/k norm), final norm, lm_head
     assert any(float(np.std(np.asarray(x))) > 0.01 for x in leaves)
+
+
+def test_checkpoint_tensors_without_a_parameter_are_logged(tmp_path, caplog):
+    """A causal LM's checkpoint served --is-embedding (the stack alone): its lm_head is not loaded, and the
+    loader's log says so, naming it."""
+    import logging
+
+    from transformers import Qwen3Config
+
+    from sgl_jax.srt.model_loader.loader import load_model
+
+    config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+    _save_tiny(tmp_path, config, seed=0)
+    with caplog.at_level(logging.INFO, logger="sgl_jax.srt.model_loader.loader"):
+        _, params = load_model(ModelConfig.from_server_args(
+            ServerArgs(model_path=str(tmp_path), is_embedding=True), "cpu"))
+    assert "lm_head" not in params
+    assert "1 checkpoint tensors match no parameter of Qwen3DecoderModel and are not loaded, e.g. lm_head.weight" \
+        in caplog.text, caplog.text

@@ -408,6 +408,7 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
     else:
         source, total = _weight_source(model_config, load_format)
         stacker = ExpertStacker(shapes, dtype)
+        ignored = []  # checkpoint tensors the model has no parameter for (a BertModel's pooler, ...)
         for name, arr in tqdm(source, total=total, desc="Loading weights", unit="tensor"):
             if name not in by_name and "model." + name in by_name:  # a decoder stack saved alone (LlamaModel)
                 name = "model." + name
@@ -417,13 +418,16 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
                     continue
             for target, host, host_dtype in quant.entries(name, arr):
                 if target not in by_name:
-                    logger.debug("Ignoring checkpoint tensor %s (no matching parameter)", name)
+                    ignored.append(name)
                     continue
                 expected = placer.checkpoint_shape(target, shapes[target])
                 if tuple(host.shape) != expected:
                     raise ValueError(f"Checkpoint tensor {name} has shape {tuple(host.shape)}, model expects "
                                      f"{expected}")
                 values[target] = placer.place(target, host, host_dtype)
+        if ignored:
+            logger.info("%d checkpoint tensors match no parameter of %s and are not loaded, e.g. %s", len(ignored),
+                        cls.__name__, ", ".join(ignored[:4]))
         if quant.format == "gguf":
             logger.info("--quantization gguf: %d linear layers kept as the file's Q8_0 / Q4_0 / Q4_1 blocks, %d of "
                         "other types quantized to int8 groups of 32 from their float values", quant.blocks_kept,
