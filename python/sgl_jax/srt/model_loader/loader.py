@@ -417,9 +417,9 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
                 if arr is None:
                     continue
             for target, host, host_dtype in quant.entries(name, arr):
-                if target not in by_name:
+                if target not in by_name:  # (then none of its entries is: a quantized tensor's scales neither)
                     ignored.append(name)
-                    continue
+                    break
                 expected = placer.checkpoint_shape(target, shapes[target])
                 if tuple(host.shape) != expected:
                     raise ValueError(f"Checkpoint tensor {name} has shape {tuple(host.shape)}, model expects "
