@@ -160,11 +160,12 @@ def gguf_to_hf_config(reader) -> dict:
         "vocab_size": int(get("vocab_size", n_tokens)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "hidden_act": "silu",
-        # transformers' attention_bias puts a bias on q/k/v and o; qkv_bias on q/k/v only (Qwen2-MoE, dense Qwen2)
+        # transformers' attention_bias puts a bias on q/k/v and o; qkv_bias (below) on q/k/v only
         "attention_bias": "blk.0.attn_output.bias" in tensor_names,
-        "qkv_bias": "blk.0.attn_q.bias" in tensor_names,
         "torch_dtype": "float32",
     }
+    if "blk.0.attn_q.bias" in tensor_names and not config["attention_bias"]:  # Qwen2-MoE's (and dense Qwen2's)
+        config["qkv_bias"] = True
     scaling_type = get("rope.scaling.type")
     if scaling_type in ("linear", "yarn"):
         config["rope_scaling"] = {"rope_type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0))}
