@@ -147,7 +147,7 @@ def cosines(a, b) -> np.ndarray:
 
 
 def test_gelu_erf_equals_torch_gelu():
-    from sgl_jax.srt.models.bert import gelu_erf
+    from sgl_jax.srt.layers.activation import gelu_erf
     x = np.linspace(-12, 12, 100_001, dtype=np.float32)
     ref = torch.nn.functional.gelu(torch.from_numpy(x).double()).numpy()
     assert np.abs(np.asarray(gelu_erf(x)) - ref).max() <= 2e-6

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 _CACHE_FORMAT_VERSION = "5"  # 2: gemma3 support, generation_config.json; 3: built-in chat template fallback;
 # 4: no tokenizer for an unknown tokenizer.ggml.pre (UNSUPPORTED_TOKENIZER_FILE instead of an approximation);
-# 5: attention_bias only with attn_output.bias (o_proj's), qkv_bias with attn_q.bias
+# 5: attention_bias only with attn_output.bias (o_proj's), qkv_bias with attn_q.bias alone
 
 # GGUF architecture -> (HF architectures entry, HF model_type)
 _ARCHS = {

@@ -8,7 +8,6 @@ reuses its attention and MLP.
 
 from __future__ import annotations
 
-import functools
 from typing import List, Optional, Tuple
 
 import jax
@@ -18,6 +17,7 @@ from jax.sharding import Mesh
 
 from sgl_jax.srt.distributed.mesh import tp_size_of
 from sgl_jax.srt.distributed.sharding import padded_kv_heads
+from sgl_jax.srt.layers.activation import ACTIVATIONS
 from sgl_jax.srt.layers.attention import LayerKV, paged_attention
 from sgl_jax.srt.layers.embedding import Embedding, table_of
 from sgl_jax.srt.layers.layernorm import RMSNorm
@@ -27,14 +27,9 @@ from sgl_jax.srt.layers.rotary_embedding import apply_rope, rope_inv_freq
 from sgl_jax.srt.forward_batch import ForwardBatch
 
 
-ACTIVATIONS = {
-    "silu": jax.nn.silu,
-    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),  # Gemma's GeGLU
-}
-
-
 class LlamaMLP(nnx.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)); act is silu (SwiGLU) or gelu-tanh (GeGLU, Gemma). `quantization`:
+    """Gated MLP: down(act(gate(x)) * up(x)); act a layers/activation.ACTIVATIONS name (silu: SwiGLU;
+    gelu_pytorch_tanh: Gemma's GeGLU). `quantization`:
     the projections' ``--quantization`` method or QuantScheme (None: not quantized).
 
     Raises:
