@@ -178,7 +178,7 @@ GENERATE_UNSUPPORTED = {
     "modalities": ["image"], "max_dynamic_patch": 4, "min_dynamic_patch": 1, "image_max_dynamic_patch": 4,
     "video_max_dynamic_patch": 4, "images_config": {"a": 1}, "need_wait_for_mm_inputs": True,
     "num_items_assigned": {"image": [1]}, "encoder_urls": ["http://e"], "positional_embed_overrides": {"x": 1},
-    "lora_path": "a", "lora_id": ["a"], "custom_logit_processor": "p",
+    "lora_id": ["a"], "custom_logit_processor": "p",
     "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": [None, 2], "bootstrap_pair_key": "k",
     "decode_tp_size": 2, "disagg_prefill_dp_rank": 0, "routed_dp_rank": 1, "data_parallel_rank": 1,
     "http_worker_ipc": "ipc://x", "background": True, "require_reasoning": True, "max_thinking_tokens": 10,
@@ -410,7 +410,7 @@ CHAT_DEFAULTS = {
     "web_search_options": None, "functions": None, "function_call": None,
 }
 OPENAI_UNSUPPORTED = {
-    "stop_regex": ["a+"], "lora_path": "a", "custom_params": {"a": 1},
+    "stop_regex": ["a+"], "custom_params": {"a": 1},
     "custom_logit_processor": "p", "images_config": {"a": 1}, "bootstrap_host": "h", "bootstrap_port": 1,
     "bootstrap_room": 1, "disagg_prefill_dp_rank": 1, "routed_dp_rank": 1, "data_parallel_rank": 2, "extra_key": "k",
     "cache_salt": "s", "return_hidden_states": "last", "return_routed_experts": True, "routed_experts_start_len": 3,

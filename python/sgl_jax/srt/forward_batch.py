@@ -68,6 +68,8 @@ class ForwardBatch:
     tokens laid out in rows for attention (layers/encoder_attention.py `plan_rows`: the layout's branch, the
     token in each row slot, each token's slot); set by the model runner in every step of an encoder model, None
     for every other model.
+    lora_ids: int32[T] -- each token's LoRA adapter slot (layers/lora.py; -1: none, so padding too); set in every
+    step of a server with --enable-lora (the model runner sees to it), None otherwise.
     forward_mode, attention_backend: static (part of the compiled program's identity); attention_backend is
     the resolved ``--attention-backend`` ("native" or "pallas"), set by the model runner.
     """
@@ -90,6 +92,7 @@ class ForwardBatch:
     encoder_branch: Optional[Any] = None
     encoder_slots: Optional[Any] = None
     encoder_back: Optional[Any] = None
+    lora_ids: Optional[Any] = None
     forward_mode: ForwardMode = static_field(ForwardMode.EXTEND)
     attention_backend: str = static_field("native")
 

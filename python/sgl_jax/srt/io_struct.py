@@ -31,6 +31,7 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     session_params: Optional[SessionParams] = None
     return_routed_experts: bool = False
+    lora_path: Optional[str] = None  # the LoRA adapter's name (None: the base model)
 
 
 @dataclasses.dataclass
@@ -76,6 +77,36 @@ class CloseSessionReqOutput:
     session_id: str
     success: bool
     message: str = ""
+
+
+@dataclasses.dataclass
+class LoadLoRAAdapterReqInput:
+    """SGLang's /load_lora_adapter body: register the PEFT adapter at `lora_path` (a directory or a hub id) as
+    `lora_name`; `pinned`: never evicted to make room under --max-loaded-loras."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+@dataclasses.dataclass
+class UnloadLoRAAdapterReqInput:
+    """SGLang's /unload_lora_adapter body."""
+
+    lora_name: str
+
+
+@dataclasses.dataclass
+class LoRAUpdateOutput:
+    """SGLang's answer to a load or unload: `success`, `error_message`, and `loaded_adapters` (name -> path of
+    every adapter loaded afterwards). `status_code`: the HTTP status (400 a bad adapter, 409 one still in use).
+    `load_seconds`: what reading the adapter took (seconds)."""
+
+    success: bool
+    error_message: Optional[str] = None
+    loaded_adapters: Optional[Dict[str, str]] = None
+    status_code: int = 200
+    load_seconds: Optional[float] = None
 
 
 @dataclasses.dataclass
@@ -214,6 +245,7 @@ class TokenizedScoreReqInput:
     label_token_ids: List[int]
     handle: Optional[str] = None
     classify: bool = False
+    lora_path: Optional[str] = None  # the LoRA adapter's name (None: the base model)
 
 
 @dataclasses.dataclass
@@ -222,6 +254,7 @@ class ScorePrefillReq:
 
     rid: str
     input_ids: List[int]
+    lora_path: Optional[str] = None  # the LoRA adapter's name (None: the base model)
 
 
 @dataclasses.dataclass
@@ -290,6 +323,8 @@ class SchedulerInfo:
     return_routed_experts: bool = False  # requests may ask for their routed experts (a MoE model, and the flag)
     weight_bytes_per_device: int = 0  # bytes of the model's weights on one device, as stored (quantized or not)
     quantization: Optional[str] = None  # --quantization: the linear layers' method, None: not quantized
+    lora_adapters: Optional[Dict[str, str]] = None  # --enable-lora: the adapters loaded at start-up (name -> path)
+    lora_slot_bytes: int = 0  # bytes of one LoRA adapter slot on one device
 
     def to_json(self) -> dict:
         """The JSON object of /get_server_info's ``scheduler_info`` (``radix_cache``: whether prefixes are shared,

@@ -34,6 +34,7 @@ TOKENIZER_MODES = ("auto", "slow")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")  # scheduler/load_balance.py
 SCHEDULE_POLICIES = ("fcfs", "lpm")  # scheduler/admission.py
 RADIX_EVICTION_POLICIES = ("lru", "lfu")  # mem_cache/registry.cache_kind_for
+LORA_BACKENDS = ("dense", "ragged")  # layers/lora.lora_delta
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")  # SGLang's --speculative-algorithm names
 SPECULATIVE_SERVED = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")  # the ones this build runs (speculative/)
 DEFAULT_DRAFT_STEPS = 3  # SGLang's default draft steps for a draft model (chains: 4 draft-tree slots)
@@ -86,7 +87,8 @@ _CHOICES = {
     "log_level": LOG_LEVELS, "multi_item_algorithm": MULTI_ITEM_ALGORITHMS, "grammar_backend": GRAMMAR_BACKENDS,
     "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
     "load_balance_method": LOAD_BALANCE_METHODS, "schedule_policy": SCHEDULE_POLICIES,
-    "radix_eviction_policy": RADIX_EVICTION_POLICIES, "speculative_algorithm": SPECULATIVE_ALGORITHMS,
+    "radix_eviction_policy": RADIX_EVICTION_POLICIES, "lora_backend": LORA_BACKENDS,
+    "lora_eviction_policy": ("lru",), "speculative_algorithm": SPECULATIVE_ALGORITHMS,
     "speculative_ngram_match_type": NGRAM_MATCH_TYPES,
 }
 _OPTIONAL_CHOICES = ("tool_call_parser", "reasoning_parser", "speculative_algorithm", "quantization")
@@ -94,9 +96,9 @@ _OPTIONAL_CHOICES = ("tool_call_parser", "reasoning_parser", "speculative_algori
 _POSITIVE = ("max_multi_item_count", "max_multi_item_seq_len", "multi_item_extend_batch_size", "tp_size", "dp_size",
              "ep_size",
              "nnodes", "max_prefill_tokens", "stream_interval", "max_request_body_bytes",
-             "max_top_logprobs_num", "max_n")
+             "max_top_logprobs_num", "max_n", "max_loras_per_batch")
 _POSITIVE_OR_NONE = ("max_queued_requests", "max_total_tokens", "max_running_requests", "context_length",
-                     "page_size")
+                     "page_size", "max_loaded_loras", "max_lora_rank")
 
 # --page-size's default per platform (tokens per KV page). TPU: the Mosaic kernels copy the KV cache a page per DMA,
 # and upstream sglang-jax's cookbook requires 128 there (Llama-3.1-8B on a v6e-4: 156 output tok/s at page 1,
@@ -248,6 +250,16 @@ class ServerArgs:
     speculative_ngram_branch_length: int = 18
     speculative_ngram_capacity: int = 1_000_000
 
+    # LoRA adapters (SGLang's flags; srt/lora/, layers/lora.py)
+    enable_lora: bool = False
+    lora_paths: Optional[List[str]] = None
+    max_loras_per_batch: int = 8
+    max_loaded_loras: Optional[int] = None
+    max_lora_rank: Optional[int] = None
+    lora_target_modules: Optional[List[str]] = None
+    lora_backend: str = "dense"
+    lora_eviction_policy: str = "lru"
+
     def __post_init__(self):
         """Validate every flag (ValueError naming the flag and what it allows) and fill the derived defaults."""
         for name, choices in _CHOICES.items():
@@ -267,6 +279,7 @@ class ServerArgs:
         self._check_multihost()
         self._check_limits()
         self._check_speculative()
+        self._check_lora()
         self._resolve_defaults()
 
     def _check_scoring(self) -> None:
@@ -413,6 +426,21 @@ class ServerArgs:
         if self.compilation_cache_dir is None:  # the flag, else JAX's own variable, else our cache root
             self.compilation_cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
                 _default_cache_root(), "jax_compilation_cache")
+
+    def _check_lora(self) -> None:
+        """--lora-paths implies --enable-lora; --max-loaded-loras holds at least a batch's adapters (SGLang's
+        rule); LoRA is refused with what it does not combine with here (speculative decoding, embedding servers)."""
+        if self.lora_paths:
+            self.enable_lora = True
+        if not self.enable_lora:
+            return
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(f"--max-loaded-loras ({self.max_loaded_loras}) must be at least --max-loras-per-batch "
+                             f"({self.max_loras_per_batch})")
+        if self.speculative_algorithm is not None:
+            raise ValueError("--enable-lora does not combine with --speculative-algorithm in this build")
+        if self.is_embedding:
+            raise ValueError("--enable-lora does not combine with --is-embedding in this build")
 
     def _check_choice(self, name: str, choices) -> None:
         if getattr(self, name) not in choices:
@@ -630,6 +658,23 @@ FLAG_HELP = {
     "speculative_draft_model_path": "STANDALONE's draft model (a hub id, directory or .gguf, of the target's "
                                     "vocabulary), or the EAGLE3 / EAGLE head (a hub id or directory: config.json and "
                                     "*.safetensors in the LlamaForCausalLMEagle3 / SafeAILab EAGLE format)",
+    "enable_lora": "serve LoRA adapters (PEFT directories or hub ids) over the base model: requests name one with "
+                   "lora_path or model \"<base>:<adapter>\"; /load_lora_adapter and /unload_lora_adapter change them "
+                   "at run time without a compile (docs/lora.md)",
+    "lora_paths": "adapters loaded at start-up: name=path, a bare path (named by itself), or JSON {\"lora_name\": .., "
+                  "\"lora_path\": .., \"pinned\": ..}; implies --enable-lora",
+    "max_loras_per_batch": "device slots for adapters: at most this many different adapters run in one step "
+                           "(requests of the base model need none); idle slots are reused least recently used first",
+    "max_loaded_loras": "most adapters loaded at once (host memory); loading one more evicts the least recently "
+                        "used one that is not pinned and not in use (default: no limit; at least "
+                        "--max-loras-per-batch)",
+    "max_lora_rank": "rank every slot is padded to; an adapter of larger rank is refused (default: the largest of "
+                     "--lora-paths)",
+    "lora_target_modules": "modules with slots: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all; an "
+                           "adapter targeting another is refused (default: those of --lora-paths)",
+    "lora_backend": f"how a batch's LoRA update is computed, one of {list(LORA_BACKENDS)}: dense multiplies by every "
+                    "slot at once and masks, ragged groups tokens by adapter (jax.lax.ragged_dot) (layers/lora.py)",
+    "lora_eviction_policy": "which idle adapter slot is reused first (lru, SGLang's default)",
     "speculative_draft_model_revision": "the hub revision of --speculative-draft-model-path",
     "speculative_num_steps": f"STANDALONE, EAGLE, EAGLE3: draft tokens per request and step (STANDALONE: one "
                              f"draft-model decode step each; EAGLE: one fewer, its first comes with the target's step) "

@@ -8,6 +8,7 @@ import os
 from typing import Dict, List, Optional
 
 from sgl_jax.srt.chat_templates import resolve_chat_template
+from sgl_jax.srt.lora.registry import LoraShape, resolve_lora_shape
 from sgl_jax.srt.model_loader.default_model import find_default_model_path, packaged_gguf_for
 from sgl_jax.srt.quantization.checkpoint import GGUF_LINEAR_SUFFIXES, ResolvedQuantization, resolve_quantization
 from sgl_jax.srt.quantization.methods import METHODS, QuantScheme, as_scheme, table_scheme
@@ -315,6 +316,17 @@ class ModelConfig:
     kv_cache_scales: bool = False
     # --is-embedding: a causal LM is built without its LM head (models/registry.EMBEDDING_VARIANTS)
     is_embedding: bool = False
+    # --enable-lora: the adapter slots every targeted linear layer carries (srt/lora/registry.LoraShape), and
+    # --lora-backend; None: no LoRA
+    lora: Optional[LoraShape] = None
+    lora_backend: str = "dense"
+
+    def lora_slots_of(self, module: str) -> Optional[tuple]:
+        """(slots, rank, backend) of module `module`'s LoRA slots (`layers.linear.Linear`'s ``lora``); None when
+        the server has no LoRA or does not target the module."""
+        if self.lora is None or module not in self.lora.targets:
+            return None
+        return (self.lora.slots, self.lora.rank, self.lora_backend)
 
     @property
     def quant_scheme(self) -> Optional[QuantScheme]:
@@ -407,6 +419,8 @@ class ModelConfig:
             quant_checkpoint=quant,
             kv_cache_scales=server_args.kv_cache_dtype in FP8_KV_CACHE_DTYPES,
             is_embedding=bool(server_args.is_embedding),
+            lora=resolve_lora_shape(server_args),
+            lora_backend=server_args.lora_backend,
         )
 
 

@@ -25,6 +25,7 @@ from sgl_jax.srt.entrypoints.native_protocol import (
     validation_message,
 )
 from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.io_struct import LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput
 from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import configure_logging
@@ -103,7 +104,7 @@ class Engine:
     @staticmethod
     def _body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
               token_ids_logprob, return_text_in_logprobs, stream, rid, session_params=None,
-              return_routed_experts=None) -> Dict[str, Any]:
+              return_routed_experts=None, lora_path=None) -> Dict[str, Any]:
         body: Dict[str, Any] = {"sampling_params": sampling_params, "return_logprob": return_logprob,
                                 "return_text_in_logprobs": return_text_in_logprobs, "stream": stream}
         if prompt is not None:
@@ -112,7 +113,7 @@ class Engine:
             body["input_ids"] = input_ids
         for k, v in (("logprob_start_len", logprob_start_len), ("top_logprobs_num", top_logprobs_num),
                      ("token_ids_logprob", token_ids_logprob), ("rid", rid), ("session_params", session_params),
-                     ("return_routed_experts", return_routed_experts)):
+                     ("return_routed_experts", return_routed_experts), ("lora_path", lora_path)):
             if v is not None:
                 body[k] = v
         return body
@@ -134,6 +135,7 @@ class Engine:
         rid: Optional[Union[str, List[str]]] = None,
         session_params: Optional[dict] = None,
         return_routed_experts: Optional[Union[bool, List[bool]]] = None,
+        lora_path: Optional[Union[str, List[Optional[str]]]] = None,
     ) -> Union[dict, List[dict], Iterator[dict]]:
         """Generate for one prompt (returns a dict) or a batch (a list of dicts), like SGLang's Engine.
 
@@ -142,12 +144,13 @@ class Engine:
         ``{"id", "rid", "offset", "replace", "drop_previous_output"}`` (see `open_session`).
         ``return_routed_experts``: SGLang's; ``meta_info["routed_experts"]`` is then the base64 of int32
         [output tokens, layers, top-k] (needs ``enable_return_routed_experts=True`` and a MoE model).
+        ``lora_path``: a loaded LoRA adapter's name, or one per prompt (None: the base model; docs/lora.md).
         Raises:
             RequestError: an invalid request.
         """
         obj = _split(self._body(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                      top_logprobs_num, token_ids_logprob, return_text_in_logprobs, stream, rid,
-                                     session_params, return_routed_experts))
+                                     session_params, return_routed_experts, lora_path))
         if isinstance(obj, list):
             return self._run(self._generate_all(obj))
         if stream:
@@ -223,6 +226,17 @@ class Engine:
         /get_server_info gives them."""
         return {"internal_states": self._run(self.tokenizer_manager.get_internal_state())["dp_ranks"],
                 "scheduler_info": self.scheduler_info.to_json(), **self.server_args.__dict__}
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        """SGLang's Engine.load_lora_adapter: register a PEFT adapter (directory or hub id); returns
+        ``{"success", "error_message", "loaded_adapters"}`` as /load_lora_adapter answers."""
+        out = self._run(self.tokenizer_manager.update_lora(LoadLoRAAdapterReqInput(lora_name, lora_path, pinned)))
+        return {"success": out.success, "error_message": out.error_message, "loaded_adapters": out.loaded_adapters}
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """SGLang's Engine.unload_lora_adapter (see `load_lora_adapter`; fails while requests use it)."""
+        out = self._run(self.tokenizer_manager.update_lora(UnloadLoRAAdapterReqInput(lora_name)))
+        return {"success": out.success, "error_message": out.error_message, "loaded_adapters": out.loaded_adapters}
 
     def flush_cache(self):
         return self._run(self.tokenizer_manager.flush_cache())

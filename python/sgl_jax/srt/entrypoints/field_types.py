@@ -164,7 +164,8 @@ class SGLangSharedFields(BaseModel):
     mixed into the native and OpenAI models."""
 
     session_params: Optional[SessionParamsRequest] = None
-    lora_path: default_only(StrOrList, description="LoRA adapters") = None
+    lora_path: StrOrList = Field(None, description="the LoRA adapter to serve the request with (a loaded adapter's "
+                                 "name; a list: one per prompt; null: the base model)")
     custom_logit_processor: default_only(StrOrList, description="custom logit processors") = None
     bootstrap_host: default_only(StrOrList, description="prefill-decode disaggregation") = None
     bootstrap_port: default_only(IntOrList, description="prefill-decode disaggregation") = None

@@ -36,7 +36,7 @@ from sgl_jax.srt.entrypoints.error_bodies import error_body
 
 PUBLIC_PREFIXES = ("/health", "/metrics")  # SGLang's exemptions (/health_generate included)
 # SGLang's ADMIN_OPTIONAL endpoints that sgl-jax has (add /start_profile, /update_weights_* here)
-ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/load_lora_adapter", "/unload_lora_adapter"})
 BODYLESS_PATHS = frozenset({"/flush_cache"})  # POST endpoints that take no body (no content type needed)
 
 

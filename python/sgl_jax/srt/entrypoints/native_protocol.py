@@ -40,7 +40,7 @@ from sgl_jax.srt.entrypoints.field_types import (
     marked_fields,
 )
 from sgl_jax.srt.errors import RequestError
-from sgl_jax.srt.io_struct import OpenSessionReqInput
+from sgl_jax.srt.io_struct import LoadLoRAAdapterReqInput, OpenSessionReqInput, UnloadLoRAAdapterReqInput
 from sgl_jax.srt.tokenizer.score_request import ALGORITHMS, ScoreReqInput
 from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
@@ -269,7 +269,16 @@ class GenerateRequest(NullMeansDefault, SGLangSharedFields, StrictModel):
             return_text_in_logprobs=self.return_text_in_logprobs, stream=self.stream, rid=rid,
             session_params=None if self.session_params is None else self.session_params.model_dump(),
             return_routed_experts=self._pick("return_routed_experts", i, n),
+            lora_path=self._lora_path(i, n),
         )
+
+    def _lora_path(self, i: int, n: int) -> Optional[str]:
+        """Prompt i's adapter: a per-prompt list's entry (a single prompt takes a one-entry list, as SGLang does)."""
+        if isinstance(self.lora_path, list) and n == 1 and len(self.lora_path) == 1:
+            return self.lora_path[0]
+        if isinstance(self.lora_path, list) and n == 1:
+            raise RequestError(f"'lora_path' has {len(self.lora_path)} entries for a single prompt")
+        return self._pick("lora_path", i, n)
 
 
 class ScoreRequest(StrictModel):
@@ -281,6 +290,7 @@ class ScoreRequest(StrictModel):
     apply_softmax: bool = False
     item_first: bool = False
     model: Optional[str] = None
+    lora_path: Optional[str] = Field(None, description="a loaded LoRA adapter's name (null: the base model)")
     algorithm: Optional[Literal[ALGORITHMS]] = Field(
         None, description="prefill_extend only on a server started with --enable-scoring-cache")
     rid: Optional[Rid] = None
@@ -300,6 +310,27 @@ class OpenSessionRequest(NullMeansDefault, StrictModel):
 
     def to_input(self) -> OpenSessionReqInput:
         return OpenSessionReqInput(self.capacity_of_str_len, self.session_id, bool(self.streaming), self.timeout)
+
+
+class LoadLoRAAdapterRequest(StrictModel):
+    """The /load_lora_adapter body (SGLang's LoadLoRAAdapterReqInput): a PEFT adapter directory or hub id
+    (``lora_path``) registered as ``lora_name``; ``pinned``: never evicted to make room (--max-loaded-loras)."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+    pinned: bool = False
+
+    def to_input(self) -> LoadLoRAAdapterReqInput:
+        return LoadLoRAAdapterReqInput(self.lora_name, self.lora_path, self.pinned)
+
+
+class UnloadLoRAAdapterRequest(StrictModel):
+    """The /unload_lora_adapter body (SGLang's UnloadLoRAAdapterReqInput)."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+
+    def to_input(self) -> UnloadLoRAAdapterReqInput:
+        return UnloadLoRAAdapterReqInput(self.lora_name)
 
 
 class CloseSessionRequest(StrictModel):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
+from sgl_jax.srt.layers.lora import lora_delta
 from sgl_jax.srt.quantization.methods import QuantMethod, QuantScheme, as_scheme, get_method
 
 
@@ -61,12 +62,15 @@ class Linear(nnx.Module):
             output channel, or [out, in / group_size] per group of input features (GGUF blocks, HF FP8 blocks),
             with ``weight_min`` [out, in / group_size] where groups carry an offset (GGUF Q4_1). The loader fills
             them from a float checkpoint or a pre-quantized one (model_loader/loader.py).
+        lora: (slots n, rank R, backend): LoRA adapter slots ``lora_a`` [n, R, in] and ``lora_b`` [n, out, R] in
+            `dtype` (zeros until an adapter is written into a slot; layers/lora.py), used when a call passes
+            ``lora_ids``; None: no slots.
     Raises:
         ValueError: an unknown quantization method, or a group size that does not divide `in_features`.
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, dtype=jnp.float32,
-                 rngs: nnx.Rngs, quantization: Union[str, QuantScheme, None] = None):
+                 rngs: nnx.Rngs, quantization: Union[str, QuantScheme, None] = None, lora: Optional[tuple] = None):
         scheme = self.quantization = as_scheme(quantization)
         if scheme is None:
             self.weight = nnx.Param(jax.random.normal(rngs.params(), (out_features, in_features), dtype) * 0.02)
@@ -84,9 +88,13 @@ class Linear(nnx.Module):
         self.weight_min = nnx.Param(jnp.zeros(scale_shape, jnp.float32)) if scheme and scheme.with_min else None
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
         self.dtype = jnp.dtype(dtype)
+        n, rank, self.lora_backend = lora if lora is not None else (0, 0, None)
+        self.lora_a = nnx.Param(jnp.zeros((n, rank, in_features), dtype)) if lora is not None else None
+        self.lora_b = nnx.Param(jnp.zeros((n, out_features, rank), dtype)) if lora is not None else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [..., in_features] -> [..., out_features] in the layer's dtype.
+    def __call__(self, x: jax.Array, lora_ids: Optional[jax.Array] = None) -> jax.Array:
+        """x: [..., in_features] -> [..., out_features] in the layer's dtype; `lora_ids` int32[T] (x [T, in]):
+        each token's adapter slot (-1: none), adding its LoRA update (`lora_delta`) when the layer has slots.
 
         On CPU the product accumulates in float32 and is cast back: asked for a bfloat16 result, XLA's CPU
         backend took a path 2x slower than float32 (2048 x 576 x 1536: 19 ms), while a float32 result from
@@ -106,6 +114,8 @@ class Linear(nnx.Module):
             y = dot_weight_t(x, w, acc)
         if self.bias is not None:
             y = y + self.bias[...]
+        if self.lora_a is not None and lora_ids is not None:
+            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], lora_ids, self.lora_backend)
         return y.astype(self.dtype)
 
 

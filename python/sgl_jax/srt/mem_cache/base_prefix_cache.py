@@ -6,6 +6,8 @@ slots only (int32 numpy arrays, lengths in tokens) and never reads a request: th
 (admission match, chunked-prefill insert, release) is `mem_cache/cache_manager.py`, one set of functions
 for every cache kind, which calls nothing but the methods below.
 
+- Every token-id argument comes with an optional ``namespace`` (a LoRA adapter's uid, None for the base model):
+  prefixes are shared only within one namespace.
 - match_prefix(token_ids) -> MatchResult: the longest cached, page-aligned prefix, its KV slots and the
   node handle to lock. May reorganize the cache (split a node, touch LRU times).
 - prefix_match_len(token_ids) -> int: the length match_prefix would give, read-only (no node split, no
@@ -99,27 +101,30 @@ class BasePrefixCache(abc.ABC):
         """
 
     @abc.abstractmethod
-    def match_prefix(self, token_ids: TokenIds) -> MatchResult:
+    def match_prefix(self, token_ids: TokenIds, namespace: Optional[int] = None) -> MatchResult:
         """The longest cached prefix of `token_ids` (int32 token ids), truncated to whole pages.
 
         Args:
             token_ids: [L] token ids.
+            namespace: prefixes are shared only within one namespace (a LoRA adapter's uid; None: the base
+                model's), so one adapter's KV never serves another's request.
         Returns:
             MatchResult with int32[n] slots (n <= L, n % page_size == 0) and the node to lock (None when
             the cache keeps nothing). The match is not locked: call `inc_lock_ref` before any eviction.
         """
 
     @abc.abstractmethod
-    def prefix_match_len(self, token_ids: TokenIds) -> int:
-        """Tokens `match_prefix(token_ids)` would match, without changing the cache (0: it shares nothing)."""
+    def prefix_match_len(self, token_ids: TokenIds, namespace: Optional[int] = None) -> int:
+        """Tokens `match_prefix(token_ids, namespace)` would match, without changing the cache (0: it shares nothing)."""
 
     @abc.abstractmethod
-    def insert(self, token_ids: TokenIds, kv_slots: np.ndarray) -> int:
+    def insert(self, token_ids: TokenIds, kv_slots: np.ndarray, namespace: Optional[int] = None) -> int:
         """Offer `token_ids` and the KV slots holding their K/V to the cache.
 
         Args:
             token_ids: [L] token ids, L a multiple of page_size.
             kv_slots: int32[L] KV slots of those tokens, owned by the caller.
+            namespace: as `match_prefix`'s.
         Returns:
             k: the cache took ownership of ``kv_slots[k:]``; ``kv_slots[:k]`` stay the caller's (a prefix
             that was already cached, whose duplicate slots the caller frees, or all L for a cache that keeps

@@ -15,7 +15,7 @@ Fields read: ``fill_ids``, ``req_pool_idx``, ``kv_committed_len``, ``kv_allocate
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 
@@ -25,6 +25,11 @@ def cacheable_len(req) -> int:
     (a packed multi-item sequence shares only its query; a scoring item shares nothing)."""
     limit = getattr(req, "cacheable_len", None)
     return req.kv_committed_len if limit is None else min(req.kv_committed_len, limit)
+
+
+def namespace_of(req) -> Optional[int]:
+    """The prefix-cache namespace of `req`'s KV: its LoRA adapter's uid (None: the base model)."""
+    return getattr(req, "cache_namespace", None)
 
 
 def match_req(req, tree_cache: BasePrefixCache) -> Tuple[MatchResult, int]:
@@ -47,7 +52,7 @@ def match_req(req, tree_cache: BasePrefixCache) -> Tuple[MatchResult, int]:
         h = session.holder
         n = session.prefix_len(req)
         return MatchResult(tree_cache.req_to_token_pool.req_to_token[h.req_pool_idx, :n].copy(), None), 0
-    match = tree_cache.match_prefix(req.fill_ids[:req.max_prefix_len()])
+    match = tree_cache.match_prefix(req.fill_ids[:req.max_prefix_len()], namespace_of(req))
     return match, tree_cache.inc_lock_ref(match.last_node)
 
 
@@ -77,8 +82,8 @@ def cache_unfinished_req(req, tree_cache: BasePrefixCache) -> None:
     if n <= protected:
         return
     tokens = req.fill_ids[:n]
-    existed = tree_cache.insert(tokens, row[:n])
-    match = tree_cache.match_prefix(tokens)
+    existed = tree_cache.insert(tokens, row[:n], namespace_of(req))
+    match = tree_cache.match_prefix(tokens, namespace_of(req))
     if match.length != n:  # the cache kept nothing: the request still owns all its positions
         assert match.length == 0 and existed == n, "the prefix cache kept part of an inserted prefix"
         return
@@ -108,7 +113,7 @@ def cache_finished_req(req, tree_cache: BasePrefixCache, is_insert: bool = True)
     protected = req.cache_protected_len
     if is_insert:
         n = max(cacheable_len(req) // tree_cache.page_size * tree_cache.page_size, protected)
-        existed = tree_cache.insert(req.fill_ids[:n], row[:n]) if n > protected else n
+        existed = tree_cache.insert(req.fill_ids[:n], row[:n], namespace_of(req)) if n > protected else n
         _free_row_range(tree_cache, row, protected, existed)
         _free_row_range(tree_cache, row, n, req.kv_allocated_len)
     else:

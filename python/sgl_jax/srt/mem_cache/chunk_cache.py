@@ -38,15 +38,15 @@ class ChunkCache(BasePrefixCache):
         """Either pool layout; the page size is the allocator's."""
         return cls(req_to_token_pool, allocator)
 
-    def match_prefix(self, token_ids: TokenIds) -> MatchResult:
+    def match_prefix(self, token_ids: TokenIds, namespace: Optional[int] = None) -> MatchResult:
         """Always the empty match (no slots, no node)."""
         return MatchResult(device_indices=np.zeros((0,), np.int32))
 
-    def prefix_match_len(self, token_ids: TokenIds) -> int:
+    def prefix_match_len(self, token_ids: TokenIds, namespace: Optional[int] = None) -> int:
         """Always 0: nothing is shared."""
         return 0
 
-    def insert(self, token_ids: TokenIds, kv_slots: np.ndarray) -> int:
+    def insert(self, token_ids: TokenIds, kv_slots: np.ndarray, namespace: Optional[int] = None) -> int:
         """Keeps nothing: returns len(token_ids), so every slot stays the caller's to free."""
         assert len(token_ids) == len(kv_slots) and len(token_ids) % self.page_size == 0
         return len(token_ids)

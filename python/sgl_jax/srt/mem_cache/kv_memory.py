@@ -193,9 +193,10 @@ class KVMemory:
     def free_req_slots(self) -> int:
         return self.req_to_token_pool.available_size()
 
-    def prefix_match_len(self, token_ids) -> int:
-        """Tokens of `token_ids` the prefix cache would serve (read-only; cache-aware DP assignment)."""
-        return self.tree_cache.prefix_match_len(token_ids)
+    def prefix_match_len(self, token_ids, namespace=None) -> int:
+        """Tokens of `token_ids` the prefix cache would serve in `namespace` (a LoRA adapter's uid, None: the base
+        model's) (read-only; cache-aware DP assignment)."""
+        return self.tree_cache.prefix_match_len(token_ids, namespace)
 
     def row(self, req) -> np.ndarray:
         """`req`'s ReqToTokenPool row (KV slot per position)."""

@@ -90,8 +90,35 @@ class RadixCache(BasePrefixCache):
     def reset_tree(self) -> None:
         self.root = self.node_cls(np.zeros(0, np.int32), np.zeros(0, np.int32), None)
         self.root.lock_ref = 1  # never evicted
+        self._namespaces: Dict[int, TreeNode] = {}  # namespace -> its root (an empty node under the root)
         self._evictable = 0
         self._protected = 0
+
+    def _root_of(self, namespace: Optional[int], create: bool) -> Optional[TreeNode]:
+        """Where prefixes of `namespace` start: the root (None), else the namespace's own empty node under it
+        (created when `create`; None when it does not exist). A namespace node is locked once for good, so it is
+        evicted only by `evict` once it has no children left."""
+        if namespace is None:
+            return self.root
+        node = self._namespaces.get(namespace)
+        if node is None and create:
+            node = self.node_cls(np.zeros(0, np.int32), np.zeros(0, np.int32), self.root)
+            node.lock_ref = 1
+            self.root.children[("namespace", namespace)] = node
+            self._namespaces[namespace] = node
+        return node
+
+    def namespace_roots(self) -> List[TreeNode]:
+        """The namespaces' root nodes (empty, locked once of their own: `_root_of`)."""
+        return list(self._namespaces.values())
+
+    def _drop_empty_namespace(self, node: TreeNode) -> None:
+        """Remove `node` if it is a namespace's root with nothing under it and no lock but its own."""
+        if node.parent is self.root and not len(node.key) and not node.children and node.lock_ref == 1:
+            ns = next((k for k, v in self._namespaces.items() if v is node), None)
+            if ns is not None:
+                del self._namespaces[ns]
+                del self.root.children[("namespace", ns)]
 
     def _child_key(self, key: np.ndarray):
         return int(key[0]) if self.page_size == 1 else tuple(key[:self.page_size].tolist())
@@ -109,14 +136,16 @@ class RadixCache(BasePrefixCache):
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         return upper
 
-    def match_prefix(self, token_ids: TokenIds) -> MatchResult:
-        """The longest cached, page-aligned prefix of `token_ids` and the node it ends at.
+    def match_prefix(self, token_ids: TokenIds, namespace: Optional[int] = None) -> MatchResult:
+        """The longest cached, page-aligned prefix of `token_ids` in `namespace` and the node it ends at.
 
         Splits a node when the match ends inside it, so the returned node covers exactly the match.
         Touches the matched nodes (LRU).
         """
         key = np.asarray(token_ids, np.int32)[:self._align(len(token_ids))]
-        node, values = self.root, []
+        node, values = self._root_of(namespace, create=False), []
+        if node is None:
+            return MatchResult(device_indices=np.zeros(0, np.int32), last_node=None)
         now = time.monotonic()
         while len(key):
             child = node.children.get(self._child_key(key))
@@ -133,10 +162,12 @@ class RadixCache(BasePrefixCache):
         value = np.concatenate(values) if values else np.zeros(0, np.int32)
         return MatchResult(device_indices=value, last_node=node)
 
-    def prefix_match_len(self, token_ids: TokenIds) -> int:
+    def prefix_match_len(self, token_ids: TokenIds, namespace: Optional[int] = None) -> int:
         """What `match_prefix` would match, without splitting a node or touching access times."""
         key = np.asarray(token_ids, np.int32)[:self._align(len(token_ids))]
-        node, matched = self.root, 0
+        node, matched = self._root_of(namespace, create=False), 0
+        if node is None:
+            return 0
         while len(key):
             child = node.children.get(self._child_key(key))
             if child is None:
@@ -148,13 +179,15 @@ class RadixCache(BasePrefixCache):
             node, key = child, key[n:]
         return matched
 
-    def insert(self, token_ids: TokenIds, kv_slots: np.ndarray) -> int:
-        """Add `token_ids` (page-aligned length) with their KV `kv_slots`; returns how many leading tokens
-        were already cached (their `kv_slots` stay the caller's: it must free the duplicates)."""
+    def insert(self, token_ids: TokenIds, kv_slots: np.ndarray, namespace: Optional[int] = None) -> int:
+        """Add `token_ids` (page-aligned length) with their KV `kv_slots` in `namespace`; returns how many leading
+        tokens were already cached (their `kv_slots` stay the caller's: it must free the duplicates)."""
         key = np.asarray(token_ids, np.int32)
         value = np.asarray(kv_slots, np.int32)
         assert len(key) == len(value) and len(key) % self.page_size == 0
-        node, done = self.root, 0
+        if not len(key):
+            return 0
+        node, done = self._root_of(namespace, create=True), 0
         now = time.monotonic()
         while done < len(key):
             rest = key[done:]
@@ -233,6 +266,7 @@ class RadixCache(BasePrefixCache):
             self._evictable -= len(leaf.key)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
+            self._drop_empty_namespace(parent)
         return freed
 
     def evictable_size(self) -> int:

@@ -126,10 +126,22 @@ class SWARadixCache(RadixCache):
                 best = i
         return best
 
-    def match_prefix(self, token_ids: TokenIds) -> MatchResult:
+    def _root_of(self, namespace, create: bool):
+        """Only the base namespace: LoRA adapters' prefixes are not kept apart in a hybrid SWA cache.
+
+        Raises:
+            ValueError: a namespace other than None.
+        """
+        if namespace is not None:
+            raise ValueError("the swa_radix prefix cache keeps no namespaces (LoRA with hybrid SWA memory: pass "
+                             "--disable-hybrid-swa-memory)")
+        return self.root
+
+    def match_prefix(self, token_ids: TokenIds, namespace=None) -> MatchResult:
         """The longest cached, page-aligned prefix of `token_ids` that a request can continue from: its last W
         tokens (or all of it, when shorter) hold live SWA KV. Splits the node the match ends inside and
-        touches the matched nodes (LRU)."""
+        touches the matched nodes (LRU). `namespace`: None only (`_root_of`)."""
+        self._root_of(namespace, False)
         key = np.asarray(token_ids, np.int32)[:self._align(len(token_ids))]
         path = self._walk(key)
         best = self._best_usable(path)
@@ -144,8 +156,9 @@ class SWARadixCache(RadixCache):
         return MatchResult(device_indices=np.concatenate([nd.value for nd, _ in path[:best + 1]]),
                            last_node=path[best][0])
 
-    def prefix_match_len(self, token_ids: TokenIds) -> int:
+    def prefix_match_len(self, token_ids: TokenIds, namespace=None) -> int:
         """What `match_prefix` would match, without splitting a node or touching access times."""
+        self._root_of(namespace, False)
         key = np.asarray(token_ids, np.int32)[:self._align(len(token_ids))]
         path = self._walk(key)
         return sum(n for _, n in path[:self._best_usable(path) + 1])

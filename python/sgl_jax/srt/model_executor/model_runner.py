@@ -33,6 +33,7 @@ from sgl_jax.srt.distributed.sharding import KV_CACHE, RANK_ROWS, REPLICATED, ch
 
 from sgl_jax.srt.layers.attention import move_kv_slots
 from sgl_jax.srt.layers.encoder_attention import with_encoder_inputs
+from sgl_jax.srt.model_executor.lora_weights import LoraSlotWriter
 from sgl_jax.srt.layers.moe import expert_token_counts
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
@@ -310,6 +311,16 @@ class ModelRunner:
         self.moe_stats = None if routing is None else MoeStats(
             model_config.num_hidden_layers, routing[0], routing[2], ep_size=getattr(model_config, "ep_size", 1))
         self.return_routed_experts = routing is not None and bool(server_args.enable_return_routed_experts)
+        self.lora_writer = None  # LoRA adapter slots (model_executor/lora_weights.py), with --enable-lora
+        if model_config.lora is not None:
+            if routing is not None or self.is_encoder or not self.generates:
+                raise ValueError(f"--enable-lora serves dense decoder language models; {model_config.architecture} "
+                                 "is not one")
+            self.lora_writer = LoraSlotWriter(self, model_config.num_key_value_heads,
+                                              padded_kv_heads(model_config.num_key_value_heads, self.tp_size))
+            logger.info("LoRA: %d adapter slots of rank %d for %s, %.1f MiB per device (in the weights' budget)",
+                        model_config.lora.slots, model_config.lora.rank, ", ".join(model_config.lora.targets),
+                        self.lora_writer.slot_bytes * model_config.lora.slots / self.tp_size / 2**20)
         self.kv_spec = spec = kv_spec_fn(weight_bytes)
         if spec.page_size != self.page_size or len(spec.layer_pool) != model_config.num_hidden_layers:
             raise ValueError(f"the KV spec ({spec}) does not match --page-size {self.page_size} and "
@@ -482,13 +493,18 @@ class ModelRunner:
         """The rank-stacked batch of one step (`stack_ranks`): idle ranks (None) run an all-padding batch of the
         real batches' padded shape."""
         mode, t_pad, s_pad = next(b for b in batches if b is not None).padded_shape
-        full = [self._encoder_inputs(b if b is not None else self.dummy_batch(mode, t_pad, s_pad)) for b in batches]
+        full = [self._model_inputs(b if b is not None else self.dummy_batch(mode, t_pad, s_pad)) for b in batches]
         return stack_ranks(full, self.num_request_slots)
 
-    def _encoder_inputs(self, batch: ModelWorkerBatch) -> ModelWorkerBatch:
-        """`batch` with the encoder fields as the model takes them, so that one compiled program serves every step:
-        an encoder's (layers/encoder_attention.with_encoder_inputs), none for any other model."""
+    def _model_inputs(self, batch: ModelWorkerBatch) -> ModelWorkerBatch:
+        """`batch` with the optional fields as the model takes them, so that one compiled program serves every step:
+        with LoRA slots, each token's slot (-1, none, where the batch has no ``lora_ids``); an encoder's fields
+        (layers/encoder_attention.with_encoder_inputs), none for any other model."""
         fb = batch.forward_batch
+        if (self.lora_writer is not None) != (fb.lora_ids is not None):
+            ids = None if self.lora_writer is None else np.full(np.shape(fb.input_ids), -1, np.int32)
+            fb = dataclasses.replace(fb, lora_ids=ids)
+            batch = dataclasses.replace(batch, forward_batch=fb)
         if self.is_encoder:
             return dataclasses.replace(batch, forward_batch=with_encoder_inputs(fb))
         if fb.token_type_ids is None:
@@ -709,6 +725,7 @@ class ModelRunner:
         programs += [(f"sampling S={s}", self._lower_sample(s)) for s in rows if self.generates]
         programs += [(f"KV move M={t}", self._lower_move(t)) for mode, t, _ in shapes
                      if mode == ForwardMode.TARGET_VERIFY]
+        programs += self.lora_writer.warmup_programs() if self.lora_writer is not None else []
         if not self.generates:
             return programs + [(f"classify R={r}", lambda r=r: self._classify.lower(
                 self.params, np.zeros((r, hidden_dim), dtype))) for r in SCORE_ROW_PADDINGS if self.num_labels]

@@ -300,3 +300,32 @@ def download_tokenizer(repo_id: str, revision: Optional[str] = None, cache_dir: 
         return snap
 
     return _fetch(repo_id, revision, cache_dir, "tokenizer", fetch)
+
+
+ADAPTER_PATTERNS = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def download_adapter(repo_id: str, revision: Optional[str] = None, cache_dir: Optional[str] = None) -> str:
+    """Fetch a PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``) of hub repository
+    `repo_id` (``--lora-paths name=org/adapter``, ``/load_lora_adapter``), cache first, as `download_model`.
+
+    Returns:
+        The local snapshot folder.
+
+    Raises:
+        FileNotFoundError: as `download_model`, or the repository lacks one of the two files.
+    """
+    from huggingface_hub import snapshot_download
+
+    def fetch(local_only: bool) -> str:
+        snap = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_only,
+                                 allow_patterns=list(ADAPTER_PATTERNS))
+        missing = [f for f in ADAPTER_PATTERNS if not os.path.exists(os.path.join(snap, f))]
+        if missing:
+            if local_only:
+                raise _NotCached(f"missing {', '.join(missing)}")
+            raise FileNotFoundError(f"hub repository {repo_id!r} (revision {revision or 'main'!r}) holds no "
+                                    f"{', '.join(missing)}: not a PEFT adapter")
+        return snap
+
+    return _fetch(repo_id, revision, cache_dir, "adapter", fetch)

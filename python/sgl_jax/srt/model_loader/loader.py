@@ -131,6 +131,7 @@ def _weight_source(model_config, load_format: str):
 
 # an fp8 KV cache's per-KV-head scales (models/llama.LlamaAttention), 1 where the checkpoint has none
 KV_SCALES = (".self_attn.k_scale", ".self_attn.v_scale")
+LORA_SLOTS = (".lora_a", ".lora_b")  # LoRA adapter slots (layers/lora.py), zeros at load
 _KV_PROJ = tuple(f".{p}.{t}" for p in ("k_proj", "v_proj")
                  for t in ("weight", "bias", "weight_scale", "weight_min")) + KV_SCALES
 
@@ -399,7 +400,7 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
         # a quantized model's dummy weights are the unquantized model's, quantized
         # (an fp8 KV cache's scales are not drawn: they are 1, filled below)
         tensors = [n for n in by_name if (n in quantized or re.sub(r"_(scale|min)$", "", n) not in quantized)
-                   and not n.endswith(KV_SCALES)]
+                   and not n.endswith(KV_SCALES + LORA_SLOTS)]
         for i, name in enumerate(tqdm(tensors, desc="Initializing dummy weights", unit="tensor")):
             if name in quantized:
                 values.update(placer.dummy_quantized(name, shapes, seed, i, quant.scheme_of(name)))
@@ -438,6 +439,9 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
                     len(unscaled) // 2)
         for n in unscaled:
             values[n] = placer.place(n, np.ones(placer.checkpoint_shape(n, shapes[n]), np.float32), np.float32)
+    for n in by_name:  # LoRA adapter slots (layers/lora.py): empty until an adapter is written into one
+        if n.endswith(LORA_SLOTS) and n not in values:
+            values[n] = placer.place(n, np.zeros(shapes[n], np.float32))
     missing = [n for n in by_name if n not in values]
     if missing:
         raise ValueError(f"Checkpoint has no tensors for {len(missing)} parameters, e.g. {missing[:5]}")

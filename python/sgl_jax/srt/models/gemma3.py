@@ -29,7 +29,7 @@ from sgl_jax.srt.layers.layernorm import GemmaRMSNorm
 from sgl_jax.srt.layers.linear import Linear
 from sgl_jax.srt.layers.logits_processor import compute_logits
 from sgl_jax.srt.forward_batch import ForwardBatch
-from sgl_jax.srt.models.llama import LlamaAttention, LlamaMLP, run_layers
+from sgl_jax.srt.models.llama import LlamaAttention, LlamaMLP, lora_slots_of, run_layers
 
 
 def _optional_float(cfg, name: str) -> Optional[float]:
@@ -50,13 +50,13 @@ class Gemma3DecoderLayer(nnx.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps=eps, dtype=dtype)
         self.mlp = LlamaMLP(hidden, int(cfg.intermediate_size), dtype, rngs,
                             activation=getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh",
-                            quantization=model_config.quant_scheme)
+                            quantization=model_config.quant_scheme, lora=lora_slots_of(model_config))
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps=eps, dtype=dtype)
 
     def __call__(self, x: jax.Array, fb: ForwardBatch, kv: LayerKV) -> Tuple[jax.Array, LayerKV]:
         attn_out, kv = self.self_attn(self.input_layernorm(x), fb, kv)
         x = x + self.post_attention_layernorm(attn_out)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), fb.lora_ids)), kv
 
 
 class Gemma3Model(nnx.Module):

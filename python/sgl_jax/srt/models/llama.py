@@ -27,27 +27,40 @@ from sgl_jax.srt.layers.rotary_embedding import apply_rope, rope_inv_freq
 from sgl_jax.srt.forward_batch import ForwardBatch
 
 
+def lora_none(module: str) -> None:
+    """No LoRA slots for any module (`ModelConfig.lora_slots_of` when LoRA is off)."""
+    return None
+
+
+def lora_slots_of(model_config):
+    """module name -> the (slots, rank, backend) of its LoRA slots or None (`ModelConfig.lora_slots_of`)."""
+    return getattr(model_config, "lora_slots_of", lora_none)
+
+
 class LlamaMLP(nnx.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); act a layers/activation.ACTIVATIONS name (silu: SwiGLU;
     gelu_pytorch_tanh: Gemma's GeGLU). `quantization`:
-    the projections' ``--quantization`` method or QuantScheme (None: not quantized).
+    the projections' ``--quantization`` method or QuantScheme (None: not quantized). `lora`: module name ->
+    its LoRA slots (`Linear`'s ``lora``) or None.
 
     Raises:
         NotImplementedError: an activation outside ACTIVATIONS.
     """
 
     def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, activation: str = "silu",
-                 quantization=None):
+                 quantization=None, lora=lora_none):
         if activation not in ACTIVATIONS:
             raise NotImplementedError(f"activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         kw = dict(dtype=dtype, rngs=rngs, quantization=quantization)
-        self.gate_proj = Linear(hidden, intermediate, **kw)
-        self.up_proj = Linear(hidden, intermediate, **kw)
-        self.down_proj = Linear(intermediate, hidden, **kw)
+        self.gate_proj = Linear(hidden, intermediate, lora=lora("gate_proj"), **kw)
+        self.up_proj = Linear(hidden, intermediate, lora=lora("up_proj"), **kw)
+        self.down_proj = Linear(intermediate, hidden, lora=lora("down_proj"), **kw)
         self.activation = activation
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, lora_ids: Optional[jax.Array] = None) -> jax.Array:
+        """x [T, hidden] -> [T, hidden]; `lora_ids` int32[T]: each token's LoRA slot (layers/lora.py), or None."""
+        h = ACTIVATIONS[self.activation](self.gate_proj(x, lora_ids)) * self.up_proj(x, lora_ids)
+        return self.down_proj(h, lora_ids)
 
 
 class LlamaAttention(nnx.Module):
@@ -77,10 +90,11 @@ class LlamaAttention(nnx.Module):
         o_bias = bool(getattr(cfg, "attention_bias", False))
         bias = bool(o_bias or getattr(cfg, "qkv_bias", False) or getattr(cfg, "model_type", None) == "qwen2")
         kw = dict(dtype=dtype, rngs=rngs, quantization=getattr(model_config, "quant_scheme", None))
-        self.q_proj = Linear(q_in, self.num_heads * self.head_dim, use_bias=bias, **kw)
-        self.k_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, **kw)
-        self.v_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, **kw)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, use_bias=o_bias, **kw)
+        lora = lora_slots_of(model_config) if in_features is None else lora_none  # (not in EAGLE-3 draft layers)
+        self.q_proj = Linear(q_in, self.num_heads * self.head_dim, use_bias=bias, lora=lora("q_proj"), **kw)
+        self.k_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, lora=lora("k_proj"), **kw)
+        self.v_proj = Linear(q_in, self.num_kv_heads * self.head_dim, use_bias=bias, lora=lora("v_proj"), **kw)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, use_bias=o_bias, lora=lora("o_proj"), **kw)
         eps = float(cfg.rms_norm_eps)
         self.q_norm = norm_cls(self.head_dim, eps=eps, dtype=dtype) if qk_norm else None
         self.k_norm = norm_cls(self.head_dim, eps=eps, dtype=dtype) if qk_norm else None
@@ -97,10 +111,10 @@ class LlamaAttention(nnx.Module):
             self.k_scale = self.v_scale = None
 
     def __call__(self, x: jax.Array, fb: ForwardBatch, kv: LayerKV) -> Tuple[jax.Array, LayerKV]:
-        T = x.shape[0]
-        q = self.q_proj(x).reshape(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
+        T, ids = x.shape[0], fb.lora_ids
+        q = self.q_proj(x, ids).reshape(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x, ids).reshape(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, ids).reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
@@ -109,7 +123,7 @@ class LlamaAttention(nnx.Module):
         scales = None if self.k_scale is None else (self.k_scale[...], self.v_scale[...])
         out, kv = paged_attention(q, k, v, kv, fb, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
                                   soft_cap=self.soft_cap, mesh=self.mesh, kv_scales=scales)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim)), kv
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim), ids), kv
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -121,12 +135,13 @@ class LlamaDecoderLayer(nnx.Module):
                                         mesh=mesh)
         self.post_attention_layernorm = RMSNorm(model_config.hidden_size, eps=eps, dtype=dtype)
         self.mlp = LlamaMLP(model_config.hidden_size, int(cfg.intermediate_size), dtype, rngs,
-                            quantization=getattr(model_config, "quant_scheme", None))
+                            quantization=getattr(model_config, "quant_scheme", None),
+                            lora=lora_slots_of(model_config))
 
     def __call__(self, x: jax.Array, fb: ForwardBatch, kv: LayerKV) -> Tuple[jax.Array, LayerKV]:
         attn_out, kv = self.self_attn(self.input_layernorm(x), fb, kv)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        return x + self.mlp(self.post_attention_layernorm(x), fb.lora_ids), kv
 
 
 class LlamaModel(nnx.Module):

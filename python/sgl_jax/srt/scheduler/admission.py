@@ -74,7 +74,7 @@ def by_policy(reqs: List[Req], policy: str, memory: KVMemory) -> List[Req]:
     turn is ranked by the prefix cache too, not by its session's KV."""
     if policy == "fcfs" or len(reqs) > LPM_MAX_WAITING:
         return reqs
-    return sorted(reqs, key=lambda r: -memory.prefix_match_len(r.fill_ids[:r.max_prefix_len()]))
+    return sorted(reqs, key=lambda r: -memory.prefix_match_len(r.fill_ids[:r.max_prefix_len()], r.cache_namespace))
 
 
 def admission_order(waiting: List[Req], scoring, policy: str = "fcfs", memory: Optional[KVMemory] = None
@@ -257,6 +257,8 @@ class AdmissionPolicy:
         step_budget: the --max-prefill-step-ms chunk limit (None: chunks are --chunked-prefill-size; ignored
             without chunking).
         schedule_policy: --schedule-policy ("fcfs" or "lpm", `by_policy`).
+        lora: the scheduler's `SchedulerLora` (--enable-lora), which gives a request with an adapter its device slot
+            before it is admitted; None: no LoRA.
 
     It also keeps the future-token estimate factor (``new_token_ratio``, SGLang's): INIT_NEW_TOKEN_RATIO at start,
     lowered by NEW_TOKEN_RATIO_DECAY per decode step (`on_decode_step`) down to MIN_NEW_TOKEN_RATIO, and reset
@@ -265,8 +267,9 @@ class AdmissionPolicy:
 
     def __init__(self, *, buckets: ShapeBuckets, max_running_requests: int, max_prefill_tokens: int,
                  chunk_size: Optional[int], memory: KVMemory, scoring,
-                 step_budget: Optional[PrefillStepBudget] = None, schedule_policy: str = "fcfs"):
+                 step_budget: Optional[PrefillStepBudget] = None, schedule_policy: str = "fcfs", lora=None):
         self.schedule_policy = schedule_policy
+        self.lora = lora
         self.buckets = buckets
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
@@ -317,7 +320,8 @@ class AdmissionPolicy:
                 continue
             try:
                 fault_injection.check("schedule", (req.rid,))
-                admitted = adder.add(req)
+                # a LoRA request needs its adapter in a device slot first (every slot busy: it waits)
+                admitted = (req.lora_name is None or self.lora.place(req, adder.can_run)) and adder.add(req)
             except Exception as exc:  # this request cannot be scheduled: fail it, go on with the others
                 failed.append((req, exc))
                 continue

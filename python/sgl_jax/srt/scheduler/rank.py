@@ -193,7 +193,9 @@ class RankScheduler:
         except RequestError as e:
             self.scoring.fail(msg.rid, e.message, e.status_code)
             return
-        self.waiting_queue.append(self.scoring.handle_prefill_request(msg))
+        req = self.scoring.handle_prefill_request(msg)
+        if req is not None:
+            self.waiting_queue.append(req)
 
     def abort(self, msg: AbortReq) -> bool:
         """Abort request (or scoring handle / group) ``msg.rid`` if this rank has it; returns whether it did."""

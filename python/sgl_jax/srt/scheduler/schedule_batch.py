@@ -107,8 +107,15 @@ class Req:
         stream: bool = False,
         score: Optional[ScoreSpec] = None,
         return_routed_experts: bool = False,
+        lora_name: Optional[str] = None,
+        lora_uid: Optional[int] = None,
     ):
         self.rid = rid
+        # its LoRA adapter (scheduler/lora_control.py): the name, the uid (which keys its prefixes in the radix
+        # cache: ``cache_namespace``, mem_cache/cache_manager.py) and, once admitted, its device slot (-1: none)
+        self.lora_name = lora_name
+        self.cache_namespace = lora_uid
+        self.lora_slot = -1
         self.score = score
         # positions whose KV may enter the prefix cache (None: all); a packed scoring sequence shares
         # only its query (none when it has no query: packed embedding inputs).
@@ -210,6 +217,7 @@ class Req:
         self.extend_input_len = 0
         self.is_chunked = False
         self.penalty_slot = None
+        self.lora_slot = -1  # (a slot again when readmitted)
         if not self.input_logprobs_sent:  # the prompt is prefilled again: its input logprobs are recomputed
             self.input_token_logprobs = self.input_top_logprobs = self.input_token_ids_logprobs = None
         self.num_retractions += 1
@@ -499,6 +507,9 @@ class ScheduleBatch:
                 positions[a:b] = sc.rope_positions[s0:s0 + b - a]
                 segment_starts[a:b] = sc.segment_starts[s0:s0 + b - a]
                 prefix_lens[i] = sc.prefix_len
+        lora_ids = None
+        if any(r.lora_slot >= 0 for r in reqs):  # (else the model runner gives every token -1: no adapter)
+            lora_ids = pad_to(np.repeat(np.array([r.lora_slot for r in reqs], np.int32), q_lens), T_pad, value=-1)
         token_types = None
         if any(r.score is not None and r.score.token_types is not None for r in reqs):
             token_types = np.zeros(T_pad, np.int32)  # (an encoder's step: every sequence whole, from 0)
@@ -530,6 +541,7 @@ class ScheduleBatch:
             segment_starts=segment_starts,
             shared_prefix_len=np.asarray(shared, np.int32),
             token_type_ids=token_types,
+            lora_ids=lora_ids,
             forward_mode=step_mode,
         )
         fb = dataclasses.replace(fb, **memory.layer_pool_fields(fb.page_indices, fb.out_cache_loc))

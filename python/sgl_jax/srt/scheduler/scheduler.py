@@ -52,6 +52,8 @@ from sgl_jax.srt.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
     SchedulerInfo,
@@ -61,12 +63,14 @@ from sgl_jax.srt.io_struct import (
     TokenizedGenerateReqInput,
     TokenizedScoreReqInput,
     TokenOut,
+    UnloadLoRAAdapterReqInput,
 )
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
 from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, compute_max_total_tokens, setup_jax
 from sgl_jax.srt.preflight import KVLimits, check_fits
 from sgl_jax.srt.sampling.sampling_batch import stack_vocab_masks
+from sgl_jax.srt.scheduler.lora_control import SchedulerLora
 from sgl_jax.srt.scheduler.admission import AdmissionPolicy
 from sgl_jax.srt.scheduler.grammar_queue import GrammarQueue
 from sgl_jax.srt.scheduler.load_balance import choose_rank
@@ -167,6 +171,9 @@ class Scheduler:
         )
         self.draft_model = (None if draft_mc is None else
                             new_drafter(server_args, self.model_runner, self.buckets, draft_mc))
+        self.lora = None if mc.lora is None else SchedulerLora(
+            mc.lora, server_args.max_loaded_loras, self.model_runner.lora_writer.write, self.live_reqs,
+            server_args.download_dir)
         self.page_size = server_args.page_size
         self.dp_size = server_args.dp_size
         self.load_balance_method = server_args.load_balance_method
@@ -218,6 +225,8 @@ class Scheduler:
                 self.draft_model.runner.restart_compile_count()
         if self.grammar_queue.backend is not None and self.model_runner.generates:  # (embedding servers: no grammar)
             self.grammar_queue.backend.warmup()
+        if self.lora is not None:
+            self.lora.load_initial(server_args.lora_paths)
 
     def _open_sockets(self, port_args) -> None:
         """The ZMQ sockets: requests in from the TokenizerManager, tokens out to the DetokenizerManager, control
@@ -243,11 +252,12 @@ class Scheduler:
                                  context_len=self.context_len, server_args=sa)
         scoring = SchedulerScoring(memory, sa.multi_item_prefill_extend_cache_timeout,
                                    self.send_to_tokenizer.send_pyobj, mc.eos_token_ids, clock=lambda: self.tick_now,
-                                   classify=self.model_runner.classify if self.model_runner.num_labels else None)
+                                   classify=self.model_runner.classify if self.model_runner.num_labels else None,
+                                   lora_uid=self.lora_uid)
         admission = AdmissionPolicy(buckets=self.buckets, max_running_requests=self.max_running_requests,
                                     max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size,
                                     memory=memory, scoring=scoring, step_budget=self.step_budget,
-                                    schedule_policy=sa.schedule_policy)
+                                    schedule_policy=sa.schedule_policy, lora=self.lora)
         config = RankConfig(
             rank=rank, dp_size=self.dp_size, buckets=self.buckets, max_running_requests=self.max_running_requests,
             max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size,
@@ -280,6 +290,8 @@ class Scheduler:
             return_routed_experts=self.model_runner.return_routed_experts,
             weight_bytes_per_device=self.model_runner.weight_bytes,
             quantization=self.model_config.quantization,
+            lora_adapters=None if self.lora is None else self.lora.registry.paths(),
+            lora_slot_bytes=0 if self.lora is None else self.model_runner.lora_writer.slot_bytes,
         )
 
     # ------------------------------------------------------------ RankHooks
@@ -569,6 +581,8 @@ class Scheduler:
                     self.send_to_tokenizer.send_pyobj(self.open_session(msg))
                 elif isinstance(msg, CloseSessionReqInput):
                     self.send_to_tokenizer.send_pyobj(self.close_session(msg))
+                elif isinstance(msg, (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)):
+                    self.send_to_tokenizer.send_pyobj(self.update_lora(msg))
                 elif isinstance(msg, GetInternalStateReq):
                     self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
                 else:
@@ -579,14 +593,15 @@ class Scheduler:
                 if rid is not None:
                     self._send_abort(rid, "internal error while handling the request", 500)
 
-    def assign_rank(self, token_ids) -> RankScheduler:
-        """The rank a new request (or scoring group) goes to, by --load-balance-method (load_balance.py)."""
+    def assign_rank(self, token_ids, namespace=None) -> RankScheduler:
+        """The rank a new request (or scoring group) goes to, by --load-balance-method (load_balance.py);
+        `namespace`: its prefix-cache namespace (a LoRA adapter's uid)."""
         r = 0
         if self.dp_size > 1:
             loads = [rank.num_reqs() for rank in self.ranks]
             matches = None
             if self.load_balance_method == "cache_aware":
-                matches = [rank.memory.prefix_match_len(token_ids) for rank in self.ranks]
+                matches = [rank.memory.prefix_match_len(token_ids, namespace) for rank in self.ranks]
             turn = sum(rank.num_assigned_reqs for rank in self.ranks)  # requests given a rank so far
             r = choose_rank(self.load_balance_method, loads, matches, turn, len(token_ids))
         self.ranks[r].num_assigned_reqs += 1
@@ -631,21 +646,46 @@ class Scheduler:
         if self.speculating:
             req.spec = SpecCounts()
         try:
+            if msg.lora_path is not None:
+                req.lora_name, req.cache_namespace = msg.lora_path, self.lora_uid(msg.lora_path)
             waits_for_grammar = self.grammar_queue.needs_grammar(req)
-        except ValueError as e:
-            self._send_abort(msg.rid, str(e), 400)
+        except (ValueError, RequestError) as e:
+            self._send_abort(msg.rid, getattr(e, "message", str(e)), 400)
             return
         if session is not None:  # (last: a refused request leaves its session as it was)
             req.dp_rank = session.rank
+            session.lora_name = msg.lora_path
             session.register(req, parent, msg.session_params, self.abort_rid, self.tick_now)
         if not waits_for_grammar:
             self.rank_for(req).enqueue(req)
+
+    def lora_uid(self, name: str) -> int:
+        """The uid of loaded LoRA adapter `name` (its requests' prefix-cache namespace). Raises RequestError (400)
+        for an adapter that is not loaded, or on a server without --enable-lora."""
+        if self.lora is None:
+            raise RequestError("lora_path: this server has no LoRA adapters (start it with --enable-lora)")
+        return self.lora.uid_of(name)
+
+    def live_reqs(self):
+        """Every request queued (grammar queue included), running or being chunk-prefilled, on every rank."""
+        for rank in self.ranks:
+            yield from rank.waiting_queue
+            yield from rank.running_batch.reqs
+            if rank.chunked_req is not None:
+                yield rank.chunked_req
+        yield from self.grammar_queue.reqs
+
+    def update_lora(self, msg):
+        """/load_lora_adapter or /unload_lora_adapter (scheduler/lora_control.py)."""
+        if self.lora is None:
+            return LoRAUpdateOutput(False, "LoRA is not enabled; start the server with --enable-lora", None, 400)
+        return self.lora.load(msg) if isinstance(msg, LoadLoRAAdapterReqInput) else self.lora.unload(msg)
 
     def rank_for(self, req: Req) -> RankScheduler:
         """A new request's rank: its session's, else by --load-balance-method."""
         if req.dp_rank is not None:
             return self.ranks[req.dp_rank]
-        return self.assign_rank(req.origin_input_ids)
+        return self.assign_rank(req.origin_input_ids, req.cache_namespace)
 
     def check_session_turn(self, msg: TokenizedGenerateReqInput, session: Session, input_ids) -> None:
         """Checks of a session turn that need its whole prompt (the TokenizerManager saw only the new ids).
@@ -656,6 +696,9 @@ class Scheduler:
                 exceeds the context with the history (SGLang's rule; clipped with --allow-auto-truncate).
         """
         n = len(input_ids)
+        if session.streaming and session.kv.has_kv() and msg.lora_path != session.lora_name:
+            raise SessionError(f"lora_path {msg.lora_path!r} differs from the streaming session's adapter "
+                               f"({session.lora_name!r}), under which its KV was computed")
         if msg.return_logprob and msg.logprob_start_len >= n:
             raise SessionError(f"logprob_start_len ({msg.logprob_start_len}) must be less than the turn's input "
                                f"length ({n}, with the session's history)")
@@ -719,6 +762,7 @@ class Scheduler:
                   "warmup": self.model_runner.warmup_stats,
                   "prefill_step_budget": None if self.step_budget is None else self.step_budget.state(),
                   "moe": None if self.model_runner.moe_stats is None else self.model_runner.moe_stats.state(),
+                  **({} if self.lora is None else self.lora.state()),
                   **({"spec_unified_steps": self.num_spec_unified_steps} if self.speculating else {}),
                   **({"spec_draft_model_steps": self.draft_model.num_draft_steps,
                       "spec_draft_model_failed": self.draft_model.failed} if self.draft_model else {}),

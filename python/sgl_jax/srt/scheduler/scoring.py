@@ -86,12 +86,16 @@ class SchedulerScoring:
         clock: seconds now, for handle TTLs (the scheduler's loop clock: node 0's on every host).
         classify: a sequence-classification model's head, pooled rows float32 [N, hidden] -> logits [N, labels]
             (ModelRunner.classify); None for other models.
+        lora_uid: a LoRA adapter's name -> its uid (RequestError 400 when it is not loaded; the scheduler's
+            `lora_uid`), for requests that name an adapter (``lora_path``).
     """
 
     def __init__(self, memory, handle_timeout_s: float, send: Callable, eos_token_ids: List[int],
                  clock: Callable[[], float] = time.time,
-                 classify: Optional[Callable[[np.ndarray], np.ndarray]] = None):
+                 classify: Optional[Callable[[np.ndarray], np.ndarray]] = None,
+                 lora_uid: Optional[Callable[[str], int]] = None):
         self.memory = memory
+        self.lora_uid = lora_uid
         self.classify = classify
         self.clock = clock
         self.page_size = memory.page_size
@@ -103,9 +107,23 @@ class SchedulerScoring:
         self.num_expired_handles = 0
 
     # ------------------------------------------------------------ requests
-    def _new_req(self, rid: str, input_ids: List[int], spec: ScoreSpec) -> Req:
+    def _new_req(self, rid: str, input_ids: List[int], spec: ScoreSpec, lora: tuple = (None, None)) -> Req:
         sp = SamplingParams(max_new_tokens=0, temperature=0.0)
-        return Req(rid, input_ids, sp, eos_token_ids=self.eos_token_ids, seed=0, score=spec)
+        return Req(rid, input_ids, sp, eos_token_ids=self.eos_token_ids, seed=0, score=spec, lora_name=lora[0],
+                   lora_uid=lora[1])
+
+    def _lora_of(self, rid: str, name: Optional[str]) -> Optional[tuple]:
+        """(adapter name, uid) of a scoring message's ``lora_path`` ((None, None): the base model); None when the
+        adapter is not loaded (the 400 is sent)."""
+        if name is None:
+            return None, None
+        try:
+            if self.lora_uid is None:
+                raise RequestError("lora_path: this server has no LoRA adapters (start it with --enable-lora)")
+            return name, self.lora_uid(name)
+        except RequestError as e:
+            self.fail(rid, e.message, 400)
+            return None
 
     def handle_score_request(self, msg: TokenizedScoreReqInput, limits: KVLimits) -> List[Req]:
         """Turn a score request into Reqs to queue; [] when it fails at once (the error is sent: 400 for a
@@ -122,6 +140,13 @@ class SchedulerScoring:
             prefix = handle.req.origin_input_ids
         if msg.classify and self.classify is None:
             self.fail(msg.rid, "this model has no sequence-classification head", 400)
+            return []
+        lora = self._lora_of(msg.rid, msg.lora_path)
+        if lora is None:
+            return []
+        if handle is not None and handle.req.lora_name != lora[0]:
+            self.fail(msg.rid, f"lora_path {lora[0]!r} differs from the scoring cache handle's "
+                               f"({handle.req.lora_name!r})", 400)
             return []
         reqs = []
         for i, seq in enumerate(msg.seqs):
@@ -140,7 +165,7 @@ class SchedulerScoring:
                 pool_index=None if seq.pool_index is None else list(seq.pool_index),
                 token_types=None if seq.token_types is None else np.asarray(seq.token_types, np.int32),
             )
-            req = self._new_req(f"{msg.rid}/{i}", ids, spec)
+            req = self._new_req(f"{msg.rid}/{i}", ids, spec, lora)
             if handle is not None:
                 aligned = len(prefix) // self.page_size * self.page_size
                 req.prefix_indices = self.memory.row(handle.req)[:aligned].copy()
@@ -152,11 +177,13 @@ class SchedulerScoring:
         self.groups[msg.rid] = ScoreGroup(msg.rid, reqs, pending=len(reqs), classify=msg.classify)
         return reqs
 
-    def handle_prefill_request(self, msg: ScorePrefillReq) -> Req:
-        """A query prefill that becomes handle ``msg.rid`` when done."""
+    def handle_prefill_request(self, msg: ScorePrefillReq) -> Optional[Req]:
+        """A query prefill that becomes handle ``msg.rid`` when done; None when its adapter is not loaded (the
+        400 is sent)."""
         spec = ScoreSpec(group=msg.rid, label_token_ids=[], score_positions=[], handle=msg.rid,
                          is_handle_prefill=True)
-        return self._new_req(msg.rid, list(msg.input_ids), spec)
+        lora = self._lora_of(msg.rid, msg.lora_path)
+        return None if lora is None else self._new_req(msg.rid, list(msg.input_ids), spec, lora)
 
     # ------------------------------------------------------------ after a step
     def collect(self, reqs: List[Req], hidden, first_rows: List[int], starts: List[int],

@@ -73,6 +73,7 @@ class Session:
         self.capacity_of_str_len = capacity_of_str_len
         self.last_active = now
         self.close_on_finish = False
+        self.lora_name: Optional[str] = None  # the LoRA adapter of its turns (a streaming session's KV is its)
         self.req_nodes: Dict[str, SessionReqNode] = {}  # classic: every turn by rid
         if streaming and kv is None:
             raise ValueError("a streaming session needs its KV holder (KVMemory.new_session_kv)")

@@ -137,13 +137,14 @@ class ScoreClient:
             for msg in msgs:
                 self._futures.pop(("score", msg.rid), None)
 
-    async def prefill(self, handle: str, input_ids: List[int]) -> ScoreOut:
-        """Prefill `input_ids` into scoring-cache handle `handle`."""
-        return await self._score(ScorePrefillReq(handle, list(input_ids)))
+    async def prefill(self, handle: str, input_ids: List[int], lora: Optional[str] = None) -> ScoreOut:
+        """Prefill `input_ids` into scoring-cache handle `handle` (under LoRA adapter `lora`, None: the base)."""
+        return await self._score(ScorePrefillReq(handle, list(input_ids), lora_path=lora))
 
-    async def extend(self, rid: str, handle: str, seqs, label_token_ids) -> ScoreOut:
-        """Score `seqs` (ScoreSeq, tokens after the handle's query) extending `handle`."""
-        return await self._score(TokenizedScoreReqInput(rid, seqs, list(label_token_ids), handle=handle))
+    async def extend(self, rid: str, handle: str, seqs, label_token_ids, lora: Optional[str] = None) -> ScoreOut:
+        """Score `seqs` (ScoreSeq, tokens after the handle's query) extending `handle` (same adapter as it)."""
+        return await self._score(TokenizedScoreReqInput(rid, seqs, list(label_token_ids), handle=handle,
+                                                        lora_path=lora))
 
     async def release(self, handle: str, timeout: float = RELEASE_TIMEOUT_S) -> bool:
         """Release a handle; waits up to `timeout` s. A failure is logged, never raised."""
@@ -175,6 +176,7 @@ class ScoreClient:
         tm.check_generates("scoring")
         tm.check_admission(1)  # (503 when shutting down or the queue is full)
         validate_score_input(obj, tm.vocab_size, self.args.max_multi_item_count)
+        tm.check_lora(obj.lora_path)
         bound = tm.max_chars_per_token
         if bound and isinstance(obj.query, str):
             longest = max([len(obj.query)] + [len(t) for t in obj.items])
@@ -191,12 +193,8 @@ class ScoreClient:
         tm.reserve_rid(rid)
         self._live.add(rid)
         try:
-            if algo == "serial":
-                lps = await self._serial(rid, layout, obj.label_token_ids)
-            elif algo == "packed":
-                lps = await self._packed(rid, layout, obj.label_token_ids)
-            else:
-                lps = await self._prefill_extend(rid, layout, obj.label_token_ids)
+            run = {"serial": self._serial, "packed": self._packed}.get(algo, self._prefill_extend)
+            lps = await run(rid, layout, obj.label_token_ids, obj.lora_path)
         except asyncio.CancelledError:
             logger.info("Client disconnected: aborting score request %s", rid)
             raise
@@ -234,10 +232,10 @@ class ScoreClient:
             self._live.discard(rid)
         return [res.embeddings[p][i] for p, i in where]
 
-    async def _serial(self, rid, layout, labels) -> List[List[float]]:
+    async def _serial(self, rid, layout, labels, lora: Optional[str] = None) -> List[List[float]]:
         out = []
         for k, wave in enumerate(chunks(serial_seqs(layout), self.args.multi_item_extend_batch_size)):
-            res = await self._score(TokenizedScoreReqInput(f"{rid}/w{k}", wave, list(labels)))
+            res = await self._score(TokenizedScoreReqInput(f"{rid}/w{k}", wave, list(labels), lora_path=lora))
             out += [seq[0] for seq in res.label_logprobs]
         return out
 
@@ -256,19 +254,20 @@ class ScoreClient:
         limits = self.tm.kv_limits
         return min(self.args.max_multi_item_seq_len, limits.max_req_input_len, limits.kv_pool_tokens - 1)
 
-    async def _packed(self, rid, layout, labels) -> List[List[float]]:
+    async def _packed(self, rid, layout, labels, lora: Optional[str] = None) -> List[List[float]]:
         packs, where = pack_seqs(layout, self._max_pack_len())
-        res = await self._score(TokenizedScoreReqInput(f"{rid}/p", packs, list(labels)))
+        res = await self._score(TokenizedScoreReqInput(f"{rid}/p", packs, list(labels), lora_path=lora))
         return [res.label_logprobs[p][i] for p, i in where]
 
-    async def _prefill_extend(self, rid, layout, labels) -> List[List[float]]:
+    async def _prefill_extend(self, rid, layout, labels, lora: Optional[str] = None) -> List[List[float]]:
         handle = f"{rid}/q"
-        await self.prefill(handle, layout.prefix)
+        await self.prefill(handle, layout.prefix, lora)
         release = None
         try:
             batches = chunks(extend_seqs(layout), self.args.multi_item_extend_batch_size)
             results = await self._score_together(
-                [TokenizedScoreReqInput(f"{rid}/e{k}", b, list(labels), handle=handle) for k, b in enumerate(batches)])
+                [TokenizedScoreReqInput(f"{rid}/e{k}", b, list(labels), handle=handle, lora_path=lora)
+                 for k, b in enumerate(batches)])
             out = []
             for res in results:
                 out += [seq[0] for seq in res.label_logprobs]

@@ -46,6 +46,7 @@ class ScoreReqInput:
     algorithm: Optional[str] = None
     rid: Optional[str] = None
     use_delimiter: bool = True
+    lora_path: Optional[str] = None  # a loaded LoRA adapter's name (None: the base model)
 
 
 def _is_ids(x) -> bool:

@@ -27,6 +27,7 @@ from sgl_jax.srt.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    LoRAUpdateOutput,
     CloseSessionReqInput,
     CloseSessionReqOutput,
     OpenSessionReqInput,
@@ -68,6 +69,7 @@ class GenerateReqInput:
     rid: Optional[str] = None
     session_params: Optional[dict] = None  # SGLang's SessionParams fields (scheduler/sessions.py)
     return_routed_experts: bool = False
+    lora_path: Optional[str] = None  # a loaded LoRA adapter's name (None: the base model)
 
 
 _KEEPING_PRE_TOKENIZERS = {"Sequence", "ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"}
@@ -219,6 +221,10 @@ class TokenizerManager:
         self.context_len = scheduler_info.context_len
         self.vocab_size = scheduler_info.vocab_size
         self.kv_limits = KVLimits.from_info(scheduler_info)
+        # --enable-lora: the loaded adapters (name -> path), kept in step with the scheduler's answers to loads and
+        # unloads; None: no LoRA
+        self.lora_adapters: Optional[Dict[str, str]] = (None if scheduler_info.lora_adapters is None
+                                                        else dict(scheduler_info.lora_adapters))
         ctx = zmq.asyncio.Context(2)
         # no linger, as close() does: a manager dropped without close() (a test's) must not block the
         # interpreter's exit in Context.term() on messages for a scheduler that is gone
@@ -375,6 +381,27 @@ class TokenizerManager:
                 return await asyncio.wait_for(self._control_queue(reply_type).get(), timeout)
             except asyncio.TimeoutError:
                 raise RequestError("The scheduler did not answer in time", 503) from None
+
+    def check_lora(self, name: Optional[str]) -> None:
+        """Raises RequestError (400, param lora_path) unless adapter `name` is loaded (None: the base model)."""
+        if name is None:
+            return
+        if self.lora_adapters is None:
+            raise RequestError(f"lora_path {name!r}: this server serves no LoRA adapters (start it with "
+                               "--enable-lora)", param="lora_path")
+        if name not in self.lora_adapters:
+            raise RequestError(f"LoRA adapter {name!r} is not loaded; loaded adapters: {sorted(self.lora_adapters)}",
+                               param="lora_path")
+
+    async def update_lora(self, obj) -> LoRAUpdateOutput:
+        """/load_lora_adapter (a `LoadLoRAAdapterReqInput`) or /unload_lora_adapter (`UnloadLoRAAdapterReqInput`):
+        the scheduler's answer, whose adapter list this manager then validates requests against. A load may
+        download the adapter: it is given up to 10 minutes."""
+        self.start()
+        out: LoRAUpdateOutput = await self._control_call(obj, LoRAUpdateOutput, timeout=600.0)
+        if out.loaded_adapters is not None and self.lora_adapters is not None:
+            self.lora_adapters = dict(out.loaded_adapters)
+        return out
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._control_call(FlushCacheReq(), FlushCacheReqOutput)
@@ -533,6 +560,7 @@ class TokenizerManager:
         if obj.return_routed_experts and not self.info.return_routed_experts:
             raise RequestError("return_routed_experts needs a mixture-of-experts model served with "
                                "--enable-return-routed-experts", param="return_routed_experts")
+        self.check_lora(obj.lora_path)
         cap = self.server_args.max_top_logprobs_num
         if obj.top_logprobs_num > cap:
             raise RequestError(f"top_logprobs_num ({obj.top_logprobs_num}) exceeds the limit of {cap} "
@@ -611,7 +639,7 @@ class TokenizerManager:
             logprob_start_len=obj.logprob_start_len, top_logprobs_num=obj.top_logprobs_num,
             token_ids_logprob=obj.token_ids_logprob, stream=obj.stream,
             session_params=SessionParams(**obj.session_params) if obj.session_params is not None else None,
-            return_routed_experts=obj.return_routed_experts,
+            return_routed_experts=obj.return_routed_experts, lora_path=obj.lora_path,
         ))
         if self.server_args.log_requests:
             logger.info("Request %s: %d input tokens, %s", rid, len(input_ids), sp)

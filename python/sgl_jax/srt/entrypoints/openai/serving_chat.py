@@ -41,6 +41,7 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     json_response,
     merge_streams,
     sampling_params_from,
+    lora_of,
     session_params_of,
     sse_stream,
     usage,
@@ -234,6 +235,7 @@ async def prepare_chat(tm: TokenizerManager, req: ChatCompletionRequest) -> Chat
     sampling_params = [with_tool_grammar(sampling_params_from(req, max_tokens, seed_offset=k), plan)
                        for k in range(req.n)]
     detectors = reasoning_detectors(tm.server_args.reasoning_parser, req, req.n, is_constrained(sampling_params[0]))
+    lora = lora_of(tm, req)
     prepared = await tm.prepare_fanout([GenerateReqInput(
         input_ids=input_ids,
         sampling_params=sampling_params[k],
@@ -243,6 +245,7 @@ async def prepare_chat(tm: TokenizerManager, req: ChatCompletionRequest) -> Chat
         stream=req.stream,
         rid=f"{req.rid}-{k}" if req.rid else None,
         session_params=session_params_of(req, req.n),
+        lora_path=lora,
     ) for k in range(req.n)])
     return ChatCall(tm, req, plan, detectors, prepared, top_n)
 

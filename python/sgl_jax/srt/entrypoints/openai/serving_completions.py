@@ -19,6 +19,7 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     json_response,
     merge_streams,
     sampling_params_from,
+    lora_of,
     session_params_of,
     sse,
     usage,
@@ -89,7 +90,8 @@ def best_completions(results: list, n: int, per_prompt: int) -> list:
     return chosen
 
 
-def _objs(req: CompletionRequest, prompts, top_logprobs_cap: int, max_n: int = 128) -> List[GenerateReqInput]:
+def _objs(req: CompletionRequest, prompts, top_logprobs_cap: int, max_n: int = 128,
+          lora: Optional[str] = None) -> List[GenerateReqInput]:
     check_top_logprobs("logprobs", req.logprobs, top_logprobs_cap)
     per_prompt = candidates_per_prompt(req, max_n)
     objs = []
@@ -104,6 +106,7 @@ def _objs(req: CompletionRequest, prompts, top_logprobs_cap: int, max_n: int = 1
                 top_logprobs_num=req.logprobs or 0,
                 return_text_in_logprobs=True,
                 session_params=session_params_of(req, len(prompts) * per_prompt),
+                lora_path=lora,
                 stream=req.stream,
                 rid=f"{req.rid}-{len(objs)}" if req.rid else None,
             ))
@@ -126,7 +129,7 @@ async def create_completion(tm: TokenizerManager, req: CompletionRequest, wait: 
     """Serve one /v1/completions request; `wait` awaits the non-streaming work (the HTTP server passes
     one that aborts it when the client disconnects; a None result means it did)."""
     prompts = _prompts(req.prompt)
-    objs = _objs(req, prompts, tm.server_args.max_top_logprobs_num, tm.server_args.max_n)
+    objs = _objs(req, prompts, tm.server_args.max_top_logprobs_num, tm.server_args.max_n, lora_of(tm, req))
     prepared = await tm.prepare_fanout(objs)  # the whole fan-out (prompts x best_of) is admitted or refused
     prompt_texts = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompts]
     rid = f"cmpl-{uuid.uuid4().hex}"

@@ -57,6 +57,36 @@ def finish_reason_str(fr: Optional[dict]) -> Optional[str]:
     return fr.get("type")
 
 
+def lora_of(tm, req) -> Optional[str]:
+    """The LoRA adapter an OpenAI request asks for, as SGLang reads it: ``model: "<base>:<adapter>"`` (split at the
+    first colon), ``model: "<adapter>"`` (a loaded adapter's name), else SGLang's ``lora_path`` field (a one-entry
+    list counts as its entry); the adapter in ``model`` wins. None: the base model. Without --enable-lora the
+    model name is not read (any name is served).
+
+    Raises:
+        RequestError: 400 naming the adapter when it is not loaded (or the server has no LoRA), or a lora_path list
+            of more than one entry.
+    """
+    explicit = req.lora_path
+    if isinstance(explicit, list):
+        if len(explicit) > 1:
+            raise RequestError(f"lora_path has {len(explicit)} entries; an OpenAI request takes one",
+                               param="lora_path")
+        explicit = explicit[0] if explicit else None
+    adapter, model = None, getattr(req, "model", None)
+    if model and tm.lora_adapters is not None:
+        if ":" in model:
+            adapter = model.split(":", 1)[1].strip() or None
+            if adapter is not None and adapter not in tm.lora_adapters:
+                raise RequestError(f"The model '{model}' names LoRA adapter '{adapter}', which is not loaded; "
+                                   f"loaded adapters: {sorted(tm.lora_adapters)}", param="model")
+        elif model in tm.lora_adapters and model != tm.served_model_name:
+            adapter = model
+    adapter = adapter or explicit
+    tm.check_lora(adapter)
+    return adapter
+
+
 def session_params_of(req, num_sequences: int) -> Optional[dict]:
     """The request's ``session_params`` (SGLang's extension) as the TokenizerManager takes them, or None.
 

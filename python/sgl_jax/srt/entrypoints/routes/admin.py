@@ -1,4 +1,5 @@
-"""Operator routes: /get_server_info, /get_load, /flush_cache, /abort_request, and /metrics (a router of its own,
+"""Operator routes: /get_server_info, /get_load, /flush_cache, /abort_request, /load_lora_adapter,
+/unload_lora_adapter, and /metrics (a router of its own,
 included only with --enable-metrics). The admin key guards the mutating ones (entrypoints/http_guards.py)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import logging
 from fastapi import Depends, Request
 from fastapi.responses import Response
 
-from sgl_jax.srt.entrypoints.native_protocol import AbortRequest
+from sgl_jax.srt.entrypoints.native_protocol import AbortRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from sgl_jax.srt.entrypoints.openai.utils import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager
 from sgl_jax.srt.metrics.collector import METRICS_CONTENT_TYPE
@@ -70,6 +71,25 @@ async def get_load(tm: TokenizerManager = Depends(tokenizer_manager)):
 async def flush_cache(tm: TokenizerManager = Depends(tokenizer_manager)):
     out = await tm.flush_cache()
     return Response(out.message, status_code=200 if out.success else 400)
+
+
+def lora_update_response(out) -> Response:
+    """SGLang's LoRAUpdateOutput body (success, error_message, loaded_adapters) with the scheduler's status: 200,
+    400 (a bad or unknown adapter) or 409 (an adapter still in use)."""
+    return json_response({"success": out.success, "error_message": out.error_message,
+                          "loaded_adapters": out.loaded_adapters}, status_code=out.status_code)
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(req: LoadLoRAAdapterRequest, tm: TokenizerManager = Depends(tokenizer_manager)):
+    """Load a PEFT LoRA adapter at run time (no compile: it goes into a fixed slot when first used)."""
+    return lora_update_response(await tm.update_lora(req.to_input()))
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, tm: TokenizerManager = Depends(tokenizer_manager)):
+    """Unload an adapter; 409 while queued or running requests use it."""
+    return lora_update_response(await tm.update_lora(req.to_input()))
 
 
 @router.post("/abort_request")

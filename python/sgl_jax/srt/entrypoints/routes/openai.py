@@ -23,15 +23,26 @@ def model_card(tm: TokenizerManager) -> dict:
             "root": tm.served_model_name, "max_model_len": tm.context_len}
 
 
+def adapter_cards(tm: TokenizerManager) -> list:
+    """One card per loaded LoRA adapter, as SGLang lists them: ``id`` its name, ``root`` its path, ``parent`` the
+    served model (requests name it as ``model: "<adapter>"`` or ``"<base>:<adapter>"``)."""
+    return [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "sgl-jax", "root": path,
+             "parent": tm.served_model_name, "max_model_len": None}
+            for name, path in sorted((tm.lora_adapters or {}).items())]
+
+
 @router.get("/v1/models")
 async def models(tm: TokenizerManager = Depends(tokenizer_manager)):
-    return json_response({"object": "list", "data": [model_card(tm)]})
+    return json_response({"object": "list", "data": [model_card(tm)] + adapter_cards(tm)})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, tm: TokenizerManager = Depends(tokenizer_manager)):
     """OpenAI's models.retrieve: the served model's card; 404 (OpenAI's error body, param ``model``) for any
     other id."""
+    card = next((c for c in adapter_cards(tm) if c["id"] == model_id), None)
+    if card is not None:
+        return json_response(card)
     if model_id != tm.served_model_name:
         raise RequestError(f"The model '{model_id}' does not exist; this server serves '{tm.served_model_name}'",
                            404, param="model")

@@ -1,0 +1,148 @@
+"""The scheduler's LoRA adapters (--enable-lora): which are loaded, which device slot each running request reads,
+and /load_lora_adapter, /unload_lora_adapter.
+
+- A request names its adapter (``lora_path``); it gets the adapter's uid when it arrives (`uid_of`: 400 for an
+  adapter that is not loaded), which also keys its prefixes in the radix cache (`Req.cache_namespace`): one
+  adapter's KV is never another's, nor the base model's.
+- At admission (`SchedulerLora.place`, called by the admission policy) the adapter gets a device slot: the one it
+  is in, a free one, or the least recently used slot no running request reads, whose weights are then written
+  (model_executor/lora_weights.py). When every slot is busy with other adapters the request waits.
+- A load reads the PEFT files and registers the adapter (past --max-loaded-loras the least recently used idle,
+  unpinned one is evicted); nothing is written to the device until a request uses it. An unload answers 409
+  while requests that name the adapter are queued or running (clients retry once they finish).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterable, List, Optional
+
+from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.io_struct import LoadLoRAAdapterReqInput, LoRAUpdateOutput, UnloadLoRAAdapterReqInput
+from sgl_jax.srt.lora.peft_adapter import load_peft_adapter
+from sgl_jax.srt.lora.registry import LoraRegistry, LoraShape, parse_lora_paths
+from sgl_jax.srt.lora.slots import AdapterSlots
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerLora:
+    """LoRA state of a scheduler.
+
+    Args:
+        shape: the compiled slot shape (`LoraShape`).
+        max_loaded: --max-loaded-loras (None: no limit).
+        write_slot: ``(slot, LoraAdapter) -> seconds``: writes an adapter into a device slot
+            (`LoraSlotWriter.write`).
+        live_reqs: () -> every request queued, running or being prefilled, on every rank (what "in use" means).
+        download_dir: --download-dir (hub adapters' cache).
+    """
+
+    def __init__(self, shape: LoraShape, max_loaded: Optional[int], write_slot: Callable,
+                 live_reqs: Callable[[], Iterable], download_dir: Optional[str] = None):
+        self.registry = LoraRegistry(shape, max_loaded)
+        self.slots = AdapterSlots(shape.slots)
+        self.write_slot = write_slot
+        self.live_reqs = live_reqs
+        self.download_dir = download_dir
+        self.num_slot_writes = 0
+        self.last_slot_write_ms: Optional[float] = None
+
+    def load_initial(self, lora_paths: Optional[List[str]]) -> None:
+        """Load the --lora-paths adapters. Raises what `load` would answer with as an error (start-up fails)."""
+        for ref in parse_lora_paths(lora_paths):
+            out = self.load(LoadLoRAAdapterReqInput(ref.lora_name, ref.lora_path, ref.pinned))
+            if not out.success:
+                raise ValueError(f"--lora-paths {ref.lora_name}={ref.lora_path}: {out.error_message}")
+
+    # ------------------------------------------------------------ requests
+    def in_use(self, name: str) -> bool:
+        """Whether a queued or running request names adapter `name`."""
+        return any(getattr(r, "lora_name", None) == name for r in self.live_reqs())
+
+    def uid_of(self, name: str) -> int:
+        """The uid of loaded adapter `name` (marks it used). Raises RequestError (400) naming it otherwise."""
+        try:
+            return self.registry.get(name).uid
+        except KeyError:
+            raise RequestError(f"LoRA adapter {name!r} is not loaded; loaded adapters: "
+                               f"{sorted(self.registry.adapters)}") from None
+
+    def place(self, req, busy_reqs: Iterable) -> bool:
+        """Give `req` (with an adapter) a device slot, writing the adapter's weights there if it is new to the
+        slot; `busy_reqs`: the requests of this admission round so far (their slots are busy too). Returns False
+        when every slot is read by running requests of other adapters.
+
+        Raises:
+            RequestError: the adapter was unloaded or evicted since the request arrived.
+        """
+        loaded = self.registry.adapters.get(req.lora_name)
+        if loaded is None or loaded.uid != req.cache_namespace:
+            raise RequestError(f"LoRA adapter {req.lora_name!r} was unloaded before the request ran")
+        busy = {r.lora_slot for r in list(self.live_running()) + list(busy_reqs) if r is not req}
+        slot, new = self.slots.place(loaded.uid, busy)
+        if slot is None:
+            return False
+        if new:
+            seconds = self.write_slot(slot, loaded.adapter)
+            self.num_slot_writes += 1
+            self.last_slot_write_ms = round(1000 * seconds, 3)
+            logger.info("LoRA adapter %s written into slot %d in %.1f ms", req.lora_name, slot, 1000 * seconds)
+        req.lora_slot = slot
+        return True
+
+    def live_running(self) -> Iterable:
+        """Requests that hold a slot now (admitted: running or being prefilled)."""
+        return (r for r in self.live_reqs() if getattr(r, "lora_slot", -1) >= 0 and r.req_pool_idx is not None)
+
+    # ------------------------------------------------------------ control
+    def load(self, msg: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        """/load_lora_adapter: read the adapter and register it (400 with the reason when it cannot be)."""
+        t0 = time.perf_counter()
+        try:
+            if not msg.lora_name:
+                raise ValueError("lora_name must not be empty")
+            if msg.lora_name in self.registry.adapters:
+                raise ValueError(f"LoRA adapter {msg.lora_name!r} is already loaded; unload it first")
+            adapter = load_peft_adapter(msg.lora_name, msg.lora_path, cache_dir=self.download_dir)
+            loaded, evicted = self.registry.add(adapter, msg.pinned, self.in_use)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            return LoRAUpdateOutput(False, str(e), self.registry.paths(), 400)
+        for name_uid in evicted:
+            logger.info("LoRA adapter %s evicted (--max-loaded-loras %d reached)", name_uid, self.registry.capacity)
+        self._drop_stale_slots()
+        seconds = time.perf_counter() - t0
+        logger.info("LoRA adapter %s loaded from %s (rank %d, %s) in %.2f s", msg.lora_name, msg.lora_path,
+                    loaded.adapter.rank, ", ".join(loaded.adapter.targets), seconds)
+        return LoRAUpdateOutput(True, None, self.registry.paths(), 200, load_seconds=seconds)
+
+    def unload(self, msg: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        """/unload_lora_adapter: 400 for an adapter that is not loaded, 409 while requests use it."""
+        if msg.lora_name not in self.registry.adapters:
+            return LoRAUpdateOutput(False, f"LoRA adapter {msg.lora_name!r} is not loaded; loaded adapters: "
+                                    f"{sorted(self.registry.adapters)}", self.registry.paths(), 400)
+        if self.in_use(msg.lora_name):
+            return LoRAUpdateOutput(False, f"LoRA adapter {msg.lora_name!r} is in use by queued or running requests; "
+                                    "unload it once they finish", self.registry.paths(), 409)
+        self.registry.remove(msg.lora_name)
+        self._drop_stale_slots()
+        logger.info("LoRA adapter %s unloaded", msg.lora_name)
+        return LoRAUpdateOutput(True, None, self.registry.paths(), 200)
+
+    def _drop_stale_slots(self) -> None:
+        """Free the slots of adapters no longer registered (their weights stay until the slot is reused; no
+        request reads them)."""
+        live = {a.uid for a in self.registry.adapters.values()}
+        for _, uid in self.slots.occupied():
+            if uid not in live:
+                self.slots.drop(uid)
+
+    def state(self) -> dict:
+        """The internal-state entries: loaded adapters, occupied slots (slot -> adapter), slot writes so far and
+        the last one's host-side time in ms (dispatch of the device writes; the device runs them before the next
+        step)."""
+        names = {a.uid: n for n, a in self.registry.adapters.items()}
+        return {"lora_adapters": sorted(self.registry.adapters),
+                "lora_slots": {str(s): names.get(u) for s, u in self.slots.occupied()},
+                "lora_slot_writes": self.num_slot_writes, "lora_last_slot_write_ms": self.last_slot_write_ms}
