@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import time
 
 import httpx
 import numpy as np
@@ -27,6 +28,7 @@ from srt_helpers import ServerProcess, check_clean, wait_pool_idle
 torch.set_num_threads(1)
 
 STEPS = 32
+LONG = 1500  # tokens of the requests that run while adapters are loaded, used and unloaded
 LOGPROB_TOL = 1e-3
 # name -> (rank, targets, rsLoRA)
 ADAPTERS = {
@@ -194,7 +196,9 @@ def test_load_use_unload_under_load_without_compiles(server, lora_models, refere
     _, _, dirs, prompts = lora_models
     url = server.url
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(generate, url, prompts[i % 8], "r8_all_rs", 200) for i in range(3)]
+        running = [pool.submit(generate, url, prompts[i], "r8_all_rs", LONG) for i in range(3)]
+        while httpx.get(url + "/get_server_info").json()["internal_states"][0]["num_running_reqs"] < 3:
+            time.sleep(0.05)
         for name in ("r4_qv", "r16_mlp", "r16_attn"):  # r8_all_rs's slot becomes the least recently used one
             generate(url, prompts[0], name, 2)
         r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "late_r8", "lora_path": dirs["late_r8"]})
@@ -204,12 +208,15 @@ def test_load_use_unload_under_load_without_compiles(server, lora_models, refere
         assert_matches(generate(url, prompts[2], "late_r8"), references["late_r8"][2], "late_r8")
         slots = httpx.get(url + "/get_server_info").json()["internal_states"][0]["lora_slots"]
         assert len(slots) == 4 and "late_r8" in slots.values() and "r8_all_rs" in slots.values(), slots
+        assert not any(f.done() for f in running), "the long requests ended before the slot was reused"
         busy = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "r8_all_rs"})
         assert busy.status_code == 409 and "in use" in busy.json()["error_message"], busy.text
         r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "r16_attn"})
         assert r.status_code == 200 and "r16_attn" not in r.json()["loaded_adapters"], r.text
-        for i, f in enumerate(running):  # (their slot was never reused while they ran)
-            assert f.result()["output_ids"][:STEPS] == references["r8_all_rs"][i][0], i
+        during = [f.result()["output_ids"] for f in running]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # (their slot was never reused while they ran)
+        after = list(pool.map(lambda i: generate(url, prompts[i], "r8_all_rs", LONG)["output_ids"], range(3)))
+    assert during == after and during[0][:STEPS] == references["r8_all_rs"][0][0]
     gone = httpx.post(url + "/generate", json={"input_ids": prompts[0], "lora_path": "r16_attn"})
     assert gone.status_code == 400 and "r16_attn" in gone.text
     # reload it, and the adapters keep matching PEFT after their slots were reused
