@@ -74,7 +74,8 @@ from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
 from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.kernels.ragged_paged_attention.backend import describe as describe_attention
-from sgl_jax.srt.model_executor.model_runner import ModelRunner, compute_max_total_tokens, setup_jax
+from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
+from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import configure_logging

@@ -169,7 +169,7 @@ def plan(models: Sequence[str] = tuple(MODELS), tp_sizes: Sequence[int] = TP_SIZ
     (sequences of `SEQ_LEN` tokens). `quantization` / `kv_cache_dtype`: the ``--quantization`` and
     ``--kv-cache-dtype`` flags (bfloat16 weights and KV when not given); rows carry both."""
     from sgl_jax.srt.distributed.sharding import check_tp, padded_kv_heads
-    from sgl_jax.srt.model_executor.model_runner import kv_bytes_per_token
+    from sgl_jax.srt.model_executor.memory_budget import kv_bytes_per_token
 
     rows = []
     for name in models:
@@ -256,7 +256,7 @@ def moe_plan(models: Sequence[str] = tuple(MOE_MODELS), ep_sizes: Sequence[int] 
     device columns as `plan`'s rows. `quantization`: the ``--quantization`` flag (linear layers and stacked
     experts in one byte per value with their scales); rows then carry it."""
     from sgl_jax.srt.distributed.sharding import STACKED_EXPERTS, padded_kv_heads
-    from sgl_jax.srt.model_executor.model_runner import kv_bytes_per_token
+    from sgl_jax.srt.model_executor.memory_budget import kv_bytes_per_token
 
     rows = []
     for name in models:

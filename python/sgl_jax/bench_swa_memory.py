@@ -63,7 +63,7 @@ class KVLayout:
 def kv_layout(model_path: Optional[str], tokenizer_path: Optional[str] = None, dtype: str = "float32") -> KVLayout:
     """The KV layout of `model_path` (anything --model-path takes) in `dtype`, from its config."""
     from sgl_jax.srt.configs.model_config import ModelConfig
-    from sgl_jax.srt.model_executor.model_runner import kv_bytes_per_token
+    from sgl_jax.srt.model_executor.memory_budget import kv_bytes_per_token
     from sgl_jax.srt.server_args import ServerArgs
 
     mc = ModelConfig.from_server_args(ServerArgs(model_path=model_path, tokenizer_path=tokenizer_path, dtype=dtype),

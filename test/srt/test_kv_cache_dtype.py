@@ -14,7 +14,7 @@ import torch
 import jax.numpy as jnp
 
 from sgl_jax.srt.kernels.ragged_paged_attention.ref import to_cache_dtype
-from sgl_jax.srt.model_executor.model_runner import kv_bytes_per_token, kv_cache_dtype
+from sgl_jax.srt.model_executor.memory_budget import kv_bytes_per_token, kv_cache_dtype
 from sgl_jax.srt.server_args import ServerArgs
 from srt_helpers import SMALL_ENGINE_ARGS, checked_engine
 

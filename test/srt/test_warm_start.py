@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from sgl_jax.srt.model_executor.model_runner import TEST_AVAILABLE_MEMORY_ENV, stable_pool_tokens
+from sgl_jax.srt.model_executor.memory_budget import TEST_AVAILABLE_MEMORY_ENV, stable_pool_tokens
 from srt_helpers import save_tiny_llama, server_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -81,7 +81,7 @@ def test_device_kv_budget_counts_the_weights_once():
     """--mem-fraction-static is the share of a TPU/GPU's memory for weights + KV (SGLang's meaning): on a device
     whose allocator limit is 60 GB, with 16 GB of weights loaded (in use), 0.8 leaves 48 - 16 = 32 GB of KV. The
     old formula, 0.8 x (60 - 16) - 16 = 19.2 GB, counted the weights twice."""
-    from sgl_jax.srt.model_executor.model_runner import device_kv_budget_bytes
+    from sgl_jax.srt.model_executor.memory_budget import device_kv_budget_bytes
 
     GB = 10**9
     assert device_kv_budget_bytes(60 * GB, 16 * GB, 16 * GB, 0.8) == 32 * GB
@@ -94,13 +94,13 @@ def test_compute_max_total_tokens_on_a_device_uses_the_allocator_figures(monkeyp
     device_kv_budget_bytes (JAX's own figures replaced by fixed numbers: this machine has no accelerator)."""
     from types import SimpleNamespace
 
-    from sgl_jax.srt.model_executor import model_runner
+    from sgl_jax.srt.model_executor import memory_budget
     from sgl_jax.srt.server_args import ServerArgs
 
-    monkeypatch.delenv(model_runner.TEST_AVAILABLE_MEMORY_ENV, raising=False)
-    monkeypatch.setattr(model_runner, "_device_memory_bytes", lambda: (60 * 2**30, 16 * 2**30))
-    monkeypatch.setattr(model_runner, "kv_bytes_per_token", lambda *a, **k: 2**20)  # 1 MiB per token
+    monkeypatch.delenv(memory_budget.TEST_AVAILABLE_MEMORY_ENV, raising=False)
+    monkeypatch.setattr(memory_budget, "_device_memory_bytes", lambda: (60 * 2**30, 16 * 2**30))
+    monkeypatch.setattr(memory_budget, "kv_bytes_per_token", lambda *a, **k: 2**20)  # 1 MiB per token
     mc = SimpleNamespace()
-    tokens = model_runner.compute_max_total_tokens(ServerArgs(), mc, 16 * 2**30, "gpu")
+    tokens = memory_budget.compute_max_total_tokens(ServerArgs(), mc, 16 * 2**30, "gpu")
     budget = int(0.8 * 60 * 1024) - 16 * 1024  # MiB: 0.8 of the limit, less what is in use = 32,768 tokens
     assert tokens == stable_pool_tokens(budget, 1) == 32768

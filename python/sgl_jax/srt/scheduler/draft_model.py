@@ -41,7 +41,8 @@ from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatc
 from sgl_jax.srt.mem_cache.kv_memory import KVCacheSpec
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.draft_runners import DraftModelRunner
-from sgl_jax.srt.model_executor.model_runner import ModelRunner, kv_bytes_per_token
+from sgl_jax.srt.model_executor.memory_budget import kv_bytes_per_token
+from sgl_jax.srt.model_executor.model_runner import ModelRunner
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES
 from sgl_jax.srt.models.registry import get_model_class
 from sgl_jax.srt.sampling.sampling_batch import SamplingBatch

@@ -146,3 +146,19 @@ class SchedulerLora:
         return {"lora_adapters": sorted(self.registry.adapters),
                 "lora_slots": {str(s): names.get(u) for s, u in self.slots.occupied()},
                 "lora_slot_writes": self.num_slot_writes, "lora_last_slot_write_ms": self.last_slot_write_ms}
+
+
+def lora_uid(lora: Optional[SchedulerLora], name: str) -> int:
+    """The uid of loaded LoRA adapter `name` (its requests' prefix-cache namespace). Raises RequestError (400) for
+    an adapter that is not loaded, or on a server without --enable-lora (`lora` None)."""
+    if lora is None:
+        raise RequestError("lora_path: this server has no LoRA adapters (start it with --enable-lora)")
+    return lora.uid_of(name)
+
+
+def update_lora(lora: Optional[SchedulerLora], msg) -> LoRAUpdateOutput:
+    """/load_lora_adapter (a LoadLoRAAdapterReqInput) or /unload_lora_adapter: `lora`'s answer, or 400 without
+    --enable-lora."""
+    if lora is None:
+        return LoRAUpdateOutput(False, "LoRA is not enabled; start the server with --enable-lora", None, 400)
+    return lora.load(msg) if isinstance(msg, LoadLoRAAdapterReqInput) else lora.unload(msg)

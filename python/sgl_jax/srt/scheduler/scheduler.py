@@ -53,7 +53,6 @@ from sgl_jax.srt.io_struct import (
     GetInternalStateReq,
     GetInternalStateReqOutput,
     LoadLoRAAdapterReqInput,
-    LoRAUpdateOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
     SchedulerInfo,
@@ -67,10 +66,11 @@ from sgl_jax.srt.io_struct import (
 )
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
 from sgl_jax.srt.model_executor.buckets import derive_limits
-from sgl_jax.srt.model_executor.model_runner import ModelRunner, compute_max_total_tokens, setup_jax
+from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
+from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.preflight import KVLimits, check_fits
 from sgl_jax.srt.sampling.sampling_batch import stack_vocab_masks
-from sgl_jax.srt.scheduler.lora_control import SchedulerLora
+from sgl_jax.srt.scheduler.lora_control import SchedulerLora, lora_uid, update_lora
 from sgl_jax.srt.scheduler.admission import AdmissionPolicy
 from sgl_jax.srt.scheduler.grammar_queue import GrammarQueue
 from sgl_jax.srt.scheduler.load_balance import choose_rank
@@ -80,7 +80,7 @@ from sgl_jax.srt.scheduler.overlap import LaunchedStep, may_choose_ahead
 from sgl_jax.srt.scheduler.rank import RankConfig, RankScheduler
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_abort, step_shape
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
-from sgl_jax.srt.scheduler.sessions import Session, SessionController, SessionError
+from sgl_jax.srt.scheduler.sessions import Session, SessionController, SessionError, check_turn
 from sgl_jax.srt.scheduler.draft_model import draft_reserve
 from sgl_jax.srt.scheduler.drafters import draft_model_config, new_drafter
 from sgl_jax.srt.scheduler.spec_costs import batch_rule_on, measure_step_costs
@@ -582,7 +582,7 @@ class Scheduler:
                 elif isinstance(msg, CloseSessionReqInput):
                     self.send_to_tokenizer.send_pyobj(self.close_session(msg))
                 elif isinstance(msg, (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)):
-                    self.send_to_tokenizer.send_pyobj(self.update_lora(msg))
+                    self.send_to_tokenizer.send_pyobj(update_lora(self.lora, msg))
                 elif isinstance(msg, GetInternalStateReq):
                     self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
                 else:
@@ -619,7 +619,7 @@ class Scheduler:
             try:
                 session = self.sessions.get(msg.session_params.id)
                 input_ids, parent = session.build_input(msg.session_params, msg.input_ids, self.session_bos_id)
-                self.check_session_turn(msg, session, input_ids)
+                check_turn(msg, session, input_ids, self.context_len, self.server_args.allow_auto_truncate)
             except SessionError as e:
                 self._send_abort(msg.rid, e.message, e.status_code)
                 return
@@ -660,11 +660,8 @@ class Scheduler:
             self.rank_for(req).enqueue(req)
 
     def lora_uid(self, name: str) -> int:
-        """The uid of loaded LoRA adapter `name` (its requests' prefix-cache namespace). Raises RequestError (400)
-        for an adapter that is not loaded, or on a server without --enable-lora."""
-        if self.lora is None:
-            raise RequestError("lora_path: this server has no LoRA adapters (start it with --enable-lora)")
-        return self.lora.uid_of(name)
+        """The uid of loaded LoRA adapter `name` (`lora_control.lora_uid`)."""
+        return lora_uid(self.lora, name)
 
     def live_reqs(self):
         """Every request queued (grammar queue included), running or being chunk-prefilled, on every rank."""
@@ -675,43 +672,11 @@ class Scheduler:
                 yield rank.chunked_req
         yield from self.grammar_queue.reqs
 
-    def update_lora(self, msg):
-        """/load_lora_adapter or /unload_lora_adapter (scheduler/lora_control.py)."""
-        if self.lora is None:
-            return LoRAUpdateOutput(False, "LoRA is not enabled; start the server with --enable-lora", None, 400)
-        return self.lora.load(msg) if isinstance(msg, LoadLoRAAdapterReqInput) else self.lora.unload(msg)
-
     def rank_for(self, req: Req) -> RankScheduler:
         """A new request's rank: its session's, else by --load-balance-method."""
         if req.dp_rank is not None:
             return self.ranks[req.dp_rank]
         return self.assign_rank(req.origin_input_ids, req.cache_namespace)
-
-    def check_session_turn(self, msg: TokenizedGenerateReqInput, session: Session, input_ids) -> None:
-        """Checks of a session turn that need its whole prompt (the TokenizerManager saw only the new ids).
-
-        Raises:
-            SessionError: 400 -- input logprobs from before a streaming turn's new tokens (that KV is reused,
-                not recomputed), a logprob_start_len past the prompt, or an explicit max_new_tokens that
-                exceeds the context with the history (SGLang's rule; clipped with --allow-auto-truncate).
-        """
-        n = len(input_ids)
-        if session.streaming and session.kv.has_kv() and msg.lora_path != session.lora_name:
-            raise SessionError(f"lora_path {msg.lora_path!r} differs from the streaming session's adapter "
-                               f"({session.lora_name!r}), under which its KV was computed")
-        if msg.return_logprob and msg.logprob_start_len >= n:
-            raise SessionError(f"logprob_start_len ({msg.logprob_start_len}) must be less than the turn's input "
-                               f"length ({n}, with the session's history)")
-        history = len(session.kv.history_ids()) if session.streaming else 0
-        if history and msg.return_logprob and 0 <= msg.logprob_start_len < history:
-            raise SessionError(f"A streaming session's turn reuses its history's KV: input logprobs start at "
-                               f"logprob_start_len >= {history} (the history's length)")
-        sp = msg.sampling_params
-        if sp.max_new_tokens is not None and n + sp.max_new_tokens > self.context_len:
-            if not self.server_args.allow_auto_truncate:
-                raise SessionError(f"Requested token count exceeds the model's maximum context length of "
-                                   f"{self.context_len} tokens: {n} tokens of input (with the session's history) "
-                                   f"and {sp.max_new_tokens} tokens for the completion")
 
     def abort_rid(self, rid: str, message: str) -> None:
         """Abort request `rid` wherever it is (a classic session's replaced turn)."""

@@ -291,3 +291,32 @@ class SessionController:
 
     def on_rank(self, rank: int) -> List[Session]:
         return [s for s in self.sessions.values() if s.rank == rank]
+
+
+def check_turn(msg, session: Session, input_ids, context_len: int, allow_auto_truncate: bool) -> None:
+    """Checks of a session turn (`msg`, a TokenizedGenerateReqInput) that need its whole prompt `input_ids` (the
+    TokenizerManager saw only the new ids); the scheduler runs them before queueing the turn.
+
+    Raises:
+        SessionError: 400 -- another LoRA adapter than the one a streaming session's KV was computed under, input
+            logprobs from before a streaming turn's new tokens (that KV is reused, not recomputed), a
+            logprob_start_len past the prompt, or an explicit max_new_tokens that exceeds the context with the
+            history (SGLang's rule; clipped with --allow-auto-truncate).
+    """
+    n = len(input_ids)
+    if session.streaming and session.kv.has_kv() and msg.lora_path != session.lora_name:
+        raise SessionError(f"lora_path {msg.lora_path!r} differs from the streaming session's adapter "
+                           f"({session.lora_name!r}), under which its KV was computed")
+    if msg.return_logprob and msg.logprob_start_len >= n:
+        raise SessionError(f"logprob_start_len ({msg.logprob_start_len}) must be less than the turn's input "
+                           f"length ({n}, with the session's history)")
+    history = len(session.kv.history_ids()) if session.streaming else 0
+    if history and msg.return_logprob and 0 <= msg.logprob_start_len < history:
+        raise SessionError(f"A streaming session's turn reuses its history's KV: input logprobs start at "
+                           f"logprob_start_len >= {history} (the history's length)")
+    sp = msg.sampling_params
+    if sp.max_new_tokens is not None and n + sp.max_new_tokens > context_len:
+        if not allow_auto_truncate:
+            raise SessionError(f"Requested token count exceeds the model's maximum context length of "
+                               f"{context_len} tokens: {n} tokens of input (with the session's history) "
+                               f"and {sp.max_new_tokens} tokens for the completion")
