@@ -104,9 +104,9 @@ def references(lora_models):
             for name in [None] + list(ADAPTERS)}
 
 
-def lora_server_args(lora_models, tp: int = 1) -> list:
+def lora_server_args(lora_models, tp: int = 1, extra=()) -> list:
     model_dir, tok, dirs, _ = lora_models
-    return ["--model-path", model_dir, "--tokenizer-path", tok, "--served-model-name", "tiny",
+    return [*extra, "--model-path", model_dir, "--tokenizer-path", tok, "--served-model-name", "tiny",
             "--lora-paths", *[f"{n}={dirs[n]}" for n in STARTUP], "--max-loras-per-batch", "4",
             "--max-lora-rank", "16", "--lora-target-modules", "all", "--max-loaded-loras", "5",
             "--tp-size", str(tp), "--log-level", "info"]
@@ -238,6 +238,12 @@ def test_openai_models_scores_and_errors(server, lora_models, references):
     model_dir, _, dirs, prompts = lora_models
     url = server.url
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    # the slots are counted with the weights (before the KV pool is sized): the model's bytes + 4 slots
+    from safetensors.numpy import load_file
+
+    info = httpx.get(url + "/get_server_info").json()["scheduler_info"]
+    model_bytes = sum(a.nbytes for a in load_file(os.path.join(model_dir, "model.safetensors")).values())
+    assert info["weight_bytes_per_device"] == model_bytes + 4 * info["lora_slot_bytes"] > model_bytes
     listed = {m.id: m for m in client.models.list().data}
     assert listed["tiny"].root == "tiny" and {"r4_qv", "r16_mlp"} <= set(listed)
     assert listed["r4_qv"].parent == "tiny" and listed["r4_qv"].root == dirs["r4_qv"]
@@ -280,13 +286,19 @@ def test_tensor_parallel_2_equals_1(lora_models, server):
     """The mixed batch on a tp 2 server (2 virtual CPU devices): token-identical to tp 1, logprobs within 1e-3."""
     _, _, _, prompts = lora_models
     jobs = [(name, i) for i in range(3) for name in [None, "r4_qv", "r8_all_rs", "r16_mlp"]]
-    tp2 = ServerProcess(lora_server_args(lora_models, tp=2),
+    admin = {"Authorization": "Bearer admin-key"}
+    tp2 = ServerProcess(lora_server_args(lora_models, tp=2, extra=("--admin-api-key", "admin-key")),
                         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"})
     try:
+        # with --admin-api-key the adapter endpoints need it
+        r = httpx.post(tp2.url + "/unload_lora_adapter", json={"lora_name": "r16_attn"})
+        assert r.status_code == 401, r.text
+        r = httpx.post(tp2.url + "/unload_lora_adapter", json={"lora_name": "r16_attn"}, headers=admin)
+        assert r.status_code == 200, r.text
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             two = list(pool.map(lambda j: generate(tp2.url, prompts[j[1]], j[0], 16), jobs))
     finally:
-        tp2.stop_checked()
+        tp2.stop_checked(admin)
     for job, out in zip(jobs, two):
         one = generate(server.url, prompts[job[1]], job[0], 16)
         toks, lps = tokens_and_logprobs(out)

@@ -62,7 +62,7 @@ class Linear(nnx.Module):
             output channel, or [out, in / group_size] per group of input features (GGUF blocks, HF FP8 blocks),
             with ``weight_min`` [out, in / group_size] where groups carry an offset (GGUF Q4_1). The loader fills
             them from a float checkpoint or a pre-quantized one (model_loader/loader.py).
-        lora: (slots n, rank R, backend): LoRA adapter slots ``lora_a`` [n, R, in] and ``lora_b`` [n, out, R] in
+        lora: (slots n, rank R, backend): LoRA adapter slots ``lora_a`` [n, R, in] and ``lora_b`` [n, R, out] in
             `dtype` (zeros until an adapter is written into a slot; layers/lora.py), used when a call passes
             ``lora_ids``; None: no slots.
     Raises:
@@ -90,7 +90,7 @@ class Linear(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         n, rank, self.lora_backend = lora if lora is not None else (0, 0, None)
         self.lora_a = nnx.Param(jnp.zeros((n, rank, in_features), dtype)) if lora is not None else None
-        self.lora_b = nnx.Param(jnp.zeros((n, out_features, rank), dtype)) if lora is not None else None
+        self.lora_b = nnx.Param(jnp.zeros((n, rank, out_features), dtype)) if lora is not None else None
 
     def __call__(self, x: jax.Array, lora_ids: Optional[jax.Array] = None) -> jax.Array:
         """x: [..., in_features] -> [..., out_features] in the layer's dtype; `lora_ids` int32[T] (x [T, in]):

@@ -1,6 +1,6 @@
 """The batched LoRA update of a linear layer: every token adds ``B[s] (A[s] x)`` of its request's adapter slot s.
 
-The adapters of a batch sit in fixed device slots (`lora_a` [n, R, in], `lora_b` [n, out, R], rank padded to R
+The adapters of a batch sit in fixed device slots (`lora_a` [n, R, in], `lora_b` [n, R, out], rank padded to R
 with zeros, PEFT's scaling folded into B: srt/lora/), so loading an adapter writes data and never changes the
 compiled program. Each token carries its slot id (`ForwardBatch.lora_ids`, -1: no adapter) and the update is
 computed in the same jit as the base matmul (Punica's / SGLang's segmented gather-matmul idea: Chen et al.,
@@ -25,7 +25,9 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, ids: jax.Array, backend
 
     Args:
         x: [T, in] activations.
-        a: [n, R, in] every slot's A; b: [n, out, R] every slot's B, scaling included.
+        a: [n, R, in] every slot's A; b: [n, R, out] every slot's B transposed, scaling included (both
+            layouts make the dense backend's two products plain [T, k] x [k, m] matrix products, with no
+            transposed copy of the slots per call).
         ids: int32[T] each token's slot, -1 for none (its update is 0).
         backend: one of `LORA_BACKENDS` (module docstring).
     Returns:
@@ -39,14 +41,15 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, ids: jax.Array, backend
         xa = jax.lax.dot_general(x, a.reshape(n * r, k), (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)  # [T, n R]
         mine = (ids[:, None] == jnp.arange(n, dtype=ids.dtype)[None, :]).astype(jnp.float32)  # [T, n]
-        xa = (xa.reshape(-1, n, r) * mine[:, :, None]).astype(b.dtype)
-        return jax.lax.dot_general(xa, b, (((1, 2), (0, 2)), ((), ())), preferred_element_type=jnp.float32)
+        xa = (xa.reshape(-1, n, r) * mine[:, :, None]).reshape(-1, n * r).astype(b.dtype)
+        return jax.lax.dot_general(xa, b.reshape(n * r, -1), (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
     if backend == "ragged":
         group = jnp.where(ids < 0, n, ids)  # no adapter: an extra group of zero weights
         order = jnp.argsort(group, stable=True)
         sizes = jnp.bincount(group, length=n + 1).astype(jnp.int32)
         a_t = jnp.concatenate([a, jnp.zeros((1, r, k), a.dtype)]).transpose(0, 2, 1)  # [n + 1, in, R]
-        b_t = jnp.concatenate([b, jnp.zeros((1,) + b.shape[1:], b.dtype)]).transpose(0, 2, 1)  # [n + 1, R, out]
+        b_t = jnp.concatenate([b, jnp.zeros((1,) + b.shape[1:], b.dtype)])  # [n + 1, R, out]
         xa = jax.lax.ragged_dot(x[order], a_t, sizes, preferred_element_type=jnp.float32)
         y = jax.lax.ragged_dot(xa.astype(b.dtype), b_t, sizes, preferred_element_type=jnp.float32)
         return jnp.zeros_like(y).at[order].set(y)

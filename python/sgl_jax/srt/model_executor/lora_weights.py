@@ -1,6 +1,6 @@
 """Writing LoRA adapters into the model's device slots (layers/lora.py) without compiling anything while serving.
 
-Every targeted linear layer holds ``lora_a`` [n, R, in] and ``lora_b`` [n, out, R] parameters (zeros at load,
+Every targeted linear layer holds ``lora_a`` [n, R, in] and ``lora_b`` [n, R, out] parameters (zeros at load,
 model_loader/loader.py). Writing adapter weights into slot s replaces slot s of each of them through one jitted
 ``dynamic_update_index_in_dim`` per distinct parameter shape, donated and compiled at warm-up
 (`LoraSlotWriter.warmup_programs`), so the forward programs see new data, never a new program. Only the written
@@ -86,7 +86,8 @@ class LoraSlotWriter:
         return out
 
     def _host_values(self, adapter, layer: int, module: str, shape_a: tuple, shape_b: tuple):
-        """(A [R, in], B [out, R]) float32 of `adapter` (None: zeros) for one layer's module, rank-padded."""
+        """(A [R, in], B transposed [R, out]) float32 of `adapter` (None: zeros) for one layer's module,
+        rank-padded."""
         a_pad, b_pad = np.zeros(shape_a, np.float32), np.zeros(shape_b, np.float32)
         w = None if adapter is None else adapter.weights.get((layer, module))
         if w is not None:
@@ -94,10 +95,10 @@ class LoraSlotWriter:
             r = a.shape[0]
             if module in ("k_proj", "v_proj") and self.padded_kv_heads != self.kv_heads:
                 b = replicate_kv_rows(b, self.kv_heads, self.padded_kv_heads)
-            if a.shape[1] != shape_a[1] or b.shape[0] != shape_b[0]:
+            if a.shape[1] != shape_a[1] or b.shape[0] != shape_b[1]:
                 raise ValueError(f"LoRA adapter {adapter.name!r}: layer {layer} {module} is [{b.shape[0]} x "
-                                 f"{a.shape[1]}], the model's is [{shape_b[0]} x {shape_a[1]}] (another base model?)")
-            a_pad[:r], b_pad[:, :r] = a, b
+                                 f"{a.shape[1]}], the model's is [{shape_b[1]} x {shape_a[1]}] (another base model?)")
+            a_pad[:r], b_pad[:r] = a, b.T
         return a_pad, b_pad
 
     def write(self, slot: int, adapter: Optional[object]) -> float:
