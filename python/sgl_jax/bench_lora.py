@@ -104,7 +104,7 @@ def op_timings(shapes: dict, num_slots: int, rank: int, sizes=(16, 2048), repeat
     for proj in ("q_proj", "down_proj"):
         n_in, n_out = shapes[proj]
         a = jnp.asarray(rng.standard_normal((num_slots, rank, n_in)), jnp.float32)
-        b = jnp.asarray(rng.standard_normal((num_slots, n_out, rank)), jnp.float32)
+        b = jnp.asarray(rng.standard_normal((num_slots, rank, n_out)), jnp.float32)
         w = jnp.asarray(rng.standard_normal((n_out, n_in)), jnp.float32)
         for t in sizes:
             x = jnp.asarray(rng.standard_normal((t, n_in)), jnp.float32)

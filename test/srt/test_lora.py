@@ -41,6 +41,20 @@ ADAPTERS = {
 STARTUP = ["r4_qv", "r8_all_rs", "r16_mlp", "r16_attn"]
 
 
+@pytest.mark.parametrize("backend", ["dense", "ragged"])
+def test_lora_delta_backends_equal_the_per_token_product(backend):
+    """layers/lora.lora_delta: each token gets B[s] (A[s] x) of its own slot s, none for slot -1."""
+    from sgl_jax.srt.layers.lora import lora_delta
+
+    rng = np.random.default_rng(0)
+    n, r, k, m, t = 3, 4, 24, 40, 37
+    a, b = rng.standard_normal((n, r, k)), rng.standard_normal((n, r, m))
+    x, ids = rng.standard_normal((t, k)), rng.integers(-1, n, size=t)
+    want = np.stack([np.zeros(m) if s < 0 else (a[s] @ x[i]) @ b[s] for i, s in enumerate(ids)])
+    got = lora_delta(*(np.float32(v) for v in (x, a, b)), np.int32(ids), backend)
+    assert np.allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+
+
 def save_adapter(model_dir: str, out_dir: str, rank: int, targets, rslora: bool, seed: int) -> str:
     """A PEFT LoRA adapter of `model_dir` with random A and B (std 0.1: a clear effect on the output)."""
     from peft import LoraConfig, get_peft_model
