@@ -65,8 +65,8 @@ def test_lora_paths_forms_and_errors():
 def test_placement_leaves_slots_of_running_and_just_admitted_requests_alone():
     writes = []
     live = []
-    lora = SchedulerLora(LoraShape(2, 4, ("q_proj",)), None, lambda s, a: writes.append((s, a.name)) or 0.0,
-                         lambda: live)
+    writer = types.SimpleNamespace(write=lambda s, a: writes.append((s, a.name)) or 0.0, check=lambda a: None)
+    lora = SchedulerLora(LoraShape(2, 4, ("q_proj",)), None, writer, lambda: live, lambda: live)
     for name in ("a", "b", "c"):
         lora.registry.add(adapter(name), False, lora.in_use)
 

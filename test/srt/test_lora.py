@@ -30,7 +30,7 @@ torch.set_num_threads(1)
 STEPS = 32
 LONG = 1500  # tokens of the requests that run while adapters are loaded, used and unloaded
 LOGPROB_TOL = 1e-3
-# name -> (rank, targets, rsLoRA)
+# name -> (rank, targets, rsLoRA); r16_mlp also has PEFT's rank_pattern and alpha_pattern (PATTERNS)
 ADAPTERS = {
     "r4_qv": (4, ["q_proj", "v_proj"], False),
     "r8_all_rs": (8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
@@ -39,6 +39,7 @@ ADAPTERS = {
     "late_r8": (8, ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"], False),  # loaded at run time
 }
 STARTUP = ["r4_qv", "r8_all_rs", "r16_mlp", "r16_attn"]
+PATTERNS = {"r16_mlp": dict(rank_pattern={"down_proj": 8}, alpha_pattern={"o_proj": 4})}
 
 
 @pytest.mark.parametrize("backend", ["dense", "ragged"])
@@ -55,20 +56,23 @@ def test_lora_delta_backends_equal_the_per_token_product(backend):
     assert np.allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
 
 
-def save_adapter(model_dir: str, out_dir: str, rank: int, targets, rslora: bool, seed: int) -> str:
-    """A PEFT LoRA adapter of `model_dir` with random A and B (std 0.1: a clear effect on the output)."""
+def save_adapter(model_dir: str, out_dir: str, rank: int, targets, rslora: bool, seed: int, dtype=torch.float32,
+                 **patterns) -> str:
+    """A PEFT LoRA adapter of `model_dir` with random A and B (std 0.1: a clear effect on the output), saved in
+    `dtype`; `patterns`: LoraConfig's rank_pattern / alpha_pattern."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), use_rslora=rslora,
-                     init_lora_weights=False)
+                     init_lora_weights=False, **patterns)
     model = get_peft_model(base, cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.normal_(0, 0.1)
+    model = model.to(dtype)
     model.save_pretrained(out_dir)
     return out_dir
 
@@ -104,7 +108,7 @@ def lora_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lora")
     model_dir, tok = save_tiny_llama(root / "llama", num_layers=2, init_std=0.2)
-    dirs = {name: save_adapter(model_dir, str(root / name), r, t, rs, seed=i)
+    dirs = {name: save_adapter(model_dir, str(root / name), r, t, rs, seed=i, **PATTERNS.get(name, {}))
             for i, (name, (r, t, rs)) in enumerate(ADAPTERS.items())}
     rng = np.random.default_rng(0)
     prompts = [[1] + rng.integers(2, 49152, size=int(n)).tolist() for n in rng.integers(5, 40, size=8)]
@@ -280,6 +284,26 @@ def test_openai_models_scores_and_errors(server, lora_models, references):
         save_adapter(model_dir, adir, 32 if name == "too_big" else 4, targets, False, seed=9)
         r = httpx.post(url + "/load_lora_adapter", json={"lora_name": name, "lora_path": adir})
         assert r.status_code == 400 and why in r.json()["error_message"], r.text
+    # an adapter of another model's shapes is refused at load (not when first used)
+    from safetensors.numpy import save_file
+
+    wrong = os.path.join(os.path.dirname(dirs["r4_qv"]), "wrong")
+    os.makedirs(wrong, exist_ok=True)
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((4, 32), np.float32),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros((64, 4), np.float32)},
+              os.path.join(wrong, "adapter_model.safetensors"))
+    with open(os.path.join(wrong, "adapter_config.json"), "w") as f:
+        f.write('{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}')
+    r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "wrong", "lora_path": wrong})
+    assert r.status_code == 400 and "another base model" in r.json()["error_message"], r.text
+    # a bfloat16 adapter loads and serves (its weights widened to float32)
+    bf16 = save_adapter(model_dir, os.path.join(os.path.dirname(dirs["r4_qv"]), "bf16"), 4, ["q_proj", "v_proj"],
+                        False, seed=0, dtype=torch.bfloat16)
+    r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "bf16", "lora_path": bf16})
+    assert r.status_code == 200, r.text
+    out = generate(url, prompts[0], "bf16", 4)["output_ids"]
+    assert out == peft_greedy(model_dir, bf16, prompts[:1], 4)[0][0]  # (PEFT on the same bfloat16 weights)
+    assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": "bf16"}).status_code == 200
     # /v1/score with an adapter equals PEFT's next-token probabilities
     query, items, labels = prompts[4], [prompts[6][:5], prompts[7][:9]], [11, 400, 9000]
     r = httpx.post(url + "/v1/score", json={"query": query, "items": items, "label_token_ids": labels,
@@ -296,13 +320,15 @@ def test_openai_models_scores_and_errors(server, lora_models, references):
     wait_pool_idle(url)
 
 
-def test_tensor_parallel_2_equals_1(lora_models, server):
-    """The mixed batch on a tp 2 server (2 virtual CPU devices): token-identical to tp 1, logprobs within 1e-3."""
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_equals_tp1(lora_models, server, tp):
+    """The mixed batch on a tp 2 and a tp 4 server (virtual CPU devices; at tp 4 the 2 KV heads are replicated,
+    and so are their B rows): token-identical to tp 1, logprobs within 1e-3."""
     _, _, _, prompts = lora_models
     jobs = [(name, i) for i in range(3) for name in [None, "r4_qv", "r8_all_rs", "r16_mlp"]]
     admin = {"Authorization": "Bearer admin-key"}
-    tp2 = ServerProcess(lora_server_args(lora_models, tp=2, extra=("--admin-api-key", "admin-key")),
-                        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"})
+    tp2 = ServerProcess(lora_server_args(lora_models, tp=tp, extra=("--admin-api-key", "admin-key")),
+                        env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={tp}", "JAX_PLATFORMS": "cpu"})
     try:
         # with --admin-api-key the adapter endpoints need it
         r = httpx.post(tp2.url + "/unload_lora_adapter", json={"lora_name": "r16_attn"})
@@ -322,7 +348,8 @@ def test_tensor_parallel_2_equals_1(lora_models, server):
 
 
 def test_qwen3_adapter_matches_peft(tmp_path, lora_models):
-    """Qwen3 (q/k norms) with an all-module rank-8 adapter, served through the offline Engine."""
+    """Qwen3 (q/k norms) with an all-module rank-8 adapter, served through the offline Engine with the ragged
+    update (--lora-backend ragged)."""
     from transformers import Qwen3Config
 
     from srt_helpers import checked_engine
@@ -337,7 +364,8 @@ def test_qwen3_adapter_matches_peft(tmp_path, lora_models):
     refs = peft_greedy(model_dir, adir, prompts[:4])
     with checked_engine(model_path=model_dir, tokenizer_path=tok, lora_paths=[f"q8={adir}"], context_length=512,
                         max_total_tokens=4096, precompile_token_paddings=[64], precompile_bs_paddings=[1, 4],
-                        chunked_prefill_size=64, max_running_requests=4, random_seed=0, log_level="warning") as e:
+                        chunked_prefill_size=64, max_running_requests=4, random_seed=0, log_level="warning",
+                        lora_backend="ragged") as e:
         outs = e.generate(input_ids=prompts[:4], lora_path=["q8"] * 4, return_logprob=True,
                           sampling_params={"max_new_tokens": STEPS, "temperature": 0, "ignore_eos": True})
         for out, ref in zip(outs, refs):

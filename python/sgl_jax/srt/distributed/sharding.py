@@ -46,11 +46,11 @@ PARAM_SPECS: List[Tuple[str, P]] = [
     (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$", COLUMN),
     (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(bias|weight_scale|weight_min)$", P("tensor")),
     (r"\.(o_proj|down_proj)\.(weight|weight_scale|weight_min)$", ROW),
-    (r"\.self_attn\.(k_scale|v_scale)$", P("tensor")),
+    (r"\.self_attn\.(k_scale|v_scale)$", P("tensor")),  # an fp8 KV cache's per-KV-head scales, with the heads
     # LoRA slots (layers/lora.py): B [n, R, out] split like a column-parallel weight's output features, A [n, R, in]
     # like a row-parallel weight's input features; the other halves replicated
     (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.lora_b$", P(None, None, "tensor")),
-    (r"\.(o_proj|down_proj)\.lora_a$", P(None, None, "tensor")),  # an fp8 KV cache's per-KV-head scales, with the heads
+    (r"\.(o_proj|down_proj)\.lora_a$", P(None, None, "tensor")),
     (r"(^|\.)(embed_tokens|lm_head)\.(weight|weight_scale)$", VOCAB),  # (a quantized table's scales [vocab, groups])
 ]
 

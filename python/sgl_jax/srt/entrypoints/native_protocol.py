@@ -277,7 +277,8 @@ class GenerateRequest(NullMeansDefault, SGLangSharedFields, StrictModel):
         if isinstance(self.lora_path, list) and n == 1 and len(self.lora_path) == 1:
             return self.lora_path[0]
         if isinstance(self.lora_path, list) and n == 1:
-            raise RequestError(f"'lora_path' has {len(self.lora_path)} entries for a single prompt")
+            raise RequestError(f"'lora_path' has {len(self.lora_path)} entries for a single prompt",
+                               param="lora_path")
         return self._pick("lora_path", i, n)
 
 

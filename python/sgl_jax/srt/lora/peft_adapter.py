@@ -141,14 +141,14 @@ def load_peft_adapter(name: str, path: str, *, revision: Optional[str] = None,
         ValueError: see `read_adapter_config`; a tensor that is not the A or B of a `LORA_MODULES` layer, or an A
             without its B.
     """
-    from safetensors.numpy import load_file
+    from sgl_jax.srt.model_loader.loader import safetensors_tensors
 
     directory = adapter_dir(path, revision, cache_dir)
     cfg = read_adapter_config(directory)
     file = os.path.join(directory, "adapter_model.safetensors")
     if not os.path.exists(file):
         raise FileNotFoundError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
-    tensors = load_file(file)
+    tensors = dict(safetensors_tensors(file))  # (bfloat16 adapters too: widened to float32 below)
     halves: Dict[Tuple[int, str], Dict[str, np.ndarray]] = {}
     for key, arr in tensors.items():
         m = _KEY.match(key)
@@ -157,7 +157,7 @@ def load_peft_adapter(name: str, path: str, *, revision: Optional[str] = None,
                              f"({list(LORA_MODULES)})")
         halves.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = np.asarray(arr, np.float32)
     use_rslora = bool(cfg.get("use_rslora", False))
-    alpha = float(cfg.get("lora_alpha", cfg.get("r", 8)))
+    alpha = float(cfg.get("lora_alpha", 8))  # (PEFT's default)
     weights = {}
     for (layer, module), ab in sorted(halves.items()):
         if set(ab) != {"A", "B"}:
@@ -181,7 +181,11 @@ def load_peft_adapter(name: str, path: str, *, revision: Optional[str] = None,
 def adapter_shape(path: str, revision: Optional[str] = None, cache_dir: Optional[str] = None) -> Tuple[int, tuple]:
     """(rank, targets) an adapter needs, from its config alone (``r``, ``rank_pattern``, ``target_modules``): what
     start-up sizes the slots by when --max-lora-rank / --lora-target-modules are not given (SGLang infers them
-    the same way). ``target_modules`` given as a regex or ``all-linear`` counts as every served module."""
+    the same way). ``target_modules`` given as a regex or ``all-linear`` counts as every served module.
+
+    Raises:
+        FileNotFoundError, ValueError: as `adapter_dir` and `read_adapter_config`.
+    """
     cfg = read_adapter_config(adapter_dir(path, revision, cache_dir))
     rank = max([int(cfg.get("r", 8))] + [int(v) for v in (cfg.get("rank_pattern") or {}).values()])
     tm = cfg.get("target_modules")

@@ -53,10 +53,13 @@ class LoraSlotWriter:
             if m:
                 self.leaves[(int(m.group(1)), m.group(2), m.group(3))] = i
         self._set_fns: Dict[tuple, object] = {}
-        self.slot_bytes = sum(self._leaf(i).nbytes for i in self.leaves.values()) // max(1, self.num_slots)
+        # bytes of one slot on one device (a sharded half counts its shard; a replicated one whole)
+        self.slot_bytes = sum(self._leaf(i).addressable_shards[0].data.nbytes
+                              for i in self.leaves.values()) // max(1, self.num_slots)
 
     @property
     def num_slots(self) -> int:
+        """Device slots of every LoRA parameter (``--max-loras-per-batch``); 0 without any."""
         return next((self._leaf(i).shape[0] for i in self.leaves.values()), 0)
 
     def _leaf(self, i: int) -> jax.Array:
@@ -95,19 +98,36 @@ class LoraSlotWriter:
             r = a.shape[0]
             if module in ("k_proj", "v_proj") and self.padded_kv_heads != self.kv_heads:
                 b = replicate_kv_rows(b, self.kv_heads, self.padded_kv_heads)
+            if r > shape_a[0]:
+                raise ValueError(f"LoRA adapter {adapter.name!r}: layer {layer} {module} has rank {r}, the slots "
+                                 f"{shape_a[0]}")
             if a.shape[1] != shape_a[1] or b.shape[0] != shape_b[1]:
                 raise ValueError(f"LoRA adapter {adapter.name!r}: layer {layer} {module} is [{b.shape[0]} x "
                                  f"{a.shape[1]}], the model's is [{shape_b[1]} x {shape_a[1]}] (another base model?)")
             a_pad[:r], b_pad[:r] = a, b.T
         return a_pad, b_pad
 
+    def check(self, adapter) -> None:
+        """Raises ValueError naming the first layer of `adapter` (a `LoraAdapter`) the model has no slots for or
+        whose shape differs from the model's (an adapter of another base model); what a load checks before it
+        answers."""
+        extra = [k for k in adapter.weights if (k[0], k[1], "a") not in self.leaves]
+        if extra:
+            raise ValueError(f"LoRA adapter {adapter.name!r} has weights for layer {extra[0][0]} {extra[0][1]}, "
+                             "which the model has no slots for")
+        for (layer, module) in adapter.weights:
+            la, lb = self._leaf(self.leaves[(layer, module, "a")]), self._leaf(self.leaves[(layer, module, "b")])
+            self._host_values(adapter, layer, module, la.shape[1:], lb.shape[1:])
+
     def write(self, slot: int, adapter: Optional[object]) -> float:
         """Put `adapter` (a `LoraAdapter`; None: clear) into device slot `slot`; returns the seconds it took.
 
         Raises:
-            ValueError: the adapter's layers do not match the model's shapes (nothing is written then).
+            ValueError: as `check` (nothing is written then).
         """
         t0 = time.perf_counter()
+        if adapter is not None:
+            self.check(adapter)
         updates = {}
         for (layer, module, half), i in self.leaves.items():
             if half != "a":
@@ -116,11 +136,6 @@ class LoraSlotWriter:
             la, lb = self._leaf(ia), self._leaf(ib)
             a, b = self._host_values(adapter, layer, module, la.shape[1:], lb.shape[1:])
             updates[ia], updates[ib] = a, b
-        if adapter is not None:
-            extra = [k for k in adapter.weights if (k[0], k[1], "a") not in self.leaves]
-            if extra:
-                raise ValueError(f"LoRA adapter {adapter.name!r} has weights for layer {extra[0][0]} {extra[0][1]}, "
-                                 "which the model has no slots for")
         leaves = list(self.runner._param_leaves)
         for i, value in updates.items():
             leaves[i] = self._set_fn(leaves[i])(leaves[i], np.int32(slot), value)

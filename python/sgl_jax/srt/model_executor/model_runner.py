@@ -220,7 +220,7 @@ class ModelRunner:
                                               padded_kv_heads(model_config.num_key_value_heads, self.tp_size))
             logger.info("LoRA: %d adapter slots of rank %d for %s, %.1f MiB per device (in the weights' budget)",
                         model_config.lora.slots, model_config.lora.rank, ", ".join(model_config.lora.targets),
-                        self.lora_writer.slot_bytes * model_config.lora.slots / self.tp_size / 2**20)
+                        self.lora_writer.slot_bytes * model_config.lora.slots / 2**20)
         self.kv_spec = spec = kv_spec_fn(weight_bytes)
         if spec.page_size != self.page_size or len(spec.layer_pool) != model_config.num_hidden_layers:
             raise ValueError(f"the KV spec ({spec}) does not match --page-size {self.page_size} and "

@@ -47,12 +47,19 @@ def _safetensors_files(model_dir: str):
 
 
 def _iterate_safetensors(model_dir: str) -> Iterator[Tuple[str, object]]:
+    for path in _safetensors_files(model_dir):
+        yield from safetensors_tensors(path)
+
+
+def safetensors_tensors(path: str) -> Iterator[Tuple[str, np.ndarray]]:
+    """(name, host array in the file's dtype) of every tensor of safetensors file `path`; bfloat16 and fp8 as
+    ml_dtypes' types (``safetensors.numpy.load_file`` refuses bfloat16). Raises what safetensors raises for a file
+    that is not one."""
     from safetensors import safe_open
 
-    for path in _safetensors_files(model_dir):
-        with safe_open(path, framework="numpy") as f:  # host arrays: each is placed shard by shard
-            for name in f.keys():
-                yield name, _get_tensor(f, path, name)
+    with safe_open(path, framework="numpy") as f:  # host arrays: each is placed shard by shard
+        for name in f.keys():
+            yield name, _get_tensor(f, path, name)
 
 
 # safetensors dtypes numpy has no type for, read through their bytes as ml_dtypes' types

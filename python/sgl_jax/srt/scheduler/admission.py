@@ -320,8 +320,11 @@ class AdmissionPolicy:
                 continue
             try:
                 fault_injection.check("schedule", (req.rid,))
-                # a LoRA request needs its adapter in a device slot first (every slot busy: it waits)
-                admitted = (req.lora_name is None or self.lora.place(req, adder.can_run)) and adder.add(req)
+                # a LoRA request needs its adapter in a device slot first (every slot busy: it waits, and the
+                # requests after it may still go, as in SGLang)
+                if req.lora_name is not None and not self.lora.place(req, adder.can_run):
+                    continue
+                admitted = adder.add(req)
             except Exception as exc:  # this request cannot be scheduled: fail it, go on with the others
                 failed.append((req, exc))
                 continue

@@ -172,7 +172,7 @@ class Scheduler:
         self.draft_model = (None if draft_mc is None else
                             new_drafter(server_args, self.model_runner, self.buckets, draft_mc))
         self.lora = None if mc.lora is None else SchedulerLora(
-            mc.lora, server_args.max_loaded_loras, self.model_runner.lora_writer.write, self.live_reqs,
+            mc.lora, server_args.max_loaded_loras, self.model_runner.lora_writer, self.live_reqs, self.running_reqs,
             server_args.download_dir)
         self.page_size = server_args.page_size
         self.dp_size = server_args.dp_size
@@ -189,6 +189,9 @@ class Scheduler:
         speculators = new_speculators(server_args, self.context_len, self.dp_size,
                                       sliding_window=mc.sliding_window is not None)
         self.ranks: List[RankScheduler] = [self._new_rank(r, speculators[r]) for r in range(self.dp_size)]
+        if self.lora is not None and self.ranks[0].memory.cache_kind == "swa_radix":
+            raise ValueError("--enable-lora with hybrid SWA memory (its prefix cache keeps no adapter namespaces): "
+                             "pass --disable-hybrid-swa-memory")
         self.kv_size = self.ranks[0].memory.size  # tokens of KV per rank
         self.kv_limits = KVLimits(self.context_len, self.max_req_input_len, self.kv_size, self.page_size)
         if self.dp_size > 1:
@@ -664,13 +667,19 @@ class Scheduler:
         return lora_uid(self.lora, name)
 
     def live_reqs(self):
-        """Every request queued (grammar queue included), running or being chunk-prefilled, on every rank."""
+        """Every request queued (grammar queue included) or holding KV (running, chunk-prefilled, a scoring-cache
+        handle, a streaming session between turns), on every rank."""
         for rank in self.ranks:
             yield from rank.waiting_queue
+            yield from rank.kv_holders()
+        yield from self.grammar_queue.reqs
+
+    def running_reqs(self):
+        """The requests every rank's next step reads (running and chunk-prefilled)."""
+        for rank in self.ranks:
             yield from rank.running_batch.reqs
             if rank.chunked_req is not None:
                 yield rank.chunked_req
-        yield from self.grammar_queue.reqs
 
     def rank_for(self, req: Req) -> RankScheduler:
         """A new request's rank: its session's, else by --load-balance-method."""

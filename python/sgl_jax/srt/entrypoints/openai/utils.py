@@ -74,13 +74,13 @@ def lora_of(tm, req) -> Optional[str]:
                                param="lora_path")
         explicit = explicit[0] if explicit else None
     adapter, model = None, getattr(req, "model", None)
-    if model and tm.lora_adapters is not None:
+    if model and tm.lora_adapters is not None and model != tm.served_model_name:
         if ":" in model:
             adapter = model.split(":", 1)[1].strip() or None
             if adapter is not None and adapter not in tm.lora_adapters:
                 raise RequestError(f"The model '{model}' names LoRA adapter '{adapter}', which is not loaded; "
                                    f"loaded adapters: {sorted(tm.lora_adapters)}", param="model")
-        elif model in tm.lora_adapters and model != tm.served_model_name:
+        elif model in tm.lora_adapters:
             adapter = model
     adapter = adapter or explicit
     tm.check_lora(adapter)
