@@ -104,3 +104,38 @@ def test_radix_namespaces_are_apart_and_cleaned_up():
     cache.dec_lock_ref(m.last_node)
     assert cache.evictable_size() == 8 and cache.evict(8) == 8
     assert cache.namespace_roots() == [] and list(cache.root.children) == [], "an emptied namespace stays"
+
+
+def test_a_request_waiting_for_a_slot_does_not_block_the_ones_behind_it():
+    """Admission: every slot busy with a running request's adapter, a request for another adapter waits while a
+    base-model request behind it is admitted (SGLang skips such a request instead of stopping there)."""
+    from sgl_jax.srt.mem_cache.kv_memory import KVMemory
+    from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+    from sgl_jax.srt.sampling.sampling_params import SamplingParams
+    from sgl_jax.srt.scheduler.admission import AdmissionPolicy
+    from sgl_jax.srt.scheduler.schedule_batch import Req
+    from sgl_jax.srt.scheduler.scoring import SchedulerScoring
+
+    pool, alloc = ReqToTokenPool(4, 256), PagedTokenToKVPoolAllocator(1024, 16)
+    memory = KVMemory(pool, alloc, RadixCache(pool, alloc, 16))
+    running = []
+    writer = types.SimpleNamespace(write=lambda s, a: 0.0, check=lambda a: None)
+    lora = SchedulerLora(LoraShape(1, 4, ("q_proj",)), None, writer, lambda: running, lambda: running)
+    for name in ("a", "b"):
+        lora.registry.add(adapter(name), False, lora.in_use)
+
+    def req(rid, name=None):
+        return Req(rid, [5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0.0), eos_token_ids=[2], seed=0,
+                   lora_name=name, lora_uid=None if name is None else lora.uid_of(name))
+
+    holder = req("holder", "a")
+    assert lora.place(holder, []) and holder.lora_slot == 0
+    holder.req_pool_idx = 0
+    running.append(holder)
+    admission = AdmissionPolicy(buckets=ShapeBuckets((64,), (1, 4)), max_running_requests=4, max_prefill_tokens=64,
+                                chunk_size=None, memory=memory, scoring=SchedulerScoring(memory, 60.0,
+                                                                                         lambda msg: None, [2]),
+                                lora=lora)
+    waiting, base = req("waits", "b"), req("base")
+    decided = admission.admit([waiting, base], [], None)
+    assert [r.rid for r in decided.can_run] == ["base"] and waiting.lora_slot == -1
