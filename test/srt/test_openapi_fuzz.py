@@ -47,7 +47,8 @@ from srt_helpers import ADMIN_API_KEY, API_KEY, wait_pool_idle
 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 ADMIN_AUTH = {"authorization": f"Bearer {ADMIN_API_KEY}"}
-ADMIN_PATHS = {"/flush_cache", "/abort_request"}  # http_guards.ADMIN_PATHS: they take the admin key only
+# http_guards.ADMIN_PATHS: they take the admin key only
+ADMIN_PATHS = {"/flush_cache", "/abort_request", "/load_lora_adapter", "/unload_lora_adapter"}
 
 EXAMPLES = int(os.environ.get("SGL_JAX_OPENAPI_FUZZ_EXAMPLES", "25"))
 
@@ -166,6 +167,8 @@ OPERATIONS = [
     ("GET", "/api/version"),
     # Cohere's and Jina's rerank API (issue #41)
     ("POST", "/v1/rerank"), ("POST", "/v2/rerank"), ("POST", "/rerank"), ("POST", "/v1/embeddings"),
+    # SGLang's LoRA adapter endpoints (issue #42; a server without --enable-lora answers 400)
+    ("POST", "/load_lora_adapter"), ("POST", "/unload_lora_adapter"),
 ]
 
 
