@@ -104,6 +104,18 @@ def test_radix_namespaces_are_apart_and_cleaned_up():
     cache.dec_lock_ref(m.last_node)
     assert cache.evictable_size() == 8 and cache.evict(8) == 8
     assert cache.namespace_roots() == [] and list(cache.root.children) == [], "an emptied namespace stays"
+    # an unloaded adapter's prefixes are freed at once (a locked one stays until its holder lets go)
+    free = alloc.available_size()
+    assert cache.insert([1, 2, 3, 4], slots(4)) == 0 and cache.insert([1, 2], slots(2), namespace=9) == 0
+    assert cache.insert([1, 2, 3, 4, 5, 6], np.concatenate([cache.match_prefix([1, 2], 9).device_indices,
+                                                         slots(4)]), namespace=9) == 2
+    held = cache.match_prefix([1, 2], namespace=9)
+    cache.inc_lock_ref(held.last_node)  # (a request still holds [1, 2])
+    assert cache.evict_namespace(9) == 4 and cache.match_prefix([1, 2, 3, 4], namespace=9).length == 2
+    cache.dec_lock_ref(held.last_node)
+    assert cache.evict_namespace(9) == 2 and cache.namespace_roots() == []
+    assert cache.match_prefix([1, 2, 3, 4]).length == 4 and cache.evict_namespace(123) == 0
+    assert alloc.available_size() == free - 4 and cache.evictable_size() == 4
 
 
 def test_a_request_waiting_for_a_slot_does_not_block_the_ones_behind_it():

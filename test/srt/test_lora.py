@@ -229,8 +229,12 @@ def test_load_use_unload_under_load_without_compiles(server, lora_models, refere
         assert not any(f.done() for f in running), "the long requests ended before the slot was reused"
         busy = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "r8_all_rs"})
         assert busy.status_code == 409 and "in use" in busy.json()["error_message"], busy.text
+        cached = httpx.get(url + "/get_server_info").json()["internal_states"][0]["kv_tokens_cached"]
         r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "r16_attn"})
         assert r.status_code == 200 and "r16_attn" not in r.json()["loaded_adapters"], r.text
+        # its cached prefixes (of the short request above) are freed with it
+        after = httpx.get(url + "/get_server_info").json()["internal_states"][0]["kv_tokens_cached"]
+        assert after <= cached - len(prompts[0]), (cached, after)
         during = [f.result()["output_ids"] for f in running]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:  # (their slot was never reused while they ran)
         after = list(pool.map(lambda i: generate(url, prompts[i], "r8_all_rs", LONG)["output_ids"], range(3)))

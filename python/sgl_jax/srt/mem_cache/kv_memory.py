@@ -320,6 +320,12 @@ class KVMemory:
         """Free what a closed streaming session holds (through `common.release_kv_cache`)."""
         session_kv.release(self.tree_cache)
 
+    def drop_namespace(self, namespace: int) -> int:
+        """Free the prefixes the prefix cache keeps under `namespace` (an unloaded LoRA adapter's uid); returns the
+        tokens freed (0 for a cache that keeps no namespaces)."""
+        drop = getattr(self.tree_cache, "evict_namespace", None)
+        return 0 if drop is None else drop(namespace)
+
     def flush(self) -> None:
         """Drop everything the prefix cache holds (only when no request holds a lock)."""
         self.tree_cache.reset()

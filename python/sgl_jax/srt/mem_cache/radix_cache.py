@@ -269,6 +269,28 @@ class RadixCache(BasePrefixCache):
             self._drop_empty_namespace(parent)
         return freed
 
+    def evict_namespace(self, namespace: int) -> int:
+        """Free every unlocked cached prefix of `namespace` (an unloaded LoRA adapter's: no request can match them
+        again) and drop the namespace once empty; returns the tokens freed. Locked nodes stay (their holders
+        release them as usual)."""
+        ns_root = self._namespaces.get(namespace)
+        if ns_root is None:
+            return 0
+        freed, stack, order = 0, [ns_root], []
+        while stack:  # (children after their parents: freed in reverse, leaves first)
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        for node in reversed(order[1:]):
+            if node.children or node.lock_ref:
+                continue
+            self.allocator.free_pages(self._pages(node.value))
+            del node.parent.children[self._child_key(node.key)]
+            freed += len(node.key)
+            self._evictable -= len(node.key)
+        self._drop_empty_namespace(ns_root)
+        return freed
+
     def evictable_size(self) -> int:
         """Tokens in unlocked nodes."""
         return self._evictable

@@ -38,6 +38,7 @@ class SchedulerLora:
         max_loaded: --max-loaded-loras (None: no limit).
         writer: what writes adapters into device slots: ``write(slot, LoraAdapter) -> seconds`` and
             ``check(LoraAdapter)`` (ValueError when the model's layers do not fit it; `LoraSlotWriter`).
+        drop_namespace: uid -> frees an unloaded adapter's cached prefixes on every rank (`KVMemory.drop_namespace`).
         live_reqs: () -> every request that needs its adapter: queued, running, being prefilled, or holding KV
             computed under it (a scoring-cache handle, a streaming session between turns), on every rank.
         running_reqs: () -> the requests that read their slot in the next step (running or being prefilled).
@@ -45,14 +46,17 @@ class SchedulerLora:
     """
 
     def __init__(self, shape: LoraShape, max_loaded: Optional[int], writer, live_reqs: Callable[[], Iterable],
-                 running_reqs: Callable[[], Iterable], download_dir: Optional[str] = None):
+                 running_reqs: Callable[[], Iterable], download_dir: Optional[str] = None,
+                 drop_namespace: Callable[[int], int] = lambda uid: 0):
         self.registry = LoraRegistry(shape, max_loaded)
         self.slots = AdapterSlots(shape.slots)
         self.writer = writer
         self.live_reqs = live_reqs
         self.running_reqs = running_reqs
+        self.drop_namespace = drop_namespace
         self.download_dir = download_dir
         self.num_slot_writes = 0
+        self._known_uids: set = set()  # uids registered at the last load or unload
         self.last_slot_write_ms: Optional[float] = None
 
     def load_initial(self, lora_paths: Optional[List[str]]) -> None:
@@ -142,11 +146,12 @@ class SchedulerLora:
 
     def _drop_stale_slots(self) -> None:
         """Free the slots of adapters no longer registered (their weights stay until the slot is reused; no
-        request reads them)."""
+        request reads them) and their cached prefixes."""
         live = {a.uid for a in self.registry.adapters.values()}
-        for _, uid in self.slots.occupied():
-            if uid not in live:
-                self.slots.drop(uid)
+        for uid in self._known_uids - live:
+            self.slots.drop(uid)
+            self.drop_namespace(uid)
+        self._known_uids = live
 
     def state(self) -> dict:
         """The internal-state entries: loaded adapters, occupied slots (slot -> adapter), slot writes so far and

@@ -173,7 +173,7 @@ class Scheduler:
                             new_drafter(server_args, self.model_runner, self.buckets, draft_mc))
         self.lora = None if mc.lora is None else SchedulerLora(
             mc.lora, server_args.max_loaded_loras, self.model_runner.lora_writer, self.live_reqs, self.running_reqs,
-            server_args.download_dir)
+            server_args.download_dir, lambda uid: sum(rank.memory.drop_namespace(uid) for rank in self.ranks))
         self.page_size = server_args.page_size
         self.dp_size = server_args.dp_size
         self.load_balance_method = server_args.load_balance_method
