@@ -161,3 +161,40 @@ def test_lfu_evicts_the_least_reused_prefix_first():
     finish_one(lfu.req_to_token_pool, lfu.allocator, lfu, [1, 2, 3, 4, 9], "c", insert=False)  # retract: none
     m = lfu.match_prefix([1, 2, 8])  # splits [1, 2 | 3, 4]: the upper node keeps the hit
     assert m.last_node.hit_count == 1 and next(iter(m.last_node.children.values())).hit_count == 1
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_retire_frees_the_unlocked_and_sets_the_locked_apart(page_size):
+    """RadixCache.retire (new weights): the unlocked prefixes are freed at once; the ones running requests lock
+    (base and a LoRA namespace) are never matched again, their holders finish into the retired namespaces, and
+    evict_namespace then frees them: the pool is exactly free again."""
+    from sgl_jax.srt.mem_cache.base_prefix_cache import retired_namespace
+
+    pool, alloc, cache = make(page_size)
+    ids, other = list(range(1, 25)), list(range(100, 124))
+    cache.insert(other, slots_for(alloc, 24))  # cached, nobody holds it
+    a = _running_req(pool, alloc, cache, ids, 24, page_size)
+    release_kv_cache(a, cache)  # ids cached now
+    held = _running_req(pool, alloc, cache, ids + [7] * 8, 32, page_size)  # locks the cached ids
+    held.cache_namespace = None
+    lora = Req("l", ids, SamplingParams(max_new_tokens=8), eos_token_ids=[], seed=0)
+    m = cache.match_prefix(ids[:-1], namespace=5)  # (nothing yet in namespace 5)
+    assert m.length == 0
+    cache.insert(ids[:16], slots_for(alloc, 16), namespace=5)
+    m = cache.match_prefix(ids[:-1], namespace=5)
+    cache.inc_lock_ref(m.last_node)
+    lora.last_node, lora.cache_namespace = m.last_node, 5
+    keys = cache.retire(1)
+    assert sorted(keys, key=str) == sorted([retired_namespace(1, None), retired_namespace(1, 5)], key=str)
+    assert cache.evictable_size() == 0  # the unlocked went at once
+    assert cache.match_prefix(ids).length == 0 and cache.match_prefix(other).length == 0
+    assert cache.match_prefix(ids, namespace=5).length == 0
+    held.cache_namespace = retired_namespace(1, None)  # (what the scheduler does to the requests it pauses)
+    held.finished_reason = None
+    release_kv_cache(held, cache)  # its KV goes into the retired namespace, matched by nobody
+    assert cache.match_prefix(ids + [7] * 8).length == 0
+    cache.dec_lock_ref(lora.last_node)
+    for key in keys:
+        cache.evict_namespace(key)
+    assert cache.namespace_roots() == [] and list(cache.root.children) == []
+    assert alloc.available_size() == alloc.size and cache.protected_size() == 0

@@ -21,6 +21,8 @@ for every cache kind, which calls nothing but the methods below.
 - evict(num_tokens) -> int: free at least num_tokens of unlocked cached KV if possible.
 - evictable_size(): tokens cached and unlocked; protected_size(): tokens cached and locked.
 - reset(): drop everything cached (only when no request holds a lock).
+- retire(tag) -> list (optional; RadixCache): make everything cached unmatchable (new weights), moving what
+  requests still lock into retired namespaces (`retired_namespace`) and returning their keys.
 - record_hit(node): a finished request reused the path to `node` (once per request; a no-op but for kinds that
   count frequency).
 - create(req_to_token_pool, allocator, page_size, sliding_window): the factory the registry calls
@@ -48,6 +50,22 @@ import numpy as np
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 
 TokenIds = Union[Sequence[int], np.ndarray]
+
+
+def retired_namespace(tag, namespace):
+    """The namespace key where `retire` moves the locked prefixes of `namespace` (a LoRA uid or None): no new
+    request names it, so nothing in it is matched again but by the requests that computed it."""
+    return ("retired", tag, namespace)
+
+
+def is_retired(namespace) -> bool:
+    """Whether `namespace` is a retired one (`retired_namespace`)."""
+    return isinstance(namespace, tuple) and namespace[:1] == ("retired",)
+
+
+def live_namespace(namespace):
+    """The namespace a retired key came from (a retracted holder goes back to it); `namespace` itself otherwise."""
+    return namespace[2] if is_retired(namespace) else namespace
 
 
 class CacheNode:

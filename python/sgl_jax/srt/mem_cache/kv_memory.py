@@ -326,6 +326,24 @@ class KVMemory:
         drop = getattr(self.tree_cache, "evict_namespace", None)
         return 0 if drop is None else drop(namespace)
 
+    def retire_cache(self, tag) -> list:
+        """The weights changed: nothing cached may be matched again. A radix cache retires its prefixes
+        (`RadixCache.retire`: the unlocked freed, the locked moved to retired namespaces, whose keys are
+        returned); a cache that keeps nothing has nothing to retire; any other (hybrid SWA) is emptied.
+
+        Raises:
+            RuntimeError: a cache without retired namespaces while requests lock prefixes in it.
+        """
+        retire = getattr(self.tree_cache, "retire", None)
+        if retire is not None:
+            return retire(tag)
+        self.tree_cache.reset()
+        return []
+
+    def has_namespace(self, namespace) -> bool:
+        """Whether the prefix cache still keeps `namespace` (a retired key until its last prefix is freed)."""
+        return namespace in getattr(self.tree_cache, "_namespaces", {})
+
     def flush(self) -> None:
         """Drop everything the prefix cache holds (only when no request holds a lock)."""
         self.tree_cache.reset()

@@ -21,7 +21,14 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, CacheNode, MatchResult, TokenIds
+from sgl_jax.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    CacheNode,
+    MatchResult,
+    TokenIds,
+    is_retired,
+    retired_namespace,
+)
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 
@@ -290,6 +297,35 @@ class RadixCache(BasePrefixCache):
             self._evictable -= len(node.key)
         self._drop_empty_namespace(ns_root)
         return freed
+
+    def retire(self, tag) -> list:
+        """Make every cached prefix unmatchable from now on (the weights that computed its KV were replaced):
+        free the unlocked ones, and move the locked ones (their holders keep running on them) into retired
+        namespaces, ``("retired", tag, namespace)`` for each namespace they were in, that no new request names.
+        A holder's later inserts go there too (its ``cache_namespace`` is the retired key,
+        `base_prefix_cache.retired_namespace`); `evict_namespace` frees them once unlocked. Returns the retired
+        namespaces' keys (empty when nothing was locked)."""
+        self.evict(self._evictable)
+        retired = []
+        for ns in [k for k in self._namespaces if not is_retired(k)]:
+            node = self._namespaces.pop(ns)
+            key = retired_namespace(tag, ns)
+            del self.root.children[("namespace", ns)]
+            self.root.children[("namespace", key)] = node
+            self._namespaces[key] = node
+            retired.append(key)
+        base = [(k, c) for k, c in self.root.children.items()
+                if not (isinstance(k, tuple) and k[:1] == ("namespace",))]
+        if base:
+            key = retired_namespace(tag, None)
+            holder = self._root_of(key, create=True)
+            for k, child in base:
+                del self.root.children[k]
+                holder.children[k] = child
+                child.parent = holder
+                holder.lock_ref += child.lock_ref  # (each lock through a child passes through its new parent)
+            retired.append(key)
+        return retired
 
     def evictable_size(self) -> int:
         """Tokens in unlocked nodes."""

@@ -334,6 +334,15 @@ class SWARadixCache(RadixCache):
         """SWA-pool tokens in live nodes inside a locked window."""
         return self._swa_protected
 
+    def retire(self, tag) -> list:
+        """No namespaces here (`_root_of`): everything cached is freed, which needs no request to lock any.
+
+        Raises:
+            RuntimeError: requests hold locks.
+        """
+        self.reset()
+        return []
+
     def reset(self) -> None:
         """Free every cached page in both pools and empty the tree. Only valid when no request holds a lock."""
         if self._protected:

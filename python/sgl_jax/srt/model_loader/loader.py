@@ -14,7 +14,7 @@ import logging
 import os
 import re
 import struct
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -114,7 +114,7 @@ def _count_safetensors(model_dir: str) -> int:
     return n
 
 
-def _weight_source(model_config, load_format: str):
+def weight_source(model_config, load_format: str):
     """(iterator of (hf_name, array), total count) for the model's checkpoint."""
     from sgl_jax.srt.model_loader.gguf_file import iterate_gguf_tensors
     from sgl_jax.srt.model_loader.gguf_reader import open_gguf
@@ -374,6 +374,55 @@ class _CheckpointQuantization:
         return [(name, q, q.dtype)] + [(name + suffix, a, np.float32) for suffix, a in zip(("_scale", "_min"), scales)]
 
 
+class CheckpointPlacer:
+    """Checkpoint tensors -> the device arrays of the parameters they fill, each in its sharding: the loader's
+    per-tensor path (a decoder stack saved alone gets ``model.``; per-expert tensors are stacked, `ExpertStacker`;
+    quantized layers are quantized or read as stored, `_CheckpointQuantization`; k/v heads replicated past tp,
+    `_Placer`). Used at load and by weight updates (model_executor/weight_update.py).
+
+    Args:
+        model_config: `ModelConfig` (dtype, quantization, KV heads).
+        shapes: parameter name -> its shape in the model.
+        mesh: the device mesh (None: one device).
+        placer, quant: the `_Placer` and `_CheckpointQuantization` to use (None: new ones).
+
+    Attributes:
+        values: parameter name -> device array, filled by `add`.
+        ignored: checkpoint tensors that match no parameter.
+    """
+
+    def __init__(self, model_config, shapes: dict, mesh: Optional[Mesh], placer=None, quant=None):
+        dtype = JNP_DTYPES[model_config.dtype]
+        self.placer = placer or _Placer(model_config, dtype, mesh)
+        self.shapes = shapes
+        self.quant = quant or _CheckpointQuantization(
+            getattr(model_config, "quant_scheme", None), getattr(model_config, "quant_checkpoint", None),
+            {n for n in shapes if n + "_scale" in shapes}, lambda n: self.placer.checkpoint_shape(n, shapes[n]),
+            getattr(model_config, "table_quant_scheme", None))
+        self.stacker = ExpertStacker(shapes, dtype)
+        self.values: Dict[str, jax.Array] = {}
+        self.ignored: List[str] = []
+
+    def add(self, name: str, arr) -> None:
+        """Place checkpoint tensor `name` (a host array). Raises ValueError when its shape is not the one the
+        model expects (naming both)."""
+        if name not in self.shapes and "model." + name in self.shapes:  # a decoder stack saved alone (LlamaModel)
+            name = "model." + name
+        if name not in self.shapes and self.stacker.target(name) is not None:  # one expert of a stacked parameter
+            name, arr = self.stacker.add(name, arr)
+            if arr is None:
+                return
+        for target, host, host_dtype in self.quant.entries(name, arr):
+            if target not in self.shapes:  # (then none of its entries is: a quantized tensor's scales neither)
+                self.ignored.append(name)
+                return
+            expected = self.placer.checkpoint_shape(target, self.shapes[target])
+            if tuple(host.shape) != expected:
+                raise ValueError(f"Checkpoint tensor {name} has shape {tuple(host.shape)}, model expects "
+                                 f"{expected}")
+            self.values[target] = self.placer.place(target, host, host_dtype)
+
+
 def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Optional[Mesh] = None):
     """Instantiate the model for ``model_config.architecture`` and load its weights.
 
@@ -414,28 +463,14 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
             else:
                 values[name] = placer.dummy(name, shapes[name], seed, i)
     else:
-        source, total = _weight_source(model_config, load_format)
-        stacker = ExpertStacker(shapes, dtype)
-        ignored = []  # checkpoint tensors the model has no parameter for (a BertModel's pooler, ...)
+        source, total = weight_source(model_config, load_format)
+        writer = CheckpointPlacer(model_config, shapes, mesh, placer=placer, quant=quant)
         for name, arr in tqdm(source, total=total, desc="Loading weights", unit="tensor"):
-            if name not in by_name and "model." + name in by_name:  # a decoder stack saved alone (LlamaModel)
-                name = "model." + name
-            if name not in by_name and stacker.target(name) is not None:  # one expert of a stacked parameter
-                name, arr = stacker.add(name, arr)
-                if arr is None:
-                    continue
-            for target, host, host_dtype in quant.entries(name, arr):
-                if target not in by_name:  # (then none of its entries is: a quantized tensor's scales neither)
-                    ignored.append(name)
-                    break
-                expected = placer.checkpoint_shape(target, shapes[target])
-                if tuple(host.shape) != expected:
-                    raise ValueError(f"Checkpoint tensor {name} has shape {tuple(host.shape)}, model expects "
-                                     f"{expected}")
-                values[target] = placer.place(target, host, host_dtype)
-        if ignored:
-            logger.info("%d checkpoint tensors match no parameter of %s and are not loaded, e.g. %s", len(ignored),
-                        cls.__name__, ", ".join(ignored[:4]))
+            writer.add(name, arr)
+        values = writer.values
+        if writer.ignored:
+            logger.info("%d checkpoint tensors match no parameter of %s and are not loaded, e.g. %s",
+                        len(writer.ignored), cls.__name__, ", ".join(writer.ignored[:4]))
         if quant.format == "gguf":
             logger.info("--quantization gguf: %d linear layers kept as the file's Q8_0 / Q4_0 / Q4_1 blocks, %d of "
                         "other types quantized to int8 groups of 32 from their float values", quant.blocks_kept,
