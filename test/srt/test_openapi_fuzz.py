@@ -48,7 +48,13 @@ from srt_helpers import ADMIN_API_KEY, API_KEY, wait_pool_idle
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 ADMIN_AUTH = {"authorization": f"Bearer {ADMIN_API_KEY}"}
 # http_guards.ADMIN_PATHS: they take the admin key only
-ADMIN_PATHS = {"/flush_cache", "/abort_request", "/load_lora_adapter", "/unload_lora_adapter"}
+ADMIN_PATHS = {"/flush_cache", "/abort_request", "/load_lora_adapter", "/unload_lora_adapter",
+               "/update_weights_from_disk", "/get_weights_by_name", "/release_memory_occupation",
+               "/resume_memory_occupation", "/pause_generation", "/continue_generation", "/start_profile",
+               "/stop_profile"}
+# operator endpoints whose success changes the server for what follows: undone after each case
+RESTORE = {"/pause_generation": "/continue_generation", "/release_memory_occupation": "/resume_memory_occupation",
+           "/start_profile": "/stop_profile"}
 
 EXAMPLES = int(os.environ.get("SGL_JAX_OPENAPI_FUZZ_EXAMPLES", "25"))
 
@@ -169,6 +175,11 @@ OPERATIONS = [
     ("POST", "/v1/rerank"), ("POST", "/v2/rerank"), ("POST", "/rerank"), ("POST", "/v1/embeddings"),
     # SGLang's LoRA adapter endpoints (issue #42; a server without --enable-lora answers 400)
     ("POST", "/load_lora_adapter"), ("POST", "/unload_lora_adapter"),
+    # SGLang's RL and operator endpoints (issue #43)
+    ("POST", "/update_weights_from_disk"), ("GET", "/get_weights_by_name"), ("POST", "/get_weights_by_name"),
+    ("GET", "/get_weight_version"), ("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"),
+    ("POST", "/pause_generation"), ("POST", "/continue_generation"), ("POST", "/start_profile"),
+    ("POST", "/stop_profile"),
 ]
 
 
@@ -258,6 +269,8 @@ def send_case(url: str, case) -> None:
         case.body = bounded(path, case.body)
     headers = ADMIN_AUTH if path in ADMIN_PATHS else AUTH
     response = case.call(base_url=url, headers=headers, timeout=120)
+    if path in RESTORE:  # (paused, released or profiling: undone, so the next cases see a serving server)
+        httpx.post(url + RESTORE[path], json={}, headers=ADMIN_AUTH, timeout=120)
     if os.environ.get("SGL_JAX_OPENAPI_FUZZ_LOG"):  # a file: one line per request, for a look at what was sent
         with open(os.environ["SGL_JAX_OPENAPI_FUZZ_LOG"], "a") as f:
             f.write(json.dumps({"method": case.method, "path": path, "query": case.query, "body": case.body,

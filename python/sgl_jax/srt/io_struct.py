@@ -1,11 +1,13 @@
 """Messages exchanged over ZMQ between TokenizerManager, Scheduler and DetokenizerManager (pickled).
 
 TokenizerManager -> Scheduler: TokenizedGenerateReqInput, TokenizedScoreReqInput, ScorePrefillReq,
-ScoreReleaseReq, AbortReq, FlushCacheReq, GetInternalStateReq, OpenSessionReqInput, CloseSessionReqInput.
+ScoreReleaseReq, AbortReq, FlushCacheReq, GetInternalStateReq, OpenSessionReqInput, CloseSessionReqInput,
+Load/UnloadLoRAAdapterReqInput, and the control requests of CONTROL_REPLIES (weights, memory, pause, profile).
 Scheduler -> DetokenizerManager: BatchTokenIDOut (new token ids per request).
 DetokenizerManager -> TokenizerManager: BatchStrOut (new text per request).
 Scheduler -> TokenizerManager: ScoreOut, ScoreReleaseOut, FlushCacheReqOutput, GetInternalStateReqOutput,
-OpenSessionReqOutput, CloseSessionReqOutput (a ZMQ PUSH socket of its own, straight to the TokenizerManager).
+OpenSessionReqOutput, CloseSessionReqOutput, LoRAUpdateOutput, and a ControlOutput subclass per control request
+(CONTROL_REPLIES) (a ZMQ PUSH socket of its own, straight to the TokenizerManager).
 Scheduler -> launcher, once, over the start-up pipe: SchedulerInfo (ready), or SchedulerStartupError.
 """
 
@@ -134,6 +136,103 @@ class GetInternalStateReq:
 @dataclasses.dataclass
 class GetInternalStateReqOutput:
     internal_state: Dict[str, object]
+
+
+# ---- RL and operator control (scheduler/engine_control.py); each answered by a ControlOutput subclass
+@dataclasses.dataclass
+class UpdateWeightsFromDiskReqInput:
+    """/update_weights_from_disk (SGLang's fields): the checkpoint, and what happens to requests in flight:
+    `abort_all_requests` aborts them; otherwise the update waits until the running ones finish (new ones wait),
+    unless generation is paused (then it happens at once: in_place requests keep their KV and go on)."""
+
+    model_path: str
+    load_format: Optional[str] = None
+    revision: Optional[str] = None
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    flush_cache: bool = True
+
+
+@dataclasses.dataclass
+class UpdateWeightsFromTensorReqInput:
+    """`Engine.update_weights_from_tensor`: (HF name, host array) pairs; the rest as the disk update's."""
+
+    named_tensors: List[tuple]
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    flush_cache: bool = True
+
+
+@dataclasses.dataclass
+class GetWeightsByNameReqInput:
+    name: str
+    truncate_size: int = 100
+
+
+@dataclasses.dataclass
+class MemoryOccupationReqInput:
+    """/release_memory_occupation (`release` True) or /resume_memory_occupation; `tags`: "kv_cache", "weights"
+    (None: both, SGLang's default)."""
+
+    release: bool
+    tags: Optional[List[str]] = None
+
+
+@dataclasses.dataclass
+class PauseGenerationReqInput:
+    """/pause_generation (`mode`: "abort", "retract", "in_place") or, with `resume` True, /continue_generation."""
+
+    mode: str = "abort"
+    resume: bool = False
+
+
+@dataclasses.dataclass
+class ProfileReqInput:
+    """/start_profile (`start` True) or /stop_profile: a jax.profiler trace under `output_dir`, stopped after
+    `num_steps` scheduler steps or `duration_s` seconds, whichever comes first."""
+
+    start: bool
+    output_dir: Optional[str] = None
+    num_steps: Optional[int] = None
+    duration_s: Optional[float] = None
+
+
+@dataclasses.dataclass
+class ControlOutput:
+    """The scheduler's answer to a control request: `success`, `message`, the HTTP `status_code`, and the
+    operation's own fields in `data`."""
+
+    success: bool
+    message: str = ""
+    status_code: int = 200
+    data: Dict[str, object] = dataclasses.field(default_factory=dict)
+
+
+class UpdateWeightsOutput(ControlOutput):
+    pass
+
+
+class GetWeightsOutput(ControlOutput):
+    pass
+
+
+class MemoryOccupationOutput(ControlOutput):
+    pass
+
+
+class PauseGenerationOutput(ControlOutput):
+    pass
+
+
+class ProfileOutput(ControlOutput):
+    pass
+
+
+# which answer each control request gets
+CONTROL_REPLIES = {UpdateWeightsFromDiskReqInput: UpdateWeightsOutput, UpdateWeightsFromTensorReqInput:
+                   UpdateWeightsOutput, GetWeightsByNameReqInput: GetWeightsOutput,
+                   MemoryOccupationReqInput: MemoryOccupationOutput, PauseGenerationReqInput: PauseGenerationOutput,
+                   ProfileReqInput: ProfileOutput}
 
 
 @dataclasses.dataclass

@@ -164,6 +164,8 @@ class ServerArgs:
     max_top_logprobs_num: int = 20
     allow_auto_truncate: bool = False
     enable_metrics: bool = False
+    weight_version: str = "default"
+    profile_dir: Optional[str] = None
     max_queued_requests: Optional[int] = None
     max_n: int = 128
     graceful_shutdown_timeout: float = 30.0
@@ -426,6 +428,9 @@ class ServerArgs:
         if self.compilation_cache_dir is None:  # the flag, else JAX's own variable, else our cache root
             self.compilation_cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
                 _default_cache_root(), "jax_compilation_cache")
+        if self.profile_dir is None:
+            self.profile_dir = os.environ.get("SGLANG_TORCH_PROFILER_DIR") or os.path.join(
+                tempfile.gettempdir(), "sgl_jax_profiles")
 
     def _check_lora(self) -> None:
         """--lora-paths implies --enable-lora; --max-loaded-loras holds at least a batch's adapters (SGLang's
@@ -620,6 +625,10 @@ FLAG_HELP = {
     "allowed_headers": "request headers allowed cross-origin with --allowed-origins (default: *)",
     "max_request_body_bytes": "largest request body accepted, in bytes (413 beyond it)",
     "enable_metrics": "serve Prometheus metrics at /metrics (SGLang's metric names)",
+    "weight_version": "the label of the served weights, reported by /get_weight_version, /get_server_info and "
+                      "each response's meta_info; an update's weight_version replaces it (SGLang's flag)",
+    "profile_dir": "where /start_profile writes jax.profiler traces (its output_dir must lie inside; default: "
+                   "$SGLANG_TORCH_PROFILER_DIR, else sgl_jax_profiles in the system's temporary directory)",
     "grammar_backend": f"structured output (json_schema, regex, ebnf, response_format), one of "
                        f"{list(GRAMMAR_BACKENDS)}; none: such requests answer 400",
     "tool_call_parser": f"how tool calls are read from chat output, one of {list(TOOL_CALL_PARSERS)}; "

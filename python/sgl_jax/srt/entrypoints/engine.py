@@ -15,6 +15,8 @@ import logging
 import threading
 from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Union
 
+import ml_dtypes
+import numpy as np
 import pydantic
 
 from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_subprocesses, stop_subprocesses
@@ -25,7 +27,20 @@ from sgl_jax.srt.entrypoints.native_protocol import (
     validation_message,
 )
 from sgl_jax.srt.errors import RequestError
-from sgl_jax.srt.io_struct import LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput
+from sgl_jax.srt.entrypoints.control_protocol import (
+    MemoryOccupationRequest,
+    PauseGenerationRequest,
+    StartProfileRequest,
+    UpdateWeightsFromDiskRequest,
+)
+from sgl_jax.srt.io_struct import (
+    GetWeightsByNameReqInput,
+    LoadLoRAAdapterReqInput,
+    PauseGenerationReqInput,
+    ProfileReqInput,
+    UnloadLoRAAdapterReqInput,
+    UpdateWeightsFromTensorReqInput,
+)
 from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import configure_logging
@@ -51,6 +66,17 @@ def _split(body: dict):
 
 def _score_input(**fields):
     return _validated(ScoreRequest, {k: v for k, v in fields.items() if v is not None}).to_input()
+
+
+def host_array(t) -> np.ndarray:
+    """A host (numpy) copy of array `t`: numpy, JAX (gathered from its devices) or torch (bfloat16 through
+    float32, then back to ml_dtypes' bfloat16)."""
+    if hasattr(t, "detach") and hasattr(t, "cpu"):  # a torch tensor (torch is not imported here)
+        t = t.detach().cpu()
+        if str(t.dtype) == "torch.bfloat16":
+            return t.float().numpy().astype(ml_dtypes.bfloat16)
+        return t.numpy()
+    return np.asarray(t)
 
 
 async def _anext(agen):
@@ -240,6 +266,76 @@ class Engine:
 
     def flush_cache(self):
         return self._run(self.tokenizer_manager.flush_cache())
+
+    # ---- RL and operator control (scheduler/engine_control.py; the HTTP routes' semantics)
+    def _control(self, obj):
+        return self._run(self.tokenizer_manager.control(obj))
+
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
+                                 abort_all_requests: bool = False, weight_version: Optional[str] = None,
+                                 revision: Optional[str] = None) -> tuple:
+        """SGLang's Engine.update_weights_from_disk: ``(success, message, num_paused_requests)``."""
+        body = _validated(UpdateWeightsFromDiskRequest, {
+            "model_path": model_path, "load_format": load_format, "abort_all_requests": abort_all_requests,
+            "weight_version": weight_version, "revision": revision})
+        out = self._control(body.to_input())
+        return out.success, out.message, out.data.get("num_paused_requests", 0)
+
+    def update_weights_from_tensor(self, named_tensors, load_format: Optional[str] = None, flush_cache: bool = True,
+                                   abort_all_requests: bool = False, weight_version: Optional[str] = None) -> tuple:
+        """SGLang's Engine.update_weights_from_tensor: `named_tensors` are (HF parameter name, array) pairs --
+        numpy, JAX (on any device) or torch arrays, in the checkpoint's layout -- copied to the host and placed
+        into the served parameters' shardings as the loader places a checkpoint (no compile). Returns
+        ``(success, message)``; a name the model does not have or a wrong shape fails it (nothing replaced).
+        `load_format` and `flush_cache` are accepted for SGLang's signature (the prefix cache is always retired)."""
+        tensors = [(str(name), host_array(t)) for name, t in named_tensors]
+        out = self._control(UpdateWeightsFromTensorReqInput(tensors, abort_all_requests, weight_version))
+        return out.success, out.message
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """SGLang's Engine.get_weights_by_name: the first `truncate_size` rows of parameter `name` (nested lists).
+
+        Raises:
+            RequestError: 400 for a name the model does not have, 409 while the weights are released.
+        """
+        out = self._control(GetWeightsByNameReqInput(name, truncate_size))
+        if not out.success:
+            raise RequestError(out.message, out.status_code)
+        return out.data["parameter"]
+
+    def release_memory_occupation(self, tags: Optional[List[str]] = None) -> dict:
+        """Free the KV buffers and/or the weights on the devices (tags "kv_cache", "weights"; None: both)."""
+        return self._memory(tags, release=True)
+
+    def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> dict:
+        """Restore what `release_memory_occupation` freed."""
+        return self._memory(tags, release=False)
+
+    def _memory(self, tags, release: bool) -> dict:
+        body = _validated(MemoryOccupationRequest, {} if tags is None else {"tags": list(tags)})
+        out = self._control(body.to_input(release))
+        return {"success": out.success, "message": out.message, **out.data}
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        """Pause: ``abort``, ``retract`` or ``in_place`` (see /pause_generation)."""
+        out = self._control(_validated(PauseGenerationRequest, {"mode": mode}).to_input())
+        return {"success": out.success, "message": out.message}
+
+    def continue_generation(self) -> dict:
+        out = self._control(PauseGenerationReqInput(resume=True))
+        return {"success": out.success, "message": out.message}
+
+    def start_profile(self, output_dir: Optional[str] = None, num_steps: Optional[int] = None,
+                      duration_s: Optional[float] = None) -> dict:
+        """Start a jax.profiler trace under --profile-dir (see /start_profile)."""
+        body = _validated(StartProfileRequest, {k: v for k, v in {"output_dir": output_dir, "num_steps": num_steps,
+                                                                  "duration_s": duration_s}.items() if v is not None})
+        out = self._control(body.to_input())
+        return {"success": out.success, "message": out.message, **out.data}
+
+    def stop_profile(self) -> dict:
+        out = self._control(ProfileReqInput(start=False))
+        return {"success": out.success, "message": out.message, **out.data}
 
     def open_session(self, capacity_of_str_len: int = 0, session_id: Optional[str] = None,
                      streaming: bool = False, timeout: Optional[float] = None) -> str:

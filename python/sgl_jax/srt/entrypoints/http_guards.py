@@ -35,9 +35,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sgl_jax.srt.entrypoints.error_bodies import error_body
 
 PUBLIC_PREFIXES = ("/health", "/metrics")  # SGLang's exemptions (/health_generate included)
-# SGLang's ADMIN_OPTIONAL endpoints that sgl-jax has (add /start_profile, /update_weights_* here)
-ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/load_lora_adapter", "/unload_lora_adapter"})
-BODYLESS_PATHS = frozenset({"/flush_cache"})  # POST endpoints that take no body (no content type needed)
+# SGLang's ADMIN_OPTIONAL endpoints that sgl-jax has
+ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/load_lora_adapter", "/unload_lora_adapter",
+                         "/update_weights_from_disk", "/get_weights_by_name", "/release_memory_occupation",
+                         "/resume_memory_occupation", "/pause_generation", "/continue_generation", "/start_profile",
+                         "/stop_profile"})
+# POST endpoints that take an empty body without a content type: they only undo or end something (a page
+# could post them cross-site without a preflight; the ones that pause, release or start something need JSON)
+BODYLESS_PATHS = frozenset({"/flush_cache", "/continue_generation", "/stop_profile"})
 
 
 def takes_no_body(path: str) -> bool:

@@ -33,8 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgl_jax.srt.entrypoints.http_guards import GuardMiddleware, HeadAsGet, KeyChecker
 from sgl_jax.srt.entrypoints.native_protocol import validation_message, validation_param
-from sgl_jax.srt.entrypoints.routes import (admin, anthropic, embeddings, native, ollama, openai, rerank,
-                                            responses, scoring, sessions)
+from sgl_jax.srt.entrypoints.routes import (admin, anthropic, control, embeddings, native, ollama, openai,
+                                            rerank, responses, scoring, sessions)
 from sgl_jax.srt.entrypoints.routes.common import ORJSONRoute, error_for
 from sgl_jax.srt.io_struct import SchedulerInfo
 from sgl_jax.srt.server_args import ServerArgs
@@ -44,7 +44,7 @@ from sgl_jax.version import __version__
 logger = logging.getLogger(__name__)
 
 ROUTERS = (native.router, openai.router, responses.router, anthropic.router, ollama.router, scoring.router,
-           rerank.router, embeddings.router, sessions.router, admin.router)
+           rerank.router, embeddings.router, sessions.router, admin.router, control.router)
 
 
 def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: SchedulerInfo) -> FastAPI:

@@ -18,19 +18,11 @@ import jax
 import numpy as np
 
 from sgl_jax.srt.distributed.sharding import replicate_kv_rows
+from sgl_jax.srt.model_executor.weight_update import leaf_name
 
 logger = logging.getLogger(__name__)
 
 _LEAF = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([ab])$")
-
-
-def _leaf_name(path) -> str:
-    parts = []
-    for k in path:
-        key = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
-        if key is not None and key != "value":
-            parts.append(str(key))
-    return ".".join(parts)
 
 
 class LoraSlotWriter:
@@ -49,7 +41,7 @@ class LoraSlotWriter:
         self.leaves: Dict[Tuple[int, str, str], int] = {}
         paths, _ = jax.tree_util.tree_flatten_with_path(runner.params)
         for i, (path, _) in enumerate(paths):
-            m = _LEAF.match(_leaf_name(path))
+            m = _LEAF.match(leaf_name(path))
             if m:
                 self.leaves[(int(m.group(1)), m.group(2), m.group(3))] = i
         self._set_fns: Dict[tuple, object] = {}

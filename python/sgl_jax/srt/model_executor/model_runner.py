@@ -234,8 +234,10 @@ class ModelRunner:
             raise ValueError(f"--kv-cache-dtype {server_args.kv_cache_dtype} differs from the model's dtype "
                              f"({model_config.dtype}); the pallas attention kernels need them equal (or an fp8 "
                              f"cache): pass --attention-backend native or --dtype {self.kv_cache_dtype.name}")
-        self.kv_caches = self._allocate_kv(spec, padded_kv_heads(model_config.num_key_value_heads, self.tp_size),
-                                           model_config.head_dim, dtype)
+        self._kv_layout = (spec, padded_kv_heads(model_config.num_key_value_heads, self.tp_size),
+                           model_config.head_dim, dtype)
+        self._kv_alloc_programs = {}  # pages -> its jitted allocation (compiled here, reused by allocate_kv)
+        self.kv_caches = self.allocate_kv()
         kv_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / self.tp_size / self.dp_size
         logger.info("KV cache: %s, %s, per rank (%.2f GiB per device)", spec.describe(), self.kv_cache_dtype.name,
                     kv_bytes / 2**30)
@@ -281,10 +283,12 @@ class ModelRunner:
             (1, self.model_config.hidden_size), JNP_DTYPES[self.model_config.dtype])).shape[-1]
 
     # ---- compiled functions
-    def _allocate_kv(self, spec, kv_heads: int, head_dim: int, dtype) -> list:
+    def allocate_kv(self) -> list:
         """Zeroed (K, V) device buffers per layer, [dp * (pages + 1), page_size, kv_heads, head_dim] each, of the
-        pool `spec` gives the layer (every rank's block holds its padding page 0), sharded by KV_CACHE."""
-        programs = {}  # pages -> jitted allocation: one compile per buffer shape, not two per layer
+        pool the KV spec gives the layer (every rank's block holds its padding page 0), sharded by KV_CACHE. One
+        compiled allocation per buffer shape, kept: a later call (resume_memory_occupation) compiles nothing."""
+        spec, kv_heads, head_dim, dtype = self._kv_layout
+        programs = self._kv_alloc_programs
 
         def zeros(pages):
             if pages not in programs:

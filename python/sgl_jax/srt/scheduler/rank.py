@@ -149,6 +149,7 @@ class RankScheduler:
         self.waiting_queue: List[Req] = []
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE)
         self.chunked_req: Optional[Req] = None  # a request whose prompt is being prefilled in chunks
+        self.admit_new = True  # False: queued requests wait (a weight update waits for the running ones)
         self.last_mode: Optional[ForwardMode] = None
         self.last_mixed = False  # the last step carried the running requests' decode rows
         self.num_mixed_steps = 0
@@ -252,7 +253,7 @@ class RankScheduler:
         return self.get_decode_batch()
 
     def has_prefill_work(self) -> bool:
-        return bool(self.waiting_queue) or self.chunked_req is not None
+        return bool(self.waiting_queue) and self.admit_new or self.chunked_req is not None
 
     def get_new_batch_prefill(self, mixed: bool = False) -> Optional[ScheduleBatch]:
         """The next extend batch, as the admission policy decides it (scheduler/admission.py); requests whose
@@ -267,7 +268,8 @@ class RankScheduler:
         if mixed and not self.running_batch.prepare_for_decode(self.memory):
             return None
         running = self.running_batch.reqs
-        decided = self.admission.admit(self.waiting_queue, running, self.chunked_req, mixed)
+        waiting = self.waiting_queue if self.admit_new else []  # (a chunk-prefilled request goes on)
+        decided = self.admission.admit(waiting, running, self.chunked_req, mixed)
         if decided is None:
             return None
         if decided.failed:

@@ -12,6 +12,7 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
+from sgl_jax.srt.mem_cache.base_prefix_cache import live_namespace
 from sgl_jax.srt.mem_cache.req_kv import forget_kv, init_req_kv
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
@@ -218,6 +219,7 @@ class Req:
         self.is_chunked = False
         self.penalty_slot = None
         self.lora_slot = -1  # (a slot again when readmitted)
+        self.cache_namespace = live_namespace(self.cache_namespace)  # (KV of the weights served now)
         if not self.input_logprobs_sent:  # the prompt is prefilled again: its input logprobs are recomputed
             self.input_token_logprobs = self.input_top_logprobs = self.input_token_ids_logprobs = None
         self.num_retractions += 1

@@ -44,6 +44,7 @@ from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.io_struct import (
     AbortReq,
+    CONTROL_REPLIES,
     BatchTokenIDOut,
     CloseSessionReqInput,
     CloseSessionReqOutput,
@@ -72,6 +73,7 @@ from sgl_jax.srt.preflight import KVLimits, check_fits
 from sgl_jax.srt.sampling.sampling_batch import stack_vocab_masks
 from sgl_jax.srt.scheduler.lora_control import SchedulerLora, lora_uid, update_lora
 from sgl_jax.srt.scheduler.admission import AdmissionPolicy
+from sgl_jax.srt.scheduler.engine_control import EngineControl
 from sgl_jax.srt.scheduler.grammar_queue import GrammarQueue
 from sgl_jax.srt.scheduler.load_balance import choose_rank
 from sgl_jax.srt.scheduler.node_link import NodeLink, SchedulerTick
@@ -230,6 +232,7 @@ class Scheduler:
             self.grammar_queue.backend.warmup()
         if self.lora is not None:
             self.lora.load_initial(server_args.lora_paths)
+        self.control = EngineControl(self)  # weight updates, memory release, pause, profiling
 
     def _open_sockets(self, port_args) -> None:
         """The ZMQ sockets: requests in from the TokenizerManager, tokens out to the DetokenizerManager, control
@@ -369,6 +372,7 @@ class Scheduler:
                 if step_delay_s:
                     time.sleep(step_delay_s)
                 self.run_step(batches)
+                self.control.on_step()
                 watchdog.step_finished()
         finally:
             if self.link is not None:
@@ -396,6 +400,12 @@ class Scheduler:
                 rank.scoring.expire_handles(tick.now)
         if self.sessions.sessions:
             self.sessions.reap(tick.now, self.release_session)
+        self.control.tick()
+        if self.control.holds_steps():  # (paused, or memory released: requests wait in their queues)
+            self.drain()
+            return None
+        for rank in self.ranks:
+            rank.admit_new = not self.control.holds_admission()
         if not may_choose_ahead(self.inflight, self.ranks):
             self.drain()
         choosing_ahead = self.inflight is not None
@@ -552,7 +562,8 @@ class Scheduler:
 
     # ------------------------------------------------------------ input
     def recv_requests(self) -> list:
-        busy = self.inflight is not None or any(rank.is_busy() for rank in self.ranks)
+        busy = not self.control.holds_steps() and (self.inflight is not None or
+                                                   any(rank.is_busy() for rank in self.ranks))
         if not busy and not self.recv_from_tokenizer.poll(GRAMMAR_POLL_MS if self.grammar_queue else IDLE_POLL_MS):
             return []
         msgs = []
@@ -586,6 +597,8 @@ class Scheduler:
                     self.send_to_tokenizer.send_pyobj(self.close_session(msg))
                 elif isinstance(msg, (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)):
                     self.send_to_tokenizer.send_pyobj(update_lora(self.lora, msg))
+                elif type(msg) in CONTROL_REPLIES:
+                    self.handle_control(msg)
                 elif isinstance(msg, GetInternalStateReq):
                     self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
                 else:
@@ -595,6 +608,17 @@ class Scheduler:
                 rid = getattr(msg, "rid", None)
                 if rid is not None:
                     self._send_abort(rid, "internal error while handling the request", 500)
+
+    def handle_control(self, msg) -> None:
+        """A weights, memory, pause or profile request (scheduler/engine_control.py): its answer now, later (an
+        update waiting for the running requests), or a 500 naming the failure."""
+        try:
+            out = self.control.handle(msg)
+        except Exception as e:
+            logger.error("Failed to handle %s:\n%s", type(msg).__name__, traceback.format_exc())
+            out = CONTROL_REPLIES[type(msg)](False, f"internal error: {type(e).__name__}: {e}", 500)
+        if out is not None:
+            self.send_to_tokenizer.send_pyobj(out)
 
     def assign_rank(self, token_ids, namespace=None) -> RankScheduler:
         """The rank a new request (or scoring group) goes to, by --load-balance-method (load_balance.py);
@@ -736,7 +760,7 @@ class Scheduler:
                   "warmup": self.model_runner.warmup_stats,
                   "prefill_step_budget": None if self.step_budget is None else self.step_budget.state(),
                   "moe": None if self.model_runner.moe_stats is None else self.model_runner.moe_stats.state(),
-                  **({} if self.lora is None else self.lora.state()),
+                  **({} if self.lora is None else self.lora.state()), **self.control.state(),
                   **({"spec_unified_steps": self.num_spec_unified_steps} if self.speculating else {}),
                   **({"spec_draft_model_steps": self.draft_model.num_draft_steps,
                       "spec_draft_model_failed": self.draft_model.failed} if self.draft_model else {}),

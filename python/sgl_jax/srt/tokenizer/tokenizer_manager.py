@@ -21,8 +21,10 @@ import zmq.asyncio
 
 from sgl_jax.srt.configs.model_config import load_tokenizer, served_model_name, tokenizer_path_for
 from sgl_jax.srt.io_struct import (
+    CONTROL_REPLIES,
     AbortReq,
     BatchStrOut,
+    ControlOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -191,6 +193,7 @@ class ReqState:
 
 ORPHAN_TTL_S = 120.0  # an aborted request's rid is freed at the latest this long after its abort
 RESERVATION_TTL_S = 5.0  # room reserved for an admitted request's sequences is held at most this long
+CONTROL_TIMEOUT_S = 3600.0  # a weight update may wait for running requests and read a large checkpoint
 
 
 _LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs",
@@ -225,6 +228,8 @@ class TokenizerManager:
         # unloads; None: no LoRA
         self.lora_adapters: Optional[Dict[str, str]] = (None if scheduler_info.lora_adapters is None
                                                         else dict(scheduler_info.lora_adapters))
+        self.weight_version: str = server_args.weight_version  # the served weights' label (weight updates)
+        self.memory_released = False  # KV or weights off the devices (release_memory_occupation): 503
         ctx = zmq.asyncio.Context(2)
         # no linger, as close() does: a manager dropped without close() (a test's) must not block the
         # interpreter's exit in Context.term() on messages for a scheduler that is gone
@@ -317,6 +322,9 @@ class TokenizerManager:
         if self.draining is not None:
             raise RequestError(f"The server is shutting down ({self.draining}); not accepting new requests", 503,
                                retry_after_s=5)
+        if self.memory_released:
+            raise RequestError("The server's device memory is released (/release_memory_occupation); retry once "
+                               "/resume_memory_occupation has restored it", 503, retry_after_s=5)
         cap = self.queue_capacity()
         if cap is None:
             return
@@ -401,6 +409,18 @@ class TokenizerManager:
         out: LoRAUpdateOutput = await self._control_call(obj, LoRAUpdateOutput, timeout=600.0)
         if out.loaded_adapters is not None and self.lora_adapters is not None:
             self.lora_adapters = dict(out.loaded_adapters)
+        return out
+
+    async def control(self, obj) -> ControlOutput:
+        """A weights, memory, pause or profile request (io_struct.CONTROL_REPLIES): the scheduler's answer, whose
+        weight version and memory state this manager then reports and acts on (503 while memory is released).
+        An update may wait for running requests and read a large checkpoint: up to CONTROL_TIMEOUT_S."""
+        self.start()
+        out: ControlOutput = await self._control_call(obj, CONTROL_REPLIES[type(obj)], timeout=CONTROL_TIMEOUT_S)
+        if out.success and "weight_version" in out.data:
+            self.weight_version = out.data["weight_version"]
+        if out.success and "kv_cache_released" in out.data:
+            self.memory_released = bool(out.data["kv_cache_released"] or out.data["weights_released"])
         return out
 
     async def flush_cache(self) -> FlushCacheReqOutput:
@@ -732,6 +752,7 @@ class TokenizerManager:
             "completion_tokens": state.completion_tokens,
             "cached_tokens": state.cached_tokens,
             "e2e_latency": time.time() - state.created,
+            "weight_version": self.weight_version,
         }
         if obj.return_logprob:
             for key in _LOGPROB_KEYS:

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 # ServerArgs fields /get_server_info never shows: secrets, and paths on this machine's disk
 PRIVATE_SERVER_ARGS = ("api_key", "admin_api_key", "model_path", "tokenizer_path", "chat_template",
-                       "compilation_cache_dir")
+                       "compilation_cache_dir", "profile_dir")
 
 router = new_router()
 metrics_router = new_router()
@@ -53,6 +53,7 @@ async def get_server_info(request: Request, tm: TokenizerManager = Depends(token
     state = await tm.get_internal_state()
     app_state = request.app.state
     return json_response({**public_server_args(app_state.server_args, tm.served_model_name),
+                          "weight_version": state["weight_version"],
                           "scheduler_info": app_state.scheduler_info.to_json(), "internal_states": state["dp_ranks"],
                           "version": __version__, **admission_state(tm, state)})
 
