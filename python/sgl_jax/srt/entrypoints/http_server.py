@@ -117,7 +117,7 @@ def launch_server(server_args: ServerArgs) -> None:
     from sgl_jax.srt.utils import configure_logging
 
     if server_args.node_rank > 0:  # a multi-host follower: only a scheduler, fed by node 0
-        from sgl_jax.srt.scheduler.scheduler import run_follower_node
+        from sgl_jax.srt.scheduler.process import run_follower_node
 
         run_follower_node(server_args)
         return

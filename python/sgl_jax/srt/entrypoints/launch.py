@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def _scheduler_main(*args) -> None:
     # imported here so that the HTTP process never imports JAX
-    from sgl_jax.srt.scheduler.scheduler import run_scheduler_process
+    from sgl_jax.srt.scheduler.process import run_scheduler_process
 
     run_scheduler_process(*args)
 

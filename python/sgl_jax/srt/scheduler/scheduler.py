@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import sys
 import time
 import traceback
 from typing import List, Optional
@@ -57,7 +56,6 @@ from sgl_jax.srt.io_struct import (
     OpenSessionReqInput,
     OpenSessionReqOutput,
     SchedulerInfo,
-    SchedulerStartupError,
     ScorePrefillReq,
     ScoreReleaseReq,
     TokenizedGenerateReqInput,
@@ -89,7 +87,6 @@ from sgl_jax.srt.scheduler.spec_costs import batch_rule_on, measure_step_costs
 from sgl_jax.srt.scheduler.speculation import SpecCounts, build_verify_batch, new_speculators, unify_step
 from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget, RowWork, StepTimeModel, step_features
 from sgl_jax.srt.scheduler.watchdog import StepWatchdog
-from sgl_jax.srt.utils import configure_logging, prepare_child_process
 
 logger = logging.getLogger(__name__)
 
@@ -809,36 +806,3 @@ class Scheduler:
         """Free what a closed session holds (a streaming session's slot and KV, via release_kv_cache)."""
         if session.kv is not None:
             self.ranks[session.rank].memory.release_session(session.kv)
-
-
-def run_scheduler_process(server_args, port_args, pipe_writer, parent_pid: int) -> None:
-    """Entry point of the scheduler process: build, report readiness over `pipe_writer`, serve forever."""
-    configure_logging(server_args.log_level, "Scheduler")
-    prepare_child_process(parent_pid)
-    try:
-        scheduler = Scheduler(server_args, port_args)
-        pipe_writer.send(scheduler.info())
-        scheduler.event_loop()
-    except Exception:
-        tb = traceback.format_exc()
-        logger.error("Scheduler process failed:\n%s", tb)
-        try:
-            pipe_writer.send(SchedulerStartupError(tb))
-        except Exception:
-            pass
-        sys.exit(1)
-
-
-def run_follower_node(server_args) -> None:
-    """``launch_server`` on a host with --node-rank > 0: no HTTP, no tokenizer or detokenizer; the scheduler
-    runs node 0's schedule on this host's devices (scheduler/node_link.py). Exits 0 when node 0 stops, non-zero
-    when a node dies or this one fails."""
-    configure_logging(server_args.log_level, f"Node{server_args.node_rank}")
-    try:
-        scheduler = Scheduler(server_args, None)
-        logger.info("Node %d ready; following node 0", server_args.node_rank)
-        scheduler.event_loop()
-    except Exception:
-        logger.error("Scheduler of node %d failed:\n%s", server_args.node_rank, traceback.format_exc())
-        logging.shutdown()
-        os._exit(1)
