@@ -156,7 +156,7 @@ class RadixCache(BasePrefixCache):
         now = time.monotonic()
         while len(key):
             child = node.children.get(self._child_key(key))
-            if child is None:
+            if child is None or not self._matchable(child):
                 break
             child.last_access_time = now
             n = self._align(_common_len(child.key, key))
@@ -164,20 +164,30 @@ class RadixCache(BasePrefixCache):
                 break
             if n < len(child.key):
                 child = self._split(child, n)
+            self._matched(child)
             values.append(child.value)
             node, key = child, key[n:]
         value = np.concatenate(values) if values else np.zeros(0, np.int32)
         return MatchResult(device_indices=value, last_node=node)
 
-    def prefix_match_len(self, token_ids: TokenIds, namespace: Optional[int] = None) -> int:
-        """What `match_prefix` would match, without splitting a node or touching access times."""
+    def _matchable(self, node: TreeNode) -> bool:
+        """Whether `match_prefix` may run through `node` (a subclass's node may hold no device KV)."""
+        return True
+
+    def _matched(self, node: TreeNode) -> None:
+        """`match_prefix` ran through `node` (a hook for subclasses)."""
+
+    def prefix_match_len(self, token_ids: TokenIds, namespace: Optional[int] = None,
+                         matchable_only: bool = False) -> int:
+        """What `match_prefix` would match, without splitting a node or touching access times (with
+        `matchable_only` False, through every node, also those `match_prefix` stops at)."""
         key = np.asarray(token_ids, np.int32)[:self._align(len(token_ids))]
         node, matched = self._root_of(namespace, create=False), 0
         if node is None:
             return 0
         while len(key):
             child = node.children.get(self._child_key(key))
-            if child is None:
+            if child is None or matchable_only and not self._matchable(child):
                 break
             n = self._align(_common_len(child.key, key))
             matched += n
@@ -188,35 +198,42 @@ class RadixCache(BasePrefixCache):
 
     def insert(self, token_ids: TokenIds, kv_slots: np.ndarray, namespace: Optional[int] = None) -> int:
         """Add `token_ids` (page-aligned length) with their KV `kv_slots` in `namespace`; returns how many leading
-        tokens were already cached (their `kv_slots` stay the caller's: it must free the duplicates)."""
+        tokens' slots the cache did not take (already cached: they stay the caller's, who must free them). A
+        subclass's cached node may take the caller's slots of its tokens (`_insert_over`); the cache then owns
+        every slot from there on and frees the duplicates past it itself."""
         key = np.asarray(token_ids, np.int32)
         value = np.asarray(kv_slots, np.int32)
         assert len(key) == len(value) and len(key) % self.page_size == 0
         if not len(key):
             return 0
-        node, done = self._root_of(namespace, create=True), 0
+        node, done, taken_from = self._root_of(namespace, create=True), 0, None
         now = time.monotonic()
         while done < len(key):
             rest = key[done:]
             child = node.children.get(self._child_key(rest))
             if child is None:
                 self._add_suffix(node, rest, value[done:])
-                return done
+                return done if taken_from is None else taken_from
             child.last_access_time = now
             n = self._align(_common_len(child.key, rest))
             if n < len(child.key):
                 child = self._split(child, n)
-            self._insert_over(child, value[done:done + n])
+            if self._insert_over(child, value[done:done + n]):
+                taken_from = done if taken_from is None else taken_from
+            elif taken_from is not None:
+                self.free_slots(value[done:done + n])
             node, done = child, done + n
-        return done
+        return done if taken_from is None else taken_from
 
     def _add_suffix(self, parent: TreeNode, key: np.ndarray, value: np.ndarray) -> None:
         """A new leaf under `parent` for the uncached rest of an insert (owns `value`'s pages from now)."""
         parent.children[self._child_key(key)] = self.node_cls(key.copy(), value.copy(), parent)
         self._evictable += len(key)
 
-    def _insert_over(self, node: TreeNode, dup_slots: np.ndarray) -> None:
-        """An insert ran through cached `node`; the caller's `dup_slots` of the same tokens stay its own."""
+    def _insert_over(self, node: TreeNode, dup_slots: np.ndarray) -> bool:
+        """An insert ran through cached `node`; returns whether the cache took the caller's `dup_slots` of the
+        same tokens (here never: they stay the caller's)."""
+        return False
 
     # ------------------------------------------------------------ locking and eviction
     def inc_lock_ref(self, node: Optional[TreeNode]) -> int:
