@@ -184,6 +184,8 @@ def test_update_weights_while_requests_run(server, ckpts, refs, mode):
     streams = start_streams(url, prompts)
     if mode in ("in_place", "retract"):
         assert post(url, "/pause_generation", {"mode": mode}).json()["success"]
+    if mode == "in_place":  # (an RL loop may update several times while paused: the held KV is retired once)
+        assert update(url, dirs[new], weight_version="v-first").json()["num_paused_requests"] == len(prompts)
     r = update(url, dirs[new], weight_version=f"v-{mode}", abort_all_requests=mode == "abort")
     assert r.status_code == 200 and r.json()["success"], r.text
     assert r.json()["num_paused_requests"] == (len(prompts) if mode == "in_place" else 0)
@@ -260,6 +262,20 @@ def test_pause_and_continue(server, ckpts, refs, mode):
     else:
         assert [f["output_ids"] for f in finals[:-1]] == refs[cur + "_long"]
     assert finals[-1]["output_ids"] == refs[cur][0]
+    wait_pool_idle(url, ADMIN)
+
+
+def test_abort_while_paused_in_place(server, ckpts):
+    """A pause with mode abort while paused in_place aborts the held requests at once (no step has to run)."""
+    _, _, prompts = ckpts
+    url = server.url
+    streams = start_streams(url, prompts)
+    assert post(url, "/pause_generation", {"mode": "in_place"}).json()["success"]
+    assert post(url, "/pause_generation", {"mode": "abort"}).json()["success"]
+    finals = finish(streams)  # (before continue)
+    assert [f["meta_info"]["finish_reason"]["type"] for f in finals] == ["abort"] * len(prompts)
+    assert state(url)["num_running_reqs"] == 0
+    assert post(url, "/continue_generation").json()["success"]
     wait_pool_idle(url, ADMIN)
 
 

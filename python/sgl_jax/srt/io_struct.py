@@ -151,6 +151,7 @@ class UpdateWeightsFromDiskReqInput:
     abort_all_requests: bool = False
     weight_version: Optional[str] = None
     flush_cache: bool = True
+    request_id: str = ""  # matches the answer to its request (TokenizerManager.control)
 
 
 @dataclasses.dataclass
@@ -161,12 +162,14 @@ class UpdateWeightsFromTensorReqInput:
     abort_all_requests: bool = False
     weight_version: Optional[str] = None
     flush_cache: bool = True
+    request_id: str = ""  # matches the answer to its request (TokenizerManager.control)
 
 
 @dataclasses.dataclass
 class GetWeightsByNameReqInput:
     name: str
     truncate_size: int = 100
+    request_id: str = ""  # matches the answer to its request (TokenizerManager.control)
 
 
 @dataclasses.dataclass
@@ -176,6 +179,7 @@ class MemoryOccupationReqInput:
 
     release: bool
     tags: Optional[List[str]] = None
+    request_id: str = ""  # matches the answer to its request (TokenizerManager.control)
 
 
 @dataclasses.dataclass
@@ -184,6 +188,7 @@ class PauseGenerationReqInput:
 
     mode: str = "abort"
     resume: bool = False
+    request_id: str = ""  # matches the answer to its request (TokenizerManager.control)
 
 
 @dataclasses.dataclass
@@ -195,6 +200,7 @@ class ProfileReqInput:
     output_dir: Optional[str] = None
     num_steps: Optional[int] = None
     duration_s: Optional[float] = None
+    request_id: str = ""  # matches the answer to its request (TokenizerManager.control)
 
 
 @dataclasses.dataclass
@@ -206,6 +212,7 @@ class ControlOutput:
     message: str = ""
     status_code: int = 200
     data: Dict[str, object] = dataclasses.field(default_factory=dict)
+    request_id: str = ""  # the request's (set by the scheduler)
 
 
 class UpdateWeightsOutput(ControlOutput):

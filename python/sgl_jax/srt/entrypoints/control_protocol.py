@@ -58,9 +58,11 @@ class GetWeightsByNameRequest(StrictModel):
 
 
 class MemoryOccupationRequest(StrictModel):
-    """SGLang's Release/ResumeMemoryOccupationReqInput: ``tags`` "kv_cache" and/or "weights" (null: both)."""
+    """SGLang's Release/ResumeMemoryOccupationReqInput: ``tags`` "kv_cache" and/or "weights" (null: both);
+    SGLang's "cuda_graph" is accepted and ignored (the compiled programs always stay)."""
 
-    tags: Optional[Annotated[List[Literal["kv_cache", "weights"]], Field(min_length=1, max_length=2)]] = None
+    tags: Optional[Annotated[List[Literal["kv_cache", "weights", "cuda_graph"]], Field(min_length=1,
+                                                                                     max_length=3)]] = None
 
     def to_input(self, release: bool) -> MemoryOccupationReqInput:
         return MemoryOccupationReqInput(release, None if self.tags is None else list(self.tags))

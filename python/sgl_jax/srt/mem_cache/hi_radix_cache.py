@@ -264,8 +264,8 @@ class HiRadixCache(RadixCache):
 
     def host_match_len(self, token_ids: TokenIds, namespace: Optional[int] = None) -> int:
         """Tokens of `token_ids` past the device match that the host pool holds (what `load_back` would load)."""
-        return (self.prefix_match_len(token_ids, namespace)
-                - self.prefix_match_len(token_ids, namespace, matchable_only=True))
+        return (self.prefix_match_len(token_ids, namespace, include_unmatchable=True)
+                - self.prefix_match_len(token_ids, namespace))
 
     def load_back(self, token_ids: TokenIds, namespace: Optional[int] = None) -> int:
         """Make the host part of `token_ids`' match device-resident again: device pages for its nodes (evicting
@@ -304,7 +304,11 @@ class HiRadixCache(RadixCache):
             if pages is None:
                 return 0
             slots = (pages[:, None] * self.page_size + np.arange(self.page_size, dtype=np.int32)).reshape(-1)
-            self.mover.to_device(np.concatenate([x.host_value for x in path]), slots)
+            try:
+                self.mover.to_device(np.concatenate([x.host_value for x in path]), slots)
+            except Exception:
+                self.allocator.free_pages(pages)
+                raise
             now, start = time.monotonic(), 0
             for x in path:
                 x.value = slots[start:start + len(x.key)]

@@ -178,16 +178,16 @@ class RadixCache(BasePrefixCache):
         """`match_prefix` ran through `node` (a hook for subclasses)."""
 
     def prefix_match_len(self, token_ids: TokenIds, namespace: Optional[int] = None,
-                         matchable_only: bool = False) -> int:
+                         include_unmatchable: bool = False) -> int:
         """What `match_prefix` would match, without splitting a node or touching access times (with
-        `matchable_only` False, through every node, also those `match_prefix` stops at)."""
+        `include_unmatchable`, through the nodes `match_prefix` stops at too: a subclass's KV not on the device)."""
         key = np.asarray(token_ids, np.int32)[:self._align(len(token_ids))]
         node, matched = self._root_of(namespace, create=False), 0
         if node is None:
             return 0
         while len(key):
             child = node.children.get(self._child_key(key))
-            if child is None or matchable_only and not self._matchable(child):
+            if child is None or not include_unmatchable and not self._matchable(child):
                 break
             n = self._align(_common_len(child.key, key))
             matched += n

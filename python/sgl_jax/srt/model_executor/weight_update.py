@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 # ModelConfig fields two checkpoints must share for one's weights to replace the other's
 MATCHING_FIELDS = ("architecture", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "layer_types", "sliding_window", "quantization")
+MAX_WEIGHT_VALUES = 1 << 20  # the most values get_weights_by_name returns (a JSON array of floats)
 # hf config entries that size parameters without a ModelConfig field of their own (absent ones are skipped)
 MATCHING_HF_FIELDS = ("intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
                       "tie_word_embeddings")
@@ -105,6 +106,10 @@ def tensor_values(runner, named_tensors: Iterable[Tuple[str, object]]) -> Dict[s
         writer.add(name, np.asarray(arr))
         if writer.ignored:
             raise ValueError(f"{writer.ignored[0]!r} is not a parameter of the served model")
+    partial = sorted(writer.stacker.buffers)
+    if partial:  # (a stacked expert parameter is replaced whole: a call must carry all of its experts)
+        raise ValueError(f"{partial[0]}: {len(writer.stacker.filled[partial[0]])} of its experts were given; send "
+                         "every expert of a layer's stacked parameter in one call")
     return writer.values
 
 
@@ -134,6 +139,7 @@ def weight_rows(runner, name: str, truncate_size: int = 100) -> list:
 
     Raises:
         KeyError: no parameter has that name.
+        ValueError: more than MAX_WEIGHT_VALUES values asked for.
     """
     index = param_index(runner)
     if name not in index:
@@ -142,6 +148,10 @@ def weight_rows(runner, name: str, truncate_size: int = 100) -> list:
     if leaf.ndim == 0:
         return float(np.asarray(jax.device_get(leaf)))
     n = min(leaf.shape[0], max(0, int(truncate_size)))
+    row = int(np.prod(leaf.shape[1:]))
+    if n * row > MAX_WEIGHT_VALUES:
+        raise ValueError(f"truncate_size: {n} rows of {name} are {n * row} values; at most {MAX_WEIGHT_VALUES} are "
+                         f"returned (ask for {max(1, MAX_WEIGHT_VALUES // row)} rows or fewer)")
     out = np.zeros((n, *leaf.shape[1:]), np.float64)
     for shard in leaf.addressable_shards:  # (only the shards holding those rows come to the host; no compile)
         idx = shard.index

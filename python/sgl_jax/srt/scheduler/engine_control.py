@@ -25,12 +25,14 @@ import copy
 import logging
 import os
 import time
+import traceback
 from typing import List, Optional
 
 import jax
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.io_struct import (
+    CONTROL_REPLIES,
     AbortReq,
     ControlOutput,
     GetWeightsByNameReqInput,
@@ -45,7 +47,7 @@ from sgl_jax.srt.io_struct import (
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsOutput,
 )
-from sgl_jax.srt.mem_cache.base_prefix_cache import retired_namespace
+from sgl_jax.srt.mem_cache.base_prefix_cache import is_retired, retired_namespace
 from sgl_jax.srt.model_executor.weight_update import (
     MemoryOccupation,
     checkpoint_values,
@@ -60,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("kv_cache", "weights")
+IGNORED_TAGS = ("cuda_graph",)  # SGLang's tag for CUDA graphs' memory: compiled XLA programs stay, as documented
 PROFILE_DEFAULT_S = 30.0  # a trace started with neither num_steps nor duration_s stops after this long
 PROFILE_MAX_S = 600.0
 
@@ -99,7 +102,9 @@ class EngineControl:
         if self.waiting_ops and (self.paused is not None or self._nothing_running()):
             ops, self.waiting_ops = self.waiting_ops, []
             for msg in ops:
-                self._reply(self._apply(msg))
+                out = self._apply_guarded(msg)
+                out.request_id = msg.request_id
+                self._reply(out)
         if self.retired:
             for rank, key in self.retired:
                 rank.memory.drop_namespace(key)
@@ -149,8 +154,10 @@ class EngineControl:
         sched = self.sched
         if any(rank.scoring.handles for rank in sched.ranks):
             return "scoring-cache handles hold KV; release them first"
-        if any(s.holds_kv() for s in sched.sessions.sessions.values()):
-            return "streaming sessions hold KV; close them first"
+        if any(s.holds_kv() or s.streaming and s.busy() for s in sched.sessions.sessions.values()):
+            return "streaming sessions hold KV (or run a turn); close them first"
+        if any(r.score is not None and r.score.is_handle_prefill for r in sched.live_reqs()):
+            return "scoring-cache handles are being prefilled; release them first"
         return None
 
     def _abort_everything(self, message: str) -> None:
@@ -162,8 +169,23 @@ class EngineControl:
                 rids.append(rank.chunked_req.rid)
             for rid in rids:
                 rank.abort(AbortReq(rid, message))
+            if self.paused is not None:  # (no step will run to finish them: they finish here)
+                sched.drain()
+                self._finish_running_now(rank)
         for req in list(sched.grammar_queue.reqs):
             sched.handle_abort(AbortReq(req.rid, message))
+
+    @staticmethod
+    def _finish_running_now(rank) -> None:
+        """Finish `rank`'s running and chunk-prefilled requests that are marked to abort: answered, KV released."""
+        reqs = rank.running_batch.reqs + ([rank.chunked_req] if rank.chunked_req is not None else [])
+        for req in reqs:
+            if req.to_abort is not None and not req.finished():
+                req.finished_reason = req.to_abort
+                rank.finish_failed(req)
+        if rank.chunked_req is not None and rank.chunked_req.finished():
+            rank.chunked_req = None
+        rank.running_batch.filter_finished()
 
     # ------------------------------------------------------------ weights
     def _request_update(self, msg) -> Optional[UpdateWeightsOutput]:
@@ -188,6 +210,19 @@ class EngineControl:
             return 400, "weight updates are not supported across hosts (--nnodes > 1) yet"
         blocker = self._kv_blocker()
         return None if blocker is None else (409, f"cannot update the weights: {blocker}")
+
+    def _apply_guarded(self, msg) -> ControlOutput:
+        """`_apply` for an operation that waited: checked again (what blocks it may have started meanwhile), and a
+        failure answered (500) rather than raised into the loop."""
+        reply = CONTROL_REPLIES[type(msg)]
+        problem = None if isinstance(msg, PauseGenerationReqInput) else self._update_problem()
+        if problem is not None:
+            return reply(False, problem[1], problem[0])
+        try:
+            return self._apply(msg)
+        except Exception as e:
+            logger.error("Failed to apply %s:\n%s", type(msg).__name__, traceback.format_exc())
+            return reply(False, f"internal error: {type(e).__name__}: {e}", 500)
 
     def _apply(self, msg) -> ControlOutput:
         if isinstance(msg, PauseGenerationReqInput):  # (an abort pause whose aborted requests have left)
@@ -219,10 +254,13 @@ class EngineControl:
         if isinstance(msg, UpdateWeightsFromDiskReqInput):
             self.memory.weights_replaced()
         self.epoch += 1
-        for req in held:  # (their later inserts go to the retired prefixes they lock)
-            req.cache_namespace = retired_namespace(self.epoch, req.cache_namespace)
         for rank in sched.ranks:  # nothing cached under the old weights is matched again
             self.retired += [(rank, key) for key in rank.memory.retire_cache(self.epoch)]
+            for req in rank.running_batch.reqs + [rank.chunked_req]:  # (their inserts go to retired prefixes)
+                if req is not None and not is_retired(req.cache_namespace):
+                    req.cache_namespace = retired_namespace(self.epoch, req.cache_namespace)
+                if req is not None and (rank, req.cache_namespace) not in self.retired:
+                    self.retired.append((rank, req.cache_namespace))
         if msg.weight_version is not None:
             self.weight_version = msg.weight_version
         seconds = time.perf_counter() - t0
@@ -231,7 +269,8 @@ class EngineControl:
         logger.info("Weights updated from %s in %.2f s (version %s; %d requests kept their KV)", what, seconds,
                     self.weight_version, len(held))
         return UpdateWeightsOutput(True, "Succeeded to update model weights.", 200, {
-            "weight_version": self.weight_version, "seconds": seconds, "num_paused_requests": len(held)})
+            "weight_version": self.weight_version, "seconds": seconds, "num_paused_requests": len(held),
+            "kv_cache_released": self.memory.kv_released, "weights_released": self.memory.weights_released})
 
     def _new_config(self, msg: UpdateWeightsFromDiskReqInput) -> ModelConfig:
         """The new checkpoint's ModelConfig. Raises ValueError naming the first field that differs."""
@@ -250,10 +289,14 @@ class EngineControl:
     def _get_weights(self, msg: GetWeightsByNameReqInput) -> GetWeightsOutput:
         if self.memory.weights_released:
             return GetWeightsOutput(False, "the weights are released from the devices", 409)
+        if self.sched.link is not None:
+            return GetWeightsOutput(False, "get_weights_by_name is not supported across hosts (--nnodes > 1)", 400)
         try:
             rows = weight_rows(self.sched.model_runner, msg.name, msg.truncate_size)
         except KeyError:
             return GetWeightsOutput(False, f"name: the model has no parameter {msg.name!r}", 400)
+        except ValueError as e:
+            return GetWeightsOutput(False, str(e), 400)
         return GetWeightsOutput(True, "", 200, {"parameter": rows})
 
     # ------------------------------------------------------------ pause
@@ -294,9 +337,9 @@ class EngineControl:
 
     # ------------------------------------------------------------ memory
     def _memory(self, msg: MemoryOccupationReqInput) -> MemoryOccupationOutput:
-        tags = list(MEMORY_TAGS) if msg.tags is None else list(msg.tags)
+        tags = list(MEMORY_TAGS) if msg.tags is None else [t for t in msg.tags if t not in IGNORED_TAGS]
         bad = [t for t in tags if t not in MEMORY_TAGS]
-        if bad or not tags:
+        if bad or not tags and not msg.tags:
             return MemoryOccupationOutput(False, f"tags must be a non-empty list of {list(MEMORY_TAGS)}, got "
                                          f"{msg.tags!r}", 400)
         kv, weights = "kv_cache" in tags, "weights" in tags
@@ -344,7 +387,10 @@ class EngineControl:
                 0 < msg.duration_s <= PROFILE_MAX_S):
             return ProfileOutput(False, f"num_steps must be >= 1 and duration_s in (0, {PROFILE_MAX_S:g}]", 400)
         duration = msg.duration_s or (PROFILE_MAX_S if msg.num_steps else PROFILE_DEFAULT_S)
-        os.makedirs(out_dir, exist_ok=True)
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as e:
+            return ProfileOutput(False, f"output_dir: cannot create {out_dir}: {e}", 400)
         jax.profiler.start_trace(out_dir, create_perfetto_trace=True)
         self.trace = {"dir": out_dir, "steps_left": msg.num_steps, "deadline": time.monotonic() + duration,
                       "started": time.monotonic()}

@@ -615,6 +615,7 @@ class Scheduler:
             logger.error("Failed to handle %s:\n%s", type(msg).__name__, traceback.format_exc())
             out = CONTROL_REPLIES[type(msg)](False, f"internal error: {type(e).__name__}: {e}", 500)
         if out is not None:
+            out.request_id = msg.request_id
             self.send_to_tokenizer.send_pyobj(out)
 
     def assign_rank(self, token_ids, namespace=None) -> RankScheduler:

@@ -21,7 +21,6 @@ import zmq.asyncio
 
 from sgl_jax.srt.configs.model_config import load_tokenizer, served_model_name, tokenizer_path_for
 from sgl_jax.srt.io_struct import (
-    CONTROL_REPLIES,
     AbortReq,
     BatchStrOut,
     ControlOutput,
@@ -241,6 +240,7 @@ class TokenizerManager:
         self.rid_to_state: Dict[str, ReqState] = {}
         self._control: Dict[type, asyncio.Queue] = {}
         self._control_locks: Dict[type, asyncio.Lock] = {}
+        self._control_waiters: Dict[str, asyncio.Future] = {}  # control request id -> its answer (`control`)
         self._loop_task: Optional[asyncio.Task] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the loop serving this manager, once started
         self.dead_reason: Optional[str] = None
@@ -286,6 +286,9 @@ class TokenizerManager:
             state.error = RequestError(f"Server unavailable: {reason}", 503)
             state.event.set()
         self.score_client.fail_all(RequestError(f"Server unavailable: {reason}", 503))
+        for waiter in self._control_waiters.values():
+            if not waiter.done():
+                waiter.set_exception(RequestError(f"Server unavailable: {reason}", 503))
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -369,6 +372,10 @@ class TokenizerManager:
                     state.event.set()
             elif self.score_client.on_message(msg):
                 pass
+            elif isinstance(msg, ControlOutput):
+                waiter = self._control_waiters.get(msg.request_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(msg)
             else:
                 self._control_queue(type(msg)).put_nowait(msg)
 
@@ -416,7 +423,16 @@ class TokenizerManager:
         weight version and memory state this manager then reports and acts on (503 while memory is released).
         An update may wait for running requests and read a large checkpoint: up to CONTROL_TIMEOUT_S."""
         self.start()
-        out: ControlOutput = await self._control_call(obj, CONTROL_REPLIES[type(obj)], timeout=CONTROL_TIMEOUT_S)
+        self._check_alive()
+        obj.request_id = uuid.uuid4().hex
+        waiter = self._control_waiters[obj.request_id] = self.loop.create_future()
+        try:  # (the answer is matched by id: one to a call that timed out or was cancelled is dropped)
+            self.send_to_scheduler.send_pyobj(obj)
+            out: ControlOutput = await asyncio.wait_for(waiter, CONTROL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RequestError("The scheduler did not answer in time", 503) from None
+        finally:
+            self._control_waiters.pop(obj.request_id, None)
         if out.success and "weight_version" in out.data:
             self.weight_version = out.data["weight_version"]
         if out.success and "kv_cache_released" in out.data:
