@@ -281,7 +281,7 @@ def test_memory_preflight_answers_413_with_both_numbers(tiny_server, smollm2_tok
 
 
 def test_sigkill_of_the_server_takes_its_children_down(tiny_server):
-    from sgl_jax.srt.server_args import PortArgs
+    from sgl_jax.srt.port_args import PortArgs
 
     proc = tiny_server.proc
     check_clean(tiny_server.url)  # the teardown's checks of the module's traffic, before the kill leaves none
@@ -394,7 +394,7 @@ def test_sigterm_during_startup_stops_cleanly(tiny_model, tmp_path):
 def test_stale_socket_leftovers_of_dead_processes_are_removed(tmp_path, monkeypatch):
     """What a dead process left (a socket directory, or the loose socket files of versions before it) goes;
     what a live process uses stays."""
-    from sgl_jax.srt.server_args import remove_stale_ipc_dirs
+    from sgl_jax.srt.port_args import remove_stale_ipc_dirs
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = next(p for p in range(4_000_000, 4_100_000) if not pid_alive(p))

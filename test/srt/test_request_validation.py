@@ -35,7 +35,8 @@ from sgl_jax.srt.tokenizer.tokenizer_manager import (
     min_token_count,
 )
 from sgl_jax.srt.sampling.sampling_params import DEVICE_SEED_LIMIT, SamplingParams, reduce_seed
-from sgl_jax.srt.server_args import PortArgs, ServerArgs
+from sgl_jax.srt.port_args import PortArgs
+from sgl_jax.srt.server_args import ServerArgs
 
 # the scheduler's readiness facts for a server with a 64-token prefill bucket and a 100-token KV pool
 def scheduler_info(**overrides) -> SchedulerInfo:

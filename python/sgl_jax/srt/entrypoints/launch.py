@@ -17,7 +17,8 @@ from typing import Callable, List, Optional, Tuple
 from sgl_jax.srt.configs.model_config import resolve_model, tokenizer_path_for
 from sgl_jax.srt.model_loader.gguf_file import check_gguf_tokenizer_dir
 from sgl_jax.srt.io_struct import SchedulerInfo, SchedulerStartupError
-from sgl_jax.srt.server_args import PortArgs, ServerArgs
+from sgl_jax.srt.port_args import PortArgs
+from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import kill_processes
 
 logger = logging.getLogger(__name__)
