@@ -63,6 +63,13 @@ def _die(message: str) -> None:
     os._exit(1)
 
 
+class DiscardSocket:
+    """Where a multi-host follower's outputs go (node 0 sends them): a socket stand-in that sends nothing."""
+
+    def send_pyobj(self, obj) -> None:
+        return None
+
+
 class NodeLink:
     """The tick channel and heartbeats of one node (see the module docstring).
 

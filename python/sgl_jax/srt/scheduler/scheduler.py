@@ -74,7 +74,7 @@ from sgl_jax.srt.scheduler.admission import AdmissionPolicy
 from sgl_jax.srt.scheduler.engine_control import EngineControl
 from sgl_jax.srt.scheduler.grammar_queue import GrammarQueue
 from sgl_jax.srt.scheduler.load_balance import choose_rank
-from sgl_jax.srt.scheduler.node_link import NodeLink, SchedulerTick
+from sgl_jax.srt.scheduler.node_link import DiscardSocket, NodeLink, SchedulerTick
 from sgl_jax.srt.scheduler.output import token_out
 from sgl_jax.srt.scheduler.overlap import LaunchedStep, may_choose_ahead
 from sgl_jax.srt.scheduler.rank import RankConfig, RankScheduler
@@ -85,7 +85,7 @@ from sgl_jax.srt.scheduler.draft_model import draft_reserve
 from sgl_jax.srt.scheduler.drafters import draft_model_config, new_drafter
 from sgl_jax.srt.scheduler.spec_costs import batch_rule_on, measure_step_costs
 from sgl_jax.srt.scheduler.speculation import SpecCounts, build_verify_batch, new_speculators, unify_step
-from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget, RowWork, StepTimeModel, step_features
+from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget, StepTimeModel, step_cost_features
 from sgl_jax.srt.scheduler.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
@@ -110,24 +110,6 @@ SUMMED_STATE_KEYS = ("num_running_reqs", "num_waiting_reqs", "req_slots_free", "
                      "num_sessions", "num_streaming_sessions", "req_slots_session_held", "num_mixed_steps",
                      "spec_verify_steps", "spec_drafted_rows", "spec_draft_tokens", "spec_accepted_tokens",
                      "spec_kv_moves", "spec_unpaid_steps")
-
-
-class _Discard:
-    """Where a multi-host follower's outputs go (node 0 sends them)."""
-
-    def send_pyobj(self, obj) -> None:
-        return None
-
-
-def step_cost_features(batches: List[Optional[ScheduleBatch]], buckets):
-    """The step-time model's features of one step (scheduler/step_budget.py), before it runs."""
-    live = [b for b in batches if b is not None and b.reqs]
-    if not live:
-        return None
-    mode, t_pad, _ = step_shape(live, buckets)
-    rows = [RowWork(b.is_decode_row(r), 1 if b.is_decode_row(r) else r.extend_input_len, r.kv_committed_len)
-            for b in live for r in b.reqs]
-    return step_features(t_pad, mode == ForwardMode.DECODE, rows)
 
 
 class Scheduler:
@@ -245,7 +227,7 @@ class Scheduler:
             self.send_to_tokenizer.connect(port_args.tokenizer_ipc_name)
         else:
             self.recv_from_tokenizer = None
-            self.send_to_detokenizer = self.send_to_tokenizer = _Discard()
+            self.send_to_detokenizer = self.send_to_tokenizer = DiscardSocket()
 
     def _new_rank(self, rank: int, speculator=None) -> RankScheduler:
         """Rank `rank`: its KV memory (its own block of the KV buffers, request slots and prefix cache), its

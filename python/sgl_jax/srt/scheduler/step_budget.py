@@ -35,7 +35,9 @@ from typing import Deque, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+from sgl_jax.srt.scheduler.schedule_batch import step_shape
 
 # feature scales keep the normal equations well conditioned (ms per 1k tokens, per 10k KV tokens, ...)
 TOKEN_SCALE = 1e3
@@ -235,3 +237,15 @@ class PrefillStepBudget:
             "last_predicted_ms": None if self.last_predicted_ms is None else round(self.last_predicted_ms, 2),
             "num_limited": self.num_limited,
         }
+
+
+def step_cost_features(batches: Sequence, buckets):
+    """The step-time model's features of one step (its ranks' `ScheduleBatch` or None each), before it runs; None
+    when no rank has requests."""
+    live = [b for b in batches if b is not None and b.reqs]
+    if not live:
+        return None
+    mode, t_pad, _ = step_shape(live, buckets)
+    rows = [RowWork(b.is_decode_row(r), 1 if b.is_decode_row(r) else r.extend_input_len, r.kv_committed_len)
+            for b in live for r in b.reqs]
+    return step_features(t_pad, mode == ForwardMode.DECODE, rows)
