@@ -13,6 +13,8 @@ every step:
 - a request admitted after `load_back` reads, on the device, the KV of its own prefix for every matched token.
 """
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -21,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.hi_radix_cache import WRITE_POLICIES, HiRadixCache
+from sgl_jax.srt.mem_cache.kv_invariants import cached_pages, host_problems, lock_problems
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 
 DEVICE_TOKENS, HOST_TOKENS = 48, 64
@@ -143,6 +146,10 @@ def make_machine(page_size: int, policy: str):
             assert (self.alloc.available_size() + c.evictable_size() + c.protected_size() + own
                     == self.alloc.size)
             assert c.host_available_size() + c.host_used_size() == c.host_size()
+            # the server's own checks (kv_invariants.py, run by the idle check) agree
+            holders = [SimpleNamespace(rid=i, last_node=live[1]) for i, live in enumerate(self.live)]
+            assert lock_problems(c, holders) == [] and host_problems(c) == []
+            assert len(cached_pages(c)) * self.ps == c.evictable_size() + c.protected_size()
 
         def _path_tokens(self, node):
             parts = []
@@ -185,3 +192,35 @@ def test_evicted_prefix_is_loaded_back_not_recomputed():
     assert cache.load_back(a + [99]) == 12 and cache.num_host_hit_tokens == 12
     m = cache.match_prefix(a + [99])
     assert m.length == 12 and (device[m.device_indices] == kv_of(a)).all()
+
+
+def test_host_checks_catch_planted_faults():
+    """The idle check's host-tier invariants (kv_invariants.host_problems, lock_problems' device-only sizes) report a
+    leaked host page, a host page owned twice and a node on host with no copy; clean otherwise."""
+    def cache_with_host_prefix():
+        alloc = PagedTokenToKVPoolAllocator(16, 1)
+        device, host = np.full(17, -1, np.int64), np.full(32, -1, np.int64)
+        cache = HiRadixCache(ReqToTokenPool(2, 32), alloc, 1, 32, NumpyMover(device, host), "write_back")
+        slots = alloc.alloc_pages(8)
+        cache.insert(list(range(1, 9)), slots)
+        cache.evict(8)
+        return cache
+
+    clean = cache_with_host_prefix()
+    assert host_problems(clean) == [] and lock_problems(clean, []) == []
+    leaked = cache_with_host_prefix()
+    leaked.host._free = leaked.host._free[1:]  # a free host page dropped from the free list
+    assert any("leaked" in p for p in host_problems(leaked))
+    twice = cache_with_host_prefix()
+    node = twice.nodes()[0]
+    twice.host._free = np.concatenate([twice.host._free, node.host_value[:1]])  # a node's page also free
+    assert any("owned twice" in p for p in host_problems(twice))
+    lost = cache_with_host_prefix()
+    node = lost.nodes()[0]
+    lost.host.free(node.host_value)
+    lost._host_used -= len(node.host_value)
+    node.host_value = None  # on host with no host copy
+    assert any("without a host copy" in p for p in host_problems(lost))
+    counted = cache_with_host_prefix()
+    counted._evictable += 8  # the host node's tokens counted as device-cached
+    assert any("prefix cache sizes" in p for p in lock_problems(counted, []))

@@ -1,5 +1,6 @@
 """Property tests of the KV lifecycle (hypothesis state machine), no model: every cache kind (radix, lfu_radix,
-chunk, swa_radix, and chunk over the hybrid SWA allocator) x page sizes 1, 4 and 16, each rank's KV memory built as
+chunk, swa_radix, chunk over the hybrid SWA allocator, and hiradix: radix with a host tier that evicted prefixes
+go to and are loaded back from at admission) x page sizes 1, 4 and 16, each rank's KV memory built as
 a server builds it (`KVMemory.create` from a `KVCacheSpec` and the cache flags, the kind from the registry).
 
 Random sequences of admission (prefix match + lock + allocation, through PrefillAdder and ScheduleBatch),
@@ -36,6 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.scheduler.admission import PrefillAdder
+from sgl_jax.srt.mem_cache.hi_radix_cache import HostTier
 from sgl_jax.srt.mem_cache.kv_memory import KVCacheSpec, KVMemory
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.forward_batch import ForwardMode
@@ -50,7 +52,22 @@ KINDS = {"radix": ("radix", False, dict(disable_radix_cache=False, radix_evictio
          "lfu_radix": ("lfu_radix", False, dict(disable_radix_cache=False, radix_eviction_policy="lfu")),
          "chunk": ("chunk", False, dict(disable_radix_cache=True)),
          "swa_radix": ("swa_radix", True, dict(disable_radix_cache=False)),
-         "chunk_swa": ("chunk", True, dict(disable_radix_cache=True))}
+         "chunk_swa": ("chunk", True, dict(disable_radix_cache=True)),
+         "hiradix": ("hiradix", False, dict(disable_radix_cache=False, enable_hierarchical_cache=True))}
+HOST_TOKENS = 12 * 16  # the host tier's pool (hiradix): half the device pool, so that it evicts too
+
+
+class ArrayMover:
+    """The host tier's copies (hi_radix_cache.KVMover) between two numpy arrays standing for the KV pools."""
+
+    def __init__(self, device_tokens: int):
+        self.device, self.host = np.zeros(device_tokens + 16, np.int64), np.zeros(HOST_TOKENS, np.int64)
+
+    def to_host(self, device_slots, host_slots):
+        self.host[host_slots] = self.device[device_slots]
+
+    def to_device(self, host_slots, device_slots):
+        self.device[device_slots] = self.host[host_slots]
 
 
 def new_memory(config: str, page_size: int, window: int) -> KVMemory:
@@ -60,8 +77,9 @@ def new_memory(config: str, page_size: int, window: int) -> KVMemory:
     kind, hybrid, flags = KINDS[config]
     spec = KVCacheSpec(page_size, (24 * 16, 9 * 16) if hybrid else (24 * 16,), (0, 1) if hybrid else (0,),
                        window if hybrid else None)
+    tier = HostTier(HOST_TOKENS, ArrayMover(24 * 16), "write_back") if kind == "hiradix" else None
     memory = KVMemory.create(spec, num_request_slots=6, context_len=512, server_args=types.SimpleNamespace(**flags),
-                             swa_release=True)
+                             swa_release=True, host_tier=tier)
     assert memory.cache_kind == kind and memory.hybrid == hybrid
     return memory
 
@@ -206,6 +224,8 @@ class KVLifecycle(RuleBasedStateMachine):
         owners = [self.alloc.free_page_ids()]
         tree_tokens = 0
         for node in (self.cache.nodes() if self.radix else []):
+            if node.value is None:  # (hiradix: a node on host only holds no device page)
+                continue
             owners.append(node.value[::self.ps] // self.ps)
             tree_tokens += len(node.key)
         live = self.running + self.chunked
@@ -271,6 +291,10 @@ class KVLifecycle(RuleBasedStateMachine):
         assert self.cache.protected_size() == 0
         assert self.alloc.available_size() + self.cache.evictable_size() == self.alloc.size
         assert not self.memory.idle_problems([])
+        if self.config == "hiradix":  # the host tier's pool is exact too (idle_problems checks it)
+            acc = self.memory.accounting()
+            assert acc["host_kv_tokens_free"] + acc["host_kv_tokens_cached"] == acc["host_kv_tokens_total"]
+            HOST_HITS.append(acc["host_hit_tokens"])
         if self.window:
             acc = self.memory.accounting()
             assert acc["swa_tokens_protected"] == 0
@@ -291,7 +315,10 @@ def lifecycle_machine(config: str, page_size: int, window: int, ops: list):
 MIN_OPS = 10_000  # counted operations per configuration, at least
 WINDOW = {1: 8, 4: 8, 16: 16}  # page size -> the sliding window of the hybrid configurations
 
-CONFIGS = [(config, page_size) for config in KINDS for page_size in (1, 4, 16)]
+# (hiradix is radix with a host tier: pages 1 and 4 drive its own paths; page 16 adds nothing radix's does not)
+CONFIGS = [(config, page_size) for config in KINDS for page_size in (1, 4, 16)
+           if not (config == "hiradix" and page_size == 16)]
+HOST_HITS = []  # tokens hiradix machines loaded back from the host tier (one entry per example)
 
 
 @pytest.mark.parametrize("config,page_size", CONFIGS, ids=[f"{c}-page{p}" for c, p in CONFIGS])
@@ -303,3 +330,6 @@ def test_kv_lifecycle(config, page_size):
     run_state_machine_as_test(machine, settings=settings(max_examples=100, stateful_step_count=200, deadline=None,
                                                           derandomize=True, suppress_health_check=list(HealthCheck)))
     assert len(ops) >= MIN_OPS, f"only {len(ops)} operations ran"
+    if config == "hiradix":
+        assert sum(HOST_HITS) > 0, "no prefix was loaded back from the host tier"
+        HOST_HITS.clear()

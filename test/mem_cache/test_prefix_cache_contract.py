@@ -17,6 +17,7 @@ from sgl_jax.srt.mem_cache.base_prefix_cache import BasePrefixCache, CacheNode
 from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req, match_req
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
 from sgl_jax.srt.mem_cache.common import release_kv_cache
+from sgl_jax.srt.mem_cache.hi_radix_cache import HiRadixCache, HostTier
 from sgl_jax.srt.mem_cache.lfu_radix_cache import LFURadixCache
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache, TreeNode
 from sgl_jax.srt.mem_cache.registry import CACHE_KINDS, cache_kind_for, create_prefix_cache
@@ -39,12 +40,31 @@ def make(kind, page_size):
         alloc = SWAPagedAllocator(512, 256, page_size)
         return pool, alloc, SWARadixCache(pool, alloc, page_size, 8)
     alloc = PagedTokenToKVPoolAllocator(512, page_size)
+    if kind == "hiradix":
+        return pool, alloc, HiRadixCache.create(pool, alloc, page_size, host_tier=host_tier())
     cls = {"radix": RadixCache, "lfu_radix": LFURadixCache}.get(kind)
     cache = cls(pool, alloc, page_size) if cls is not None else ChunkCache(pool, alloc)
     return pool, alloc, cache
 
 
-KINDS = ["radix", "lfu_radix", "chunk", "swa_radix"]
+KINDS = ["radix", "lfu_radix", "chunk", "swa_radix", "hiradix"]
+
+
+class SlotMover:
+    """The host tier's copies (hi_radix_cache.KVMover) between two numpy arrays standing for the KV pools."""
+
+    def __init__(self):
+        self.device, self.host = np.zeros(520, np.int64), np.zeros(256, np.int64)
+
+    def to_host(self, device_slots, host_slots):
+        self.host[host_slots] = self.device[device_slots]
+
+    def to_device(self, host_slots, device_slots):
+        self.device[device_slots] = self.host[host_slots]
+
+
+def host_tier() -> HostTier:
+    return HostTier(256, SlotMover(), "write_through")
 
 
 def test_every_contract_method_is_abstract_and_documented():
@@ -61,7 +81,7 @@ def test_kinds_come_from_the_registry():
     assert set(CACHE_KINDS) == set(KINDS)
     for kind in KINDS:
         pool, alloc, built = make(kind, 4)
-        cache = create_prefix_cache(kind, pool, alloc, 4, 8)
+        cache = create_prefix_cache(kind, pool, alloc, 4, 8, host_tier() if kind == "hiradix" else None)
         assert type(cache) is type(built) and cache.kind == kind
         assert all(hasattr(cache, m) for m in SWA_METHODS) == cache.keeps_swa == (kind == "swa_radix")
     flags = lambda disable, policy="lru": ServerArgs(disable_radix_cache=disable,  # noqa: E731
@@ -75,6 +95,13 @@ def test_kinds_come_from_the_registry():
         create_prefix_cache("swa_radix", pool, alloc, 4, 8)
     with pytest.raises(ValueError, match="unknown prefix cache kind 'lru'"):
         create_prefix_cache("lru", pool, alloc, 4, None)
+    assert cache_kind_for(ServerArgs(enable_hierarchical_cache=True), False) == "hiradix"
+    with pytest.raises(ValueError, match="needs a host tier"):
+        create_prefix_cache("hiradix", pool, alloc, 4, None)
+    with pytest.raises(ValueError, match="has no host tier"):
+        create_prefix_cache("radix", pool, alloc, 4, None, host_tier())
+    with pytest.raises(ValueError, match="hybrid SWA pool"):
+        create_prefix_cache("hiradix", pool, SWAPagedAllocator(512, 256, 4), 4, 8, host_tier())
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -301,7 +301,7 @@ def module_server(extra_args: Optional[List[str]] = None, headers: Optional[dict
 
 def assert_pool_clean(st: dict) -> None:
     """One DP rank's KV memory at rest: nothing in use or locked in the full pool (and the SWA pool, with hybrid
-    SWA memory), each pool exactly free + cached, every request slot free, no memory error (the exact
+    SWA memory), each pool exactly free + cached (the host pool of --enable-hierarchical-cache too), every request slot free, no memory error (the exact
     page-ownership check after every step and the idle check count there)."""
     assert st["kv_tokens_in_use"] == 0 and st["kv_tokens_protected"] == 0, st
     assert st["kv_tokens_free"] + st["kv_tokens_cached"] == st["kv_tokens_total"], st
@@ -309,6 +309,8 @@ def assert_pool_clean(st: dict) -> None:
     if "swa_tokens_total" in st:  # hybrid SWA memory: the SWA pool too
         assert st["swa_tokens_in_use"] == 0 and st["swa_tokens_protected"] == 0, st
         assert st["swa_tokens_free"] + st["swa_tokens_cached"] == st["swa_tokens_total"], st
+    if "host_kv_tokens_total" in st:  # the hierarchical cache's host pool: free + cached
+        assert st["host_kv_tokens_free"] + st["host_kv_tokens_cached"] == st["host_kv_tokens_total"], st
 
 
 def check_clean_info(info: dict) -> None:

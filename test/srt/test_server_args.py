@@ -140,3 +140,38 @@ def test_speculative_flags():
     for kwargs, message in refused:
         with pytest.raises(ValueError, match=message):
             ServerArgs(**kwargs)
+
+
+def test_hierarchical_cache_flags():
+    """SGLang's HiCache flags parse with its defaults (ratio 2, size 0 GB, write_through); bad sizes and the
+    combinations the host tier cannot serve are refused naming the flag; the host pool's size follows the size
+    over the ratio and is checked against the memory there is."""
+    from types import SimpleNamespace
+
+    from sgl_jax.srt.model_executor.host_kv import host_pool_tokens
+
+    a = prepare_server_args(["--enable-hierarchical-cache"])
+    assert (a.enable_hierarchical_cache, a.hicache_ratio, a.hicache_size, a.hicache_write_policy) == (
+        True, 2.0, 0.0, "write_through")
+    b = prepare_server_args(["--enable-hierarchical-cache", "--hicache-ratio", "1.5", "--hicache-size", "3",
+                             "--hicache-write-policy", "write_back"])
+    assert (b.hicache_ratio, b.hicache_size, b.hicache_write_policy) == (1.5, 3.0, "write_back")
+    for kwargs, message in (({"hicache_ratio": 0}, "--hicache-ratio"), ({"hicache_ratio": float("inf")},
+                            "--hicache-ratio"), ({"hicache_size": -1}, "--hicache-size"),
+                            ({"hicache_write_policy": "write_around"}, "--hicache-write-policy must be one of"),
+                            ({"enable_hierarchical_cache": True, "disable_radix_cache": True}, "--disable-radix-cache"),
+                            ({"enable_hierarchical_cache": True, "radix_eviction_policy": "lfu"},
+                             "--radix-eviction-policy"),
+                            ({"enable_hierarchical_cache": True, "nnodes": 2, "dist_init_addr": "127.0.0.1:5000"},
+                             "--nnodes")):
+        with pytest.raises(ValueError, match=message):
+            ServerArgs(**kwargs)
+    flags = SimpleNamespace(hicache_size=0.0, hicache_ratio=2.0, dp_size=2)
+    assert host_pool_tokens(flags, 1000, 100, page_size=16) == 2000 // 16 * 16
+    flags.hicache_size = 0.001  # 10^6 bytes of 100 per token, over the ratio
+    assert host_pool_tokens(flags, 1000, 100, page_size=16) == 10000 // 16 * 16
+    with pytest.raises(ValueError, match="--hicache-size"):
+        host_pool_tokens(flags, 1000, 100, page_size=16, available_bytes=10**6)  # (two ranks: 2 MB)
+    flags.hicache_size, flags.hicache_ratio = 0.0, 0.001
+    with pytest.raises(ValueError, match="less than one page"):
+        host_pool_tokens(flags, 1000, 100, page_size=16)

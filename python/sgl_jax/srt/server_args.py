@@ -32,6 +32,7 @@ TOKENIZER_MODES = ("auto", "slow")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")  # scheduler/load_balance.py
 SCHEDULE_POLICIES = ("fcfs", "lpm")  # scheduler/admission.py
 RADIX_EVICTION_POLICIES = ("lru", "lfu")  # mem_cache/registry.cache_kind_for
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")  # mem_cache/hi_radix_cache.py
 LORA_BACKENDS = ("dense", "ragged")  # layers/lora.lora_delta
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")  # SGLang's --speculative-algorithm names
 SPECULATIVE_SERVED = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")  # the ones this build runs (speculative/)
@@ -85,7 +86,8 @@ _CHOICES = {
     "log_level": LOG_LEVELS, "multi_item_algorithm": MULTI_ITEM_ALGORITHMS, "grammar_backend": GRAMMAR_BACKENDS,
     "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
     "load_balance_method": LOAD_BALANCE_METHODS, "schedule_policy": SCHEDULE_POLICIES,
-    "radix_eviction_policy": RADIX_EVICTION_POLICIES, "lora_backend": LORA_BACKENDS,
+    "radix_eviction_policy": RADIX_EVICTION_POLICIES, "hicache_write_policy": HICACHE_WRITE_POLICIES,
+    "lora_backend": LORA_BACKENDS,
     "lora_eviction_policy": ("lru",), "speculative_algorithm": SPECULATIVE_ALGORITHMS,
     "speculative_ngram_match_type": NGRAM_MATCH_TYPES,
 }
@@ -191,6 +193,10 @@ class ServerArgs:
     radix_eviction_policy: str = "lru"
     swa_full_tokens_ratio: float = 0.8
     disable_hybrid_swa_memory: bool = False
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    hicache_write_policy: str = "write_through"
     enable_streaming_session: bool = False
     precompile_token_paddings: Optional[List[int]] = None
     precompile_bs_paddings: Optional[List[int]] = None
@@ -280,7 +286,29 @@ class ServerArgs:
         self._check_limits()
         self._check_speculative()
         self._check_lora()
+        self._check_hicache()
         self._resolve_defaults()
+
+    def _check_hicache(self) -> None:
+        """The host-memory tier's sizes (finite; --hicache-ratio > 0, --hicache-size >= 0 GB) and what it does not
+        combine with: no radix cache, LFU eviction, several nodes (its copies read every device's KV shards
+        from one process)."""
+        ratio, size = self.hicache_ratio, self.hicache_size
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < float("inf"):
+            raise ValueError(f"--hicache-ratio must be a finite number > 0 (host pool tokens per device pool "
+                             f"token), got {ratio!r}")
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 <= size < float("inf"):
+            raise ValueError(f"--hicache-size must be a finite number of GB >= 0 (0: use --hicache-ratio), got "
+                             f"{size!r}")
+        if not self.enable_hierarchical_cache:
+            return
+        if self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)")
+        if self.radix_eviction_policy != "lru":
+            raise ValueError("--enable-hierarchical-cache evicts least recently used prefixes to the host: pass "
+                             "--radix-eviction-policy lru")
+        if self.nnodes > 1:
+            raise ValueError("--enable-hierarchical-cache is not supported with --nnodes > 1 yet")
 
     def _check_scoring(self) -> None:
         delimiter = self.multi_item_scoring_delimiter
@@ -550,6 +578,18 @@ FLAG_HELP = {
                              "both pools share the memory one pool for every layer would take",
     "disable_hybrid_swa_memory": "sliding-window models: one KV pool for every layer (windows only masked) "
                                  "instead of a separate, smaller SWA pool",
+    "enable_hierarchical_cache": "keep the KV of prefixes evicted from the device pool in a host-memory pool and "
+                                 "load it back when a request matches them again, instead of recomputing it "
+                                 "(SGLang's HiCache; HiRadixCache). Sliding-window models then keep every layer's "
+                                 "KV in one pool (as --disable-hybrid-swa-memory); not with --nnodes > 1. "
+                                 "docs/api.md#host-memory-prefix-tier",
+    "hicache_ratio": "host pool size per DP rank, as a multiple of the device KV pool's tokens (with "
+                     "--enable-hierarchical-cache; --hicache-size wins when set)",
+    "hicache_size": "host pool size per DP rank in GB (10^9 bytes of K and V of every layer; 0: --hicache-ratio "
+                    "decides)",
+    "hicache_write_policy": f"when KV is copied to the host pool, one of {list(HICACHE_WRITE_POLICIES)}: every "
+                            "prefix as it is cached (the host mirrors the device), a prefix once it is matched a "
+                            "second time or evicted, or only when it is evicted from the device",
     "enable_streaming_session": "allow /open_session with streaming: true (a session keeps its request slot "
                                 "and KV between turns; each turn prefills only its new tokens)",
     "precompile_token_paddings": "extend token-count buckets compiled at start-up",

@@ -1,5 +1,5 @@
-"""The contract every prefix cache implements (one class per cache kind: RadixCache, ChunkCache,
-SWARadixCache).
+"""The contract every prefix cache implements (one class per cache kind: RadixCache, LFURadixCache, ChunkCache,
+SWARadixCache, HiRadixCache).
 
 A prefix cache maps token-id prefixes to the KV slots that hold their K/V. It deals in token ids and KV
 slots only (int32 numpy arrays, lengths in tokens) and never reads a request: the Req-aware hand-off
@@ -23,6 +23,8 @@ for every cache kind, which calls nothing but the methods below.
 - reset(): drop everything cached (only when no request holds a lock).
 - retire(tag) -> list (optional; RadixCache): make everything cached unmatchable (new weights), moving what
   requests still lock into retired namespaces (`retired_namespace`) and returning their keys.
+- load_back(token_ids) -> int (optional; HiRadixCache): copy the part of the prefix that a host tier keeps
+  back to the device before `match_prefix` (returns the tokens loaded); `cache_manager.match_req` calls it.
 - record_hit(node): a finished request reused the path to `node` (once per request; a no-op but for kinds that
   count frequency).
 - create(req_to_token_pool, allocator, page_size, sliding_window): the factory the registry calls

@@ -39,7 +39,9 @@ def match_req(req, tree_cache: BasePrefixCache) -> Tuple[MatchResult, int]:
     (``req.prefix_indices``), which the handle owns and keeps: nothing is matched or locked. A later turn
     of a streaming session (``req.session_kv`` holding KV) reuses the session's KV, which the session keeps
     locked: its prefix is the session's computed positions (`session_kv.SessionKV.prefix_len`); the row is
-    lent to the request at admission (`ScheduleBatch.prepare_for_extend`).
+    lent to the request at admission (`ScheduleBatch.prepare_for_extend`). A cache with a host tier
+    (``load_back``: HiRadixCache) first copies the part of the prefix it keeps on host back to the device, so
+    the match covers it (loaded, not recomputed).
 
     Returns:
         (match, moved): the match, already locked (undo with ``tree_cache.dec_lock_ref(match.last_node)``
@@ -52,7 +54,11 @@ def match_req(req, tree_cache: BasePrefixCache) -> Tuple[MatchResult, int]:
         h = session.holder
         n = session.prefix_len(req)
         return MatchResult(tree_cache.req_to_token_pool.req_to_token[h.req_pool_idx, :n].copy(), None), 0
-    match = tree_cache.match_prefix(req.fill_ids[:req.max_prefix_len()], namespace_of(req))
+    key, namespace = req.fill_ids[:req.max_prefix_len()], namespace_of(req)
+    load_back = getattr(tree_cache, "load_back", None)
+    if load_back is not None:  # a host tier: the part of the prefix kept on host comes back to the device first
+        load_back(key, namespace)
+    match = tree_cache.match_prefix(key, namespace)
     return match, tree_cache.inc_lock_ref(match.last_node)
 
 

@@ -24,6 +24,7 @@ hiradix_cache.py), whose node states and write policies these follow.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from typing import List, Optional, Protocol
@@ -32,8 +33,10 @@ import numpy as np
 
 from sgl_jax.srt.mem_cache.base_prefix_cache import TokenIds
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache, TreeNode, _common_len
+from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
+from sgl_jax.srt.server_args import HICACHE_WRITE_POLICIES
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+WRITE_POLICIES = HICACHE_WRITE_POLICIES
 SELECTIVE_HITS = 2  # write_through_selective copies a node to host at its second match (SGLang's threshold)
 
 
@@ -44,6 +47,17 @@ class KVMover(Protocol):
     def to_host(self, device_slots: np.ndarray, host_slots: np.ndarray) -> None: ...
 
     def to_device(self, host_slots: np.ndarray, device_slots: np.ndarray) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTier:
+    """What a rank's host tier is built from: the host pool's capacity in tokens, the mover that copies KV between
+    the pools (`KVMover`; the model runner's `model_executor/host_kv.HostKVPool`) and the write policy
+    (--hicache-write-policy, one of WRITE_POLICIES)."""
+
+    tokens: int
+    mover: "KVMover"
+    write_policy: str = "write_through"
 
 
 class HostSlots:
@@ -120,6 +134,25 @@ class HiRadixCache(RadixCache):
         self.num_host_hit_tokens = 0  # tokens loaded back instead of recomputed
         self.num_host_written_tokens = 0  # tokens copied to the host pool
         super().__init__(req_to_token_pool, allocator, page_size)
+
+    @classmethod
+    def create(cls, req_to_token_pool, allocator, page_size: int, sliding_window: Optional[int] = None,
+               host_tier: Optional[HostTier] = None) -> "HiRadixCache":
+        """The registry's factory: a host tier over a single (full) pool.
+
+        Raises:
+            ValueError: no `host_tier`, a host pool of less than one page, or a hybrid SWA allocator (its SWA pool's
+                KV has no host copy here: with --enable-hierarchical-cache every layer reads one pool).
+        """
+        if host_tier is None:
+            raise ValueError("the \"hiradix\" prefix cache needs a host tier (--enable-hierarchical-cache)")
+        if isinstance(allocator, SWAPagedAllocator):
+            raise ValueError("the hierarchical cache keeps one KV pool; a hybrid SWA pool needs \"swa_radix\"")
+        if host_tier.tokens < page_size:
+            raise ValueError(f"the host KV pool ({host_tier.tokens} tokens) is less than one page ({page_size}): "
+                             "raise --hicache-ratio or --hicache-size")
+        return cls(req_to_token_pool, allocator, page_size, host_tier.tokens, host_tier.mover,
+                   host_tier.write_policy)
 
     # ------------------------------------------------------------ accounting
     def host_size(self) -> int:

@@ -7,6 +7,9 @@ positions [cache_protected_len, kv_allocated_len) of its ReqToTokenPool row. Wit
 either free or mapped from exactly one full page that is not free. Each holder also keeps
 ``cache_protected_len`` page-aligned and ``kv_committed_len <= kv_allocated_len``.
 
+With a host tier (HiRadixCache) every host page is owned once too, by the host pool's free list or one node's host
+copy (`host_problems`); nodes on host only hold no device page and no lock.
+
 Prefix locks (`lock_problems`, a tree cache only) are exact too: each node's ``lock_ref`` equals the number of
 holders whose locked prefix (``last_node``) runs through it, the root's is 1, and the cache's protected /
 evictable sizes are the tokens of its locked / unlocked nodes; with SWARadixCache the same for ``swa_lock_ref``
@@ -36,7 +39,7 @@ def cached_pages(tree_cache) -> np.ndarray:
     if nodes is None:
         return np.zeros(0, np.int32)
     ps = tree_cache.page_size
-    vals = [np.asarray(n.value)[::ps] // ps for n in nodes()]
+    vals = [np.asarray(n.value)[::ps] // ps for n in nodes() if n.value is not None]  # (None: on host only)
     return np.concatenate(vals).astype(np.int32) if vals else np.zeros(0, np.int32)
 
 
@@ -99,10 +102,14 @@ def lock_problems(tree_cache, holders: Iterable) -> List[str]:
         problems.append(f"prefix locks no holder accounts for ({len(bad)} nodes): " + "; ".join(bad[:4]))
     if root.lock_ref != 1 or (swa and root.swa_lock_ref != 1):
         problems.append("the prefix cache's root is not locked exactly once")
-    locked = sum(len(n.key) for n in nodes if n.lock_ref > 0)
-    if (tree_cache.protected_size(), tree_cache.evictable_size()) != (locked, sum(len(n.key) for n in nodes) - locked):
+    on_device = [n for n in nodes if n.value is not None]  # (a host tier's nodes on host hold no device KV)
+    if len(on_device) < len(nodes) and any(n.lock_ref for n in nodes if n.value is None):
+        problems.append("a prefix node on host only is locked")
+    locked = sum(len(n.key) for n in on_device if n.lock_ref > 0)
+    cached = sum(len(n.key) for n in on_device)
+    if (tree_cache.protected_size(), tree_cache.evictable_size()) != (locked, cached - locked):
         problems.append(f"prefix cache sizes: protected {tree_cache.protected_size()}, evictable "
-                        f"{tree_cache.evictable_size()} != {locked} tokens locked of {sum(len(n.key) for n in nodes)}")
+                        f"{tree_cache.evictable_size()} != {locked} tokens locked of {cached}")
     if swa:
         problems += _swa_size_problems(tree_cache, nodes)
     return problems
@@ -122,6 +129,39 @@ def _swa_size_problems(tree_cache, nodes: List) -> List[str]:
     return problems
 
 
+def host_problems(tree_cache) -> List[str]:
+    """The host tier's invariants ([] for a cache without one): every host page owned exactly once, by the host
+    pool's free list or one node's host copy; the used count is the nodes' host tokens; a node on host only has
+    a host copy, a parent on the device or on host, and nothing below it on the device.
+
+    Args:
+        tree_cache: a `HiRadixCache` (others have no ``host``).
+    Returns:
+        One message per violated invariant.
+    """
+    host = getattr(tree_cache, "host", None)
+    if host is None:
+        return []
+    problems, ps = [], host.page_size
+    nodes = tree_cache.nodes()
+    copies = [np.asarray(n.host_value) for n in nodes if n.host_value is not None]
+    owned = [np.asarray(host._free, np.int64)] + [c[::ps].astype(np.int64) // ps for c in copies]
+    counts = np.bincount(np.concatenate(owned), minlength=host.num_pages) if host.num_pages else np.zeros(0)
+    if len(counts) > host.num_pages or (counts > 1).any():
+        problems.append(f"host KV pages owned twice: {np.nonzero(counts > 1)[0][:8].tolist()}")
+    if (counts[:host.num_pages] == 0).any():
+        problems.append(f"host KV pages owned by nobody (leaked): {np.nonzero(counts == 0)[0][:8].tolist()}")
+    used = sum(len(c) for c in copies)
+    if used != tree_cache.host_used_size() or used + host.available_size() != host.size:
+        problems.append(f"host KV accounting: {used} tokens in nodes, {tree_cache.host_used_size()} counted used, "
+                        f"{host.available_size()} free of {host.size}")
+    for n in nodes:
+        if n.value is None and (n.host_value is None or any(c.value is not None for c in n.children.values())):
+            problems.append(f"node {n.id} is on host without a host copy or with device KV below it")
+            break
+    return problems
+
+
 def check_kv_invariants(allocator, tree_cache, pool, holders: Iterable) -> List[str]:
     """The violated invariants (an empty list when the accounting is exact): page ownership, request slots and
     prefix locks (`lock_problems`).
@@ -136,7 +176,7 @@ def check_kv_invariants(allocator, tree_cache, pool, holders: Iterable) -> List[
     """
     holders = list(holders)
     ps = allocator.page_size
-    problems: List[str] = lock_problems(tree_cache, holders)
+    problems: List[str] = lock_problems(tree_cache, holders) + host_problems(tree_cache)
     owned = [allocator.free_page_ids(), cached_pages(tree_cache)]
     rows = set()
     for h in holders:

@@ -31,6 +31,7 @@ from sgl_jax.srt.mem_cache.base_prefix_cache import MatchResult
 from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req, match_req, own_swa_pages, \
     release_swa_out_of_window
 from sgl_jax.srt.mem_cache.common import alloc_with_evict, evict_for_pages, release_kv_cache
+from sgl_jax.srt.mem_cache.hi_radix_cache import HostTier
 from sgl_jax.srt.mem_cache.kv_invariants import check_kv_invariants
 from sgl_jax.srt.mem_cache.registry import cache_kind_for, create_prefix_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -103,10 +104,12 @@ def plan_kv_cache(budget_tokens: int, page_size: int, num_layers: int, swa_layer
 
 def kv_spec_for(server_args, model_config, budget_tokens: int) -> KVCacheSpec:
     """`plan_kv_cache` with the model's layers, sliding-window layers and window, and the flags (--page-size,
-    --disable-hybrid-swa-memory, --swa-full-tokens-ratio)."""
+    --disable-hybrid-swa-memory, --swa-full-tokens-ratio). With --enable-hierarchical-cache every layer reads one
+    pool (the host tier copies whole pages of every layer; a hybrid SWA pool's pages have no host copy)."""
+    hybrid = not (server_args.disable_hybrid_swa_memory or getattr(server_args, "enable_hierarchical_cache", False))
     return plan_kv_cache(budget_tokens, server_args.page_size, model_config.num_hidden_layers,
                          model_config.swa_layer_ids, sliding_window=model_config.sliding_window,
-                         hybrid_swa_memory=not server_args.disable_hybrid_swa_memory,
+                         hybrid_swa_memory=hybrid,
                          swa_full_tokens_ratio=server_args.swa_full_tokens_ratio)
 
 
@@ -160,10 +163,15 @@ class KVMemory:
 
     @classmethod
     def create(cls, spec: KVCacheSpec, *, num_request_slots: int, context_len: int, server_args=None,
-               disable_radix_cache: bool = False, swa_release: Optional[bool] = None) -> "KVMemory":
+               disable_radix_cache: bool = False, swa_release: Optional[bool] = None,
+               host_tier: Optional[HostTier] = None) -> "KVMemory":
         """The host side of a rank's KV buffers `spec`: request slots, allocator(s) and the prefix cache kind
         `registry.cache_kind_for` picks from the flags (`server_args`; without it, radix or, with
-        `disable_radix_cache`, chunk). `swa_release` None: on unless SGL_JAX_DISABLE_SWA_RELEASE=1."""
+        `disable_radix_cache`, chunk). `swa_release` None: on unless SGL_JAX_DISABLE_SWA_RELEASE=1. `host_tier`:
+        the rank's host pool and mover, which the "hiradix" kind (--enable-hierarchical-cache) needs.
+
+        Raises:
+            ValueError: the kind cannot serve the spec, or "hiradix" without `host_tier` (`registry`)."""
         if swa_release is None:
             swa_release = os.environ.get(DISABLE_SWA_RELEASE_ENV) != "1"
         pool = ReqToTokenPool(num_request_slots, context_len)
@@ -174,7 +182,8 @@ class KVMemory:
             allocator = PagedTokenToKVPoolAllocator(spec.pool_tokens[FULL_POOL], ps)
         flags = server_args if server_args is not None else _CacheFlags(disable_radix_cache)
         kind = cache_kind_for(flags, spec.num_pools > 1)
-        cache = create_prefix_cache(kind, pool, allocator, ps, spec.sliding_window)
+        cache = create_prefix_cache(kind, pool, allocator, ps, spec.sliding_window,
+                                    host_tier if kind == "hiradix" else None)
         return cls(pool, allocator, cache, sliding_window=spec.sliding_window, swa_release=swa_release)
 
     # ------------------------------------------------------------ sizes
@@ -195,7 +204,10 @@ class KVMemory:
 
     def prefix_match_len(self, token_ids, namespace=None) -> int:
         """Tokens of `token_ids` the prefix cache would serve in `namespace` (a LoRA adapter's uid, None: the base
-        model's) (read-only; cache-aware DP assignment)."""
+        model's), the part a host tier would load back included (read-only; cache-aware DP assignment, the lpm
+        order)."""
+        if getattr(self.tree_cache, "host", None) is not None:
+            return self.tree_cache.prefix_match_len(token_ids, namespace, include_unmatchable=True)
         return self.tree_cache.prefix_match_len(token_ids, namespace)
 
     def row(self, req) -> np.ndarray:
@@ -352,7 +364,9 @@ class KVMemory:
     def accounting(self, sessions: Sequence[SessionKV] = ()) -> Dict[str, int]:
         """KV tokens by owner, summable over ranks: free, cached (the prefix cache's: evictable + locked), held by
         streaming sessions between turns (whole pages past their cached prefix), in use (running requests,
-        scoring handles); with hybrid SWA memory the same for the SWA pool (``swa_*``)."""
+        scoring handles); with hybrid SWA memory the same for the SWA pool (``swa_*``); with a host tier its pool
+        (``host_kv_tokens_total / _free / _cached``) and the tokens it loaded back instead of recomputing and copied
+        to the host so far (``host_hit_tokens``, ``host_written_tokens``)."""
         a, c, ps = self.allocator, self.tree_cache, self.page_size
         evictable, protected = c.evictable_size(), c.protected_size()
         held = sum(kv.held_tokens(ps) for kv in sessions)
@@ -360,6 +374,11 @@ class KVMemory:
                "kv_tokens_cached": evictable + protected, "kv_tokens_session_held": held,
                "kv_tokens_in_use": a.size - a.available_size() - evictable - protected - held,
                "kv_tokens_evictable": evictable, "kv_tokens_protected": protected}
+        host = getattr(c, "host", None)
+        if host is not None:  # the host tier (HiRadixCache): its pool, and what it saved and copied (cumulative)
+            acc.update({"host_kv_tokens_total": c.host_size(), "host_kv_tokens_free": c.host_available_size(),
+                        "host_kv_tokens_cached": c.host_used_size(), "host_hit_tokens": c.num_host_hit_tokens,
+                        "host_written_tokens": c.num_host_written_tokens})
         if self.hybrid:
             swa_evictable, swa_protected = self._swa_cached()
             swa_held = sum(kv.held_swa_tokens(ps) for kv in sessions)
@@ -393,7 +412,7 @@ class KVMemory:
         """What is wrong when nothing runs on the rank: the exact check with the sessions' holders as the only
         holders (a leaked page and a twice-owned page cannot cancel out; a prefix locked by no session is a lock
         no holder accounts for), every request slot free but theirs, and free + cached + session-held == total
-        in each pool (KV tokens).
+        in each pool (KV tokens), the host pool's free + cached == total with a host tier.
 
         Args:
             sessions: the rank's streaming sessions' KV (`SessionKV`; those holding none are skipped).
@@ -409,6 +428,9 @@ class KVMemory:
         if pool.available_size() + len(holders) != pool.size:
             problems.append(f"request slots: {pool.available_size()} free + {len(holders)} held by sessions != "
                             f"{pool.size}")
+        if "host_kv_tokens_total" in acc and acc["host_kv_tokens_free"] + acc["host_kv_tokens_cached"] != \
+                acc["host_kv_tokens_total"]:
+            problems.append("host KV accounting: " + str({k: v for k, v in acc.items() if k.startswith("host_kv")}))
         if self.hybrid and acc["swa_tokens_in_use"] != 0:
             problems.append("SWA KV accounting: " + str({k: v for k, v in acc.items() if k.startswith("swa_")}))
         return problems

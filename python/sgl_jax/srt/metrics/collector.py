@@ -29,6 +29,12 @@ What is measured where (SGLang's TokenizerMetricsCollector and SchedulerMetricsC
   layer's mean per expert, one observation per expert and layer per window: the scheduler keeps the buckets,
   which are rendered as they are).
 
+- The hierarchical cache (--enable-hierarchical-cache), at scrape time from the scheduler's KV accounting (all DP
+  ranks): ``sglang:hicache_host_hit_tokens_total`` (prompt tokens whose KV was loaded back from the host pool
+  instead of recomputed; they count in ``sglang:cached_tokens_total`` too), ``sglang:hicache_host_written_tokens_total``
+  (tokens copied to the host pool), ``sglang:hicache_host_used_tokens`` and ``sglang:hicache_host_total_tokens``
+  (the host pool).
+
 Histogram buckets are SGLang's defaults. Every collector owns a private ``CollectorRegistry``, so several
 servers (or tests) in one process never clash over metric names.
 """
@@ -40,7 +46,7 @@ import time
 from typing import Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # SGLang's default bucket boundaries, in seconds
 TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
@@ -121,6 +127,8 @@ class MetricsCollector:
                                       "The fraction of verified draft tokens accepted by speculative decoding.")
         self.moe = _MoeCollector(model_name)
         self.registry.register(self.moe)
+        self.host_tier = _HostTierCollector(model_name)
+        self.registry.register(self.host_tier)
 
     def observe_output(self, times: RequestTimes, completion_tokens: int, finished: bool, prompt_tokens: int = 0,
                        cached_tokens: int = 0, aborted: bool = False, now: Optional[float] = None) -> None:
@@ -174,6 +182,7 @@ class MetricsCollector:
         self.num_streaming_sessions.set(internal_state.get("num_streaming_sessions", 0))
         self.streaming_session_held_tokens.set(internal_state.get("kv_tokens_session_held", 0))
         self.moe.state = internal_state.get("moe")
+        self.host_tier.state = internal_state if "host_kv_tokens_total" in internal_state else None
         rows = internal_state.get("spec_drafted_rows")
         if rows:
             accepted = internal_state["spec_accepted_tokens"]
@@ -210,3 +219,31 @@ class _MoeCollector:
                                      "the mean per expert of its layer.", labels=["model_name"])
         hist.add_metric([self.model_name], buckets, h["sum"])
         yield hist
+
+
+class _HostTierCollector:
+    """Renders the host tier's counts from the scheduler's KV accounting (set at each scrape; module docstring);
+    nothing without --enable-hierarchical-cache."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.state: Optional[dict] = None
+
+    def collect(self):
+        if not self.state:
+            return
+        for name, key, doc in (
+                ("sglang:hicache_host_hit_tokens", "host_hit_tokens",
+                 "Prompt tokens whose KV was loaded back from the host pool instead of recomputed."),
+                ("sglang:hicache_host_written_tokens", "host_written_tokens", "Tokens of KV copied to the host pool.")):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], self.state[key])
+            yield family
+        for name, value, doc in (
+                ("sglang:hicache_host_used_tokens", self.state["host_kv_tokens_cached"],
+                 "Tokens of KV the host pool holds."),
+                ("sglang:hicache_host_total_tokens", self.state["host_kv_tokens_total"], "Tokens the host pool holds "
+                 "at most.")):
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

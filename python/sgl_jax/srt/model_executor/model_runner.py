@@ -37,6 +37,7 @@ from sgl_jax.srt.layers.moe import expert_token_counts
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.compile_stats import compile_counts, describe
+from sgl_jax.srt.model_executor.host_kv import HostKVCopies
 from sgl_jax.srt.model_executor.lora_weights import LoraSlotWriter
 from sgl_jax.srt.model_executor.memory_budget import FP8_KV_DTYPES, kv_cache_dtype
 from sgl_jax.srt.model_executor.future_tokens import new_future_tokens, resolve_placeholders, write_future
@@ -241,6 +242,9 @@ class ModelRunner:
         kv_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / self.tp_size / self.dp_size
         logger.info("KV cache: %s, %s, per rank (%.2f GiB per device)", spec.describe(), self.kv_cache_dtype.name,
                     kv_bytes / 2**30)
+        # the host tier's copy programs (--enable-hierarchical-cache; model_executor/host_kv.py)
+        self.host_kv_copies = HostKVCopies(self.mesh, self._kv_sharding, self.dp_size, len(spec.layer_pool),
+                                           *self._kv_layout[1:]) if server_args.enable_hierarchical_cache else None
         eos = model_config.eos_token_ids or [model_config.vocab_size]  # out of range -> no-op mask
         self.eos_token_ids = jnp.asarray(eos, jnp.int32)
         self.max_context_len = max_context_len
@@ -512,6 +516,26 @@ class ModelRunner:
         self.kv_caches = self._move_kv(self.kv_caches, put(src), put(dst))
         self._check_no_new_compile(None)
 
+    @property
+    def host_kv_bytes_per_token(self) -> int:
+        """Bytes of K and V of every layer and head (tensor-parallel padding included) of one token: what a host
+        KV slot takes."""
+        _, kv_heads, head_dim, dtype = self._kv_layout
+        return 2 * len(self.kv_spec.layer_pool) * kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+    def read_kv_slots(self, rank: int, slots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """K and V of rank `rank`'s KV slots (int32[n], local to its block) for the host tier: numpy [layers, n,
+        kv_heads, head_dim] each, read after the steps launched before (`host_kv.HostKVCopies.read`)."""
+        out = self.host_kv_copies.read(self.kv_caches, rank, slots)
+        self._check_no_new_compile(None)
+        return out
+
+    def write_kv_slots(self, rank: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Set rank `rank`'s KV slots (int32[n]) of every layer to k, v (`read_kv_slots`' layout), on device after
+        the steps launched before and before any launched after."""
+        self.kv_caches = self.host_kv_copies.write(self.kv_caches, rank, slots, k, v)
+        self._check_no_new_compile(None)
+
     def init_penalty_row(self, slot: int, token_ids: List[int], num_prompt: int,
                          logit_bias: Optional[Dict[int, float]]) -> None:
         """Load a request's history (prompt + output so far, `num_prompt` of them prompt) and logit_bias
@@ -617,8 +641,8 @@ class ModelRunner:
 
     def warmup_programs(self) -> List[Tuple[str, object]]:
         """(name, thunk returning the lowered program) of every program serving runs: each bucket's step, the
-        sampling per row count, the K/V moves per verify shape, the logprob, label-logprob and penalty-row
-        programs."""
+        sampling per row count, the K/V moves per verify shape, the LoRA slot writes, the host tier's KV copies, the
+        logprob, label-logprob and penalty-row programs."""
         shapes = self.buckets.all_shapes()
         if not self.generates:  # (an embedding server's steps are all extends)
             shapes = [(mode, t, s) for mode, t, s in shapes if mode == ForwardMode.EXTEND]
@@ -630,6 +654,8 @@ class ModelRunner:
         programs += [(f"KV move M={t}", self._lower_move(t)) for mode, t, _ in shapes
                      if mode == ForwardMode.TARGET_VERIFY]
         programs += self.lora_writer.warmup_programs() if self.lora_writer is not None else []
+        if self.host_kv_copies is not None:
+            programs += self.host_kv_copies.warmup_programs(lambda: self.kv_caches)
         if not self.generates:
             return programs + [(f"classify R={r}", lambda r=r: self._classify.lower(
                 self.params, np.zeros((r, hidden_dim), dtype))) for r in SCORE_ROW_PADDINGS if self.num_labels]

@@ -73,6 +73,7 @@ from sgl_jax.srt.scheduler.lora_control import SchedulerLora, lora_uid, update_l
 from sgl_jax.srt.scheduler.admission import AdmissionPolicy
 from sgl_jax.srt.scheduler.engine_control import EngineControl
 from sgl_jax.srt.scheduler.grammar_queue import GrammarQueue
+from sgl_jax.srt.scheduler.host_tier import new_host_tier
 from sgl_jax.srt.scheduler.load_balance import choose_rank
 from sgl_jax.srt.scheduler.node_link import DiscardSocket, NodeLink, SchedulerTick
 from sgl_jax.srt.scheduler.output import token_out
@@ -234,7 +235,8 @@ class Scheduler:
         scoring state, its admission policy and its scheduling state."""
         sa, mc = self.server_args, self.model_config
         memory = KVMemory.create(self.model_runner.kv_spec, num_request_slots=self.max_running_requests,
-                                 context_len=self.context_len, server_args=sa)
+                                 context_len=self.context_len, server_args=sa,
+                                 host_tier=new_host_tier(sa, self.model_runner, rank))
         scoring = SchedulerScoring(memory, sa.multi_item_prefill_extend_cache_timeout,
                                    self.send_to_tokenizer.send_pyobj, mc.eos_token_ids, clock=lambda: self.tick_now,
                                    classify=self.model_runner.classify if self.model_runner.num_labels else None,
