@@ -194,17 +194,27 @@ class MetricsCollector:
         return generate_latest(self.registry)
 
 
-class _MoeCollector:
-    """Renders the scheduler's mixture-of-experts routing state (`MoeStats.state`, set at each scrape) as
-    ``sglang:moe_ep_imbalance`` and ``sglang:moe_expert_load_ratio``; nothing for a dense model."""
+class _StateCollector:
+    """A custom collector of part of the scheduler's state (``state``, set at each scrape): nothing while it is
+    None, else the metric families of `families`."""
 
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.state: Optional[dict] = None
 
     def collect(self):
-        if not self.state:
-            return
+        if self.state:
+            yield from self.families()
+
+    def families(self):
+        raise NotImplementedError
+
+
+class _MoeCollector(_StateCollector):
+    """Renders the scheduler's mixture-of-experts routing state (`MoeStats.state`) as ``sglang:moe_ep_imbalance``
+    and ``sglang:moe_expert_load_ratio``; nothing for a dense model."""
+
+    def families(self):
         imbalance = GaugeMetricFamily("sglang:moe_ep_imbalance", "Max / mean tokens per expert-parallel device "
                                       "over the last window of steps (1: even).", labels=["model_name"])
         if self.state.get("ep_imbalance") is not None:
@@ -221,17 +231,11 @@ class _MoeCollector:
         yield hist
 
 
-class _HostTierCollector:
-    """Renders the host tier's counts from the scheduler's KV accounting (set at each scrape; module docstring);
-    nothing without --enable-hierarchical-cache."""
+class _HostTierCollector(_StateCollector):
+    """Renders the host tier's counts from the scheduler's KV accounting (module docstring); nothing without
+    --enable-hierarchical-cache."""
 
-    def __init__(self, model_name: str):
-        self.model_name = model_name
-        self.state: Optional[dict] = None
-
-    def collect(self):
-        if not self.state:
-            return
+    def families(self):
         for name, key, doc in (
                 ("sglang:hicache_host_hit_tokens", "host_hit_tokens",
                  "Prompt tokens whose KV was loaded back from the host pool instead of recomputed."),
