@@ -3,7 +3,8 @@ model_executor/host_kv.py) on real servers, with the exact page-ownership check 
 (SGL_JAX_CHECK_KV_INVARIANTS=1: a violation counts in memory_errors, which the teardown asserts is 0).
 
 Two servers with device pools too small for the workload:
-- a tiny random Llama on 2 DP ranks (virtual CPU devices), cache_aware, write_through: a prompt pushed out of its
+- a tiny random Llama on 2 DP ranks x 2 tensor-parallel devices (virtual CPU devices: each rank's KV heads split
+  over two devices, the host copies whole), cache_aware, write_through: a prompt pushed out of its
   rank's device pool by others comes back to that rank and is loaded from the host (``cached_tokens`` counts it,
   ``host_hit_tokens`` and ``sglang:hicache_host_hit_tokens_total`` count it), its output equal to the cold run's and
   its logprobs bit-equal to a device-cache hit's; concurrent requests over shared prefixes all equal their cold
@@ -23,7 +24,7 @@ import pytest
 
 from srt_helpers import check_clean, module_server, save_tiny_gemma3, save_tiny_llama, wait_pool_idle
 
-XLA_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+XLA_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
            "SGL_JAX_CHECK_KV_INVARIANTS": "1"}
 PROMPT_LEN = 500  # tokens; two prompts overflow a rank's 768-token device pool
 COMMON = ["--context-length", "1024", "--max-total-tokens", "768", "--chunked-prefill-size", "512",
@@ -39,8 +40,8 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama_dp2(tiny_llama):
     model, tok = tiny_llama
-    yield from module_server(["--model-path", model, "--tokenizer-path", tok, *COMMON, "--dp-size", "2",
-                              "--load-balance-method", "cache_aware", "--hicache-ratio", "4"], env=XLA_ENV)
+    yield from module_server(["--model-path", model, "--tokenizer-path", tok, *COMMON, "--dp-size", "2", "--tp-size",
+                              "2", "--load-balance-method", "cache_aware", "--hicache-ratio", "4"], env=XLA_ENV)
 
 
 @pytest.fixture(scope="module")
