@@ -36,7 +36,7 @@ from typing import Any, List
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import schemathesis  # (a test extra: a missing one must fail, not skip)
@@ -271,6 +271,11 @@ def send_case(url: str, case) -> None:
     response = case.call(base_url=url, headers=headers, timeout=120)
     if path in RESTORE:  # (paused, released or profiling: undone, so the next cases see a serving server)
         httpx.post(url + RESTORE[path], json={}, headers=ADMIN_AUTH, timeout=120)
+        st = httpx.get(url + "/get_server_info", headers=AUTH, timeout=30).json()["internal_states"][0]
+        # (a server left paused, released or profiling would stall every later case of every module sharing it)
+        assert (not st["generation_paused"] and not any(st["memory_released"].values())
+                and not st["profiling"]), (path, case.body, {k: st[k] for k in ("generation_paused",
+                                                                                 "memory_released", "profiling")})
     if os.environ.get("SGL_JAX_OPENAPI_FUZZ_LOG"):  # a file: one line per request, for a look at what was sent
         with open(os.environ["SGL_JAX_OPENAPI_FUZZ_LOG"], "a") as f:
             f.write(json.dumps({"method": case.method, "path": path, "query": case.query, "body": case.body,
@@ -296,7 +301,10 @@ def send_case(url: str, case) -> None:
 def test_operation(openapi_schemas, hardened_server, method, path):
     """SGL_JAX_OPENAPI_FUZZ_EXAMPLES generated requests of one operation: no 5xx."""
 
-    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+    # (no shrinking: a failing case is reported as found, so a failure costs one case, not a search that resends
+    # slow requests until the test's timeout)
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True,
+              phases=(Phase.explicit, Phase.generate))
     @given(case=case_strategy(openapi_schemas, method, path))
     def run(case):
         send_case(hardened_server.url, case)
