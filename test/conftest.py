@@ -31,12 +31,16 @@ UNIT_TEST_FILES = ("test_detokenizer.py", "test_request_validation.py", "test_ra
 # Groups go out in collection order, longest first: the shared servers' group, then SLOW_MODULES_FIRST (from
 # `--durations` of a whole run), so that no long group starts last while the other worker idles. (xdist's own
 # `--dist loadgroup` does not group under pytest 9: it renames node ids through an attribute pytest 9 ignores.)
+# The list is the modules of more than a minute, longest first, from `--durations=0` of a whole run (2026-12-01).
 SHARED_SERVERS = ("default_server", "hardened_server", "shared_engine")
 SHARED_GROUP = "shared-servers"
-SLOW_MODULES_FIRST = ("test_speculative_serving.py", "test_kv_cache_lifecycle.py", "test_swa_memory.py",
-                      "test_quantization.py", "test_quantization_accuracy.py",
-                      "test_tensor_parallel.py", "test_runtime_install.py", "test_sessions.py", "test_gemma3_270m.py",
-                      "test_bench_multi_item_score.py", "test_gemma3_270m_serving.py", "test_bad_requests_fuzz.py")
+SLOW_MODULES_FIRST = ("test_speculative_serving.py", "test_quantization_accuracy.py", "test_moe_dp_ep_serving.py",
+                      "test_quantization.py", "test_kv_cache_lifecycle.py", "test_kv_lifecycle_properties.py",
+                      "test_swa_memory.py", "test_gemma3_270m.py", "test_data_parallel.py", "test_tensor_parallel.py",
+                      "test_kv_cache_dtype.py", "test_rl_control.py", "test_gemma3_270m_serving.py",
+                      "test_reliability.py", "test_bench_multi_item_score.py", "test_moe_models.py", "test_lora.py",
+                      "test_runtime_install.py", "test_multi_host.py", "test_quantization_checkpoints.py",
+                      "test_encoders.py", "test_model_parity.py", "test_hicache.py")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
