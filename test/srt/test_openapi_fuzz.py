@@ -19,8 +19,9 @@ still sent. Two things that would disturb the other modules sharing
 the server are never sent: ``abort_all: true`` (made false) and a rid starting with ``fault-`` (the
 fault-injection hook's prefix; prefixed with ``x``). Sessions the fuzzer opened are closed at the end.
 
-SGL_JAX_OPENAPI_FUZZ_EXAMPLES sets the number of generated examples per operation (default 25; operations
-without a body or parameters have fewer distinct cases). SGL_JAX_OPENAPI_FUZZ_LOG=FILE appends one JSON line
+SGL_JAX_OPENAPI_FUZZ_EXAMPLES sets the number of generated examples per operation (default 25, a third of
+that for the operator endpoints undone after each case; operations without a body or parameters have fewer
+distinct cases). SGL_JAX_OPENAPI_FUZZ_LOG=FILE appends one JSON line
 per request sent (method, path, body, status).
 
 Any request shape found to give a 5xx goes at the end of this file as a plain httpx regression test.
@@ -57,6 +58,9 @@ RESTORE = {"/pause_generation": "/continue_generation", "/release_memory_occupat
            "/start_profile": "/stop_profile"}
 
 EXAMPLES = int(os.environ.get("SGL_JAX_OPENAPI_FUZZ_EXAMPLES", "25"))
+# a case that succeeds there costs a second or more (a KV pool freed and allocated again, a profiler started and
+# stopped), so these run a third as many
+RESTORE_EXAMPLES = max(1, EXAMPLES // 3)
 
 # the most each generation knob may ask for (ints up to INT32_MAX only; bools, floats, strings, ... and larger
 # ints, refused by validation, are left as they are)
@@ -303,7 +307,8 @@ def test_operation(openapi_schemas, hardened_server, method, path):
 
     # (no shrinking: a failing case is reported as found, so a failure costs one case, not a search that resends
     # slow requests until the test's timeout)
-    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True,
+    @settings(max_examples=RESTORE_EXAMPLES if path in RESTORE else EXAMPLES, deadline=None,
+              suppress_health_check=list(HealthCheck), print_blob=True,
               phases=(Phase.explicit, Phase.generate))
     @given(case=case_strategy(openapi_schemas, method, path))
     def run(case):
