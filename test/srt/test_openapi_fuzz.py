@@ -181,7 +181,8 @@ OPERATIONS = [
     ("POST", "/load_lora_adapter"), ("POST", "/unload_lora_adapter"),
     # SGLang's RL and operator endpoints (issue #43)
     ("POST", "/update_weights_from_disk"), ("GET", "/get_weights_by_name"), ("POST", "/get_weights_by_name"),
-    ("GET", "/get_weight_version"), ("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"),
+    ("GET", "/get_weight_version"), ("GET", "/weight_version"), ("GET", "/model_info"),
+    ("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"),
     ("POST", "/pause_generation"), ("POST", "/continue_generation"), ("POST", "/start_profile"),
     ("POST", "/stop_profile"),
 ]

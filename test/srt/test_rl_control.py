@@ -186,12 +186,14 @@ def test_update_weights_while_requests_run(server, ckpts, refs, mode):
         assert post(url, "/pause_generation", {"mode": mode}).json()["success"]
     if mode == "in_place":  # (an RL loop may update several times while paused: the held KV is retired once)
         assert update(url, dirs[new], weight_version="v-first").json()["num_paused_requests"] == len(prompts)
-    r = update(url, dirs[new], weight_version=f"v-{mode}", abort_all_requests=mode == "abort")
+    # (with fields of SGLang's newer releases: rid and a null manifest)
+    r = update(url, dirs[new], weight_version=f"v-{mode}", abort_all_requests=mode == "abort", rid=f"upd-{mode}",
+               manifest=None)
     assert r.status_code == 200 and r.json()["success"], r.text
     assert r.json()["num_paused_requests"] == (len(prompts) if mode == "in_place" else 0)
     Served.current = new
     if mode in ("in_place", "retract"):
-        assert post(url, "/continue_generation").json()["success"]
+        assert post(url, "/continue_generation", {"torch_empty_cache": True}).json()["success"]
     finals = finish(streams)
     reasons = [f["meta_info"]["finish_reason"]["type"] for f in finals]
     if mode == "abort":
@@ -205,7 +207,9 @@ def test_update_weights_while_requests_run(server, ckpts, refs, mode):
     info = httpx.get(url + "/get_server_info", headers=ADMIN, timeout=30).json()
     assert info["weight_version"] == f"v-{mode}"
     assert generate(url, prompts[0], 1)["meta_info"]["weight_version"] == f"v-{mode}"
-    assert httpx.get(url + "/get_weight_version", headers=ADMIN).json() == {"weight_version": f"v-{mode}"}
+    for path in ("/get_weight_version", "/weight_version"):
+        assert httpx.get(url + path, headers=ADMIN).json() == {"weight_version": f"v-{mode}"}
+    assert httpx.get(url + "/model_info", headers=ADMIN).json()["weight_version"] == f"v-{mode}"
     st = wait_pool_idle(url, ADMIN)
     assert st["retired_cache_namespaces"] == 0 and st["num_compiles_after_warmup"] == 0, st
 
@@ -220,6 +224,8 @@ def test_mismatched_checkpoint_is_refused(server, ckpts, refs):
     assert r.status_code == 400 and not r.json()["success"], r.text
     r = post(server.url, "/update_weights_from_disk", {"model_path": dirs["A"], "bogus": 1})
     assert r.status_code == 400 and "bogus" in r.text
+    r = post(server.url, "/update_weights_from_disk", {"model_path": dirs["A"], "manifest": {"tensors": []}})
+    assert r.status_code == 400 and "manifest" in r.text
     assert post(server.url, "/update_weights_from_disk", {"model_path": dirs["A"]}, headers={}).status_code == 401
     for path in ("/pause_generation", "/release_memory_occupation", "/start_profile"):  # (no cross-site forms)
         assert httpx.post(server.url + path, headers=ADMIN, content=b"").status_code == 415
@@ -316,7 +322,8 @@ def test_profile_bounded_in_steps(server, ckpts):
     url = server.url
     r = post(url, "/start_profile", {"output_dir": "../escape"})
     assert r.status_code == 400 and "output_dir" in r.text
-    r = post(url, "/start_profile", {"output_dir": "run1", "num_steps": 4})
+    r = post(url, "/start_profile", {"output_dir": "run1", "num_steps": 4, "merge_profiles": True,
+                                     "profile_prefix": "rl", "activities": ["CPU", "GPU"]})
     assert r.status_code == 200 and r.json()["success"], r.text
     out_dir = r.json()["output_dir"]
     generate(url, prompts[0])
@@ -333,15 +340,22 @@ def test_profile_bounded_in_steps(server, ckpts):
     assert r.status_code == 200 and any(f.endswith(".xplane.pb") for f in r.json()["files"]), r.text
 
 
-def test_engine_update_weights_from_tensor(ckpts, refs):
+def test_engine_update_weights_from_tensor(ckpts, refs, tmp_path):
     """Engine.update_weights_from_tensor with torch tensors of B: B's tokens, get_weights_by_name agrees; an
-    unknown name fails without changing anything."""
+    unknown name fails without changing anything. Engine.start_profile takes SGLang's keywords."""
     from safetensors.torch import load_file
 
+    from sgl_jax.srt.errors import RequestError
     from srt_helpers import checked_engine
 
     dirs, tok, prompts = ckpts
-    with checked_engine(model_path=dirs["A"], tokenizer_path=tok, max_running_requests=4) as engine:
+    with checked_engine(model_path=dirs["A"], tokenizer_path=tok, max_running_requests=4,
+                        profile_dir=str(tmp_path)) as engine:
+        with pytest.raises(RequestError, match="bogus"):
+            engine.start_profile(bogus=1)
+        out = engine.start_profile(duration_s=30, with_stack=True, record_shapes=False, merge_profiles=True)
+        assert out["success"], out
+        assert engine.stop_profile()["success"]
         tensors = list(load_file(os.path.join(dirs["B"], "model.safetensors")).items())
         ok, msg = engine.update_weights_from_tensor([("model.nope.weight", tensors[0][1])])
         assert not ok and "model.nope.weight" in msg

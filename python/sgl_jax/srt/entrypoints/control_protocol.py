@@ -7,9 +7,9 @@ requests pass unchanged.
 
 from __future__ import annotations
 
-from typing import Annotated, List, Literal, Optional
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from sgl_jax.srt.entrypoints.field_types import StrictModel, ignored
 from sgl_jax.srt.io_struct import (
@@ -24,7 +24,15 @@ Version = Annotated[str, Field(min_length=1, max_length=256)]
 _CUDA = "CUDA-runtime housekeeping; nothing to do under JAX"
 
 
-class UpdateWeightsFromDiskRequest(StrictModel):
+class ControlRequest(StrictModel):
+    """SGLang's BaseReq fields, which every one of its request bodies carries."""
+
+    rid: ignored(Optional[Union[str, List[str]]], "a control answer is matched to its request by the server's "
+                                                  "own id") = None
+    http_worker_ipc: ignored(Optional[str], "one HTTP process answers every request") = None
+
+
+class UpdateWeightsFromDiskRequest(ControlRequest):
     """SGLang's UpdateWeightFromDiskReqInput. ``abort_all_requests``: abort what is in flight first; otherwise
     the update waits until the running requests finish (new ones wait), or, while generation is paused, happens at
     once (in_place requests keep their KV and continue with the new weights)."""
@@ -41,13 +49,22 @@ class UpdateWeightsFromDiskRequest(StrictModel):
     keep_pause: ignored(bool, "a paused server stays paused until /continue_generation") = False
     recapture_cuda_graph: ignored(bool, _CUDA) = False
     token_step: ignored(int, "a label for SGLang's RL metrics") = 0
+    manifest: Optional[Dict[str, Any]] = Field(None, description="SGLang's tensor metadata for a partial update: "
+                                                                 "only null (the whole checkpoint is read)")
+
+    @field_validator("manifest")
+    @classmethod
+    def _whole_checkpoint(cls, v):
+        if v is not None:
+            raise ValueError("manifest is not supported: the update reads the whole checkpoint (send null)")
+        return v
 
     def to_input(self) -> UpdateWeightsFromDiskReqInput:
         return UpdateWeightsFromDiskReqInput(self.model_path, self.load_format, self.revision,
                                              self.abort_all_requests, self.weight_version)
 
 
-class GetWeightsByNameRequest(StrictModel):
+class GetWeightsByNameRequest(ControlRequest):
     """SGLang's GetWeightsByNameReqInput: the first ``truncate_size`` rows of parameter ``name`` (its HF name)."""
 
     name: Annotated[str, Field(min_length=1, max_length=512)]
@@ -57,7 +74,7 @@ class GetWeightsByNameRequest(StrictModel):
         return GetWeightsByNameReqInput(self.name, self.truncate_size)
 
 
-class MemoryOccupationRequest(StrictModel):
+class MemoryOccupationRequest(ControlRequest):
     """SGLang's Release/ResumeMemoryOccupationReqInput: ``tags`` "kv_cache" and/or "weights" (null: both);
     SGLang's "cuda_graph" is accepted and ignored (the compiled programs always stay)."""
 
@@ -68,7 +85,7 @@ class MemoryOccupationRequest(StrictModel):
         return MemoryOccupationReqInput(release, None if self.tags is None else list(self.tags))
 
 
-class PauseGenerationRequest(StrictModel):
+class PauseGenerationRequest(ControlRequest):
     """SGLang's PauseGenerationReqInput: ``abort`` every request, ``retract`` the running ones to the queue (KV
     freed, recomputed on continue), or keep them ``in_place`` (KV kept)."""
 
@@ -78,14 +95,16 @@ class PauseGenerationRequest(StrictModel):
         return PauseGenerationReqInput(self.mode)
 
 
-class ContinueGenerationRequest(StrictModel):
-    """SGLang's ContinueGenerationReqInput (no fields)."""
+class ContinueGenerationRequest(ControlRequest):
+    """SGLang's ContinueGenerationReqInput."""
+
+    torch_empty_cache: ignored(bool, _CUDA) = True
 
     def to_input(self) -> PauseGenerationReqInput:
         return PauseGenerationReqInput(resume=True)
 
 
-class StartProfileRequest(StrictModel):
+class StartProfileRequest(ControlRequest):
     """SGLang's ProfileReqInput for /start_profile: a jax.profiler trace into ``output_dir`` (relative to, and
     inside, --profile-dir; default: a new timestamped directory), stopped after ``num_steps`` scheduler steps or
     ``duration_s`` seconds (default 30 s when neither is given; at most 600 s), or by /stop_profile."""
@@ -98,6 +117,10 @@ class StartProfileRequest(StrictModel):
     with_stack: ignored(Optional[bool], "jax.profiler records Python stacks by its own options") = None
     record_shapes: ignored(Optional[bool], "XLA ops carry their shapes in the trace") = None
     profile_by_stage: ignored(bool, "steps are marked in the trace either way") = False
+    merge_profiles: ignored(bool, "one trace holds every device of the host") = False
+    profile_prefix: ignored(Optional[str], "the trace's directory is output_dir") = None
+    profile_id: ignored(Optional[str], "the trace's directory is output_dir") = None
+    profile_stages: ignored(Optional[List[str]], "every step is traced") = None
 
     def to_input(self) -> ProfileReqInput:
         return ProfileReqInput(True, self.output_dir, self.num_steps, self.duration_s)

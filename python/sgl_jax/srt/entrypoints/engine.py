@@ -326,10 +326,15 @@ class Engine:
         return {"success": out.success, "message": out.message}
 
     def start_profile(self, output_dir: Optional[str] = None, num_steps: Optional[int] = None,
-                      duration_s: Optional[float] = None) -> dict:
-        """Start a jax.profiler trace under --profile-dir (see /start_profile)."""
-        body = _validated(StartProfileRequest, {k: v for k, v in {"output_dir": output_dir, "num_steps": num_steps,
-                                                                  "duration_s": duration_s}.items() if v is not None})
+                      duration_s: Optional[float] = None, **sglang_fields) -> dict:
+        """Start a jax.profiler trace under --profile-dir (see /start_profile). `sglang_fields`: the rest of SGLang's
+        ProfileReqInput (``start_step``, ``activities``, ``with_stack``, ``record_shapes``, ``profile_by_stage``,
+        ``merge_profiles``, ``profile_prefix``, ...), accepted and ignored as by /start_profile.
+
+        Raises:
+            RequestError: 400 -- an unknown keyword or a bad value (naming it)."""
+        fields = {"output_dir": output_dir, "num_steps": num_steps, "duration_s": duration_s, **sglang_fields}
+        body = _validated(StartProfileRequest, {k: v for k, v in fields.items() if v is not None})
         out = self._control(body.to_input())
         return {"success": out.success, "message": out.message, **out.data}
 

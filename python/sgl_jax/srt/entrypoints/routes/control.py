@@ -1,7 +1,7 @@
-"""RL and operator routes (SGLang's): /update_weights_from_disk, /get_weights_by_name, /get_weight_version,
-/release_memory_occupation, /resume_memory_occupation, /pause_generation, /continue_generation, /start_profile,
-/stop_profile. All but /get_weight_version are admin endpoints (entrypoints/http_guards.ADMIN_PATHS); what each
-does to requests in flight is in scheduler/engine_control.py and docs/api.md."""
+"""RL and operator routes (SGLang's): /update_weights_from_disk, /get_weights_by_name, /get_weight_version (also
+/weight_version), /release_memory_occupation, /resume_memory_occupation, /pause_generation, /continue_generation,
+/start_profile, /stop_profile. All but the weight version are admin endpoints (entrypoints/http_guards.ADMIN_PATHS);
+what each does to requests in flight is in scheduler/engine_control.py and docs/api.md."""
 
 from __future__ import annotations
 
@@ -62,8 +62,10 @@ async def _weights_by_name(req: GetWeightsByNameRequest, tm: TokenizerManager):
 
 
 @router.get("/get_weight_version")
+@router.get("/weight_version")
 async def get_weight_version(tm: TokenizerManager = Depends(tokenizer_manager)):
-    """The served weights' label (--weight-version, then each update's ``weight_version``)."""
+    """The served weights' label (--weight-version, then each update's ``weight_version``); SGLang serves it at
+    both paths (newer releases in /model_info too)."""
     return json_response({"weight_version": tm.weight_version})
 
 

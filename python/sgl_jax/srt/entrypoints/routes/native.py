@@ -114,11 +114,13 @@ async def health_generate(tm: TokenizerManager = Depends(tokenizer_manager)):
 
 
 @router.get("/get_model_info")
+@router.get("/model_info")
 async def get_model_info(tm: TokenizerManager = Depends(tokenizer_manager)):
+    """SGLang's /get_model_info (newer releases: /model_info, with the served weights' ``weight_version``)."""
     return json_response({"model_path": tm.served_model_name, "tokenizer_path": tm.served_model_name,
                           "served_model_name": tm.served_model_name,
                           "is_generation": not tm.retrieval.is_embedding,
-                          "context_length": tm.context_len})
+                          "context_length": tm.context_len, "weight_version": tm.weight_version})
 
 
 @router.post("/tokenize")
