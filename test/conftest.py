@@ -28,10 +28,10 @@ UNIT_TEST_FILES = ("test_detokenizer.py", "test_request_validation.py", "test_ra
 # its module-scoped server starts once; the modules that share a session-scoped server (SHARED_SERVERS, named
 # anywhere in the module: some look them up with `request.getfixturevalue`) share one group, so that only one
 # worker starts those servers (a server holds ~2.6 GB: a copy per worker ran a 24 GiB machine out of memory).
-# Groups go out in collection order, longest first: the shared servers' group, then SLOW_MODULES_FIRST (from
-# `--durations` of a whole run), so that no long group starts last while the other worker idles. (xdist's own
-# `--dist loadgroup` does not group under pytest 9: it renames node ids through an attribute pytest 9 ignores.)
-# The list is the modules of more than a minute, longest first, from `--durations=0` of a whole run (2026-12-01).
+# Groups go out in collection order, longest first: the shared servers' group, then SLOW_MODULES_FIRST (the
+# modules of more than a minute, longest first, from `--durations=0` of a whole run, 2026-12-01), so that no long
+# group starts last while the other worker idles. (xdist's own `--dist loadgroup` does not group under pytest 9:
+# it renames node ids through an attribute pytest 9 ignores.)
 SHARED_SERVERS = ("default_server", "hardened_server", "shared_engine")
 SHARED_GROUP = "shared-servers"
 SLOW_MODULES_FIRST = ("test_speculative_serving.py", "test_quantization_accuracy.py", "test_moe_dp_ep_serving.py",

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from sgl_jax.srt.entrypoints.field_types import StrictModel, ignored
+from sgl_jax.srt.entrypoints.field_types import StrictModel, default_only, ignored
 from sgl_jax.srt.io_struct import (
     GetWeightsByNameReqInput,
     MemoryOccupationReqInput,
@@ -49,15 +49,8 @@ class UpdateWeightsFromDiskRequest(ControlRequest):
     keep_pause: ignored(bool, "a paused server stays paused until /continue_generation") = False
     recapture_cuda_graph: ignored(bool, _CUDA) = False
     token_step: ignored(int, "a label for SGLang's RL metrics") = 0
-    manifest: Optional[Dict[str, Any]] = Field(None, description="SGLang's tensor metadata for a partial update: "
-                                                                 "only null (the whole checkpoint is read)")
-
-    @field_validator("manifest")
-    @classmethod
-    def _whole_checkpoint(cls, v):
-        if v is not None:
-            raise ValueError("manifest is not supported: the update reads the whole checkpoint (send null)")
-        return v
+    manifest: default_only(Optional[Dict[str, Any]], description="SGLang's tensor metadata for a partial update "
+                                                               "(the whole checkpoint is read)") = None
 
     def to_input(self) -> UpdateWeightsFromDiskReqInput:
         return UpdateWeightsFromDiskReqInput(self.model_path, self.load_format, self.revision,
