@@ -1,31 +1,37 @@
 """Prefill and decode latency of one static batch, straight through the ModelRunner (no HTTP, no ZMQ).
 
 SGLang's ``bench_one_batch``: for each batch size B and input length L, B requests of L random token ids
-(seeded) are prefilled, then decoded step by step; every step is built by the scheduler's own structures
-(Req, ScheduleBatch.prepare_for_extend / prepare_for_decode, build_model_worker_batch, ModelRunner.forward)::
+(seeded) are prefilled, then decoded step by step; every step is built and dispatched by the scheduler's own parts
+(Req, ScheduleBatch.prepare_for_extend / prepare_for_decode, build_decode_rows or build_model_worker_batch,
+ModelRunner.launch_decode / launch_ranks: bench_decode_loops.DecodeLoop)::
 
     JAX_PLATFORMS=cpu python -m sgl_jax.bench_one_batch --batch-size 1 16 64 --input-len 1500 --output-len 16
     python -m sgl_jax.bench_one_batch --load-format dummy --batch-size 1 4 --input-len 64 --output-len 4 \
-        --result-filename results.jsonl --report one_batch.md
+        --result-filename results.jsonl --report one_batch.md --profile traces/
 
-Every ServerArgs flag works (``--model-path``, ``--dtype``, ``--page-size``, ``--max-total-tokens`` ...).
-Compilation is excluded: ModelRunner.warmup() compiles every bucket first, and ``--warmup-steps`` untimed
-decode steps run before the ``--output-len`` timed ones. A step's time includes its host work (allocation,
-batch building) as the scheduler pays it; ``host ms`` is that part. ``device ms`` is the device's own time per
-step: the last timed step re-run ``--output-len`` times back to back with nothing read in between
-(`ModelRunner.device_seconds_per_step`); ``busy %`` = device ms / decode p50 ms, the share of a decode loop the
-device is busy (the rest is the host's gap between steps, which the overlap scheduler of issue #38 is to hide;
-on CPU the "device" is the same cores, so both shares compete). The overlap columns rerun the row (the same
-prompts and seeds, prefilled again) with the overlap scheduler's decode loop: each step is launched before the
-previous step's sampled ids are read (its input tokens are placeholders the device fills from the step before,
-model_executor/future_tokens.py); ``overlap ms`` is its median step, ``overlap busy %`` = device ms / overlap ms,
-``x overlap`` = decode p50 ms / overlap ms (decode steps/s with overlap over without), and the row's output tokens
-must equal the loop without overlap (``tokens_identical``; the script exits non-zero otherwise).
-``--disable-overlap-schedule`` skips that pass. A batch whose prompts exceed one prefill
-step's token budget (--chunked-prefill-size, else --max-prefill-tokens) is prefilled in several steps (whole
-requests, the last one cut to a page-aligned chunk), and the prefill time is their sum. The KV pool is sized
-to B x (L + warm-up + output) tokens unless --max-total-tokens or --mem-fraction-static is given. A
-ChunkCache (no prefix sharing) is used whatever the radix flag says: random prompts share nothing.
+Every ServerArgs flag works (``--model-path``, ``--dtype``, ``--page-size``, ``--max-total-tokens``,
+``--num-continuous-decode-steps`` ...). Compilation is excluded: ModelRunner.warmup() compiles every bucket first,
+and ``--warmup-steps`` untimed decode steps run before the ``--output-len`` timed ones. A step's time includes its
+host work as the scheduler pays it; ``host ms`` is that part (build, h2d, dispatch and apply of
+bench_decode_loops.py). ``device ms`` is the device's own time per step: the last launch re-run back to back with
+nothing read in between (`ModelRunner.device_seconds_per_decode` / `device_seconds_per_step`); ``busy %`` =
+device ms / decode p50 ms, the share of a decode loop the device is busy (on CPU the "device" is the same cores,
+so both shares compete). The overlap columns rerun the row (the same prompts and seeds, prefilled again) with the
+overlap scheduler's decode loop: each step is launched before the previous step's sampled ids are read (its input
+tokens are the ones the device holds, model_executor/future_tokens.py); ``overlap ms`` is its median step,
+``overlap busy %`` = device ms / overlap ms, ``x overlap`` = decode p50 ms / overlap ms (decode steps/s with
+overlap over without), and the row's output tokens must equal the loop without overlap (``tokens_identical``; the
+script exits non-zero otherwise). ``--disable-overlap-schedule`` skips that pass. With
+``--num-continuous-decode-steps K`` every launch runs K decode steps in one program and the times are per step (a
+launch's divided by K). A second table splits each loop's median iteration into build, h2d, dispatch, wait, d2h and
+apply (bench_decode_loops.py) beside the device's time and the share of the iteration the device is idle;
+``--profile DIR`` writes a ``jax.profiler`` trace (TensorBoard's xplane and Perfetto's perfetto_trace.json.gz, each
+iteration a step) of the first ``--profile-steps`` iterations of each row's overlapped loop to DIR/bs{B}-in{L}.
+A batch whose prompts exceed one prefill step's token budget (--chunked-prefill-size, else --max-prefill-tokens)
+is prefilled in several steps (whole requests, the last one cut to a page-aligned chunk), and the prefill time is
+their sum. The KV pool is sized to B x (L + warm-up + K + output) tokens unless --max-total-tokens or
+--mem-fraction-static is given. A ChunkCache (no prefix sharing) is used whatever the radix flag says: random
+prompts share nothing.
 
 Floors (per device, for the real tokens, padding excluded): what the step must at least cost at the machine's
 rates, both measured at the start of the run by ``bench_utils.measure_machine_rates`` (XLA's matmul rate in the
@@ -66,13 +72,13 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from sgl_jax.bench_decode_loops import SPLIT_FIELDS, DecodeLoop, medians_ms
 from sgl_jax.bench_utils import MachineRates, git_commit, measure_machine_rates, write_report
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.scheduler.output import commit_launched_row
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
-from sgl_jax.srt.forward_batch import ForwardMode
+from sgl_jax.srt.forward_batch import DecodeRows, ForwardMode
 from sgl_jax.srt.kernels.ragged_paged_attention.backend import describe as describe_attention
 from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
@@ -196,7 +202,7 @@ class OneBatchRunner:
         self.rates = measure_machine_rates(mc.dtype)  # the device is still free: nothing loaded yet
         self.page = sa.page_size
         max_bs, self.warmup_steps = max(args.batch_size), args.warmup_steps
-        per_seq = max(args.input_len) + args.warmup_steps + args.output_len
+        per_seq = max(args.input_len) + args.warmup_steps + sa.num_continuous_decode_steps + args.output_len
         if per_seq > mc.context_len:
             sys.exit(f"--input-len + --warmup-steps + --output-len = {per_seq} exceeds the context length "
                      f"{mc.context_len}; raise --context-length")
@@ -210,7 +216,7 @@ class OneBatchRunner:
         self.buckets, self.budget = buckets, chunk or max_prefill
         if self.budget < self.page:
             sys.exit(f"a prefill step's token budget ({self.budget}) is less than --page-size {self.page}")
-        self.need = max(b * math.ceil((i + args.warmup_steps + args.output_len) / self.page) * self.page
+        self.need = max(b * math.ceil((i + per_seq - max(args.input_len)) / self.page) * self.page
                         for b in args.batch_size for i in args.input_len)
         hybrid = bool(mc.swa_layer_ids) and not sa.disable_hybrid_swa_memory
         if sa.max_total_tokens is None and sa.mem_fraction_static is None:  # both pools must hold `need`
@@ -231,6 +237,9 @@ class OneBatchRunner:
         self.cost = model_cost(runner)
         if not sa.disable_precompile:
             runner.warmup()
+        self.loop = DecodeLoop(runner, self.memory, buckets, sa.num_continuous_decode_steps)
+        self.warmup_iters = -(-args.warmup_steps // sa.num_continuous_decode_steps)  # launches of K steps
+        self.profile_dir, self.profile_steps = args.profile, args.profile_steps
 
     def _step(self, batch: ScheduleBatch) -> Tuple[list, float]:
         """Build and run one prepared step, then commit its KV and take the sampled tokens as the scheduler does.
@@ -239,7 +248,6 @@ class OneBatchRunner:
         t0 = time.perf_counter()
         wb = batch.build_model_worker_batch(self.buckets, self.memory)
         host = time.perf_counter() - t0
-        self.last_batch = wb
         out = self.runner.forward(wb)  # returns host arrays of the sampled ids: the step has finished
         for i, r in enumerate(batch.reqs):
             r.kv_committed_len = r.kv_allocated_len
@@ -263,47 +271,11 @@ class OneBatchRunner:
             steps.append(self._step(batch)[0])
         return time.perf_counter() - t0, steps
 
-    def decode(self, reqs: List[Req]) -> Tuple[float, float, list]:
-        """One decode step. Returns (step seconds, host seconds, [(tokens in KV before, 1)] per sequence)."""
-        t0 = time.perf_counter()
-        batch = ScheduleBatch(reqs, ForwardMode.DECODE)
-        if not batch.prepare_for_decode(self.memory):
-            raise RuntimeError("KV pool ran out during decode (sizing bug)")
-        prep = time.perf_counter() - t0
-        seqs, host = self._step(batch)
-        return time.perf_counter() - t0, prep + host, seqs
-
-    def decode_overlapped(self, reqs: List[Req], steps: int) -> List[float]:
-        """`steps` decode steps as the overlap scheduler runs them: step k+1 is prepared, built (its inputs are
-        placeholders of the tokens step k is sampling) and launched before step k's result is read and applied.
-        Returns the seconds of each iteration that launched one step and applied the one before."""
-        times, prev = [], None
-        for k in range(steps + 1):
-            t0 = time.perf_counter()
-            launched = None
-            if k < steps:
-                batch = ScheduleBatch(reqs, ForwardMode.DECODE)
-                if not batch.prepare_for_decode(self.memory):
-                    raise RuntimeError("KV pool ran out during decode (sizing bug)")
-                wb = batch.build_model_worker_batch(self.buckets, self.memory)
-                pending = self.runner.launch_ranks([wb] + [None] * (self.runner.dp_size - 1))
-                launched = (batch.launched(), pending)
-            if prev is not None:
-                done, out = prev[0], prev[1].resolve()[0]
-                for i, r in enumerate(done.reqs):
-                    commit_launched_row(done, i)
-                    r.output_ids.append(int(out.next_token_ids[i]))
-                self.memory.after_step(done.reqs)
-            prev = launched
-            if 0 < k < steps:
-                times.append(time.perf_counter() - t0)
-        return times
-
     def new_reqs(self, bs: int, input_len: int, output_len: int, seed: int) -> List[Req]:
         """B requests of L random token ids (seeded by the row), sampled with per-request seeds."""
         rng = np.random.default_rng([seed, bs, input_len])
         ids = rng.integers(0, self.mc.vocab_size, size=(bs, input_len)).tolist()
-        sp = SamplingParams(max_new_tokens=self.warmup_steps + output_len + 1, ignore_eos=True)
+        sp = SamplingParams(max_new_tokens=self.warmup_iters * self.loop.num_steps + output_len + 1, ignore_eos=True)
         return [Req(f"bench-{bs}-{input_len}-{i}", p, sp, eos_token_ids=self.mc.eos_token_ids, seed=seed + i)
                 for i, p in enumerate(ids)]
 
@@ -312,70 +284,92 @@ class OneBatchRunner:
             self.memory.release(r)
         assert self.memory.free_tokens() == self.memory.size, "KV pages leaked"
 
-    def overlap_pass(self, bs: int, input_len: int, output_len: int, seed: int, sync_reqs: List[Req]) -> dict:
-        """The row again with the overlap scheduler's loop: its columns, and whether its tokens equal the loop's
-        without overlap (`sync_reqs`, which ran first)."""
-        reqs = self.new_reqs(bs, input_len, output_len, seed)
+    def warm_decode_shape(self, bs: int) -> None:
+        """Run the decode program of a batch of `bs` once on padding (its first run is not timed)."""
+        t, s = self.buckets.decode_shape(bs)
+        idle = [None] * (self.runner.dp_size - 1)
+        if self.runner.slot_decode:
+            self.runner.launch_decode([DecodeRows.padding(s, self.loop.num_steps)] + idle).resolve()
+        else:
+            self.runner.forward(self.runner.dummy_batch(ForwardMode.DECODE, t, s))
+
+    def decode_pass(self, reqs: List[Req], iterations: int, overlap: bool, trace: Optional[str] = None) -> list:
+        """The row's prompts prefilled, the warm-up steps run, then `iterations` timed iterations of the decode loop
+        (bench_decode_loops.DecodeLoop) with or without overlap; `trace`: a jax.profiler trace directory for the first
+        --profile-steps iterations. Returns the iterations' times; the requests hold their tokens."""
         self.prefill(reqs)
-        for _ in range(self.warmup_steps):
-            self.decode(reqs)
-        times = self.decode_overlapped(reqs, output_len)
-        identical = [r.output_ids for r in reqs] == [r.output_ids for r in sync_reqs]
-        self.release(reqs)
-        return {"overlap_times": times, "tokens_identical": identical}
+        self.loop.run(reqs, self.warmup_iters, overlap=False)
+        return self.loop.run(reqs, iterations, overlap, trace, self.profile_steps if trace else 0)
 
     def run_row(self, bs: int, input_len: int, output_len: int, seed: int) -> dict:
-        """Prefill B x L random prompts, run the warm-up decode steps, time `output_len` decode steps, free all;
-        then the same with the overlap loop (unless --disable-overlap-schedule)."""
-        reqs = self.new_reqs(bs, input_len, output_len, seed)
+        """Prefill B x L random prompts, run the warm-up decode steps, time `output_len` decode steps (output_len / K
+        launches of K steps), free all; then the same with the overlap loop (unless --disable-overlap-schedule),
+        whose output tokens must be the same."""
+        K = self.loop.num_steps
+        iterations = max(1, output_len // K)
         compiles = self.runner.num_compiles_after_warmup  # None: not counted (--disable-precompile)
+        reqs = self.new_reqs(bs, input_len, output_len, seed)
         prefill_s, steps = self.prefill(reqs)
-        prefill_floors = [step_floor(self.cost, s, self.rates) for s in steps]
-        t, s = self.buckets.decode_shape(bs)
-        self.runner.forward(self.runner.dummy_batch(ForwardMode.DECODE, t, s))  # first run of the shape
-        for _ in range(self.warmup_steps):
-            self.decode(reqs)
-        times, hosts, floors = [], [], []
-        for _ in range(output_len):
-            t, h, seqs = self.decode(reqs)
-            times.append(t), hosts.append(h), floors.append(step_floor(self.cost, seqs, self.rates))
-        # the device's own time per step: the last step re-run back to back (same KV slots, same values)
-        device_s = self.runner.device_seconds_per_step(self.last_batch, output_len)
+        prefill_floors = [step_floor(self.cost, st, self.rates) for st in steps]
+        self.warm_decode_shape(bs)
+        self.loop.run(reqs, self.warmup_iters, overlap=False)
+        mid = [(r.seqlen - 1 + K * (iterations // 2), 1) for r in reqs]  # the median iteration's first step
+        sync = self.loop.run(reqs, iterations, overlap=False)
+        # the device's own time per launch: the last one re-run back to back (same KV slots)
+        device_s = self.device_seconds(iterations)
         self.release(reqs)
         overlap = {}
-        if not self.server_args.disable_overlap_schedule and output_len >= 2:
-            overlap = self.overlap_pass(bs, input_len, output_len, seed, reqs)
+        if not self.server_args.disable_overlap_schedule and iterations >= 2:
+            again = self.new_reqs(bs, input_len, output_len, seed)
+            trace = None if self.profile_dir is None else os.path.join(self.profile_dir, f"bs{bs}-in{input_len}")
+            times = self.decode_pass(again, iterations, True, trace)
+            overlap = {"times": times, "tokens_identical": [r.output_ids for r in again] == [r.output_ids for r in reqs]}
+            self.release(again)
         if compiles is not None:
             compiles = self.runner.num_compiles_after_warmup - compiles
         p_floor = sum(f[0] for f in prefill_floors)
         p_flops, p_bytes = sum(f[2] for f in prefill_floors), sum(f[3] for f in prefill_floors)
         p_bound = self.rates.floor(p_flops, p_bytes)[1]
-        med = float(np.median(times))
-        d_floor = sorted(floors)[len(floors) // 2]
-        return {"batch_size": bs, "input_len": input_len, "output_len": output_len,
+        sync_ms = medians_ms(sync)
+        med = sync_ms["total"] / 1e3 / K  # seconds per decode step (token)
+        d_floor = step_floor(self.cost, mid, self.rates)
+        per_step = device_s / K
+        return {"batch_size": bs, "input_len": input_len, "output_len": output_len, "decode_steps_per_launch": K,
                 "prefill_latency_s": prefill_s, "prefill_steps": len(steps),
                 "prefill_throughput_tok_s": bs * input_len / prefill_s, "prefill_floor_s": p_floor,
                 "prefill_bound": p_bound, "prefill_x_floor": prefill_s / p_floor, "prefill_flops": p_flops,
                 "prefill_bytes": p_bytes,
-                "decode_median_ms": 1e3 * med, "decode_p90_ms": 1e3 * float(np.percentile(times, 90)),
-                "decode_host_median_ms": 1e3 * float(np.median(hosts)), "decode_throughput_tok_s": bs / med,
-                "decode_device_ms": 1e3 * device_s, "decode_host_gap_ms": 1e3 * (med - device_s),
-                "decode_busy_share": device_s / med,
-                **overlap_columns(overlap, med, device_s),
+                "decode_median_ms": 1e3 * med,
+                "decode_p90_ms": 1e3 * float(np.percentile([t.total for t in sync], 90)) / K,
+                "decode_host_median_ms": (sync_ms["build"] + sync_ms["h2d"] + sync_ms["dispatch"]
+                                          + sync_ms["apply"]) / K,
+                "decode_throughput_tok_s": bs / med,
+                "decode_device_ms": 1e3 * per_step, "decode_host_gap_ms": 1e3 * (med - per_step),
+                "decode_busy_share": per_step / med, "split_sync_ms": sync_ms,
+                **overlap_columns(overlap, med, per_step, K),
                 "decode_floor_ms": 1e3 * d_floor[0], "decode_bound": d_floor[1],
                 "decode_x_floor": med / d_floor[0], "decode_step_flops": d_floor[2], "decode_step_bytes": d_floor[3],
                 "compiles_after_warmup": compiles}
 
+    def device_seconds(self, repeats: int) -> float:
+        """The device's time per launch of the loop's last inputs (`ModelRunner.device_seconds_per_decode`, or
+        `device_seconds_per_step` on a runner without slot state)."""
+        if self.runner.slot_decode:
+            return self.runner.device_seconds_per_decode(self.loop.last_inputs, repeats)
+        return self.runner.device_seconds_per_step(self.loop.last_inputs, repeats)
 
-def overlap_columns(overlap: dict, sync_median_s: float, device_s: float) -> dict:
-    """The JSONL keys of the overlap pass (None when it did not run)."""
+
+def overlap_columns(overlap: dict, sync_step_s: float, device_step_s: float, num_steps: int = 1) -> dict:
+    """The JSONL keys of the overlap pass (None when it did not run); times per decode step (a launch of K steps
+    divided by K)."""
     if not overlap:
         return {"decode_overlap_median_ms": None, "decode_busy_share_overlap": None, "overlap_speedup": None,
-                "tokens_identical": None}
-    med = float(np.median(overlap["overlap_times"]))
-    return {"decode_overlap_median_ms": 1e3 * med, "decode_busy_share_overlap": device_s / med,
-            "decode_host_gap_ms_overlap": 1e3 * (med - device_s), "overlap_speedup": sync_median_s / med,
-            "tokens_identical": overlap["tokens_identical"]}
+                "tokens_identical": None, "split_overlap_ms": None}
+    split = medians_ms(overlap["times"])
+    med = split["total"] / 1e3 / num_steps
+    return {"decode_overlap_median_ms": 1e3 * med, "decode_busy_share_overlap": device_step_s / med,
+            "decode_host_gap_ms_overlap": 1e3 * (med - device_step_s), "overlap_speedup": sync_step_s / med,
+            "tokens_identical": overlap["tokens_identical"], "split_overlap_ms": split}
 
 
 def format_row(r: dict) -> str:
@@ -397,6 +391,32 @@ def overlap_cells(r: dict) -> List[str]:
             f"{r['overlap_speedup']:.2f}"]
 
 
+SPLIT_COLUMNS = ("bs", "loop", "K", "iteration ms", *(f"{f} ms" for f in SPLIT_FIELDS), "device ms", "idle %")
+
+
+def split_rows(r: dict) -> List[str]:
+    """The markdown rows of where one result's loop iterations spend their time (medians per launch of K steps;
+    idle % = the share of an iteration the device does not run: 1 - device / iteration, at least 0)."""
+    K = r.get("decode_steps_per_launch", 1)
+    out = []
+    for loop, key in (("no overlap", "split_sync_ms"), ("overlap", "split_overlap_ms")):
+        split = r.get(key)
+        if not split:
+            continue
+        device = r["decode_device_ms"] * K
+        idle = max(0.0, 1.0 - device / split["total"])
+        cells = [r["batch_size"], loop, K, f"{split['total']:.3f}", *(f"{split[f]:.3f}" for f in SPLIT_FIELDS),
+                 f"{device:.3f}", f"{100 * idle:.0f}"]
+        out.append("| " + " | ".join(map(str, cells)) + " |")
+    return out
+
+
+def split_table(rows: List[dict]) -> List[str]:
+    """The split table of every row (see `split_rows`), header included."""
+    return (["| " + " | ".join(SPLIT_COLUMNS) + " |", "|" + "---|" * len(SPLIT_COLUMNS)]
+            + [line for r in rows for line in split_rows(r)])
+
+
 def parse_args(argv: List[str]) -> Tuple[ServerArgs, argparse.Namespace]:
     """Every ServerArgs flag plus the benchmark's own."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -407,6 +427,10 @@ def parse_args(argv: List[str]) -> Tuple[ServerArgs, argparse.Namespace]:
     parser.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before the timed ones")
     parser.add_argument("--run-name", default="default")
     parser.add_argument("--result-filename", help="JSONL file: one line per row is appended")
+    parser.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace (TensorBoard's xplane and a "
+                        "Perfetto perfetto_trace.json.gz) of the first --profile-steps iterations of each row's "
+                        "overlapped decode loop to DIR/bs{B}-in{L}")
+    parser.add_argument("--profile-steps", type=int, default=16, help="decode loop iterations traced per row")
     parser.add_argument("--report", help="generated report NAME.md (table, command, commit, date, CPUs, rates) "
                                          "and NAME.json (its raw rows) to write")
     args = parser.parse_args(argv)
@@ -431,7 +455,12 @@ def report_body(raw: dict) -> str:
                 else sum(counts))
     table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)] + [format_row(r) for r in rows]
     rates = MachineRates.from_json(rows[0]["rates"])
+    split = ["Where a decode loop iteration's time goes (medians per launch; bench_decode_loops.py: build = batch, "
+             "KV slots and inputs on the host, h2d = the packed inputs' copy, dispatch = the program's call, wait = "
+             "blocked until the applied step's tokens are computed, d2h = then until they are on the host, apply = "
+             "tokens appended; device = the program re-run back to back):", "", *split_table(rows)]
     return "\n".join([*[f"- {h}" for h in raw["header"]], f"- machine rates {rates.describe()}", "", *table, "",
+                      *split, "",
                       f"Programs compiled after warm-up, over every row (the runner's count): {compiles}.", "",
                       f"Commit {raw['commit']}, {raw['date']}, {raw['cpus']}, jax {raw['jax']}."])
 
@@ -467,6 +496,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if args.result_filename:
             with open(args.result_filename, "a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
+    print("\n".join([""] + split_table(rows)), flush=True)
     if runner.num_compiles_after_warmup:
         print(f"warning: {runner.num_compiles_after_warmup} programs compiled after warm-up (before the timed "
               "steps of their shape, untimed; see compiles_after_warmup per row)", flush=True)

@@ -96,7 +96,7 @@ def main():
                    for n in rng.integers(3, args.max_prompt_len + 1, args.prompts)]
         t_pad = 1 << (args.prompts * args.max_prompt_len - 1).bit_length()  # fits the prefill of every prompt
         buckets = ShapeBuckets((t_pad,), (args.prompts,))
-        runner = ModelRunner(sa, mc, buckets=buckets, max_context_len=CONTEXT,
+        runner = ModelRunner(sa, mc, buckets=buckets, max_context_len=CONTEXT, num_request_slots=args.prompts,
                              kv_spec_fn=lambda _: kv_spec_for(sa, mc, MAX_TOTAL_TOKENS))
         runner.warmup()  # every shape compiled first: serving must not compile again
         tokens, logprobs = greedy(runner, buckets, prompts, args.steps, args.page_size)

@@ -79,7 +79,8 @@ class RunnerHarness:
         self.mc = ModelConfig.from_server_args(args, "cpu")
         self.buckets = ShapeBuckets(tuple(token_paddings), (1, 4))
         self.runner = ModelRunner(args, self.mc, buckets=self.buckets, max_context_len=context_length,
-                                  kv_spec_fn=lambda _: kv_spec_for(args, self.mc, max_total_tokens))
+                                  kv_spec_fn=lambda _: kv_spec_for(args, self.mc, max_total_tokens),
+                                  num_request_slots=4)
         self.memory = KVMemory.create(self.runner.kv_spec, num_request_slots=4, context_len=context_length,
                                       disable_radix_cache=True)
         self.page_size = page_size

@@ -16,7 +16,7 @@ from sgl_jax.srt.mem_cache.kv_memory import KVMemory
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
-from sgl_jax.srt.model_executor.model_runner import StepOutput
+from sgl_jax.srt.model_executor.step_output import StepOutput
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_length
 from sgl_jax.srt.scheduler.spec_costs import PAY_MARGIN, StepCosts

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
@@ -155,6 +155,78 @@ class ModelWorkerBatch:
     def num_rows(self) -> int:
         """Real sampling rows: the sequences, or the tokens in a TARGET_VERIFY step."""
         return self.num_tokens if self.forward_batch.forward_mode == ForwardMode.TARGET_VERIFY else self.num_seqs
+
+
+@dataclasses.dataclass
+class DecodeRows:
+    """The host inputs of a decode step that reads its sequences' page tables and sampling parameters from the
+    device's per-slot state (model_executor/slot_state.py) instead of carrying them: O(S) int32 per step, whatever
+    the context length.
+
+    Rows are rank-stacked as in `stack_ranks` (D ranks x S_pad rows); a rank's real rows come first, then padding.
+    slots: int32[D * S_pad] each row's stacked request slot (rank r's ReqToTokenPool row s -> r * slots_per_rank +
+        s; padding 0). input_ids: int32[D * S_pad] the row's input token (its newest token), or the placeholder
+        ``-(stacked slot + 1)`` while a launched step is still sampling it (model_executor/future_tokens.py).
+        positions: int32[D * S_pad] the position of the row's input token. kv_slots: int32[K, D * S_pad] the rank-local KV slot
+        that step k of the K steps writes (0, the padding sink: the row takes no step k -- it reaches
+        max_new_tokens before). steps: int32[D * S_pad] output tokens the row has before this step (the sampling
+        stream's index). constrained: bool[D * S_pad] the row's grammar mask applies (K is then 1).
+        num_seqs: int32[D] real rows per rank. The number of steps K is static (part of the program).
+    """
+
+    slots: Any
+    input_ids: Any
+    positions: Any
+    kv_slots: Any
+    steps: Any
+    constrained: Any
+    num_seqs: Any
+
+    @property
+    def num_steps(self) -> int:
+        return int(np.shape(self.kv_slots)[0])
+
+    @property
+    def rows_pad(self) -> int:
+        """Rows per rank (S_pad)."""
+        return int(np.shape(self.slots)[0]) // int(np.shape(self.num_seqs)[0])
+
+    @classmethod
+    def build(cls, slots: Sequence[int], input_ids: Sequence[int], positions: Sequence[int], kv_slots: np.ndarray,
+              steps: Sequence[int], constrained: Sequence[bool], s_pad: int) -> "DecodeRows":
+        """One rank's rows padded to `s_pad` (kv_slots int32[K, n] for n real rows; slots and placeholders
+        rank-local)."""
+        n = len(slots)
+        if n > s_pad:
+            raise ValueError(f"{n} decode rows do not fit a batch of {s_pad}")
+        col = lambda v, dt: np.concatenate([np.asarray(v, dt).reshape(-1), np.zeros(s_pad - n, dt)])  # noqa: E731
+        kv = np.zeros((np.shape(kv_slots)[0], s_pad), np.int32)
+        kv[:, :n] = kv_slots
+        return cls(slots=col(slots, np.int32), input_ids=col(input_ids, np.int32), positions=col(positions, np.int32),
+                   kv_slots=kv,
+                   steps=col(steps, np.int32), constrained=col(constrained, np.bool_),
+                   num_seqs=np.asarray([n], np.int32))
+
+    @classmethod
+    def padding(cls, s_pad: int, num_steps: int = 1) -> "DecodeRows":
+        """An all-padding rank (idle, or warm-up)."""
+        return cls.build([], [], [], np.zeros((num_steps, 0), np.int32), [], [], s_pad)
+
+    @staticmethod
+    def stack(ranks: List["DecodeRows"], slots_per_rank: int) -> "DecodeRows":
+        """D ranks' rows (one S_pad and K each) as one: slots and placeholders moved to the stacked request slots.
+
+        Raises:
+            ValueError: the ranks' S_pad or K differ."""
+        if len({(r.rows_pad, r.num_steps) for r in ranks}) != 1:
+            raise ValueError("rank decode rows must share one S_pad and one number of steps")
+        cat = lambda name: np.concatenate([np.asarray(getattr(r, name)) for r in ranks], axis=-1)  # noqa: E731
+        slots = np.concatenate([np.asarray(r.slots) + i * slots_per_rank for i, r in enumerate(ranks)])
+        ids = np.concatenate([shift_placeholders(r.input_ids, i * slots_per_rank) for i, r in enumerate(ranks)])
+        return DecodeRows(slots=slots.astype(np.int32), input_ids=ids, positions=cat("positions"),
+                          kv_slots=cat("kv_slots"),
+                          steps=cat("steps"), constrained=cat("constrained"),
+                          num_seqs=np.concatenate([np.asarray(r.num_seqs) for r in ranks]).astype(np.int32))
 
 
 _PER_RANK_SCALARS = ("num_seqs", "shared_prefix_len")

@@ -96,7 +96,7 @@ _OPTIONAL_CHOICES = ("tool_call_parser", "reasoning_parser", "speculative_algori
 _POSITIVE = ("max_multi_item_count", "max_multi_item_seq_len", "multi_item_extend_batch_size", "tp_size", "dp_size",
              "ep_size",
              "nnodes", "max_prefill_tokens", "stream_interval", "max_request_body_bytes",
-             "max_top_logprobs_num", "max_n", "max_loras_per_batch")
+             "max_top_logprobs_num", "max_n", "max_loras_per_batch", "num_continuous_decode_steps")
 _POSITIVE_OR_NONE = ("max_queued_requests", "max_total_tokens", "max_running_requests", "context_length",
                      "page_size", "max_loaded_loras", "max_lora_rank")
 
@@ -188,6 +188,7 @@ class ServerArgs:
     chunked_prefill_size: int = 2048
     enable_mixed_chunk: bool = False
     disable_overlap_schedule: bool = False
+    num_continuous_decode_steps: int = 1
     max_prefill_step_ms: float = 500.0
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
@@ -566,6 +567,10 @@ FLAG_HELP = {
                                 "previous one's result is applied so the host's work between steps runs while "
                                 "the device computes (outputs are the same; SGLang's flag). With --nnodes > 1 "
                                 "every node must pass the same value",
+    "num_continuous_decode_steps": "decode steps run in one compiled loop (SGLang's flag): sampling, stop tokens and "
+                                   "max_new_tokens are checked on the device, the host sees the K tokens at once "
+                                   "(streams get them together); outputs are the same as with 1. Steps with a "
+                                   "grammar, top or token-id logprobs or routed experts run one at a time",
     "max_prefill_step_ms": "while requests decode, cut prefill chunks so that a prefill adds at most this "
                            "many ms to their inter-token latency beyond their own decode step (step costs "
                            "are learned from the steps run; 0: off, chunks are always "

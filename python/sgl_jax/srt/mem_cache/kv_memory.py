@@ -247,10 +247,13 @@ class KVMemory:
         pool.write(req.req_pool_idx, req.kv_allocated_len, slots)
         req.kv_allocated_len = end
 
-    def allocate_decode(self, reqs: Sequence) -> bool:
+    def allocate_decode(self, reqs: Sequence, counts: Optional[Sequence[int]] = None) -> bool:
         """One KV slot per request for its last sampled token, evicting cached KV if needed (requests that have
-        it already are skipped). False, with nothing taken, when even eviction cannot free enough pages: the
-        caller retracts."""
+        it already are skipped); with `counts`, the slots of each request's next counts[i] positions from that
+        token's on (a multi-step decode). False, with nothing taken, when even eviction cannot free enough pages:
+        the caller retracts."""
+        if counts is not None:
+            return self._allocate_positions(reqs, counts)
         reqs = [r for r in reqs if r.kv_allocated_len < r.seqlen_ahead]  # (ahead: a token still being sampled)
         if not reqs:
             return True
@@ -266,6 +269,38 @@ class KVMemory:
         table[rows, pos] = slots
         for req, end in zip(reqs, ends.tolist()):
             req.kv_allocated_len = end
+        return True
+
+    def _allocate_positions(self, reqs: Sequence, counts: Sequence[int]) -> bool:
+        """`allocate_decode` with counts: request i's positions up to seqlen_ahead - 1 + counts[i], all requests'
+        new pages taken at once (each continues its last partly filled page first, as `alloc_token_slots` does)."""
+        todo = [(r, r.seqlen_ahead - 1 + n) for r, n in zip(reqs, counts)]
+        todo = [(r, e) for r, e in todo if r.kv_allocated_len < e]
+        if not todo:
+            return True
+        ps = self.allocator.page_size
+        have = np.fromiter((r.kv_allocated_len for r, _ in todo), np.int64, len(todo))
+        want = np.fromiter((e for _, e in todo), np.int64, len(todo))
+        rows = np.fromiter((r.req_pool_idx for r, _ in todo), np.int64, len(todo))
+        have_pages = -(-have // ps)
+        need = -(-want // ps) - have_pages
+        if not evict_for_pages(self.allocator, self.tree_cache, int(need.sum())):
+            return False
+        pages = self.allocator.alloc_pages(int(need.sum()))
+        if pages is None:  # (eviction freed the pages just above)
+            raise RuntimeError("KV pages vanished between eviction and allocation")
+        table = self.req_to_token_pool.req_to_token
+        n = want - have
+        which = np.repeat(np.arange(len(todo)), n)  # the request of each new position
+        pos = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + have[which]
+        page_idx = pos // ps
+        last = table[rows, np.maximum(have_pages - 1, 0) * ps] // ps  # each request's last page (if any)
+        first_new = np.cumsum(need) - need  # its first page in `pages`
+        new = pages[np.minimum(first_new[which] + page_idx - have_pages[which], max(len(pages) - 1, 0))]
+        page = np.where(page_idx < have_pages[which], last[which], new) if len(pages) else last[which]
+        table[rows[which], pos] = (page * ps + pos % ps).astype(table.dtype)
+        for (r, end) in todo:
+            r.kv_allocated_len = end
         return True
 
     def allocate_drafts(self, req, n: int) -> bool:

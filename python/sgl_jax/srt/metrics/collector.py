@@ -29,6 +29,11 @@ What is measured where (SGLang's TokenizerMetricsCollector and SchedulerMetricsC
   layer's mean per expert, one observation per expert and layer per window: the scheduler keeps the buckets,
   which are rendered as they are).
 
+- The scheduler loop, at scrape time from its ``step_stats`` (scheduler/step_stats.py): the histograms
+  ``sglang:scheduler_step_host_seconds`` (each loop iteration that launched a step, minus its waits on the device),
+  ``sglang:scheduler_step_device_wait_seconds`` (those waits: blocked reading a step's sampled tokens) and
+  ``sglang:scheduler_steps_per_second`` (the launch rate over each window of at least a second with steps).
+
 - The hierarchical cache (--enable-hierarchical-cache), at scrape time from the scheduler's KV accounting (all DP
   ranks): ``sglang:hicache_host_hit_tokens_total`` (prompt tokens whose KV was loaded back from the host pool
   instead of recomputed; they count in ``sglang:cached_tokens_total`` too), ``sglang:hicache_host_written_tokens_total``
@@ -129,6 +134,8 @@ class MetricsCollector:
         self.registry.register(self.moe)
         self.host_tier = _HostTierCollector(model_name)
         self.registry.register(self.host_tier)
+        self.steps = _StepCollector(model_name)
+        self.registry.register(self.steps)
 
     def observe_output(self, times: RequestTimes, completion_tokens: int, finished: bool, prompt_tokens: int = 0,
                        cached_tokens: int = 0, aborted: bool = False, now: Optional[float] = None) -> None:
@@ -183,6 +190,7 @@ class MetricsCollector:
         self.streaming_session_held_tokens.set(internal_state.get("kv_tokens_session_held", 0))
         self.moe.state = internal_state.get("moe")
         self.host_tier.state = internal_state if "host_kv_tokens_total" in internal_state else None
+        self.steps.state = internal_state.get("step_stats")
         rows = internal_state.get("spec_drafted_rows")
         if rows:
             accepted = internal_state["spec_accepted_tokens"]
@@ -220,15 +228,34 @@ class _MoeCollector(_StateCollector):
         if self.state.get("ep_imbalance") is not None:
             imbalance.add_metric([self.model_name], self.state["ep_imbalance"])
         yield imbalance
-        h = self.state["load_ratio_histogram"]
-        cumulative, buckets = 0, []
-        for le, count in zip(h["buckets"], h["counts"]):
-            cumulative += count
-            buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cumulative))
-        hist = HistogramMetricFamily("sglang:moe_expert_load_ratio", "Tokens an expert got in a window of steps / "
-                                     "the mean per expert of its layer.", labels=["model_name"])
-        hist.add_metric([self.model_name], buckets, h["sum"])
-        yield hist
+        yield histogram_family("sglang:moe_expert_load_ratio", "Tokens an expert got in a window of steps / the mean "
+                               "per expert of its layer.", self.model_name, self.state["load_ratio_histogram"])
+
+
+def histogram_family(name: str, doc: str, model_name: str, h: dict) -> HistogramMetricFamily:
+    """A histogram family from buckets the scheduler keeps ({"buckets": upper bounds, "counts": per bucket, "sum"})."""
+    cumulative, buckets = 0, []
+    for le, count in zip(h["buckets"], h["counts"]):
+        cumulative += count
+        buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cumulative))
+    family = HistogramMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric([model_name], buckets, h["sum"])
+    return family
+
+
+class _StepCollector(_StateCollector):
+    """Renders the scheduler loop's step histograms (scheduler/step_stats.py) as ``sglang:scheduler_step_host_seconds``,
+    ``sglang:scheduler_step_device_wait_seconds`` and ``sglang:scheduler_steps_per_second``."""
+
+    def families(self):
+        yield histogram_family("sglang:scheduler_step_host_seconds", "Host time of each scheduler loop iteration "
+                               "that launched a step, waits on the device excluded (seconds).", self.model_name,
+                               self.state["host_seconds"])
+        yield histogram_family("sglang:scheduler_step_device_wait_seconds", "Time each such iteration was blocked "
+                               "reading a step's sampled tokens (seconds).", self.model_name,
+                               self.state["device_wait_seconds"])
+        yield histogram_family("sglang:scheduler_steps_per_second", "Steps launched per second, over windows of at "
+                               "least a second in which steps ran.", self.model_name, self.state["steps_per_second"])
 
 
 class _HostTierCollector(_StateCollector):

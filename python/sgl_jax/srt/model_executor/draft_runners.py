@@ -55,6 +55,8 @@ class DraftModelRunner(ModelRunner):
     ``topk`` (--speculative-eagle-topk): with k > 1 it drafts top-k trees, so it also runs a top-k program over a
     tree step's logits (`tree_top`) and K/V moves (its K/V moves with an accepted path off the first branch)."""
 
+    fused_steps = False  # (its forward runs without sampling on every target step: the split programs serve both)
+
     def __init__(self, *args, topk: int = 1, **kwargs):
         self.topk = int(topk)
         super().__init__(*args, **kwargs)
@@ -73,9 +75,10 @@ class DraftModelRunner(ModelRunner):
         """Every step shape's forward, the sampling of DECODE shapes, and with top-k > 1 the top-k and the K/V moves
         of each verify shape."""
         shapes = self.buckets.all_shapes()
-        programs = [(f"draft {mode.name.lower()} T={t} S={s}", self._lower_step(mode, t, s)) for mode, t, s in shapes]
-        rows = sorted({s for mode, _, s in shapes if mode == ForwardMode.DECODE})
-        programs += [(f"draft sampling S={s}", self._lower_sample(s)) for s in rows]
+        programs = [(f"draft {mode.name.lower()} T={t} S={s}", self._lower_forward(mode, t, s))
+                    for mode, t, s in shapes]
+        programs += [(f"draft sampling S={s}", self._lower_sample(mode, t, s)) for mode, t, s in shapes
+                     if mode == ForwardMode.DECODE]
         if self.topk > 1:
             for mode, t, _ in shapes:
                 if mode == ForwardMode.TARGET_VERIFY:

@@ -1,15 +1,16 @@
-"""ModelRunner: weights and KV buffers on device, the jitted step, warm-up compilation of every bucket.
+"""ModelRunner: weights and KV buffers on device, the compiled steps, warm-up compilation of every bucket.
 
-One step = two compiled programs dispatched back to back: the forward (writing this step's K/V in place: the cache
-is a donated argument; next-token logits at each sequence's last token), one per padded shape, and the sampling
-(penalties, grammar masks, the draw, the future-token write), one per padded number of sequences. The overlap
-scheduler may fill a step's grammar masks between the two: after its forward is launched and the step before it
-has been applied (SGLang's overlap worker waits for the masks before sampling the same way).
+A step is one compiled program (model_executor/step_programs.py): the forward, writing this step's K/V in place (the
+cache is a donated argument), and the sampling (penalties, grammar masks, the draw, the future-token write), with
+one host-to-device copy of its packed inputs and one asynchronous device-to-host copy of its tokens. Decode steps of
+a server with one KV pool read their sequences' page tables and sampling parameters from the device
+(model_executor/slot_state.py; `launch_decode`), and may run ``--num-continuous-decode-steps`` steps in one program.
+The overlap scheduler splits a decode step with grammar rows in two (`launch_forward`, then `launch_sample` with
+the masks it filled while the forward ran; SGLang's overlap worker waits for the masks before sampling the same way).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -24,7 +25,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from tqdm import tqdm
 
 from sgl_jax.srt.kernels.ragged_paged_attention.backend import describe as describe_attention
 from sgl_jax.srt.distributed.mesh import create_mesh, tp_size_of
@@ -33,21 +33,24 @@ from sgl_jax.srt.distributed.sharding import KV_CACHE, RANK_ROWS, REPLICATED, ch
 
 from sgl_jax.srt.layers.attention import move_kv_slots
 from sgl_jax.srt.layers.encoder_attention import with_encoder_inputs
-from sgl_jax.srt.layers.moe import expert_token_counts
-from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state, sample
+from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state
+from sgl_jax.srt.model_executor import host_copy, step_programs
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
-from sgl_jax.srt.model_executor.compile_stats import compile_counts, describe
+from sgl_jax.srt.model_executor.compile_stats import compile_counts
 from sgl_jax.srt.model_executor.host_kv import HostKVCopies
 from sgl_jax.srt.model_executor.lora_weights import LoraSlotWriter
 from sgl_jax.srt.model_executor.memory_budget import FP8_KV_DTYPES, kv_cache_dtype
-from sgl_jax.srt.model_executor.future_tokens import new_future_tokens, resolve_placeholders, write_future
-from sgl_jax.srt.model_executor.packed_inputs import pack, unpack
+from sgl_jax.srt.model_executor.future_tokens import new_future_tokens
+from sgl_jax.srt.model_executor.packed_inputs import pack
 from sgl_jax.srt.model_executor.moe_stats import MoeStats
+from sgl_jax.srt.model_executor.slot_state import new_slot_state
+from sgl_jax.srt.model_executor.step_output import LaunchedForward, PendingStep, StepOutput, StepTimes
+from sgl_jax.srt.model_executor.step_programs import StepSpec
+from sgl_jax.srt.model_executor.warmup import compile_programs
 from sgl_jax.srt.fault_injection import PlantedFaults
-from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch, stack_ranks
-from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask, vocab_mask_words
+from sgl_jax.srt.forward_batch import DecodeRows, ForwardBatch, ForwardMode, ModelWorkerBatch, stack_ranks
+from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask, stack_vocab_masks, vocab_mask_words
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES, load_model
-from sgl_jax.srt.models.llama import sown_aux_hidden_states
 from sgl_jax.srt.server_args import resolve_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -55,91 +58,6 @@ logger = logging.getLogger(__name__)
 LOGPROB_CHUNK_ROWS = 128  # rows per call when computing full-vocabulary input-token logprobs
 SCORE_ROW_PADDINGS = (16, 128)  # rows per call when computing label logprobs for scoring
 SCORE_LABEL_CHUNK = 16  # label ids per call
-
-
-@dataclasses.dataclass
-class StepOutput:
-    """One rank's result of one step. next_token_ids / next_token_logprobs are host arrays over the rank's
-    real sequences; ``logits`` (float32[dp * S_pad, V], raw; an embedding server's: zeros [dp * S_pad, 1]), their
-    log-sum-exp ``lse`` (float32[dp * S_pad]) and ``hidden`` (float32[dp * T_pad, hidden]) are the whole step's, on
-    device until asked: this rank's rows start at ``seq_offset`` and ``token_offset``."""
-
-    next_token_ids: np.ndarray
-    next_token_logprobs: np.ndarray
-    logits: jax.Array
-    lse: jax.Array
-    hidden: jax.Array
-    seq_offset: int = 0
-    token_offset: int = 0
-    routed_experts: Optional[np.ndarray] = None  # int32[n, L, k]: each sampled token's experts (-1: dense layer)
-    aux: Optional[jax.Array] = None  # EAGLE-3: the captured layers' outputs [dp * T_pad, n * hidden] (on device)
-
-    def logprob_rows(self) -> np.ndarray:
-        """float32[dp * S_pad, V] on the host: the log-softmax of the raw logits of every row of the step (copies the
-        whole step's logits; for top-logprobs and token-id logprobs)."""
-        return np.asarray(self.logits) - np.asarray(self.lse)[:, None]
-
-
-class PendingStep:
-    """A launched step whose results are still on the device (`ModelRunner.launch_ranks`): its sampled ids and their
-    logprobs are being copied to the host; `resolve` waits for them and splits them per rank.
-
-    Args:
-        arrays: the step's outputs (next_ids int32[dp * S_pad], next_lp float32[dp * S_pad], (logits, lse) (see
-            StepOutput), hidden, expert counts, routed experts, aux hidden states or None).
-        num_seqs: real sampling rows per rank (None: the rank idled: sequences, or tokens in a verify step); s_pad:
-            sampling rows per rank, t_pad: tokens per rank.
-        moe_stats: the runner's `MoeStats` (counts are added at resolve), or None; routed: whether routed experts
-            are returned.
-    """
-
-    def __init__(self, arrays: tuple, num_seqs: List[Optional[int]], s_pad: int, t_pad: int, moe_stats, routed: bool):
-        self.arrays, self.num_seqs, self.s_pad, self.t_pad = arrays, num_seqs, s_pad, t_pad
-        self.moe_stats, self.routed = moe_stats, routed
-        next_ids, next_lp, _, _, counts, rows, _ = arrays
-        for x in (next_ids, next_lp) + ((counts,) if moe_stats is not None else ()) + ((rows,) if routed else ()):
-            x.copy_to_host_async()
-
-    def resolve(self) -> List[Optional[StepOutput]]:
-        """Wait for the step and return one StepOutput per rank (None for idle ranks)."""
-        next_ids, next_lp, (logits, lse), hidden, counts, routed, aux = self.arrays
-        next_ids, next_lp = np.asarray(next_ids), np.asarray(next_lp)
-        if self.moe_stats is not None:
-            self.moe_stats.add_step(np.asarray(counts))
-        routed = np.asarray(routed) if self.routed else None
-        outs = []
-        for r, n in enumerate(self.num_seqs):
-            if n is None:
-                outs.append(None)
-                continue
-            a = r * self.s_pad
-            outs.append(StepOutput(next_ids[a:a + n], next_lp[a:a + n], logits, lse, hidden, seq_offset=a,
-                                   token_offset=r * self.t_pad,
-                                   routed_experts=None if routed is None else routed[a:a + n], aux=aux))
-        return outs
-
-
-@dataclasses.dataclass
-class LaunchedForward:
-    """A step whose forward program is dispatched and whose sampling is not (`ModelRunner.launch_forward`).
-
-    logits: float32[dp * S_pad, V] on device (see StepOutput); hidden, moe: the forward's other outputs (see
-    StepOutput); sampling: the rank-stacked SamplingBatch (host arrays; its vocab mask None when no row has a
-    grammar or the scheduler fills the masks later); num_seqs: real sampling rows per rank (None: idle); s_pad:
-    sampling rows per rank (`ModelWorkerBatch.rows_pad`: S_pad, T_pad in a verify step), t_pad: tokens per rank;
-    batch: one real rank batch (named when a compile is reported); aux: the captured layers' outputs (EAGLE-3) or
-    None.
-    """
-
-    logits: jax.Array
-    hidden: jax.Array
-    moe: tuple
-    sampling: SamplingBatch
-    num_seqs: List[Optional[int]]
-    s_pad: int
-    t_pad: int
-    batch: ModelWorkerBatch
-    aux: Optional[jax.Array] = None
 
 
 def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
@@ -249,24 +167,50 @@ class ModelRunner:
         self.eos_token_ids = jnp.asarray(eos, jnp.int32)
         self.max_context_len = max_context_len
         self.vocab_mask_width = vocab_mask_words(model_config.vocab_size)
-        self.penalty_state = jax.jit(lambda: new_penalty_state(self.dp_size * num_request_slots,
-                                                               model_config.vocab_size),
-                                     out_shardings=self._replicated)()
+        R = self.dp_size * num_request_slots
+        r = self._replicated
+        self.penalty_state = jax.jit(lambda: new_penalty_state(R, model_config.vocab_size), out_shardings=r)()
         # the overlap scheduler's sampled tokens, one per stacked request slot (model_executor/future_tokens.py)
-        self.future_tokens = jax.jit(lambda: new_future_tokens(self.dp_size * num_request_slots),
-                                     out_shardings=self._replicated)()
+        self.future_tokens = jax.jit(lambda: new_future_tokens(R), out_shardings=r)()
+        # decode steps read page tables and sampling parameters from the device (model_executor/slot_state.py) on
+        # a decoder with one KV pool and no speculative decoding (its verify steps and K/V moves change the tables
+        # on the host only)
+        self.slot_decode = (self.generates and not self.is_encoder and spec.num_pools == 1
+                            and server_args.speculative_algorithm is None and type(self).fused_steps)
+        self.slot_state = (jax.jit(lambda: new_slot_state(R, self.pages_per_seq), out_shardings=r)()
+                           if self.slot_decode else None)
+        self.decode_steps = int(server_args.num_continuous_decode_steps)  # K of the multi-step decode program
         self._all_allowed = {}  # S_pad -> device int32[S_pad, vocab_mask_width] of -1 (no grammar in the batch)
-        self._zero_samples = {}  # rows -> an embedding step's (token ids, logprobs, lse): zeros
+        self._row_layouts = {}  # (rows, K, ranks) -> the packed layout of DecodeRows (`_pack_rows`)
         # outputs fed back into the next call keep exactly the shardings they were created with, so a
         # program compiled at warm-up is the one serving uses (a new input sharding would compile again)
-        r = self._replicated
         # hidden states stay with their rank, unless ranks span hosts (then every host reads them all)
         hidden = NamedSharding(self.mesh, P("data", None)) if jax.process_count() == 1 else r
         self._hidden_sharding = hidden
-        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,), static_argnums=(4,),
-                                out_shardings=(self._kv_sharding, r, hidden, (r, r), hidden if self.aux_layers else r))
-        self._sample = jax.jit(self._sample_impl, donate_argnums=(1, 2), static_argnums=(5,),
-                               out_shardings=(r, r, r, r, r))
+        self.step_spec = StepSpec(
+            graphdef=self.graphdef, param_treedef=self._param_treedef, attention_backend=self.attention_backend,
+            generates=self.generates, aux_layers=self.aux_layers,
+            moe_experts=0 if self.moe_stats is None else self.moe_stats.num_experts,
+            routed=self.return_routed_experts, rank_rows=self._rank_rows, replicated=r, page_size=self.page_size,
+            with_lora=self.lora_writer is not None, eos_token_ids=self.eos_token_ids,
+            num_layers=model_config.num_hidden_layers)
+        # absent outputs are None (no buffer): MoE outputs of a dense model, routed ids unless returned, aux
+        # without EAGLE-3, a decode step's hidden states
+        moe = None if self.moe_stats is None else (r, r if self.return_routed_experts else None)
+        aux = hidden if self.aux_layers else None
+        outs = (r, r, r, hidden, moe, aux)  # tokens, logits, lse, hidden, moe, aux
+        jit = functools.partial(jax.jit, static_argnums=(5,))
+        self._step = jit(functools.partial(step_programs.step, self.step_spec), donate_argnums=(1, 2),
+                         out_shardings=(self._kv_sharding, r, outs))
+        decode = functools.partial(step_programs.decode, self.step_spec)
+        self._decode_one = jit(decode, donate_argnums=(1, 2),
+                               out_shardings=(self._kv_sharding, r, (r, r, r, None, moe, None)))
+        self._decode_multi = jit(decode, donate_argnums=(1, 2),  # (K > 1: no logits, expert counts only)
+                                 out_shardings=(self._kv_sharding, r, (r, None, None, None, moe and (r, None), None)))
+        self._forward = jax.jit(functools.partial(step_programs.forward_only, self.step_spec), donate_argnums=(1, 2),
+                                static_argnums=(5,), out_shardings=(self._kv_sharding, r, r, hidden, moe, aux, r))
+        self._sample = jit(functools.partial(step_programs.sample_only, self.step_spec), donate_argnums=(1, 2),
+                           out_shardings=(r, r, r, r))
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r)
         # the K/V move program's sizes: one per verify shape's T_pad (move_kv), sorted
         self._move_sizes = sorted(t for mode, t, _ in buckets.all_shapes() if mode == ForwardMode.TARGET_VERIFY)
@@ -279,6 +223,12 @@ class ModelRunner:
         self._num_compiles_after_warmup = 0
         self.faults = PlantedFaults.from_env()  # test hooks (fault_injection.py); none outside tests
         self.warmup_stats: Dict[str, float] = {}  # what warm-up compiled and loaded (see warmup)
+
+    def _decode(self, num_steps: int):
+        """The slot decode program of `num_steps` steps (`step_programs.decode`; K = 1 keeps its logits)."""
+        return self._decode_one if num_steps == 1 else self._decode_multi
+
+    fused_steps = True  # the forward and the sampling of a step in one program (a draft runner's: split)
 
     @functools.cached_property
     def logits_vocab(self) -> int:
@@ -314,51 +264,15 @@ class ModelRunner:
         self._params = value
         self._param_leaves, self._param_treedef = jax.tree.flatten(value)
 
-    def _forward_impl(self, param_leaves, kv_caches, future, packed, layout):
-        """The forward program (see the module docstring). param_leaves: `params` flattened; future: the
-        future-token buffer (read: placeholders of tokens the step before is sampling); packed / layout: the step's
-        ForwardBatch as one int32 buffer (model_executor/packed_inputs.py). Returns (kv_caches, logits float32[S, V]
-        gathered (an embedding server's: zeros [S, 1]), hidden, MoE outputs, the aux hidden states [T, n * hidden]
-        of `aux_layers` (else an empty array))."""
-        params = jax.tree.unflatten(self._param_treedef, param_leaves)
-        fb = unpack(packed, layout)
-        fb = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._rank_rows), fb)  # (rows by rank)
-        model = nnx.merge(self.graphdef, params)
-        # trace-time backend; placeholders of tokens the previous step sampled read from the future buffer
-        fb = dataclasses.replace(fb, attention_backend=self.attention_backend,
-                                 input_ids=resolve_placeholders(fb.input_ids, future))
-        if self.aux_layers:
-            model.model.capture_layers = self.aux_layers
-        hidden, kv_caches = model(fb, kv_caches)
-        if self.generates:
-            logits = self._gathered(model.compute_logits(hidden[fb.logits_indices]))
-        else:  # an embedding server reads hidden states only: no LM head, no sampling (`launch_sample`)
-            logits = jnp.zeros((fb.logits_indices.shape[0], 1), jnp.float32)
-        aux = sown_aux_hidden_states(model.model) if self.aux_layers else jnp.zeros((0,), hidden.dtype)
-        return kv_caches, logits, hidden, self._moe_outputs(model, fb), aux
+    @property
+    def _state(self) -> tuple:
+        """The device state every step takes and gives back (donated): (penalty state, future tokens, slot state
+        or None)."""
+        return self.penalty_state, self.future_tokens, self.slot_state
 
-    def _sample_impl(self, logits, penalty_state, future, packed, vocab_mask, layout):
-        """The sampling program: logits float32[S, V] from the forward; packed / layout: the SamplingBatch
-        without its vocab mask; vocab_mask: int32[S, words]. Returns (penalty_state, future, next_ids int32[S],
-        next_lp float32[S], lse float32[S])."""
-        sampling = dataclasses.replace(unpack(packed, layout), vocab_mask=vocab_mask)
-        sampling = dataclasses.replace(sampling, last_token=resolve_placeholders(sampling.last_token, future))
-        next_ids, lse, penalty_state = sample(logits, sampling, self.eos_token_ids, penalty_state)
-        future = write_future(future, sampling.slots, sampling.writes_future, next_ids)
-        next_lp = jnp.take_along_axis(logits, next_ids[:, None], axis=-1)[:, 0] - lse
-        return penalty_state, future, next_ids, next_lp, lse
-
-    def _moe_outputs(self, model, fb: ForwardBatch):
-        """(expert token counts int32[L, E] of the step's real tokens (`ForwardBatch.real_tokens`), the expert ids
-        int32[S, L, k] of the rows whose logits were sampled when --enable-return-routed-experts), empty arrays
-        for what is not collected."""
-        none = jnp.zeros((0,), jnp.int32)
-        if self.moe_stats is None:
-            return none, none
-        routed = model.routed_experts()  # [L, T, k]
-        counts = expert_token_counts(routed, fb.real_tokens(), self.moe_stats.num_experts)
-        rows = jnp.transpose(routed[:, fb.logits_indices], (1, 0, 2)) if self.return_routed_experts else none
-        return counts, rows
+    @_state.setter
+    def _state(self, value: tuple) -> None:
+        self.penalty_state, self.future_tokens, self.slot_state = value
 
     def _logprobs_impl(self, params, hidden):
         model = nnx.merge(self.graphdef, params)
@@ -375,27 +289,46 @@ class ModelRunner:
         return jax.lax.with_sharding_constraint(logits, self._replicated)
 
     # ---- running
+    def _put(self, x):
+        """A host array (or a tuple of them) on the device, replicated: an explicit host-to-device copy
+        (host_copy.put)."""
+        if isinstance(x, tuple):
+            return tuple(self._put(a) for a in x)
+        return host_copy.put(np.asarray(x), self._replicated)
+
     def _all_allowed_mask(self, s_pad: int) -> jax.Array:
         """The cached device int32[s_pad, words] of -1 (every token allowed) for `s_pad` sampling rows."""
         if s_pad not in self._all_allowed:
-            self._all_allowed[s_pad] = jax.device_put(all_allowed_mask(s_pad, self.vocab_mask_width),
-                                                      self._replicated)
+            self._all_allowed[s_pad] = self._put(all_allowed_mask(s_pad, self.vocab_mask_width))
         return self._all_allowed[s_pad]
 
-    def _forward_inputs(self, fb: ForwardBatch) -> tuple:
-        """(the ForwardBatch packed into one int32 buffer on device, replicated -- the program puts its rows back by
-        rank --, its packed layout: the forward program's static argument)."""
-        buf, layout = pack(fb)
-        return jax.device_put(buf, self._replicated), layout
+    def _vocab_mask(self, rows: int, mask: Optional[np.ndarray]) -> jax.Array:
+        """The device vocab mask of a step of `rows` sampling rows: `mask` (int32[rows, words]) copied, or the cached
+        all-allowed one."""
+        return self._all_allowed_mask(rows) if mask is None else self._put(np.asarray(mask))
 
-    def _sample_inputs(self, sampling: SamplingBatch, vocab_mask: Optional[np.ndarray] = None) -> tuple:
-        """(the SamplingBatch without its vocab mask packed on device, the vocab mask on device -- `vocab_mask`, else
-        the batch's own, else the cached all-allowed mask of its size --, the packed layout)."""
-        mask = vocab_mask if vocab_mask is not None else sampling.vocab_mask
-        rows = int(np.shape(sampling.slots)[0])
-        mask = self._all_allowed_mask(rows) if mask is None else jax.device_put(np.asarray(mask), self._replicated)
-        buf, layout = pack(dataclasses.replace(sampling, vocab_mask=None))
-        return jax.device_put(buf, self._replicated), mask, layout
+    def _forward_inputs(self, fb: ForwardBatch) -> tuple:
+        """(a ForwardBatch packed into one int32 buffer on device, replicated -- the program puts its rows back by
+        rank --, its packed layout: the program's static argument). The draft runners' programs take these."""
+        buf, layout = pack(fb)
+        return self._put(buf), layout
+
+    def _step_inputs(self, stacked: ModelWorkerBatch, times: StepTimes) -> tuple:
+        """(a step's SamplingBatch, its vocab mask left out, and ForwardBatch in one int32 buffer on device; the
+        packed layout) -- the step's one host-to-device copy. The SamplingBatch comes first, so that a split step's
+        sampling program reads the buffer's head (`step_programs.forward_only`)."""
+        buf, layout = pack((dataclasses.replace(stacked.sampling, vocab_mask=None), stacked.forward_batch))
+        t0 = time.perf_counter()
+        packed = self._put(buf)
+        times.h2d_s += time.perf_counter() - t0
+        return packed, layout
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def _sampling_layout(layout) -> tuple:
+        """The layout of the SamplingBatch at the head of a step's packed buffer (its layout is `layout`)."""
+        treedef, specs = layout
+        return treedef.children()[0], specs[:step_programs.sampling_leaves(layout)]
 
     def _step_batch(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> ModelWorkerBatch:
         """The rank-stacked batch of one step (`stack_ranks`): idle ranks (None) run an all-padding batch of the
@@ -431,68 +364,175 @@ class ModelRunner:
         """
         return self.launch_ranks(batches).resolve()
 
-    def launch_ranks(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> PendingStep:
-        """Dispatch one step of every rank (as `forward_ranks`) without waiting for it: the device runs it after
-        the steps launched before (the KV cache, penalty state and future tokens are donated from one step to the
-        next), the host goes on. Raises ValueError as `forward_ranks`."""
-        return self.launch_sample(self.launch_forward(batches))
-
-    def launch_forward(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> "LaunchedForward":
-        """Dispatch the forward program of one step of every rank (see `launch_ranks`); `launch_sample` dispatches
-        its sampling, with the batches' vocab masks or masks filled in the meantime. Raises ValueError as
-        `forward_ranks`."""
+    def _check_ranks(self, batches: Sequence) -> list:
+        """The real rank batches of a step (`ModelWorkerBatch` or `DecodeRows` of one rank). Raises ValueError
+        without one, for a number of ranks that is not the dp size, or for a request slot outside the runner's
+        num_request_slots (its slot-state and penalty rows would be dropped)."""
         if len(batches) != self.dp_size:
             raise ValueError(f"{len(batches)} rank batches for --dp-size {self.dp_size}")
         real = [b for b in batches if b is not None]
         if not real:
             raise ValueError("a step needs at least one rank batch")
+        for b in real:
+            slots = b.slots if isinstance(b, DecodeRows) else b.sampling.slots
+            if np.max(slots) >= self.num_request_slots:
+                raise ValueError(f"request slot {int(np.max(slots))} outside the runner's {self.num_request_slots}")
+        return real
+
+    def launch_ranks(self, batches: Sequence[Optional[ModelWorkerBatch]],
+                     vocab_mask: Optional[np.ndarray] = None) -> PendingStep:
+        """Dispatch one step of every rank (as `forward_ranks`), forward and sampling in one program, without waiting
+        for it: the device runs it after the steps launched before (the KV cache and the device state are donated
+        from one step to the next), the host goes on. vocab_mask: int32[dp * S_pad, words] of the stacked rows
+        (`stack_vocab_masks`), or None for the batches' own masks (all allowed when they have none). Raises
+        ValueError as `forward_ranks`. An extend step runs split (`launch_forward`, `launch_sample`: one sampling
+        program per S_pad serves every extend bucket, so warm-up compiles the sampler once per row count, not once
+        per token bucket), as does every step of a runner without fused steps; a decode step on a runner with slot
+        state runs as `launch_decode` of the same rows (`decode_rows_of`: its requests' earlier steps ran here)."""
+        mode = next(b for b in batches if b is not None).forward_batch.forward_mode
+        if not self.fused_steps or mode == ForwardMode.EXTEND:
+            return self.launch_sample(self.launch_forward(batches), vocab_mask)
+        if mode == ForwardMode.DECODE and self.slot_decode:
+            return self.launch_decode([None if b is None else decode_rows_of(b) for b in batches],
+                                      vocab_mask if vocab_mask is not None else stack_vocab_masks(
+                                          [None if b is None else b.sampling.vocab_mask for b in batches],
+                                          next(b for b in batches if b is not None).rows_pad))
+        real = self._check_ranks(batches)
         _, t_pad, _ = real[0].padded_shape
-        stacked = self._step_batch(batches)
-        self.kv_caches, logits, hidden, moe, aux = self._forward(
-            self._param_leaves, self.kv_caches, self.future_tokens, *self._forward_inputs(stacked.forward_batch))
+        stacked, times = self._step_batch(batches), StepTimes()
+        packed, layout = self._step_inputs(stacked, times)
+        mask = self._vocab_mask(real[0].rows_pad * self.dp_size,
+                                vocab_mask if vocab_mask is not None else stacked.sampling.vocab_mask)
+        t0 = time.perf_counter()
+        self.kv_caches, self._state, outs = self._step(self._param_leaves, self.kv_caches, self._state, packed,
+                                                       mask, layout)
+        times.dispatch_s += time.perf_counter() - t0
+        return self._pending(outs, [None if b is None else b.num_rows for b in batches], real[0], t_pad, times)
+
+    def launch_decode(self, rows: Sequence[Optional[DecodeRows]], vocab_mask: Optional[np.ndarray] = None
+                      ) -> PendingStep:
+        """Dispatch K decode steps of every rank's `DecodeRows` (None: the rank idles) in one program (K = their
+        kv_slots' first dimension: 1, or --num-continuous-decode-steps), reading the rows' page tables and
+        sampling parameters from the slot state (model_executor/slot_state.py). vocab_mask: int32[dp * S_pad, words]
+        (K = 1 only) or None. Raises ValueError as `forward_ranks`, or when the runner has no slot state."""
+        if not self.slot_decode:
+            raise ValueError("this runner decodes host-built batches only (no slot state)")
+        real = self._check_ranks(rows)
+        s_pad, k = real[0].rows_pad, real[0].num_steps
+        stacked = real[0] if self.dp_size == 1 else DecodeRows.stack(
+            [r if r is not None else DecodeRows.padding(s_pad, k) for r in rows], self.num_request_slots)
+        times = StepTimes()
+        buf, layout = self._pack_rows(stacked)
+        t0 = time.perf_counter()
+        packed = self._put(buf)
+        mask = self._vocab_mask(s_pad * self.dp_size, vocab_mask)
+        t1 = time.perf_counter()
+        self.kv_caches, self._state, outs = self._decode(k)(self._param_leaves, self.kv_caches, self._state,
+                                                            packed, mask, layout)
+        t2 = time.perf_counter()
+        times.h2d_s, times.dispatch_s = t1 - t0, t2 - t1
+        return self._pending(outs, [None if r is None else int(r.num_seqs[0]) for r in rows], None, s_pad, times,
+                             s_pad)
+
+    def _pack_rows(self, rows: DecodeRows) -> tuple:
+        """`packed_inputs.pack` of rank-stacked DecodeRows, its fields concatenated in the layout's order (the
+        layout, per shape, from `pack` the first time, checked against the concatenation then)."""
+        key = (np.shape(rows.slots)[0], rows.num_steps, np.shape(rows.num_seqs)[0])
+        buf = np.concatenate([np.asarray(rows.slots), np.asarray(rows.input_ids), np.asarray(rows.positions),
+                              np.asarray(rows.kv_slots).reshape(-1), np.asarray(rows.steps),
+                              np.asarray(rows.constrained).astype(np.int32), np.asarray(rows.num_seqs)])
+        layout = self._row_layouts.get(key)
+        if layout is None:
+            ref, layout = pack(rows)
+            if not np.array_equal(ref, buf):
+                raise AssertionError("DecodeRows' packed layout is not its fields in order")
+            self._row_layouts[key] = layout
+        return buf, layout
+
+    def _pending(self, outs: tuple, num_seqs: list, batch: Optional[ModelWorkerBatch], t_pad: int, times: StepTimes,
+                 s_pad: Optional[int] = None) -> PendingStep:
+        """The PendingStep of a dispatched step's outputs (tokens, logits, lse, hidden, moe, aux)."""
+        if self._compiled_after_warmup is not None and self.faults.fire("compile_while_serving"):
+            jax.jit(lambda x: x * 3.0 + 1.0)(self._put(np.zeros(7, np.float32))).block_until_ready()  # planted
+        self._check_no_new_compile(batch)
+        tokens, logits, lse, hidden, moe, aux = outs
+        counts, routed = moe if moe is not None else (None, None)
+        return PendingStep(tokens, logits, lse, hidden, aux, counts, routed, num_seqs,
+                           s_pad if s_pad is not None else batch.rows_pad, t_pad, self.moe_stats,
+                           self.return_routed_experts, times)
+
+    def launch_forward(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> LaunchedForward:
+        """Dispatch the forward program of one step of every rank (see `launch_ranks`); `launch_sample` dispatches
+        its sampling, with the batches' vocab masks or masks filled in the meantime. Raises ValueError as
+        `forward_ranks`."""
+        real = self._check_ranks(batches)
+        _, t_pad, _ = real[0].padded_shape
+        stacked, times = self._step_batch(batches), StepTimes()
+        packed, layout = self._step_inputs(stacked, times)
+        t0 = time.perf_counter()
+        self.kv_caches, self.slot_state, logits, hidden, moe, aux, sampling = self._forward(
+            self._param_leaves, self.kv_caches, self.slot_state, self.future_tokens, packed, layout)
+        times.dispatch_s += time.perf_counter() - t0
         self._check_no_new_compile(real[0])
         return LaunchedForward(logits, hidden, moe, stacked.sampling,
                                [None if b is None else b.num_rows for b in batches], real[0].rows_pad, t_pad,
-                               real[0], aux if self.aux_layers else None)
+                               real[0], aux, times,
+                               (sampling, self._sampling_layout(layout)))
 
-    def launch_sample(self, fwd: "LaunchedForward", vocab_mask: Optional[np.ndarray] = None) -> PendingStep:
-        """Dispatch the sampling program of a launched forward. vocab_mask: int32[dp * S_pad, words] of the stacked
-        rows (`stack_vocab_masks`), or None for the batches' own masks (all allowed when they have none). An
-        embedding server's steps sample nothing: their token ids and logprobs are zeros (no program runs)."""
-        if self.generates:
-            self.penalty_state, self.future_tokens, next_ids, next_lp, lse = self._sample(
-                fwd.logits, self.penalty_state, self.future_tokens, *self._sample_inputs(fwd.sampling, vocab_mask))
-        else:  # zeros put on the device once per row count
-            if (rows := int(fwd.logits.shape[0])) not in self._zero_samples:
-                lp = jax.device_put(np.zeros(rows, np.float32), self._replicated)
-                self._zero_samples[rows] = (jax.device_put(np.zeros(rows, np.int32), self._replicated), lp, lp)
-            next_ids, next_lp, lse = self._zero_samples[rows]
-        if self._compiled_after_warmup is not None and self.faults.fire("compile_while_serving"):
-            jax.jit(lambda x: x * 3.0 + 1.0)(np.zeros(7, np.float32)).block_until_ready()  # a planted fault
-        self._check_no_new_compile(fwd.batch)
-        counts, routed = fwd.moe
-        return PendingStep((next_ids, next_lp, (fwd.logits, lse), fwd.hidden, counts, routed, fwd.aux),
-                           fwd.num_seqs, fwd.s_pad, fwd.t_pad, self.moe_stats, self.return_routed_experts)
+    def launch_sample(self, fwd: LaunchedForward, vocab_mask: Optional[np.ndarray] = None) -> PendingStep:
+        """Dispatch the sampling program of a launched forward, on the forward's packed inputs. vocab_mask:
+        int32[dp * S_pad, words] of the stacked rows (`stack_vocab_masks`), or None for the batches' own masks (all
+        allowed when they have none). An embedding server's steps sample nothing: their tokens are zeros."""
+        packed, layout = fwd.packed
+        mask = self._vocab_mask(fwd.s_pad * self.dp_size,
+                                vocab_mask if vocab_mask is not None else fwd.sampling.vocab_mask)
+        t0 = time.perf_counter()
+        self.penalty_state, self.future_tokens, tokens, lse = self._sample(
+            fwd.logits, self.penalty_state, self.future_tokens, packed, mask, layout)
+        fwd.times.dispatch_s += time.perf_counter() - t0
+        return self._pending((tokens, fwd.logits, lse, fwd.hidden, fwd.moe, fwd.aux), fwd.num_seqs, fwd.batch,
+                             fwd.t_pad, fwd.times, fwd.s_pad)
 
     def device_seconds_per_step(self, batch: ModelWorkerBatch, repeats: int, sample: bool = True) -> float:
         """Seconds the device takes per step of `batch` (rank 0), host work excluded: its inputs are put on the device
-        once, the step (forward, and sampling unless `sample` is False) is dispatched `repeats` times back to back
-        without reading a result, then waited for once. Re-running a step rewrites the same KV slots with the same
-        values; its sampled ids are dropped (benchmarks only: the penalty rows of its sequences count its tokens
-        again). Compares with a loop's wall time per step to give the host's gap (bench_one_batch); times the
-        programs for speculation's batch rule (scheduler/spec_costs.py)."""
+        once, the step (forward and sampling in one program; the forward alone without `sample`) is dispatched
+        `repeats` times back to back without reading a result, then waited for once. Re-running a step rewrites the
+        same KV slots with the same values; its sampled ids are dropped (benchmarks only: the penalty rows of its
+        sequences count its tokens again). Times the programs for speculation's batch rule
+        (scheduler/spec_costs.py)."""
         stacked = self._step_batch([batch] + [None] * (self.dp_size - 1))
-        fwd_inputs = self._forward_inputs(stacked.forward_batch)
-        sample = sample and self.generates
-        sample_inputs = self._sample_inputs(stacked.sampling) if sample else None
+        packed, layout = self._step_inputs(stacked, StepTimes())
+        mask = self._vocab_mask(batch.rows_pad * self.dp_size, stacked.sampling.vocab_mask)
         jax.block_until_ready(self.kv_caches)
         t0 = time.perf_counter()
         for _ in range(repeats):
-            self.kv_caches, out, *_ = self._forward(self._param_leaves, self.kv_caches, self.future_tokens,
-                                                    *fwd_inputs)
-            if sample:
-                self.penalty_state, self.future_tokens, out, *_ = self._sample(
-                    out, self.penalty_state, self.future_tokens, *sample_inputs)
+            if sample and self.fused_steps and batch.forward_batch.forward_mode != ForwardMode.EXTEND:
+                self.kv_caches, self._state, out = self._step(self._param_leaves, self.kv_caches, self._state,
+                                                              packed, mask, layout)
+            else:
+                self.kv_caches, self.slot_state, out, *_, head = self._forward(
+                    self._param_leaves, self.kv_caches, self.slot_state, self.future_tokens, packed, layout)
+                if sample:
+                    self.penalty_state, self.future_tokens, out, _ = self._sample(
+                        out, self.penalty_state, self.future_tokens, head, mask, self._sampling_layout(layout))
+        jax.block_until_ready((self.kv_caches, out))
+        return (time.perf_counter() - t0) / repeats
+
+    def device_seconds_per_decode(self, rows: DecodeRows, repeats: int) -> float:
+        """Seconds the device takes per call of the decode program of rank 0's `rows` (K steps each), as
+        `device_seconds_per_step` times a host-built step: the inputs copied once, `repeats` calls back to back,
+        one wait. The rows' KV slots and their page-table entries are rewritten with the same values; each call
+        reads the future tokens the one before wrote (benchmarks only)."""
+        stacked = DecodeRows.stack([rows] + [DecodeRows.padding(rows.rows_pad, rows.num_steps)] * (self.dp_size - 1),
+                                   self.num_request_slots)
+        buf, layout = pack(stacked)
+        packed, mask = self._put(buf), self._all_allowed_mask(rows.rows_pad * self.dp_size)
+        jax.block_until_ready(self.kv_caches)
+        t0 = time.perf_counter()
+        program = self._decode(rows.num_steps)
+        for _ in range(repeats):
+            self.kv_caches, self._state, out = program(self._param_leaves, self.kv_caches, self._state, packed, mask,
+                                                       layout)
         jax.block_until_ready((self.kv_caches, out))
         return (time.perf_counter() - t0) / repeats
 
@@ -548,14 +588,14 @@ class ModelRunner:
         bias = np.zeros(self.model_config.vocab_size, np.float32)
         for t, v in (logit_bias or {}).items():
             bias[t] = v
-        self.penalty_state = self._init_penalty_row(self.penalty_state, np.int32(slot), ids, np.int32(num_prompt),
-                                                    np.int32(n), bias)
+        self.penalty_state = self._init_penalty_row(self.penalty_state, *self._put(
+            (np.int32(slot), ids, np.int32(num_prompt), np.int32(n), bias)))
         self._check_no_new_compile(None)
 
     def kv_cache_lost(self) -> bool:
         """Whether the KV cache or penalty-state buffers are gone (a step failed after they were donated to
         it): shared state is lost and the scheduler must not go on."""
-        state = (self.kv_caches, self.penalty_state, self.future_tokens)
+        state = (self.kv_caches, self._state)
         return any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
     def full_logprobs(self, hidden_rows: np.ndarray) -> np.ndarray:
@@ -566,7 +606,8 @@ class ModelRunner:
         out = []
         for i in range(0, len(hidden_rows), LOGPROB_CHUNK_ROWS):
             chunk = hidden_rows[i:i + LOGPROB_CHUNK_ROWS]
-            out.append(np.asarray(self._logprobs(self.params, _pad_rows(chunk, LOGPROB_CHUNK_ROWS)))[:len(chunk)])
+            rows = self._put(_pad_rows(chunk, LOGPROB_CHUNK_ROWS))
+            out.append(host_copy.get(self._logprobs(self.params, rows))[:len(chunk)])
             self._check_no_new_compile(None)
         if not out:
             return np.zeros((0, self.model_config.vocab_size), np.float32)
@@ -588,7 +629,7 @@ class ModelRunner:
                 labels = np.zeros(SCORE_LABEL_CHUNK, np.int32)
                 part = label_ids[j:j + SCORE_LABEL_CHUNK]
                 labels[:len(part)] = part
-                res = np.asarray(self._label_logprobs(self.params, rows, labels))
+                res = host_copy.get(self._label_logprobs(self.params, *self._put((rows, labels))))
                 out[i:i + len(chunk), j:j + len(part)] = res[:len(chunk), :len(part)]
                 self._check_no_new_compile(None)
         return out
@@ -602,7 +643,7 @@ class ModelRunner:
         for i in range(0, len(first_rows), big):
             chunk = first_rows[i:i + big]
             rows = _pad_rows(chunk, next(r for r in SCORE_ROW_PADDINGS if r >= len(chunk)))
-            out.append(np.asarray(self._classify(self.params, rows))[:len(chunk)])
+            out.append(host_copy.get(self._classify(self.params, self._put(rows)))[:len(chunk)])
             self._check_no_new_compile(None)
         return np.concatenate(out) if out else np.zeros((0, self.num_labels), np.float32)
 
@@ -640,17 +681,27 @@ class ModelRunner:
         return ModelWorkerBatch(forward_batch=fb, sampling=SamplingBatch.padding(rows), num_tokens=0, num_seqs=0)
 
     def warmup_programs(self) -> List[Tuple[str, object]]:
-        """(name, thunk returning the lowered program) of every program serving runs: each bucket's step, the
-        sampling per row count, the K/V moves per verify shape, the LoRA slot writes, the host tier's KV copies, the
-        logprob, label-logprob and penalty-row programs."""
+        """(name, thunk returning the lowered program) of every program serving runs: each extend bucket's forward
+        and the sampling of each of their row counts (split: `launch_ranks`), each decode bucket's step (the slot
+        decode program, with --num-continuous-decode-steps K > 1 also its K-step loop; a host-built fused step
+        without slot state), each verify bucket's step, the K/V moves per verify shape, the LoRA slot writes, the host tier's KV copies, the logprob, label-logprob and
+        penalty-row programs."""
         shapes = self.buckets.all_shapes()
         if not self.generates:  # (an embedding server's steps are all extends)
             shapes = [(mode, t, s) for mode, t, s in shapes if mode == ForwardMode.EXTEND]
         hidden_dim = self.model_config.hidden_size
         dtype = np.dtype(JNP_DTYPES[self.model_config.dtype])
-        programs = [(f"{mode.name.lower()} T={t} S={s}", self._lower_step(mode, t, s)) for mode, t, s in shapes]
-        rows = sorted({t if mode == ForwardMode.TARGET_VERIFY else s for mode, t, s in shapes})
-        programs += [(f"sampling S={s}", self._lower_sample(s)) for s in rows if self.generates]
+        programs, sampled = [], {}  # sampled: rows -> a shape whose sampling program has those rows
+        for mode, t, s in shapes:
+            if mode == ForwardMode.DECODE and self.slot_decode:
+                programs += [(f"decode S={s} K={k}", self._lower_decode(s, k))
+                             for k in sorted({1, self.decode_steps})]
+            elif mode == ForwardMode.EXTEND:
+                programs.append((f"extend T={t} S={s}", self._lower_forward(mode, t, s)))
+                sampled.setdefault(s, (mode, t, s))
+            else:
+                programs.append((f"{mode.name.lower()} T={t} S={s}", self._lower_step(mode, t, s)))
+        programs += [(f"sampling S={rows}", self._lower_sample(*shape)) for rows, shape in sorted(sampled.items())]
         programs += [(f"KV move M={t}", self._lower_move(t)) for mode, t, _ in shapes
                      if mode == ForwardMode.TARGET_VERIFY]
         programs += self.lora_writer.warmup_programs() if self.lora_writer is not None else []
@@ -658,79 +709,86 @@ class ModelRunner:
             programs += self.host_kv_copies.warmup_programs(lambda: self.kv_caches)
         if not self.generates:
             return programs + [(f"classify R={r}", lambda r=r: self._classify.lower(
-                self.params, np.zeros((r, hidden_dim), dtype))) for r in SCORE_ROW_PADDINGS if self.num_labels]
+                self.params, self._put(np.zeros((r, hidden_dim), dtype)))) for r in SCORE_ROW_PADDINGS
+                if self.num_labels]
         programs.append((f"input logprobs R={LOGPROB_CHUNK_ROWS}", lambda: self._logprobs.lower(
-            self.params, np.zeros((LOGPROB_CHUNK_ROWS, hidden_dim), dtype))))
-        programs.append(("penalty row", lambda: self._init_penalty_row.lower(
-            self.penalty_state, np.int32(0), np.zeros(self.max_context_len, np.int32), np.int32(0), np.int32(0),
-            np.zeros(self.model_config.vocab_size, np.float32))))
+            self.params, self._put(np.zeros((LOGPROB_CHUNK_ROWS, hidden_dim), dtype)))))
+        programs.append(("penalty row", lambda: self._init_penalty_row.lower(self.penalty_state, *self._put((
+            np.int32(0), np.zeros(self.max_context_len, np.int32), np.int32(0), np.int32(0),
+            np.zeros(self.model_config.vocab_size, np.float32))))))
         for r in SCORE_ROW_PADDINGS:
             programs.append((f"label logprobs R={r}", lambda r=r: self._label_logprobs.lower(
-                self.params, np.zeros((r, hidden_dim), dtype), np.zeros(SCORE_LABEL_CHUNK, np.int32))))
+                self.params, *self._put((np.zeros((r, hidden_dim), dtype), np.zeros(SCORE_LABEL_CHUNK, np.int32))))))
         return programs
 
     def warmup(self) -> None:
-        """Compile every program of `warmup_programs` ahead of time (``jit(...).lower(...).compile()``: nothing
-        runs), with a progress bar and one log line per program saying whether XLA compiled it or it was loaded from
-        the persistent compilation cache.
+        """Compile every program of `warmup_programs` ahead of time (warmup.compile_programs: nothing runs).
 
         Serving then finds each program in jit's in-memory cache; any later compile is counted in
         ``num_compiles_after_warmup`` (see compile_stats).
         """
-        programs = self.warmup_programs()
-        t0, start = time.time(), compile_counts()
-        # tracing is Python (one thread); XLA compiles (or loads) off the GIL: trace the next program while the
-        # previous ones compile, on as many threads as the host has cores (at least 2)
-        workers = max(2, min(8, os.cpu_count() or 2))
-        with tqdm(total=len(programs), desc="Compiling buckets", unit="shape") as bar, \
-                concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
-            def compile_one(name, lowered, traced_s):
-                t1, before = time.time(), compile_counts(this_thread=True)
-                lowered.compile()
-                logger.info("Bucket %s: %s in %.1f s (traced in %.1f s)", name,
-                            describe(compile_counts(this_thread=True) - before), time.time() - t1, traced_s)
-                bar.update()
-            futures = []
-            for name, lower in programs:
-                bar.set_postfix_str(name)
-                t1 = time.time()
-                lowered = lower()
-                futures.append(pool.submit(compile_one, name, lowered, time.time() - t1))
-            for f in futures:
-                f.result()
-        done = compile_counts()
-        self._compiled_after_warmup = done.programs
-        delta = done - start
-        self.warmup_stats = {"programs": len(programs), "compiled": delta.compiled,
-                             "loaded_from_cache": delta.cache_hits, "seconds": round(time.time() - t0, 2)}
-        logger.info("Warm-up: %d programs in %.1f s (%d compiled, %d loaded from the compilation cache)",
-                    len(programs), time.time() - t0, delta.compiled, delta.cache_hits)
+        self.warmup_stats = compile_programs(self.warmup_programs())
+        self._compiled_after_warmup = compile_counts().programs
+
+    def _padding_inputs(self, mode: ForwardMode, t_pad: int, s_pad: int) -> tuple:
+        """(packed inputs on device, layout, vocab mask) of an all-padding step of every rank: serving's exact
+        inputs (shardings included), so the compiled program is the one jit finds when serving."""
+        stacked = self._step_batch([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
+        packed, layout = self._step_inputs(stacked, StepTimes())
+        return packed, layout, self._all_allowed_mask(stacked.forward_batch.logits_indices.shape[0])
 
     def _lower_step(self, mode: ForwardMode, t_pad: int, s_pad: int):
-        """A thunk lowering the forward program of one padded shape with serving's exact inputs (shardings
-        included), so the compiled program is the one jit finds when serving."""
+        """A thunk lowering the fused step program of one padded shape."""
         def lower():
-            stacked = self._step_batch([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
-            return self._forward.lower(self._param_leaves, self.kv_caches, self.future_tokens,
-                                       *self._forward_inputs(stacked.forward_batch))
+            packed, layout, mask = self._padding_inputs(mode, t_pad, s_pad)
+            return self._step.lower(self._param_leaves, self.kv_caches, self._state, packed, mask, layout)
+        return lower
+
+    def _lower_decode(self, s_pad: int, num_steps: int):
+        """A thunk lowering the slot decode program of `s_pad` rows per rank and `num_steps` steps."""
+        def lower():
+            buf, layout = pack(DecodeRows.stack([DecodeRows.padding(s_pad, num_steps)] * self.dp_size,
+                                                self.num_request_slots))
+            return self._decode(num_steps).lower(self._param_leaves, self.kv_caches, self._state, self._put(buf),
+                                      self._all_allowed_mask(s_pad * self.dp_size), layout)
+        return lower
+
+    def _lower_forward(self, mode: ForwardMode, t_pad: int, s_pad: int):
+        """A thunk lowering the split forward program of one padded shape."""
+        def lower():
+            packed, layout, _ = self._padding_inputs(mode, t_pad, s_pad)
+            return self._forward.lower(self._param_leaves, self.kv_caches, self.slot_state, self.future_tokens,
+                                       packed, layout)
         return lower
 
     def _lower_move(self, m: int):
         """A thunk lowering the KV move program of `m` slots per rank (`move_kv`)."""
         def lower():
-            z = jax.device_put(np.zeros(self.dp_size * m, np.int32), self._replicated)
+            z = self._put(np.zeros(self.dp_size * m, np.int32))
             return self._move_kv.lower(self.kv_caches, z, z)
         return lower
 
-    def _lower_sample(self, s_pad: int):
-        """A thunk lowering the sampling program of `s_pad` rows per rank with serving's exact inputs."""
+    def _lower_sample(self, mode: ForwardMode, t_pad: int, s_pad: int):
+        """A thunk lowering the split sampling program of one padded shape (its rows: S_pad, T_pad in a verify
+        step)."""
         def lower():
-            sampling = SamplingBatch.stack([SamplingBatch.padding(s_pad)] * self.dp_size, s_pad,
-                                           self.num_request_slots)
-            logits = jax.ShapeDtypeStruct((self.dp_size * s_pad, self.logits_vocab), jnp.float32,
-                                          sharding=self._replicated)
-            return self._sample.lower(logits, self.penalty_state, self.future_tokens, *self._sample_inputs(sampling))
+            _, layout, mask = self._padding_inputs(mode, t_pad, s_pad)
+            rows = self.dp_size * (t_pad if mode == ForwardMode.TARGET_VERIFY else s_pad)
+            width = self.logits_vocab if self.generates else 1
+            logits = jax.ShapeDtypeStruct((rows, width), jnp.float32, sharding=self._replicated)
+            head = jax.ShapeDtypeStruct((step_programs.sampling_words(layout),), jnp.int32, sharding=self._replicated)
+            return self._sample.lower(logits, self.penalty_state, self.future_tokens, head, mask,
+                                      self._sampling_layout(layout))
         return lower
+
+
+def decode_rows_of(batch: ModelWorkerBatch) -> DecodeRows:
+    """The `DecodeRows` of a host-built DECODE batch of one rank (its real rows' slots, input tokens, positions, KV
+    slots, step counts and grammar flags; K = 1)."""
+    fb, sp, n = batch.forward_batch, batch.sampling, batch.num_seqs
+    return DecodeRows.build(np.asarray(sp.slots)[:n], np.asarray(fb.input_ids)[:n], np.asarray(fb.positions)[:n],
+                            np.asarray(fb.out_cache_loc)[:n][None], np.asarray(sp.steps)[:n],
+                            np.asarray(sp.constrained)[:n], batch.rows_pad)
 
 
 def setup_jax(server_args) -> str:

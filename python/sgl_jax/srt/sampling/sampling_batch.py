@@ -28,9 +28,13 @@ def all_allowed_mask(rows: int, words: int) -> np.ndarray:
     return np.full((rows, words), -1, np.int32)
 
 
-def _engine_row(dtype, pad):
-    """A row the scheduler fills (not a request parameter): its dtype and the value of a padding row."""
-    return dataclasses.field(metadata={"engine_row": (np.dtype(dtype), pad)})
+STOP_IDS_WIDTH = 4  # stop token ids per row that a multi-step decode checks on device (`stop_ids`)
+
+
+def _engine_row(dtype, pad, width: int = 0):
+    """A row the scheduler fills (not a request parameter): its dtype, the value of a padding row and, for a row of
+    several values, their number (0: one value)."""
+    return dataclasses.field(metadata={"engine_row": (np.dtype(dtype), pad, width)})
 
 
 @dataclasses.dataclass
@@ -49,6 +53,9 @@ class SamplingBatch:
         being sampled by the step before (the overlap scheduler: the model runner reads it from its future-token
         buffer, see model_executor/future_tokens.py). writes_future: bool, the row samples a token the next step
         may read from that buffer (its request's row; padding and mid-prompt chunk rows: False).
+    min_new_tokens: int32, ignore_eos: bool, stop_ids: int32[S_pad, STOP_IDS_WIDTH] (the request's first stop token
+        ids, -1 padded): not read by the sampler; the model runner keeps them per request slot, so that a
+        multi-step decode can stop a row on device (model_executor/slot_state.py).
     constrained: bool, the row's grammar bitmask applies. vocab_mask: int32[S_pad, ceil(V / 32)] packed allowed-
         token bitmask (bit v % 32 of word v // 32); None on the host when no row has a grammar (the model runner
         then passes a cached all-ones mask, so the compiled program is the same).
@@ -64,6 +71,9 @@ class SamplingBatch:
     writes_future: Any = _engine_row(np.bool_, False)
     last_token_index: Any = _engine_row(np.int32, -1)
     constrained: Any = _engine_row(np.bool_, False)
+    min_new_tokens: Any = _engine_row(np.int32, 0)
+    ignore_eos: Any = _engine_row(np.bool_, False)
+    stop_ids: Any = _engine_row(np.int32, -1, STOP_IDS_WIDTH)
     vocab_mask: Any = None
 
     @classmethod
@@ -87,14 +97,15 @@ class SamplingBatch:
         if unknown:
             raise ValueError(f"unknown sampling rows {sorted(unknown)}; known: {sorted(ENGINE_ROWS)}")
 
-        def column(values, dtype, pad):
-            out = np.full(s_pad, pad, dtype)
-            out[:len(values)] = values
+        def column(values, dtype, pad, width=0):
+            out = np.full((s_pad, width) if width else s_pad, pad, dtype)
+            if len(values):
+                out[:len(values)] = values
             return out
 
         param_arrays = {name: column([getattr(p, name) for p in params], spec.dtype, spec.pad)
                         for name, spec in device_rows().items()}
-        engine = {name: column(rows.get(name, ()), dtype, pad) for name, (dtype, pad) in ENGINE_ROWS.items()}
+        engine = {name: column(rows.get(name, ()), *spec) for name, spec in ENGINE_ROWS.items()}
         return cls(params=param_arrays, vocab_mask=vocab_mask, **engine)
 
     @classmethod

@@ -12,12 +12,13 @@ import dataclasses
 
 from typing import Callable, List, Optional
 
+import jax
 import numpy as np
 
 from sgl_jax.srt.io_struct import DecodeConfig, LogprobDelta, TokenOut
 from sgl_jax.srt.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
 from sgl_jax.srt.forward_batch import ForwardMode
-from sgl_jax.srt.model_executor.model_runner import StepOutput
+from sgl_jax.srt.model_executor.step_output import StepOutput
 
 
 def top_logprobs(row: np.ndarray, k: int) -> list:
@@ -108,6 +109,9 @@ def process_batch_result(
     for i, req in enumerate(batch.reqs):
         start = commit_launched_row(batch, i)
         try:
+            if out.multi_token_ids is not None:
+                _process_steps(req, batch.row_index[i], batch.row_samples[i], out, decode_tail, check)
+                continue
             _process_one(req, batch.row_index[i], start, is_extend and not batch.is_decode_row(req), out, rows,
                          hidden, out.token_offset + batch.row_token_starts[i], memory, full_logprobs, decode_tail,
                          check)
@@ -123,7 +127,7 @@ def _process_one(req: Req, i: int, start: int, is_extend: bool, out: StepOutput,
     hidden states."""
     if is_extend and req.wants_input_logprobs():
         if hidden[0] is None:
-            hidden[0] = np.asarray(out.hidden)
+            hidden[0] = jax.device_get(out.hidden)
         append_input_logprobs(req, hidden[0], first_token, start, req.kv_committed_len, full_logprobs)
     req.is_chunked = req.kv_committed_len < req.seqlen
     if req.to_abort is not None:
@@ -140,10 +144,29 @@ def _process_one(req: Req, i: int, start: int, is_extend: bool, out: StepOutput,
     append_token(req, int(out.next_token_ids[i]), i, out, rows, decode_tail)
 
 
-def append_token(req: Req, token: int, i: int, out: StepOutput, rows, decode_tail) -> None:
-    """Append one sampled token to `req`'s output: its logprobs (row `i` of the rank's sampling rows), its routed
-    experts, the grammar's step, then the finish checks (`Req.check_finished`; a finished grammar stops it too).
-    rows: the step's logprob rows (`StepOutput.logprob_rows`) when some request wants top or token-id logprobs.
+def _process_steps(req: Req, i: int, n: int, out: StepOutput, decode_tail, check) -> None:
+    """A multi-step decode's row `i`: its `n` tokens in order, up to the one that finishes the request (the rest,
+    sampled past a stop the device does not check -- a stop string --, are dropped, and the KV of their positions
+    is not counted as written: `release_kv_cache` frees it)."""
+    if req.to_abort is not None:
+        req.finished_reason = req.to_abort
+        return
+    if check is not None:
+        check(req)
+    for j in range(n):
+        append_token(req, int(out.multi_token_ids[i, j]), i, out, None, decode_tail,
+                     float(out.multi_token_logprobs[i, j]))
+        if req.finished():
+            break
+    req.kv_committed_len = min(req.kv_committed_len, req.seqlen - 1)
+
+
+def append_token(req: Req, token: int, i: int, out: StepOutput, rows, decode_tail,
+                 logprob: Optional[float] = None) -> None:
+    """Append one sampled token to `req`'s output: its logprobs (row `i` of the rank's sampling rows; `logprob`
+    when given), its routed experts, the grammar's step, then the finish checks (`Req.check_finished`; a finished
+    grammar stops it too). rows: the step's logprob rows (`StepOutput.logprob_rows`) when some request wants top or
+    token-id logprobs.
 
     Raises:
         RuntimeError: the request's grammar rejects the token."""
@@ -151,7 +174,8 @@ def append_token(req: Req, token: int, i: int, out: StepOutput, rows, decode_tai
     if req.return_routed_experts and out.routed_experts is not None:
         req.routed_experts.append(out.routed_experts[i])
     if req.return_logprob:
-        req.output_token_logprobs.append((float(out.next_token_logprobs[i]), token))
+        lp = float(out.next_token_logprobs[i]) if logprob is None else logprob
+        req.output_token_logprobs.append((lp, token))
         if req.top_logprobs_num > 0:
             req.output_top_logprobs.append(top_logprobs(rows[out.seq_offset + i], req.top_logprobs_num))
         if req.token_ids_logprob:

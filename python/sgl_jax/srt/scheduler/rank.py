@@ -236,11 +236,12 @@ class RankScheduler:
             self.scoring.on_finished(req)
 
     # ------------------------------------------------------------ batching
-    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+    def get_next_batch_to_run(self, num_steps: int = 1) -> Optional[ScheduleBatch]:
         """Prefill first, but one decode step of the running batch after every prefill step (between two
         chunks of a long prompt too), so a flood of prefill work -- long prompts, scoring requests --
         delays each running stream by at most one prefill step per token. A mixed prefill step (decode rows
-        included) needs no decode step after it."""
+        included) needs no decode step after it. `num_steps`: K of a decode step (a multi-step decode, chosen by
+        the scheduler only when no rank has prefill work)."""
         after_prefill = self.last_mode == ForwardMode.EXTEND and not self.last_mixed
         if not (after_prefill and not self.running_batch.is_empty()):
             batch = None
@@ -250,7 +251,7 @@ class RankScheduler:
                 batch = self.get_new_batch_prefill()
             if batch is not None:
                 return batch
-        return self.get_decode_batch()
+        return self.get_decode_batch(num_steps)
 
     def has_prefill_work(self) -> bool:
         return bool(self.waiting_queue) and self.admit_new or self.chunked_req is not None
@@ -292,10 +293,10 @@ class RankScheduler:
             self.admission.on_decode_step()
         return batch
 
-    def get_decode_batch(self) -> Optional[ScheduleBatch]:
-        """The running batch, with a KV slot per request, less the requests whose tokens in flight finish them by
-        length (overlap); when pages run out, the step in flight is applied first (its finished requests free
-        theirs), then requests are retracted."""
+    def get_decode_batch(self, num_steps: int = 1) -> Optional[ScheduleBatch]:
+        """The running batch, with a KV slot per request (`num_steps` K > 1: the slots of up to K positions), less
+        the requests whose tokens in flight finish them by length (overlap); when pages run out, the step in flight
+        is applied first (its finished requests free theirs), then requests are retracted."""
         if self.running_batch.is_empty():
             return None
         self.admission.on_decode_step()
@@ -309,7 +310,7 @@ class RankScheduler:
                 batch = batch.subset(ahead)
             if batch.is_empty():
                 return None
-            if batch.prepare_for_decode(self.memory):
+            if batch.prepare_for_decode(self.memory, num_steps):
                 return batch if self.speculator is None else self.speculator.verify_batch(batch, self.memory)
             if self.hooks.drain():
                 continue
@@ -428,8 +429,10 @@ class RankScheduler:
     def log_batch(self, batch: ScheduleBatch, generated: int) -> None:
         """One line per prefill batch, and one per DECODE_LOG_INTERVAL decode steps (with throughput; with
         speculative decoding, the tokens per step). `generated`: output tokens the step appended."""
-        acc = self.kv_accounting()
-        used = 100.0 * acc["kv_tokens_in_use"] / max(acc["kv_tokens_total"], 1)
+        def used() -> float:  # (the accounting only for a line logged)
+            acc = self.kv_accounting()
+            return 100.0 * acc["kv_tokens_in_use"] / max(acc["kv_tokens_total"], 1)
+
         if batch.forward_mode == ForwardMode.EXTEND:
             n_dec = batch.num_decode_rows
             prefill = [r for r in batch.reqs if not batch.is_decode_row(r)]
@@ -440,7 +443,7 @@ class RankScheduler:
             logger.info("%sPrefill batch: %d new seqs, %d new tokens, %d running%s, %d waiting, KV %.1f%% used%s",
                         self.tag, len(prefill), sum(r.extend_input_len for r in prefill),
                         len(self.running_batch.reqs), f" ({n_dec} decoding in this step)" if n_dec else "",
-                        len(self.waiting_queue), used, limit)
+                        len(self.waiting_queue), used(), limit)
             self.num_generated_tokens += n_dec
             return
         self._decode_steps += 1
@@ -452,7 +455,7 @@ class RankScheduler:
             if self.speculator is not None:
                 spec = f", {(self.num_generated_tokens - n0) / DECODE_LOG_INTERVAL:.2f} tokens per step"
             logger.info("%sDecode batch: %d running, %d waiting, KV %.1f%% used, gen throughput %.1f token/s%s",
-                        self.tag, len(batch.reqs), len(self.waiting_queue), used,
+                        self.tag, len(batch.reqs), len(self.waiting_queue), used(),
                         (self.num_generated_tokens - n0) / max(now - t0, 1e-9), spec)
             self._decode_log_start = (now, self.num_generated_tokens)
 

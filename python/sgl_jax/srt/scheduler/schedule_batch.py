@@ -15,8 +15,8 @@ import numpy as np
 from sgl_jax.srt.mem_cache.base_prefix_cache import live_namespace
 from sgl_jax.srt.mem_cache.req_kv import forget_kv, init_req_kv
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
-from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
-from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask
+from sgl_jax.srt.forward_batch import DecodeRows, ForwardBatch, ForwardMode, ModelWorkerBatch
+from sgl_jax.srt.sampling.sampling_batch import STOP_IDS_WIDTH, SamplingBatch, all_allowed_mask
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 
@@ -288,6 +288,13 @@ def shared_prefix_len(token_rows: np.ndarray, limits: List[int], page_size: int)
     return n // page_size * page_size
 
 
+def stop_ids_row(sp: SamplingParams) -> List[int]:
+    """The first STOP_IDS_WIDTH stop token ids of a request, -1 padded (what a multi-step decode checks on
+    device; the host checks all of them)."""
+    ids = list(sp.stop_token_ids or ())[:STOP_IDS_WIDTH]
+    return ids + [-1] * (STOP_IDS_WIDTH - len(ids))
+
+
 def pad_to(a, n: int, dtype=np.int32, value=0) -> np.ndarray:
     """`a` padded with `value` to `n` entries."""
     out = np.full(n, value, dtype)
@@ -347,6 +354,10 @@ class ScheduleBatch:
     TARGET_VERIFY (speculative decoding, scheduler/speculation.py): a decode step whose rows are draft trees;
     ``drafts`` maps id(req) to its tree (tokens int32[n], parents int32[n]; slot 0 the request's last token). A
     request without an entry runs a one-slot tree: its root only, a decode row.
+
+    Multi-step decode (--num-continuous-decode-steps K): a DECODE batch prepared for K steps
+    (`prepare_for_decode`) samples up to K tokens per row in one step; ``decode_steps`` maps id(req) to its
+    row's number (fewer than K where max_new_tokens comes first; empty: one each).
     """
 
     def __init__(self, reqs: List[Req], forward_mode: ForwardMode, drafts: Optional[dict] = None):
@@ -354,6 +365,7 @@ class ScheduleBatch:
         self.forward_mode = forward_mode
         self.drafts: dict = drafts if drafts is not None else {}
         self._decode_ids: set = set()  # id() of the decode rows of a mixed EXTEND batch
+        self.decode_steps: dict = {}  # id(req) -> tokens its row samples (a multi-step decode; absent: 1)
         # set by `launched` (a launched step's own copy), per row: the KV length once the step has run, whether
         # the row samples a token, its index among the step's sequences and its first token in the step
         self.row_ends: Optional[List[int]] = None
@@ -367,15 +379,18 @@ class ScheduleBatch:
 
     def launched(self) -> "ScheduleBatch":
         """Record that this batch's step was dispatched: returns the step's own copy of the batch (its rows, their
-        roles, ``row_ends`` = each row's KV length after the step, ``row_samples``), which the results are applied
-        to (`output.process_batch_result`) -- the running batch may change before they arrive -- and counts each
-        sampling row's token in ``num_inflight``."""
+        roles, ``row_ends`` = each row's KV length after the step, ``row_samples`` = the tokens each row samples),
+        which the results are applied to (`output.process_batch_result`) -- the running batch may change before they
+        arrive -- and counts each sampling row's tokens in ``num_inflight``."""
         out = self.subset(self.reqs)
-        out.row_samples = [self.samples(r) for r in self.reqs]
+        out.row_samples = [int(self.samples(r)) * self.decode_steps.get(id(r), 1) for r in self.reqs]
         out.row_ends = [r.kv_allocated_len for r in self.reqs]
         out.row_index = list(range(len(self.reqs)))
-        lens = [self.row_tokens(r) for r in self.reqs]
-        out.row_token_starts = [int(x) for x in np.cumsum([0] + lens[:-1])] if lens else []
+        if self.forward_mode == ForwardMode.DECODE:  # (one token a row)
+            out.row_token_starts = list(range(len(self.reqs)))
+        else:
+            lens = [self.row_tokens(r) for r in self.reqs]
+            out.row_token_starts = [int(x) for x in np.cumsum([0] + lens[:-1])] if lens else []
         for r, s in zip(self.reqs, out.row_samples):
             r.num_inflight += s
         return out
@@ -412,6 +427,7 @@ class ScheduleBatch:
         out = ScheduleBatch(list(reqs), self.forward_mode)
         out._decode_ids = {id(r) for r in reqs if id(r) in self._decode_ids}
         out.drafts = {id(r): self.drafts[id(r)] for r in reqs if id(r) in self.drafts}
+        out.decode_steps = {id(r): self.decode_steps[id(r)] for r in reqs if id(r) in self.decode_steps}
         return out
 
     def drop_finished_rows(self) -> "ScheduleBatch":
@@ -445,13 +461,27 @@ class ScheduleBatch:
         for req in self.reqs:
             memory.allocate_extend(req)
 
-    def prepare_for_decode(self, memory) -> bool:
+    def prepare_for_decode(self, memory, num_steps: int = 1) -> bool:
         """One KV slot per request for its last sampled token (`KVMemory.allocate_decode`); requests that
-        already have it (taken for a mixed batch that then admitted nothing) are skipped.
+        already have it (taken for a mixed batch that then admitted nothing) are skipped. With `num_steps` K > 1
+        (a multi-step decode) each request gets the slots of its next min(K, max_new_tokens left) positions
+        (``decode_steps``).
 
         Returns False (nothing taken) when even eviction cannot free enough pages: the caller retracts.
         """
-        return memory.allocate_decode(self.reqs)
+        if num_steps <= 1:
+            self.decode_steps = {}
+            return memory.allocate_decode(self.reqs)
+        counts = [max(1, min(num_steps, r.sampling_params.max_new_tokens - r.num_output_total)) for r in self.reqs]
+        if not memory.allocate_decode(self.reqs, counts):
+            return False
+        self.decode_steps = {id(r): n for r, n in zip(self.reqs, counts) if n > 1}
+        return True
+
+    @property
+    def num_steps(self) -> int:
+        """Decode steps this batch runs in one program (K of a multi-step decode; 1 otherwise)."""
+        return max(self.decode_steps.values(), default=1)
 
     def filter_finished(self) -> None:
         self.reqs = [r for r in self.reqs if not r.finished()]
@@ -550,6 +580,24 @@ class ScheduleBatch:
         sampling = self._sampling_batch(input_ids, cu, rows, S_pad, fill_vocab_mask)
         return ModelWorkerBatch(forward_batch=fb, sampling=sampling, num_tokens=T, num_seqs=S)
 
+    def build_decode_rows(self, memory, s_pad: int, num_steps: int = 1) -> DecodeRows:
+        """The `DecodeRows` of this DECODE batch (a slot decode reads the rest from the device), padded to `s_pad`
+        rows, for `num_steps` steps (the step's K; a row that samples fewer gets KV slot 0 for the rest).
+        `memory`: the rank's `KVMemory` (request rows)."""
+        reqs = self.reqs
+        n = len(reqs)
+        rows = np.fromiter((r.req_pool_idx for r in reqs), np.int64, n)
+        pos = np.fromiter((r.seqlen_ahead - 1 for r in reqs), np.int64, n)
+        table = memory.req_to_token_pool.req_to_token
+        if num_steps == 1:
+            kv = table[rows, pos][None]
+        else:
+            k = np.arange(num_steps)[:, None]
+            limit = np.fromiter((self.decode_steps.get(id(r), 1) for r in reqs), np.int64, n)
+            kv = np.where(k < limit[None], table[rows[None], np.minimum(pos[None] + k, table.shape[1] - 1)], 0)
+        return DecodeRows.build(rows, [last_input_token(r) for r in reqs], pos, kv, [r.num_output_total for r in reqs],
+                                [r.grammar is not None for r in reqs], s_pad)
+
     def vocab_mask(self, s_pad: int, samples: Sequence[bool]) -> Optional[np.ndarray]:
         """int32[s_pad, words]: the grammar bitmask of each row that samples (`samples`, per row) and whose
         request has a grammar, from the grammar's state now; every other row all allowed (a request that finished
@@ -589,4 +637,7 @@ class ScheduleBatch:
             "last_token_index": last_index,
             "writes_future": samples,
             "constrained": constrained,
+            "min_new_tokens": [p.min_new_tokens for p in sps],
+            "ignore_eos": [p.ignore_eos for p in sps],
+            "stop_ids": [stop_ids_row(p) for p in sps],
         }, S_pad, vocab_mask)

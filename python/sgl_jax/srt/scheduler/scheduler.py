@@ -36,7 +36,6 @@ from typing import List, Optional
 
 import zmq
 
-from sgl_jax.srt import fault_injection
 from sgl_jax.srt.configs.model_config import ENCODER_ARCHITECTURES, ModelConfig, load_tokenizer
 from sgl_jax.srt.constrained.grammar_backend import GrammarBackend
 from sgl_jax.srt.errors import RequestError
@@ -66,9 +65,9 @@ from sgl_jax.srt.io_struct import (
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
 from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
+from sgl_jax.srt.model_executor.host_copy import transfer_guard
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.preflight import KVLimits, check_fits
-from sgl_jax.srt.sampling.sampling_batch import stack_vocab_masks
 from sgl_jax.srt.scheduler.lora_control import SchedulerLora, lora_uid, update_lora
 from sgl_jax.srt.scheduler.admission import AdmissionPolicy
 from sgl_jax.srt.scheduler.engine_control import EngineControl
@@ -79,14 +78,16 @@ from sgl_jax.srt.scheduler.node_link import DiscardSocket, NodeLink, SchedulerTi
 from sgl_jax.srt.scheduler.output import token_out
 from sgl_jax.srt.scheduler.overlap import LaunchedStep, may_choose_ahead
 from sgl_jax.srt.scheduler.rank import RankConfig, RankScheduler
-from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_abort, step_shape
+from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_abort
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
 from sgl_jax.srt.scheduler.sessions import Session, SessionController, SessionError, check_turn
 from sgl_jax.srt.scheduler.draft_model import draft_reserve
 from sgl_jax.srt.scheduler.drafters import draft_model_config, new_drafter
 from sgl_jax.srt.scheduler.spec_costs import batch_rule_on, measure_step_costs
-from sgl_jax.srt.scheduler.speculation import SpecCounts, build_verify_batch, new_speculators, unify_step
+from sgl_jax.srt.scheduler.speculation import SpecCounts, new_speculators, unify_step
 from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget, StepTimeModel, step_cost_features
+from sgl_jax.srt.scheduler.step_launch import StepLauncher
+from sgl_jax.srt.scheduler.step_stats import StepStats
 from sgl_jax.srt.scheduler.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,9 @@ STEP_DELAY_ENV = "SGL_JAX_TEST_STEP_DELAY_S"
 # Test hook: when "1", retract the latest half of the running requests every few decode steps
 # (SGLang's SGLANG_TEST_RETRACT is accepted too).
 TEST_RETRACT_ENV = "SGL_JAX_TEST_RETRACT"
+# Test hook: when "1", every step (its launch and the application of its result) runs under
+# jax.transfer_guard("disallow"): an implicit host <-> device transfer fails the step (tests of the hot loop).
+TRANSFER_GUARD_ENV = "SGL_JAX_TEST_TRANSFER_GUARD"
 # Test hook: when "1", check every rank's page ownership exactly after every step (mem_cache/kv_invariants.py);
 # a violation counts in memory_errors. Costs a pass over the pools per step: for tests, not for serving.
 CHECK_KV_INVARIANTS_ENV = "SGL_JAX_CHECK_KV_INVARIANTS"
@@ -188,10 +192,13 @@ class Scheduler:
         self.session_bos_id = bos if bos is not None and self.tokenizer.encode("a")[:1] == [bos] else None
         self.grammar_queue = GrammarQueue(None if server_args.grammar_backend == "none"
                                           else GrammarBackend(self.tokenizer, mc.vocab_size))
+        self.launcher = StepLauncher(self.model_runner, self.ranks, self.buckets, self.max_running_requests,
+                                     self.draft_model)
         self.overlap = not server_args.disable_overlap_schedule and not self.speculating
         self.inflight: Optional[LaunchedStep] = None  # the launched step whose result is not applied yet
         self.last_applied_at = 0.0  # time.perf_counter() when the last step's result was applied
         self.num_overlapped_steps = 0  # steps launched while the step before was still running
+        self.step_stats = StepStats()  # host / device-wait time per step, step rate (Prometheus histograms)
         why = "--disable-overlap-schedule" if server_args.disable_overlap_schedule else "--speculative-algorithm"
         logger.info("Overlap scheduler: %s", "on" if self.overlap else f"off ({why})")
         if self.speculating:
@@ -309,6 +316,7 @@ class Scheduler:
         of the step before when it was launched earlier: the device ran them back to back) feeds the
         --max-prefill-step-ms model."""
         outs = rec.pending.resolve()
+        self.step_stats.waited(rec.pending.times.wait_s + rec.pending.times.d2h_s)
         for rank, batch, out in zip(self.ranks, rec.batches, outs):
             if batch is not None:
                 rank.apply_step(batch, out)
@@ -327,10 +335,12 @@ class Scheduler:
         crash_at = int(os.environ.get(CRASH_AT_STEP_ENV, "0"))
         hang_at = int(os.environ.get(HANG_AT_STEP_ENV, "0"))
         step_delay_s = float(os.environ.get(STEP_DELAY_ENV, "0"))
+        guarded = os.environ.get(TRANSFER_GUARD_ENV) == "1"
         watchdog = StepWatchdog(self.server_args.watchdog_timeout)
         step = 0
         try:
             while True:
+                self.step_stats.iteration_started()
                 tick = self.next_tick()
                 if tick.shutdown:
                     logger.info("Node 0 stopped; stopping")
@@ -339,22 +349,26 @@ class Scheduler:
                 if batches is None:
                     if self.inflight is not None:  # nothing new to launch: apply the step in flight
                         watchdog.step_started(step, "waiting for the last step's result")
-                        self.drain()
+                        with transfer_guard(guarded):
+                            self.drain()
                         watchdog.step_finished()
                     continue
                 step += 1
                 if step == crash_at:
                     raise RuntimeError(f"injected crash at step {step} ({CRASH_AT_STEP_ENV})")
-                watchdog.step_started(step, ", ".join(f"rank {r}: {b.forward_mode.name.lower()} of {len(b.reqs)}"
-                                                      for r, b in enumerate(batches) if b is not None))
+                watchdog.step_started(step, lambda b=batches: ", ".join(
+                    f"rank {r}: {x.forward_mode.name.lower()} of {len(x.reqs)}" for r, x in enumerate(b)
+                    if x is not None))
                 if step == hang_at:
                     logger.warning("Injected hang at step %d (%s)", step, HANG_AT_STEP_ENV)
                     time.sleep(3600)
                 if step_delay_s:
                     time.sleep(step_delay_s)
-                self.run_step(batches)
+                with transfer_guard(guarded):
+                    self.run_step(batches)
                 self.control.on_step()
                 watchdog.step_finished()
+                self.step_stats.iteration_ended()
         finally:
             if self.link is not None:
                 self.link.close()
@@ -390,7 +404,8 @@ class Scheduler:
         if not may_choose_ahead(self.inflight, self.ranks):
             self.drain()
         choosing_ahead = self.inflight is not None
-        batches = [rank.get_next_batch_to_run() for rank in self.ranks]
+        num_steps = self.launcher.decode_steps_for()
+        batches = [rank.get_next_batch_to_run(num_steps) for rank in self.ranks]
         if choosing_ahead and self.inflight is None:  # (a rank drained while choosing: drop what finished since)
             for batch in batches:
                 if batch is not None and batch.forward_mode == ForwardMode.DECODE:
@@ -414,12 +429,8 @@ class Scheduler:
         (`forward_isolating_faults`)."""
         t0 = time.perf_counter()
         x = step_cost_features(batches, self.buckets) if self.step_budget is not None else None
-        # a grammar row's mask needs every earlier token accepted: with a step in flight it is filled after that
-        # step is applied, while this step's forward runs (its sampling is launched then)
-        masks_later = self.inflight is not None and any(
-            b is not None and any(r.grammar is not None for r in b.reqs) for b in batches)
         try:
-            fwd = self._launch_forward(self._worker_batches(batches, fill_vocab_masks=not masks_later))
+            pending = self.launcher.launch(batches)
         except Exception:
             if self.model_runner.kv_cache_lost():
                 raise
@@ -439,59 +450,15 @@ class Scheduler:
             return
         launched = [None if b is None else b.launched() for b in batches]
         self.num_overlapped_steps += self.inflight is not None
-        if masks_later:
-            self.drain()
-            masks = [None if b is None else b.vocab_mask(fwd.s_pad, b.row_samples) for b in launched]
-            pending = self.model_runner.launch_sample(fwd, stack_vocab_masks(masks, fwd.s_pad))
-        else:
-            pending = self.model_runner.launch_sample(fwd)
-            self.drain()
+        self.drain()
         rec = LaunchedStep(launched, pending, t0, x)
+        self.step_stats.launched()
         if self.overlap and rec.is_decode:  # (inputs taken in while it runs see every other step applied)
             self.inflight = rec
         else:
             self.apply_launched(rec)
 
     # ------------------------------------------------------------ fault isolation
-    def _step(self, batches: List[Optional[ScheduleBatch]]) -> list:
-        """Run one step and wait for it: each rank's StepOutput (None when idle)."""
-        return self._launch(batches).resolve()
-
-    def _launch(self, batches: List[Optional[ScheduleBatch]]):
-        """Build every rank's batch and dispatch the step (the model runner's `PendingStep`)."""
-        return self.model_runner.launch_sample(self._launch_forward(self._worker_batches(batches)))
-
-    def _launch_forward(self, worker_batches: list):
-        """Dispatch the forward of a step (`ModelRunner.launch_forward`), and with a draft model its forward of the
-        same batches (the draft's K/V at the same slots, scheduler/draft_model.py)."""
-        fwd = self.model_runner.launch_forward(worker_batches)
-        if self.draft_model is not None:
-            self.draft_model.mirror(worker_batches)
-        return fwd
-
-    def _worker_batches(self, batches: List[Optional[ScheduleBatch]], fill_vocab_masks: bool = True) -> list:
-        """Every rank's `ModelWorkerBatch` of the step (None: idle), padded to one shape, the penalty rows of
-        requests new to their slot loaded first; grammar masks left out unless `fill_vocab_masks`."""
-        live = [(r, b) for r, b in enumerate(batches) if b is not None and b.reqs]
-        fault_injection.check("forward", [req.rid for _, b in live for req in b.reqs])
-        for r, batch in live:  # penalty history of a request new to its slot (admission, after a retract)
-            for req in batch.reqs:
-                if req.penalty_slot != req.req_pool_idx and req.sampling_params.uses_penalties():
-                    self.model_runner.init_penalty_row(r * self.max_running_requests + req.req_pool_idx,
-                                                       req.fill_ids, len(req.origin_input_ids),
-                                                       req.sampling_params.logit_bias)
-                    req.penalty_slot = req.req_pool_idx
-        shape = step_shape([b for _, b in live], self.buckets)
-        worker_batches = [None] * self.dp_size
-        for r, batch in live:
-            rank = self.ranks[r]
-            if batch.forward_mode == ForwardMode.TARGET_VERIFY:
-                worker_batches[r] = build_verify_batch(batch, self.buckets, rank.memory, shape)
-            else:
-                worker_batches[r] = batch.build_model_worker_batch(self.buckets, rank.memory, shape,
-                                                                   fill_vocab_masks)
-        return worker_batches
-
     def move_accepted_kv(self) -> None:
         """Dispatch the K/V moves of the verify steps just applied (`Speculator.take_moves`), before any later
         step's forward reads the positions they fill."""
@@ -512,7 +479,7 @@ class Scheduler:
         """
         while True:
             try:
-                return self._step(batches)
+                return self.launcher.run(batches)
             except Exception as exc:
                 if self.model_runner.kv_cache_lost():
                     raise
@@ -534,7 +501,7 @@ class Scheduler:
         alone = [None] * self.dp_size
         alone[rank] = batches[rank].subset([req])
         try:
-            self._step(alone)
+            self.launcher.run(alone)
             return False
         except Exception:
             if self.model_runner.kv_cache_lost():
@@ -739,6 +706,7 @@ class Scheduler:
             rank.on_idle()
         shared = {"num_compiles_after_warmup": self.model_runner.num_compiles_after_warmup,
                   "overlap_schedule": self.overlap, "num_overlapped_steps": self.num_overlapped_steps,
+                  "num_multi_step_decodes": self.launcher.num_multi_steps, "step_stats": self.step_stats.state(),
                   "warmup": self.model_runner.warmup_stats,
                   "prefill_step_budget": None if self.step_budget is None else self.step_budget.state(),
                   "moe": None if self.model_runner.moe_stats is None else self.model_runner.moe_stats.state(),

@@ -37,8 +37,9 @@ class StepWatchdog:
         if self.timeout_s > 0:
             threading.Thread(target=self._watch, daemon=True, name="scheduler-watchdog").start()
 
-    def step_started(self, step: int, what: str) -> None:
-        """Step `step` (1-based) starts; `what` describes it for the log (modes and sizes)."""
+    def step_started(self, step: int, what) -> None:
+        """Step `step` (1-based) starts; `what` describes it for the log (modes and sizes): a string, or a callable
+        giving it (called only if the step is logged)."""
         self._step, self._what = step, what
         self._started_at = time.monotonic()
 
@@ -55,7 +56,8 @@ class StepWatchdog:
             elapsed = time.monotonic() - started
             if elapsed > self.timeout_s:
                 logger.error("Watchdog: scheduler step %d (%s) has run for %.1f s > --watchdog-timeout %g s; the "
-                             "scheduler is stuck: exiting (thread stacks follow)", self._step, self._what,
+                             "scheduler is stuck: exiting (thread stacks follow)", self._step,
+                             self._what() if callable(self._what) else self._what,
                              elapsed, self.timeout_s)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 logging.shutdown()

@@ -1,0 +1,58 @@
+"""Explicit host <-> device copies of a step's small arrays, at the cost of the copy rather than of Python.
+
+``jax.device_put`` of one small host array costs ~40 us of Python on a 2-core CPU (argument canonicalisation, the
+sharding and layout checks of a general API); the copy itself is ~4 us. A decode step makes one such copy, so on a
+small model that overhead alone was a fifth of a step. `put` calls JAX's own batched copy primitive (the one
+``jax.device_put`` ends in) inside JAX's explicit-transfer scope, so ``jax.transfer_guard("disallow")`` still
+accepts it as explicit; where a JAX release lacks those internals it is ``jax.device_put``. `get` is
+``np.asarray`` under the explicit device-to-host scope (``jax.device_get``'s tree handling skipped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Tuple
+
+import jax
+import numpy as np
+
+try:  # JAX internals (jax/_src/api.py device_put's own path); jax.device_put where they are missing
+    from jax._src import config as _config
+    from jax._src import core as _core
+    from jax._src.lib import xla_client as _xc
+
+    _batched_device_put = _xc.batched_device_put
+    _put_scope = _config.explicit_device_put_scope
+    _get_scope = _config.explicit_device_get_scope
+    _ShapedArray = _core.ShapedArray
+except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX release
+    _batched_device_put = None
+    _get_scope = contextlib.nullcontext
+
+_avals: Dict[Tuple[tuple, str], object] = {}
+
+
+def put(x: np.ndarray, sharding) -> jax.Array:
+    """`x` (a host numpy array) on the devices of `sharding`, replicated (a fully replicated NamedSharding: every
+    device gets all of it), committed to it: what ``jax.device_put(x, sharding)`` returns."""
+    if _batched_device_put is None:
+        return jax.device_put(x, sharding)
+    key = (x.shape, x.dtype.str)
+    aval = _avals.get(key)
+    if aval is None:
+        aval = _avals[key] = _ShapedArray(x.shape, x.dtype)
+    devices = getattr(sharding, "_addressable_device_assignment", None) or tuple(sharding.addressable_devices)
+    with _put_scope():
+        return _batched_device_put(aval, sharding, [x] * len(devices), list(devices), True)
+
+
+def get(x: jax.Array) -> np.ndarray:
+    """`x` on the host (waits for it): ``jax.device_get`` of one array."""
+    with _get_scope():
+        return np.asarray(x)
+
+
+def transfer_guard(enabled: bool):
+    """``jax.transfer_guard("disallow")`` when `enabled` (every implicit host <-> device transfer then raises;
+    `put`, `get` and ``jax.device_put`` stay allowed), else a context that does nothing."""
+    return jax.transfer_guard("disallow") if enabled else contextlib.nullcontext()

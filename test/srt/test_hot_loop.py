@@ -1,0 +1,244 @@
+"""The decode hot loop (issue #69): steps make no implicit host <-> device transfer, and a multi-step decode
+(--num-continuous-decode-steps K) gives the tokens of K single steps.
+
+In process, on a tiny random Llama: a ModelRunner with its KV memory runs prefill and decode steps of requests with
+greedy, seeded and penalized sampling the way the scheduler runs them (the slot decode of DecodeRows, the overlap
+loop, a decode step with a vocabulary mask) under ``jax.transfer_guard("disallow")``; the tokens of
+K = 1 and K = 4 equal the guard-free K = 1 loop without overlap; a planted implicit transfer (the packed inputs
+handed over as a host array) fails under the guard.
+
+On real servers (tiny Llama, SmolLM2's tokenizer): one with ``--num-continuous-decode-steps 4`` whose every step
+runs under the transfer guard (SGL_JAX_TEST_TRANSFER_GUARD) answers a workload of greedy, seeded, penalized,
+min_new_tokens, stop-token, stop-string, logprob, JSON-schema and streaming requests exactly as a server with the
+defaults does (ids, finish reasons, logprobs within 1e-4); multi-step decodes ran, and /metrics carries the step
+histograms.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import httpx
+import pytest
+
+from sgl_jax.bench_decode_loops import DecodeLoop
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.forward_batch import ForwardMode
+from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
+from sgl_jax.srt.model_executor import host_copy
+from sgl_jax.srt.model_executor.buckets import derive_limits
+from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
+from sgl_jax.srt.sampling.sampling_batch import all_allowed_mask
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.srt.scheduler.output import commit_launched_row
+from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
+from sgl_jax.srt.server_args import ServerArgs
+from srt_helpers import module_server, save_tiny_llama
+
+KV_TOKENS = 4096
+STEPS = 12  # decode tokens per request after the first
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("hot_loop"), init_std=0.2)
+
+
+@pytest.fixture(scope="module")
+def harness(tiny):
+    """(runner, buckets, slots) of the tiny Llama: 4 request slots, K = 4 (its K = 1 programs too)."""
+    model, tok = tiny
+    sa = ServerArgs(model_path=model, tokenizer_path=tok, context_length=256, max_total_tokens=KV_TOKENS,
+                    precompile_bs_paddings=[4], precompile_token_paddings=[64], chunked_prefill_size=64,
+                    num_continuous_decode_steps=4, disable_radix_cache=True, random_seed=0)
+    setup_jax(sa)
+    mc = ModelConfig.from_server_args(sa, "cpu")
+    slots, buckets, _, _ = derive_limits(sa, mc, "cpu")
+    runner = ModelRunner(sa, mc, buckets=buckets, max_context_len=mc.context_len, num_request_slots=slots,
+                         kv_spec_fn=lambda _: kv_spec_for(sa, mc, KV_TOKENS))
+    runner.warmup()
+    assert runner.slot_decode
+    return runner, buckets, slots
+
+
+def new_reqs() -> list:
+    """Three requests: greedy, seeded temperature / top-p, greedy with penalties and a logit bias."""
+    params = [SamplingParams(max_new_tokens=STEPS + 1, temperature=0.0),
+              SamplingParams(max_new_tokens=STEPS + 1, temperature=0.8, top_p=0.9),
+              SamplingParams(max_new_tokens=STEPS + 1, temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3,
+                             repetition_penalty=1.1, logit_bias={11: 2.0})]
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5], [100, 200, 300, 400, 500, 600, 700, 800, 900]]
+    return [Req(f"r{i}", p, sp, eos_token_ids=[], seed=17 + i) for i, (p, sp) in enumerate(zip(prompts, params))]
+
+
+def prefill(runner, buckets, memory, reqs) -> None:
+    """One extend step of every prompt (the host-built fused program), as the scheduler runs it."""
+    for r in reqs:
+        r.extend_input_len = len(r.origin_input_ids)
+    batch = ScheduleBatch(reqs, ForwardMode.EXTEND)
+    batch.prepare_for_extend(memory)
+    for r in reqs:  # (penalty rows by the slots just given)
+        if r.sampling_params.uses_penalties():
+            runner.init_penalty_row(r.req_pool_idx, r.fill_ids, len(r.origin_input_ids), r.sampling_params.logit_bias)
+    worker_batch = batch.build_model_worker_batch(buckets, memory)
+    launched = batch.launched()
+    out = runner.launch_ranks([worker_batch]).resolve()[0]
+    for i, r in enumerate(launched.reqs):
+        commit_launched_row(launched, i)
+        r.output_ids.append(int(out.next_token_ids[i]))
+
+
+def masked_step(runner, buckets, memory, reqs) -> None:
+    """One decode step the way the scheduler runs a grammar step: the slot decode with a vocabulary mask (all
+    allowed) built after the step before was applied."""
+    batch = ScheduleBatch(reqs, ForwardMode.DECODE)
+    assert batch.prepare_for_decode(memory)
+    worker_batch = batch.build_model_worker_batch(buckets, memory)
+    launched = batch.launched()
+    mask = all_allowed_mask(worker_batch.rows_pad, runner.vocab_mask_width)
+    out = runner.launch_ranks([worker_batch], mask).resolve()[0]
+    for i, r in enumerate(launched.reqs):
+        commit_launched_row(launched, i)
+        r.output_ids.append(int(out.next_token_ids[i]))
+
+
+def run(harness, num_steps: int, overlap: bool, guarded: bool, masked_first: bool = False) -> list:
+    """Every request's output tokens after prefill and STEPS decode tokens (num_steps per launch)."""
+    runner, buckets, slots = harness
+    memory = KVMemory.create(runner.kv_spec, num_request_slots=slots, context_len=256, disable_radix_cache=True)
+    reqs = new_reqs()
+    with host_copy.transfer_guard(guarded):
+        prefill(runner, buckets, memory, reqs)
+        left = STEPS
+        if masked_first:
+            masked_step(runner, buckets, memory, reqs)
+            left -= 1
+        DecodeLoop(runner, memory, buckets, num_steps).run(reqs, left // num_steps, overlap)
+    for r in reqs:
+        memory.release(r)
+    assert memory.free_tokens() == memory.size
+    return [r.output_ids for r in reqs]
+
+
+def test_decode_steps_make_no_implicit_transfer(harness):
+    reference = run(harness, 1, overlap=False, guarded=False)
+    assert all(len(t) == STEPS + 1 for t in reference)
+    assert len(set(reference[1])) > 1  # the seeded row samples
+    for num_steps, overlap, masked in ((1, False, False), (1, True, False), (4, True, False), (4, False, False),
+                                       (1, True, True)):
+        assert run(harness, num_steps, overlap, guarded=True, masked_first=masked) == reference, (num_steps, overlap,
+                                                                                                   masked)
+    runner = harness[0]
+    assert runner.num_compiles_after_warmup == 0
+
+
+def test_planted_implicit_transfer_fails_under_the_guard(harness, monkeypatch):
+    """The check above is shown failing: a step whose packed inputs reach the program as a host array."""
+    monkeypatch.setattr(host_copy, "put", lambda x, sharding: x)
+    with pytest.raises(Exception, match="(?i)disallowed host-to-device transfer"):
+        run(harness, 1, overlap=False, guarded=True)
+
+
+# ---------------------------------------------------------------- servers
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def fibonacci(n):", "List three colors:",
+           "Q: What is 7 times 8?\nA:"]
+
+
+def probe_stops(url: str) -> dict:
+    """Stop conditions the model is sure to meet, from greedy probes: a stop token id (the 6th token of prompt 4's
+    output), a stop string (a piece of prompt 3's text), and for min_new_tokens a token id it emits early."""
+    out = []
+    for prompt in (PROMPTS[3], PROMPTS[2], PROMPTS[5]):
+        r = httpx.post(url + "/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 16,
+                                                                                      "temperature": 0}}, timeout=300)
+        assert r.status_code == 200, r.text
+        out.append(r.json())
+    text = out[1]["text"]
+    return {"token": out[0]["output_ids"][5], "string": text[len(text) // 2:len(text) // 2 + 3],
+            "early": out[2]["output_ids"][1]}
+
+
+def workload_params(stops: dict) -> list:
+    """Sampling parameters of the batch (see the module docstring)."""
+    return [{"max_new_tokens": 17, "temperature": 0},
+            {"max_new_tokens": 19, "temperature": 0.8, "top_p": 0.9, "seed": 3},
+            {"max_new_tokens": 16, "temperature": 0, "frequency_penalty": 0.5, "presence_penalty": 0.3,
+             "repetition_penalty": 1.1, "logit_bias": {"11": 2.0}, "min_new_tokens": 5},
+            {"max_new_tokens": 23, "temperature": 0, "stop": [stops["string"]]},
+            {"max_new_tokens": 21, "temperature": 0, "stop_token_ids": [stops["token"]]},
+            {"max_new_tokens": 13, "temperature": 0, "min_new_tokens": 6, "stop_token_ids": [stops["early"]]}]
+
+
+def run_workload(url: str, stops: dict) -> dict:
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[4], PROMPTS[2], PROMPTS[3], PROMPTS[5]]
+    batch = {"text": prompts, "sampling_params": workload_params(stops), "return_logprob": True}
+    top = {"text": "Write a haiku about the sea.", "return_logprob": True, "top_logprobs_num": 3,
+           "sampling_params": {"max_new_tokens": 9, "temperature": 0}}
+    js = {"text": "Give a person as JSON:", "sampling_params": {"max_new_tokens": 24, "temperature": 0.7, "seed": 5,
+                                                                 "json_schema": json.dumps(SCHEMA)}}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(httpx.post, url + "/generate", json=b, timeout=300) for b in (batch, top, js)]
+        answers = [f.result() for f in futures]
+    for a in answers:
+        assert a.status_code == 200, a.text
+    body = {"text": "Count to ten:", "stream": True, "sampling_params": {"max_new_tokens": 14, "temperature": 0}}
+    streamed = []
+    with httpx.stream("POST", url + "/generate", json=body, timeout=300) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                streamed.append(json.loads(line[6:]))
+    return {"batch": answers[0].json(), "top": [answers[1].json()], "json": [answers[2].json()],
+            "stream": [streamed[-1]]}
+
+
+@pytest.fixture(scope="module")
+def default_tiny_server(tiny):
+    model, tok = tiny
+    yield from module_server(["--model-path", model, "--tokenizer-path", tok, "--max-running-requests", "8",
+                              "--context-length", "256", "--max-total-tokens", "8192"])
+
+
+@pytest.fixture(scope="module")
+def multi_step_server(tiny):
+    model, tok = tiny
+    yield from module_server(["--model-path", model, "--tokenizer-path", tok, "--max-running-requests", "8",
+                              "--context-length", "256", "--max-total-tokens", "8192",
+                              "--num-continuous-decode-steps", "4", "--enable-metrics"],
+                             env={"SGL_JAX_TEST_TRANSFER_GUARD": "1"})
+
+
+def numbers(x) -> list:
+    if isinstance(x, (list, tuple)):
+        return [v for item in x for v in numbers(item)]
+    return [0 if x is None else x]
+
+
+def test_multi_step_server_under_the_guard_matches_the_default(default_tiny_server, multi_step_server):
+    stops = probe_stops(default_tiny_server.url)
+    reference = run_workload(default_tiny_server.url, stops)
+    multi = run_workload(multi_step_server.url, stops)
+    for part in reference:
+        for a, b in zip(reference[part], multi[part]):
+            assert a["output_ids"] == b["output_ids"], part
+            ma, mb = a["meta_info"], b["meta_info"]
+            assert ma["finish_reason"] == mb["finish_reason"] and ma["completion_tokens"] == mb["completion_tokens"]
+            for key in ("output_token_logprobs", "output_top_logprobs"):
+                assert numbers(ma.get(key)) == pytest.approx(numbers(mb.get(key)), abs=1e-4), (part, key)
+    finish = [o["meta_info"]["finish_reason"] for o in reference["batch"]]
+    assert [f["type"] for f in finish[3:5]] == ["stop", "stop"], finish  # mid K-step block, on the host's checks
+    assert finish[4]["matched"] == stops["token"] and finish[3]["matched"] == stops["string"], finish
+    assert reference["batch"][5]["meta_info"]["completion_tokens"] >= 6  # (min_new_tokens before a stop token)
+    info = httpx.get(multi_step_server.url + "/get_server_info", timeout=30).json()["internal_states"][0]
+    assert info["num_multi_step_decodes"] > 0 and info["memory_errors"] == 0
+    assert httpx.get(default_tiny_server.url + "/get_server_info", timeout=30).json()[
+        "internal_states"][0]["num_multi_step_decodes"] == 0
+    metrics = httpx.get(multi_step_server.url + "/metrics", timeout=30).text
+    for name in ("sglang:scheduler_step_host_seconds", "sglang:scheduler_step_device_wait_seconds",
+                 "sglang:scheduler_steps_per_second"):
+        assert f'{name}_bucket{{le="+Inf"' in metrics, name
+    count = [line for line in metrics.splitlines() if line.startswith("sglang:scheduler_step_host_seconds_count")]
+    assert count and float(count[0].split()[-1]) > 10

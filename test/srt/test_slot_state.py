@@ -1,0 +1,99 @@
+"""The decode step's inputs read from the device's per-slot state (model_executor/slot_state.py) are the host-built
+ones: for two data-parallel ranks at page size 4, after an extend step has written its rows (`write_rows`), the
+ForwardBatch and SamplingBatch `decode_inputs` lays out for `DecodeRows` equal, on every real row, what
+`ScheduleBatch.build_model_worker_batch` + `stack_ranks` give for the same requests; a row past its KV slots
+(a multi-step decode's length stop) writes nothing. No model: the layouts only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sgl_jax.srt.forward_batch import DecodeRows, ForwardMode, stack_ranks
+from sgl_jax.srt.layers import pytrees  # noqa: F401  (registers the batch pytrees)
+from sgl_jax.srt.mem_cache.kv_memory import KVMemory, plan_kv_cache
+from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+from sgl_jax.srt.model_executor.future_tokens import resolve_placeholders, write_future
+from sgl_jax.srt.model_executor.slot_state import decode_inputs, new_slot_state, write_rows
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
+
+PAGE, CONTEXT, SLOTS = 4, 64, 4
+BUCKETS = ShapeBuckets((32,), (4,))
+
+
+def rank_reqs(r: int) -> list:
+    params = [SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.8, min_new_tokens=2, stop_token_ids=[5, 6]),
+              SamplingParams(max_new_tokens=9, temperature=0.0, frequency_penalty=0.5, ignore_eos=True),
+              SamplingParams(max_new_tokens=9, temperature=1.0, top_k=3)][:3 - r]
+    return [Req(f"r{r}.{i}", list(range(1 + i, 6 + 3 * i + r)), sp, eos_token_ids=[2], seed=40 + i)
+            for i, sp in enumerate(params)]
+
+
+def test_decode_inputs_equal_the_host_built_layout():
+    spec = plan_kv_cache(256, PAGE, 2, [])
+    memories = [KVMemory.create(spec, num_request_slots=SLOTS, context_len=CONTEXT, disable_radix_cache=True)
+                for _ in range(2)]
+    ranks = [rank_reqs(r) for r in range(2)]
+    state = new_slot_state(2 * SLOTS, CONTEXT // PAGE)
+    future = jnp.zeros((2 * SLOTS,), jnp.int32)
+    # the extend step: every prompt, its rows written, a first token sampled (here: 100 + the stacked slot)
+    extend = []
+    for memory, reqs in zip(memories, ranks):
+        for q in reqs:
+            q.extend_input_len = len(q.origin_input_ids)
+        batch = ScheduleBatch(reqs, ForwardMode.EXTEND)
+        batch.prepare_for_extend(memory)
+        extend.append(batch.build_model_worker_batch(BUCKETS, memory, (ForwardMode.EXTEND, 32, 4)))
+    stacked = stack_ranks(extend, SLOTS)
+    state = write_rows(state, stacked.forward_batch, stacked.sampling)
+    slots = np.asarray(stacked.sampling.slots)
+    future = write_future(future, slots, np.asarray(stacked.sampling.writes_future), 100 + slots)
+    for r, reqs in enumerate(ranks):
+        for q in reqs:
+            q.kv_committed_len = q.kv_allocated_len
+            q.output_ids.append(100 + r * SLOTS + q.req_pool_idx)
+    # two decode steps: host-built against slot state (the second after the first's page-table entries)
+    for step in range(2):
+        host, rows = [], []
+        for memory, reqs in zip(memories, ranks):
+            batch = ScheduleBatch(reqs, ForwardMode.DECODE)
+            assert batch.prepare_for_decode(memory)
+            host.append(batch.build_model_worker_batch(BUCKETS, memory, (ForwardMode.DECODE, 4, 4)))
+            rows.append(batch.build_decode_rows(memory, 4))
+        ref = stack_ranks(host, SLOTS)
+        drows = DecodeRows.stack(rows, SLOTS)
+        real = np.asarray(ref.sampling.writes_future)
+        input_ids = future[jnp.asarray(drows.slots)]
+        fb, sampling, state = decode_inputs(state, jax.tree.map(jnp.asarray, drows), input_ids, 0,
+                                            jnp.asarray(real), PAGE, False)
+        want = ref.forward_batch
+        ids = np.asarray(resolve_placeholders(jnp.asarray(want.input_ids), future))
+        assert np.array_equal(np.asarray(fb.input_ids)[real], ids[real])
+        for name in ("positions", "out_cache_loc", "kv_lens", "logits_indices"):
+            assert np.array_equal(np.asarray(getattr(fb, name))[real], np.asarray(getattr(want, name))[real]), name
+        for name in ("cu_q_lens", "num_seqs"):
+            assert np.array_equal(np.asarray(getattr(fb, name)), np.asarray(getattr(want, name))), name
+        for i in np.nonzero(real)[0]:  # the pages a row reads: those of its KV length
+            n = -(-int(want.kv_lens[i]) // PAGE)
+            assert np.array_equal(np.asarray(fb.page_indices)[i, :n], np.asarray(want.page_indices)[i, :n]), i
+        for name in ("seeds", "steps", "suppress_eos", "slots", "penalized", "last_token_index", "min_new_tokens",
+                     "ignore_eos", "stop_ids"):
+            got, exp = np.asarray(getattr(sampling, name))[real], np.asarray(getattr(ref.sampling, name))[real]
+            assert np.array_equal(got, exp), name
+        for name, v in ref.sampling.params.items():
+            assert np.array_equal(np.asarray(sampling.params[name])[real], np.asarray(v)[real]), name
+        future = write_future(future, slots, real, 200 + step + slots)
+        for r, reqs in enumerate(ranks):
+            for q in reqs:
+                q.kv_committed_len = q.kv_allocated_len
+                q.output_ids.append(200 + step + r * SLOTS + q.req_pool_idx)
+    # a live row past its KV slots (kv slot 0) writes no page-table entry
+    before = np.asarray(state.page_table)
+    drows = dataclasses.replace(drows, kv_slots=np.zeros_like(drows.kv_slots))
+    _, _, after = decode_inputs(state, jax.tree.map(jnp.asarray, drows), input_ids, 0,
+                                jnp.zeros(len(real), bool), PAGE, False)
+    assert np.array_equal(np.asarray(after.page_table), before)
