@@ -3,7 +3,7 @@
 # the runtime dependencies importable; the package from ./python, not installed):
 #
 #   scripts/gpu_checks.sh OUT_DIR [all] [tests] [kernel] [decode-tiles] [pages] [serving] [score] [score-native]
-#                         [overlap] [serving-no-overlap] [moe] [moe-probe] [moe-serving] [spec]
+#                         [overlap] [serving-no-overlap] [moe] [moe-probe] [moe-serving] [spec] [hotloop]
 #
 #   all           (the default) tests, kernel, decode-tiles, serving and score, each under its own limit (240, 150,
 #                 120, 180 and 360 s); issue #38 asks for all of it within 9 minutes on an H100
@@ -43,6 +43,14 @@
 #                 some of the five servers by name (spec-off, spec-off-no-overlap, spec-standalone-1b, spec-eagle3,
 #                 spec-standalone-self). About 100 s a server on an H200
 #
+#   hotloop       issue #69's GPU rows in one call of under 6 minutes: bench_one_batch on the tiny Llama in
+#                 bfloat16 at batch 1, 16 and 64 with the overlap loop (device busy %, where each iteration's time
+#                 goes) and a jax.profiler trace of 16 of its iterations per row under OUT_DIR/hotloop-trace (also
+#                 with --num-continuous-decode-steps 8); bench_hot_loop on Qwen3-0.6B's shapes (dummy weights,
+#                 bfloat16: bench_one_batch's step beside a server's, one and 16 concurrent requests); and
+#                 bench_one_batch at batch 1 on Llama-3.1-8B's shapes (its decode step against the weight-read
+#                 floor measured in the run)
+#
 # The scoring and serving runs need a tokenizer: SmolLM2's HF directory in $TOKENIZER_PATH (its ids are valid
 # Qwen3 ids). With $GPU_CHECKS_ARCHIVE set, OUT_DIR is packed into that .tar.gz after every stage (so a run cut
 # short still leaves what it did in one file). $GPU_CHECKS_PLATFORMS (default cuda) is the JAX platform the stages run on.
@@ -80,6 +88,14 @@ moe_one_batch() {  # the MoE slice with one --moe-backend
         --dtype bfloat16 --moe-backend "$1" --batch-size 1 8 64 --input-len 512 --output-len 8 --warmup-steps 2 \
         --precompile-bs-paddings 1 8 64 --precompile-token-paddings 512 2048 \
         --report "$out/moe-one-batch-$1-gpu.md"
+}
+
+hotloop_tiny() {  # [FLAGS...]: the tiny Llama's rows, bfloat16, with a trace of each row's overlapped loop
+    local k=${1:-1}
+    python3 -m sgl_jax.bench_one_batch --model-path benchmark/configs/tiny-llama --load-format dummy \
+        --dtype bfloat16 --batch-size 1 16 64 --input-len 128 --output-len 64 --warmup-steps 8 \
+        --precompile-bs-paddings 1 16 64 --precompile-token-paddings 2048 --num-continuous-decode-steps "$k" \
+        --profile "$out/hotloop-trace-k$k" --profile-steps 16 --report "$out/hot-loop-tiny-llama-k$k-gpu.md"
 }
 
 overlap_one_batch() {  # NAME MODEL_DIR INPUT_LEN: bench_one_batch's rows with and without the overlap loop
@@ -151,7 +167,7 @@ command -v nvidia-smi > /dev/null && nvidia-smi -L
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 
 export out
-export -f moe_one_batch serve_and_bench overlap_one_batch spec_serving
+export -f moe_one_batch serve_and_bench overlap_one_batch spec_serving hotloop_tiny
 score_args=(--query-tokens 2000 --num-items 500 --item-tokens 20 --model-path benchmark/configs/Qwen3-0.6B
             --load-format dummy --dtype bfloat16 --tokenizer-path "${TOKENIZER_PATH:-}")
 for s in $stages; do
@@ -184,6 +200,17 @@ for s in $stages; do
                                 serve_and_bench qwen3-0.6b-no-overlap benchmark/configs/Qwen3-0.6B 131072 \
                                 baseline,continuous_batching --num-requests-scale 0.5 ;;
         spec) stage spec 540 spec_serving ;;
+        hotloop) stage hotloop-tiny 90 hotloop_tiny 1
+                 stage hotloop-tiny-k8 60 hotloop_tiny 8
+                 stage hotloop-qwen3 120 python3 -m sgl_jax.bench_hot_loop --model-path benchmark/configs/Qwen3-0.6B \
+                     --load-format dummy --tokenizer-path "${TOKENIZER_PATH:-}" --batch-size 1 16 --input-len 192 \
+                     --repeats 2 --report "$out/hot-loop-qwen3-0.6b-gpu.md" -- --dtype bfloat16 \
+                     --context-length 4096 --max-running-requests 16 --precompile-bs-paddings 1 16 \
+                     --precompile-token-paddings 256 2048
+                 stage hotloop-llama8b 90 python3 -m sgl_jax.bench_one_batch --model-path benchmark/configs/Llama-3.1-8B \
+                     --load-format dummy --dtype bfloat16 --batch-size 1 --input-len 512 --output-len 32 \
+                     --warmup-steps 4 --precompile-bs-paddings 1 --precompile-token-paddings 512 \
+                     --report "$out/hot-loop-llama-3.1-8b-gpu.md" ;;
         serving) stage serving 180 serve_and_bench qwen3-0.6b benchmark/configs/Qwen3-0.6B 131072 \
                      baseline,continuous_batching --num-requests-scale 0.5 ;;
         *) echo "unknown stage $s"; failed=1 ;;

@@ -1,0 +1,182 @@
+"""What a server adds to the decode step: bench_one_batch's overlapped step beside the same model served over HTTP,
+measured in one run (issue #69).
+
+``python -m sgl_jax.bench_hot_loop [--model-path benchmark/configs/tiny-llama-vocab512] [--load-format dummy]
+[--tokenizer-path DIR] [--input-len 192] [--batch-size 1 16] [--server-tokens 32 160] [--repeats 3]
+[--report NAME.md] [-- SERVER_FLAGS...]``
+
+1. ``python -m sgl_jax.bench_one_batch`` (a subprocess) with the server flags, --batch-size and --input-len: each
+   row's step with the overlap loop (``decode_overlap_median_ms``) and without, and the device's own time.
+2. A server of the same model and flags (``python -m sgl_jax.launch_server``). For each batch size B: B concurrent
+   ``/generate`` requests of --input-len random ``input_ids`` (seeded; ``ignore_eos``), first with max_new_tokens N1,
+   then N2 (--server-tokens); a step's time is (wall(N2) - wall(N1)) / (N2 - N1), so prefill, the HTTP round trip
+   and request set-up cancel out. Median over --repeats, each repeat with fresh prompts (no prefix cache hit).
+   Measured twice: non-streaming requests (the scheduler sends nothing until a request finishes) and streaming ones
+   (every token goes through the detokenizer and the HTTP process as an SSE event).
+3. ``x bench`` = the server's step / bench_one_batch's overlapped step; the server's own step histograms
+   (scheduler/step_stats.py) are summarised beside it.
+
+Without --tokenizer-path the server uses SmolLM2's tokenizer (the default model's), whose ids below a small vocabulary
+are valid for any model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Optional
+
+import httpx
+import numpy as np
+
+from sgl_jax.bench_utils import LaunchedServer, cpu_name, fetch_server_info, publish_result, wait_idle_info
+
+DEFAULT_MODEL = "benchmark/configs/tiny-llama-vocab512"
+
+
+def bench_rows(args, server_flags: List[str]) -> List[dict]:
+    """bench_one_batch's rows (a subprocess, its JSONL)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        jsonl = os.path.join(tmp, "rows.jsonl")
+        cmd = [sys.executable, "-m", "sgl_jax.bench_one_batch", "--model-path", args.model_path, "--load-format",
+               args.load_format, "--batch-size", *map(str, args.batch_size), "--input-len", str(args.input_len),
+               "--output-len", str(args.output_len), "--warmup-steps", "4", "--result-filename", jsonl, *server_flags]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench_one_batch failed:\n{proc.stderr[-3000:]}")
+        with open(jsonl) as f:
+            return [json.loads(line) for line in f]
+
+
+def _generate(url: str, ids: List[int], n: int, stream: bool) -> None:
+    body = {"input_ids": ids, "stream": stream,
+            "sampling_params": {"max_new_tokens": n, "ignore_eos": True, "temperature": 0}}
+    if not stream:
+        r = httpx.post(url + "/generate", json=body, timeout=600)
+        r.raise_for_status()
+        assert r.json()["meta_info"]["completion_tokens"] == n
+        return
+    last = None
+    with httpx.stream("POST", url + "/generate", json=body, timeout=600) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                last = line
+    assert json.loads(last[6:])["meta_info"]["completion_tokens"] == n
+
+
+def timed_batch(url: str, prompts: List[List[int]], n: int, stream: bool) -> float:
+    """Seconds for len(prompts) concurrent requests of `n` tokens each to all finish."""
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        t0 = time.perf_counter()
+        for f in [pool.submit(_generate, url, p, n, stream) for p in prompts]:
+            f.result()
+        return time.perf_counter() - t0
+
+
+def server_step_ms(url: str, bs: int, input_len: int, vocab: int, tokens: tuple, repeats: int, stream: bool,
+                   rng: np.random.Generator) -> dict:
+    """The differential step time of `bs` concurrent requests (module docstring): median ms and every repeat."""
+    n1, n2 = tokens
+    steps = []
+    for _ in range(repeats):
+        walls = []
+        for n in (n1, n2):
+            prompts = rng.integers(1, vocab, size=(bs, input_len)).tolist()
+            walls.append(timed_batch(url, prompts, n, stream))
+        steps.append(1e3 * (walls[1] - walls[0]) / (n2 - n1))
+    return {"median_ms": float(np.median(steps)), "repeats_ms": [round(s, 4) for s in steps]}
+
+
+def histogram_median(h: dict) -> Optional[float]:
+    """The upper bound of the bucket holding the median observation of a step_stats histogram (None: empty)."""
+    total = sum(h["counts"])
+    if not total:
+        return None
+    seen = 0
+    for bound, count in zip(h["buckets"], h["counts"]):
+        seen += count
+        if seen * 2 >= total:
+            return bound
+    return None
+
+
+def run_benchmark(args, server_flags: List[str]) -> dict:
+    from sgl_jax.srt.configs.model_config import resolve_model_path
+
+    rows = bench_rows(args, server_flags)
+    tokenizer = args.tokenizer_path or resolve_model_path(None).hf_dir
+    serve = ["--model-path", args.model_path, "--load-format", args.load_format, "--tokenizer-path", tokenizer,
+             "--random-seed", "0", "--log-level", "warning", *server_flags]
+    result = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "model": args.model_path,
+              "input_len": args.input_len, "server_tokens": list(args.server_tokens), "server_flags": server_flags,
+              "bench_rows": rows, "server": []}
+    rng = np.random.default_rng(0)
+    with LaunchedServer(serve, 1800) as server:
+        info = fetch_server_info(server.url)
+        vocab = min(info["scheduler_info"]["vocab_size"], 512)
+        timed_batch(server.url, rng.integers(1, vocab, size=(max(args.batch_size), args.input_len)).tolist(), 8,
+                    False)  # (first requests: nothing timed)
+        for bs in args.batch_size:
+            entry = {"batch_size": bs}
+            for stream in (False, True):
+                entry["stream" if stream else "plain"] = server_step_ms(
+                    server.url, bs, args.input_len, vocab, args.server_tokens, args.repeats, stream, rng)
+            result["server"].append(entry)
+        final = wait_idle_info(lambda: fetch_server_info(server.url))
+        result["step_stats"] = final["internal_states"][0]["step_stats"]
+        result["compiles_after_warmup"] = final["internal_states"][0]["num_compiles_after_warmup"]
+    return result
+
+
+def format_table(result: dict) -> str:
+    """The report's table, computed from the result alone."""
+    by_bs = {r["batch_size"]: r for r in result["bench_rows"]}
+    lines = [f"Model `{result['model']}`, {result['input_len']}-token prompts (random ids), greedy, ignore_eos; "
+             f"server flags `{' '.join(result['server_flags']) or '(defaults)'}`; {result['cpu']}. Server step = "
+             f"(wall(N2) - wall(N1)) / (N2 - N1) of B concurrent requests, N = {result['server_tokens']}.", "",
+             "| B | bench step ms (overlap) | bench step ms (no overlap) | device ms | server step ms | x bench | "
+             "server step ms (streaming) | x bench |", "|---|---|---|---|---|---|---|---|"]
+    for s in result["server"]:
+        b = by_bs[s["batch_size"]]
+        ref = b["decode_overlap_median_ms"] or b["decode_median_ms"]
+        plain, stream = s["plain"]["median_ms"], s["stream"]["median_ms"]
+        lines.append(f"| {s['batch_size']} | {ref:.3f} | {b['decode_median_ms']:.3f} | {b['decode_device_ms']:.3f} | "
+                     f"{plain:.3f} | {plain / ref:.2f} | {stream:.3f} | {stream / ref:.2f} |")
+    st = result["step_stats"]
+    med = {k: histogram_median(st[k]) for k in ("host_seconds", "device_wait_seconds", "steps_per_second")}
+    lines += ["", f"Server loop over the whole run (scheduler/step_stats.py, the bucket holding the median): host "
+              f"<= {med['host_seconds']} s, device wait <= {med['device_wait_seconds']} s a step, <= "
+              f"{med['steps_per_second']} steps/s; programs compiled after warm-up: {result['compiles_after_warmup']}."]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, server_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", default=DEFAULT_MODEL)
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--input-len", type=int, default=192)
+    p.add_argument("--output-len", type=int, default=64, help="bench_one_batch's timed decode steps")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--server-tokens", type=int, nargs=2, default=[32, 160], metavar=("N1", "N2"))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output-file", default=None)
+    p.add_argument("--report", default=None)
+    a = p.parse_args(ours)
+    result = run_benchmark(a, server_flags)
+    publish_result("sgl_jax.bench_hot_loop", argv, result, "The hot loop: bench_one_batch beside the server",
+                   format_table, a.output_file, a.report)
+
+
+if __name__ == "__main__":
+    main()
