@@ -5,8 +5,8 @@ cache is a donated argument), and the sampling (penalties, grammar masks, the dr
 one host-to-device copy of its packed inputs and one asynchronous device-to-host copy of its tokens. Decode steps of
 a server with one KV pool read their sequences' page tables and sampling parameters from the device
 (model_executor/slot_state.py; `launch_decode`), and may run ``--num-continuous-decode-steps`` steps in one program.
-The overlap scheduler splits a decode step with grammar rows in two (`launch_forward`, then `launch_sample` with
-the masks it filled while the forward ran; SGLang's overlap worker waits for the masks before sampling the same way).
+An extend step runs as two programs (`launch_forward`, then `launch_sample`: one sampling program per row count
+serves every token bucket); the draft runners use the same two.
 """
 
 from __future__ import annotations
