@@ -11,7 +11,7 @@ On real servers (tiny Llama, SmolLM2's tokenizer): one with ``--num-continuous-d
 runs under the transfer guard (SGL_JAX_TEST_TRANSFER_GUARD) answers a workload of greedy, seeded, penalized,
 min_new_tokens, stop-token, stop-string, logprob, JSON-schema and streaming requests exactly as a server with the
 defaults does (ids, finish reasons, logprobs within 1e-4); multi-step decodes ran, and /metrics carries the step
-histograms.
+histograms. A decode row whose request slot is outside the runner's is refused (shown failing without the check).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import concurrent.futures
 import json
 
 import httpx
+import numpy as np
 import pytest
 
 from sgl_jax.bench_decode_loops import DecodeLoop
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.forward_batch import ForwardMode
+from sgl_jax.srt.forward_batch import DecodeRows, ForwardMode
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
 from sgl_jax.srt.model_executor import host_copy
 from sgl_jax.srt.model_executor.buckets import derive_limits
@@ -242,3 +243,14 @@ def test_multi_step_server_under_the_guard_matches_the_default(default_tiny_serv
         assert f'{name}_bucket{{le="+Inf"' in metrics, name
     count = [line for line in metrics.splitlines() if line.startswith("sglang:scheduler_step_host_seconds_count")]
     assert count and float(count[0].split()[-1]) > 10
+
+
+def test_a_slot_outside_the_runner_is_refused(harness):
+    """A request slot past the runner's num_request_slots would have its slot-state and penalty rows dropped on the
+    device (decoding against another row's page table): the launch refuses it."""
+    runner, buckets, slots = harness
+    _, s_pad = buckets.decode_shape(1)
+    rows = DecodeRows.build(np.array([slots]), np.array([1]), np.array([3]), np.array([[5]]), np.array([0]),
+                            np.array([False]), s_pad)
+    with pytest.raises(ValueError, match=f"request slot {slots} outside"):
+        runner.launch_decode([rows])
