@@ -111,3 +111,24 @@ def test_chosen_chunk_is_within_budget_or_smallest(budget_ms, n_running, ctx, pr
             assert budget.predicted_delay_ms(bigger[0], prefix, running, mixed) > budget_ms
         except ValueError:
             pass
+
+
+def test_decode_step_features_are_the_per_row_features():
+    """step_cost_features' decode-step shortcut (no per-row objects) gives what its rows' features give: one-token
+    rows that read their committed KV plus the new token."""
+    from sgl_jax.srt.forward_batch import ForwardMode
+    from sgl_jax.srt.sampling.sampling_params import SamplingParams
+    from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
+    from sgl_jax.srt.scheduler.step_budget import step_cost_features
+
+    rng = np.random.default_rng(0)
+    reqs = []
+    for i in range(5):
+        req = Req(f"r{i}", list(range(1, 1 + int(rng.integers(2, 300)))), SamplingParams(max_new_tokens=8),
+                  eos_token_ids=[0], seed=i)
+        req.kv_committed_len = len(req.origin_input_ids) - 1
+        reqs.append(req)
+    ranks = [ScheduleBatch(reqs[:3], ForwardMode.DECODE), None, ScheduleBatch(reqs[3:], ForwardMode.DECODE)]
+    rows = [RowWork(True, 1, r.kv_committed_len) for r in reqs]
+    expected = step_features(BUCKETS.decode_shape(3)[0], True, rows)
+    np.testing.assert_array_equal(step_cost_features(ranks, BUCKETS), expected)

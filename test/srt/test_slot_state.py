@@ -97,3 +97,18 @@ def test_decode_inputs_equal_the_host_built_layout():
     _, _, after = decode_inputs(state, jax.tree.map(jnp.asarray, drows), input_ids, 0,
                                 jnp.zeros(len(real), bool), PAGE, False)
     assert np.array_equal(np.asarray(after.page_table), before)
+
+
+def test_decode_rows_packed_buffer_is_the_packed_layout():
+    """DecodeRows.build's one buffer (what the decode step copies to the device) is `packed_inputs.pack` of its
+    fields, and the fields read it: K = 2 steps, 3 real rows of 4."""
+    from sgl_jax.srt.model_executor.packed_inputs import pack
+
+    rows = DecodeRows.build([5, 1, 7], [11, -2, 13], [40, 41, 42], np.array([[90, 91, 92], [93, 94, 0]]),
+                            [3, 4, 5], [False, True, False], 4)
+    ref, _ = pack(rows)
+    np.testing.assert_array_equal(rows.packed, ref)
+    assert rows.constrained.dtype == np.bool_ and rows.constrained.tolist() == [False, True, False, False]
+    assert rows.kv_slots.tolist() == [[90, 91, 92, 0], [93, 94, 0, 0]] and int(rows.num_seqs[0]) == 3
+    assert [rows.slots.tolist(), rows.input_ids.tolist(), rows.positions.tolist(), rows.steps.tolist()] == [
+        [5, 1, 7, 0], [11, -2, 13, 0], [40, 41, 42, 0], [3, 4, 5, 0]]

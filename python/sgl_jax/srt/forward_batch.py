@@ -195,17 +195,22 @@ class DecodeRows:
     def build(cls, slots: Sequence[int], input_ids: Sequence[int], positions: Sequence[int], kv_slots: np.ndarray,
               steps: Sequence[int], constrained: Sequence[bool], s_pad: int) -> "DecodeRows":
         """One rank's rows padded to `s_pad` (kv_slots int32[K, n] for n real rows; slots and placeholders
-        rank-local)."""
+        rank-local). The int32 fields are views of one buffer in the fields' order (``packed``: what
+        `packed_inputs.pack` gives for the rows, built without a concatenation; the decode step's one H2D copy)."""
         n = len(slots)
         if n > s_pad:
             raise ValueError(f"{n} decode rows do not fit a batch of {s_pad}")
-        col = lambda v, dt: np.concatenate([np.asarray(v, dt).reshape(-1), np.zeros(s_pad - n, dt)])  # noqa: E731
-        kv = np.zeros((np.shape(kv_slots)[0], s_pad), np.int32)
-        kv[:, :n] = kv_slots
-        return cls(slots=col(slots, np.int32), input_ids=col(input_ids, np.int32), positions=col(positions, np.int32),
-                   kv_slots=kv,
-                   steps=col(steps, np.int32), constrained=col(constrained, np.bool_),
-                   num_seqs=np.asarray([n], np.int32))
+        K = int(np.shape(kv_slots)[0])
+        buf = np.zeros((5 + K) * s_pad + 1, np.int32)
+        cols = buf[:(5 + K) * s_pad].reshape(5 + K, s_pad)  # slots, input_ids, positions, kv[K], steps, constrained
+        cols[0, :n], cols[1, :n], cols[2, :n] = slots, input_ids, positions
+        cols[3:3 + K, :n] = kv_slots
+        cols[3 + K, :n], cols[4 + K, :n] = steps, constrained
+        buf[-1] = n
+        rows = cls(slots=cols[0], input_ids=cols[1], positions=cols[2], kv_slots=cols[3:3 + K], steps=cols[3 + K],
+                   constrained=cols[4 + K] != 0, num_seqs=buf[-1:])
+        rows.packed = buf
+        return rows
 
     @classmethod
     def padding(cls, s_pad: int, num_steps: int = 1) -> "DecodeRows":

@@ -99,20 +99,22 @@ class PagedTokenToKVPoolAllocator:
             pages = new_pages[page_idx]
         return (pages * ps + positions % ps).astype(np.int32)
 
-    def alloc_decode_slots(self, prev_slots: np.ndarray, positions: np.ndarray) -> Optional[np.ndarray]:
+    def alloc_decode_slots(self, prev_slots: np.ndarray, positions: np.ndarray,
+                           starts_page: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
         """One slot each for n sequences growing by one token (a decode step), in one call.
 
         Args:
             prev_slots: int32[n] each sequence's slot of position ``positions - 1`` (read only where that
                 position shares the new one's page, i.e. ``positions % page_size != 0``).
             positions: int[n] the new token's position in each sequence.
+            starts_page: bool[n] ``positions % page_size == 0`` when the caller has it.
         Returns:
             int32[n] slots, the same as `alloc_token_slots(row, p, p + 1)` per sequence gives; or None when pages
             ran out (nothing taken then).
         """
         ps = self.page_size
-        positions = np.asarray(positions, np.int64)
-        starts_page = positions % ps == 0
+        if starts_page is None:
+            starts_page = np.asarray(positions, np.int64) % ps == 0
         pages = self.alloc_pages(int(starts_page.sum()))
         if pages is None:
             return None

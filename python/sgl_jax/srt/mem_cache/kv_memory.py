@@ -254,20 +254,27 @@ class KVMemory:
         the caller retracts."""
         if counts is not None:
             return self._allocate_positions(reqs, counts)
-        reqs = [r for r in reqs if r.kv_allocated_len < r.seqlen_ahead]  # (ahead: a token still being sampled)
-        if not reqs:
+        # (ahead: a token still being sampled); the step's hot path: few numpy calls (issue #69)
+        todo = [(r, r.seqlen_ahead) for r in reqs]
+        todo = [(r, e) for r, e in todo if r.kv_allocated_len < e]
+        if not todo:
             return True
-        ends = np.fromiter((r.seqlen_ahead for r in reqs), np.int64, len(reqs))
-        rows = np.fromiter((r.req_pool_idx for r in reqs), np.int64, len(reqs))
-        pos = ends - 1
-        if not evict_for_pages(self.allocator, self.tree_cache, int(np.sum(pos % self.allocator.page_size == 0))):
+        n = len(todo)
+        pos = np.fromiter((e for _, e in todo), np.int64, n) - 1
+        rows = np.fromiter((r.req_pool_idx for r, _ in todo), np.int64, n)
+        ps = self.allocator.page_size
+        starts = pos % ps == 0 if ps > 1 else None  # (page size 1: every position starts a page)
+        if not evict_for_pages(self.allocator, self.tree_cache, n if starts is None else int(starts.sum())):
             return False
         table = self.req_to_token_pool.req_to_token
-        slots = self.allocator.alloc_decode_slots(table[rows, np.maximum(pos - 1, 0)], pos)
+        if starts is None:
+            slots = self.allocator.alloc_pages(n)
+        else:
+            slots = self.allocator.alloc_decode_slots(table[rows, np.maximum(pos - 1, 0)], pos, starts)
         if slots is None:  # (eviction freed the pages just above)
             raise RuntimeError("KV pages vanished between eviction and allocation")
         table[rows, pos] = slots
-        for req, end in zip(reqs, ends.tolist()):
+        for req, end in todo:
             req.kv_allocated_len = end
         return True
 

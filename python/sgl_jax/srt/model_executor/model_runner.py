@@ -438,10 +438,15 @@ class ModelRunner:
         """`packed_inputs.pack` of rank-stacked DecodeRows, its fields concatenated in the layout's order (the
         layout, per shape, from `pack` the first time, checked against the concatenation then)."""
         key = (np.shape(rows.slots)[0], rows.num_steps, np.shape(rows.num_seqs)[0])
-        buf = np.concatenate([np.asarray(rows.slots), np.asarray(rows.input_ids), np.asarray(rows.positions),
-                              np.asarray(rows.kv_slots).reshape(-1), np.asarray(rows.steps),
-                              np.asarray(rows.constrained).astype(np.int32), np.asarray(rows.num_seqs)])
+        buf = getattr(rows, "packed", None)  # (DecodeRows.build's: its fields are views of it)
         layout = self._row_layouts.get(key)
+        if buf is None or layout is None:
+            cat = np.concatenate([np.asarray(rows.slots), np.asarray(rows.input_ids), np.asarray(rows.positions),
+                                  np.asarray(rows.kv_slots).reshape(-1), np.asarray(rows.steps),
+                                  np.asarray(rows.constrained).astype(np.int32), np.asarray(rows.num_seqs)])
+            if buf is not None and not np.array_equal(buf, cat):
+                raise AssertionError("DecodeRows.packed is not its fields in order")
+            buf = cat
         if layout is None:
             ref, layout = pack(rows)
             if not np.array_equal(ref, buf):

@@ -514,13 +514,12 @@ class Scheduler:
                                                    any(rank.is_busy() for rank in self.ranks))
         if not busy and not self.recv_from_tokenizer.poll(GRAMMAR_POLL_MS if self.grammar_queue else IDLE_POLL_MS):
             return []
-        msgs = []
-        while True:
-            try:
-                msg = self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK)
-            except zmq.Again:
-                return msgs
+        msgs, sock = [], self.recv_from_tokenizer
+        # (asking the socket for its events costs no zmq.Again exception on the busy loop's empty polls)
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            msg = sock.recv_pyobj(zmq.NOBLOCK)
             msgs.extend(msg if isinstance(msg, list) else [msg])  # a list: requests sent to be admitted together
+        return msgs
 
     def process_input_requests(self, msgs: list) -> None:
         for msg in msgs:

@@ -246,6 +246,9 @@ def step_cost_features(batches: Sequence, buckets):
     if not live:
         return None
     mode, t_pad, _ = step_shape(live, buckets)
+    if all(b.forward_mode == ForwardMode.DECODE for b in live):  # (each step of a stream: no per-row objects)
+        return features(t_pad, mode == ForwardMode.DECODE, sum(r.kv_committed_len + 1 for b in live for r in b.reqs),
+                        0.0)
     rows = [RowWork(b.is_decode_row(r), 1 if b.is_decode_row(r) else r.extend_input_len, r.kv_committed_len)
             for b in live for r in b.reqs]
     return step_features(t_pad, mode == ForwardMode.DECODE, rows)
