@@ -586,8 +586,11 @@ class ScheduleBatch:
         `memory`: the rank's `KVMemory` (request rows)."""
         reqs = self.reqs
         n = len(reqs)
-        rows = np.fromiter((r.req_pool_idx for r in reqs), np.int64, n)
-        pos = np.fromiter((r.seqlen_ahead - 1 for r in reqs), np.int64, n)
+        # one pass over the requests (the step's hot path): slot, position, input token, outputs so far, grammar
+        cols = np.array([(r.req_pool_idx, len(r.origin_input_ids) + len(r.output_ids) + r.num_inflight - 1,
+                          last_input_token(r), len(r.output_ids) + r.num_inflight, r.grammar is not None)
+                         for r in reqs], np.int64).reshape(n, 5).T
+        rows, pos = cols[0], cols[1]
         table = memory.req_to_token_pool.req_to_token
         if num_steps == 1:
             kv = table[rows, pos][None]
@@ -595,8 +598,7 @@ class ScheduleBatch:
             k = np.arange(num_steps)[:, None]
             limit = np.fromiter((self.decode_steps.get(id(r), 1) for r in reqs), np.int64, n)
             kv = np.where(k < limit[None], table[rows[None], np.minimum(pos[None] + k, table.shape[1] - 1)], 0)
-        return DecodeRows.build(rows, [last_input_token(r) for r in reqs], pos, kv, [r.num_output_total for r in reqs],
-                                [r.grammar is not None for r in reqs], s_pad)
+        return DecodeRows.build(rows, cols[2], pos, kv, cols[3], cols[4], s_pad)
 
     def vocab_mask(self, s_pad: int, samples: Sequence[bool]) -> Optional[np.ndarray]:
         """int32[s_pad, words]: the grammar bitmask of each row that samples (`samples`, per row) and whose
