@@ -46,6 +46,17 @@ def put(x: np.ndarray, sharding) -> jax.Array:
         return _batched_device_put(aval, sharding, [x] * len(devices), list(devices), True)
 
 
+def start_get(x: jax.Array) -> None:
+    """Start copying `x` to the host without waiting (``x.copy_to_host_async()``); a fully replicated array copies
+    its first device's buffer through JAX's own single-buffer method (the public one's annotation and sharding
+    checks skipped: ~3 us of a decode step's host time)."""
+    fast = getattr(x, "_copy_single_device_array_to_host_async", None)
+    if fast is not None and x.is_fully_replicated and getattr(x, "_npy_value", None) is None:
+        fast()
+    else:
+        x.copy_to_host_async()
+
+
 def get(x: jax.Array) -> np.ndarray:
     """`x` on the host (waits for it): ``jax.device_get`` of one array."""
     with _get_scope():

@@ -100,7 +100,7 @@ class PendingStep:
         self.num_seqs, self.s_pad, self.t_pad = num_seqs, s_pad, t_pad
         self.moe_stats, self.routed_on = moe_stats, routed_on and routed is not None
         self.times = times if times is not None else StepTimes()
-        tokens.copy_to_host_async()
+        host_copy.start_get(tokens)
         if moe_stats is not None and counts is not None:
             counts.copy_to_host_async()
         if routed_on:
