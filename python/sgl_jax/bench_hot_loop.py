@@ -8,9 +8,11 @@ measured in one run (issue #69).
 1. ``python -m sgl_jax.bench_one_batch`` (a subprocess) with the server flags, --batch-size and --input-len: each
    row's step with the overlap loop (``decode_overlap_median_ms``) and without, and the device's own time.
 2. A server of the same model and flags (``python -m sgl_jax.launch_server``). For each batch size B: B concurrent
-   ``/generate`` requests of --input-len random ``input_ids`` (seeded; ``ignore_eos``), first with max_new_tokens N1,
+   requests of --input-len random ``input_ids`` (seeded; ``ignore_eos``) sent as one batch ``/generate`` (so that
+   both runs admit them in the same steps), first with max_new_tokens N1,
    then N2 (--server-tokens); a step's time is (wall(N2) - wall(N1)) / (N2 - N1), so prefill, the HTTP round trip
-   and request set-up cancel out. Median over --repeats, each repeat with fresh prompts (no prefix cache hit).
+   and request set-up cancel out. Median over --repeats, each repeat with fresh prompts (no prefix cache hit); each
+   batch starts on an idle server whose idle-time KV check is done (`settle`).
    Measured twice: non-streaming requests (the scheduler sends nothing until a request finishes) and streaming ones
    (every token goes through the detokenizer and the HTTP process as an SSE event).
 3. ``x bench`` = the server's step / bench_one_batch's overlapped step; the server's own step histograms
@@ -23,7 +25,6 @@ are valid for any model.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime
 import json
 import os
@@ -55,30 +56,38 @@ def bench_rows(args, server_flags: List[str]) -> List[dict]:
             return [json.loads(line) for line in f]
 
 
-def _generate(url: str, ids: List[int], n: int, stream: bool) -> None:
-    body = {"input_ids": ids, "stream": stream,
+def _generate(url: str, prompts: List[List[int]], n: int, stream: bool) -> None:
+    """One /generate of every prompt (a batch: SGLang's list of ``input_ids``), `n` tokens each."""
+    body = {"input_ids": prompts, "stream": stream,
             "sampling_params": {"max_new_tokens": n, "ignore_eos": True, "temperature": 0}}
     if not stream:
         r = httpx.post(url + "/generate", json=body, timeout=600)
         r.raise_for_status()
-        assert r.json()["meta_info"]["completion_tokens"] == n
+        assert [x["meta_info"]["completion_tokens"] for x in r.json()] == [n] * len(prompts)
         return
-    last = None
+    done = {}
     with httpx.stream("POST", url + "/generate", json=body, timeout=600) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if line.startswith("data: {"):
-                last = line
-    assert json.loads(last[6:])["meta_info"]["completion_tokens"] == n
+                event = json.loads(line[6:])
+                done[event.get("index", 0)] = event["meta_info"]["completion_tokens"]
+    assert done == {i: n for i in range(len(prompts))}
 
 
 def timed_batch(url: str, prompts: List[List[int]], n: int, stream: bool) -> float:
-    """Seconds for len(prompts) concurrent requests of `n` tokens each to all finish."""
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        t0 = time.perf_counter()
-        for f in [pool.submit(_generate, url, p, n, stream) for p in prompts]:
-            f.result()
-        return time.perf_counter() - t0
+    """Seconds for len(prompts) concurrent requests of `n` tokens each (one batch /generate) to all finish."""
+    t0 = time.perf_counter()
+    _generate(url, prompts, n, stream)
+    return time.perf_counter() - t0
+
+
+def settle(url: str) -> None:
+    """Return once the server is idle and its idle-time KV check (scheduler/rank.py `on_idle`, tens of ms on a
+    large pool) is done: the scheduler answers a second /get_server_info only after the iteration that ran it, so
+    the check never lands inside a timed batch."""
+    wait_idle_info(lambda: fetch_server_info(url))
+    fetch_server_info(url)
 
 
 def server_step_ms(url: str, bs: int, input_len: int, vocab: int, tokens: tuple, repeats: int, stream: bool,
@@ -90,6 +99,7 @@ def server_step_ms(url: str, bs: int, input_len: int, vocab: int, tokens: tuple,
         walls = []
         for n in (n1, n2):
             prompts = rng.integers(1, vocab, size=(bs, input_len)).tolist()
+            settle(url)
             walls.append(timed_batch(url, prompts, n, stream))
         steps.append(1e3 * (walls[1] - walls[0]) / (n2 - n1))
     return {"median_ms": float(np.median(steps)), "repeats_ms": [round(s, 4) for s in steps]}
