@@ -255,8 +255,7 @@ class KVMemory:
         if counts is not None:
             return self._allocate_positions(reqs, counts)
         # (ahead: a token still being sampled); the step's hot path: few numpy calls (issue #69)
-        todo = [(r, len(r.origin_input_ids) + len(r.output_ids) + r.num_inflight) for r in reqs]  # (seqlen_ahead)
-        todo = [(r, e) for r, e in todo if r.kv_allocated_len < e]
+        todo = [(r, e) for r, e in ((r, r.seqlen_ahead) for r in reqs) if r.kv_allocated_len < e]
         if not todo:
             return True
         n = len(todo)

@@ -435,18 +435,15 @@ class ModelRunner:
                              s_pad)
 
     def _pack_rows(self, rows: DecodeRows) -> tuple:
-        """`packed_inputs.pack` of rank-stacked DecodeRows, its fields concatenated in the layout's order (the
-        layout, per shape, from `pack` the first time, checked against the concatenation then)."""
+        """`packed_inputs.pack` of rank-stacked DecodeRows: `DecodeRows.build`'s buffer, or its fields concatenated
+        in the layout's order (the layout, per shape, from `pack` the first time, checked against the buffer then)."""
         key = (np.shape(rows.slots)[0], rows.num_steps, np.shape(rows.num_seqs)[0])
         buf = getattr(rows, "packed", None)  # (DecodeRows.build's: its fields are views of it)
-        layout = self._row_layouts.get(key)
-        if buf is None or layout is None:
-            cat = np.concatenate([np.asarray(rows.slots), np.asarray(rows.input_ids), np.asarray(rows.positions),
+        if buf is None:
+            buf = np.concatenate([np.asarray(rows.slots), np.asarray(rows.input_ids), np.asarray(rows.positions),
                                   np.asarray(rows.kv_slots).reshape(-1), np.asarray(rows.steps),
                                   np.asarray(rows.constrained).astype(np.int32), np.asarray(rows.num_seqs)])
-            if buf is not None and not np.array_equal(buf, cat):
-                raise AssertionError("DecodeRows.packed is not its fields in order")
-            buf = cat
+        layout = self._row_layouts.get(key)
         if layout is None:
             ref, layout = pack(rows)
             if not np.array_equal(ref, buf):

@@ -587,9 +587,8 @@ class ScheduleBatch:
         reqs = self.reqs
         n = len(reqs)
         # one pass over the requests (the step's hot path): slot, position, input token, outputs so far, grammar
-        cols = np.array([(r.req_pool_idx, len(r.origin_input_ids) + len(r.output_ids) + r.num_inflight - 1,
-                          last_input_token(r), len(r.output_ids) + r.num_inflight, r.grammar is not None)
-                         for r in reqs], np.int64).reshape(n, 5).T
+        cols = np.array([(r.req_pool_idx, r.seqlen_ahead - 1, last_input_token(r), r.num_output_total,
+                          r.grammar is not None) for r in reqs], np.int64).reshape(n, 5).T
         rows, pos = cols[0], cols[1]
         table = memory.req_to_token_pool.req_to_token
         if num_steps == 1:
