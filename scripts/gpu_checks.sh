@@ -202,15 +202,15 @@ for s in $stages; do
         spec) stage spec 540 spec_serving ;;
         hotloop) stage hotloop-tiny 90 hotloop_tiny 1
                  stage hotloop-tiny-k8 60 hotloop_tiny 8
-                 stage hotloop-qwen3 120 python3 -m sgl_jax.bench_hot_loop --model-path benchmark/configs/Qwen3-0.6B \
+                 stage hotloop-qwen3 180 python3 -m sgl_jax.bench_hot_loop --model-path benchmark/configs/Qwen3-0.6B \
                      --load-format dummy --tokenizer-path "${TOKENIZER_PATH:-}" --batch-size 1 16 --input-len 192 \
                      --repeats 2 --report "$out/hot-loop-qwen3-0.6b-gpu.md" -- --dtype bfloat16 \
                      --context-length 4096 --max-running-requests 16 --precompile-bs-paddings 1 16 \
                      --precompile-token-paddings 256 2048
-                 stage hotloop-llama8b 90 python3 -m sgl_jax.bench_one_batch --model-path benchmark/configs/Llama-3.1-8B \
+                 stage hotloop-llama8b 120 python3 -m sgl_jax.bench_one_batch --model-path benchmark/configs/Llama-3.1-8B \
                      --load-format dummy --dtype bfloat16 --batch-size 1 --input-len 512 --output-len 32 \
                      --warmup-steps 4 --precompile-bs-paddings 1 --precompile-token-paddings 512 \
-                     --report "$out/hot-loop-llama-3.1-8b-gpu.md" ;;
+                     --chunked-prefill-size 512 --report "$out/hot-loop-llama-3.1-8b-gpu.md" ;;
         serving) stage serving 180 serve_and_bench qwen3-0.6b benchmark/configs/Qwen3-0.6B 131072 \
                      baseline,continuous_batching --num-requests-scale 0.5 ;;
         *) echo "unknown stage $s"; failed=1 ;;
