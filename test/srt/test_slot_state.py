@@ -11,6 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from sgl_jax.srt.forward_batch import DecodeRows, ForwardMode, stack_ranks
 from sgl_jax.srt.layers import pytrees  # noqa: F401  (registers the batch pytrees)
@@ -112,3 +113,44 @@ def test_decode_rows_packed_buffer_is_the_packed_layout():
     assert rows.kv_slots.tolist() == [[90, 91, 92, 0], [93, 94, 0, 0]] and int(rows.num_seqs[0]) == 3
     assert [rows.slots.tolist(), rows.input_ids.tolist(), rows.positions.tolist(), rows.steps.tolist()] == [
         [5, 1, 7, 0], [11, -2, 13, 0], [40, 41, 42, 0], [3, 4, 5, 0]]
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_multi_step_decode_slots_continue_each_page(page):
+    """`allocate_decode` with counts (a K-step decode's slots, --num-continuous-decode-steps) gives every position
+    of every request the slot one-position-at-a-time allocation would: each position in its request's page for
+    that position (the last partly filled page continued first), at its offset in the page, no page held by two
+    requests, and exactly the new pages taken. At page 16 the first K = 4 block of these prompts fits in the pages
+    they have (no new page at all: an IndexError before the fix, seen on a GPU, whose default page is 16)."""
+    spec = plan_kv_cache(1024, page, 2, [])
+    memory = KVMemory.create(spec, num_request_slots=SLOTS, context_len=CONTEXT, disable_radix_cache=True)
+    reqs = rank_reqs(0)
+    for q in reqs:
+        q.extend_input_len = len(q.origin_input_ids)
+    batch = ScheduleBatch(reqs, ForwardMode.EXTEND)
+    batch.prepare_for_extend(memory)
+    for q in reqs:
+        q.kv_committed_len = q.kv_allocated_len
+        q.output_ids.append(3)
+    table = memory.req_to_token_pool.req_to_token
+    for k in (4, 1, 7, 4):
+        free_before = memory.allocator.available_pages()
+        pages_before = sum(-(-q.kv_allocated_len // page) for q in reqs)
+        assert memory.allocate_decode(reqs, [k] * len(reqs))
+        for q in reqs:
+            end = q.seqlen_ahead - 1 + k
+            assert q.kv_allocated_len == end
+            slots = table[q.req_pool_idx, :end]
+            np.testing.assert_array_equal(slots % page, np.arange(end) % page)
+            for p in range(-(-end // page)):  # one page per page index
+                assert len(set(slots[p * page:(p + 1) * page] // page)) == 1, (q.rid, p)
+        owned = np.concatenate([np.unique(table[q.req_pool_idx, :q.kv_allocated_len] // page) for q in reqs])
+        assert len(np.unique(owned)) == len(owned) and 0 not in owned
+        pages_after = sum(-(-q.kv_allocated_len // page) for q in reqs)
+        assert free_before - memory.allocator.available_pages() == pages_after - pages_before
+        for q in reqs:
+            q.output_ids.extend([3] * k)
+            q.kv_committed_len = q.kv_allocated_len
+    for q in reqs:
+        memory.release(q)
+    assert memory.free_tokens() == memory.size

@@ -302,8 +302,10 @@ class KVMemory:
         page_idx = pos // ps
         last = table[rows, np.maximum(have_pages - 1, 0) * ps] // ps  # each request's last page (if any)
         first_new = np.cumsum(need) - need  # its first page in `pages`
-        new = pages[np.minimum(first_new[which] + page_idx - have_pages[which], max(len(pages) - 1, 0))]
-        page = np.where(page_idx < have_pages[which], last[which], new) if len(pages) else last[which]
+        in_last = page_idx < have_pages[which]  # (a position in the request's last, partly filled page)
+        page = last[which]
+        if len(pages):  # (none when every position fits in the pages the requests have)
+            page = np.where(in_last, page, pages[np.where(in_last, 0, first_new[which] + page_idx - have_pages[which])])
         table[rows[which], pos] = (page * ps + pos % ps).astype(table.dtype)
         for (r, end) in todo:
             r.kv_allocated_len = end
