@@ -26,7 +26,9 @@ script exits non-zero otherwise). ``--disable-overlap-schedule`` skips that pass
 launch's divided by K). A second table splits each loop's median iteration into build, h2d, dispatch, wait, d2h and
 apply (bench_decode_loops.py) beside the device's time and the share of the iteration the device is idle;
 ``--profile DIR`` writes a ``jax.profiler`` trace (TensorBoard's xplane and Perfetto's perfetto_trace.json.gz, each
-iteration a step) of the first ``--profile-steps`` iterations of each row's overlapped loop to DIR/bs{B}-in{L}.
+iteration a step) of the first ``--profile-steps`` iterations of each row's overlapped loop to DIR/bs{B}-in{L},
+and on a GPU the report gets a third table from it (bench_trace.py): the device streams' own busy time beside the
+host's CUDA-graph and conditional spans ("device ms" above re-runs the program, so it holds the host's launch).
 A batch whose prompts exceed one prefill step's token budget (--chunked-prefill-size, else --max-prefill-tokens)
 is prefilled in several steps (whole requests, the last one cut to a page-aligned chunk), and the prefill time is
 their sum. The KV pool is sized to B x (L + warm-up + K + output) tokens unless --max-total-tokens or
@@ -72,6 +74,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from sgl_jax import bench_trace
 from sgl_jax.bench_decode_loops import SPLIT_FIELDS, DecodeLoop, medians_ms
 from sgl_jax.bench_utils import MachineRates, git_commit, measure_machine_rates, write_report
 from sgl_jax.srt.configs.model_config import ModelConfig
@@ -324,6 +327,8 @@ class OneBatchRunner:
             trace = None if self.profile_dir is None else os.path.join(self.profile_dir, f"bs{bs}-in{input_len}")
             times = self.decode_pass(again, iterations, True, trace)
             overlap = {"times": times, "tokens_identical": [r.output_ids for r in again] == [r.output_ids for r in reqs]}
+            if trace is not None:  # the device's own busy share, from its stream events (None on CPU)
+                overlap["trace"] = bench_trace.summarize(bench_trace.load_events(bench_trace.find_trace(trace)))
             self.release(again)
         if compiles is not None:
             compiles = self.runner.num_compiles_after_warmup - compiles
@@ -349,7 +354,7 @@ class OneBatchRunner:
                 **overlap_columns(overlap, med, per_step, K),
                 "decode_floor_ms": 1e3 * d_floor[0], "decode_bound": d_floor[1],
                 "decode_x_floor": med / d_floor[0], "decode_step_flops": d_floor[2], "decode_step_bytes": d_floor[3],
-                "compiles_after_warmup": compiles}
+                "compiles_after_warmup": compiles, "trace": overlap.get("trace")}
 
     def device_seconds(self, repeats: int) -> float:
         """The device's time per launch of the loop's last inputs (`ModelRunner.device_seconds_per_decode`, or
@@ -459,6 +464,13 @@ def report_body(raw: dict) -> str:
              "KV slots and inputs on the host, h2d = the packed inputs' copy, dispatch = the program's call, wait = "
              "blocked until the applied step's tokens are computed, d2h = then until they are on the host, apply = "
              "tokens appended; device = the program re-run back to back):", "", *split_table(rows)]
+    traced = [(f"batch {r['batch_size']}, input {r['input_len']}", r["trace"]) for r in rows if r.get("trace")]
+    if traced:
+        split += ["", "From the jax.profiler trace of each row's overlapped loop (bench_trace.py: device ms = the union "
+                  "of the device streams' events per iteration; busy % = that over the traced iterations' span; the "
+                  "host columns are XLA's spans per iteration: the executable's thunks, the CUDA graph's update and "
+                  "launch, conditionals waiting for their predicate; the Python tracer slows the host under "
+                  "tracing):", "", bench_trace.markdown(traced)]
     return "\n".join([*[f"- {h}" for h in raw["header"]], f"- machine rates {rates.describe()}", "", *table, "",
                       *split, "",
                       f"Programs compiled after warm-up, over every row (the runner's count): {compiles}.", "",
