@@ -254,3 +254,24 @@ def test_a_slot_outside_the_runner_is_refused(harness):
                             np.array([False]), s_pad)
     with pytest.raises(ValueError, match=f"request slot {slots} outside"):
         runner.launch_decode([rows])
+
+
+def test_xla_compiler_options_reach_the_step_programs(tiny):
+    """--xla-compiler-options is checked when the flags are read (a JSON object of scalars, or a ValueError naming
+    the flag) and handed to the step programs' compiles: a value XLA refuses fails the warm-up with XLA's error,
+    which names the option (so a valid one, such as the GPU's command-buffer settings, is applied, not dropped)."""
+    model, tok = tiny
+    for bad in ("[1]", "{\"a\": [1]}", "not json"):
+        with pytest.raises(ValueError, match="--xla-compiler-options"):
+            ServerArgs(model_path=model, tokenizer_path=tok, xla_compiler_options=bad)
+    sa = ServerArgs(model_path=model, tokenizer_path=tok, context_length=256, max_total_tokens=KV_TOKENS,
+                    precompile_bs_paddings=[4], precompile_token_paddings=[64], chunked_prefill_size=64,
+                    disable_radix_cache=True, random_seed=0,
+                    xla_compiler_options='{"xla_gpu_command_buffer_update_mode": "NOT_A_MODE"}')
+    assert sa.xla_options() == {"xla_gpu_command_buffer_update_mode": "NOT_A_MODE"}
+    mc = ModelConfig.from_server_args(sa, "cpu")
+    slots, buckets, _, _ = derive_limits(sa, mc, "cpu")
+    runner = ModelRunner(sa, mc, buckets=buckets, max_context_len=mc.context_len, num_request_slots=slots,
+                         kv_spec_fn=lambda _: kv_spec_for(sa, mc, KV_TOKENS))
+    with pytest.raises(Exception, match="xla_gpu_command_buffer_update_mode"):
+        runner.warmup()

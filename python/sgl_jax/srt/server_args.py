@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import tempfile
 from typing import List, Optional
@@ -235,6 +236,7 @@ class ServerArgs:
     moe_backend: str = "auto"
     random_seed: Optional[int] = None
     compilation_cache_dir: Optional[str] = None
+    xla_compiler_options: Optional[str] = None
     log_level: str = "info"
     log_requests: bool = False
     enable_request_log: bool = False
@@ -288,7 +290,24 @@ class ServerArgs:
         self._check_speculative()
         self._check_lora()
         self._check_hicache()
+        self.xla_options()
         self._resolve_defaults()
+
+    def xla_options(self) -> dict:
+        """--xla-compiler-options as a dict of XLA DebugOptions fields ({} when unset; jax.jit's compiler_options).
+
+        Raises:
+            ValueError: not a JSON object whose values are strings, numbers or booleans."""
+        if self.xla_compiler_options is None:
+            return {}
+        try:
+            opts = json.loads(self.xla_compiler_options)
+        except ValueError:
+            opts = None
+        if not isinstance(opts, dict) or not all(isinstance(v, (str, int, float, bool)) for v in opts.values()):
+            raise ValueError(f"--xla-compiler-options must be a JSON object of XLA options and scalar values, e.g. "
+                             f"'{{\"xla_gpu_enable_cub_radix_sort\": false}}', got {self.xla_compiler_options!r}")
+        return opts
 
     def _check_hicache(self) -> None:
         """The host-memory tier's sizes (finite; --hicache-ratio > 0, --hicache-size >= 0 GB) and what it does not
@@ -653,6 +672,10 @@ FLAG_HELP = {
                        "yes/no labels) or a JSON file with prefix, query, document, suffix, labels and "
                        "default_instruct (docs/api.md); default: qwen3_reranker for a Qwen3 model whose path names "
                        "a reranker, else none",
+    "xla_compiler_options": "XLA options for the step programs (extend, decode, sampling), a JSON object of "
+                            "DebugOptions fields passed as jax.jit's compiler_options, e.g. "
+                            "'{\"xla_gpu_command_buffer_update_mode\": \"NEVER_UPDATE\"}'; XLA refuses an unknown "
+                            "option or value when the programs compile; default: XLA's own",
     "compilation_cache_dir": "JAX persistent compilation cache directory (default: $JAX_COMPILATION_CACHE_DIR, "
                              "else jax_compilation_cache under $SGL_JAX_CACHE_DIR or ~/.cache/sgl_jax)",
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health, /health_generate and "

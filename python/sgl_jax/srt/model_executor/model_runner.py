@@ -199,7 +199,8 @@ class ModelRunner:
         moe = None if self.moe_stats is None else (r, r if self.return_routed_experts else None)
         aux = hidden if self.aux_layers else None
         outs = (r, r, r, hidden, moe, aux)  # tokens, logits, lse, hidden, moe, aux
-        jit = functools.partial(jax.jit, static_argnums=(5,))
+        xla = server_args.xla_options() or None  # --xla-compiler-options: the step programs' XLA options
+        jit = functools.partial(jax.jit, static_argnums=(5,), compiler_options=xla)
         self._step = jit(functools.partial(step_programs.step, self.step_spec), donate_argnums=(1, 2),
                          out_shardings=(self._kv_sharding, r, outs))
         decode = functools.partial(step_programs.decode, self.step_spec)
@@ -207,8 +208,8 @@ class ModelRunner:
                                out_shardings=(self._kv_sharding, r, (r, r, r, None, moe, None)))
         self._decode_multi = jit(decode, donate_argnums=(1, 2),  # (K > 1: no logits, expert counts only)
                                  out_shardings=(self._kv_sharding, r, (r, None, None, None, moe and (r, None), None)))
-        self._forward = jax.jit(functools.partial(step_programs.forward_only, self.step_spec), donate_argnums=(1, 2),
-                                static_argnums=(5,), out_shardings=(self._kv_sharding, r, r, hidden, moe, aux, r))
+        self._forward = jit(functools.partial(step_programs.forward_only, self.step_spec), donate_argnums=(1, 2),
+                            out_shardings=(self._kv_sharding, r, r, hidden, moe, aux, r))
         self._sample = jit(functools.partial(step_programs.sample_only, self.step_spec), donate_argnums=(1, 2),
                            out_shardings=(r, r, r, r))
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r)
