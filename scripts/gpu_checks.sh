@@ -4,6 +4,7 @@
 #
 #   scripts/gpu_checks.sh OUT_DIR [all] [tests] [kernel] [decode-tiles] [pages] [serving] [score] [score-native]
 #                         [overlap] [serving-no-overlap] [moe] [moe-probe] [moe-serving] [spec] [hotloop]
+#                         [hotloop-xla]
 #
 #   all           (the default) tests, kernel, decode-tiles, serving and score, each under its own limit (240, 150,
 #                 120, 180 and 360 s); issue #38 asks for all of it within 9 minutes on an H100
@@ -43,6 +44,10 @@
 #                 some of the five servers by name (spec-off, spec-off-no-overlap, spec-standalone-1b, spec-eagle3,
 #                 spec-standalone-self). About 100 s a server on an H200
 #
+#   hotloop-xla   bench_one_batch on Qwen3-0.6B's shapes (batch 1 and 16, a trace each) under XLA option variants
+#                 (--xla-compiler-options: CUB's radix sort off, the CUDA graph never updated, both): the device's
+#                 own busy share and the host's graph and conditional spans per variant (bench_trace.py's table);
+#                 $HOTLOOP_XLA_MODEL replaces the model (a tiny one for a dry run on CPU)
 #   hotloop       issue #69's GPU rows in one call of under 6 minutes: bench_one_batch on the tiny Llama in
 #                 bfloat16 at batch 1, 16 and 64 with the overlap loop (device busy %, where each iteration's time
 #                 goes) and a jax.profiler trace of 16 of its iterations per row under OUT_DIR/hotloop-trace (also
@@ -96,6 +101,25 @@ hotloop_tiny() {  # [FLAGS...]: the tiny Llama's rows, bfloat16, with a trace of
         --dtype bfloat16 --batch-size 1 16 64 --input-len 128 --output-len 64 --warmup-steps 8 \
         --precompile-bs-paddings 1 16 64 --precompile-token-paddings 2048 --num-continuous-decode-steps "$k" \
         --profile "$out/hotloop-trace-k$k" --profile-steps 16 --report "$out/hot-loop-tiny-llama-k$k-gpu.md"
+}
+
+hotloop_xla() {  # the Qwen3-0.6B decode loop (batch 1 and 16, with a trace) under each --xla-compiler-options
+    # variant: XLA's defaults; CUB's radix sort off (on 2026-12-04 batch 1's sampling conditional ran outside the
+    # CUDA graph, its host waiting ~1.5 ms a step for the predicate, while batch 16's ran inside); the CUDA graph
+    # never updated (VA remapping: the graph was re-recorded every step, ~0.9 ms); both
+    local rc=0 name opts
+    for v in 'default|' 'no-cub-sort|{"xla_gpu_enable_cub_radix_sort": false}' \
+             'never-update|{"xla_gpu_command_buffer_update_mode": "NEVER_UPDATE"}' \
+             'both|{"xla_gpu_enable_cub_radix_sort": false, "xla_gpu_command_buffer_update_mode": "NEVER_UPDATE"}'; do
+        name=${v%%|*} opts=${v#*|}
+        echo "--- $name: ${opts:-(defaults)}"
+        python3 -m sgl_jax.bench_one_batch --model-path "${HOTLOOP_XLA_MODEL:-benchmark/configs/Qwen3-0.6B}" \
+            --load-format dummy --dtype bfloat16 --batch-size 1 16 --input-len 512 --output-len 32 --warmup-steps 4 \
+            --precompile-bs-paddings 1 16 --precompile-token-paddings 2048 ${opts:+--xla-compiler-options "$opts"} \
+            --profile "$out/hotloop-xla-trace-$name" --profile-steps 8 --report "$out/hot-loop-xla-$name-gpu.md" \
+            || rc=1
+    done
+    return $rc
 }
 
 overlap_one_batch() {  # NAME MODEL_DIR INPUT_LEN: bench_one_batch's rows with and without the overlap loop
@@ -167,7 +191,7 @@ command -v nvidia-smi > /dev/null && nvidia-smi -L
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 
 export out
-export -f moe_one_batch serve_and_bench overlap_one_batch spec_serving hotloop_tiny
+export -f moe_one_batch serve_and_bench overlap_one_batch spec_serving hotloop_tiny hotloop_xla
 score_args=(--query-tokens 2000 --num-items 500 --item-tokens 20 --model-path benchmark/configs/Qwen3-0.6B
             --load-format dummy --dtype bfloat16 --tokenizer-path "${TOKENIZER_PATH:-}")
 for s in $stages; do
@@ -211,6 +235,7 @@ for s in $stages; do
                      --load-format dummy --dtype bfloat16 --batch-size 1 --input-len 512 --output-len 32 \
                      --warmup-steps 4 --precompile-bs-paddings 1 --precompile-token-paddings 512 \
                      --chunked-prefill-size 512 --report "$out/hot-loop-llama-3.1-8b-gpu.md" ;;
+        hotloop-xla) stage hotloop-xla 240 hotloop_xla ;;
         serving) stage serving 180 serve_and_bench qwen3-0.6b benchmark/configs/Qwen3-0.6B 131072 \
                      baseline,continuous_batching --num-requests-scale 0.5 ;;
         *) echo "unknown stage $s"; failed=1 ;;

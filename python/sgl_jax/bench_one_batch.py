@@ -466,8 +466,8 @@ def report_body(raw: dict) -> str:
              "tokens appended; device = the program re-run back to back):", "", *split_table(rows)]
     traced = [(f"batch {r['batch_size']}, input {r['input_len']}", r["trace"]) for r in rows if r.get("trace")]
     if traced:
-        split += ["", "From the jax.profiler trace of each row's overlapped loop (bench_trace.py: device ms = the union "
-                  "of the device streams' events per iteration; busy % = that over the traced iterations' span; the "
+        split += ["", "From the jax.profiler trace of each row's overlapped loop (bench_trace.py: device ms = the "
+                  "union of the device streams' events per iteration; busy % = that over the traced iterations' span; the "
                   "host columns are XLA's spans per iteration: the executable's thunks, the CUDA graph's update and "
                   "launch, conditionals waiting for their predicate; the Python tracer slows the host under "
                   "tracing):", "", bench_trace.markdown(traced)]
