@@ -143,3 +143,33 @@ def test_a_sequence_gets_the_same_bits_in_any_batch():
     for s in range(4):
         alone = np.asarray(f(q[s:s + 1], k, v, kl[s:s + 1], pi[s:s + 1], jnp.int32(1)))
         np.testing.assert_array_equal(alone[0], together[s])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_bfloat16_kv_write_is_the_scatter_in_place(page_size):
+    """A bfloat16 cache's K/V write (`ref.write_kv_to_pages`) runs the kernel's in-place row copy: the rows the
+    scatter would write land in their slots (a slot outside the pages writes nothing, as the scatter's
+    mode="drop"), and the compiled write of a donated cache keeps its buffer and has no float32 copy of it (XLA's
+    own bfloat16 scatter on CPU converted the whole cache to float32 and back, every step)."""
+    rng = np.random.default_rng(3)
+    N, KVH, D, T = 64, 2, 16, 5
+    k0 = rng.standard_normal((N, page_size, KVH, D)).astype(np.float32)
+    v0 = rng.standard_normal((N, page_size, KVH, D)).astype(np.float32)
+    k = rng.standard_normal((T, KVH, D)).astype(np.float32)
+    v = rng.standard_normal((T, KVH, D)).astype(np.float32)
+    loc = np.array([7, 0, N * page_size - 1, N * page_size + 3, 3 * page_size + 1], np.int32)  # one outside
+    assert cpu.writes_kv(jnp.bfloat16) and not cpu.writes_kv(jnp.float32)
+    write = jax.jit(ref.write_kv_to_pages, donate_argnums=(0, 1))
+    kp, vp = (jnp.asarray(x, jnp.bfloat16) for x in (k0, v0))
+    txt = write.lower(kp, vp, jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), loc).compile().as_text()
+    assert f"f32[{N},{page_size}" not in txt and "custom-call" in txt
+    pointer = kp.unsafe_buffer_pointer()
+    kp, vp = write(kp, vp, jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), jnp.asarray(loc))
+    assert kp.unsafe_buffer_pointer() == pointer
+    want_k, want_v = (np.array(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (k0, v0))
+    for t, slot in enumerate(loc):
+        if slot < N * page_size:
+            want_k[slot // page_size, slot % page_size] = np.asarray(jnp.asarray(k[t], jnp.bfloat16), np.float32)
+            want_v[slot // page_size, slot % page_size] = np.asarray(jnp.asarray(v[t], jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(np.asarray(kp.astype(jnp.float32)), want_k)
+    np.testing.assert_array_equal(np.asarray(vp.astype(jnp.float32)), want_v)
