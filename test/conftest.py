@@ -15,6 +15,10 @@ import torch  # the test extra's reference (a missing test extra fails, never sk
 
 torch.set_num_threads(1)
 
+# every run ends with the slowest test modules; --suite-report NAME.md writes them all (test/suite_durations.py)
+from suite_durations import (pytest_addoption, pytest_runtest_logreport, pytest_sessionstart,  # noqa: E402,F401
+                             pytest_terminal_summary)
+
 
 # pytest-timeout: server tests run under the `timeout` of pyproject.toml (900 s: it covers a module's
 # server start-up with a cold compile cache); these unit-test files get a short limit per test.
