@@ -1,6 +1,6 @@
 """test/suite_durations.py on a small synthetic suite run by pytest in a subprocess (on two xdist workers, as
-scripts/test.sh runs the real one, a module wholly on one worker): each module's time is its phases' sum, set-up (a slow fixture) included, and
-the printed slowest modules and the --suite-report files agree with it."""
+scripts/test.sh runs the real one, a module wholly on one worker): each module's time is its phases' sum, set-up
+(a slow fixture) included, and the printed slowest modules and the --suite-report files agree with it."""
 
 from __future__ import annotations
 
