@@ -14,12 +14,16 @@ totals, /metrics' sglang:spec_accept_length and spec_accept_rate), some along a 
 move; the KV pools end at rest with no compile after warm-up.
 The page-16 server runs the copy-heavy requests (4 samples), with retracts (drafted pages released with the rest).
 
-STANDALONE (a draft model drafts chains, its K/V in the target's slots): SmolLM2 drafting for itself at page size 16
-without the radix cache, under forced retracts, runs the workload's session, JSON-schema and sampled requests and the
-copy-heavy requests with 4 samples (identity; its greedy drafts must be nearly all accepted), then an injected
-draft-model failure (speculation stops, outputs unchanged). EAGLE3 (a head over the target's hidden states, run
-after each target step): a random head drafting top-2 trees at page size 16 with the radix cache under forced
-retracts, the same requests (identity; a random head's drafts are rarely accepted) and the injected failure.
+STANDALONE and EAGLE3 run on a tiny random Llama (8 layers, weights drawn at standard deviation 0.2 so that its
+greedy output follows the context, logits scaled by 5 so that samples land on drafted branches; SmolLM2's tokenizer), compared with the same tiny model served without
+speculation: those tests compare the engine with itself, and SmolLM2 drafting for itself took ~4 minutes of the
+suite. STANDALONE (a draft model drafts chains, its K/V in the target's slots): the tiny model drafting for itself
+at page size 16 without the radix cache, under forced retracts, runs the workload's session, JSON-schema and
+sampled requests and the copy-heavy requests with 4 samples (identity; its greedy drafts must be nearly all
+accepted), then an injected draft-model failure (speculation stops, outputs unchanged). EAGLE3 (a head over the
+target's hidden states, run after each target step): a random head drafting top-2 trees at page size 16 with the
+radix cache under forced retracts, the same requests (identity; a random head's drafts are rarely accepted) and
+the injected failure.
 (STANDALONE, EAGLE3 and EAGLE at page size 1 and tp 2 x dp 2: test_data_parallel; the heads' arithmetic:
 test_eagle.) The page-16 NGRAM server
 runs speculation's batch rule (costs measured at start-up; a batch whose drafts would not pay decodes normally:
@@ -33,7 +37,7 @@ import httpx
 import pytest
 
 from sgl_jax.srt.scheduler.spec_costs import ALWAYS_DRAFT_ENV
-from srt_helpers import ServerProcess, check_clean, default_model_path, module_server, save_tiny_eagle3_head, \
+from srt_helpers import ServerProcess, check_clean, module_server, save_tiny_eagle3_head, save_tiny_llama, \
     wait_pool_idle
 from test_overlap_schedule import compare, run_alone, run_json, run_session, run_workload
 
@@ -89,25 +93,57 @@ def spec_page16_server():
                                           "max_running_requests": 8})
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """(test_overlap_schedule's workload, the copy-heavy requests, their stop string) on a server without
-    speculation, the suite's common configuration (conftest's session-wide server's flags), stopped once they are
-    in: the module shares no server with other modules, so that a pytest-xdist worker runs it beside them."""
-    server = ServerProcess(["--enable-metrics", "--enable-streaming-session"])
+def reference_outputs(server: ServerProcess, parts) -> tuple:
+    """(`parts(url)`: workload parts by name, the copy-heavy requests, their stop string: a 7-character piece from
+    the middle of the greedy copy's text, inside an accepted run) from `server`, stopped once they are in."""
     try:
-        parts, _ = run_workload(server.url)
+        workload = parts(server.url)
         full = generate(server.url, text=COPY_PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 90})
         text = full["text"]
-        assert len(text) > 150, text  # the model copies: drafts have something to match
-        stop = text[len(text) // 2:len(text) // 2 + 7]  # lands inside an accepted run
+        assert len(text) > 150, text  # the model copies (or, a tiny one, writes on): drafts have something to match
+        stop = text[len(text) // 2:len(text) // 2 + 7]
         copies = copy_requests(server.url, stop)
         wait_pool_idle(server.url)
     except BaseException:
         server.stop()
         raise
     server.stop_checked()
-    return parts, copies, stop
+    return workload, copies, stop
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """(test_overlap_schedule's workload, the copy-heavy requests, their stop string) on a server without
+    speculation, the suite's common configuration (conftest's session-wide server's flags), stopped once they are
+    in: the module shares no server with other modules, so that a pytest-xdist worker runs it beside them."""
+    return reference_outputs(ServerProcess(["--enable-metrics", "--enable-streaming-session"]),
+                             lambda url: run_workload(url)[0])
+
+
+# the tiny model's servers: its context, and SmolLM2's tokenizer
+TINY_CONTEXT = 1024
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """(model dir, tokenizer dir): a random Llama of 8 layers (EAGLE-3's default aux layers 1, 3 and 4 are
+    distinct), weights at standard deviation 0.2 (its greedy output follows the context), logits scaled by 5 (so
+    that a sample at temperature 0.8 is often one of a top-2 tree's branches), SmolLM2's tokenizer."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_spec"), num_layers=8, init_std=0.2, final_norm=5.0)
+
+
+def tiny_args(tiny_model) -> list:
+    model, tokenizer = tiny_model
+    return ["--model-path", model, "--tokenizer-path", tokenizer, "--enable-streaming-session"]
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_model):
+    """`reference` for the tiny model: the parts `check_drafter` runs (the session, the JSON-schema request and the
+    sampled request with logprobs), the copy-heavy requests and their stop string, without speculation."""
+    server = ServerProcess(tiny_args(tiny_model), engine_args={"context_length": TINY_CONTEXT})
+    return reference_outputs(server, lambda url: {"session": run_session(url), "json_alone": [run_json(url)],
+                                                  "alone": [run_alone(url)]})
 
 
 def check_copies(copies: list, reference_copies: list, stop: str, drafts_accepted: bool = True,
@@ -190,19 +226,22 @@ def test_page16_without_radix_under_forced_retract(spec_page16_server, reference
 
 
 # ---------------------------------------------------------------- STANDALONE: a draft model drafts chains
+# the tiny model's speculating servers: page size 16, a retract forced every few decode steps, injected draft faults
+TINY_SPEC_ENV = {"SGL_JAX_TEST_RETRACT": "1", "SGL_JAX_TEST_FAULT_INJECTION": "1", **ALWAYS_DRAFT}
+TINY_SPEC_ENGINE_ARGS = {"context_length": TINY_CONTEXT, "page_size": 16, "precompile_token_paddings": [256],
+                         "precompile_bs_paddings": [1, 8],  # (its steps: 1 to 5 requests)
+                         "max_running_requests": 8}
+
+
 @pytest.fixture  # (one test each: torn down after it, so the module never holds two at once)
-def self_draft_server():
-    """Page size 16 without the radix cache, a retract forced every few decode steps; SmolLM2 drafts for itself
-    (its drafts' first branches are the target's own greedy tokens) top-2 trees 3 deep in 6 slots (chains:
+def self_draft_server(tiny_model):
+    """Page size 16 without the radix cache, a retract forced every few decode steps; the tiny model drafts for
+    itself (its drafts' first branches are the target's own greedy tokens) top-2 trees 3 deep in 6 slots (chains:
     test_data_parallel's STANDALONE servers)."""
-    yield from module_server(["--enable-streaming-session", "--speculative-algorithm", "STANDALONE",
-                              "--speculative-draft-model-path", default_model_path(), "--disable-radix-cache",
-                              "--speculative-eagle-topk", "2", "--speculative-num-steps", "3",
-                              "--speculative-num-draft-tokens", "6"],
-                             env={"SGL_JAX_TEST_RETRACT": "1", "SGL_JAX_TEST_FAULT_INJECTION": "1", **ALWAYS_DRAFT},
-                             engine_args={"page_size": 16, "precompile_token_paddings": [256],
-                                          "precompile_bs_paddings": [1, 8],  # (its steps: 1 to 5 requests)
-                                          "max_running_requests": 8})
+    yield from module_server(tiny_args(tiny_model) + [
+        "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", tiny_model[0],
+        "--disable-radix-cache", "--speculative-eagle-topk", "2", "--speculative-num-steps", "3",
+        "--speculative-num-draft-tokens", "6"], env=TINY_SPEC_ENV, engine_args=TINY_SPEC_ENGINE_ARGS)
 
 
 def check_drafter(url: str, reference, seeds: int = SEEDS, drafts_accepted: bool = False) -> tuple:
@@ -233,12 +272,12 @@ def check_drafter(url: str, reference, seeds: int = SEEDS, drafts_accepted: bool
     return copies, state
 
 
-def test_standalone_self_draft_accepts_nearly_everything(self_draft_server, reference):
-    """SmolLM2 drafting top-2 trees for itself, at page size 16 under forced retracts: `check_drafter` (4
+def test_standalone_self_draft_accepts_nearly_everything(self_draft_server, tiny_reference):
+    """The tiny model drafting top-2 trees for itself, at page size 16 under forced retracts: `check_drafter` (4
     samples); the greedy requests' trees accepted 3 deep at nearly every step (>= 0.85 x 4 tokens per step: a
     draft falls short only where the output ends, or where the draft's tree step and the target's verify step
     round a near tie differently); the samples accept second branches too (K/V moves)."""
-    copies, state = check_drafter(self_draft_server.url, reference, seeds=4, drafts_accepted=True)
+    copies, state = check_drafter(self_draft_server.url, tiny_reference, seeds=4, drafts_accepted=True)
     assert state["num_retracted_reqs"] > 0
     for i in (0, 1, 3):  # (the greedy ones that no stop string cuts)
         meta = copies[i]["meta_info"]
@@ -249,25 +288,21 @@ def test_standalone_self_draft_accepts_nearly_everything(self_draft_server, refe
 
 # ---------------------------------------------------------------- EAGLE3: a head over the target's hidden states
 @pytest.fixture  # (one test each: torn down after it, so the module never holds two at once)
-def eagle3_server(tmp_path_factory):
-    """Page size 16 with the radix cache, a retract forced every few decode steps; a random EAGLE-3 head of
-    SmolLM2's shapes in the published format, without eagle_config (the default layers 1, 14 and 26 of 30), over a
+def eagle3_server(tiny_model, tmp_path_factory):
+    """Page size 16 with the radix cache, a retract forced every few decode steps; a random EAGLE-3 head of the
+    tiny model's shapes in the published format, without eagle_config (the default layers 1, 3 and 4 of 8), over a
     draft vocabulary of 2,048 ids, drafting top-2 trees (3 steps deep, 6 slots)."""
-    head = save_tiny_eagle3_head(tmp_path_factory.mktemp("eagle3_head"), hidden=576, num_heads=9, num_kv_heads=3,
-                                 head_dim=64, draft_vocab_size=2048, aux_layer_ids=None)
-    yield from module_server(["--enable-streaming-session", "--speculative-algorithm", "EAGLE3",
-                              "--speculative-draft-model-path", head, "--speculative-eagle-topk", "2",
-                              "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "6"],
-                             env={"SGL_JAX_TEST_RETRACT": "1", "SGL_JAX_TEST_FAULT_INJECTION": "1", **ALWAYS_DRAFT},
-                             engine_args={"page_size": 16, "precompile_token_paddings": [256],
-                                          "precompile_bs_paddings": [1, 8],  # (its steps: 1 to 5 requests)
-                                          "max_running_requests": 8})
+    head = save_tiny_eagle3_head(tmp_path_factory.mktemp("eagle3_head"), draft_vocab_size=2048, aux_layer_ids=None)
+    yield from module_server(tiny_args(tiny_model) + [
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head, "--speculative-eagle-topk", "2",
+        "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "6"],
+        env=TINY_SPEC_ENV, engine_args=TINY_SPEC_ENGINE_ARGS)
 
 
-def test_eagle3_random_head_outputs_identical(eagle3_server, reference):
+def test_eagle3_random_head_outputs_identical(eagle3_server, tiny_reference):
     """EAGLE3 with a random head drafting top-2 trees at page size 16 under forced retracts: `check_drafter` (4
     samples), the head's tree steps run (a request's first draft is a whole tree; later ones shrink: a random head's
     drafts are rarely accepted). The head's arithmetic (chains and trees) is checked against PyTorch in
     test_eagle."""
-    _, state = check_drafter(eagle3_server.url, reference, seeds=4)
+    _, state = check_drafter(eagle3_server.url, tiny_reference, seeds=4)
     assert state["num_retracted_reqs"] > 0 and state["spec_draft_model_steps"] > 0, state
