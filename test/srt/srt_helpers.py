@@ -430,12 +430,13 @@ def hf_greedy_penalized(model, input_ids: List[int], n: int, **penalties) -> Lis
     return out
 
 
-def save_tiny_llama(path, num_layers: int = 2, init_std: float = 0.02, final_norm: float = 1.0) -> tuple:
+def save_tiny_llama(path, num_layers: int = 2, init_std: float = 0.02, final_norm: float = 1.0,
+                    max_positions: int = 1024) -> tuple:
     """A random tiny Llama (SmolLM2's vocabulary, 4 heads, 2 KV heads, `num_layers` layers, weights drawn with
     standard deviation `init_std`: at transformers' default 0.02 its greedy output repeats one token whatever the
     context, at 0.2 it follows the context; the final norm's weight set to `final_norm`, which scales the logits
-    alone: at 5 a few tokens hold most of the next token's probability) saved as safetensors in `path`; returns
-    (model dir, tokenizer dir: SmolLM2's, for --tokenizer-path)."""
+    alone: at 5 a few tokens hold most of the next token's probability; `max_positions` its context) saved as
+    safetensors in `path`; returns (model dir, tokenizer dir: SmolLM2's, for --tokenizer-path)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -444,7 +445,7 @@ def save_tiny_llama(path, num_layers: int = 2, init_std: float = 0.02, final_nor
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                       rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=init_std)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():

@@ -1,4 +1,6 @@
-"""The KV cache lifecycle through a launched server (SmolLM2, greedy, float32, real HTTP).
+"""The KV cache lifecycle through a launched server (greedy, float32, real HTTP) of a tiny random Llama (2 layers,
+weights at standard deviation 0.2 so that its greedy output follows the context, SmolLM2's tokenizer): the module
+compares the engine with itself, and six SmolLM2 servers took ~260 s of the suite.
 
 One workload -- three requests sharing a 1,000-token prefix plus short ones -- must give token-identical
 outputs with and without the radix cache, with chunked prefill at 64 tokens and with it off, under forced
@@ -19,10 +21,17 @@ import time
 import httpx
 import pytest
 
-from srt_helpers import ServerProcess, module_server
+from srt_helpers import ServerProcess, module_server, save_tiny_llama
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 PREFIX_LEN = 1000
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> list:
+    """The server flags of the tiny model: --model-path, --tokenizer-path (SmolLM2's)."""
+    model, tokenizer = save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_kv"), init_std=0.2, max_positions=2048)
+    return ["--model-path", model, "--tokenizer-path", tokenizer]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +78,8 @@ def check_idle_accounting(server, radix: bool) -> dict:
     return state
 
 
-def run_scenario(prompts, engine_args: dict, env: dict, radix: bool):
-    server = ServerProcess(engine_args=engine_args, env=env)
+def run_scenario(model_args: list, prompts, engine_args: dict, env: dict, radix: bool):
+    server = ServerProcess(model_args, engine_args=engine_args, env=env)
     try:
         outs = run_workload(server, prompts)
         state = check_idle_accounting(server, radix)
@@ -82,12 +91,12 @@ def run_scenario(prompts, engine_args: dict, env: dict, radix: bool):
 
 
 @pytest.fixture(scope="module")
-def baseline(prompts):
+def baseline(tiny_model, prompts):
     """No prefix cache, no chunking, no overlap scheduler (every scenario runs with it): every prompt is prefilled
     whole and every step's result is applied before the next is chosen. One extend bucket, 2,048 tokens: the
     workload's two extends (the first request alone, then the other five, 2,035 tokens together) need no
     other."""
-    outs, _ = run_scenario(prompts, {"disable_radix_cache": True, "chunked_prefill_size": -1,
+    outs, _ = run_scenario(tiny_model, prompts, {"disable_radix_cache": True, "chunked_prefill_size": -1,
                                      "disable_overlap_schedule": True, "precompile_token_paddings": [2048]}, {},
                            radix=False)
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
@@ -110,12 +119,12 @@ SCENARIOS = {
 
 
 @pytest.fixture(scope="module")
-def server(request, baseline):
+def server(request, tiny_model, baseline):
     """The server of scenario `request.param` (stops with exit 0, no child left behind). Depends on
     `baseline` so that the baseline's server has come and gone before any scenario server starts. (Its own
     servers only: the module shares none with other modules, so that a pytest-xdist worker runs it beside them.)"""
     overrides, env = SCENARIOS[request.param]
-    yield from module_server(engine_args=overrides, env=env)
+    yield from module_server(tiny_model, engine_args=overrides, env=env)
 
 
 @pytest.mark.parametrize("server", list(SCENARIOS), indirect=True)
