@@ -1,7 +1,9 @@
 """Sessions end to end (SGLang's /open_session, /close_session, ``session_params``) on real servers.
 
-Configurations: SmolLM2 at page 1 (the shared default_server) and page 4 (chunked prefill 64, forced retract,
-the exact page-ownership check after every step: SGL_JAX_CHECK_KV_INVARIANTS); a tiny random Gemma 3 (sliding
+Configurations: SmolLM2 at page 1 (the shared default_server); a tiny random Llama (2 layers, weights at 0.2,
+SmolLM2's tokenizer: these tests compare the engine with itself, and SmolLM2 here took ~2.5 minutes of the suite)
+at page 4 (chunked prefill 64, forced retract, the exact page-ownership check after every step:
+SGL_JAX_CHECK_KV_INVARIANTS); a tiny random Gemma 3 (sliding
 window W = 16 on 2 of 3 layers, hybrid SWA memory with a small SWA pool, radix cache on) at page 4 with chunks
 of W/2 (a later turn's prefill is chunked: its KV stays the session's between chunks while SWA release runs)
 and at page 16 with chunks of 2W (a page as long as the window). The session KV arithmetic itself (trim,
@@ -16,7 +18,7 @@ test/mem_cache/test_session_kv.py. On each:
   after decoding past several windows), an aborted turn 1 leaves it empty;
 - closing releases everything: the pools are back to free + cached, every request slot free.
 
-The page-4 SmolLM2 server adds the classic sessions (rid, replace, drop_previous_output, offset, errors), the
+The page-4 tiny Llama server adds the classic sessions (rid, replace, drop_previous_output, offset, errors), the
 refusals that leave a streaming session intact, timeout reaping, and the stress run: 8 streaming sessions x
 6 turns and plain requests at once, chunked prefill 64, forced retract, checked every step; after close +
 flush every pool is back to free.
@@ -33,12 +35,13 @@ import httpx
 import numpy as np
 import pytest
 
-from srt_helpers import SMALL_ENGINE_ARGS, module_server, save_tiny_gemma3, wait_pool_idle
+from srt_helpers import SMALL_ENGINE_ARGS, module_server, save_tiny_gemma3, save_tiny_llama, wait_pool_idle
 
 W = 16  # the tiny Gemma 3's sliding window
 NEW = 8  # new tokens per turn
 TURN_LENGTHS = [13, 7, 29, 5]  # odd, so that histories end mid-page at pages 4 and 16
 CHECK_ENV = {"SGL_JAX_CHECK_KV_INVARIANTS": "1"}
+RUNNING_TURN = 400  # new tokens of the turn that runs while a second one is refused (~1 s on the tiny model)
 
 
 # ---------------------------------------------------------------- servers
@@ -47,8 +50,10 @@ def tiny_gemma3(tmp_path_factory):
     return save_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3_sessions"), window=W)
 
 
-def _smollm2_p4():
-    return module_server(["--enable-streaming-session", "--page-size", "4"], env={**CHECK_ENV, "SGL_JAX_TEST_RETRACT": "1"},
+def _tiny_llama_p4(model):
+    model_dir, tokenizer = model
+    return module_server(["--model-path", model_dir, "--tokenizer-path", tokenizer, "--enable-streaming-session",
+                          "--page-size", "4"], env={**CHECK_ENV, "SGL_JAX_TEST_RETRACT": "1"},
                          engine_args={**SMALL_ENGINE_ARGS, "chunked_prefill_size": 64, "precompile_token_paddings": [64],
                                       "precompile_bs_paddings": [1, 8, 16], "max_running_requests": 16})
 
@@ -61,14 +66,20 @@ def _swa(model, page_size, chunk):
 
 
 @pytest.fixture(scope="module")
-def p4_server():
-    yield from _smollm2_p4()
+def tiny_llama(tmp_path_factory):
+    """(model dir, tokenizer dir): SmolLM2's vocabulary and context (2,048 tokens: SMALL_ENGINE_ARGS')."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_sessions"), init_std=0.2, max_positions=2048)
 
 
-# name -> (page size, the SWA server's prefill chunk). Pages 1 and 4 on SmolLM2, 4 and 16 on the SWA model:
-# every turn length here ends mid-page at 4 and 16; chunks of W/2 at page 4 are the only ones that split a
+@pytest.fixture(scope="module")
+def p4_server(tiny_llama):
+    yield from _tiny_llama_p4(tiny_llama)
+
+
+# name -> (page size, the SWA server's prefill chunk). Page 1 on SmolLM2, 4 on the tiny Llama, 4 and 16 on the SWA
+# model: every turn length here ends mid-page at 4 and 16; chunks of W/2 at page 4 are the only ones that split a
 # later turn (up to 30 tokens) into chunks, while 2W at page 16 prefills such a turn at once
-SERVERS = {"smollm2-page1": (1, None), "smollm2-page4": (4, None), "swa-page4": (4, W // 2),
+SERVERS = {"smollm2-page1": (1, None), "llama-page4": (4, None), "swa-page4": (4, W // 2),
            "swa-page16": (16, 2 * W)}
 
 
@@ -79,7 +90,7 @@ def server(request, tiny_gemma3):
     if name == "smollm2-page1":
         yield request.getfixturevalue("default_server"), page_size, False
         return
-    if name == "smollm2-page4":
+    if name == "llama-page4":
         yield request.getfixturevalue("p4_server"), page_size, False
         return
     gen = _swa(tiny_gemma3, page_size, chunk)
@@ -244,8 +255,8 @@ def test_streaming_refusals_leave_the_session_intact(p4_server):
                                                        "logprob_start_len": 0, "session_params": {"id": sid}})
     assert lp.status_code == 400 and "logprob_start_len" in lp.json()["error"]["message"]
     # a second turn while one runs is refused; the running one is not disturbed
-    body = {"input_ids": _ids(6, 24), "session_params": {"id": sid},
-            "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
+    body = {"input_ids": _ids(6, 24), "session_params": {"id": sid},  # (long enough to be seen running)
+            "sampling_params": {"max_new_tokens": RUNNING_TURN, "temperature": 0, "ignore_eos": True}}
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(httpx.post, u + "/generate", json=body, timeout=600)
         deadline = time.time() + 60
@@ -255,7 +266,7 @@ def test_streaming_refusals_leave_the_session_intact(p4_server):
         assert r.status_code == 400 and "already has a turn running" in r.text
         first = running.result()
     assert first.status_code == 200
-    assert session_entry(u, sid)["kv_committed_len"] == before["kv_committed_len"] + 1 + 6 + 64 - 1
+    assert session_entry(u, sid)["kv_committed_len"] == before["kv_committed_len"] + 1 + 6 + RUNNING_TURN - 1
     history += body["input_ids"] + first.json()["output_ids"]
     history = run_turns(u, sid, [7], 26, 4, history)
     # input logprobs of a turn's new tokens (from the history's length on) equal the stateless request's
