@@ -15,15 +15,15 @@ move; the KV pools end at rest with no compile after warm-up.
 The page-16 server runs the copy-heavy requests (4 samples), with retracts (drafted pages released with the rest).
 
 STANDALONE and EAGLE3 run on a tiny random Llama (8 layers, weights drawn at standard deviation 0.2 so that its
-greedy output follows the context, logits scaled by 5 so that samples land on drafted branches; SmolLM2's tokenizer), compared with the same tiny model served without
-speculation: those tests compare the engine with itself, and SmolLM2 drafting for itself took ~4 minutes of the
-suite. STANDALONE (a draft model drafts chains, its K/V in the target's slots): the tiny model drafting for itself
-at page size 16 without the radix cache, under forced retracts, runs the workload's session, JSON-schema and
-sampled requests and the copy-heavy requests with 4 samples (identity; its greedy drafts must be nearly all
-accepted), then an injected draft-model failure (speculation stops, outputs unchanged). EAGLE3 (a head over the
-target's hidden states, run after each target step): a random head drafting top-2 trees at page size 16 with the
-radix cache under forced retracts, the same requests (identity; a random head's drafts are rarely accepted) and
-the injected failure.
+greedy output follows the context, logits scaled by 5 so that samples land on drafted branches; SmolLM2's
+tokenizer), compared with the same tiny model served without speculation: those tests compare the engine with
+itself, and SmolLM2 drafting for itself took ~4 minutes of the suite. STANDALONE (a draft model drafts chains, its
+K/V in the target's slots): the tiny model drafting for itself at page size 16 without the radix cache, under
+forced retracts, runs the workload's session, JSON-schema and sampled requests and the copy-heavy requests with 4
+samples (identity; its greedy drafts must be nearly all accepted), then an injected draft-model failure
+(speculation stops, outputs unchanged). EAGLE3 (a head over the target's hidden states, run after each target
+step): a random head drafting top-2 trees at page size 16 with the radix cache under forced retracts, the same
+requests (identity; a random head's drafts are rarely accepted) and the injected failure.
 (STANDALONE, EAGLE3 and EAGLE at page size 1 and tp 2 x dp 2: test_data_parallel; the heads' arithmetic:
 test_eagle.) The page-16 NGRAM server
 runs speculation's batch rule (costs measured at start-up; a batch whose drafts would not pay decodes normally:
