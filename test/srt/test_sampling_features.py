@@ -164,6 +164,24 @@ def test_malformed_grammar_is_400(server, sp, needle):
     assert needle in r.text
 
 
+def test_a_grammar_the_vocabulary_cannot_follow_aborts_the_request_alone(server, client):
+    """A regex of one character, U+A0F17 (UTF-8 F2 A0 BC 97), which SmolLM2's vocabulary cannot spell (it has no
+    token for the byte 0xF2): llguidance's mask offers a token that its matcher then refuses. The request ends
+    with an abort that names the field (status 400; the refused token is the output so far), never a 500, on
+    /generate and on /v1/chat/completions (where the fuzzer found it); the server serves on, its pool idle."""
+    r = generate(server, "hi", max_new_tokens=4, temperature=0, regex="\U000A0F17")
+    assert r.status_code == 200, r.text
+    reason = r.json()["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 400, reason
+    assert reason["message"].startswith("regex: the grammar cannot be generated with this model's vocabulary")
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "regex": "\U000A0F17"})
+    assert chat.status_code < 500, chat.text
+    assert client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Say hi"}],
+                                          max_tokens=3).choices[0].message.content
+    wait_pool_idle(server.url)
+
+
 def test_no_leak_and_no_compile_after_warmup(server):
     st = wait_pool_idle(server.url)
     assert st["num_compiles_after_warmup"] == 0, "grammars or penalties compiled a new program while serving"

@@ -97,10 +97,12 @@ class Grammar:
     Args:
         matcher: a fresh ``llguidance.LLMatcher`` owned by this request.
         mask_width: int32 words per row of the step's vocabulary bitmask (ceil(model vocab / 32)).
+        kind: the request field the grammar came from (GRAMMAR_KINDS: json_schema, regex or ebnf).
     """
 
-    def __init__(self, matcher, mask_width: int, tokenizer_mask_width: int):
+    def __init__(self, matcher, mask_width: int, tokenizer_mask_width: int, kind: str = "regex"):
         self.matcher = matcher
+        self.kind = kind
         self.mask_width = mask_width
         self._tokenizer_mask_width = tokenizer_mask_width
 
@@ -171,7 +173,7 @@ class GrammarBackend:
                 self._cache[key] = template
                 while len(self._cache) > GRAMMAR_CACHE_SIZE:
                     self._cache.pop(next(iter(self._cache)))
-        return Grammar(template.deep_copy(), self.mask_width, -(-self._tokenizer().vocab_size // 32))
+        return Grammar(template.deep_copy(), self.mask_width, -(-self._tokenizer().vocab_size // 32), kind)
 
     def submit(self, kind: str, text: str) -> "concurrent.futures.Future[Grammar]":
         """Compile (or take from the cache) off the caller's thread; the future raises ValueError for a

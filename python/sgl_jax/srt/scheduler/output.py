@@ -15,6 +15,7 @@ from typing import Callable, List, Optional
 import jax
 import numpy as np
 
+from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.io_struct import DecodeConfig, LogprobDelta, TokenOut
 from sgl_jax.srt.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
 from sgl_jax.srt.forward_batch import ForwardMode
@@ -169,7 +170,10 @@ def append_token(req: Req, token: int, i: int, out: StepOutput, rows, decode_tai
     token-id logprobs.
 
     Raises:
-        RuntimeError: the request's grammar rejects the token."""
+        RequestError: the request's grammar rejects the token (400, naming the grammar's field). Its own mask
+            allowed that token: llguidance 1.9 does so where the grammar forces bytes that the tokenizer has no
+            token for (a regex of U+A0F17 with SmolLM2's vocabulary, which lacks the byte 0xF2, offers the token of
+            byte 0xA0), so the grammar cannot be generated with this model's vocabulary."""
     req.output_ids.append(token)
     if req.return_routed_experts and out.routed_experts is not None:
         req.routed_experts.append(out.routed_experts[i])
@@ -181,7 +185,9 @@ def append_token(req: Req, token: int, i: int, out: StepOutput, rows, decode_tai
         if req.token_ids_logprob:
             req.output_token_ids_logprobs.append(token_ids_logprobs(rows[out.seq_offset + i], req.token_ids_logprob))
     if req.grammar is not None and not req.grammar.accept_token(token):
-        raise RuntimeError(f"the grammar rejected sampled token {token}: {req.grammar.error()}")
+        error = " ".join(str(req.grammar.error()).split())[:200]
+        raise RequestError(f"{req.grammar.kind}: the grammar cannot be generated with this model's vocabulary "
+                           f"(its token {token} was refused: {error})", 400, param=req.grammar.kind)
     req.check_finished(lambda ids, r=req: decode_tail(r, ids))
     if req.grammar is not None and req.finished_reason is None and req.grammar.is_terminated():
         # the grammar allows nothing more (llguidance stops right after the last character, before any EOS;

@@ -64,7 +64,11 @@ def session_state(session, page_size: int) -> dict:
 
 
 def fail_reason(req: Req, what: str, exc: BaseException) -> FinishReason:
-    """A 500 abort whose message is one line: what failed and why (also logged, once)."""
+    """A 500 abort whose message is one line: what failed and why (also logged, once); a RequestError (the request
+    itself at fault, e.g. a grammar this model's vocabulary cannot follow) aborts with its own status and message."""
+    if isinstance(exc, RequestError):
+        logger.warning("Request %s aborted: %s", req.rid, exc.message)
+        return finish_abort(exc.message, exc.status_code)
     text = " ".join(str(exc).split())[:300]
     message = f"internal error while {what}: {type(exc).__name__}: {text}"
     logger.error("Request %s failed, aborted (the others go on): %s", req.rid, message)
