@@ -33,18 +33,19 @@ UNIT_TEST_FILES = ("test_detokenizer.py", "test_request_validation.py", "test_ra
 # anywhere in the module: some look them up with `request.getfixturevalue`) share one group, so that only one
 # worker starts those servers (a server holds ~2.6 GB: a copy per worker ran a 24 GiB machine out of memory).
 # Groups go out in collection order, longest first: the shared servers' group, then SLOW_MODULES_FIRST (the
-# modules of more than a minute, longest first: reports/test-suite-cpu-2026-12-04.md, less what the tiny models that
-# replaced SmolLM2 in some modules took off), so that no long group starts last while the other worker idles. (xdist's own `--dist loadgroup` does not group under pytest 9:
-# it renames node ids through an attribute pytest 9 ignores.)
+# slow modules, longest first: reports/test-suite-cpu-2026-12-04c.md), so that no long group
+# starts last while the other worker idles. (xdist's own `--dist loadgroup` does not group under pytest 9: it
+# renames node ids through an attribute pytest 9 ignores.)
 SHARED_SERVERS = ("default_server", "hardened_server", "shared_engine")
 SHARED_GROUP = "shared-servers"
 SLOW_MODULES_FIRST = ("test_speculative_serving.py", "test_quantization_accuracy.py", "test_quantization.py",
-                      "test_gemma3_270m.py", "test_kv_lifecycle_properties.py", "test_swa_memory.py",
-                      "test_data_parallel.py", "test_kv_cache_dtype.py", "test_moe_dp_ep_serving.py",
-                      "test_tensor_parallel.py", "test_engine.py", "test_kv_cache_lifecycle.py", "test_rl_control.py",
-                      "test_gemma3_270m_serving.py", "test_reliability.py", "test_bench_multi_item_score.py",
-                      "test_moe_models.py", "test_lora.py", "test_runtime_install.py", "test_multi_host.py",
-                      "test_quantization_checkpoints.py", "test_encoders.py", "test_model_parity.py", "test_hicache.py")
+                      "test_kv_lifecycle_properties.py", "test_gemma3_270m.py", "test_swa_memory.py",
+                      "test_kv_cache_dtype.py", "test_data_parallel.py", "test_moe_dp_ep_serving.py",
+                      "test_engine.py", "test_runtime_install.py", "test_reliability.py", "test_moe_models.py",
+                      "test_gemma3_270m_serving.py", "test_tensor_parallel.py", "test_kv_cache_lifecycle.py",
+                      "test_lora.py", "test_bench_multi_item_score.py", "test_multi_host.py", "test_encoders.py",
+                      "test_model_parity.py", "test_quantization_checkpoints.py", "test_rl_control.py",
+                      "test_hicache.py")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

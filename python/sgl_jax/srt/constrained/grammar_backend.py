@@ -100,7 +100,7 @@ class Grammar:
         kind: the request field the grammar came from (GRAMMAR_KINDS: json_schema, regex or ebnf).
     """
 
-    def __init__(self, matcher, mask_width: int, tokenizer_mask_width: int, kind: str = "regex"):
+    def __init__(self, matcher, mask_width: int, tokenizer_mask_width: int, kind: str):
         self.matcher = matcher
         self.kind = kind
         self.mask_width = mask_width
