@@ -5,7 +5,8 @@ sharding and layout checks of a general API); the copy itself is ~4 us. A decode
 small model that overhead alone was a fifth of a step. `put` calls JAX's own batched copy primitive (the one
 ``jax.device_put`` ends in) inside JAX's explicit-transfer scope, so ``jax.transfer_guard("disallow")`` still
 accepts it as explicit; where a JAX release lacks those internals it is ``jax.device_put``. `get` is
-``np.asarray`` under the explicit device-to-host scope (``jax.device_get``'s tree handling skipped).
+``np.asarray`` under the explicit device-to-host scope (``jax.device_get``'s tree handling skipped). Both set the
+scope's thread-local flag directly: JAX's own context managers are generators, a few us each in a decode step.
 """
 
 from __future__ import annotations
@@ -17,17 +18,17 @@ import jax
 import numpy as np
 
 try:  # JAX internals (jax/_src/api.py device_put's own path); jax.device_put where they are missing
-    from jax._src import config as _config
     from jax._src import core as _core
+    from jax._src.lib import guard_lib as _guard_lib
     from jax._src.lib import xla_client as _xc
 
     _batched_device_put = _xc.batched_device_put
-    _put_scope = _config.explicit_device_put_scope
-    _get_scope = _config.explicit_device_get_scope
+    _guard_state = _guard_lib.thread_local_state  # (what config.explicit_device_put/get_scope set, without a generator)
+    _guard_state().explicit_device_put, _guard_state().explicit_device_get  # noqa: B018 (the fields exist)
     _ShapedArray = _core.ShapedArray
 except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX release
     _batched_device_put = None
-    _get_scope = contextlib.nullcontext
+    _guard_state = None
 
 _avals: Dict[Tuple[tuple, str], object] = {}
 
@@ -42,8 +43,12 @@ def put(x: np.ndarray, sharding) -> jax.Array:
     if aval is None:
         aval = _avals[key] = _ShapedArray(x.shape, x.dtype)
     devices = getattr(sharding, "_addressable_device_assignment", None) or tuple(sharding.addressable_devices)
-    with _put_scope():
+    state = _guard_state()  # JAX's explicit-transfer scope (config.explicit_device_put_scope), set and restored
+    prev, state.explicit_device_put = state.explicit_device_put, True
+    try:
         return _batched_device_put(aval, sharding, [x] * len(devices), list(devices), True)
+    finally:
+        state.explicit_device_put = prev
 
 
 def start_get(x: jax.Array) -> None:
@@ -59,8 +64,14 @@ def start_get(x: jax.Array) -> None:
 
 def get(x: jax.Array) -> np.ndarray:
     """`x` on the host (waits for it): ``jax.device_get`` of one array."""
-    with _get_scope():
+    if _guard_state is None:
+        return jax.device_get(x)
+    state = _guard_state()  # (config.explicit_device_get_scope's flag, set and restored)
+    prev, state.explicit_device_get = state.explicit_device_get, True
+    try:
         return np.asarray(x)
+    finally:
+        state.explicit_device_get = prev
 
 
 def transfer_guard(enabled: bool):

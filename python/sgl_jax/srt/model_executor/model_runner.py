@@ -109,6 +109,8 @@ class ModelRunner:
         self.num_request_slots = num_request_slots
         self._replicated = NamedSharding(self.mesh, REPLICATED)
         self._kv_sharding = NamedSharding(self.mesh, KV_CACHE)
+        # tokens start their host copy at launch, except on CPU (host memory already; the start cost ~15 us a step)
+        self._copy_ahead = self.mesh.devices.flat[0].platform != "cpu"
         self._rank_rows = NamedSharding(self.mesh, RANK_ROWS)
         if self.tp_size > 1 or self.dp_size > 1:
             logger.info("Mesh: %d data-parallel ranks x %d tensor-parallel devices %s", self.dp_size, self.tp_size,
@@ -375,8 +377,8 @@ class ModelRunner:
         if not real:
             raise ValueError("a step needs at least one rank batch")
         for b in real:
-            slots = b.slots if isinstance(b, DecodeRows) else b.sampling.slots
-            if np.max(slots) >= self.num_request_slots:
+            slots = np.asarray(b.slots if isinstance(b, DecodeRows) else b.sampling.slots)
+            if slots.max() >= self.num_request_slots:  # (the method: np.max's Python wrapper is most of its cost)
                 raise ValueError(f"request slot {int(np.max(slots))} outside the runner's {self.num_request_slots}")
         return real
 
@@ -462,7 +464,7 @@ class ModelRunner:
         counts, routed = moe if moe is not None else (None, None)
         return PendingStep(tokens, logits, lse, hidden, aux, counts, routed, num_seqs,
                            s_pad if s_pad is not None else batch.rows_pad, t_pad, self.moe_stats,
-                           self.return_routed_experts, times)
+                           self.return_routed_experts, times, copy_ahead=self._copy_ahead)
 
     def launch_forward(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> LaunchedForward:
         """Dispatch the forward program of one step of every rank (see `launch_ranks`); `launch_sample` dispatches

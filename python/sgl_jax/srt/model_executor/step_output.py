@@ -91,16 +91,18 @@ class PendingStep:
         moe_stats: the runner's `MoeStats` (counts are added at resolve), or None; routed_on: whether routed
             experts are returned.
         times: the step's `StepTimes` (``wait_s`` is filled at resolve).
+        copy_ahead: start the tokens' copy to the host now (False on a CPU device: `resolve` reads them in place).
     """
 
     def __init__(self, tokens, logits, lse, hidden, aux, counts, routed, num_seqs: List[Optional[int]], s_pad: int,
-                 t_pad: int, moe_stats, routed_on: bool, times: Optional[StepTimes] = None):
+                 t_pad: int, moe_stats, routed_on: bool, times: Optional[StepTimes] = None, copy_ahead: bool = True):
         self.tokens, self.logits, self.lse, self.hidden, self.aux = tokens, logits, lse, hidden, aux
         self.counts, self.routed = counts, routed
         self.num_seqs, self.s_pad, self.t_pad = num_seqs, s_pad, t_pad
         self.moe_stats, self.routed_on = moe_stats, routed_on and routed is not None
         self.times = times if times is not None else StepTimes()
-        host_copy.start_get(tokens)
+        if copy_ahead:
+            host_copy.start_get(tokens)
         if moe_stats is not None and counts is not None:
             counts.copy_to_host_async()
         if routed_on:
