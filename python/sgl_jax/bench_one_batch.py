@@ -14,7 +14,8 @@ Every ServerArgs flag works (``--model-path``, ``--dtype``, ``--page-size``, ``-
 and ``--warmup-steps`` untimed decode steps run before the ``--output-len`` timed ones. A step's time includes its
 host work as the scheduler pays it; ``host ms`` is that part (build, h2d, dispatch and apply of
 bench_decode_loops.py). ``device ms`` is the device's own time per step: the last launch re-run back to back with
-nothing read in between (`ModelRunner.device_seconds_per_decode` / `device_seconds_per_step`); ``busy %`` =
+nothing read in between (`ModelRunner.device_seconds_per_decode` / `device_seconds_per_step`; the median of
+DEVICE_BLOCKS such blocks); ``busy %`` =
 device ms / decode p50 ms, the share of a decode loop the device is busy (on CPU the "device" is the same cores,
 so both shares compete). The overlap columns rerun the row (the same prompts and seeds, prefilled again) with the
 overlap scheduler's decode loop: each step is launched before the previous step's sampled ids are read (its input
@@ -196,6 +197,9 @@ def plan_prefill(prompt_lens: List[int], budget: int, max_seqs: int, page: int) 
     return steps
 
 
+DEVICE_BLOCKS = 5  # blocks of back-to-back launches the device time is the median of (`device_seconds`)
+
+
 class OneBatchRunner:
     """The model runner with one rank's pools, driven step by step as the scheduler drives it."""
 
@@ -356,12 +360,14 @@ class OneBatchRunner:
                 "decode_x_floor": med / d_floor[0], "decode_step_flops": d_floor[2], "decode_step_bytes": d_floor[3],
                 "compiles_after_warmup": compiles, "trace": overlap.get("trace")}
 
-    def device_seconds(self, repeats: int) -> float:
+    def device_seconds(self, repeats: int, blocks: int = DEVICE_BLOCKS) -> float:
         """The device's time per launch of the loop's last inputs (`ModelRunner.device_seconds_per_decode`, or
-        `device_seconds_per_step` on a runner without slot state)."""
-        if self.runner.slot_decode:
-            return self.runner.device_seconds_per_decode(self.loop.last_inputs, repeats)
-        return self.runner.device_seconds_per_step(self.loop.last_inputs, repeats)
+        `device_seconds_per_step` on a runner without slot state): the median of `blocks` blocks of `repeats`
+        launches back to back, so that one block slowed by the machine moves it no more than a slow iteration moves
+        the loops' medians."""
+        time_block = (self.runner.device_seconds_per_decode if self.runner.slot_decode
+                      else self.runner.device_seconds_per_step)
+        return float(np.median([time_block(self.loop.last_inputs, repeats) for _ in range(blocks)]))
 
 
 def overlap_columns(overlap: dict, sync_step_s: float, device_step_s: float, num_steps: int = 1) -> dict:
@@ -463,7 +469,8 @@ def report_body(raw: dict) -> str:
     split = ["Where a decode loop iteration's time goes (medians per launch; bench_decode_loops.py: build = batch, "
              "KV slots and inputs on the host, h2d = the packed inputs' copy, dispatch = the program's call, wait = "
              "blocked until the applied step's tokens are computed, d2h = then until they are on the host, apply = "
-             "tokens appended; device = the program re-run back to back):", "", *split_table(rows)]
+             "tokens appended; device = the program re-run back to back, the median of "
+             f"{DEVICE_BLOCKS} blocks):", "", *split_table(rows)]
     traced = [(f"batch {r['batch_size']}, input {r['input_len']}", r["trace"]) for r in rows if r.get("trace")]
     if traced:
         split += ["", "From the jax.profiler trace of each row's overlapped loop (bench_trace.py: device ms = the "
