@@ -122,3 +122,16 @@ def test_follower_exits_when_node_zero_dies(tiny_model):
     finally:
         stop_process(follower, signal.SIGKILL)
         leader.stop()
+
+
+def test_servers_ports_are_drawn_below_the_ephemeral_range():
+    """A test server binds its port seconds after the port is chosen. Ports are drawn below the kernel's ephemeral
+    range, so no outgoing connection (a Gloo peer of jax.distributed, an HTTP client) can be handed the port in
+    between: with a port from that range, node 0 once failed with "address already in use" (2026-12-05 suite)."""
+    from sgl_jax.srt.utils import find_free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    ports = [find_free_port() for _ in range(20)]
+    assert all(1024 <= p < ephemeral for p in ports), ports
+    assert len(set(ports)) > 1  # drawn at random: two test workers rarely draw the same one

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -91,7 +92,32 @@ def kill_processes(processes, timeout: float = 5.0) -> None:
             p.join(1.0)
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
+def _ephemeral_port_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's net.ipv4.ip_local_port_range; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def find_free_port(host: str = "127.0.0.1", tries: int = 64) -> int:
+    """A TCP port on `host` that nothing is bound to now, for a server that binds it later (seconds later: a
+    server binds after its start-up). It is drawn at random below the kernel's ephemeral range, which the kernel
+    hands to outgoing connections (HTTP clients, jax.distributed's Gloo peers): a port taken from that range, as
+    binding port 0 gives, could be handed to one of those connections before the server binds it ("address
+    already in use"). Falls back to an ephemeral port when `tries` draws find nothing free."""
+    high = _ephemeral_port_start()
+    low = max(1024, high - 12000)
+    rng = random.SystemRandom()
+    for _ in range(tries if high - low > 100 else 0):
+        port = rng.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
