@@ -109,8 +109,8 @@ def find_free_port(host: str = "127.0.0.1", tries: int = 64) -> int:
     already in use"). Falls back to an ephemeral port when `tries` draws find nothing free."""
     high = _ephemeral_port_start()
     low = max(1024, high - 12000)
-    rng = random.SystemRandom()
-    for _ in range(tries if high - low > 100 else 0):
+    rng = random.SystemRandom()  # (not the random module's state, which a test may have seeded alike in each worker)
+    for _ in range(tries if high > low else 0):
         port = rng.randrange(low, high)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:

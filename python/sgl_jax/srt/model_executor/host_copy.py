@@ -24,7 +24,7 @@ try:  # JAX internals (jax/_src/api.py device_put's own path); jax.device_put wh
 
     _batched_device_put = _xc.batched_device_put
     _guard_state = _guard_lib.thread_local_state  # (what config.explicit_device_put/get_scope set, without a generator)
-    _guard_state().explicit_device_put, _guard_state().explicit_device_get  # noqa: B018 (the fields exist)
+    _ = (_guard_state().explicit_device_put, _guard_state().explicit_device_get)  # (a JAX without them: the fallback)
     _ShapedArray = _core.ShapedArray
 except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX release
     _batched_device_put = None

@@ -379,7 +379,7 @@ class ModelRunner:
         for b in real:
             slots = np.asarray(b.slots if isinstance(b, DecodeRows) else b.sampling.slots)
             if slots.max() >= self.num_request_slots:  # (the method: np.max's Python wrapper is most of its cost)
-                raise ValueError(f"request slot {int(np.max(slots))} outside the runner's {self.num_request_slots}")
+                raise ValueError(f"request slot {int(slots.max())} outside the runner's {self.num_request_slots}")
         return real
 
     def launch_ranks(self, batches: Sequence[Optional[ModelWorkerBatch]],
