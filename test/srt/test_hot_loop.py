@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 
 import httpx
 import numpy as np
@@ -28,7 +27,7 @@ from sgl_jax.bench_decode_loops import DecodeLoop
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch import DecodeRows, ForwardMode
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
-from sgl_jax.srt.model_executor import host_copy, host_core
+from sgl_jax.srt.model_executor import host_copy
 from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.sampling.sampling_batch import all_allowed_mask
@@ -244,31 +243,6 @@ def test_multi_step_server_under_the_guard_matches_the_default(default_tiny_serv
         assert f'{name}_bucket{{le="+Inf"' in metrics, name
     count = [line for line in metrics.splitlines() if line.startswith("sglang:scheduler_step_host_seconds_count")]
     assert count and float(count[0].split()[-1]) > 10
-
-
-def test_decode_launches_place_xla_threads_and_extend_steps_release_them(harness, monkeypatch):
-    """With --host-core-reservation on, the overlapped decode loop runs with XLA's threads off the host core and
-    gives the same tokens; an extend step gives them every core back (model_executor/host_core.py)."""
-    runner, buckets, slots = harness
-    tuner = runner.host_core
-    assert tuner is not None and tuner.mode == "auto"  # the default on a CPU device
-    reference = run(harness, 1, overlap=True, guarded=False)
-    monkeypatch.setattr(tuner, "mode", "on")
-    try:
-        assert run(harness, 1, overlap=True, guarded=False) == reference
-        placement = tuner.placement
-        assert placement.reserved  # (the loop ended with decode launches)
-        masks = [os.sched_getaffinity(t) for t in host_core.native_worker_threads()]
-        assert masks and all(placement.host_core not in m for m in masks)
-        memory = KVMemory.create(runner.kv_spec, num_request_slots=slots, context_len=256, disable_radix_cache=True)
-        reqs = new_reqs()
-        prefill(runner, buckets, memory, reqs)
-        for r in reqs:
-            memory.release(r)
-        assert not placement.reserved
-        assert all(os.sched_getaffinity(t) == placement.cores for t in host_core.native_worker_threads())
-    finally:
-        tuner.release()
 
 
 def test_a_slot_outside_the_runner_is_refused(harness):

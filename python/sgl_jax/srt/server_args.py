@@ -24,7 +24,6 @@ QUANTIZATION_CHOICES = QUANTIZATION_METHODS + ("gguf",)  # gguf: a .gguf file's 
 DEVICES = ("auto", "cpu", "tpu", "gpu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MULTI_ITEM_ALGORITHMS = ("auto", "serial", "packed", "prefill_extend")
-HOST_CORE_MODES = ("auto", "on", "off")  # model_executor/host_core.py
 ATTENTION_BACKENDS = ("auto", "native", "pallas")  # "auto" is resolved by resolve_attention_backend
 MOE_BACKENDS = ("auto", "tiled", "ragged_dot", "gmm", "dense")  # "auto" is resolved by resolve_moe_backend
 GRAMMAR_BACKENDS = ("llguidance", "none")
@@ -89,7 +88,7 @@ _CHOICES = {
     "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
     "load_balance_method": LOAD_BALANCE_METHODS, "schedule_policy": SCHEDULE_POLICIES,
     "radix_eviction_policy": RADIX_EVICTION_POLICIES, "hicache_write_policy": HICACHE_WRITE_POLICIES,
-    "lora_backend": LORA_BACKENDS, "host_core_reservation": HOST_CORE_MODES,
+    "lora_backend": LORA_BACKENDS,
     "lora_eviction_policy": ("lru",), "speculative_algorithm": SPECULATIVE_ALGORITHMS,
     "speculative_ngram_match_type": NGRAM_MATCH_TYPES,
 }
@@ -191,7 +190,6 @@ class ServerArgs:
     enable_mixed_chunk: bool = False
     disable_overlap_schedule: bool = False
     num_continuous_decode_steps: int = 1
-    host_core_reservation: str = "auto"
     max_prefill_step_ms: float = 500.0
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
@@ -592,10 +590,6 @@ FLAG_HELP = {
                                    "max_new_tokens are checked on the device, the host sees the K tokens at once "
                                    "(streams get them together); outputs are the same as with 1. Steps with a "
                                    "grammar, top or token-id logprobs or routed experts run one at a time",
-    "host_core_reservation": "on a CPU device, whether the scheduler's thread keeps a core of its own while XLA's "
-                             "threads run a decode step (Linux, 2 or more cores): auto chooses per decode shape, "
-                             "by trying both for a few steps while serving (it helps small, host-bound batches "
-                             "and slows large ones); on: always; off: never. Outputs are the same",
     "max_prefill_step_ms": "while requests decode, cut prefill chunks so that a prefill adds at most this "
                            "many ms to their inter-token latency beyond their own decode step (step costs "
                            "are learned from the steps run; 0: off, chunks are always "

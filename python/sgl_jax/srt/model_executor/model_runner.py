@@ -34,10 +34,9 @@ from sgl_jax.srt.distributed.sharding import KV_CACHE, RANK_ROWS, REPLICATED, ch
 from sgl_jax.srt.layers.attention import move_kv_slots
 from sgl_jax.srt.layers.encoder_attention import with_encoder_inputs
 from sgl_jax.srt.layers.sampler import init_penalty_row, new_penalty_state
-from sgl_jax.srt.model_executor import host_copy, host_core, step_programs
+from sgl_jax.srt.model_executor import host_copy, step_programs
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.compile_stats import compile_counts
-from sgl_jax.srt.model_executor.host_core import HostCoreTuner, ThreadPlacement
 from sgl_jax.srt.model_executor.host_kv import HostKVCopies
 from sgl_jax.srt.model_executor.lora_weights import LoraSlotWriter
 from sgl_jax.srt.model_executor.memory_budget import FP8_KV_DTYPES, kv_cache_dtype
@@ -112,12 +111,6 @@ class ModelRunner:
         self._kv_sharding = NamedSharding(self.mesh, KV_CACHE)
         # tokens start their host copy at launch, except on CPU (host memory already; the start cost ~15 us a step)
         self._copy_ahead = self.mesh.devices.flat[0].platform != "cpu"
-        # on a CPU device, whether the launching thread keeps a core while XLA's threads run a decode step
-        mode = server_args.host_core_reservation
-        self.host_core = (HostCoreTuner(ThreadPlacement(), mode) if not self._copy_ahead and mode != "off"
-                          and server_args.speculative_algorithm is None and host_core.supported() else None)
-        self._last_pending: Optional[PendingStep] = None  # (whether the next step launches overlapped)
-        self._pending_before: Optional[PendingStep] = None
         self._rank_rows = NamedSharding(self.mesh, RANK_ROWS)
         if self.tp_size > 1 or self.dp_size > 1:
             logger.info("Mesh: %d data-parallel ranks x %d tensor-parallel devices %s", self.dp_size, self.tp_size,
@@ -409,7 +402,6 @@ class ModelRunner:
                                           next(b for b in batches if b is not None).rows_pad))
         real = self._check_ranks(batches)
         _, t_pad, _ = real[0].padded_shape
-        self._place((t_pad, real[0].rows_pad) if mode == ForwardMode.DECODE else None)
         stacked, times = self._step_batch(batches), StepTimes()
         packed, layout = self._step_inputs(stacked, times)
         mask = self._vocab_mask(real[0].rows_pad * self.dp_size,
@@ -430,7 +422,6 @@ class ModelRunner:
             raise ValueError("this runner decodes host-built batches only (no slot state)")
         real = self._check_ranks(rows)
         s_pad, k = real[0].rows_pad, real[0].num_steps
-        self._place((s_pad, k))
         stacked = real[0] if self.dp_size == 1 else DecodeRows.stack(
             [r if r is not None else DecodeRows.padding(s_pad, k) for r in rows], self.num_request_slots)
         times = StepTimes()
@@ -445,16 +436,6 @@ class ModelRunner:
         times.h2d_s, times.dispatch_s = t1 - t0, t2 - t1
         return self._pending(outs, [None if r is None else int(r.num_seqs[0]) for r in rows], None, s_pad, times,
                              s_pad)
-
-    def _place(self, shape: Optional[tuple]) -> None:
-        """Place the host's and XLA's threads for a step about to launch (CPU only; `host_core.HostCoreTuner`):
-        `shape` a decode step's padded shape, None for any other step."""
-        if self.host_core is not None:
-            last, before = self._last_pending, self._pending_before
-            overlapped = last is not None and not last.resolved
-            done = before if overlapped else last  # (the step resolved last)
-            self.host_core.before_launch(None if shape is None else (*shape, overlapped),
-                                         done.times.wait_s if done is not None and done.resolved else 0.0)
 
     def _pack_rows(self, rows: DecodeRows) -> tuple:
         """`packed_inputs.pack` of rank-stacked DecodeRows: `DecodeRows.build`'s buffer, or its fields concatenated
@@ -481,11 +462,9 @@ class ModelRunner:
         self._check_no_new_compile(batch)
         tokens, logits, lse, hidden, moe, aux = outs
         counts, routed = moe if moe is not None else (None, None)
-        self._pending_before = self._last_pending
-        self._last_pending = PendingStep(tokens, logits, lse, hidden, aux, counts, routed, num_seqs,
-                                         s_pad if s_pad is not None else batch.rows_pad, t_pad, self.moe_stats,
-                                         self.return_routed_experts, times, copy_ahead=self._copy_ahead)
-        return self._last_pending
+        return PendingStep(tokens, logits, lse, hidden, aux, counts, routed, num_seqs,
+                           s_pad if s_pad is not None else batch.rows_pad, t_pad, self.moe_stats,
+                           self.return_routed_experts, times, copy_ahead=self._copy_ahead)
 
     def launch_forward(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> LaunchedForward:
         """Dispatch the forward program of one step of every rank (see `launch_ranks`); `launch_sample` dispatches
@@ -493,7 +472,6 @@ class ModelRunner:
         `forward_ranks`."""
         real = self._check_ranks(batches)
         _, t_pad, _ = real[0].padded_shape
-        self._place(None)
         stacked, times = self._step_batch(batches), StepTimes()
         packed, layout = self._step_inputs(stacked, times)
         t0 = time.perf_counter()
@@ -527,7 +505,6 @@ class ModelRunner:
         same KV slots with the same values; its sampled ids are dropped (benchmarks only: the penalty rows of its
         sequences count its tokens again). Times the programs for speculation's batch rule
         (scheduler/spec_costs.py)."""
-        self._place(None)  # (the device's own time: XLA on every core)
         stacked = self._step_batch([batch] + [None] * (self.dp_size - 1))
         packed, layout = self._step_inputs(stacked, StepTimes())
         mask = self._vocab_mask(batch.rows_pad * self.dp_size, stacked.sampling.vocab_mask)
@@ -553,7 +530,6 @@ class ModelRunner:
         reads the future tokens the one before wrote (benchmarks only)."""
         stacked = DecodeRows.stack([rows] + [DecodeRows.padding(rows.rows_pad, rows.num_steps)] * (self.dp_size - 1),
                                    self.num_request_slots)
-        self._place(None)  # (the device's own time: XLA on every core)
         buf, layout = pack(stacked)
         packed, mask = self._put(buf), self._all_allowed_mask(rows.rows_pad * self.dp_size)
         jax.block_until_ready(self.kv_caches)

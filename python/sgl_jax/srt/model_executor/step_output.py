@@ -101,7 +101,6 @@ class PendingStep:
         self.num_seqs, self.s_pad, self.t_pad = num_seqs, s_pad, t_pad
         self.moe_stats, self.routed_on = moe_stats, routed_on and routed is not None
         self.times = times if times is not None else StepTimes()
-        self.resolved = False  # (set by `resolve`)
         if copy_ahead:
             host_copy.start_get(tokens)
         if moe_stats is not None and counts is not None:
@@ -115,7 +114,6 @@ class PendingStep:
         self.tokens.block_until_ready()
         t1 = time.perf_counter()
         host = host_copy.get(self.tokens)
-        self.resolved = True
         self.times.wait_s, self.times.d2h_s = t1 - t0, time.perf_counter() - t1
         ids, lps = unpack_tokens(host)
         if self.moe_stats is not None and self.counts is not None:
