@@ -42,6 +42,7 @@ def engine(shared_engine):
 
 def test_greedy_matches_transformers(engine, hf_smollm2, smollm2_tokenizer):
     outs = engine.generate(PROMPTS, GREEDY_32)
+    assert len(outs) == len(PROMPTS)  # (zip alone would pass on an empty answer)
     for prompt, out in zip(PROMPTS, outs):
         ref = hf_greedy(hf_smollm2, smollm2_tokenizer.encode(prompt), 32)
         assert out["output_ids"] == ref, f"{prompt!r}: ours {out['text']!r} vs ref {smollm2_tokenizer.decode(ref)!r}"

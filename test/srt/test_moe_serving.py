@@ -59,6 +59,7 @@ def test_greedy_tokens_equal_transformers(server, tiny_moe):
     prompts = [tok.encode("The capital of France is"), rng.integers(100, 49000, 90).tolist()]  # (2 prefill chunks)
     outs = post(server, "/generate", {"input_ids": prompts, "sampling_params": {
         "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}})
+    assert len(outs) == len(prompts)  # (zip alone would pass on an empty answer)
     for ids, out in zip(prompts, outs):
         assert out["output_ids"] == hf_greedy(model, ids, NEW)
 
@@ -91,6 +92,7 @@ def check_every_endpoint(url: str) -> None:
     labels = [9453, 2152]
     scores = post_json("/v1/score", {"query": [5, 6, 7, 8], "items": [[9, 10], [11]],
                                      "label_token_ids": labels})["scores"]
+    assert len(scores) == 2
     for item, got in zip([[9, 10], [11]], scores):
         ref = post_json("/generate", {"input_ids": [5, 6, 7, 8] + item, "return_logprob": True,
                                       "token_ids_logprob": labels, "sampling_params": {"max_new_tokens": 1}})

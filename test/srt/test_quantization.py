@@ -134,6 +134,9 @@ def test_quantized_bfloat16_layer_keeps_its_dtype_and_one_row_path():
         y = layer(x)
         assert y.dtype == jnp.bfloat16 and y.shape == shape[:-1] + (OUT,)
         ref = np.asarray(x, np.float32) @ w.T
+        # int8 rounding of both operands (per-row activations, per-channel weights: each element within half a step
+        # of max/127) puts the largest output error at ~1.1% of the largest output here (median of 80 random
+        # inputs; the worst 1.5%), bfloat16's output rounding ~0.3%: 3% is twice the worst measured
         assert np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max() < 0.03
 
 
