@@ -63,6 +63,19 @@ def ndjson(response: httpx.Response) -> list:
 
 
 # ---------------------------------------------------------------- /api/chat
+def test_truncation_options_reach_the_sampler(client, server):
+    """Ollama's min_p and typical_p (field_types.TruncationFields) are the OpenAI request's: a seeded, filtered
+    chat gives the tokens /v1/chat/completions gives with the same values, and not those of the unfiltered one."""
+    sampled = {"temperature": 1.5, "seed": 7, "num_predict": 24}
+    filtered = {**sampled, "min_p": 0.2, "typical_p": 0.5}
+    ours = client.chat(model="m", messages=QUESTION, options=filtered).message.content
+    openai = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": QUESTION, "temperature": 1.5, "seed": 7, "max_tokens": 24, "min_p": 0.2, "typical_p": 0.5})
+    assert openai.status_code == 200, openai.text
+    assert ours == openai.json()["choices"][0]["message"]["content"]
+    assert ours != client.chat(model="m", messages=QUESTION, options=sampled).message.content
+
+
 def test_chat_non_stream_and_stream_agree(client):
     full = client.chat(model="anything:latest", messages=QUESTION, options=GREEDY)
     assert_final(full)

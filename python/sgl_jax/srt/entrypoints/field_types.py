@@ -21,6 +21,8 @@ from typing import Annotated, Any, Dict, List, Optional, Set, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
 FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
@@ -182,6 +184,23 @@ class SGLangSharedFields(BaseModel):
     priority: ignored(Optional[int], "no priority scheduling (SGLang ignores it too without "
                                      "--enable-priority-scheduling)") = None
     custom_labels: ignored(Optional[Dict[str, str]], "metric labels") = None
+
+
+class TruncationFields(BaseModel):
+    """The sampling filters every served API names and bounds alike: ``min_p`` (SGLang's: keep tokens with at least
+    min_p x the top probability) and ``typical_p`` (transformers' / TGI's locally typical mass). Declared once and
+    mixed into the native, OpenAI and Ollama request models; a translation between APIs copies every field of this
+    model (`truncation_values`). Their defaults are SamplingParams'."""
+
+    min_p: Probability = Field(SamplingParams.min_p, description="keep tokens with at least min_p x the top "
+                                                                 "probability; 0: off")
+    typical_p: TopP = Field(SamplingParams.typical_p, description="locally typical sampling mass (transformers' / "
+                                                                   "TGI's typical_p); 1: off")
+
+
+def truncation_values(request: TruncationFields) -> Dict[str, float]:
+    """{field: value} of `request`'s `TruncationFields`, to pass to another API's request model."""
+    return {k: getattr(request, k) for k in TruncationFields.model_fields}
 
 
 class StrictModel(BaseModel):

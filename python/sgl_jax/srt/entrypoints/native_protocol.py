@@ -26,7 +26,6 @@ from sgl_jax.srt.entrypoints.field_types import (
     NumChoices,
     Penalty,
     PosInt32,
-    Probability,
     RepetitionPenalty,
     Rid,
     Seed,
@@ -34,6 +33,7 @@ from sgl_jax.srt.entrypoints.field_types import (
     StrOrList,
     TokenId,
     TopP,
+    TruncationFields,
     default_only,
     ignored,
     logit_bias_ids,
@@ -49,7 +49,7 @@ _SP = SamplingParams()  # defaults come from the one dataclass
 _ENGINE_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} | {"seed"}  # what SamplingParams.from_dict takes
 
 
-class SamplingParamsRequest(NullMeansDefault, StrictModel):
+class SamplingParamsRequest(NullMeansDefault, TruncationFields, StrictModel):
     """``sampling_params`` of /generate: every key of SGLang's ``SamplingParams``
     (python/sglang/srt/sampling/sampling_params.py), plus ``seed`` (an alias of ``sampling_seed``).
 
@@ -65,9 +65,6 @@ class SamplingParamsRequest(NullMeansDefault, StrictModel):
     temperature: NonNegFloat32 = _SP.temperature
     top_p: TopP = _SP.top_p
     top_k: int = Field(_SP.top_k, ge=-1, le=INT32_MAX, description="-1 or 0: disabled")
-    min_p: Probability = _SP.min_p
-    typical_p: TopP = Field(_SP.typical_p, description="locally typical sampling mass (transformers' / TGI's "
-                                                       "typical_p, an extension of SGLang's keys); 1: off")
     frequency_penalty: Penalty = _SP.frequency_penalty
     presence_penalty: Penalty = _SP.presence_penalty
     repetition_penalty: RepetitionPenalty = _SP.repetition_penalty

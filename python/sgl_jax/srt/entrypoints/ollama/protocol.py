@@ -25,10 +25,10 @@ from sgl_jax.srt.entrypoints.field_types import (
     NonNegInt32,
     NullMeansDefault,
     Penalty,
-    Probability,
     RepetitionPenalty,
     Seed,
     TopP,
+    TruncationFields,
     default_only,
     ignored,
 )
@@ -46,7 +46,7 @@ Format = Optional[Union[Literal["", "json"], Dict[str, Any]]]
 KeepAlive = ignored(Optional[Union[int, float, str]], "the model is always loaded")
 
 
-class OllamaOptions(NullMeansDefault, LenientModel):
+class OllamaOptions(NullMeansDefault, TruncationFields, LenientModel):
     """Ollama's runtime ``options`` that change the output. ``num_predict`` <= 0 (Ollama: -1 no limit, -2 fill
     the context) means up to the context; ``top_k`` <= 0 disables top-k; ``seed`` -1 means none (Ollama's
     default). Load-time options (``num_ctx``, ``num_gpu``, ``num_thread``, ...), ``num_keep`` and
@@ -56,8 +56,6 @@ class OllamaOptions(NullMeansDefault, LenientModel):
     temperature: NonNegFloat32 = DEFAULT_TEMPERATURE
     top_k: Int32 = DEFAULT_TOP_K
     top_p: TopP = DEFAULT_TOP_P
-    min_p: Probability = 0.0
-    typical_p: TopP = 1.0
     num_predict: Int32 = -1
     stop: Optional[Union[str, List[str]]] = None
     seed: Optional[Seed] = None

@@ -32,6 +32,7 @@ import orjson
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
+from sgl_jax.srt.entrypoints.field_types import truncation_values
 from sgl_jax.srt.entrypoints.native_protocol import validation_message, validation_param
 from sgl_jax.srt.entrypoints.ollama.protocol import (
     OllamaChatRequest,
@@ -70,14 +71,13 @@ def sampling_fields(options: OllamaOptions) -> dict:
         "temperature": options.temperature,
         "top_p": options.top_p,
         "top_k": options.top_k if options.top_k > 0 else -1,
-        "min_p": options.min_p,
-        "typical_p": options.typical_p,
         "max_tokens": options.num_predict if options.num_predict > 0 else None,
         "stop": options.stop,
         "seed": None if options.seed == -1 else options.seed,
         "repetition_penalty": options.repeat_penalty,
         "presence_penalty": options.presence_penalty,
         "frequency_penalty": options.frequency_penalty,
+        **truncation_values(options),
     }
 
 

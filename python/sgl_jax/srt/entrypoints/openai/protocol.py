@@ -29,13 +29,13 @@ from sgl_jax.srt.entrypoints.field_types import (
     SGLangSharedFields,
     NumChoices,
     Penalty,
-    Probability,
     RepetitionPenalty,
     Rid,
     Seed,
     StrOrList,
     TokenId,
     TopP,
+    TruncationFields,
     default_only,
     ignored,
 )
@@ -112,9 +112,10 @@ class NamedToolChoice(LenientModel):
     function: Dict[str, str]
 
 
-class OpenAIRequest(NullMeansDefault, SGLangSharedFields, LenientModel):
+class OpenAIRequest(NullMeansDefault, SGLangSharedFields, TruncationFields, LenientModel):
     """Fields shared by /v1/completions and /v1/chat/completions: OpenAI's sampling fields and SGLang's
-    extensions of both (top_k, min_p, min_tokens, json_schema / regex / ebnf, repetition_penalty, ...)."""
+    extensions of both (top_k, the truncation filters, min_tokens, json_schema / regex / ebnf, repetition_penalty,
+    ...)."""
 
     model: Optional[str] = Field(None, description="any name: the server serves one model")
     frequency_penalty: Penalty = 0.0
@@ -132,9 +133,6 @@ class OpenAIRequest(NullMeansDefault, SGLangSharedFields, LenientModel):
     user: ignored(Optional[str], "an end-user id for abuse monitoring") = None
     # SGLang's extensions
     top_k: int = Field(-1, ge=-1, le=INT32_MAX, description="-1 or 0: disabled")
-    min_p: Probability = 0.0
-    typical_p: TopP = Field(1.0, description="locally typical sampling mass (transformers' / TGI's typical_p); "
-                                             "1: off")
     min_tokens: NonNegInt32 = 0
     json_schema: Optional[str] = Field(None, description="a JSON schema the output must satisfy")
     regex: Optional[str] = Field(None, description="a regular expression the whole output must match")
