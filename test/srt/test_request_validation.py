@@ -34,7 +34,13 @@ from sgl_jax.srt.tokenizer.tokenizer_manager import (
     max_chars_per_token,
     min_token_count,
 )
-from sgl_jax.srt.sampling.sampling_params import DEVICE_SEED_LIMIT, SamplingParams, reduce_seed
+from sgl_jax.srt.sampling.sampling_params import (
+    DEVICE_SEED_LIMIT,
+    ContextLengthExceeded,
+    SamplingParams,
+    clip_max_new_tokens,
+    reduce_seed,
+)
 from sgl_jax.srt.port_args import PortArgs
 from sgl_jax.srt.server_args import ServerArgs
 
@@ -331,6 +337,18 @@ def test_max_new_tokens_beyond_the_context_follows_sglang(tm, new_tm):
     clipping = new_tm(ServerArgs(allow_auto_truncate=True))
     sp = clipping.prepare(GenerateReqInput(input_ids=[1] * 60, sampling_params={"max_new_tokens": 600})).sampling_params
     assert sp.max_new_tokens == 512 - 60
+    # the default is not an explicit limit: a prompt it would overflow is accepted (the scheduler clips)
+    roomy = new_tm(info=scheduler_info(max_total_tokens=1024, max_req_input_len=512))
+    assert roomy.prepare(GenerateReqInput(input_ids=[1] * 450)).sampling_params.max_new_tokens == 128
+
+
+def test_clip_max_new_tokens_is_the_one_rule():
+    assert clip_max_new_tokens(60, 452, 512, truncate=False) == 452  # fits exactly
+    assert clip_max_new_tokens(60, None, 512, truncate=False) is None  # up to the context: the scheduler's
+    assert clip_max_new_tokens(60, 0, 512, truncate=True) == 0
+    assert clip_max_new_tokens(60, 600, 512, truncate=True) == 452
+    with pytest.raises(ContextLengthExceeded, match="total of 660 tokens: 60 tokens of input .history. and 600"):
+        clip_max_new_tokens(60, 600, 512, truncate=False, input_desc="of input (history)")
 
 
 def test_reduce_seed_keeps_small_seeds_and_hashes_the_rest():

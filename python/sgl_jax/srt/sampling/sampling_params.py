@@ -156,3 +156,29 @@ class SamplingParams:
         """Whether sampling needs the request's token history or bias (the penalty state on device)."""
         return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias))
+
+
+class ContextLengthExceeded(ValueError):
+    """An explicit max_new_tokens that does not fit the context with its input (`clip_max_new_tokens`)."""
+
+
+def clip_max_new_tokens(num_input: int, max_new_tokens: Optional[int], limit: int, truncate: bool,
+                        input_desc: str = "from the input") -> Optional[int]:
+    """SGLang's rule for max_new_tokens against the context: an explicit limit (not None) with
+    `num_input` + it > `limit` tokens is refused, or with `truncate` (--allow-auto-truncate; the scheduler's own
+    KV room) clipped to `limit` - `num_input`; any other value, None included (up to the context), is returned as
+    it is. `input_desc` says where the input tokens come from in the error.
+
+    Raises:
+        ContextLengthExceeded: the explicit limit does not fit and `truncate` is False; its message names both
+            counts and the limit (the text of upstream's 400).
+    """
+    if max_new_tokens is None or num_input + max_new_tokens <= limit:
+        return max_new_tokens
+    if truncate:
+        return limit - num_input
+    raise ContextLengthExceeded(
+        f"Requested token count exceeds the model's maximum context length of {limit} tokens. You requested a "
+        f"total of {num_input + max_new_tokens} tokens: {num_input} tokens {input_desc} and {max_new_tokens} "
+        "tokens for the completion (max_new_tokens / max_tokens). Reduce either, or omit the limit to generate up "
+        "to the context length.")

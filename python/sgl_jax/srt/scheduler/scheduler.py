@@ -68,6 +68,7 @@ from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
 from sgl_jax.srt.model_executor.host_copy import transfer_guard
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.preflight import KVLimits, check_fits
+from sgl_jax.srt.sampling.sampling_params import clip_max_new_tokens
 from sgl_jax.srt.scheduler.lora_control import SchedulerLora, lora_uid, update_lora
 from sgl_jax.srt.scheduler.admission import AdmissionPolicy
 from sgl_jax.srt.scheduler.engine_control import EngineControl
@@ -609,8 +610,9 @@ class Scheduler:
             self._send_abort(msg.rid, e.message, e.status_code)
             return
         # SGLang's rule: generation stops at the context length (and here also at the KV pool size)
-        room = min(self.context_len, self.kv_size) - n
-        sp.max_new_tokens = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
+        limit = min(self.context_len, self.kv_size)
+        clipped = clip_max_new_tokens(n, sp.max_new_tokens, limit, truncate=True)
+        sp.max_new_tokens = limit - n if clipped is None else clipped
         seed = sp.sampling_seed if sp.sampling_seed is not None else self.rng.randrange(2**31)
         req = Req(
             msg.rid, input_ids, sp, eos_token_ids=self.model_config.eos_token_ids, seed=seed,

@@ -33,6 +33,7 @@ from typing import Callable, Dict, List, Optional
 
 from sgl_jax.srt.io_struct import OpenSessionReqInput, SessionParams
 from sgl_jax.srt.mem_cache.session_kv import SessionKV
+from sgl_jax.srt.sampling.sampling_params import ContextLengthExceeded, clip_max_new_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -314,9 +315,8 @@ def check_turn(msg, session: Session, input_ids, context_len: int, allow_auto_tr
     if history and msg.return_logprob and 0 <= msg.logprob_start_len < history:
         raise SessionError(f"A streaming session's turn reuses its history's KV: input logprobs start at "
                            f"logprob_start_len >= {history} (the history's length)")
-    sp = msg.sampling_params
-    if sp.max_new_tokens is not None and n + sp.max_new_tokens > context_len:
-        if not allow_auto_truncate:
-            raise SessionError(f"Requested token count exceeds the model's maximum context length of "
-                               f"{context_len} tokens: {n} tokens of input (with the session's history) "
-                               f"and {sp.max_new_tokens} tokens for the completion")
+    try:  # (with --allow-auto-truncate the scheduler clips it when it queues the turn)
+        clip_max_new_tokens(n, msg.sampling_params.max_new_tokens, context_len, allow_auto_truncate,
+                            "of input (with the session's history)")
+    except ContextLengthExceeded as e:
+        raise SessionError(str(e)) from None

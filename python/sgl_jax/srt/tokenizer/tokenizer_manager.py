@@ -44,7 +44,7 @@ from sgl_jax.srt.tokenizer.retrieval_client import RetrievalClient
 from sgl_jax.srt.tokenizer.score_client import ScoreClient
 from sgl_jax.srt.tokenizer.score_request import ScoreReqInput
 from sgl_jax.srt.metrics.collector import MetricsCollector, RequestTimes
-from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.srt.sampling.sampling_params import ContextLengthExceeded, SamplingParams, clip_max_new_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -584,15 +584,11 @@ class TokenizerManager:
             raise RequestError(str(e)) from None
         sp.normalize(self.vocab_size)
         check_fits(self.kv_limits, n, min_output=max(1, sp.min_new_tokens))  # 413 (memory preflight)
-        explicit = (obj.sampling_params or {}).get("max_new_tokens") is not None
-        if explicit and n + sp.max_new_tokens > self.context_len:  # SGLang's rule (a default is clipped)
-            if not truncate:
-                raise RequestError(
-                    f"Requested token count exceeds the model's maximum context length of {self.context_len} "
-                    f"tokens. You requested a total of {n + sp.max_new_tokens} tokens: {n} tokens from the input "
-                    f"and {sp.max_new_tokens} tokens for the completion (max_new_tokens / max_tokens). Reduce "
-                    "either, or omit the limit to generate up to the context length.")
-            sp.max_new_tokens = self.context_len - n
+        if (obj.sampling_params or {}).get("max_new_tokens") is not None:  # (a default is clipped by the scheduler)
+            try:
+                sp.max_new_tokens = clip_max_new_tokens(n, sp.max_new_tokens, self.context_len, truncate)
+            except ContextLengthExceeded as e:
+                raise RequestError(str(e)) from None
         if obj.return_routed_experts and not self.info.return_routed_experts:
             raise RequestError("return_routed_experts needs a mixture-of-experts model served with "
                                "--enable-return-routed-experts", param="return_routed_experts")
