@@ -50,7 +50,7 @@ from sgl_jax.srt.entrypoints.native_protocol import validation_message, validati
 from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest
 from sgl_jax.srt.entrypoints.openai.serving_chat import chat_chunks, chat_prompt, chat_result, prepare_chat
 from sgl_jax.srt.entrypoints.openai.serving_completions import Wait
-from sgl_jax.srt.entrypoints.openai.utils import json_response
+from sgl_jax.srt.entrypoints.routes.common import json_response
 from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager
 

@@ -47,10 +47,9 @@ from sgl_jax.srt.entrypoints.openai.serving_completions import Wait
 from sgl_jax.srt.entrypoints.openai.utils import (
     check_top_logprobs,
     finish_reason_str,
-    json_response,
-    merge_streams,
     sampling_params_from,
 )
+from sgl_jax.srt.entrypoints.routes.common import json_response, merge_streams
 from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput, TokenizerManager
 

@@ -25,7 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from sgl_jax.srt.constrained.grammar_backend import GRAMMAR_KINDS
 from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest, ContentPart
-from sgl_jax.srt.entrypoints.openai.serving_completions import Wait, gather_or_cancel
+from sgl_jax.srt.entrypoints.openai.serving_completions import Wait
 from sgl_jax.srt.entrypoints.openai.serving_tools import (
     ToolPlan,
     ToolStream,
@@ -38,8 +38,6 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     check_n,
     check_top_logprobs,
     finish_reason_str,
-    json_response,
-    merge_streams,
     sampling_params_from,
     lora_of,
     session_params_of,
@@ -47,6 +45,7 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     usage,
 )
 from sgl_jax.srt.entrypoints.parsers.reasoning_parser import ReasoningDetector, get_detector
+from sgl_jax.srt.entrypoints.routes.common import gather_or_cancel, json_response, merge_streams
 from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Awaitable, Callable, List, Optional, Union
@@ -11,19 +10,16 @@ from fastapi.responses import Response, StreamingResponse
 
 from sgl_jax.srt.entrypoints.openai.protocol import CompletionRequest
 from sgl_jax.srt.entrypoints.openai.utils import (
-    SSE_DONE,
     check_n,
     check_top_logprobs,
     error_event,
     finish_reason_str,
-    json_response,
-    merge_streams,
     sampling_params_from,
     lora_of,
     session_params_of,
-    sse,
     usage,
 )
+from sgl_jax.srt.entrypoints.routes.common import SSE_DONE, json_response, merge_streams, sse
 from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 
 Wait = Callable[[Awaitable], Awaitable[Optional[object]]]  # awaits work, None when the client went away
@@ -111,18 +107,6 @@ def _objs(req: CompletionRequest, prompts, top_logprobs_cap: int, max_n: int = 1
                 rid=f"{req.rid}-{len(objs)}" if req.rid else None,
             ))
     return objs
-
-
-async def gather_or_cancel(coros) -> list:
-    """asyncio.gather that cancels the remaining work when one fails (so their requests are aborted)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 async def create_completion(tm: TokenizerManager, req: CompletionRequest, wait: Optional[Wait] = None) -> Response:

@@ -1,19 +1,20 @@
-"""Helpers shared by the OpenAI endpoints: request -> sampling params, errors, SSE, stream merging."""
+"""Helpers shared by the OpenAI endpoints: request -> sampling params, errors, the SSE stream (the HTTP helpers
+every API uses are in routes/common.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-from typing import AsyncIterator, List, Optional, Tuple
+from typing import AsyncIterator, Optional
 
-import orjson
 from fastapi.responses import Response
 
 from sgl_jax.srt.entrypoints.error_bodies import openai_error_body
 from sgl_jax.srt.entrypoints.field_types import logit_bias_ids
+from sgl_jax.srt.entrypoints.routes.common import SSE_DONE, json_response, sse
 from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
+
 
 def openai_error(message: str, status_code: int = 400, param: Optional[str] = None) -> Response:
     """An OpenAI error response (error_bodies.openai_error_body: OpenAI's nested error object with SGLang's
@@ -37,17 +38,6 @@ async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
         except RequestError as e:
             yield error_event(e)
     yield SSE_DONE
-
-
-def json_response(obj, status_code: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status_code, media_type="application/json")
-
-
-def sse(obj) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 def finish_reason_str(fr: Optional[dict]) -> Optional[str]:
@@ -137,41 +127,6 @@ def sampling_params_from(req, max_tokens: Optional[int], seed_offset: int = 0) -
         "min_new_tokens": req.min_tokens,
         "sampling_seed": None if req.seed is None else req.seed + seed_offset,
     }
-
-
-async def merge_streams(gens: List[AsyncIterator[dict]]) -> AsyncIterator[Tuple[int, dict]]:
-    """Interleave several async generators, yielding (index, item) as items arrive.
-
-    Closing the merged iterator (the client went away) cancels the tasks that drive the sources; each
-    source then ends inside its own task (so its cleanup -- aborting its request -- runs there). Nothing is
-    awaited during that cleanup: the response's cancel scope would cancel the wait, and `aclose` on a
-    generator another task is running raises, which is what logged a traceback per disconnect.
-    """
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i, gen):
-        try:
-            async for item in gen:
-                await queue.put((i, item))
-            await queue.put((i, done))
-        except BaseException as e:  # forwarded to the consumer
-            await queue.put((i, e))
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    remaining = len(gens)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
 
 
 def check_top_logprobs(name: str, value: Optional[int], cap: int) -> None:

@@ -11,7 +11,7 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 
 from sgl_jax.srt.entrypoints.native_protocol import AbortRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from sgl_jax.srt.entrypoints.openai.utils import json_response
+from sgl_jax.srt.entrypoints.routes.common import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager
 from sgl_jax.srt.metrics.collector import METRICS_CONTENT_TYPE
 from sgl_jax.srt.server_args import ServerArgs

@@ -12,7 +12,7 @@ from fastapi import Depends, Header, Request
 
 from sgl_jax.srt.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from sgl_jax.srt.entrypoints.anthropic.serving import count_tokens, create_message
-from sgl_jax.srt.entrypoints.openai.utils import json_response
+from sgl_jax.srt.entrypoints.routes.common import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager, until_disconnect
 from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager
 

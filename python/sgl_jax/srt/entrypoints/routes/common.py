@@ -1,10 +1,11 @@
 """What every route group shares: orjson request parsing, the error bodies, the app-state dependencies and
-client-disconnect handling."""
+client-disconnect handling; and the HTTP helpers every API module uses (JSON responses, SSE events, merging and
+gathering the streams of a request's prompts)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+from typing import AsyncIterator, List, Optional, Tuple
 
 import orjson
 from fastapi import APIRouter, Request
@@ -12,7 +13,6 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from sgl_jax.srt.entrypoints.error_bodies import error_body
-from sgl_jax.srt.entrypoints.openai.utils import json_response
 
 
 class ORJSONRequest(Request):
@@ -68,3 +68,64 @@ async def until_disconnect(request: Request, coro, poll_s: float = 0.25) -> Opti
     finally:
         if not task.done():
             task.cancel()
+
+
+# ---- the HTTP helpers every route group and API module uses
+def json_response(obj, status_code: int = 200) -> Response:
+    """`obj` serialized by orjson as an application/json response with `status_code`."""
+    return Response(orjson.dumps(obj), status_code=status_code, media_type="application/json")
+
+
+def sse(obj) -> bytes:
+    """One server-sent event carrying `obj` as JSON (``data: ...`` and a blank line)."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
+
+
+async def merge_streams(gens: List[AsyncIterator[dict]]) -> AsyncIterator[Tuple[int, dict]]:
+    """Interleave several async generators, yielding (index, item) as items arrive.
+
+    Closing the merged iterator (the client went away) cancels the tasks that drive the sources; each
+    source then ends inside its own task (so its cleanup -- aborting its request -- runs there). Nothing is
+    awaited during that cleanup: the response's cancel scope would cancel the wait, and `aclose` on a
+    generator another task is running raises, which is what logged a traceback per disconnect.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, gen):
+        try:
+            async for item in gen:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except BaseException as e:  # forwarded to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(gens)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def gather_or_cancel(coros) -> list:
+    """asyncio.gather that cancels the remaining work when one fails (so their requests are aborted)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -17,7 +17,7 @@ from sgl_jax.srt.entrypoints.control_protocol import (
     StartProfileRequest,
     UpdateWeightsFromDiskRequest,
 )
-from sgl_jax.srt.entrypoints.openai.utils import json_response
+from sgl_jax.srt.entrypoints.routes.common import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager
 from sgl_jax.srt.io_struct import ControlOutput, ProfileReqInput
 from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from sgl_jax.srt.entrypoints.field_types import LenientModel, PosInt32, TokenId
-from sgl_jax.srt.entrypoints.openai.utils import json_response
+from sgl_jax.srt.entrypoints.routes.common import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager, until_disconnect
 from sgl_jax.srt.tokenizer.embedding import encode_vector
 from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager

@@ -12,8 +12,8 @@ from pydantic import Field
 
 from sgl_jax.srt.entrypoints.field_types import LenientModel, TokenId
 from sgl_jax.srt.entrypoints.native_protocol import GenerateRequest
-from sgl_jax.srt.entrypoints.openai.serving_completions import gather_or_cancel
-from sgl_jax.srt.entrypoints.openai.utils import SSE_DONE, check_n, json_response, merge_streams, sse
+from sgl_jax.srt.entrypoints.openai.utils import check_n
+from sgl_jax.srt.entrypoints.routes.common import SSE_DONE, gather_or_cancel, json_response, merge_streams, sse
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager, until_disconnect
 from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 from sgl_jax.version import __version__

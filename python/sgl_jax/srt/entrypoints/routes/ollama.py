@@ -9,7 +9,7 @@ from fastapi import Depends, Request
 from sgl_jax.srt.entrypoints.ollama.protocol import OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
 from sgl_jax.srt.entrypoints.ollama.models import cached_facts, is_served_model, ps_entry, show_body, tag_entry
 from sgl_jax.srt.entrypoints.ollama.serving import ollama_chat, ollama_generate
-from sgl_jax.srt.entrypoints.openai.utils import json_response
+from sgl_jax.srt.entrypoints.routes.common import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager, until_disconnect
 from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager

@@ -10,7 +10,7 @@ from fastapi import Depends, Request
 from sgl_jax.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sgl_jax.srt.entrypoints.openai.serving_chat import create_chat_completion
 from sgl_jax.srt.entrypoints.openai.serving_completions import create_completion
-from sgl_jax.srt.entrypoints.openai.utils import json_response
+from sgl_jax.srt.entrypoints.routes.common import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager, until_disconnect
 from sgl_jax.srt.tokenizer.tokenizer_manager import RequestError, TokenizerManager
 

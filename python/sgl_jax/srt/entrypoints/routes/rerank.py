@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from sgl_jax.srt.entrypoints.field_types import LenientModel, PosInt32
-from sgl_jax.srt.entrypoints.openai.utils import json_response
+from sgl_jax.srt.entrypoints.routes.common import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager, until_disconnect
 from sgl_jax.srt.tokenizer.rerank import document_texts, ranked_results
 from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager

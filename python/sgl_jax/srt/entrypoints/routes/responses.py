@@ -21,7 +21,7 @@ from sgl_jax.srt.entrypoints.openai.serving_responses import (
     sse_frames,
     stream_events,
 )
-from sgl_jax.srt.entrypoints.openai.utils import json_response
+from sgl_jax.srt.entrypoints.routes.common import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager, until_disconnect
 from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager

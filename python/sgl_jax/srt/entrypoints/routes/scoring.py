@@ -6,7 +6,7 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 
 from sgl_jax.srt.entrypoints.native_protocol import ScoreRequest
-from sgl_jax.srt.entrypoints.openai.utils import json_response
+from sgl_jax.srt.entrypoints.routes.common import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager, until_disconnect
 from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager
 
