@@ -19,7 +19,7 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     session_params_of,
     usage,
 )
-from sgl_jax.srt.entrypoints.routes.common import SSE_DONE, json_response, merge_streams, sse
+from sgl_jax.srt.entrypoints.routes.common import SSE_DONE, gather_or_cancel, json_response, merge_streams, sse
 from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 
 Wait = Callable[[Awaitable], Awaitable[Optional[object]]]  # awaits work, None when the client went away
