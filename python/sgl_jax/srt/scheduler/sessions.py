@@ -315,8 +315,10 @@ def check_turn(msg, session: Session, input_ids, context_len: int, allow_auto_tr
     if history and msg.return_logprob and 0 <= msg.logprob_start_len < history:
         raise SessionError(f"A streaming session's turn reuses its history's KV: input logprobs start at "
                            f"logprob_start_len >= {history} (the history's length)")
-    try:  # (with --allow-auto-truncate the scheduler clips it when it queues the turn)
-        clip_max_new_tokens(n, msg.sampling_params.max_new_tokens, context_len, allow_auto_truncate,
+    if allow_auto_truncate:  # (the scheduler clips max_new_tokens when it queues the turn)
+        return
+    try:
+        clip_max_new_tokens(n, msg.sampling_params.max_new_tokens, context_len, False,
                             "of input (with the session's history)")
     except ContextLengthExceeded as e:
         raise SessionError(str(e)) from None
