@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 # batches and drift with context length and machine load (issue #39 allows speculation to lose at most 5%)
 PAY_MARGIN = 1.1
 DRAFT_MS_WEIGHT = 0.3  # the newest drafting time's weight in `StepCosts.draft_ms`
-TIMED_REPEATS = 2  # timed runs of each program at start-up, the fastest kept (after one untimed run)
+TIMED_REPEATS = 3  # timed rounds of the programs at start-up, each program's fastest kept (after one untimed run)
 # Test hook: when "1", the batch rule is off (every batch drafts what its requests may draft), so that tests verify
 # drafts at every batch size whatever this machine's step costs
 ALWAYS_DRAFT_ENV = "SGL_JAX_TEST_SPEC_ALWAYS_DRAFT"
@@ -85,22 +85,27 @@ class StepCosts:
 
 def measure_step_costs(runner, buckets: ShapeBuckets, mirror=None) -> StepCosts:
     """Time the target's compiled decode and verify programs at every batch-size padding on all-padding batches
-    (`ModelRunner.dummy_batch`: nothing but the padding page is written; `ModelRunner.device_seconds_per_step`:
-    one untimed run, then the fastest of TIMED_REPEATS). `mirror`: a STANDALONE draft model's runner, which runs
-    every target step too (its forward is added to both; an EAGLE head's step over the same rows is one layer and
-    left out). Call after warm-up (nothing compiles here) and before serving. Returns the `StepCosts` without
+    (`ModelRunner.dummy_batch`: nothing but the padding page is written; `ModelRunner.device_seconds_per_step`).
+    Each program runs once untimed, then the programs of a padding take turns for TIMED_REPEATS rounds and each
+    keeps its fastest run: a burst of other work on the machine then slows both programs' runs alike instead of
+    skewing their ratio, which the rule decides by. `mirror`: a STANDALONE draft model's runner, which runs every
+    target step too (its forward is added to both; an EAGLE head's step over the same rows is one layer and left
+    out). Call after warm-up (nothing compiles here) and before serving. Returns the `StepCosts` without
     drafting times."""
-    def ms(r, batch, sample):  # the fastest of the timed runs: start-up work beside it only slows a run down
-        r.device_seconds_per_step(batch, 1, sample)
-        return 1000.0 * min(r.device_seconds_per_step(batch, 1, sample) for _ in range(TIMED_REPEATS))
-
     decode, verify = {}, {}
+    runners = [(runner, True)] + ([] if mirror is None else [(mirror, False)])
     for s in buckets.bs_paddings:
-        for mode, shape, into in ((ForwardMode.DECODE, buckets.decode_shape(s), decode),
-                                  (ForwardMode.TARGET_VERIFY, buckets.verify_shape(s), verify)):
-            into[s] = ms(runner, runner.dummy_batch(mode, *shape), True)
-            if mirror is not None:
-                into[s] += ms(mirror, mirror.dummy_batch(mode, *shape), False)
+        programs = [(into, r, r.dummy_batch(mode, *shape), sample) for r, sample in runners
+                    for mode, shape, into in ((ForwardMode.DECODE, buckets.decode_shape(s), decode),
+                                              (ForwardMode.TARGET_VERIFY, buckets.verify_shape(s), verify))]
+        for _, r, batch, sample in programs:
+            r.device_seconds_per_step(batch, 1, sample)
+        fastest = [float("inf")] * len(programs)
+        for _ in range(TIMED_REPEATS):
+            for i, (_, r, batch, sample) in enumerate(programs):
+                fastest[i] = min(fastest[i], 1000.0 * r.device_seconds_per_step(batch, 1, sample))
+        for (into, *_), ms in zip(programs, fastest):
+            into[s] = into.get(s, 0.0) + ms
     costs = StepCosts(decode, verify)
     logger.info("Speculation's batch rule: decode / verify ms per step measured at S_pad %s",
                 ", ".join(f"{s}: {d:.1f} / {v:.1f}" for s, d, v, _ in costs.table()))
