@@ -36,7 +36,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from sgl_jax.srt.scheduler.spec_costs import ALWAYS_DRAFT_ENV
+from sgl_jax.srt.scheduler.spec_costs import ALWAYS_DRAFT_ENV, PAY_MARGIN
 from srt_helpers import ServerProcess, check_clean, module_server, save_tiny_eagle3_head, save_tiny_llama, \
     wait_pool_idle
 from test_overlap_schedule import compare, run_alone, run_json, run_session, run_workload
@@ -146,15 +146,31 @@ def tiny_reference(tiny_model):
                                                   "alone": [run_alone(url)]})
 
 
+def check_batch_rule_drafts(greedy: list, costs: list) -> None:
+    """The greedy copy requests on a server running the batch rule, whose start-up `costs` (spec_step_costs_ms
+    rows) must say a whole draft pays at batch 1: both 90-token requests drafted (a request's first
+    draft counts as wholly accepted), and most of what the four drafted was accepted. Which later steps draft, and
+    so each request's own accept rate, depends on this machine's costs: a request whose accepted runs do not pay
+    here drafts again only when it probes, wherever its text then is (CI, 2026-12-04: one request's rate at 0.5 or
+    below), so the acceptance is counted over the four together."""
+    _, decode_ms, verify_ms, draft_ms = costs[0]
+    rows = [(o["meta_info"]["spec_draft_token_num"], o["meta_info"]["spec_accept_token_num"]) for o in greedy]
+    info = f"step costs {costs}; (drafted, accepted) per greedy copy request {rows}"
+    # the rule's own test for a whole draft of 8 slots (7 tokens and the bonus one); on CPU a verify step of 8 slots
+    # at batch 1 costs ~3 decode steps (2.7 on CI's machine, 3.0 here on 2026-12-05), the rule lets it cost 7.3
+    assert SPEC_ARGS[-1] == "8" and 8 * decode_ms >= PAY_MARGIN * (verify_ms + draft_ms), info
+    assert rows[0][0] > 0 and rows[3][0] > 0, info
+    assert sum(a for _, a in rows) > 0.5 * sum(d for d, _ in rows), info
+
+
 def check_copies(copies: list, reference_copies: list, stop: str, drafts_accepted: bool = True,
-                 batch_rule: bool = False) -> None:
+                 batch_rule: list = ()) -> None:
     """The copy-heavy requests against the reference: the same tokens and text (the seeded samples too: under
     sampling each draft slot's token is drawn from the request's own stream at its output index, so the emitted
     tokens are those sampling one at a time draws -- the empirical distribution of the SEEDS samples is the
     reference's exactly, total variation 0 -- while drafts are accepted, unless not `drafts_accepted`: a random
-    draft model's). With `batch_rule` (a server running it) how much drafts depends on this machine's step costs:
-    each greedy copy request drafts at once (its first draft counts as wholly accepted) and most of what it
-    drafts is accepted. `copies` may have fewer samples than the reference (its first ones)."""
+    draft model's). `batch_rule`: the step costs of a server running the rule (`check_batch_rule_drafts`).
+    `copies` may have fewer samples than the reference (its first ones)."""
     samples = copies[5:]
     assert len(copies) == 5 + len(samples) and len(samples) >= 4
     for a, b in zip(copies, reference_copies):
@@ -168,7 +184,7 @@ def check_copies(copies: list, reference_copies: list, stop: str, drafts_accepte
         return
     meta = copies[0]["meta_info"]
     if batch_rule:
-        assert all(o["meta_info"]["spec_accept_rate"] > 0.5 for o in copies[:4]), [o["meta_info"] for o in copies]
+        check_batch_rule_drafts(copies[:4], batch_rule)
     else:
         assert sum(o["meta_info"]["spec_accept_token_num"] for o in samples) > len(samples)
         assert meta["spec_accept_token_num"] > 30 and meta["spec_accept_length"] > 2.0, meta
@@ -219,7 +235,7 @@ def test_page16_without_radix_under_forced_retract(spec_page16_server, reference
     assert costs[1][2] > costs[0][2]  # a verify step of 8 x 8 slots costs more than one of 8
     copies = copy_requests(url, stop, seeds=4)
     state = check_clean(url)
-    check_copies(copies, reference_copies, stop, batch_rule=True)
+    check_copies(copies, reference_copies, stop, batch_rule=state["spec_step_costs_ms"])
     assert state["num_retracted_reqs"] > 0 and state["spec_accepted_tokens"] > 0
     assert "spec_unpaid_steps" in state and state["spec_step_costs_ms"][0][3] > 0  # drafting time observed
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in copies)
