@@ -405,7 +405,9 @@ class SchedulerInfo:
     chunked_prefill_size: -1 when off; prefix_cache: the prefix cache kind (mem_cache/registry.py);
     vocab_size, architecture: the model's; token_paddings / bs_paddings: the compiled buckets; dp_size,
     tp_size: the mesh; load_balance_method; enable_mixed_chunk; max_prefill_step_ms: 0 when off;
-    weight_bytes_per_device: the weights' bytes on one device as stored; quantization: --quantization.
+    weight_bytes_per_device: the weights' bytes on one device as stored; quantization: --quantization;
+    startup_phases: where start-up time went, {"scheduler": `StartupPhases.to_json`} from the scheduler process;
+    the HTTP process adds "server" (its own) and "ready_s" in place (`entrypoints.launch.log_ready`).
     """
 
     max_total_tokens: int
@@ -431,6 +433,7 @@ class SchedulerInfo:
     quantization: Optional[str] = None  # --quantization: the linear layers' method, None: not quantized
     lora_adapters: Optional[Dict[str, str]] = None  # --enable-lora: the adapters loaded at start-up (name -> path)
     lora_slot_bytes: int = 0  # bytes of one LoRA adapter slot on one device
+    startup_phases: Optional[dict] = None
 
     def to_json(self) -> dict:
         """The JSON object of /get_server_info's ``scheduler_info`` (``radix_cache``: whether prefixes are shared,

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pydantic
 
-from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_subprocesses, stop_subprocesses
+from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_with_tokenizer, log_ready, stop_subprocesses
 from sgl_jax.srt.entrypoints.native_protocol import (
     GenerateRequest,
     OpenSessionRequest,
@@ -43,6 +43,7 @@ from sgl_jax.srt.io_struct import (
 )
 from sgl_jax.srt.tokenizer.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.srt.startup_phases import StartupPhases
 from sgl_jax.srt.utils import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class Engine:
     """
 
     def __init__(self, **kwargs):
+        phases = StartupPhases()  # the engine's start-up, from this call
         self.server_args = ServerArgs(**kwargs)
         if not logging.getLogger().handlers:
             configure_logging(self.server_args.log_level, "Engine")
@@ -106,17 +108,19 @@ class Engine:
         self._procs = []
         self._closed = False
         self._port_args = None
-        port_args, self.scheduler_info, self._procs = launch_subprocesses(self.server_args)
+        port_args, self.scheduler_info, self._procs, tokenizer = launch_with_tokenizer(self.server_args, phases)
         self._port_args = port_args
         try:
-            self.tokenizer_manager: TokenizerManager = self._run(self._create_tm(port_args))
+            with phases.phase("tokenizer manager"):
+                self.tokenizer_manager: TokenizerManager = self._run(self._create_tm(port_args, tokenizer))
         except BaseException:
             self.shutdown()
             raise
         self._watcher = ChildWatcher(self._procs, self._on_child_death)
+        log_ready(self.scheduler_info, phases)
 
-    async def _create_tm(self, port_args) -> TokenizerManager:
-        tm = TokenizerManager(self.server_args, port_args, self.scheduler_info)
+    async def _create_tm(self, port_args, tokenizer) -> TokenizerManager:
+        tm = TokenizerManager(self.server_args, port_args, self.scheduler_info, tokenizer=tokenizer)
         tm.start()
         return tm
 

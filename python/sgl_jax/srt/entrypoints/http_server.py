@@ -38,6 +38,7 @@ from sgl_jax.srt.entrypoints.routes import (admin, anthropic, control, embedding
 from sgl_jax.srt.entrypoints.routes.common import ORJSONRoute, error_for
 from sgl_jax.srt.io_struct import SchedulerInfo
 from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.srt.startup_phases import StartupPhases, process_started_at
 from sgl_jax.srt.tokenizer.tokenizer_manager import RequestError, TokenizerManager
 from sgl_jax.version import __version__
 
@@ -112,7 +113,7 @@ def launch_server(server_args: ServerArgs) -> None:
     Exits non-zero (within ~1 s, every process gone) if a child process dies."""
     import uvicorn
 
-    from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_subprocesses, stop_subprocesses
+    from sgl_jax.srt.entrypoints.launch import ChildWatcher, launch_with_tokenizer, log_ready, stop_subprocesses
     from sgl_jax.srt.entrypoints.shutdown import DrainingServer
     from sgl_jax.srt.utils import configure_logging
 
@@ -122,6 +123,8 @@ def launch_server(server_args: ServerArgs) -> None:
         run_follower_node(server_args)
         return
     configure_logging(server_args.log_level, "Server")
+    phases = StartupPhases(process_started_at())  # this process's start-up, from its interpreter's start
+    phases.since_start("process start and imports")
 
     def stop_during_startup(sig, _frame) -> None:  # (launch_subprocesses stops the children it started)
         logger.info("%s received during start-up: stopping", signal.Signals(sig).name)
@@ -129,10 +132,11 @@ def launch_server(server_args: ServerArgs) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop_during_startup)
-    port_args, info, procs = launch_subprocesses(server_args)
+    port_args, info, procs, tokenizer = launch_with_tokenizer(server_args, phases)
     try:
-        tm = TokenizerManager(server_args, port_args, info)
-        app = build_app(tm, server_args, info)
+        with phases.phase("HTTP app"):
+            tm = TokenizerManager(server_args, port_args, info, tokenizer=tokenizer)
+            app = build_app(tm, server_args, info)
     except BaseException:
         stop_subprocesses(procs, port_args)
         raise
@@ -156,6 +160,7 @@ def launch_server(server_args: ServerArgs) -> None:
         os._exit(0)
 
     watcher = ChildWatcher(procs, on_death)
+    log_ready(info, phases)
     logger.info("Serving %s on http://%s:%d", tm.served_model_name, server_args.host, server_args.port)
     # log_config=None: uvicorn's loggers go through ours (one line per event, our format); its access log
     # (one line per HTTP request, at INFO) only with --enable-request-log

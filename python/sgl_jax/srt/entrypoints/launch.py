@@ -12,19 +12,20 @@ import multiprocessing.connection
 import os
 import threading
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
-from sgl_jax.srt.configs.model_config import resolve_model, tokenizer_path_for
+from sgl_jax.srt.configs.model_config import load_tokenizer, resolve_model, tokenizer_path_for
 from sgl_jax.srt.model_loader.gguf_file import check_gguf_tokenizer_dir
 from sgl_jax.srt.io_struct import SchedulerInfo, SchedulerStartupError
 from sgl_jax.srt.port_args import PortArgs
 from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.srt.startup_phases import StartupPhases
 from sgl_jax.srt.utils import kill_processes
 
 logger = logging.getLogger(__name__)
 
 
-def _scheduler_main(*args) -> None:
+def _scheduler_main(*args) -> None:  # (server_args, port_args, pipe, parent pid, spawned_at)
     # imported here so that the HTTP process never imports JAX
     from sgl_jax.srt.scheduler.process import run_scheduler_process
 
@@ -37,14 +38,19 @@ def _detokenizer_main(*args) -> None:
     run_detokenizer_process(*args)
 
 
-def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, SchedulerInfo, List[mp.Process]]:
-    """Start scheduler + detokenizer; return (port_args, scheduler_info, processes) once the scheduler is ready.
-    The caller stops them with `stop_subprocesses`.
+def launch_subprocesses(server_args: ServerArgs, while_starting: Optional[Callable[[], Any]] = None
+                        ) -> Tuple[PortArgs, SchedulerInfo, List[mp.Process], Any]:
+    """Start scheduler + detokenizer; return (port_args, scheduler_info, processes, prepared) once the scheduler is
+    ready. The caller stops them with `stop_subprocesses`.
+
+    `while_starting` (optional) runs in this thread once the children have started, while the scheduler loads and
+    compiles; ``prepared`` is its result (None without it): the HTTP process loads its tokenizer there.
 
     Raises:
         RuntimeError: a child failed during start-up (the message carries its traceback).
         FileNotFoundError, ValueError: the model or tokenizer cannot be resolved (`model_config.resolve_model`,
             `model_config.tokenizer_path_for`); nothing was started.
+        Whatever `while_starting` raises (the children are stopped first).
     """
     # Once, before the children, which then find it all cached: a hub model's download (huggingface_hub's cache),
     # a GGUF's HF directory (built from its metadata), a hub --tokenizer-path's files.
@@ -56,7 +62,8 @@ def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, SchedulerInf
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     parent = os.getpid()
-    scheduler = ctx.Process(target=_scheduler_main, args=(server_args, port_args, writer, parent),
+    # spawned_at: the scheduler's start-up phases count from here (its interpreter start and imports included)
+    scheduler = ctx.Process(target=_scheduler_main, args=(server_args, port_args, writer, parent, time.time()),
                             name="sgl_jax::scheduler")
     detokenizer = ctx.Process(target=_detokenizer_main, args=(server_args, port_args, parent),
                               name="sgl_jax::detokenizer")
@@ -66,13 +73,40 @@ def launch_subprocesses(server_args: ServerArgs) -> Tuple[PortArgs, SchedulerInf
     writer.close()
     logger.info("Started scheduler (pid %d) and detokenizer (pid %d)", scheduler.pid, detokenizer.pid)
     try:
+        prepared = None if while_starting is None else while_starting()
         info = _wait_ready(reader, procs)
     except BaseException:
         stop_subprocesses(procs, port_args)
         raise
     logger.info("Scheduler ready: %d KV tokens, %d running requests, context %d tokens (per DP rank)",
                 info.max_total_tokens, info.max_running_requests, info.context_len)
-    return port_args, info, procs
+    return port_args, info, procs, prepared
+
+
+def launch_with_tokenizer(server_args: ServerArgs, phases: StartupPhases) -> Tuple[PortArgs, SchedulerInfo,
+                                                                                 List[mp.Process], Any]:
+    """`launch_subprocesses`, loading the tokenizer for the TokenizerManager (`load_tokenizer`) while the scheduler
+    starts: (port_args, scheduler_info, processes, tokenizer). Records the phases ``tokenizer`` and ``waiting for
+    the scheduler`` in `phases`. Raises as `launch_subprocesses` and `load_tokenizer`."""
+    def load():
+        with phases.phase("tokenizer"):
+            return load_tokenizer(server_args)
+
+    launched = launch_subprocesses(server_args, load)
+    phases.since_start("waiting for the scheduler")
+    return launched
+
+
+def log_ready(info: SchedulerInfo, server: StartupPhases) -> None:
+    """Put the HTTP process's start-up phases (`server`, counted from its start) beside the scheduler's in
+    ``info.startup_phases`` (in place: ``{"scheduler", "server", "ready_s"}``, /get_server_info's) and log one
+    line: ``Ready in <s> s: scheduler process: <phases>; server process: <phases>``."""
+    scheduler = info.startup_phases["scheduler"]
+    info.startup_phases.update(server=server.to_json(), ready_s=round(server.total(), 3))
+    described = ", ".join(f"{p['name']} {p['seconds']:.1f} s" + (f" ({p['note']})" if p["note"] else "")
+                          for p in scheduler.get("phases", []))
+    logger.info("Ready in %.1f s: scheduler process: %s; server process: %s", server.total(), described or "-",
+                server.describe())
 
 
 def stop_subprocesses(procs: List[mp.Process], port_args: Optional[PortArgs], timeout: float = 5.0) -> None:

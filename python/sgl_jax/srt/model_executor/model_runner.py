@@ -52,6 +52,7 @@ from sgl_jax.srt.forward_batch import DecodeRows, ForwardBatch, ForwardMode, Mod
 from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask, stack_vocab_masks, vocab_mask_words
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES, load_model
 from sgl_jax.srt.server_args import resolve_attention_backend
+from sgl_jax.srt.startup_phases import StartupPhases
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +88,13 @@ class ModelRunner:
         num_request_slots: ReqToTokenPool rows of one rank.
         aux_layers: layer ids whose outputs every forward also returns (`StepOutput.aux`: an EAGLE-3 head's input,
             `models.llama.run_layers`); empty: none.
+        phases: the start-up phases to record the weights' load and the KV allocation in (None: not recorded).
     """
 
     def __init__(self, server_args, model_config, *, buckets: ShapeBuckets, max_context_len: int,
-                 kv_spec_fn, num_request_slots: int = 1, aux_layers: Tuple[int, ...] = ()):
+                 kv_spec_fn, num_request_slots: int = 1, aux_layers: Tuple[int, ...] = (),
+                 phases: Optional[StartupPhases] = None):
+        phases = phases or StartupPhases()
         compile_counts()  # start counting compilations (warm-up reports them; serving must not add any)
         self.server_args = server_args
         self.aux_layers = tuple(sorted(aux_layers))
@@ -115,8 +119,9 @@ class ModelRunner:
         if self.tp_size > 1 or self.dp_size > 1:
             logger.info("Mesh: %d data-parallel ranks x %d tensor-parallel devices %s", self.dp_size, self.tp_size,
                         [d.id for d in self.mesh.devices.flat])
-        self.graphdef, self.params = load_model(model_config, server_args.load_format, server_args.random_seed,
-                                                mesh=self.mesh)
+        with phases.phase("weights (read, place and shard)"):
+            self.graphdef, self.params = load_model(model_config, server_args.load_format,
+                                                    server_args.random_seed, mesh=self.mesh)
         # bytes of weights on one device, as stored (int8/fp8 plus scales when quantized): sizes the KV pool
         self.weight_bytes = weight_bytes = sum(x.addressable_shards[0].data.nbytes
                                                for x in jax.tree.leaves(self.params))
@@ -158,7 +163,8 @@ class ModelRunner:
         self._kv_layout = (spec, padded_kv_heads(model_config.num_key_value_heads, self.tp_size),
                            model_config.head_dim, dtype)
         self._kv_alloc_programs = {}  # pages -> its jitted allocation (compiled here, reused by allocate_kv)
-        self.kv_caches = self.allocate_kv()
+        with phases.phase("KV cache allocation"):  # (waited for: the phase is the zeroing, not its dispatch)
+            self.kv_caches = jax.block_until_ready(self.allocate_kv())
         kv_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / self.tp_size / self.dp_size
         logger.info("KV cache: %s, %s, per rank (%.2f GiB per device)", spec.describe(), self.kv_cache_dtype.name,
                     kv_bytes / 2**30)
@@ -726,13 +732,14 @@ class ModelRunner:
                 self.params, *self._put((np.zeros((r, hidden_dim), dtype), np.zeros(SCORE_LABEL_CHUNK, np.int32))))))
         return programs
 
-    def warmup(self) -> None:
-        """Compile every program of `warmup_programs` ahead of time (warmup.compile_programs: nothing runs).
+    def warmup(self, phases: Optional[StartupPhases] = None, prefix: str = "") -> None:
+        """Compile every program of `warmup_programs` ahead of time (warmup.compile_programs: nothing runs), its
+        tracing and compiling recorded in `phases` (names starting with `prefix`) when given.
 
         Serving then finds each program in jit's in-memory cache; any later compile is counted in
         ``num_compiles_after_warmup`` (see compile_stats).
         """
-        self.warmup_stats = compile_programs(self.warmup_programs())
+        self.warmup_stats = compile_programs(self.warmup_programs(), phases, prefix)
         self._compiled_after_warmup = compile_counts().programs
 
     def _padding_inputs(self, mode: ForwardMode, t_pad: int, s_pad: int) -> tuple:

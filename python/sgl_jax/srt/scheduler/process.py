@@ -15,12 +15,13 @@ from sgl_jax.srt.utils import configure_logging, prepare_child_process
 logger = logging.getLogger(__name__)
 
 
-def run_scheduler_process(server_args, port_args, pipe_writer, parent_pid: int) -> None:
-    """Entry point of the scheduler process: build, report readiness over `pipe_writer`, serve forever."""
+def run_scheduler_process(server_args, port_args, pipe_writer, parent_pid: int, spawned_at: float) -> None:
+    """Entry point of the scheduler process: build, report readiness over `pipe_writer`, serve forever.
+    `spawned_at`: the parent's wall clock when it started this process (start-up phases count from it)."""
     configure_logging(server_args.log_level, "Scheduler")
     prepare_child_process(parent_pid)
     try:
-        scheduler = Scheduler(server_args, port_args)
+        scheduler = Scheduler(server_args, port_args, spawned_at)
         pipe_writer.send(scheduler.info())
         scheduler.event_loop()
     except Exception:

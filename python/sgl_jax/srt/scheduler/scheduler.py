@@ -27,6 +27,7 @@ the same either way (scheduler/overlap.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -39,6 +40,7 @@ import zmq
 from sgl_jax.srt.configs.model_config import ENCODER_ARCHITECTURES, ModelConfig, load_tokenizer
 from sgl_jax.srt.constrained.grammar_backend import GrammarBackend
 from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.startup_phases import StartupPhases
 from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.io_struct import (
     AbortReq,
@@ -125,17 +127,24 @@ class Scheduler:
     Args:
         server_args: `ServerArgs`.
         port_args: `PortArgs` (ZMQ endpoints).
+        spawned_at: when the parent started this process (``time.time()``); the start-up phases
+            (`startup_phases.StartupPhases`, sent in `info`) count from it. None: from this call.
     """
 
-    def __init__(self, server_args, port_args):
+    def __init__(self, server_args, port_args, spawned_at: Optional[float] = None):
         self.server_args = server_args
+        self.startup = phases = StartupPhases(spawned_at or time.time())
+        if spawned_at is not None:
+            phases.since_start("process start and imports")
         self.is_leader = server_args.node_rank == 0  # node 0 (or the only node) talks to the other processes
         self.link = (NodeLink(server_args.nnodes, server_args.node_rank, server_args.dist_init_addr)
                      if server_args.nnodes > 1 else None)
-        platform = setup_jax(server_args)
-        self.model_config = ModelConfig.from_server_args(server_args, platform)
+        with phases.phase("JAX set-up"):
+            platform = setup_jax(server_args)
+        with phases.phase("model config and tokenizer"):
+            self.model_config = ModelConfig.from_server_args(server_args, platform)
+            self.tokenizer = load_tokenizer(server_args)
         mc = self.model_config
-        self.tokenizer = load_tokenizer(server_args)
         self.max_running_requests, self.buckets, self.max_prefill_tokens, self.chunk_size = derive_limits(
             server_args, mc, platform)
         if mc.architecture in ENCODER_ARCHITECTURES and self.chunk_size:
@@ -154,10 +163,11 @@ class Scheduler:
             server_args, mc, buckets=self.buckets, max_context_len=self.context_len,
             kv_spec_fn=lambda weight_bytes: kv_spec_for(
                 server_args, mc, compute_max_total_tokens(server_args, mc, weight_bytes, platform, reserve)),
-            num_request_slots=self.max_running_requests, aux_layers=aux_layers,
+            num_request_slots=self.max_running_requests, aux_layers=aux_layers, phases=phases,
         )
-        self.draft_model = (None if draft_mc is None else
-                            new_drafter(server_args, self.model_runner, self.buckets, draft_mc))
+        with phases.phase("draft model") if draft_mc is not None else contextlib.nullcontext():
+            self.draft_model = (None if draft_mc is None else
+                                new_drafter(server_args, self.model_runner, self.buckets, draft_mc))
         self.lora = None if mc.lora is None else SchedulerLora(
             mc.lora, server_args.max_loaded_loras, self.model_runner.lora_writer, self.live_reqs, self.running_reqs,
             server_args.download_dir, lambda uid: sum(rank.memory.drop_namespace(uid) for rank in self.ranks))
@@ -205,22 +215,33 @@ class Scheduler:
         if self.speculating:
             logger.info("Speculative decoding: %s, up to %d draft-tree slots per request",
                         server_args.speculative_algorithm, server_args.speculative_num_draft_tokens)
+        phases.since_start("scheduler set-up")
         if not server_args.disable_precompile:
-            if self.draft_model is not None:
-                self.draft_model.runner.warmup()
-            self.model_runner.warmup()
-            if self.speculating and batch_rule_on():  # the batch rule's step costs
+            self._warmup()
+        if self.grammar_queue.backend is not None and self.model_runner.generates:  # (embedding servers: no grammar)
+            with phases.phase("grammar warm-up"):
+                self.grammar_queue.backend.warmup()
+        if self.lora is not None:
+            with phases.phase("LoRA adapters"):
+                self.lora.load_initial(server_args.lora_paths)
+        self.control = EngineControl(self)  # weight updates, memory release, pause, profiling
+        phases.since_start("other")
+        self.startup_report = phases.to_json()  # (at ready: `info` sends it)
+
+    def _warmup(self) -> None:
+        """Compile every program serving runs (the draft model's first), then measure speculation's step costs
+        when the batch rule is on; each in its start-up phases (tracing, compiling)."""
+        if self.draft_model is not None:
+            self.draft_model.runner.warmup(self.startup, "draft ")
+        self.model_runner.warmup(self.startup)
+        if self.speculating and batch_rule_on():  # the batch rule's step costs
+            with self.startup.phase("speculation step costs"):
                 mirror = None if self.draft_model is None else self.draft_model.mirror_runner
                 costs = measure_step_costs(self.model_runner, self.buckets, mirror)
-                for rank in self.ranks:
-                    rank.speculator.costs = costs
-            if self.draft_model is not None:
-                self.draft_model.runner.restart_compile_count()
-        if self.grammar_queue.backend is not None and self.model_runner.generates:  # (embedding servers: no grammar)
-            self.grammar_queue.backend.warmup()
-        if self.lora is not None:
-            self.lora.load_initial(server_args.lora_paths)
-        self.control = EngineControl(self)  # weight updates, memory release, pause, profiling
+            for rank in self.ranks:
+                rank.speculator.costs = costs
+        if self.draft_model is not None:
+            self.draft_model.runner.restart_compile_count()
 
     def _open_sockets(self, port_args) -> None:
         """The ZMQ sockets: requests in from the TokenizerManager, tokens out to the DetokenizerManager, control
@@ -287,6 +308,7 @@ class Scheduler:
             quantization=self.model_config.quantization,
             lora_adapters=None if self.lora is None else self.lora.registry.paths(),
             lora_slot_bytes=0 if self.lora is None else self.model_runner.lora_writer.slot_bytes,
+            startup_phases={"scheduler": self.startup_report},
         )
 
     # ------------------------------------------------------------ RankHooks

@@ -207,12 +207,15 @@ class TokenizerManager:
         port_args: `PortArgs`.
         scheduler_info: what the scheduler reported when ready (`SchedulerInfo`: limits such as
             max_req_input_len, context_len).
+        tokenizer: the tokenizer `load_tokenizer` gives for `server_args`, already loaded (the launcher loads it
+            while the scheduler starts); None: loaded here.
     """
 
-    def __init__(self, server_args, port_args, scheduler_info: SchedulerInfo):
+    def __init__(self, server_args, port_args, scheduler_info: SchedulerInfo, tokenizer=None):
         self.server_args = server_args
         self.tokenizer_path = tokenizer_path_for(server_args)
-        self.tokenizer = load_tokenizer(server_args)
+        # (the launcher loads it while the scheduler starts: entrypoints/launch.launch_with_tokenizer)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(server_args)
         self.served_model_name = served_model_name(server_args)
         # tokenization and chat templates run here, off the event loop (one thread: HF fast tokenizers are
         # not safe to reconfigure from several threads at once)
