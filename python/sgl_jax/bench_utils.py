@@ -259,9 +259,12 @@ class LaunchedServer:
     """``python -m sgl_jax.launch_server ARGS`` on a free port until closed (context manager), in its own session
     (process group) and in `env` (None: this process's environment); its log goes to a temp file, whose tail any
     start-up failure raises (RuntimeError). Leaving the context without an exception checks the stop: exit status
-    0 and no process of its group left (RuntimeError otherwise, after killing what is left)."""
+    0 and no process of its group left (RuntimeError otherwise, after killing what is left).
 
-    def __init__(self, args: List[str], timeout: float, env: Optional[dict] = None):
+    /health is polled every `poll_s` seconds; ``started_at`` (``time.perf_counter()`` at the launch) and
+    ``ready_s`` (seconds from the launch to the first 200) time the start-up."""
+
+    def __init__(self, args: List[str], timeout: float, env: Optional[dict] = None, poll_s: float = 1.0):
         import httpx
 
         from sgl_jax.srt.utils import find_free_port
@@ -269,6 +272,7 @@ class LaunchedServer:
         port = find_free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sgl_jax_bench_server_", suffix=".log", delete=False)
+        self.started_at = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-m", "sgl_jax.launch_server", "--host", "127.0.0.1",
                                       "--port", str(port), *args], stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
@@ -276,13 +280,14 @@ class LaunchedServer:
         while True:
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.ready_s = time.perf_counter() - self.started_at
                     return
             except httpx.HTTPError:
                 pass
             if self.proc.poll() is not None or time.time() > deadline:
                 self.stop()
                 raise RuntimeError(f"server {' '.join(args)} did not start:\n{self.log_tail()}")
-            time.sleep(1.0)
+            time.sleep(poll_s)
 
     def __enter__(self):
         return self
