@@ -16,7 +16,7 @@ from srt_helpers import save_tiny_llama, server_env
 SCHEDULER_PHASES = ["process start and imports", "JAX set-up", "model config and tokenizer",
                     "weights (read, place and shard)", "KV cache allocation", "scheduler set-up", "tracing",
                     "compiling", "grammar warm-up", "other"]
-SERVER_PHASES = ["process start and imports", "tokenizer", "waiting for the scheduler", "HTTP app"]
+SERVER_PHASES = ["process start and imports", "tokenizer", "waiting for the scheduler", "HTTP app", "other"]
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from sgl_jax.srt.io_struct import OpenSessionReqInput
 from sgl_jax.srt.tokenizer.tokenizer_manager import RequestError
 from srt_helpers import alive_after, edit_checkpoint, engine_children, hf_greedy, save_tiny_llama, start_engine
 
@@ -185,6 +186,20 @@ def test_invalid_requests_raise_and_engine_keeps_serving(engine):
     with pytest.raises(RequestError, match="sampling_params.max_tokens: Extra inputs are not permitted"):
         engine.generate("x", {"max_tokens": 3})
     assert engine.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_a_late_answer_never_answers_a_later_call(engine):
+    """TokenizerManager.control, the one channel for the scheduler's answers, matches them by request id: the
+    answer to a call that timed out (opening session "late") is dropped, and the next call of the same kind gets
+    its own (session "next"). (With answers queued by type, the next call took the late one.)"""
+    tm = engine.tokenizer_manager
+    with pytest.raises(RequestError, match="did not answer in time"):
+        engine._run(tm.control(OpenSessionReqInput(session_id="late"), timeout=1e-6))
+    try:
+        assert engine.open_session(session_id="next") == "next"
+    finally:
+        for session_id in ("late", "next"):
+            engine.close_session(session_id)
 
 
 def test_kv_cache_is_free_when_idle(engine):

@@ -60,6 +60,7 @@ class OpenSessionReqInput:
     session_id: Optional[str] = None
     streaming: bool = False
     timeout: Optional[float] = None
+    request_id: str = ""  # matches the answer to its request (TokenizerManager.control)
 
 
 @dataclasses.dataclass
@@ -67,11 +68,13 @@ class OpenSessionReqOutput:
     session_id: Optional[str]
     success: bool
     message: str = ""
+    request_id: str = ""  # the request's (set by the scheduler)
 
 
 @dataclasses.dataclass
 class CloseSessionReqInput:
     session_id: str
+    request_id: str = ""  # matches the answer to its request (TokenizerManager.control)
 
 
 @dataclasses.dataclass
@@ -79,6 +82,7 @@ class CloseSessionReqOutput:
     session_id: str
     success: bool
     message: str = ""
+    request_id: str = ""  # the request's (set by the scheduler)
 
 
 @dataclasses.dataclass
@@ -89,6 +93,7 @@ class LoadLoRAAdapterReqInput:
     lora_name: str
     lora_path: str
     pinned: bool = False
+    request_id: str = ""  # matches the answer to its request (TokenizerManager.control)
 
 
 @dataclasses.dataclass
@@ -96,6 +101,7 @@ class UnloadLoRAAdapterReqInput:
     """SGLang's /unload_lora_adapter body."""
 
     lora_name: str
+    request_id: str = ""  # matches the answer to its request (TokenizerManager.control)
 
 
 @dataclasses.dataclass
@@ -109,6 +115,7 @@ class LoRAUpdateOutput:
     loaded_adapters: Optional[Dict[str, str]] = None
     status_code: int = 200
     load_seconds: Optional[float] = None
+    request_id: str = ""  # the request's (set by the scheduler)
 
 
 @dataclasses.dataclass
@@ -119,23 +126,25 @@ class AbortReq:
 
 @dataclasses.dataclass
 class FlushCacheReq:
-    pass
+    request_id: str = ""  # matches the answer to its request (TokenizerManager.control)
 
 
 @dataclasses.dataclass
 class FlushCacheReqOutput:
     success: bool
     message: str = ""
+    request_id: str = ""  # the request's (set by the scheduler)
 
 
 @dataclasses.dataclass
 class GetInternalStateReq:
-    pass
+    request_id: str = ""  # matches the answer to its request (TokenizerManager.control)
 
 
 @dataclasses.dataclass
 class GetInternalStateReqOutput:
     internal_state: Dict[str, object]
+    request_id: str = ""  # the request's (set by the scheduler)
 
 
 # ---- RL and operator control (scheduler/engine_control.py); each answered by a ControlOutput subclass
@@ -240,6 +249,10 @@ CONTROL_REPLIES = {UpdateWeightsFromDiskReqInput: UpdateWeightsOutput, UpdateWei
                    UpdateWeightsOutput, GetWeightsByNameReqInput: GetWeightsOutput,
                    MemoryOccupationReqInput: MemoryOccupationOutput, PauseGenerationReqInput: PauseGenerationOutput,
                    ProfileReqInput: ProfileOutput}
+# every answer the scheduler sends back to one TokenizerManager call, matched to it by request_id
+# (TokenizerManager.control): the sessions', LoRA's, the cache flush's, the internal state's and CONTROL_REPLIES'
+ANSWERS = (OpenSessionReqOutput, CloseSessionReqOutput, LoRAUpdateOutput, FlushCacheReqOutput,
+           GetInternalStateReqOutput, ControlOutput)
 
 
 @dataclasses.dataclass

@@ -100,7 +100,9 @@ def launch_with_tokenizer(server_args: ServerArgs, phases: StartupPhases) -> Tup
 def log_ready(info: SchedulerInfo, server: StartupPhases) -> None:
     """Put the HTTP process's start-up phases (`server`, counted from its start) beside the scheduler's in
     ``info.startup_phases`` (in place: ``{"scheduler", "server", "ready_s"}``, /get_server_info's) and log one
-    line: ``Ready in <s> s: scheduler process: <phases>; server process: <phases>``."""
+    line: ``Ready in <s> s: scheduler process: <phases>; server process: <phases>``. The server's time not in a
+    phase yet is its phase ``other``, so that its phases sum to its total."""
+    server.since_start("other")
     scheduler = info.startup_phases["scheduler"]
     info.startup_phases.update(server=server.to_json(), ready_s=round(server.total(), 3))
     described = ", ".join(f"{p['name']} {p['seconds']:.1f} s" + (f" ({p['note']})" if p["note"] else "")

@@ -560,17 +560,17 @@ class Scheduler:
                 elif isinstance(msg, AbortReq):
                     self.handle_abort(msg)
                 elif isinstance(msg, FlushCacheReq):
-                    self.send_to_tokenizer.send_pyobj(self.flush_cache())
+                    self.answer(msg, self.flush_cache())
                 elif isinstance(msg, OpenSessionReqInput):
-                    self.send_to_tokenizer.send_pyobj(self.open_session(msg))
+                    self.answer(msg, self.open_session(msg))
                 elif isinstance(msg, CloseSessionReqInput):
-                    self.send_to_tokenizer.send_pyobj(self.close_session(msg))
+                    self.answer(msg, self.close_session(msg))
                 elif isinstance(msg, (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)):
-                    self.send_to_tokenizer.send_pyobj(update_lora(self.lora, msg))
+                    self.answer(msg, update_lora(self.lora, msg))
                 elif type(msg) in CONTROL_REPLIES:
                     self.handle_control(msg)
                 elif isinstance(msg, GetInternalStateReq):
-                    self.send_to_tokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
+                    self.answer(msg, GetInternalStateReqOutput(self.internal_state()))
                 else:
                     logger.error("Unknown message type %s", type(msg).__name__)
             except Exception:  # a bad request must not take the scheduler down
@@ -588,8 +588,13 @@ class Scheduler:
             logger.error("Failed to handle %s:\n%s", type(msg).__name__, traceback.format_exc())
             out = CONTROL_REPLIES[type(msg)](False, f"internal error: {type(e).__name__}: {e}", 500)
         if out is not None:
-            out.request_id = msg.request_id
-            self.send_to_tokenizer.send_pyobj(out)
+            self.answer(msg, out)
+
+    def answer(self, msg, out) -> None:
+        """Send `out` (one of io_struct.ANSWERS) to the TokenizerManager as the answer to request `msg` (its
+        request_id copied: TokenizerManager.control matches answers by it)."""
+        out.request_id = msg.request_id
+        self.send_to_tokenizer.send_pyobj(out)
 
     def assign_rank(self, token_ids, namespace=None) -> RankScheduler:
         """The rank a new request (or scoring group) goes to, by --load-balance-method (load_balance.py);

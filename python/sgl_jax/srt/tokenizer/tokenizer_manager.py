@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from sgl_jax.srt.configs.model_config import load_tokenizer, served_model_name, tokenizer_path_for
 from sgl_jax.srt.io_struct import (
+    ANSWERS,
     AbortReq,
     BatchStrOut,
     ControlOutput,
@@ -241,8 +242,6 @@ class TokenizerManager:
         self.send_to_scheduler = ctx.socket(zmq.PUSH)
         self.send_to_scheduler.connect(port_args.scheduler_input_ipc_name)
         self.rid_to_state: Dict[str, ReqState] = {}
-        self._control: Dict[type, asyncio.Queue] = {}
-        self._control_locks: Dict[type, asyncio.Lock] = {}
         self._control_waiters: Dict[str, asyncio.Future] = {}  # control request id -> its answer (`control`)
         self._loop_task: Optional[asyncio.Task] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the loop serving this manager, once started
@@ -375,30 +374,17 @@ class TokenizerManager:
                     state.event.set()
             elif self.score_client.on_message(msg):
                 pass
-            elif isinstance(msg, ControlOutput):
+            elif isinstance(msg, ANSWERS):
                 waiter = self._control_waiters.get(msg.request_id)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)
             else:
-                self._control_queue(type(msg)).put_nowait(msg)
+                logger.error("Unknown message from the scheduler: %s", type(msg).__name__)
 
     def _observe_metrics(self, times: RequestTimes, out: StrOut) -> None:
         fr = out.finished_reason
         self.metrics.observe_output(times, out.completion_tokens, fr is not None, out.prompt_tokens,
                                     out.cached_tokens, aborted=fr is not None and fr.get("type") == "abort")
-
-    def _control_queue(self, tp: type) -> asyncio.Queue:
-        return self._control.setdefault(tp, asyncio.Queue())
-
-    async def _control_call(self, req, reply_type: type, timeout: float = 30.0):
-        self._check_alive()
-        lock = self._control_locks.setdefault(reply_type, asyncio.Lock())
-        async with lock:
-            self.send_to_scheduler.send_pyobj(req)
-            try:
-                return await asyncio.wait_for(self._control_queue(reply_type).get(), timeout)
-            except asyncio.TimeoutError:
-                raise RequestError("The scheduler did not answer in time", 503) from None
 
     def check_lora(self, name: Optional[str]) -> None:
         """Raises RequestError (400, param lora_path) unless adapter `name` is loaded (None: the base model)."""
@@ -415,27 +401,35 @@ class TokenizerManager:
         """/load_lora_adapter (a `LoadLoRAAdapterReqInput`) or /unload_lora_adapter (`UnloadLoRAAdapterReqInput`):
         the scheduler's answer, whose adapter list this manager then validates requests against. A load may
         download the adapter: it is given up to 10 minutes."""
-        self.start()
-        out: LoRAUpdateOutput = await self._control_call(obj, LoRAUpdateOutput, timeout=600.0)
+        out: LoRAUpdateOutput = await self.control(obj, timeout=600.0)
         if out.loaded_adapters is not None and self.lora_adapters is not None:
             self.lora_adapters = dict(out.loaded_adapters)
         return out
 
-    async def control(self, obj) -> ControlOutput:
-        """A weights, memory, pause or profile request (io_struct.CONTROL_REPLIES): the scheduler's answer, whose
-        weight version and memory state this manager then reports and acts on (503 while memory is released).
-        An update may wait for running requests and read a large checkpoint: up to CONTROL_TIMEOUT_S."""
+    async def control(self, obj, timeout: float = CONTROL_TIMEOUT_S):
+        """The one channel for a request the scheduler answers (sessions, LoRA, cache flush, internal state, and
+        the weights, memory, pause and profile requests of io_struct.CONTROL_REPLIES): `obj` gets a fresh
+        request_id, and the answer with that id (one of io_struct.ANSWERS) is returned. An answer to a call that
+        timed out or was cancelled is dropped, so it never answers a later call. A `ControlOutput`'s weight
+        version and memory state this manager then reports and acts on (503 while memory is released). An update
+        may wait for running requests and read a large checkpoint: `timeout` is CONTROL_TIMEOUT_S unless given.
+
+        Raises:
+            RequestError: 503 -- no answer within `timeout` seconds, or a child process died.
+        """
         self.start()
         self._check_alive()
         obj.request_id = uuid.uuid4().hex
         waiter = self._control_waiters[obj.request_id] = self.loop.create_future()
-        try:  # (the answer is matched by id: one to a call that timed out or was cancelled is dropped)
+        try:
             self.send_to_scheduler.send_pyobj(obj)
-            out: ControlOutput = await asyncio.wait_for(waiter, CONTROL_TIMEOUT_S)
+            out = await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:
             raise RequestError("The scheduler did not answer in time", 503) from None
         finally:
             self._control_waiters.pop(obj.request_id, None)
+        if not isinstance(out, ControlOutput):
+            return out
         if out.success and "weight_version" in out.data:
             self.weight_version = out.data["weight_version"]
         if out.success and "kv_cache_released" in out.data:
@@ -443,10 +437,10 @@ class TokenizerManager:
         return out
 
     async def flush_cache(self) -> FlushCacheReqOutput:
-        return await self._control_call(FlushCacheReq(), FlushCacheReqOutput)
+        return await self.control(FlushCacheReq(), timeout=30.0)
 
     async def get_internal_state(self) -> dict:
-        out: GetInternalStateReqOutput = await self._control_call(GetInternalStateReq(), GetInternalStateReqOutput)
+        out: GetInternalStateReqOutput = await self.control(GetInternalStateReq(), timeout=30.0)
         return out.internal_state
 
     async def open_session(self, obj: OpenSessionReqInput) -> str:
@@ -456,10 +450,9 @@ class TokenizerManager:
             RequestError: 400 -- a session with that id is open, streaming without
                 --enable-streaming-session, or no room for another streaming session.
         """
-        self.start()
         if obj.session_id is None:  # chosen here, so every node of a multi-host server opens the same id
             obj = dataclasses.replace(obj, session_id=uuid.uuid4().hex)
-        out: OpenSessionReqOutput = await self._control_call(obj, OpenSessionReqOutput)
+        out: OpenSessionReqOutput = await self.control(obj, timeout=30.0)
         if not out.success:
             raise RequestError(out.message or "Failed to open the session")
         return out.session_id
@@ -470,8 +463,7 @@ class TokenizerManager:
         Raises:
             RequestError: 404 -- no open session has that id.
         """
-        self.start()
-        out: CloseSessionReqOutput = await self._control_call(CloseSessionReqInput(session_id), CloseSessionReqOutput)
+        out: CloseSessionReqOutput = await self.control(CloseSessionReqInput(session_id), timeout=30.0)
         if not out.success:
             raise RequestError(out.message, 404)
 
