@@ -63,6 +63,7 @@ def run(flags: List[str], restarts: int, cache_dir: Optional[str], timeout: floa
         ValueError: `cache_dir` exists and is not empty (the cold start would not be cold)."""
     if cache_dir and os.path.isdir(cache_dir) and os.listdir(cache_dir):
         raise ValueError(f"--cache-dir {cache_dir} is not empty: the first start would not be a cold one")
+    load_at_start = os.getloadavg()[0]
     tmp = None if cache_dir else tempfile.mkdtemp(prefix="sgl_jax_bench_startup_cache_")
     cache = cache_dir or tmp
     try:
@@ -72,7 +73,7 @@ def run(flags: List[str], restarts: int, cache_dir: Optional[str], timeout: floa
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     return {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
-            "load_average_at_start": os.getloadavg()[0], "server_flags": flags, "starts": starts}
+            "load_average_at_start": load_at_start, "server_flags": flags, "starts": starts}
 
 
 def _phase_seconds(start: dict, process: str) -> dict:
@@ -94,15 +95,13 @@ def format_table(result: dict) -> str:
                      f"{w.get('compiled', '-')} | {w.get('loaded_from_cache', '-')} | "
                      f"{s['num_compiles_after_warmup']} |")
     for process in ("scheduler", "server"):
-        names: List[str] = []
-        for s in starts:
-            names += [n for n in _phase_seconds(s, process) if n not in names]
+        seconds = [_phase_seconds(s, process) for s in starts]
+        names = list(dict.fromkeys(n for per_start in seconds for n in per_start))  # (in order, once each)
         lines += ["", f"{process} process phases (s):", "",
                   "| phase | " + " | ".join(s["name"] for s in starts) + " |", "|---" * (len(starts) + 1) + "|"]
         for n in names:
-            lines.append(f"| {n} | " + " | ".join(
-                f"{_phase_seconds(s, process)[n]:.1f}" if n in _phase_seconds(s, process) else "-"
-                for s in starts) + " |")
+            lines.append(f"| {n} | " + " | ".join(f"{per_start[n]:.1f}" if n in per_start else "-"
+                                                  for per_start in seconds) + " |")
         lines.append("| total | " + " | ".join(
             f"{s['startup_phases'].get(process, {}).get('total_s', float('nan')):.1f}" for s in starts) + " |")
     return "\n".join(lines) + "\n"

@@ -69,11 +69,16 @@ class StartupPhases:
         return time.time() - self.started_at
 
     def describe(self) -> str:
-        """``name 1.2 s, name 3.4 s (note), ...`` in phase order."""
-        return ", ".join(f"{name} {s:.1f} s" + (f" ({self.notes[name]})" if name in self.notes else "")
-                         for name, s in self.seconds.items())
+        """``name 1.2 s, name 3.4 s (note), ...`` in phase order (`describe_phases` of `to_json`)."""
+        return describe_phases(self.to_json())
 
     def to_json(self, total: Optional[float] = None) -> dict:
         """{"total_s", "phases": [{"name", "seconds", "note"}, ...]} (total_s: `total` unless given)."""
         return {"total_s": round(self.total() if total is None else total, 3),
                 "phases": [{"name": n, "seconds": s, "note": self.notes.get(n, "")} for n, s in self.seconds.items()]}
+
+
+def describe_phases(report: dict) -> str:
+    """``name 1.2 s, name 3.4 s (note), ...`` of a `StartupPhases.to_json` report, in phase order ("-": none)."""
+    return ", ".join(f"{p['name']} {p['seconds']:.1f} s" + (f" ({p['note']})" if p["note"] else "")
+                     for p in report.get("phases", [])) or "-"

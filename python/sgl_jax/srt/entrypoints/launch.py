@@ -19,7 +19,7 @@ from sgl_jax.srt.model_loader.gguf_file import check_gguf_tokenizer_dir
 from sgl_jax.srt.io_struct import SchedulerInfo, SchedulerStartupError
 from sgl_jax.srt.port_args import PortArgs
 from sgl_jax.srt.server_args import ServerArgs
-from sgl_jax.srt.startup_phases import StartupPhases
+from sgl_jax.srt.startup_phases import StartupPhases, describe_phases
 from sgl_jax.srt.utils import kill_processes
 
 logger = logging.getLogger(__name__)
@@ -103,12 +103,9 @@ def log_ready(info: SchedulerInfo, server: StartupPhases) -> None:
     line: ``Ready in <s> s: scheduler process: <phases>; server process: <phases>``. The server's time not in a
     phase yet is its phase ``other``, so that its phases sum to its total."""
     server.since_start("other")
-    scheduler = info.startup_phases["scheduler"]
     info.startup_phases.update(server=server.to_json(), ready_s=round(server.total(), 3))
-    described = ", ".join(f"{p['name']} {p['seconds']:.1f} s" + (f" ({p['note']})" if p["note"] else "")
-                          for p in scheduler.get("phases", []))
-    logger.info("Ready in %.1f s: scheduler process: %s; server process: %s", server.total(), described or "-",
-                server.describe())
+    logger.info("Ready in %.1f s: scheduler process: %s; server process: %s", server.total(),
+                describe_phases(info.startup_phases["scheduler"]), server.describe())
 
 
 def stop_subprocesses(procs: List[mp.Process], port_args: Optional[PortArgs], timeout: float = 5.0) -> None:
