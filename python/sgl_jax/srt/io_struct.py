@@ -416,7 +416,8 @@ class SchedulerInfo:
     rank; max_prefill_tokens: the prefill token budget; max_req_input_len: the longest prompt; context_len: the
     model's context in tokens; page_size: tokens per KV page; kv_cache_dtype: the KV storage dtype's name;
     chunked_prefill_size: -1 when off; prefix_cache: the prefix cache kind (mem_cache/registry.py);
-    vocab_size, architecture: the model's; token_paddings / bs_paddings: the compiled buckets; dp_size,
+    vocab_size, architecture: the model's; model_role, is_encoder: its class's ``role`` ("causal", "embedding",
+    "classifier") and ``is_encoder`` (models/llama.LlamaForCausalLM's hooks); token_paddings / bs_paddings: the compiled buckets; dp_size,
     tp_size: the mesh; load_balance_method; enable_mixed_chunk; max_prefill_step_ms: 0 when off;
     weight_bytes_per_device: the weights' bytes on one device as stored; quantization: --quantization;
     startup_phases: where start-up time went, {"scheduler": `StartupPhases.to_json`} from the scheduler process;
@@ -447,6 +448,8 @@ class SchedulerInfo:
     lora_adapters: Optional[Dict[str, str]] = None  # --enable-lora: the adapters loaded at start-up (name -> path)
     lora_slot_bytes: int = 0  # bytes of one LoRA adapter slot on one device
     startup_phases: Optional[dict] = None
+    model_role: str = "causal"
+    is_encoder: bool = False
 
     def to_json(self) -> dict:
         """The JSON object of /get_server_info's ``scheduler_info`` (``radix_cache``: whether prefixes are shared,
@@ -457,6 +460,8 @@ class SchedulerInfo:
 @dataclasses.dataclass(frozen=True)
 class SchedulerStartupError:
     """What the scheduler sends over the start-up pipe instead of `SchedulerInfo` when it cannot start:
-    `traceback` is the formatted exception."""
+    `traceback` is the formatted exception; `reason` the one-line message of a configuration error (a ValueError),
+    empty for anything else."""
 
     traceback: str
+    reason: str = ""

@@ -227,16 +227,6 @@ def load_tokenizer(server_args):
     return tokenizer
 
 
-# encoders (models/bert.py): bidirectional, every sequence whole in one step (no chunked prefill, no KV reuse)
-ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "BertForSequenceClassification",
-                         "XLMRobertaForSequenceClassification")
-# sequence-classification heads (cross-encoders, rerankers): /v1/rerank scores with the head
-CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "XLMRobertaForSequenceClassification",
-                            "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
-                            "Qwen3ForSequenceClassification")
-# architectures with no LM head: served as embedding models (--is-embedding) whatever the flag says
-EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "Qwen3Model") + ENCODER_ARCHITECTURES + CLASSIFIER_ARCHITECTURES
-
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -314,8 +304,12 @@ class ModelConfig:
     quant_checkpoint: Optional[ResolvedQuantization] = None
     # --kv-cache-dtype fp8_*: attention layers hold per-KV-head k_scale / v_scale (the checkpoint's, else 1)
     kv_cache_scales: bool = False
-    # --is-embedding: a causal LM is built without its LM head (models/registry.EMBEDDING_VARIANTS)
+    # --is-embedding: a causal LM is built without its LM head (the class whose embedding_form_of names it)
     is_embedding: bool = False
+    # the model class's role ("causal", "embedding", "classifier": models/llama.MODEL_ROLES) and whether it is an
+    # encoder (models/bert.py: bidirectional, whole sequences, token types), from its class attributes
+    role: str = "causal"
+    is_encoder: bool = False
     # --enable-lora: the adapter slots every targeted linear layer carries (srt/lora/registry.LoraShape), and
     # --lora-backend; None: no LoRA
     lora: Optional[LoraShape] = None
@@ -374,11 +368,14 @@ class ModelConfig:
 
         resolved = resolve_model(server_args)
         hf_config = AutoConfig.from_pretrained(resolved.hf_dir, trust_remote_code=server_args.trust_remote_code)
-        gguf_types = _gguf_linear_types(resolved.gguf_file) if server_args.quantization == "gguf" else None
-        quant = resolve_quantization(hf_config, resolved.model_path, server_args.quantization, gguf_types)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"{resolved.hf_dir}/config.json has no 'architectures' field")
+        from sgl_jax.srt.models.registry import get_model_class  # (JAX and the model files: the scheduler's side)
+
+        model_cls = get_model_class(archs[0])  # an unsupported one (a VL config...) fails here, in one line
+        gguf_types = _gguf_linear_types(resolved.gguf_file) if server_args.quantization == "gguf" else None
+        quant = resolve_quantization(hf_config, resolved.model_path, server_args.quantization, gguf_types)
         dtype = server_args.dtype
         if dtype == "auto":
             dtype = "float32" if platform == "cpu" else "bfloat16"
@@ -386,10 +383,10 @@ class ModelConfig:
         if archs[0].startswith("XLMRoberta"):  # its positions start at pad_token_id + 1 (models/bert.py)
             model_ctx -= int(hf_config.pad_token_id) + 1
         context_len = server_args.context_length or model_ctx
-        if archs[0] in ENCODER_ARCHITECTURES and server_args.dp_size > 1:
+        if model_cls.is_encoder and server_args.dp_size > 1:
             raise ValueError(f"--dp-size {server_args.dp_size}: {archs[0]} is an encoder, served by one "
                              "data-parallel rank (run replicas behind sglang-router instead)")
-        if archs[0] in ENCODER_ARCHITECTURES and context_len > model_ctx:
+        if model_cls.is_encoder and context_len > model_ctx:
             raise ValueError(f"--context-length {context_len} exceeds {archs[0]}'s {model_ctx} learned positions")
         heads = int(hf_config.num_attention_heads)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -400,6 +397,8 @@ class ModelConfig:
             resolved=resolved,
             hf_config=hf_config,
             architecture=archs[0],
+            role=model_cls.role,
+            is_encoder=bool(model_cls.is_encoder),
             dtype=dtype,
             context_len=int(context_len),
             vocab_size=int(hf_config.vocab_size),

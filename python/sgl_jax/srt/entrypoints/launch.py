@@ -16,6 +16,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from sgl_jax.srt.configs.model_config import load_tokenizer, resolve_model, tokenizer_path_for
 from sgl_jax.srt.model_loader.gguf_file import check_gguf_tokenizer_dir
+from sgl_jax.srt.errors import StartupError
 from sgl_jax.srt.io_struct import SchedulerInfo, SchedulerStartupError
 from sgl_jax.srt.port_args import PortArgs
 from sgl_jax.srt.server_args import ServerArgs
@@ -120,7 +121,9 @@ def _wait_ready(reader, procs: List[mp.Process]) -> SchedulerInfo:
     """The scheduler's `SchedulerInfo` from the start-up pipe `reader`.
 
     Raises:
-        RuntimeError: the scheduler sent a `SchedulerStartupError` or closed the pipe, or a child exited first.
+        errors.StartupError: the scheduler sent a `SchedulerStartupError` (one line for a configuration error) or
+            closed the pipe.
+        RuntimeError: a child exited first.
     """
     while True:
         if reader.poll(0.5):
@@ -130,7 +133,9 @@ def _wait_ready(reader, procs: List[mp.Process]) -> SchedulerInfo:
                 msg = SchedulerStartupError("scheduler exited during start-up")
             if isinstance(msg, SchedulerInfo):
                 return msg
-            raise RuntimeError(f"Scheduler failed to start:\n{msg.traceback}")
+            if msg.reason:
+                raise StartupError(f"Scheduler failed to start: {msg.reason}")
+            raise StartupError(f"Scheduler failed to start:\n{msg.traceback}")
         for p in procs:
             if not p.is_alive():
                 raise RuntimeError(f"{p.name} exited during start-up with code {p.exitcode}")

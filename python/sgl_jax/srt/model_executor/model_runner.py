@@ -133,7 +133,7 @@ class ModelRunner:
             raise ValueError("an encoder runs on one data-parallel rank (--dp-size 1)")
         self.num_labels = int(getattr(model, "num_labels", 0))
         # an embedding server (--is-embedding, or a model with no LM head) never decodes: no decode programs
-        self.generates = not server_args.is_embedding and bool(getattr(model, "has_lm_head", True))
+        self.generates = not server_args.is_embedding and model_config.role == "causal"
         self.moe_stats = None if routing is None else MoeStats(
             model_config.num_hidden_layers, routing[0], routing[2], ep_size=getattr(model_config, "ep_size", 1))
         self.return_routed_experts = routing is not None and bool(server_args.enable_return_routed_experts)

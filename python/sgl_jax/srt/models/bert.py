@@ -150,8 +150,10 @@ class EncoderModel(nnx.Module):
     masked-LM head; serving never runs it: encoder servers serve embeddings and classification); `classify` is
     the sequence-classification head of the cross-encoders (None for the embedding forms)."""
 
+    architectures: Tuple[str, ...] = ()  # the registry's hooks (models/llama.LlamaForCausalLM's docstring)
+    role = "embedding"  # it serves embeddings and classification: no decode programs
     is_encoder = True  # the model runner gives it `ForwardBatch.token_type_ids` and the rows plan in every step
-    has_lm_head = False  # (it serves embeddings and classification: no decode programs)
+    embedding_form_of: Tuple[str, ...] = ()
     num_labels = 0
 
     def stack(self) -> BertStack:
@@ -175,6 +177,8 @@ class EncoderModel(nnx.Module):
 class BertModel(EncoderModel):
     """transformers' `BertModel` checkpoint (a sentence-transformers BERT embedding model)."""
 
+    architectures = ("BertModel",)
+
     position_offset = 0
 
     def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
@@ -192,6 +196,8 @@ class BertModel(EncoderModel):
 class XLMRobertaModel(BertModel):
     """transformers' `XLMRobertaModel` checkpoint (bge-m3): BERT's layers, positions from ``pad_token_id + 1``."""
 
+    architectures = ("XLMRobertaModel",)
+
     def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         super().__init__(model_config, dtype=dtype, rngs=rngs, mesh=mesh)
         self.position_offset = int(model_config.hf_config.pad_token_id) + 1
@@ -199,6 +205,9 @@ class XLMRobertaModel(BertModel):
 
 class BertForSequenceClassification(EncoderModel):
     """transformers' `BertForSequenceClassification`: logits = classifier(tanh(pooler(first token)))."""
+
+    architectures = ("BertForSequenceClassification",)
+    role = "classifier"
 
     def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         cfg = model_config.hf_config
@@ -227,6 +236,9 @@ class XLMRobertaForSequenceClassification(EncoderModel):
     """transformers' `XLMRobertaForSequenceClassification` (bge-reranker-v2-m3): logits =
     out_proj(tanh(dense(first token)))."""
 
+    architectures = ("XLMRobertaForSequenceClassification",)
+    role = "classifier"
+
     def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         cfg = model_config.hf_config
         self.num_labels = int(cfg.num_labels)
@@ -239,3 +251,6 @@ class XLMRobertaForSequenceClassification(EncoderModel):
     def classify(self, first: jax.Array) -> jax.Array:
         """first [N, hidden] -> float32 logits [N, labels]."""
         return self.classifier(first).astype(jnp.float32)
+
+
+EntryClass = [BertModel, XLMRobertaModel, BertForSequenceClassification, XLMRobertaForSequenceClassification]

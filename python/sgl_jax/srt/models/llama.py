@@ -1,14 +1,19 @@
 """Llama (Touvron et al. 2023; GQA, rope scaling incl. llama3, tied or separate LM head) in Flax NNX.
 
 Module and parameter names mirror transformers' `LlamaForCausalLM`, so an HF state-dict key such as
-``model.layers.0.self_attn.q_proj.weight`` is exactly the path of our parameter. Qwen3 reuses this file
-with per-head q/k RMSNorm (`qk_norm`) and, when its config enables them, sliding-window layers; Gemma 3
-reuses its attention and MLP.
+``model.layers.0.self_attn.q_proj.weight`` is exactly the path of our parameter.
+
+This is the shared decoder stack: `LlamaForCausalLM`'s class attributes are its hooks. A model file subclasses it
+and states what differs as class attributes: the HF ``architectures`` names it serves, its role, and its quirks
+(q/k/v biases, q/k norm, the norm kind and placement, the MLP activation, the attention scale and soft-caps,
+scaled embeddings, a tied head by default, the MLP of each layer). Sliding-window layers (the window pattern)
+come from the config (`ModelConfig.layer_window`). `models/registry.py` finds the classes through each module's
+``EntryClass`` and derives the architecture table from these attributes.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +28,7 @@ from sgl_jax.srt.layers.embedding import Embedding, table_of
 from sgl_jax.srt.layers.layernorm import RMSNorm
 from sgl_jax.srt.layers.linear import Linear
 from sgl_jax.srt.layers.logits_processor import compute_logits
+from sgl_jax.srt.layers.moe import SparseMoeBlock
 from sgl_jax.srt.layers.rotary_embedding import apply_rope, rope_inv_freq
 from sgl_jax.srt.forward_batch import ForwardBatch
 
@@ -72,12 +78,13 @@ class LlamaAttention(nnx.Module):
     its queries see only the last ``sliding_window`` positions, and its rotary base may differ
     (`ModelConfig.layer_rope_parameters`). `norm_cls` is the q/k norm (Gemma's is ``x * (1 + w)``),
     `sm_scale` overrides ``head_dim ** -0.5`` (Gemma's ``query_pre_attn_scalar ** -0.5``), `soft_cap` caps the
-    attention scores (Gemma 2), `in_features` the q/k/v projections' input width (default hidden_size).
+    attention scores (Gemma 2), `in_features` the q/k/v projections' input width (default hidden_size),
+    `qkv_bias` puts biases on q/k/v whatever the config says (dense Qwen2).
     """
 
     def __init__(self, cfg, model_config, layer_id: int, *, qk_norm: bool, dtype, rngs: nnx.Rngs,
                  mesh: Optional[Mesh] = None, norm_cls=RMSNorm, sm_scale: Optional[float] = None,
-                 soft_cap: Optional[float] = None, in_features: Optional[int] = None):
+                 soft_cap: Optional[float] = None, in_features: Optional[int] = None, qkv_bias: bool = False):
         hidden = model_config.hidden_size
         q_in = in_features or hidden  # q/k/v input width (an EAGLE-3 draft layer's is 2 x hidden)
         self.num_heads = model_config.num_attention_heads
@@ -85,10 +92,10 @@ class LlamaAttention(nnx.Module):
         self.num_kv_heads = padded_kv_heads(model_config.num_key_value_heads, tp)
         self.mesh = mesh
         self.head_dim = model_config.head_dim
-        # q/k/v biases: attention_bias (Llama, Qwen3, Gemma 3: o_proj's too), Qwen2-MoE's qkv_bias, always in dense
-        # Qwen2 (model type "qwen2", no config flag; o_proj none)
+        # q/k/v biases: attention_bias (Llama, Qwen3, Gemma 3: o_proj's too), Qwen2-MoE's qkv_bias, or the model
+        # class's `qkv_bias` (dense Qwen2: no config flag; o_proj none)
         o_bias = bool(getattr(cfg, "attention_bias", False))
-        bias = bool(o_bias or getattr(cfg, "qkv_bias", False) or getattr(cfg, "model_type", None) == "qwen2")
+        bias = bool(o_bias or getattr(cfg, "qkv_bias", False) or qkv_bias)
         kw = dict(dtype=dtype, rngs=rngs, quantization=getattr(model_config, "quant_scheme", None))
         lora = lora_slots_of(model_config) if in_features is None else lora_none  # (not in EAGLE-3 draft layers)
         self.q_proj = Linear(q_in, self.num_heads * self.head_dim, use_bias=bias, lora=lora("q_proj"), **kw)
@@ -126,33 +133,68 @@ class LlamaAttention(nnx.Module):
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim), ids), kv
 
 
+def config_float(cfg, name: Optional[str]) -> Optional[float]:
+    """The float value of config field `name`, or None when `name` is None or the field is absent or null."""
+    value = None if name is None else getattr(cfg, name, None)
+    return None if value is None else float(value)
+
+
 class LlamaDecoderLayer(nnx.Module):
-    def __init__(self, cfg, model_config, layer_id: int, *, qk_norm: bool, dtype, rngs: nnx.Rngs,
+    """One decoder layer, shaped by the model class's hooks (`spec`: a `LlamaForCausalLM` subclass):
+
+    - norm_placement "pre" (Llama, Qwen, Mixtral): x + attn(input_norm(x)), then x + mlp(post_attention_norm(x));
+    - "sandwich" (Gemma 3): x + post_attention_norm(attn(input_norm(x))), then
+      x + post_feedforward_norm(mlp(pre_feedforward_norm(x))).
+
+    `mlp` is the layer's MLP, stored under ``spec.mlp_name`` (Mixtral's "block_sparse_moe"): a `LlamaMLP`, or a
+    `layers.moe.SparseMoeBlock` (a bucket's padding rows skip its experts).
+    """
+
+    def __init__(self, cfg, model_config, layer_id: int, spec, mlp: nnx.Module, *, dtype, rngs: nnx.Rngs,
                  mesh: Optional[Mesh] = None):
-        eps = float(cfg.rms_norm_eps)
-        self.input_layernorm = RMSNorm(model_config.hidden_size, eps=eps, dtype=dtype)
-        self.self_attn = LlamaAttention(cfg, model_config, layer_id, qk_norm=qk_norm, dtype=dtype, rngs=rngs,
-                                        mesh=mesh)
-        self.post_attention_layernorm = RMSNorm(model_config.hidden_size, eps=eps, dtype=dtype)
-        self.mlp = LlamaMLP(model_config.hidden_size, int(cfg.intermediate_size), dtype, rngs,
-                            quantization=getattr(model_config, "quant_scheme", None),
-                            lora=lora_slots_of(model_config))
+        hidden, eps, norm = model_config.hidden_size, float(cfg.rms_norm_eps), spec.norm_cls
+        scale = config_float(cfg, spec.query_scale_key)
+        self.input_layernorm = norm(hidden, eps=eps, dtype=dtype)
+        self.self_attn = LlamaAttention(
+            cfg, model_config, layer_id, qk_norm=spec.qk_norm, qkv_bias=spec.qkv_bias, dtype=dtype, rngs=rngs,
+            mesh=mesh, norm_cls=norm, sm_scale=None if scale is None else scale ** -0.5,
+            soft_cap=config_float(cfg, spec.attn_soft_cap_key))
+        self.post_attention_layernorm = norm(hidden, eps=eps, dtype=dtype)
+        self.sandwich = spec.norm_placement == "sandwich"
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(hidden, eps=eps, dtype=dtype)
+            self.post_feedforward_layernorm = norm(hidden, eps=eps, dtype=dtype)
+        self.mlp_name = spec.mlp_name
+        setattr(self, spec.mlp_name, mlp)
+
+    def _mlp(self, h: jax.Array, fb: ForwardBatch) -> jax.Array:
+        mlp = getattr(self, self.mlp_name)
+        if isinstance(mlp, SparseMoeBlock):
+            return mlp(h, fb.real_tokens())
+        return mlp(h, fb.lora_ids)
 
     def __call__(self, x: jax.Array, fb: ForwardBatch, kv: LayerKV) -> Tuple[jax.Array, LayerKV]:
         attn_out, kv = self.self_attn(self.input_layernorm(x), fb, kv)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn_out)
+            return x + self.post_feedforward_layernorm(self._mlp(self.pre_feedforward_layernorm(x), fb)), kv
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x), fb.lora_ids), kv
+        return x + self._mlp(self.post_attention_layernorm(x), fb), kv
 
 
 class LlamaModel(nnx.Module):
-    def __init__(self, cfg, model_config, *, qk_norm: bool, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
+    """Embeddings, the decoder layers and the final norm (what `run_layers` runs); `build_mlp(i)` gives layer i's
+    MLP, `spec` is the model class whose hooks shape the layers (`LlamaDecoderLayer`)."""
+
+    def __init__(self, cfg, model_config, spec, build_mlp: Callable[[int], nnx.Module], *, dtype, rngs: nnx.Rngs,
+                 mesh: Optional[Mesh] = None):
         self.embed_tokens = Embedding(model_config.vocab_size, model_config.hidden_size, dtype=dtype, rngs=rngs,
                                       quantization=getattr(model_config, "table_quant_scheme", None))
         self.layers = nnx.List([
-            LlamaDecoderLayer(cfg, model_config, i, qk_norm=qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
+            LlamaDecoderLayer(cfg, model_config, i, spec, build_mlp(i), dtype=dtype, rngs=rngs, mesh=mesh)
             for i in range(model_config.num_hidden_layers)
         ])
-        self.norm = RMSNorm(model_config.hidden_size, eps=float(cfg.rms_norm_eps), dtype=dtype)
+        self.norm = spec.norm_cls(model_config.hidden_size, eps=float(cfg.rms_norm_eps), dtype=dtype)
 
 
 def run_layers(model, x: jax.Array, fb: ForwardBatch, kv_caches: List[LayerKV]) -> Tuple[jax.Array, List[LayerKV]]:
@@ -189,8 +231,38 @@ def sown_aux_hidden_states(model) -> jax.Array:
     return sown.get_value()
 
 
+MODEL_ROLES = ("causal", "embedding", "classifier")
+
+
 class LlamaForCausalLM(nnx.Module):
-    """Causal LM over the paged KV cache.
+    """Causal LM over the paged KV cache: the shared decoder stack. Its class attributes are the hooks a model
+    file sets (see the module docstring); `models/registry.py` reads them.
+
+    What the class serves:
+        architectures: the HF ``architectures`` names built with this class.
+        role: one of MODEL_ROLES. "causal": generates (an LM head, tied or not); "embedding": the decoder stack
+            without a head, its final hidden states pooled (--is-embedding); "classifier": a sequence
+            classification head (`classify`, /v1/rerank). An embedding or classifier model never decodes.
+        is_encoder: bidirectional, every sequence whole in one step, token types (models/bert.py); an encoder's
+            role is "embedding" or "classifier".
+        embedding_form_of: (an "embedding" class) the causal architectures it stands in for under --is-embedding.
+
+    Quirks (the decoder stack's hooks):
+        qkv_bias: q/k/v biases whatever the config says (dense Qwen2); the config's ``attention_bias`` or
+            ``qkv_bias`` also turn them on.
+        qk_norm: a per-head norm on queries and keys before rotary (Qwen3, Gemma 3).
+        norm_cls: the norm class (RMSNorm; Gemma's ``x * (1 + w)``); norm_placement: "pre" or "sandwich"
+            (`LlamaDecoderLayer`).
+        activation / activation_key: the MLP activation (a layers/activation.ACTIVATIONS name), overridden by
+            config field `activation_key` when the config has it.
+        query_scale_key: config field s for an attention scale of s ** -0.5 (Gemma's ``query_pre_attn_scalar``);
+            None: head_dim ** -0.5.
+        attn_soft_cap_key / final_soft_cap_key: config fields capping attention scores / the final logits
+            (tanh soft-cap; None or a null field: none).
+        scale_embeddings: embeddings times sqrt(hidden_size), in the parameter dtype (Gemma).
+        tied_head_default: whether the LM head is the embedding table when the config omits
+            ``tie_word_embeddings``.
+        mlp_name: the attribute (and checkpoint name) of each layer's MLP; `build_mlp` builds it.
 
     Args:
         model_config: `ModelConfig` (sizes, rope parameters; ``hf_config`` for the rest).
@@ -200,20 +272,43 @@ class LlamaForCausalLM(nnx.Module):
             vocabulary (specs in distributed/sharding.py). None: one device, no shard_map.
     """
 
+    architectures: Tuple[str, ...] = ("LlamaForCausalLM",)
+    role = "causal"
+    is_encoder = False
+    embedding_form_of: Tuple[str, ...] = ()
+    qkv_bias = False
     qk_norm = False
-    has_lm_head = True  # False: a checkpoint of the decoder stack alone (an embedding model), the table as head
+    norm_cls = RMSNorm
+    norm_placement = "pre"
+    activation = "silu"
+    activation_key: Optional[str] = "hidden_act"
+    query_scale_key: Optional[str] = None
+    attn_soft_cap_key: Optional[str] = None
+    final_soft_cap_key: Optional[str] = None
+    scale_embeddings = False
+    tied_head_default = False
+    mlp_name = "mlp"
 
     def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         cfg = model_config.hf_config
-        self.model = self.build_model(cfg, model_config, dtype=dtype, rngs=rngs, mesh=mesh)
-        self.tie_word_embeddings = not self.has_lm_head or bool(getattr(cfg, "tie_word_embeddings", False))
+        self.mesh = mesh
+        self.model = LlamaModel(cfg, model_config, type(self),
+                                lambda i: self.build_mlp(cfg, model_config, i, dtype, rngs), dtype=dtype, rngs=rngs,
+                                mesh=mesh)
+        tied = getattr(cfg, "tie_word_embeddings", None)
+        self.tie_word_embeddings = self.role != "causal" or bool(self.tied_head_default if tied is None else tied)
         self.lm_head = None if self.tie_word_embeddings else Linear(
             model_config.hidden_size, model_config.vocab_size, dtype=dtype, rngs=rngs,
             quantization=getattr(model_config, "table_quant_scheme", None))
+        self.embed_scale = float(model_config.hidden_size) ** 0.5 if self.scale_embeddings else None
+        self.final_soft_cap = config_float(cfg, self.final_soft_cap_key)
 
-    def build_model(self, cfg, model_config, *, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh]) -> nnx.Module:
-        """The decoder stack (embeddings, ``layers``, final ``norm``); subclasses with other layers override it."""
-        return LlamaModel(cfg, model_config, qk_norm=self.qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
+    def build_mlp(self, cfg, model_config, layer_id: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """Layer `layer_id`'s MLP: a gated `LlamaMLP` of ``intermediate_size`` (models/moe.py overrides it)."""
+        activation = getattr(cfg, self.activation_key, None) if self.activation_key else None
+        return LlamaMLP(model_config.hidden_size, int(cfg.intermediate_size), dtype, rngs,
+                        activation=activation or self.activation,
+                        quantization=getattr(model_config, "quant_scheme", None), lora=lora_slots_of(model_config))
 
     def __call__(self, fb: ForwardBatch, kv_caches: List[LayerKV]) -> Tuple[jax.Array, List[LayerKV]]:
         """Run all layers.
@@ -224,7 +319,11 @@ class LlamaForCausalLM(nnx.Module):
         Returns:
             (final-norm hidden states [T, hidden_size], updated kv_caches).
         """
-        return run_layers(self.model, self.model.embed_tokens(fb.input_ids), fb, kv_caches)
+        embed = self.model.embed_tokens
+        x = embed(fb.input_ids)
+        if self.embed_scale is not None:
+            x = x * jnp.asarray(self.embed_scale, embed.dtype)
+        return run_layers(self.model, x, fb, kv_caches)
 
     def moe_routing(self):
         """(num_experts, experts per token, sparse layer indices) of a mixture-of-experts model (models/moe.py);
@@ -236,9 +335,10 @@ class LlamaForCausalLM(nnx.Module):
         return None
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size] (soft-capped when `final_soft_cap_key` says
+        so)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return compute_logits(hidden, table_of(head))
+        return compute_logits(hidden, table_of(head), soft_cap=self.final_soft_cap)
 
 
 class LlamaDecoderModel(LlamaForCausalLM):
@@ -246,7 +346,9 @@ class LlamaDecoderModel(LlamaForCausalLM):
     ``model.`` prefix, as sentence-transformers saves decoder embedding models): served as an embedding model
     (--is-embedding), its final hidden states pooled; the embedding table stands in for the missing head."""
 
-    has_lm_head = False
+    architectures = ("LlamaModel",)
+    role = "embedding"
+    embedding_form_of = ("LlamaForCausalLM",)
 
 
 class LlamaForSequenceClassification(LlamaForCausalLM):
@@ -254,7 +356,8 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
     classifier; `classify` maps the last token's final hidden state to ``num_labels`` logits (sentence-transformers'
     CrossEncoder then applies a sigmoid when there is one label)."""
 
-    has_lm_head = False
+    architectures = ("LlamaForSequenceClassification",)
+    role = "classifier"
 
     def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         super().__init__(model_config, dtype=dtype, rngs=rngs, mesh=mesh)
@@ -264,3 +367,6 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
     def classify(self, last: jax.Array) -> jax.Array:
         """last [N, hidden] (each sequence's last token's final hidden state) -> float32 logits [N, labels]."""
         return self.score(last).astype(jnp.float32)
+
+
+EntryClass = [LlamaForCausalLM, LlamaDecoderModel, LlamaForSequenceClassification]

@@ -74,6 +74,11 @@ class LlamaForCausalLMEagle(nnx.Module):
         dtype, rngs, mesh: as `LlamaForCausalLM`.
     """
 
+    architectures = ("LlamaForCausalLMEagle",)  # the registry's hooks (models/llama.LlamaForCausalLM's docstring)
+    role = "causal"
+    is_encoder = False
+    embedding_form_of: Tuple[str, ...] = ()
+
     def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         cfg = model_config.hf_config
         hidden = model_config.hidden_size
@@ -98,3 +103,6 @@ class LlamaForCausalLMEagle(nnx.Module):
         """Outputs [N, H] -> float32 logits [N, V] from the target's LM head `target_head` [V, H] (a
         `layers.embedding.Table`; no norm)."""
         return compute_logits(hidden, target_head)
+
+
+EntryClass = [LlamaForCausalLMEagle]

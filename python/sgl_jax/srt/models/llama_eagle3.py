@@ -108,6 +108,11 @@ class LlamaForCausalLMEagle3(nnx.Module):
         ValueError: a config with other than one hidden layer.
     """
 
+    architectures = ("LlamaForCausalLMEagle3",)  # the registry's hooks (models/llama.LlamaForCausalLM's docstring)
+    role = "causal"
+    is_encoder = False
+    embedding_form_of: Tuple[str, ...] = ()
+
     def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         cfg = model_config.hf_config
         if model_config.num_hidden_layers != 1:
@@ -155,3 +160,6 @@ class LlamaForCausalLMEagle3(nnx.Module):
     def draft_logits(self, hidden: jax.Array, target_head: Table) -> jax.Array:
         """`compute_logits` (the head has its own LM head; `target_head` is not read)."""
         return self.compute_logits(hidden)
+
+
+EntryClass = [LlamaForCausalLMEagle3]

@@ -19,14 +19,9 @@ from typing import List, Optional, Tuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 
-from sgl_jax.srt.forward_batch import ForwardBatch
-from sgl_jax.srt.layers.attention import LayerKV
-from sgl_jax.srt.layers.embedding import Embedding
-from sgl_jax.srt.layers.layernorm import RMSNorm
 from sgl_jax.srt.layers.moe import SparseMoeBlock, sown_routed_ids
-from sgl_jax.srt.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from sgl_jax.srt.models.llama import LlamaForCausalLM, LlamaMLP
 
 
 def is_sparse_layer(cfg, layer_id: int) -> bool:
@@ -36,56 +31,13 @@ def is_sparse_layer(cfg, layer_id: int) -> bool:
             and int(getattr(cfg, "num_experts", 0) or 0) > 0 and (layer_id + 1) % step == 0)
 
 
-class MoeDecoderLayer(nnx.Module):
-    """Pre-norm decoder layer whose MLP (attribute `mlp_name`: "mlp", Mixtral's "block_sparse_moe") is a
-    `SparseMoeBlock` or, on a dense layer, a `LlamaMLP`."""
-
-    def __init__(self, cfg, model_config, layer_id: int, mlp: nnx.Module, mlp_name: str, *, qk_norm: bool, dtype,
-                 rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
-        eps = float(cfg.rms_norm_eps)
-        self.input_layernorm = RMSNorm(model_config.hidden_size, eps=eps, dtype=dtype)
-        self.self_attn = LlamaAttention(cfg, model_config, layer_id, qk_norm=qk_norm, dtype=dtype, rngs=rngs,
-                                        mesh=mesh)
-        self.post_attention_layernorm = RMSNorm(model_config.hidden_size, eps=eps, dtype=dtype)
-        self.mlp_name = mlp_name
-        setattr(self, mlp_name, mlp)
-
-    def __call__(self, x: jax.Array, fb: ForwardBatch, kv: LayerKV) -> Tuple[jax.Array, LayerKV]:
-        attn_out, kv = self.self_attn(self.input_layernorm(x), fb, kv)
-        x = x + attn_out
-        mlp, h = getattr(self, self.mlp_name), self.post_attention_layernorm(x)
-        if isinstance(mlp, SparseMoeBlock):  # a bucket's padding rows skip the experts
-            return x + mlp(h, fb.real_tokens()), kv
-        return x + mlp(h), kv
-
-
-class MoeModel(nnx.Module):
-    """Embeddings, the `MoeDecoderLayer`s and the final norm (what `llama.run_layers` runs); `build_mlp(i)` gives
-    layer i's MLP."""
-
-    def __init__(self, cfg, model_config, build_mlp, mlp_name: str, *, qk_norm: bool, dtype, rngs: nnx.Rngs,
-                 mesh: Optional[Mesh] = None):
-        self.embed_tokens = Embedding(model_config.vocab_size, model_config.hidden_size, dtype=dtype, rngs=rngs,
-                                      quantization=getattr(model_config, "table_quant_scheme", None))
-        self.layers = nnx.List([
-            MoeDecoderLayer(cfg, model_config, i, build_mlp(i), mlp_name, qk_norm=qk_norm, dtype=dtype, rngs=rngs,
-                            mesh=mesh)
-            for i in range(model_config.num_hidden_layers)])
-        self.norm = RMSNorm(model_config.hidden_size, eps=float(cfg.rms_norm_eps), dtype=dtype)
-
-
 class _MoeForCausalLM(LlamaForCausalLM):
-    """A causal LM over a `MoeModel`; subclasses say how each layer's MLP is built (`build_mlp`). Same call,
-    logits and sharding as `LlamaForCausalLM`."""
-
-    mlp_name = "mlp"
-
-    def build_model(self, cfg, model_config, *, dtype, rngs: nnx.Rngs, mesh: Optional[Mesh]) -> nnx.Module:
-        self.mesh = mesh
-        return MoeModel(cfg, model_config, lambda i: self.build_mlp(cfg, model_config, i, dtype, rngs),
-                        self.mlp_name, qk_norm=self.qk_norm, dtype=dtype, rngs=rngs, mesh=mesh)
+    """A causal LM whose layers' MLPs are `SparseMoeBlock`s (or dense `LlamaMLP`s on dense layers; the shared
+    decoder stack of models/llama.py runs them); subclasses say how each layer's MLP is built (`build_mlp`).
+    Same call, logits and sharding as `LlamaForCausalLM`."""
 
     def build_mlp(self, cfg, model_config, layer_id: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """Layer `layer_id`'s MLP (each subclass builds its own)."""
         raise NotImplementedError
 
     def moe_routing(self) -> Optional[Tuple[int, int, List[int]]]:
@@ -120,6 +72,7 @@ class Qwen3MoeForCausalLM(_MoeForCausalLM):
     """transformers' `Qwen3MoeForCausalLM`: q/k RMSNorm, ``num_experts`` experts of ``moe_intermediate_size``,
     top ``num_experts_per_tok``, renormalised when ``norm_topk_prob``."""
 
+    architectures = ("Qwen3MoeForCausalLM",)
     qk_norm = True
 
     def build_mlp(self, cfg, model_config, layer_id, dtype, rngs):
@@ -140,6 +93,7 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
     """transformers' `Qwen2MoeForCausalLM`: q/k/v biases (``qkv_bias``), no q/k norm, and per sparse layer a
     shared expert of ``shared_expert_intermediate_size`` scaled by ``sigmoid(shared_expert_gate(x))``."""
 
+    architectures = ("Qwen2MoeForCausalLM",)
     qk_norm = False
 
     def shared_expert(self, cfg, hidden, dtype, rngs, quantization=None):
@@ -152,6 +106,7 @@ class MixtralForCausalLM(_MoeForCausalLM):
     experts of ``intermediate_size`` named w1 (gate), w3 (up), w2 (down), top ``num_experts_per_tok``
     renormalised (Mixtral's softmax over the top-k logits)."""
 
+    architectures = ("MixtralForCausalLM",)
     mlp_name = "block_sparse_moe"
 
     def build_mlp(self, cfg, model_config, layer_id, dtype, rngs):
@@ -159,3 +114,6 @@ class MixtralForCausalLM(_MoeForCausalLM):
                               int(cfg.num_experts_per_tok), True, model_config.moe_backend, dtype=dtype, rngs=rngs,
                               expert_names=("w1", "w3", "w2"), mesh=self.mesh, ep_size=model_config.ep_size,
                               quantization=model_config.quant_scheme)
+
+
+EntryClass = [Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM]

@@ -6,6 +6,7 @@ from sgl_jax.srt.models.llama import LlamaForCausalLM, LlamaForSequenceClassific
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """transformers' `Qwen3ForCausalLM` weights and numerics (q_norm / k_norm over head_dim)."""
 
+    architectures = ("Qwen3ForCausalLM",)
     qk_norm = True
 
 
@@ -13,11 +14,17 @@ class Qwen3DecoderModel(Qwen3ForCausalLM):
     """transformers' `Qwen3Model` checkpoint (Qwen3-Embedding's form in sentence-transformers): the decoder stack
     without an LM head, served as an embedding model (models/llama.LlamaDecoderModel)."""
 
-    has_lm_head = False
+    architectures = ("Qwen3Model",)
+    role = "embedding"
+    embedding_form_of = ("Qwen3ForCausalLM",)
 
 
 class Qwen3ForSequenceClassification(LlamaForSequenceClassification):
     """transformers' `Qwen3ForSequenceClassification` (models/llama.LlamaForSequenceClassification with Qwen3's
     q/k norms)."""
 
+    architectures = ("Qwen3ForSequenceClassification",)
     qk_norm = True
+
+
+EntryClass = [Qwen3ForCausalLM, Qwen3DecoderModel, Qwen3ForSequenceClassification]

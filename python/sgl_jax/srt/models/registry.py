@@ -1,60 +1,62 @@
-"""Model classes by the HF ``architectures`` name."""
+"""Model classes by the HF ``architectures`` name, derived from the model files as upstream SGLang discovers its
+``EntryClass``es: every module of this package that defines ``EntryClass`` (a class or a list of classes)
+contributes each class under each name of its ``architectures`` attribute. A class's ``role``, ``is_encoder`` and
+``embedding_form_of`` attributes (models/llama.LlamaForCausalLM's docstring) say how it is served, so a new
+architecture is one file and nothing here or in configs/ lists it."""
 
 from __future__ import annotations
 
-from sgl_jax.srt.models.bert import (BertForSequenceClassification, BertModel, XLMRobertaForSequenceClassification,
-                                     XLMRobertaModel)
-from sgl_jax.srt.models.gemma3 import Gemma3ForCausalLM
-from sgl_jax.srt.models.llama import LlamaDecoderModel, LlamaForCausalLM, LlamaForSequenceClassification
-from sgl_jax.srt.models.llama_eagle import LlamaForCausalLMEagle
-from sgl_jax.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
-from sgl_jax.srt.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
-from sgl_jax.srt.models.qwen2 import Qwen2DecoderModel, Qwen2ForCausalLM, Qwen2ForSequenceClassification
-from sgl_jax.srt.models.qwen3 import Qwen3DecoderModel, Qwen3ForCausalLM, Qwen3ForSequenceClassification
+import functools
+import importlib
+import pkgutil
+from typing import Dict, List
 
-MODEL_REGISTRY = {
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "LlamaForCausalLMEagle": LlamaForCausalLMEagle,
-    "LlamaForCausalLMEagle3": LlamaForCausalLMEagle3,
-    "MixtralForCausalLM": MixtralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    # decoder stacks without an LM head (embedding models; configs.model_config.EMBEDDING_ARCHITECTURES)
-    "LlamaModel": LlamaDecoderModel,
-    "Qwen2Model": Qwen2DecoderModel,
-    "Qwen3Model": Qwen3DecoderModel,
-    # sequence-classification heads (rerankers) and encoders (configs.model_config.CLASSIFIER_ARCHITECTURES,
-    # ENCODER_ARCHITECTURES)
-    "LlamaForSequenceClassification": LlamaForSequenceClassification,
-    "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
-    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
-    "BertModel": BertModel,
-    "XLMRobertaModel": XLMRobertaModel,
-    "BertForSequenceClassification": BertForSequenceClassification,
-    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
-}
+from sgl_jax.srt import models as _package
 
 
-# --is-embedding on a causal LM: its decoder stack without the LM head (Qwen3-Embedding-4B / 8B name the causal
-# class, store no lm_head and do not tie it)
-EMBEDDING_VARIANTS = {"LlamaForCausalLM": LlamaDecoderModel, "Qwen2ForCausalLM": Qwen2DecoderModel,
-                      "Qwen3ForCausalLM": Qwen3DecoderModel}
-
-
-def get_model_class(architecture: str, embedding: bool = False):
-    """The NNX class for an HF architecture name (`embedding`: the EMBEDDING_VARIANTS one where there is one).
+@functools.lru_cache(maxsize=None)
+def model_registry() -> Dict[str, type]:
+    """HF architecture name -> the NNX model class, from every model module's ``EntryClass`` (imported once).
 
     Raises:
-        ValueError: unknown architecture; the message lists the supported ones.
+        RuntimeError: two classes claim one architecture name, or an entry class has no ``architectures``.
     """
-    if embedding and architecture in EMBEDDING_VARIANTS:
-        return EMBEDDING_VARIANTS[architecture]
-    try:
-        return MODEL_REGISTRY[architecture]
-    except KeyError:
-        raise ValueError(
-            f"Model architecture {architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}"
-        ) from None
+    table: Dict[str, type] = {}
+    for info in sorted(pkgutil.iter_modules(_package.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{_package.__name__}.{info.name}")
+        entries = getattr(module, "EntryClass", None)
+        if entries is None:
+            continue
+        for cls in entries if isinstance(entries, (list, tuple)) else [entries]:
+            if not cls.architectures:
+                raise RuntimeError(f"{module.__name__}.{cls.__name__} is an EntryClass with no architectures")
+            for arch in cls.architectures:
+                if table.get(arch, cls) is not cls:
+                    raise RuntimeError(f"architecture {arch!r} is claimed by both {table[arch].__qualname__} and "
+                                       f"{cls.__qualname__}")
+                table[arch] = cls
+    return table
+
+
+def supported_architectures() -> List[str]:
+    """The HF architecture names this engine serves, sorted."""
+    return sorted(model_registry())
+
+
+def get_model_class(architecture: str, embedding: bool = False) -> type:
+    """The NNX class for an HF architecture name; `embedding` (--is-embedding): the class whose
+    ``embedding_form_of`` names it (its decoder stack without the LM head: Qwen3-Embedding names the causal class,
+    stores no lm_head and does not tie it), where there is one.
+
+    Raises:
+        ValueError: an architecture no model file serves; one line naming it and the supported ones.
+    """
+    table = model_registry()
+    if architecture not in table:
+        raise ValueError(f"Model architecture {architecture!r} is not supported; supported: "
+                         f"{', '.join(supported_architectures())}")
+    if embedding:
+        for cls in table.values():
+            if architecture in cls.embedding_form_of:
+                return cls
+    return table[architecture]

@@ -22,16 +22,32 @@ def run_scheduler_process(server_args, port_args, pipe_writer, parent_pid: int, 
     prepare_child_process(parent_pid)
     try:
         scheduler = Scheduler(server_args, port_args, spawned_at)
-        pipe_writer.send(scheduler.info())
-        scheduler.event_loop()
+    except ValueError as e:  # a configuration error (errors.StartupError): one line says why
+        logger.error("Scheduler cannot start: %s", e)
+        logger.debug("%s", traceback.format_exc())
+        _report_startup_failure(pipe_writer, SchedulerStartupError(traceback.format_exc(), str(e)))
     except Exception:
         tb = traceback.format_exc()
         logger.error("Scheduler process failed:\n%s", tb)
-        try:
-            pipe_writer.send(SchedulerStartupError(tb))
-        except Exception:
-            pass
+        _report_startup_failure(pipe_writer, SchedulerStartupError(tb))
+    try:
+        pipe_writer.send(scheduler.info())
+        scheduler.event_loop()
+    except Exception:
+        logger.error("Scheduler process failed:\n%s", traceback.format_exc())
         sys.exit(1)
+
+
+def _report_startup_failure(pipe_writer, error: SchedulerStartupError) -> None:
+    """Send `error` over the start-up pipe (the launcher may be gone already) and exit 1 at once: the launcher
+    stops its children as soon as it reads the error, and a stop signal landing in the interpreter's exit
+    handlers (torch's, where transformers imported it) would print a traceback of its own."""
+    try:
+        pipe_writer.send(error)
+    except Exception:
+        pass
+    logging.shutdown()
+    os._exit(1)
 
 
 def run_follower_node(server_args) -> None:

@@ -37,7 +37,7 @@ from typing import List, Optional
 
 import zmq
 
-from sgl_jax.srt.configs.model_config import ENCODER_ARCHITECTURES, ModelConfig, load_tokenizer
+from sgl_jax.srt.configs.model_config import ModelConfig, load_tokenizer
 from sgl_jax.srt.constrained.grammar_backend import GrammarBackend
 from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.startup_phases import StartupPhases
@@ -147,7 +147,7 @@ class Scheduler:
         mc = self.model_config
         self.max_running_requests, self.buckets, self.max_prefill_tokens, self.chunk_size = derive_limits(
             server_args, mc, platform)
-        if mc.architecture in ENCODER_ARCHITECTURES and self.chunk_size:
+        if mc.is_encoder and self.chunk_size:
             logger.info("%s is an encoder: no chunked prefill (each sequence is computed whole in one step)",
                         mc.architecture)
             self.chunk_size = None
@@ -296,6 +296,8 @@ class Scheduler:
             prefix_cache=self.ranks[0].memory.cache_kind,
             vocab_size=self.model_config.vocab_size,
             architecture=self.model_config.architecture,
+            model_role=self.model_config.role,
+            is_encoder=self.model_config.is_encoder,
             token_paddings=list(self.buckets.token_paddings),
             bs_paddings=list(self.buckets.bs_paddings),
             dp_size=self.dp_size,

@@ -9,12 +9,7 @@ from __future__ import annotations
 import time
 from typing import List, Optional
 
-from sgl_jax.srt.configs.model_config import (
-    CLASSIFIER_ARCHITECTURES,
-    EMBEDDING_ARCHITECTURES,
-    ENCODER_ARCHITECTURES,
-    resolve_model,
-)
+from sgl_jax.srt.configs.model_config import resolve_model
 from sgl_jax.srt.errors import RequestError
 from sgl_jax.srt.metrics.collector import RequestTimes
 from sgl_jax.srt.tokenizer import embedding, rerank
@@ -26,8 +21,8 @@ class RetrievalClient:
     Attributes:
         rerank_template / rerank_labels: a decoder reranker's prompt template and (negative, positive) label
             ids (tokenizer/rerank.py), or None.
-        is_embedding: --is-embedding, or an architecture with no LM head (configs.model_config
-            EMBEDDING_ARCHITECTURES): generation and /v1/score are refused (`TokenizerManager.check_generates`).
+        is_embedding: --is-embedding, or a model class whose role is not "causal" (no LM head:
+            `SchedulerInfo.model_role`): generation and /v1/score are refused (`TokenizerManager.check_generates`).
         is_encoder: a BERT / XLM-RoBERTa model (token types go with its tokens).
         is_classifier: a sequence-classification head (a cross-encoder): /v1/rerank scores with it.
         pooling: how final hidden states become one vector (tokenizer/embedding.Pooling), or None.
@@ -42,9 +37,9 @@ class RetrievalClient:
         self.rerank_template = rerank.template_for_model(sa.rerank_template, sa.model_path or "", arch)
         self.rerank_labels = (rerank.label_token_ids(self.rerank_template, tm.tokenizer)
                               if self.rerank_template else None)
-        self.is_embedding = bool(sa.is_embedding) or arch in EMBEDDING_ARCHITECTURES
-        self.is_encoder = arch in ENCODER_ARCHITECTURES
-        self.is_classifier = arch in CLASSIFIER_ARCHITECTURES
+        self.is_embedding = bool(sa.is_embedding) or tm.info.model_role != "causal"
+        self.is_encoder = bool(tm.info.is_encoder)
+        self.is_classifier = tm.info.model_role == "classifier"
         self.pooling: Optional[embedding.Pooling] = None
         if self.is_classifier:  # the head reads the first (encoder) or last (decoder) token, as transformers'
             self.pooling = embedding.Pooling("cls" if self.is_encoder else "last", False)
