@@ -48,7 +48,7 @@ from srt_helpers import ADMIN_API_KEY, API_KEY, wait_pool_idle
 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 ADMIN_AUTH = {"authorization": f"Bearer {ADMIN_API_KEY}"}
-# http_guards.ADMIN_PATHS: they take the admin key only
+# the routes marked admin_endpoint (entrypoints/http_guards.py): they take the admin key only
 ADMIN_PATHS = {"/flush_cache", "/abort_request", "/load_lora_adapter", "/unload_lora_adapter",
                "/update_weights_from_disk", "/get_weights_by_name", "/release_memory_occupation",
                "/resume_memory_occupation", "/pause_generation", "/continue_generation", "/start_profile",

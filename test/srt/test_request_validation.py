@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from sgl_jax.srt.io_struct import SchedulerInfo
 from sgl_jax.srt.entrypoints.field_types import SEED_MAX, SEED_MIN
-from sgl_jax.srt.entrypoints.http_guards import KeyChecker, is_json_content_type
+from sgl_jax.srt.entrypoints.http_guards import KeyChecker, RouteMarks, is_json_content_type
+from sgl_jax.srt.entrypoints.http_server import ROUTERS
 from sgl_jax.srt.entrypoints.field_types import DefaultOnly, Ignored, marked_fields
 from sgl_jax.srt.entrypoints.native_protocol import (
     GenerateRequest,
@@ -601,16 +602,22 @@ def test_json_content_type_and_keys():
     assert not any(is_json_content_type(v) for v in (None, "", "text/plain", "application/x-www-form-urlencoded",
                                                      "multipart/form-data; boundary=x"))
     h = lambda key: {"authorization": f"Bearer {key}"} if key else {}  # noqa: E731
-    only_api = KeyChecker("k", None)
+    marks = RouteMarks([route for router in ROUTERS for route in router.routes])  # the server's own routes
+    assert marks.is_admin("/flush_cache") and marks.is_admin("/get_weights_by_name") and marks.is_admin("/stop_profile")
+    assert not any(marks.is_admin(p) for p in ("/generate", "/get_server_info", "/v1/responses/r1/cancel", "/"))
+    assert marks.takes_no_body("/flush_cache") and marks.takes_no_body("/v1/responses/resp_1/cancel")
+    assert not any(marks.takes_no_body(p) for p in ("/pause_generation", "/start_profile", "/v1/responses/r1",
+                                                    "/v1/responses/r1/cancel/x", "/generate"))
+    only_api = KeyChecker("k", None, marks)
     assert not only_api.allows(h(None), "/generate") and only_api.allows(h("k"), "/generate")
     assert only_api.allows(h("k"), "/flush_cache") and not only_api.allows(h("x"), "/flush_cache")
     assert only_api.allows(h(None), "/health") and only_api.allows(h(None), "/health_generate")
-    both = KeyChecker("k", "admin")
+    both = KeyChecker("k", "admin", marks)
     assert both.allows(h("admin"), "/flush_cache") and not both.allows(h("k"), "/abort_request")
     assert not both.allows(h("admin"), "/v1/completions")  # as upstream: the admin key is for admin endpoints
-    only_admin = KeyChecker(None, "admin")
+    only_admin = KeyChecker(None, "admin", marks)
     assert only_admin.allows(h(None), "/generate") and not only_admin.allows(h(None), "/flush_cache")
-    none = KeyChecker(None, None)
+    none = KeyChecker(None, None, marks)
     assert none.allows(h(None), "/flush_cache") and none.allows({"authorization": "Basic x"}, "/generate")
 
 

@@ -3,16 +3,17 @@ answered as a GET without its body).
 
 - API keys (SGLang's ``--api-key`` and ``--admin-api-key`` and its auth levels), sent as
   ``Authorization: Bearer KEY`` or, as Anthropic's clients send it, ``x-api-key: KEY``: with ``--api-key``
-  every endpoint but ``/health*`` and ``/metrics`` requires it (401 otherwise). Admin endpoints (``/flush_cache``, ``/abort_request``; SGLang's
-  ADMIN_OPTIONAL level) require ``--admin-api-key`` when that is set (``--api-key`` is then refused there),
+  every endpoint but ``/health*`` and ``/metrics`` requires it (401 otherwise). Admin endpoints (``/flush_cache``,
+  ``/abort_request``, ...: SGLang's ADMIN_OPTIONAL level, marked on their routes with `admin_endpoint`) require ``--admin-api-key`` when that is set (``--api-key`` is then refused there),
   else ``--api-key`` when that is set, else nothing. As upstream, the admin key does not open the ordinary
   endpoints. Keys are compared in constant time.
 - ``POST``/``PUT`` bodies must be sent as ``Content-Type: application/json`` (415 otherwise). Browsers send
   cross-site "simple" requests (text/plain, form encodings) without a CORS preflight; refusing them keeps
   any web page the user opens from driving a server on localhost.
 
-  The exception: a POST with no body at all to an endpoint that takes none (``/flush_cache``, which
-  sglang-router posts without a content type, and ``/v1/responses/{id}/cancel``): without an admin or API
+  The exception: a POST with no body at all to an endpoint that takes none (marked on its route with
+  `bodyless_endpoint`: ``/flush_cache``, which sglang-router posts without a content type,
+  ``/v1/responses/{id}/cancel``, and the ones that only undo or end something): without an admin or API
   key set, a web page can at most flush the prefix cache (a cost in speed, never in output) or try to cancel
   a stored response (which answers 400: there are no background responses to cancel).
 
@@ -35,20 +36,60 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sgl_jax.srt.entrypoints.error_bodies import error_body
 
 PUBLIC_PREFIXES = ("/health", "/metrics")  # SGLang's exemptions (/health_generate included)
-# SGLang's ADMIN_OPTIONAL endpoints that sgl-jax has
-ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/load_lora_adapter", "/unload_lora_adapter",
-                         "/update_weights_from_disk", "/get_weights_by_name", "/release_memory_occupation",
-                         "/resume_memory_occupation", "/pause_generation", "/continue_generation", "/start_profile",
-                         "/stop_profile"})
-# POST endpoints that take an empty body without a content type: they only undo or end something (a page
-# could post them cross-site without a preflight; the ones that pause, release or start something need JSON)
-BODYLESS_PATHS = frozenset({"/flush_cache", "/continue_generation", "/stop_profile"})
+ADMIN_MARK = "admin_endpoint"  # the attribute `admin_endpoint` sets on a route's endpoint function
+BODYLESS_MARK = "bodyless_endpoint"  # the attribute `bodyless_endpoint` sets
 
 
-def takes_no_body(path: str) -> bool:
-    """Whether `path` is a POST endpoint that takes no body: BODYLESS_PATHS and OpenAI's
-    ``/v1/responses/{id}/cancel`` (clients may post it without a content type)."""
-    return path in BODYLESS_PATHS or (path.startswith("/v1/responses/") and path.endswith("/cancel"))
+def admin_endpoint(endpoint):
+    """Route decorator, written below ``@router.post(...)``: the route is an admin endpoint (SGLang's
+    ADMIN_OPTIONAL level: it takes ``--admin-api-key`` when that is set, else ``--api-key``)."""
+    setattr(endpoint, ADMIN_MARK, True)
+    return endpoint
+
+
+def bodyless_endpoint(endpoint):
+    """Route decorator, written below ``@router.post(...)``: a POST endpoint that takes an empty body without a
+    content type. Only for endpoints that undo or end something: a web page could post them cross-site without a
+    preflight (the ones that pause, release or start something need JSON)."""
+    setattr(endpoint, BODYLESS_MARK, True)
+    return endpoint
+
+
+class RouteMarks:
+    """Which request paths reach a route marked `admin_endpoint` or `bodyless_endpoint`, from an app's routes
+    (fixed paths in a set, templated ones such as ``/v1/responses/{response_id}/cancel`` by their pattern).
+
+    Args:
+        routes: the app's routes (`FastAPI.routes`, once every router is included).
+    """
+
+    def __init__(self, routes):
+        self._admin = _marked_paths(routes, ADMIN_MARK)
+        self._bodyless = _marked_paths(routes, BODYLESS_MARK)
+
+    def is_admin(self, path: str) -> bool:
+        """Whether `path` is an admin endpoint's."""
+        return _matches_any(self._admin, path)
+
+    def takes_no_body(self, path: str) -> bool:
+        """Whether `path` is a POST endpoint that takes no body."""
+        return _matches_any(self._bodyless, path)
+
+
+def _marked_paths(routes, mark: str):
+    fixed, patterns = set(), []
+    for route in routes:
+        if getattr(getattr(route, "endpoint", None), mark, False):
+            if getattr(route, "param_convertors", None):
+                patterns.append(route.path_regex)
+            else:
+                fixed.add(route.path)
+    return frozenset(fixed), tuple(patterns)
+
+
+def _matches_any(marked, path: str) -> bool:
+    fixed, patterns = marked
+    return path in fixed or any(p.match(path) for p in patterns)
 
 
 async def send_error(scope: Scope, send: Send, message: str, status_code: int,
@@ -99,15 +140,17 @@ class KeyChecker:
 
     Args:
         api_key / admin_api_key: the server's keys (None: not set).
+        marks: the app's marked routes (`RouteMarks`).
     """
 
-    def __init__(self, api_key: Optional[str], admin_api_key: Optional[str]):
+    def __init__(self, api_key: Optional[str], admin_api_key: Optional[str], marks: RouteMarks):
         self.api_key = api_key
         self.admin_api_key = admin_api_key
+        self.marks = marks
 
     def allows(self, headers, path: str) -> bool:
         """Whether a request for `path` carries the key its endpoint needs."""
-        if path in ADMIN_PATHS:
+        if self.marks.is_admin(path):
             key = self.admin_api_key if self.admin_api_key is not None else self.api_key
         elif path.startswith(PUBLIC_PREFIXES):
             key = None
@@ -131,8 +174,8 @@ def is_empty_body(headers) -> bool:
 
 
 class GuardMiddleware:
-    """Pure ASGI middleware: 401 without an accepted key, 415 for a POST/PUT that is not JSON, 413 for a
-    body over `max_body_bytes`."""
+    """Pure ASGI middleware: 401 without an accepted key, 415 for a POST/PUT that is not JSON (but an empty POST
+    to a route `keys.marks` says takes no body), 413 for a body over `max_body_bytes`."""
 
     def __init__(self, app: ASGIApp, keys: KeyChecker, max_body_bytes: int):
         self.app = app
@@ -144,11 +187,11 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         request = Request(scope)
         if not self.keys.allows(request.headers, scope["path"]):
-            which = "admin api key" if scope["path"] in ADMIN_PATHS else "api key"
+            which = "admin api key" if self.keys.marks.is_admin(scope["path"]) else "api key"
             return await send_error(scope, send, f"Unauthorized: this endpoint requires 'Authorization: Bearer "
                                                  f"<{which}>'", 401, [(b"www-authenticate", b"Bearer")])
         if scope["method"] in ("POST", "PUT") and not is_json_content_type(request.headers.get("content-type")) \
-                and not (takes_no_body(scope["path"]) and is_empty_body(request.headers)):
+                and not (self.keys.marks.takes_no_body(scope["path"]) and is_empty_body(request.headers)):
             return await send_error(scope, send, "Unsupported media type: send the body as JSON with "
                                                  "'Content-Type: application/json'", 415)
         limit = self.max_body_bytes

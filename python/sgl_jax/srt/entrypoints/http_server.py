@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sgl_jax.srt.entrypoints.http_guards import GuardMiddleware, HeadAsGet, KeyChecker
+from sgl_jax.srt.entrypoints.http_guards import GuardMiddleware, HeadAsGet, KeyChecker, RouteMarks
 from sgl_jax.srt.entrypoints.native_protocol import validation_message, validation_param
 from sgl_jax.srt.entrypoints.routes import (admin, anthropic, control, embeddings, native, ollama, openai,
                                             rerank, responses, scoring, sessions)
@@ -61,10 +61,6 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: Sch
 
     app = FastAPI(lifespan=lifespan, title="sgl-jax", version=__version__)
     app.router.route_class = ORJSONRoute
-    app.add_middleware(GuardMiddleware, keys=KeyChecker(server_args.api_key, server_args.admin_api_key),
-                       max_body_bytes=server_args.max_request_body_bytes)
-    app.add_middleware(HeadAsGet)
-    add_cors(app, server_args)  # (after the guards: outside them, so a preflight never needs the key)
     app.state.tokenizer_manager = tm
     app.state.server_args = server_args
     app.state.scheduler_info = scheduler_info
@@ -84,10 +80,16 @@ def build_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: Sch
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         return error_for(request, str(exc.detail), exc.status_code)
 
-    for router in ROUTERS:
+    routers = ROUTERS + ((admin.metrics_router,) if tm.metrics is not None else ())
+    for router in routers:
         app.include_router(router)
-    if tm.metrics is not None:
-        app.include_router(admin.metrics_router)
+    # the guards read the admin and body-less marks on the routes (the routers' own: FastAPI keeps an included
+    # router's routes behind a wrapper)
+    marks = RouteMarks([route for router in routers for route in router.routes])
+    keys = KeyChecker(server_args.api_key, server_args.admin_api_key, marks)
+    app.add_middleware(GuardMiddleware, keys=keys, max_body_bytes=server_args.max_request_body_bytes)
+    app.add_middleware(HeadAsGet)
+    add_cors(app, server_args)  # (after the guards: outside them, so a preflight never needs the key)
     return app
 
 

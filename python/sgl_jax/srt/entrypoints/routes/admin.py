@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 
 from sgl_jax.srt.entrypoints.native_protocol import AbortRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from sgl_jax.srt.entrypoints.http_guards import admin_endpoint, bodyless_endpoint
 from sgl_jax.srt.entrypoints.routes.common import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager
 from sgl_jax.srt.metrics.collector import METRICS_CONTENT_TYPE
@@ -69,6 +70,8 @@ async def get_load(tm: TokenizerManager = Depends(tokenizer_manager)):
 
 
 @router.post("/flush_cache")
+@admin_endpoint
+@bodyless_endpoint
 async def flush_cache(tm: TokenizerManager = Depends(tokenizer_manager)):
     out = await tm.flush_cache()
     return Response(out.message, status_code=200 if out.success else 400)
@@ -82,18 +85,21 @@ def lora_update_response(out) -> Response:
 
 
 @router.post("/load_lora_adapter")
+@admin_endpoint
 async def load_lora_adapter(req: LoadLoRAAdapterRequest, tm: TokenizerManager = Depends(tokenizer_manager)):
     """Load a PEFT LoRA adapter at run time (no compile: it goes into a fixed slot when first used)."""
     return lora_update_response(await tm.update_lora(req.to_input()))
 
 
 @router.post("/unload_lora_adapter")
+@admin_endpoint
 async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, tm: TokenizerManager = Depends(tokenizer_manager)):
     """Unload an adapter; 409 while queued or running requests use it."""
     return lora_update_response(await tm.update_lora(req.to_input()))
 
 
 @router.post("/abort_request")
+@admin_endpoint
 async def abort_request(req: AbortRequest, tm: TokenizerManager = Depends(tokenizer_manager)):
     if req.abort_all:
         n = tm.abort_all()

@@ -1,6 +1,6 @@
 """RL and operator routes (SGLang's): /update_weights_from_disk, /get_weights_by_name, /get_weight_version (also
 /weight_version), /release_memory_occupation, /resume_memory_occupation, /pause_generation, /continue_generation,
-/start_profile, /stop_profile. All but the weight version are admin endpoints (entrypoints/http_guards.ADMIN_PATHS);
+/start_profile, /stop_profile. All but the weight version are admin endpoints (marked `admin_endpoint`: entrypoints/http_guards.py);
 what each does to requests in flight is in scheduler/engine_control.py and docs/api.md."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from sgl_jax.srt.entrypoints.control_protocol import (
     StartProfileRequest,
     UpdateWeightsFromDiskRequest,
 )
+from sgl_jax.srt.entrypoints.http_guards import admin_endpoint, bodyless_endpoint
 from sgl_jax.srt.entrypoints.routes.common import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager
 from sgl_jax.srt.io_struct import ControlOutput, ProfileReqInput
@@ -32,6 +33,7 @@ def control_response(out: ControlOutput, **extra) -> object:
 
 
 @router.post("/update_weights_from_disk")
+@admin_endpoint
 async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest,
                                    tm: TokenizerManager = Depends(tokenizer_manager)):
     """Replace the weights with a checkpoint of the same architecture and shapes (400 naming the first mismatch;
@@ -41,6 +43,7 @@ async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest,
 
 
 @router.get("/get_weights_by_name")
+@admin_endpoint
 async def get_weights_by_name_get(name: str = Query(..., min_length=1, max_length=512),
                                   truncate_size: int = Query(100, ge=1, le=100_000),
                                   tm: TokenizerManager = Depends(tokenizer_manager)):
@@ -49,6 +52,7 @@ async def get_weights_by_name_get(name: str = Query(..., min_length=1, max_lengt
 
 
 @router.post("/get_weights_by_name")
+@admin_endpoint
 async def get_weights_by_name_post(req: GetWeightsByNameRequest, tm: TokenizerManager = Depends(tokenizer_manager)):
     """As the GET, with a JSON body (SGLang's clients send one)."""
     return await _weights_by_name(req, tm)
@@ -70,6 +74,7 @@ async def get_weight_version(tm: TokenizerManager = Depends(tokenizer_manager)):
 
 
 @router.post("/release_memory_occupation")
+@admin_endpoint
 async def release_memory_occupation(req: Optional[MemoryOccupationRequest] = None,
                                     tm: TokenizerManager = Depends(tokenizer_manager)):
     """Free the KV buffers (the prefix cache is flushed) and/or the weights on the devices; 409 while requests
@@ -78,6 +83,7 @@ async def release_memory_occupation(req: Optional[MemoryOccupationRequest] = Non
 
 
 @router.post("/resume_memory_occupation")
+@admin_endpoint
 async def resume_memory_occupation(req: Optional[MemoryOccupationRequest] = None,
                                    tm: TokenizerManager = Depends(tokenizer_manager)):
     """Restore what /release_memory_occupation freed (the weights from their host copy, unless an update placed
@@ -86,6 +92,7 @@ async def resume_memory_occupation(req: Optional[MemoryOccupationRequest] = None
 
 
 @router.post("/pause_generation")
+@admin_endpoint
 async def pause_generation(req: Optional[PauseGenerationRequest] = None,
                            tm: TokenizerManager = Depends(tokenizer_manager)):
     """Stop running steps: ``abort`` every request, ``retract`` the running ones (KV freed), or keep them
@@ -95,6 +102,8 @@ async def pause_generation(req: Optional[PauseGenerationRequest] = None,
 
 
 @router.post("/continue_generation")
+@admin_endpoint
+@bodyless_endpoint
 async def continue_generation(req: Optional[ContinueGenerationRequest] = None,
                               tm: TokenizerManager = Depends(tokenizer_manager)):
     """Run steps again after /pause_generation."""
@@ -103,12 +112,15 @@ async def continue_generation(req: Optional[ContinueGenerationRequest] = None,
 
 
 @router.post("/start_profile")
+@admin_endpoint
 async def start_profile(req: Optional[StartProfileRequest] = None, tm: TokenizerManager = Depends(tokenizer_manager)):
     """Start a jax.profiler trace (TensorBoard xplane and Perfetto JSON) under --profile-dir."""
     return control_response(await tm.control((req or StartProfileRequest()).to_input()))
 
 
 @router.post("/stop_profile")
+@admin_endpoint
+@bodyless_endpoint
 async def stop_profile(tm: TokenizerManager = Depends(tokenizer_manager)):
     """Stop the trace now; the answer lists its files."""
     return control_response(await tm.control(ProfileReqInput(start=False)))

@@ -21,6 +21,7 @@ from sgl_jax.srt.entrypoints.openai.serving_responses import (
     sse_frames,
     stream_events,
 )
+from sgl_jax.srt.entrypoints.http_guards import bodyless_endpoint
 from sgl_jax.srt.entrypoints.routes.common import json_response
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager, until_disconnect
 from sgl_jax.srt.errors import RequestError
@@ -75,6 +76,7 @@ async def delete_response(response_id: str, store: ResponseStore = Depends(respo
 
 
 @router.post("/v1/responses/{response_id}/cancel")
+@bodyless_endpoint
 async def cancel_response(response_id: str, store: ResponseStore = Depends(response_store)):
     stored(store, response_id)
     raise RequestError("Cannot cancel a synchronous response.", param="response_id")
