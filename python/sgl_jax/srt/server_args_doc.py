@@ -5,8 +5,8 @@
 
 Sections are the whole-line comments between the dataclass's fields (``# Model and tokenizer``, ``# HTTP``,
 ...); each field belongs to the last one above it. The flag, its value type and its default come from the
-argparse parser that `ServerArgs.add_cli_args` builds; the description is the field's `FLAG_HELP` entry, the
-text ``--help`` prints before ``(default: ...)``. test/srt/test_server_args_doc.py fails when the checked-in
+argparse parser that `ServerArgs.add_cli_args` builds; the description is the field's help (its
+``metadata["help"]``, `server_args.flag_help`), the text ``--help`` prints before ``(default: ...)``. test/srt/test_server_args_doc.py fails when the checked-in
 file differs from `render()`.
 """
 
@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from sgl_jax.srt.server_args import FLAG_HELP, ServerArgs
+from sgl_jax.srt.server_args import ServerArgs, flag_help
 
 DOC_PATH = Path(__file__).resolve().parents[3] / "docs" / "server_args.md"  # python/sgl_jax/srt/ -> repo root
 REGENERATE = "python -m sgl_jax.srt.server_args_doc"
@@ -83,6 +83,7 @@ def render() -> str:
     """The whole of docs/server_args.md."""
     actions = _parser_actions()
     defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+    helps = {f.name: flag_help(f) for f in dataclasses.fields(ServerArgs)}
     sections = field_sections()
     out = [
         "# Server arguments",
@@ -106,7 +107,7 @@ def render() -> str:
         for name in names:
             action = actions[name]
             flag = " ".join(filter(None, (action.option_strings[0], _value_kind(action))))
-            out.append(f"| `{flag}` | `{defaults[name]}` | {_cell(FLAG_HELP.get(name, ''))} |")
+            out.append(f"| `{flag}` | `{defaults[name]}` | {_cell(helps[name])} |")
         out.append("")
     return "\n".join(out)
 
