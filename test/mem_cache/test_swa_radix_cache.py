@@ -113,3 +113,17 @@ def test_reset_refuses_while_locked():
     cache.reset()
     with pytest.raises(ValueError):
         SWARadixCache(ReqToTokenPool(1, 8), alloc, PS, 0)
+
+
+def test_it_says_it_keeps_no_namespaces_and_refuses_one():
+    """`keeps_namespaces` is what the scheduler asks before LoRA or a weight update with requests holding KV
+    (scheduler.py, engine_control.py); it must match what the cache does with an adapter's namespace."""
+    from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sgl_jax.srt.mem_cache.radix_cache import RadixCache
+
+    _, swa = make()
+    assert not swa.keeps_namespaces
+    with pytest.raises(ValueError, match="keeps no namespaces"):
+        swa.match_prefix(np.arange(8), namespace=3)
+    radix = RadixCache(ReqToTokenPool(4, 256), PagedTokenToKVPoolAllocator(64 * PS, PS), PS)
+    assert radix.keeps_namespaces and radix.match_prefix(np.arange(8), namespace=3).device_indices.size == 0

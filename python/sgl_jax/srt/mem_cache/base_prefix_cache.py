@@ -109,6 +109,10 @@ class BasePrefixCache(abc.ABC):
     req_to_token_pool: ReqToTokenPool
     kind: str = ""  # its name in registry.CACHE_KINDS
     keeps_swa: bool = False
+    # whether prefixes are kept apart by namespace (LoRA adapters) and `retire` keeps the locked ones in retired
+    # namespaces; False: only the base namespace (swa_radix), so LoRA and a weight update with requests holding KV
+    # are refused by the scheduler
+    keeps_namespaces: bool = True
 
     @classmethod
     @abc.abstractmethod

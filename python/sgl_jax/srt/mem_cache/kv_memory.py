@@ -196,6 +196,12 @@ class KVMemory:
     def cache_kind(self) -> str:
         return self.tree_cache.kind
 
+    @property
+    def keeps_namespaces(self) -> bool:
+        """Whether the prefix cache keeps LoRA adapters' prefixes apart and retired prefixes
+        (`BasePrefixCache.keeps_namespaces`)."""
+        return self.tree_cache.keeps_namespaces
+
     def free_tokens(self) -> int:
         return self.allocator.available_size()
 

@@ -66,6 +66,7 @@ class SWARadixCache(RadixCache):
     """
 
     kind = "swa_radix"
+    keeps_namespaces = False  # (`_root_of`)
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: SWAPagedAllocator, page_size: int,
                  sliding_window: int):

@@ -234,10 +234,11 @@ class EngineControl:
     def _update(self, msg) -> UpdateWeightsOutput:
         sched, runner = self.sched, self.sched.model_runner
         held = [r for rank in sched.ranks for r in rank.running_batch.reqs + [rank.chunked_req] if r is not None]
-        if held and sched.ranks[0].memory.cache_kind == "swa_radix":
-            return UpdateWeightsOutput(False, "cannot update the weights while paused requests hold KV in a hybrid "
-                                       "SWA prefix cache (it keeps no retired prefixes): pause with mode retract "
-                                       "or abort", 409)
+        memory = sched.ranks[0].memory
+        if held and not memory.keeps_namespaces:
+            return UpdateWeightsOutput(False, f"cannot update the weights while paused requests hold KV in the "
+                                       f"{memory.cache_kind} prefix cache (it keeps no retired prefixes): pause "
+                                       "with mode retract or abort", 409)
         t0 = time.perf_counter()
         try:
             if isinstance(msg, UpdateWeightsFromDiskReqInput):

@@ -186,9 +186,10 @@ class Scheduler:
         speculators = new_speculators(server_args, self.context_len, self.dp_size,
                                       sliding_window=mc.sliding_window is not None)
         self.ranks: List[RankScheduler] = [self._new_rank(r, speculators[r]) for r in range(self.dp_size)]
-        if self.lora is not None and self.ranks[0].memory.cache_kind == "swa_radix":
-            raise ValueError("--enable-lora with hybrid SWA memory (its prefix cache keeps no adapter namespaces): "
-                             "pass --disable-hybrid-swa-memory")
+        memory = self.ranks[0].memory
+        if self.lora is not None and not memory.keeps_namespaces:
+            raise ValueError(f"--enable-lora: the {memory.cache_kind} prefix cache keeps no adapter namespaces "
+                             "(pass --disable-hybrid-swa-memory)")
         self.kv_size = self.ranks[0].memory.size  # tokens of KV per rank
         self.kv_limits = KVLimits(self.context_len, self.max_req_input_len, self.kv_size, self.page_size)
         if self.dp_size > 1:
