@@ -22,13 +22,14 @@ import httpx
 import numpy as np
 import pytest
 
-from sgl_jax.srt.scheduler.spec_costs import ALWAYS_DRAFT_ENV
+from sgl_jax.srt.scheduler.speculative.spec_costs import ALWAYS_DRAFT_ENV
 
 from srt_helpers import module_server, save_tiny_eagle3_head, save_tiny_eagle_head, save_tiny_llama, \
     wait_pool_idle
 
 XLA_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-# the speculative servers verify drafts at every batch size (speculation's batch rule off: scheduler/spec_costs.py)
+# the speculative servers verify drafts at every batch size (speculation's batch rule off:
+# scheduler/speculative/spec_costs.py)
 SPEC_ENV = {**XLA_ENV, ALWAYS_DRAFT_ENV: "1"}
 LOGPROB_TOL = 1e-3
 PROMPTS = [f"Prompt {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 5) for i in range(16)]

@@ -30,11 +30,12 @@ from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.models.llama_eagle3 import eagle_aux_layer_ids, hot_token_ids
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
-from sgl_jax.srt.scheduler.draft_model import draft_server_args, draft_step_batch
-from sgl_jax.srt.scheduler.eagle_draft import EagleDraft, draft_extend_batch, eagle_head_config, new_eagle_draft
+from sgl_jax.srt.scheduler.speculative.draft_model import draft_server_args, draft_step_batch
+from sgl_jax.srt.scheduler.speculative.eagle_draft import (
+    EagleDraft, draft_extend_batch, eagle_head_config, new_eagle_draft)
 from sgl_jax.srt.scheduler.output import process_batch_result
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
-from sgl_jax.srt.scheduler.speculation import SpecCounts, Speculator, build_verify_batch
+from sgl_jax.srt.scheduler.speculative.speculation import SpecCounts, Speculator, build_verify_batch
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.speculative.draft_tree import TopkTree, chain_parents
 

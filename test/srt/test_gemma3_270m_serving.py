@@ -25,7 +25,7 @@ from test_gguf_gemma3 import GEMMA3_OFFICIAL_CHAT_TEMPLATE
 from srt_helpers import module_server, wait_pool_idle
 from sgl_jax.srt.model_loader.default_model import GEMMA3_270M_PACKAGE, find_packaged_gguf
 from sgl_jax.srt.model_loader.gguf_file import prepare_gguf_hf_dir
-from sgl_jax.srt.scheduler.spec_costs import ALWAYS_DRAFT_ENV
+from sgl_jax.srt.scheduler.speculative.spec_costs import ALWAYS_DRAFT_ENV
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SECTION = "## Gemma-3-270M (sliding-window model)"

@@ -36,7 +36,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from sgl_jax.srt.scheduler.spec_costs import ALWAYS_DRAFT_ENV, PAY_MARGIN
+from sgl_jax.srt.scheduler.speculative.spec_costs import ALWAYS_DRAFT_ENV, PAY_MARGIN
 from srt_helpers import ServerProcess, check_clean, module_server, save_tiny_eagle3_head, save_tiny_llama, \
     wait_pool_idle
 from test_overlap_schedule import compare, run_alone, run_json, run_session, run_workload
@@ -52,8 +52,8 @@ SPEC_ARGS = ["--enable-streaming-session", "--enable-metrics", "--speculative-al
 
 
 # servers with this environment verify drafts at every batch size (speculation's batch rule off,
-# scheduler/spec_costs.py: the drafts, and the injected draft faults, happen whatever this machine's step costs);
-# the page-16 NGRAM server runs the rule
+# scheduler/speculative/spec_costs.py: the drafts, and the injected draft faults, happen whatever this machine's step
+# costs); the page-16 NGRAM server runs the rule
 ALWAYS_DRAFT = {ALWAYS_DRAFT_ENV: "1"}
 
 
@@ -225,7 +225,8 @@ def test_outputs_identical_with_and_without_speculation(spec_server, reference):
 
 
 def test_page16_without_radix_under_forced_retract(spec_page16_server, reference):
-    """Page size 16 without the radix cache under forced retracts, with the batch rule (scheduler/spec_costs.py):
+    """Page size 16 without the radix cache under forced retracts, with the batch rule
+    (scheduler/speculative/spec_costs.py):
     the step costs measured at start-up at both batch-size paddings, the single copy requests drafting (their
     first draft counts as wholly accepted; then as far as this machine's verify step pays for their accepted
     runs), the same tokens as without speculation."""

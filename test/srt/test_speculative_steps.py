@@ -1,5 +1,5 @@
-"""Speculative decoding's host side without a model (scheduler/speculation.py): a decode batch turned into a verify
-step -- draft slots allocated, the verify layout (positions by depth, KV slots in slot order, tree bits, a logits
+"""Speculative decoding's host side without a model (scheduler/speculative/speculation.py): a decode batch turned into a
+verify step -- draft slots allocated, the verify layout (positions by depth, KV slots in slot order, tree bits, a logits
 row and a sampling row per slot) --, then a step's sampled tokens applied: the accepted path off the tree's first
 branch (its K/V queued to move), the bonus token, the unaccepted slots' pages given back, the pools exact after
 the requests are released. The model's part (the same outputs as without speculation) is test_speculative_serving.
@@ -19,8 +19,9 @@ from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.step_output import StepOutput
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_length
-from sgl_jax.srt.scheduler.spec_costs import PAY_MARGIN, StepCosts
-from sgl_jax.srt.scheduler.speculation import PROBE_INTERVAL, SpecCounts, Speculator, build_verify_batch, unify_step
+from sgl_jax.srt.scheduler.speculative.spec_costs import PAY_MARGIN, StepCosts
+from sgl_jax.srt.scheduler.speculative.speculation import (
+    PROBE_INTERVAL, SpecCounts, Speculator, build_verify_batch, unify_step)
 from sgl_jax.srt.speculative.draft_tree import NO_TREE, tree_bits
 from sgl_jax.srt.speculative.ngram_cache import NgramConfig
 
@@ -124,9 +125,9 @@ def test_drafts_stop_at_max_new_tokens_and_nothing_to_draft_stays_a_decode_step(
 
 
 def test_batch_rule_decodes_batches_whose_drafts_do_not_pay():
-    """The batch rule (scheduler/spec_costs.py): with a verify step costing 4x a decode step at S_pad 2 (as on a
-    CPU in a batch), a's draft (counted as wholly accepted, 5 tokens: it has not drafted yet) does not pay -- the
-    batch decodes, no draft slot taken -- while at 1.2x (a GPU at batch 1) it does; drafting time counts against
+    """The batch rule (scheduler/speculative/spec_costs.py): with a verify step costing 4x a decode step at S_pad 2
+    (as on a CPU in a batch), a's draft (counted as wholly accepted, 5 tokens: it has not drafted yet) does not pay --
+    the batch decodes, no draft slot taken -- while at 1.2x (a GPU at batch 1) it does; drafting time counts against
     it."""
     memory, spec, a, b = _setup()
     spec.costs = StepCosts({1: 10.0, 2: 10.0}, {1: 12.0, 2: 40.0})
@@ -265,7 +266,7 @@ def test_top_k_trees_refused_for_a_sliding_window_target():
     import dataclasses as dc
 
     from sgl_jax.srt.configs.model_config import ModelConfig
-    from sgl_jax.srt.scheduler.drafters import draft_model_config
+    from sgl_jax.srt.scheduler.speculative.drafters import draft_model_config
     from sgl_jax.srt.server_args import prepare_server_args
     from srt_helpers import default_model_path
 
@@ -290,7 +291,7 @@ def test_tree_draft_step_lays_out_the_fed_tree_as_a_verify_step():
     step lays out a draft tree (`build_verify_batch`: slots, positions seq_len - 1 + depth, the tree mask's bits,
     kv lens, page tables), also when the request holds more draft slots than the tree uses; `tree_steps` keeps the
     tree a step feeds within the slots."""
-    from sgl_jax.srt.scheduler.draft_model import tree_step_batch, tree_steps
+    from sgl_jax.srt.scheduler.speculative.draft_model import tree_step_batch, tree_steps
     from sgl_jax.srt.speculative.draft_tree import TopkTree
 
     memory, _, a, b = _setup()

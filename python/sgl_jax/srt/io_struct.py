@@ -292,7 +292,7 @@ class TokenOut:
     decode: DecodeConfig
     logprobs: Optional[LogprobDelta] = None
     routed_experts: Optional[str] = None  # on the final message of a return_routed_experts request (see Req)
-    # speculative decoding's counts so far (scheduler/speculation.SpecCounts as a dict) when the server speculates
+    # speculative decoding's counts so far (scheduler/speculative/speculation.SpecCounts as a dict) when speculating
     spec: Optional[dict] = None
 
 

@@ -510,7 +510,7 @@ class ModelRunner:
         `repeats` times back to back without reading a result, then waited for once. Re-running a step rewrites the
         same KV slots with the same values; its sampled ids are dropped (benchmarks only: the penalty rows of its
         sequences count its tokens again). Times the programs for speculation's batch rule
-        (scheduler/spec_costs.py)."""
+        (scheduler/speculative/spec_costs.py)."""
         stacked = self._step_batch([batch] + [None] * (self.dp_size - 1))
         packed, layout = self._step_inputs(stacked, StepTimes())
         mask = self._vocab_mask(batch.rows_pad * self.dp_size, stacked.sampling.vocab_mask)

@@ -41,7 +41,7 @@ from sgl_jax.srt.scheduler.admission import AdmissionPolicy
 from sgl_jax.srt.scheduler.output import process_batch_result, token_out
 from sgl_jax.srt.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, finish_abort
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
-from sgl_jax.srt.scheduler.speculation import Speculator
+from sgl_jax.srt.scheduler.speculative.speculation import Speculator
 
 logger = logging.getLogger(__name__)
 

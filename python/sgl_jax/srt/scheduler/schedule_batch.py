@@ -163,7 +163,7 @@ class Req:
         self.grammar_future = None
         # the ReqToTokenPool row whose penalty state holds this request's history (None: not set up)
         self.penalty_slot: Optional[int] = None
-        # speculative decoding's counts (scheduler/speculation.SpecCounts) when the server speculates, else None
+        # speculative decoding's counts (scheduler/speculative/speculation.SpecCounts) when speculating, else None
         self.spec = None
 
         self.created_time = time.time()
@@ -351,8 +351,8 @@ class ScheduleBatch:
     requests' decode rows (`mix_with_running`), after its prefill rows; each is a one-token extend of the
     request's last sampled token, and samples the request's next token as a decode step would.
 
-    TARGET_VERIFY (speculative decoding, scheduler/speculation.py): a decode step whose rows are draft trees;
-    ``drafts`` maps id(req) to its tree (tokens int32[n], parents int32[n]; slot 0 the request's last token). A
+    TARGET_VERIFY (speculative decoding, scheduler/speculative/speculation.py): a decode step whose rows are draft
+    trees; ``drafts`` maps id(req) to its tree (tokens int32[n], parents int32[n]; slot 0 the request's last token). A
     request without an entry runs a one-slot tree: its root only, a decode row.
 
     Multi-step decode (--num-continuous-decode-steps K): a DECODE batch prepared for K steps

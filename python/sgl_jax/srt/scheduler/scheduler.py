@@ -84,10 +84,10 @@ from sgl_jax.srt.scheduler.rank import RankConfig, RankScheduler
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_abort
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
 from sgl_jax.srt.scheduler.sessions import Session, SessionController, SessionError, check_turn
-from sgl_jax.srt.scheduler.draft_model import draft_reserve
-from sgl_jax.srt.scheduler.drafters import draft_model_config, new_drafter
-from sgl_jax.srt.scheduler.spec_costs import batch_rule_on, measure_step_costs
-from sgl_jax.srt.scheduler.speculation import SpecCounts, new_speculators, unify_step
+from sgl_jax.srt.scheduler.speculative.draft_model import draft_reserve
+from sgl_jax.srt.scheduler.speculative.drafters import draft_model_config, new_drafter
+from sgl_jax.srt.scheduler.speculative.spec_costs import batch_rule_on, measure_step_costs
+from sgl_jax.srt.scheduler.speculative.speculation import SpecCounts, new_speculators, unify_step
 from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget, StepTimeModel, step_cost_features
 from sgl_jax.srt.scheduler.step_launch import StepLauncher
 from sgl_jax.srt.scheduler.step_stats import StepStats

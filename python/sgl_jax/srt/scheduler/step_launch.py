@@ -10,7 +10,7 @@ Two ways, chosen per step:
   step, a decode step of a hybrid sliding-window pool).
 
 In each, the penalty rows of requests new to their slot are loaded first, and a STANDALONE draft model runs the
-step's forward too (scheduler/draft_model.py).
+step's forward too (scheduler/speculative/draft_model.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from sgl_jax.srt import fault_injection
 from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.sampling.sampling_batch import stack_vocab_masks
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, step_shape
-from sgl_jax.srt.scheduler.speculation import build_verify_batch
+from sgl_jax.srt.scheduler.speculative.speculation import build_verify_batch
 
 
 def multi_step_ok(req: Req) -> bool:

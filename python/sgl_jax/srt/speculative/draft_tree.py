@@ -34,8 +34,8 @@ def check_tree(parents: np.ndarray) -> None:
 
 def tree_depths(parents: np.ndarray) -> np.ndarray:
     """int32[n]: each slot's depth below the root (the root 0); its query position is seq_len + depth. A forest
-    (more slots with parent -1, laid out parent-first: an EAGLE head's tree step, scheduler/eagle_draft.py) has
-    each of its roots at depth 0."""
+    (more slots with parent -1, laid out parent-first: an EAGLE head's tree step, scheduler/speculative/eagle_draft.py)
+    has each of its roots at depth 0."""
     parents = np.asarray(parents)
     depth = np.zeros(len(parents), np.int32)
     for i in range(1, len(parents)):

@@ -156,10 +156,10 @@ class PreparedReq:
 
 
 def spec_meta_info(spec: dict, completion_tokens: int) -> dict:
-    """SGLang's speculative-decoding entries of ``meta_info`` from a request's counts (scheduler/speculation.
-    SpecCounts): ``spec_verify_ct`` (verify steps), ``spec_accept_length`` (completion tokens per verify step,
-    SGLang's average accept length; 0 before the first), ``spec_accept_rate`` (accepted / drafted tokens; 0 before
-    the first draft), ``spec_accept_token_num`` and ``spec_draft_token_num``."""
+    """SGLang's speculative-decoding entries of ``meta_info`` from a request's counts
+    (scheduler/speculative/speculation.SpecCounts): ``spec_verify_ct`` (verify steps), ``spec_accept_length``
+    (completion tokens per verify step, SGLang's average accept length; 0 before the first), ``spec_accept_rate``
+    (accepted / drafted tokens; 0 before the first draft), ``spec_accept_token_num`` and ``spec_draft_token_num``."""
     ct, drafted, accepted = spec["verify_ct"], spec["draft_tokens"], spec["accepted_tokens"]
     return {"spec_verify_ct": ct, "spec_accept_length": completion_tokens / ct if ct else 0.0,
             "spec_accept_rate": accepted / drafted if drafted else 0.0, "spec_accept_token_num": accepted,

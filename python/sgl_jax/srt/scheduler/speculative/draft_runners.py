@@ -15,8 +15,8 @@ K/V buffers and programs of its own:
   log-probabilities).
 - **draft decode** (each draft step of a chain): one row per request, fed a chain token and its slot's stored
   output; both states are overwritten with the new output and token.
-- **tree step** (each draft step of a top-k tree, scheduler/eagle_draft.py): a TARGET_VERIFY forward over each
-  request's fed forest, every node fed its parent's output (the slot's stored g, or the step before's output,
+- **tree step** (each draft step of a top-k tree, scheduler/speculative/eagle_draft.py): a TARGET_VERIFY forward
+  over each request's fed forest, every node fed its parent's output (the slot's stored g, or the step before's output,
   kept in ``node_out``); the k best next tokens of every node come back to the host. With trees the head's K/V
   moves with an accepted path off the first branch (the K/V move programs).
 

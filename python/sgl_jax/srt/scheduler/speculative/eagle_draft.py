@@ -11,7 +11,7 @@ produced that token. Hence, unlike STANDALONE's mirror, the head runs after each
    in a verify step the target's token after each slot) and the target's features there. The row of each
    request's last committed position (``seq_len - 2`` once the step is applied: the sampling row, or in a verify
    step the last accepted slot) stores its output and draft token in the request slot's state
-   (model_executor/draft_runners.py). Every committed position then has its draft K/V, as the target's: a cached
+   (scheduler/speculative/draft_runners.py). Every committed position then has its draft K/V, as the target's: a cached
    prefix, a retract, a rollback or a session's kept KV is the same for both (SGLang's EAGLE worker shares the
    target's allocator and page tables too).
 2. **Drafting** (`EagleDraft.draft`, before the step, as STANDALONE): a request's chain is its root (the last
@@ -19,7 +19,8 @@ produced that token. Hence, unlike STANDALONE's mirror, the head runs after each
    position ``seq_len - 1 + k`` with the stored output of the step before, so a chain of n slots costs n - 2
    head forwards. Those draft rows are overwritten by the next draft extend.
 
-Verification, acceptance, rollback and sampling are the target's (scheduler/speculation.py), as for every drafter.
+Verification, acceptance, rollback and sampling are the target's (scheduler/speculative/speculation.py), as for
+every drafter.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ import numpy as np
 from sgl_jax.srt import fault_injection
 from sgl_jax.srt.forward_batch import ForwardMode, ModelWorkerBatch
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
-from sgl_jax.srt.model_executor.draft_runners import EagleRunner
+from sgl_jax.srt.scheduler.speculative.draft_runners import EagleRunner
 from sgl_jax.srt.model_executor.model_runner import ModelRunner
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES, read_checkpoint_tensor
 from sgl_jax.srt.models.llama_eagle import head_architecture
 from sgl_jax.srt.models.llama_eagle3 import hot_token_ids
-from sgl_jax.srt.scheduler.draft_model import DraftModel, draft_kv_spec, for_draft, draft_server_args, \
+from sgl_jax.srt.scheduler.speculative.draft_model import DraftModel, draft_kv_spec, for_draft, draft_server_args, \
     draft_step_batch, tree_step_batch, tree_steps
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, last_input_token
 from sgl_jax.srt.speculative.draft_tree import TopkTree

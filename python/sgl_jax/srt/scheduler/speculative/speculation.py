@@ -1,7 +1,7 @@
 """Speculative decoding in the scheduler (``--speculative-algorithm NGRAM|STANDALONE|EAGLE|EAGLE3``): drafts, the verify
 step's layout, and acceptance. One `Speculator` per DP rank. With STANDALONE a draft model drafts chains or trees
-instead of the n-gram cache (scheduler/draft_model.py, asking `Speculator.draft_budget`), with EAGLE / EAGLE3 an
-EAGLE head (scheduler/eagle_draft.py); the rest is the same.
+instead of the n-gram cache (scheduler/speculative/draft_model.py, asking `Speculator.draft_budget`), with EAGLE /
+EAGLE3 an EAGLE head (scheduler/speculative/eagle_draft.py); the rest is the same.
 
 A rank that speculates turns a decode step into a verify step (``ForwardMode.TARGET_VERIFY``) when some running
 request has a draft (SGLang's n-gram worker; Leviathan et al. 2023, Miao et al. 2024 for the tree):
@@ -34,8 +34,8 @@ speculation. The overlap scheduler is off while speculating: the next step needs
 
 A verify step's shape is keyed by its sequences (T = S_pad x draft slots), so one drafting request in a large batch
 pads the whole step to that many tokens. A batch therefore drafts only when the tokens it is expected to give pay for
-its verify step, by the step costs measured at start-up (scheduler/spec_costs.py: `Speculator.batch_pays`); else it
-decodes normally.
+its verify step, by the step costs measured at start-up (scheduler/speculative/spec_costs.py:
+`Speculator.batch_pays`); else it decodes normally.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask
 from sgl_jax.srt.scheduler.output import append_token, commit_launched_row
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, cumulative_lens, last_input_token, pad_to, \
     page_table
-from sgl_jax.srt.scheduler.spec_costs import StepCosts
+from sgl_jax.srt.scheduler.speculative.spec_costs import StepCosts
 from sgl_jax.srt.speculative.draft_tree import NO_TREE, first_chain, tree_bits, tree_depths, verify_greedy
 from sgl_jax.srt.speculative.ngram_cache import NgramCache, NgramConfig
 
@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 # pay when more than about 0.11 x (n - 1) of them are accepted.
 ACCEPT_EMA_START = 2.0  # a new request's expected accepted tokens per verify step: its first draft is 2 + 2 x 2 slots
 ACCEPT_EMA_WEIGHT = 0.3  # the newest verify step's weight in the average
-MIN_ACCEPT_EMA = 0.25  # below it a request stops drafting (the batch rule, scheduler/spec_costs.py, stops it sooner)
+MIN_ACCEPT_EMA = 0.25  # below it a request stops drafting (the batch rule of spec_costs.py stops it sooner)
 # ... but a request that has not drafted for this many decode steps probes: one draft sized and counted as a new
 # request's (ACCEPT_EMA_START), to notice when its drafts match again (a copy that starts late in an answer). A probe
 # that leaves the average below ACCEPT_EMA_START / 2 doubles the interval, up to MAX_PROBE_INTERVAL (on text with
@@ -86,7 +86,7 @@ class SpecCounts:
     draft, ``probe_interval``: the decode steps without a draft after which it probes (`probing`);
     ``new_tokens``: what its last step appended; ``last_slot``: the slot of its last verify step's tree whose K/V
     its last kept position holds once the step's K/V moves ran (an EAGLE head's draft extend, run before them,
-    stores that slot's row: scheduler/eagle_draft.py)."""
+    stores that slot's row: scheduler/speculative/eagle_draft.py)."""
 
     verify_ct: int = 0
     draft_tokens: int = 0
@@ -152,7 +152,8 @@ class Speculator:
 
     Args:
         config: the n-gram drafter's settings (`NgramConfig.from_server_args`); None: a draft model drafts
-            (STANDALONE, scheduler/draft_model.py: it asks `draft_budget` and builds the verify batch itself).
+            (STANDALONE, scheduler/speculative/draft_model.py: it asks `draft_budget` and builds the verify batch
+            itself).
         context_len: tokens per sequence (a draft never reaches past it).
         chain_only: draft chains, each tree's first branch (`draft_tree.first_chain`): for sliding-window models,
             whose windows are measured on the KV position, which a chain's slots have in depth order. A chain's
@@ -382,8 +383,8 @@ def unify_step(batches: List[Optional[ScheduleBatch]],
 def tree_forward_batch(reqs: Sequence[Req], trees: Sequence[Tuple[np.ndarray, np.ndarray]], memory, t_pad: int,
                        s_pad: int) -> ForwardBatch:
     """The forward arrays of a TARGET_VERIFY step over draft trees (a verify step, and a top-k draft model's tree
-    step, scheduler/draft_model.py): request i's tree ``trees[i]`` (tokens, parents) in its KV slots from its
-    root's (seq_len - 1) on, slot j at position ``seq_len - 1 + depth[j]`` under the tree mask, its KV length the
+    step, scheduler/speculative/draft_model.py): request i's tree ``trees[i]`` (tokens, parents) in its KV slots from
+    its root's (seq_len - 1) on, slot j at position ``seq_len - 1 + depth[j]`` under the tree mask, its KV length the
     root's position + the tree's slots, logits at every slot; padded to (t_pad, s_pad). Full-attention pool fields
     only (`KVMemory.layer_pool_fields` adds the others)."""
     pool = memory.req_to_token_pool
@@ -462,7 +463,7 @@ def new_speculators(server_args, context_len: int, num_ranks: int,
                     sliding_window: bool = False) -> List[Optional[Speculator]]:
     """One `Speculator` per DP rank when ``--speculative-algorithm`` is set, else Nones; `sliding_window`: the
     model has sliding-window layers (n-gram drafts: chains only; a draft model's trees are refused for such models
-    at start-up, scheduler/drafters.py)."""
+    at start-up, scheduler/speculative/drafters.py)."""
     if server_args.speculative_algorithm is None:
         return [None] * num_ranks
     if server_args.speculative_algorithm != "NGRAM":  # (the draft model's drafts: `chain_only` is the n-gram path's)

@@ -1,5 +1,5 @@
-"""Which drafter --speculative-algorithm runs on a draft model: STANDALONE's model (scheduler/draft_model.py) or an
-EAGLE / EAGLE-3 head (scheduler/eagle_draft.py); NGRAM needs none (scheduler/speculation.py)."""
+"""Which drafter --speculative-algorithm runs on a draft model: STANDALONE's model (draft_model.py) or an EAGLE /
+EAGLE-3 head (eagle_draft.py); NGRAM needs none (speculation.py). (Files of scheduler/speculative/.)"""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.model_runner import ModelRunner
 from sgl_jax.srt.models.llama_eagle3 import eagle_aux_layer_ids
-from sgl_jax.srt.scheduler.draft_model import DraftModel, check_draft_config, draft_server_args, new_draft_model
-from sgl_jax.srt.scheduler.eagle_draft import eagle_head_config, new_eagle_draft
+from sgl_jax.srt.scheduler.speculative.draft_model import (
+    DraftModel, check_draft_config, draft_server_args, new_draft_model)
+from sgl_jax.srt.scheduler.speculative.eagle_draft import eagle_head_config, new_eagle_draft
 
 DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
 

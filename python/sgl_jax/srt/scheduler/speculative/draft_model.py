@@ -12,8 +12,8 @@ target's is.
 A decode step with drafts (`DraftModel.draft`): each request that may draft takes KV slots for its chain
 (`KVMemory.allocate_drafts`), then the draft model decodes: step k feeds the chain's k-th token (the root, the
 request's last token, first) at position ``seq_len - 1 + k`` and takes the greedy next token. The chains become the
-rank's TARGET_VERIFY batch (scheduler/speculation.py verifies, accepts and rolls back as for NGRAM). Chains have
-their accepted slots in place: no K/V moves.
+rank's TARGET_VERIFY batch (scheduler/speculative/speculation.py verifies, accepts and rolls back as for NGRAM). Chains
+have their accepted slots in place: no K/V moves.
 
 With --speculative-eagle-topk k > 1 the draft model drafts a tree instead (`DraftModel._decode_trees`, SGLang's
 EAGLE search over a draft model, `draft_tree.TopkTree`): each draft step feeds the tree so far -- the root and the
@@ -40,7 +40,7 @@ from sgl_jax.srt import fault_injection
 from sgl_jax.srt.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from sgl_jax.srt.mem_cache.kv_memory import KVCacheSpec
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
-from sgl_jax.srt.model_executor.draft_runners import DraftModelRunner
+from sgl_jax.srt.scheduler.speculative.draft_runners import DraftModelRunner
 from sgl_jax.srt.model_executor.memory_budget import kv_bytes_per_token
 from sgl_jax.srt.model_executor.model_runner import ModelRunner
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES
@@ -48,7 +48,7 @@ from sgl_jax.srt.models.registry import get_model_class
 from sgl_jax.srt.sampling.sampling_batch import SamplingBatch
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, cumulative_lens, last_input_token, pad_to, \
     page_table
-from sgl_jax.srt.scheduler.speculation import tree_forward_batch
+from sgl_jax.srt.scheduler.speculative.speculation import tree_forward_batch
 from sgl_jax.srt.speculative.draft_tree import TopkTree, chain_parents
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class DraftModel:
     @property
     def mirror_runner(self) -> Optional[ModelRunner]:
         """The runner that runs every target step too (`mirror`): its cost counts in both of the batch rule's
-        programs (scheduler/spec_costs.py)."""
+        programs (scheduler/speculative/spec_costs.py)."""
         return self.runner
 
     def mirror(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> None:
