@@ -52,6 +52,7 @@ def test_each_architecture_is_a_transformers_class_served_in_its_role():
             "Qwen3MoeForCausalLM", "BertModel", "XLMRobertaForSequenceClassification"} <= set(table)
     for arch, cls in table.items():
         assert arch in cls.architectures and cls.role in MODEL_ROLES, arch
+        assert getattr(cls, "norm_placement", "pre") in ("pre", "sandwich"), arch  # (LlamaDecoderLayer's two)
         assert cls.is_encoder == arch.startswith(ENCODER_FAMILIES), arch
         if arch in EAGLE_HEADS:
             assert cls.role == "causal"
