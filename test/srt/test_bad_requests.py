@@ -304,12 +304,15 @@ def test_scoring_storm_completes_and_generate_keeps_its_latency(hardened_server,
             gens = [asyncio.ensure_future(timed(c, "/generate", gen)) for _ in range(4)]
             await asyncio.sleep(1.0)  # the storm is under way
             t = time.perf_counter()
-            middle, middle_done = await timed(c, "/generate", gen)
-            return await asyncio.gather(*scores), await asyncio.gather(*gens), middle, middle_done - t
+            # its own connection: the storm's 100 requests fill httpx's default pool of 100
+            async with httpx.AsyncClient(headers=AUTH, timeout=180) as alone:
+                middle, middle_done = await timed(alone, "/generate", gen)
+            return await asyncio.gather(*scores), await asyncio.gather(*gens), middle, t, middle_done - t
 
     t_storm = time.perf_counter()
-    scored, gens, middle, middle_latency = asyncio.run(storm())
-    storm_s = max(done for _, done in scored) - t_storm
+    scored, gens, middle, middle_start, middle_latency = asyncio.run(storm())
+    storm_end = max(done for _, done in scored)
+    storm_s, storm_left = storm_end - t_storm, storm_end - middle_start
     scored, gens = [r for r, _ in scored], [r for r, _ in gens]
     assert all(r.status_code == 200 for r in scored + gens + [middle]), [r.text for r in scored if r.status_code != 200]
     for i, r in enumerate(scored):
@@ -317,7 +320,12 @@ def test_scoring_storm_completes_and_generate_keeps_its_latency(hardened_server,
         got = r.json()["scores"]
         assert max(abs(math.log(a) - math.log(b)) for x, y in zip(got, ref) for a, b in zip(x, y)) < 1e-3, i
     print(f"\nscoring storm: {len(reqs)} score requests in {storm_s:.1f} s; /generate alone {normal:.2f} s, "
-          f"in the storm {middle_latency:.2f} s")
-    # not starved: it finishes well before the storm it joined, in a bounded multiple of its idle latency
-    assert 1.0 + middle_latency < storm_s and middle_latency < 5 * normal + 5.0, (normal, middle_latency, storm_s)
+          f"in the storm {middle_latency:.2f} s of the storm's last {storm_left:.1f} s")
+    # not starved: generation is admitted before new scoring work, so it finishes in a small share of the
+    # storm it joined. Each of its tokens still waits for one prefill step of scoring work (as in SGLang;
+    # --max-prefill-step-ms bounds that step), so its latency is a multiple of its idle latency that depends on
+    # how a prefill step compares with a decode step on this machine: 11-15x measured here (0.35 s alone, 3.9 s
+    # in the storm), 12x on CI (0.79 s, 9.3 s), which a bound in multiples of the idle latency cannot carry.
+    # Measured shares of the storm's remainder: 0.12-0.24; admitted behind the scoring work instead: ~1.
+    assert middle_latency < 0.5 * storm_left, (normal, middle_latency, storm_left)
     assert_still_serving(hardened_server)
