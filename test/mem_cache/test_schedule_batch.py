@@ -251,3 +251,70 @@ def test_the_policy_keeps_the_future_token_estimate():
     running[0].output_ids = [5] * 10
     admission.on_retract(running)
     assert admission.new_token_ratio == (10 + 2 * RETRACT_DECODE_STEPS) / 200
+
+
+def test_extend_cut_takes_a_smaller_bucket_when_it_saves_more_than_the_smallest_bucket():
+    """ShapeBuckets.extend_cut: padded tokens of one step against a smaller bucket's step plus the rest's."""
+    b = ShapeBuckets((64, 256, 1024, 2048), (1, 4, 16, 64))
+    # 300 tokens: one 1024 step, or 256 + 64 (320 tokens computed); 257: 256 + 64 ties 64 + 256, the larger cut
+    assert b.extend_cut(300) == 256 and b.extend_cut(257) == 256 and b.extend_cut(1025) == 1024
+    assert b.extend_cut(65) == 64 and b.extend_cut(128) == 64  # 64 + 64 against 256
+    # nothing to save beyond one step's stand-in cost (64 tokens), or a bucket filled
+    assert b.extend_cut(129) is None and b.extend_cut(256) is None and b.extend_cut(2048) is None
+    assert b.extend_cut(64) is None and b.extend_cut(1) is None and b.extend_cut(3000) is None
+    assert b.extend_cut(300, page_size=48) == 240  # page-aligned
+    full = ShapeBuckets((64, 128, 256, 512, 1024, 2048), (1, 4, 16, 64))
+    assert full.extend_cut(129) is None and full.extend_cut(257) == 256  # 128 + 64 = 192 saves 64 of 256: not more
+
+
+def test_prefill_adder_trim_cuts_the_crossing_request_and_releases_the_rest():
+    pool = ReqToTokenPool(8, 512)
+    alloc = PagedTokenToKVPoolAllocator(4096, 16)
+    cache = RadixCache(pool, alloc, 16)
+    memory = KVMemory(pool, alloc, cache)
+    warm = _req(list(range(64)) + [1], rid="warm")  # a cached prefix, so the dropped request holds a lock
+    assert _adder(alloc, cache, ShapeBuckets((64, 256), (1, 8)), max_prefill=256).add(warm)
+    ScheduleBatch([warm], ForwardMode.EXTEND).prepare_for_extend(memory)
+    warm.kv_committed_len = warm.kv_allocated_len
+    memory.release(warm)
+    buckets = ShapeBuckets((64, 256, 1024), (1, 8))
+    adder = _adder(alloc, cache, buckets, chunk=1024)
+    a, b, c = _req(list(range(500, 540)), rid="a"), _req(list(range(600, 660)), rid="b"), \
+        _req(list(range(64)) + list(range(700, 900)), rid="c")
+    assert adder.add(a) and adder.add(b) and adder.add(c)
+    assert [r.extend_input_len for r in adder.can_run] == [40, 60, 200] and c.last_node is not None
+    locked = c.last_node.lock_ref
+    assert adder.trim(64)  # a whole, b cut to 16 tokens (page-aligned: 24 -> 16), c out with its lock released
+    assert [r.rid for r in adder.can_run] == ["a", "b"] and b.extend_input_len == 16 and adder.num_tokens == 56
+    assert adder.new_chunked_req is b and c.last_node.lock_ref == locked - 1
+    assert not adder.trim(56) and not adder.trim(100)  # the batch already fits
+    adder = _adder(alloc, cache, buckets, chunk=1024)
+    assert adder.add(_req(list(range(300, 310)), rid="d")) and not adder.trim(8)  # less than a page: no cut
+    for r in (a, b):
+        memory.tree_cache.dec_lock_ref(r.last_node)
+
+
+def test_admission_cuts_a_padded_batch_at_a_smaller_bucket():
+    """300 tokens of two requests with buckets 64, 256, 1024 and a 1024-token chunk: 256 run now (the second
+    request cut to a chunk), not one 1024-token step; without chunking the batch runs whole."""
+    pool = ReqToTokenPool(8, 512)
+    alloc = PagedTokenToKVPoolAllocator(4096, 1)
+    memory = KVMemory(pool, alloc, ChunkCache(pool, alloc))
+    scoring = SchedulerScoring(memory, 60.0, lambda msg: None, [2])
+    for chunk, want in ((1024, [200, 56]), (None, [200, 100])):
+        admission = AdmissionPolicy(buckets=ShapeBuckets((64, 256, 1024), (1, 8)), max_running_requests=8,
+                                    max_prefill_tokens=1024, chunk_size=chunk, memory=memory, scoring=scoring)
+        a, b = _req(list(range(200)), rid="a"), _req(list(range(100)), rid="b")
+        decided = admission.admit([a, b], [], None)
+        assert [r.extend_input_len for r in decided.can_run] == want, chunk
+        assert decided.new_chunked_req is (b if chunk else None)
+        assert admission.num_bucket_cuts == (1 if chunk else 0)
+
+
+def test_default_token_paddings_are_powers_of_four_then_the_chunk():
+    from sgl_jax.srt.model_executor.buckets import default_token_paddings
+
+    assert default_token_paddings(2048) == [64, 256, 1024, 2048]  # the default 2048-token chunk: 4 programs
+    assert default_token_paddings(4096) == [64, 256, 1024, 4096]
+    assert default_token_paddings(300) == [64, 256, 512] and default_token_paddings(256) == [64, 256]
+    assert default_token_paddings(64) == [64] and default_token_paddings(10) == [64]

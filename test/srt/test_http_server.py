@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from srt_helpers import default_model_path
+from srt_helpers import default_model_path, hf_greedy
 
 CHAT_Q = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -298,3 +298,22 @@ def test_prefill_extend_needs_the_scoring_cache_flag(server, smollm2_tokenizer):
         assert abs(math.log(x[0]) - math.log(y[0])) < 1e-4
     state = wait_idle(server)
     assert state["kv_tokens_in_use"] == 0 and state["num_score_handles"] == 0
+
+
+def test_a_prompt_just_above_a_bucket_is_cut_and_matches_transformers(server, hf_smollm2, smollm2_tokenizer):
+    """SMALL_ENGINE_ARGS' extend buckets are 64 and 256 with a 256-token chunk: a 100-token prompt runs as 64
+    tokens, then 36 in a second 64-token step (ShapeBuckets.extend_cut; 128 tokens computed instead of 256), and
+    its greedy tokens are transformers' own."""
+    ids = smollm2_tokenizer.encode("The history of the city of Paris, told from its first settlers to the present "
+                                   "day, in ten short chapters. " * 6, add_special_tokens=False)[:100]
+    assert len(ids) == 100
+
+    def cuts():
+        return httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0]["num_bucket_cuts"]
+
+    before = cuts()
+    r = httpx.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert cuts() == before + 1
+    assert r.json()["output_ids"] == hf_greedy(hf_smollm2, ids, 8)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from sgl_jax.srt.forward_batch import ForwardMode
 
@@ -49,6 +49,31 @@ class ShapeBuckets:
                 return t, self.extend_bs(t)
         raise ValueError(f"no extend bucket holds {num_tokens} tokens in {num_seqs} sequences")
 
+    def extend_cut(self, num_tokens: int, page_size: int = 1) -> Optional[int]:
+        """Where to cut an extend batch of `num_tokens` tokens (in one sequence's bucket) so that it pays for less
+        padding, or None to run it whole.
+
+        An extend step's matmuls run on its whole token bucket: 257 tokens run a 1024-token step when the
+        buckets are 64, 256, 1024. Running a smaller bucket's worth now (T, page-aligned) and the rest in the next
+        step (num_tokens - T tokens in their own bucket) computes fewer padded tokens but runs one more step. The
+        cut is taken when it saves more tokens than the smallest bucket, the stand-in for a step's fixed cost:
+        on this project's CPU machines a step's time is about a fixed ~60-80 tokens' worth plus its tokens
+        (reports/buckets-cpu-2026-12-05.md). The cut computing the fewest tokens wins, the larger one on a tie. A rule in tokens, not in measured times, so the
+        batches a workload gets do not depend on the machine's load. The rest may be cut again in its step."""
+        try:
+            whole = self.extend_shape(num_tokens, 1)[0]
+        except ValueError:
+            return None
+        best, best_tokens = None, whole - self.token_paddings[0]  # must save more than the smallest bucket
+        for t in self.token_paddings:
+            cut = t // page_size * page_size
+            if t >= whole or cut <= 0 or cut >= num_tokens:
+                continue
+            tokens = t + self.extend_shape(num_tokens - cut, 1)[0]
+            if tokens < best_tokens or (tokens == best_tokens and best is not None):  # ties: the larger cut
+                best, best_tokens = cut, tokens
+        return best
+
     def decode_shape(self, num_seqs: int) -> Tuple[int, int]:
         """(T_pad, S_pad) for a decode batch (one token per sequence)."""
         s = _smallest_at_least(list(self.bs_paddings), num_seqs)
@@ -72,13 +97,22 @@ class ShapeBuckets:
 
 
 def default_token_paddings(max_extend_tokens: int, start: int = 64) -> List[int]:
-    """Powers of two from `start` up to the first one >= max_extend_tokens."""
+    """Powers of four from `start` below max_extend_tokens, then the first power of two >= max_extend_tokens
+    (64, 256, 1024, 2048 for a 2048-token chunk).
+
+    Every bucket is a program compiled at start-up (and loaded on each restart); an extend batch just above a
+    bucket pays for the next one up, which the scheduler's cut (`ShapeBuckets.extend_cut`) avoids where a
+    smaller bucket's step plus the rest's step computes fewer tokens. Against powers of two (6 programs for a
+    2048-token chunk) these 4 cost 1.13x the step time padded and 0.88x cut, averaged over batch sizes 1..2048
+    (reports/buckets-cpu-2026-12-05.md)."""
     out, t = [], start
-    while True:
+    while t < max_extend_tokens:
         out.append(t)
-        if t >= max_extend_tokens:
-            return out
+        t *= 4
+    t = start
+    while t < max_extend_tokens:
         t *= 2
+    return out + [t] if not out or out[-1] != t else out
 
 
 def default_bs_paddings(max_running_requests: int) -> List[int]:

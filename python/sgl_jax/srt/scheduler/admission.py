@@ -18,7 +18,10 @@
 - **the scoring-handle reserve** (`HandleRoom`): a new handle's query is skipped, not waited for, while at most
   max_running_requests / 2 live handles hold at most half the KV pool, so their items always find slots;
 - **the prefill step budget** (--max-prefill-step-ms, scheduler/step_budget.py): while requests decode, the
-  chunk is cut so that the step adds at most the budget to their inter-token latency.
+  chunk is cut so that the step adds at most the budget to their inter-token latency;
+- **the bucket cut** (`ShapeBuckets.extend_cut`, with chunking and without mixed decode rows): a batch just
+  above a token bucket runs a smaller bucket's worth of tokens now and the rest next step when that computes
+  fewer padded tokens by more than the smallest bucket (`PrefillAdder.trim`).
 
 With mixed chunked prefill the running requests' decode rows ride in the batch: each takes one token of the
 budget and one sequence of the bucket (`decode_rows`).
@@ -31,10 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from sgl_jax.srt import fault_injection
-from sgl_jax.srt.mem_cache.kv_memory import KVBudget, KVMemory
+from sgl_jax.srt.mem_cache.kv_memory import KVBudget, KVMemory, PrefixMatch
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.scheduler.schedule_batch import Req
 from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget
@@ -165,6 +168,7 @@ class PrefillAdder:
         self.can_run: List[Req] = []
         self.num_tokens = 0
         self.new_chunked_req: Optional[Req] = None  # a request cut to a chunk in this batch
+        self._matches: Dict[int, PrefixMatch] = {}  # id(req) -> its locked prefix (`trim` releases dropped ones)
 
     def _budget(self) -> int:
         if self.chunk_size is not None:
@@ -220,6 +224,7 @@ class PrefillAdder:
         self.free_running -= 1
         if not session:  # (a session's turn runs in the session's request slot)
             self.free_req_slots -= 1
+        self._matches[id(req)] = m
         req.prefix_indices = m.match.device_indices
         req.last_node = m.match.last_node
         if req.num_retractions == 0 and not req.output_ids:
@@ -233,6 +238,35 @@ class PrefillAdder:
         self.can_run.append(req)
         if n < remaining:
             self.new_chunked_req = req
+
+    def trim(self, tokens: int) -> bool:
+        """Keep only the batch's first `tokens` extend tokens (chunking only): the request that crosses them is cut
+        there, page-aligned (it becomes the chunked request and goes on next step), the requests after it leave
+        the batch (their prefix locks released; they stay waiting). Returns False, changing nothing, when the cut
+        would leave the first request no page or `tokens` holds the whole batch."""
+        if self.chunk_size is None or tokens >= self.num_tokens:
+            return False
+        kept, before = 0, 0
+        for req in self.can_run:
+            if before + req.extend_input_len > tokens:
+                break
+            kept, before = kept + 1, before + req.extend_input_len
+        cut = self.can_run[kept]
+        take = (tokens - before) // self.ps * self.ps
+        if kept == 0 and take == 0:
+            return False
+        dropped = self.can_run[kept + (1 if take else 0):]
+        for req in dropped:
+            m = self._matches.pop(id(req), None)
+            if m is not None:
+                self.kv.unlock(m)
+        self.can_run = self.can_run[:kept + (1 if take else 0)]
+        self.new_chunked_req = None
+        if take:
+            cut.extend_input_len = take
+            self.new_chunked_req = cut
+        self.num_tokens = sum(r.extend_input_len for r in self.can_run)
+        return True
 
 
 @dataclasses.dataclass
@@ -278,6 +312,7 @@ class AdmissionPolicy:
         self.scoring = scoring
         self.step_budget = step_budget if chunk_size is not None else None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.num_bucket_cuts = 0  # extend batches cut at a smaller bucket (`ShapeBuckets.extend_cut`)
 
     def on_decode_step(self) -> None:
         """A decode step ran (alone or mixed into a prefill step): the estimate decays."""
@@ -332,6 +367,11 @@ class AdmissionPolicy:
                 break
             if handle:
                 room.take(req)
+        if adder.can_run and self.chunk_size is not None and not mixed:
+            # less padding: a smaller bucket's worth of tokens now and the rest next step (ShapeBuckets.extend_cut)
+            cut = self.buckets.extend_cut(adder.num_tokens, self.memory.page_size)
+            if cut is not None and adder.trim(cut):
+                self.num_bucket_cuts += 1
         if adder.can_run and self.step_budget is not None:
             self.step_budget.record_step(limit, self.chunk_size)
         return Admission(adder.can_run, adder.new_chunked_req, failed, limit)

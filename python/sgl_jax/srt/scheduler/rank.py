@@ -510,6 +510,7 @@ class RankScheduler:
             "num_assigned_reqs": self.num_assigned_reqs,
             "peak_running_reqs": self.peak_running_reqs,
             "num_mixed_steps": self.num_mixed_steps,
+            "num_bucket_cuts": self.admission.num_bucket_cuts,
             "new_token_ratio": self.admission.new_token_ratio,
             "num_score_handles": len(self.scoring.handles),
             "num_expired_score_handles": self.scoring.num_expired_handles,
