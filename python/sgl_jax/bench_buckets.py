@@ -3,8 +3,8 @@
 Every extend token bucket T (``--precompile-token-paddings``) is one program compiled at start-up (and loaded back
 from the compilation cache on a restart). An extend batch of n tokens runs the smallest bucket >= n, so fewer
 buckets mean fewer programs but more padding: the matmuls run on T tokens, attention only on the real ones
-(ragged). This benchmark measures, for each bucket of the default powers of two up to the prefill chunk, one at a
-time on this machine::
+(ragged). This benchmark measures, for each bucket (--precompile-token-paddings; without it every power of two
+from 64 to the default buckets' largest), one at a time on this machine::
 
     JAX_PLATFORMS=cpu python -m sgl_jax.bench_buckets --report reports/buckets-cpu-2026-12-05.md
 
@@ -18,9 +18,11 @@ time on this machine::
 
 Then, for candidate sets of buckets (each ending with the largest, which the chunk needs), the start-up cost
 (programs, trace + XLA seconds, load seconds: sums over the set's buckets; warm-up runs them on as many threads as
-there are cores) beside the step cost of serving: for each extend batch size n the set's bucket step time over the
-full set's, averaged over n uniform in 1..max and over n log-uniform (more short extends: chat turns, scoring
-items), and its worst case. Every ServerArgs flag works (``--model-path``, ``--dtype``, ``--chunked-prefill-size``
+there are cores) beside the step cost of serving: for each extend batch size n the set's step time over the
+full set's padded one, averaged over n uniform in 1..max and over n log-uniform (more short extends: chat turns,
+scoring items), and its worst case; both padded (one step of the smallest bucket >= n) and cut (the scheduler's
+`ShapeBuckets.extend_cut`: a smaller bucket's worth of tokens now, the rest next step, where that computes
+fewer tokens). Every ServerArgs flag works (``--model-path``, ``--dtype``, ``--chunked-prefill-size``
 ...); the default model and flags are the start-up issue's (#70) case. ``--report NAME.md`` writes NAME.md and
 NAME.json (`bench_utils.write_report`); notes go in NAME.notes.md.
 """
@@ -47,7 +49,7 @@ from sgl_jax.bench_utils import cpu_name, git_commit, write_report
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.mem_cache.kv_memory import kv_spec_for
-from sgl_jax.srt.model_executor.buckets import derive_limits
+from sgl_jax.srt.model_executor.buckets import ShapeBuckets, derive_limits
 from sgl_jax.srt.model_executor.compile_stats import compile_counts
 from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
@@ -56,7 +58,15 @@ from sgl_jax.srt.utils import configure_logging
 
 COLUMNS = ["T", "trace s", "XLA s", "load s", "step ms"]
 SET_COLUMNS = ["buckets", "programs", "trace + XLA s", "load s", "padded: uniform / log-uniform", "padded: worst",
-               "split: uniform / log-uniform", "split: worst"]
+               "cut: uniform / log-uniform", "cut: worst"]
+
+
+def powers_of_two(start: int, end: int) -> List[int]:
+    """start, 2 start, 4 start, ... up to the first >= end."""
+    out = [start]
+    while out[-1] < end:
+        out.append(out[-1] * 2)
+    return out
 
 
 def candidate_sets(tokens: Sequence[int]) -> List[Tuple[int, ...]]:
@@ -74,19 +84,22 @@ def candidate_sets(tokens: Sequence[int]) -> List[Tuple[int, ...]]:
 
 
 def padded_ms(buckets: Sequence[int], step_ms: Dict[int, float]) -> List[float]:
-    """[n] -> ms of an extend batch of n tokens (index 0 unused) run as one step of the smallest bucket >= n: how
-    the scheduler runs it today."""
+    """[n] -> ms of an extend batch of n tokens (index 0 unused) run as one step of the smallest bucket >= n (the
+    scheduler before `ShapeBuckets.extend_cut`)."""
     return [0.0] + [step_ms[buckets[bisect.bisect_left(buckets, n)]] for n in range(1, buckets[-1] + 1)]
 
 
-def split_ms(buckets: Sequence[int], step_ms: Dict[int, float]) -> List[float]:
-    """[n] -> ms of the cheapest sequence of the set's bucket steps that holds n tokens (dynamic programming over
-    the measured step times): what a scheduler that cut extend batches at bucket sizes would pay (not what it
-    does today)."""
-    best = [0.0] * (buckets[-1] + 1)
-    for n in range(1, len(best)):
-        best[n] = min(step_ms[t] + best[max(0, n - t)] for t in buckets)
-    return best
+def cut_ms(buckets: Sequence[int], step_ms: Dict[int, float]) -> List[float]:
+    """[n] -> ms of an extend batch of n tokens run as the scheduler runs it: cut at a smaller bucket while
+    `ShapeBuckets.extend_cut` says so, the rest in one padded step."""
+    shapes = ShapeBuckets(tuple(buckets), (1,))
+    out = [0.0]
+    for n in range(1, buckets[-1] + 1):
+        ms, left = 0.0, n
+        while (cut := shapes.extend_cut(left)) is not None:
+            ms, left = ms + step_ms[shapes.extend_shape(cut, 1)[0]], left - cut
+        out.append(ms + step_ms[shapes.extend_shape(left, 1)[0]])
+    return out
 
 
 def relative_cost(cost: List[float], reference: List[float]) -> dict:
@@ -132,7 +145,7 @@ def set_rows(buckets: List[dict]) -> List[dict]:
                      "compile_s": sum(by_t[t]["trace_s"] + by_t[t]["xla_s"] for t in cand),
                      "load_s": sum(by_t[t]["load_s"] for t in cand),
                      "padded": relative_cost(padded_ms(cand, step_ms), today),
-                     "split": relative_cost(split_ms(cand, step_ms), today)})
+                     "cut": relative_cost(cut_ms(cand, step_ms), today)})
     return rows
 
 
@@ -142,17 +155,17 @@ def report_body(raw: dict) -> str:
     lines += [f"| {b['T']} | {b['trace_s']:.2f} | {b['xla_s']:.1f} | {b['load_s']:.2f} | {b['step_ms']:.1f} |"
               for b in raw["buckets"]]
     lines += ["", "Candidate sets: start-up cost (sums over their buckets) and step cost, the time of an extend "
-              "batch of n tokens over today's (every bucket, one padded step), averaged over n = 1..max uniform and "
-              "log-uniform, and its worst n. Padded: one step of the smallest bucket >= n, as the scheduler runs it; "
-              "split: the cheapest sequence of the set's bucket steps holding n, which the scheduler does not do "
-              "today:", "",
+              "batch of n tokens over that of the first set padded (every bucket, one step of the smallest bucket >= "
+              "n), averaged over n = 1..max uniform and log-uniform, and its worst n. Padded: one step of the "
+              "smallest bucket >= n; cut: as the scheduler runs it, cut at smaller buckets while "
+              "ShapeBuckets.extend_cut says so:", "",
               "| " + " | ".join(SET_COLUMNS) + " |", "|" + "---|" * len(SET_COLUMNS)]
     for r in set_rows(raw["buckets"]):
-        pad, split = r["padded"], r["split"]
+        pad, cut = r["padded"], r["cut"]
         lines.append(f"| {', '.join(map(str, r['buckets']))} | {r['programs']} | {r['compile_s']:.1f} | "
                      f"{r['load_s']:.1f} | {pad['uniform']:.2f}x / {pad['log_uniform']:.2f}x | "
-                     f"{pad['worst']:.2f}x (n={pad['worst_n']}) | {split['uniform']:.2f}x / {split['log_uniform']:.2f}x | "
-                     f"{split['worst']:.2f}x (n={split['worst_n']}) |")
+                     f"{pad['worst']:.2f}x (n={pad['worst_n']}) | {cut['uniform']:.2f}x / {cut['log_uniform']:.2f}x | "
+                     f"{cut['worst']:.2f}x (n={cut['worst_n']}) |")
     lines += ["", f"Commit {raw['commit']}, {raw['date']}, {raw['cpus']}, jax {raw['jax']}."]
     return "\n".join(lines)
 
@@ -178,17 +191,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     sa, args = parse_args(argv)
     configure_logging(sa.log_level, "bench_buckets")
     cache = tempfile.mkdtemp(prefix="sgl_jax_bench_buckets_")  # empty: every first compile is XLA's own
-    sa = dataclasses.replace(sa, compilation_cache_dir=cache, precompile_token_paddings=None)
+    sa = dataclasses.replace(sa, compilation_cache_dir=cache)
     platform = setup_jax(sa)
     mc = ModelConfig.from_server_args(sa, platform)
+    if sa.precompile_token_paddings is None:  # every power of two up to the chunk: the sets are drawn from them
+        _, defaults, _, _ = derive_limits(sa, mc, platform)
+        sa = dataclasses.replace(sa, precompile_token_paddings=powers_of_two(64, defaults.max_tokens))
     max_running, buckets, _, _ = derive_limits(sa, mc, platform)
     runner = ModelRunner(sa, mc, buckets=buckets, max_context_len=mc.context_len, num_request_slots=max_running,
                          kv_spec_fn=lambda wb: kv_spec_for(sa, mc, compute_max_total_tokens(sa, mc, wb, platform)))
     extends = [(name, lower) for name, lower in runner.warmup_programs() if name.startswith("extend ")]
     header = [f"model {mc.architecture} ({os.path.basename(mc.model_path)}, {mc.dtype}), "
               f"{jax.devices()[0].device_kind}, {cpu_name()}",
-              f"extend buckets {list(buckets.token_paddings)} (default: powers of two from 64 to the prefill chunk "
-              f"{buckets.max_tokens}); one at a time, nothing else compiling"]
+              f"extend buckets measured {list(buckets.token_paddings)} (without --precompile-token-paddings: powers "
+              f"of two from 64 to the default buckets' largest); one at a time, nothing else compiling"]
     print("\n".join(header + ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]), flush=True)
     rows = []
     for (name, lower), t in tqdm(list(zip(extends, buckets.token_paddings)), desc="bench_buckets", unit="bucket"):

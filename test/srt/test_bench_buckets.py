@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from sgl_jax.bench_buckets import candidate_sets, padded_ms, relative_cost, report_body, split_ms
+from sgl_jax.bench_buckets import candidate_sets, cut_ms, padded_ms, powers_of_two, relative_cost, report_body
 from srt_helpers import save_tiny_llama, server_env
 
 
@@ -18,15 +18,22 @@ def test_candidate_sets_end_with_the_largest_bucket():
     tokens = [64, 128, 256, 512, 1024, 2048]
     assert candidate_sets(tokens) == [tuple(tokens), (64, 256, 1024, 2048), (64, 512, 2048), (64, 2048), (2048,)]
     assert candidate_sets([64, 128]) == [(64, 128), (128,)]
+    assert powers_of_two(64, 2048) == tokens and powers_of_two(64, 100) == [64, 128]
 
 
-def test_padded_and_split_costs():
+def test_padded_and_cut_costs():
     step = {2: 10.0, 4: 12.0, 8: 30.0}
     # one padded step: n = 1..2 -> 2, 3..4 -> 4, 5..8 -> 8
     assert padded_ms([2, 4, 8], step) == [0.0, 10, 10, 12, 12, 30, 30, 30, 30]
     assert padded_ms([8], step)[1:] == [30.0] * 8
-    # split: 5..6 tokens as 4 + 2 (22 ms) beat one 8 step (30); 7..8 as 4 + 4 (24)
-    assert split_ms([2, 4, 8], step) == [0.0, 10, 10, 12, 12, 22, 22, 24, 24]
+    # cut as the scheduler cuts (ShapeBuckets.extend_cut: more than the smallest bucket's tokens saved)
+    cut = cut_ms([4, 16, 64], {4: 10.0, 16: 12.0, 64: 30.0})
+    assert cut[3] == 10 and cut[16] == 12 and cut[64] == 30  # fits a bucket: one step
+    assert cut[5] == 20  # 4 + 1 (8 tokens computed, not 16)
+    assert cut[17] == 22 and cut[20] == 22  # 16 + the rest in 4 (20 tokens, not 64)
+    assert cut[21] == 32  # 16, then 5 as 4 + 1
+    assert cut[30] == 24  # 16 + 14 in a 16 step
+    assert cut[33] == 30  # 16 + 17 would need a 64 step again: one 64 step
     rel = relative_cost(padded_ms([8], step), padded_ms([2, 4, 8], step))
     ratios = [3.0, 3.0, 2.5, 2.5, 1.0, 1.0, 1.0, 1.0]
     assert rel["uniform"] == pytest.approx(sum(ratios) / 8)
