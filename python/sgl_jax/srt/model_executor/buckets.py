@@ -103,8 +103,8 @@ def default_token_paddings(max_extend_tokens: int, start: int = 64) -> List[int]
     Every bucket is a program compiled at start-up (and loaded on each restart); an extend batch just above a
     bucket pays for the next one up, which the scheduler's cut (`ShapeBuckets.extend_cut`) avoids where a
     smaller bucket's step plus the rest's step computes fewer tokens. Against powers of two (6 programs for a
-    2048-token chunk) these 4 cost 1.13x the step time padded and 0.88x cut, averaged over batch sizes 1..2048
-    (reports/buckets-cpu-2026-12-05.md)."""
+    2048-token chunk) these 4 cost 1.14x the step time padded and 0.97x with the cut, averaged over batch sizes
+    1..2048 (reports/buckets-cpu-2026-12-05.md)."""
     out, t = [], start
     while t < max_extend_tokens:
         out.append(t)
