@@ -283,10 +283,12 @@ def test_prefill_adder_trim_cuts_the_crossing_request_and_releases_the_rest():
         _req(list(range(64)) + list(range(700, 900)), rid="c")
     assert adder.add(a) and adder.add(b) and adder.add(c)
     assert [r.extend_input_len for r in adder.can_run] == [40, 60, 200] and c.last_node is not None
-    locked = c.last_node.lock_ref
+    node = c.last_node
+    locked = node.lock_ref
     assert adder.trim(64)  # a whole, b cut to 16 tokens (page-aligned: 24 -> 16), c out with its lock released
     assert [r.rid for r in adder.can_run] == ["a", "b"] and b.extend_input_len == 16 and adder.num_tokens == 56
-    assert adder.new_chunked_req is b and c.last_node.lock_ref == locked - 1
+    assert adder.new_chunked_req is b and node.lock_ref == locked - 1
+    assert c.last_node is None and len(c.prefix_indices) == 0 and c.cached_tokens == 0  # as before `add`
     assert not adder.trim(56) and not adder.trim(100)  # the batch already fits
     adder = _adder(alloc, cache, buckets, chunk=1024)
     assert adder.add(_req(list(range(300, 310)), rid="d")) and not adder.trim(8)  # less than a page: no cut

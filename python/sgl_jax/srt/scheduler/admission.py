@@ -168,7 +168,9 @@ class PrefillAdder:
         self.can_run: List[Req] = []
         self.num_tokens = 0
         self.new_chunked_req: Optional[Req] = None  # a request cut to a chunk in this batch
-        self._matches: Dict[int, PrefixMatch] = {}  # id(req) -> its locked prefix (`trim` releases dropped ones)
+        # id(req) -> (its locked prefix, its prefix_indices, last_node and cached_tokens before `add`): `trim`
+        # releases the lock of a request it drops and gives it back the fields of a waiting request
+        self._admitted: Dict[int, Tuple[PrefixMatch, object, object, int]] = {}
 
     def _budget(self) -> int:
         if self.chunk_size is not None:
@@ -224,7 +226,7 @@ class PrefillAdder:
         self.free_running -= 1
         if not session:  # (a session's turn runs in the session's request slot)
             self.free_req_slots -= 1
-        self._matches[id(req)] = m
+        self._admitted[id(req)] = (m, req.prefix_indices, req.last_node, req.cached_tokens)
         req.prefix_indices = m.match.device_indices
         req.last_node = m.match.last_node
         if req.num_retractions == 0 and not req.output_ids:
@@ -242,8 +244,9 @@ class PrefillAdder:
     def trim(self, tokens: int) -> bool:
         """Keep only the batch's first `tokens` extend tokens (chunking only): the request that crosses them is cut
         there, page-aligned (it becomes the chunked request and goes on next step), the requests after it leave
-        the batch (their prefix locks released; they stay waiting). Returns False, changing nothing, when the cut
-        would leave the first request no page or `tokens` holds the whole batch."""
+        the batch (their prefix locks released and the fields `add` set given back: they stay waiting as before).
+        Returns False, changing nothing, when the cut would leave the first request no page or `tokens` holds the
+        whole batch."""
         if self.chunk_size is None or tokens >= self.num_tokens:
             return False
         kept, before = 0, 0
@@ -256,10 +259,9 @@ class PrefillAdder:
         if kept == 0 and take == 0:
             return False
         dropped = self.can_run[kept + (1 if take else 0):]
-        for req in dropped:
-            m = self._matches.pop(id(req), None)
-            if m is not None:
-                self.kv.unlock(m)
+        for req in dropped:  # (never the first request: the only one `add_chunked` may have added)
+            m, req.prefix_indices, req.last_node, req.cached_tokens = self._admitted.pop(id(req))
+            self.kv.unlock(m)
         self.can_run = self.can_run[:kept + (1 if take else 0)]
         self.new_chunked_req = None
         if take:
