@@ -30,7 +30,6 @@ NAME.json (`bench_utils.write_report`); notes go in NAME.notes.md.
 from __future__ import annotations
 
 import argparse
-import bisect
 import dataclasses
 import datetime
 import os
@@ -86,7 +85,8 @@ def candidate_sets(tokens: Sequence[int]) -> List[Tuple[int, ...]]:
 def padded_ms(buckets: Sequence[int], step_ms: Dict[int, float]) -> List[float]:
     """[n] -> ms of an extend batch of n tokens (index 0 unused) run as one step of the smallest bucket >= n (the
     scheduler before `ShapeBuckets.extend_cut`)."""
-    return [0.0] + [step_ms[buckets[bisect.bisect_left(buckets, n)]] for n in range(1, buckets[-1] + 1)]
+    shapes = ShapeBuckets(tuple(buckets), (1,))
+    return [0.0] + [step_ms[shapes.extend_shape(n, 1)[0]] for n in range(1, buckets[-1] + 1)]
 
 
 def cut_ms(buckets: Sequence[int], step_ms: Dict[int, float]) -> List[float]:

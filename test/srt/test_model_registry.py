@@ -14,7 +14,7 @@ import transformers
 
 from sgl_jax.srt import models
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.models.llama import MODEL_ROLES
+from sgl_jax.srt.models.llama import MODEL_ROLES, NORM_PLACEMENTS
 from sgl_jax.srt.models.registry import get_model_class, model_registry, supported_architectures
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import find_free_port
@@ -52,7 +52,7 @@ def test_each_architecture_is_a_transformers_class_served_in_its_role():
             "Qwen3MoeForCausalLM", "BertModel", "XLMRobertaForSequenceClassification"} <= set(table)
     for arch, cls in table.items():
         assert arch in cls.architectures and cls.role in MODEL_ROLES, arch
-        assert getattr(cls, "norm_placement", "pre") in ("pre", "sandwich"), arch  # (LlamaDecoderLayer's two)
+        assert getattr(cls, "norm_placement", "pre") in NORM_PLACEMENTS, arch
         assert cls.is_encoder == arch.startswith(ENCODER_FAMILIES), arch
         if arch in EAGLE_HEADS:
             assert cls.role == "causal"

@@ -139,6 +139,9 @@ def config_float(cfg, name: Optional[str]) -> Optional[float]:
     return None if value is None else float(value)
 
 
+NORM_PLACEMENTS = ("pre", "sandwich")  # the norm placements LlamaDecoderLayer knows (class attribute norm_placement)
+
+
 class LlamaDecoderLayer(nnx.Module):
     """One decoder layer, shaped by the model class's hooks (`spec`: a `LlamaForCausalLM` subclass):
 
@@ -160,6 +163,9 @@ class LlamaDecoderLayer(nnx.Module):
             mesh=mesh, norm_cls=norm, sm_scale=None if scale is None else scale ** -0.5,
             soft_cap=config_float(cfg, spec.attn_soft_cap_key))
         self.post_attention_layernorm = norm(hidden, eps=eps, dtype=dtype)
+        if spec.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"{spec.__name__}.norm_placement must be one of {NORM_PLACEMENTS}, got "
+                             f"{spec.norm_placement!r}")
         self.sandwich = spec.norm_placement == "sandwich"
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(hidden, eps=eps, dtype=dtype)

@@ -258,11 +258,11 @@ class PrefillAdder:
         take = (tokens - before) // self.ps * self.ps
         if kept == 0 and take == 0:
             return False
-        dropped = self.can_run[kept + (1 if take else 0):]
-        for req in dropped:  # (never the first request: the only one `add_chunked` may have added)
+        end = kept + (1 if take else 0)
+        for req in self.can_run[end:]:  # (never the first request: the only one `add_chunked` may have added)
             m, req.prefix_indices, req.last_node, req.cached_tokens = self._admitted.pop(id(req))
             self.kv.unlock(m)
-        self.can_run = self.can_run[:kept + (1 if take else 0)]
+        self.can_run = self.can_run[:end]
         self.new_chunked_req = None
         if take:
             cut.extend_input_len = take
