@@ -6,12 +6,15 @@ prints why (one line for a configuration error such as an unsupported architectu
 
 import sys
 
-from sgl_jax.srt.entrypoints.http_server import launch_server
-from sgl_jax.srt.errors import StartupError
-from sgl_jax.srt.server_args import prepare_server_args
-
 
 def main(argv=None) -> None:
+    # imported here, not at the top: the scheduler and detokenizer processes are spawned, and a spawned child
+    # imports the parent's ``__main__`` module (this one) before it runs; at the top these imports made both
+    # children load FastAPI, the HTTP routes and their protocol models for nothing
+    from sgl_jax.srt.entrypoints.http_server import launch_server
+    from sgl_jax.srt.errors import StartupError
+    from sgl_jax.srt.server_args import prepare_server_args
+
     try:
         launch_server(prepare_server_args(sys.argv[1:] if argv is None else argv))
     except StartupError as e:

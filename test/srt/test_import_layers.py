@@ -65,3 +65,20 @@ def test_the_batch_descriptions_load_without_jax():
                          env={**os.environ, "PYTHONPATH": os.path.join(REPO, "python")})
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+# what the HTTP process loads and the other processes must not
+HTTP_ONLY = ("fastapi", "uvicorn", "sgl_jax.srt.entrypoints.http_server", "sgl_jax.srt.tokenizer.tokenizer_manager")
+
+
+def test_the_server_entry_module_loads_nothing_at_import():
+    """The scheduler and detokenizer processes are spawned, and a spawned child imports the parent's ``__main__``
+    module (``sgl_jax.launch_server``) before it runs: importing it must not load the HTTP side (at the top, FastAPI,
+    the routes and their protocol models cost each child ~1 s of a start-up on a 2-core CPU)."""
+    code = ("import sys\n"
+            "import sgl_jax.launch_server\n"
+            f"print(sorted(m for m in {HTTP_ONLY!r} + ('jax', 'transformers') if m in sys.modules))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.path.join(REPO, "python")})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
