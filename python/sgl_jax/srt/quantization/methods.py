@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional, Tuple
 
-import ml_dtypes
 import numpy as np
 
 from sgl_jax.srt.server_args import QUANTIZATION_METHODS
@@ -29,28 +28,36 @@ class QuantMethod:
 
     Attributes:
         name: SGLang's name ("int8", "fp8", "w8a8_int8", "w8a8_fp8").
-        weight_dtype: numpy dtype of the stored weight (np.int8 or ml_dtypes.float8_e4m3fn).
+        weight_dtype_name: the stored weight's dtype, "int8" or "float8_e4m3fn" (`weight_dtype`: as a numpy dtype,
+            ml_dtypes' for float8; ml_dtypes is imported only then: its import takes ~0.75 s on a 2-core CPU, and
+            the HTTP and detokenizer processes read these methods without ever needing a float8 type).
         activations: True for W8A8 (activations quantized per token, dynamically).
         qmax: the largest magnitude a quantized value takes (127 for int8, 448 for float8_e4m3fn).
     """
 
     name: str
-    weight_dtype: np.dtype
+    weight_dtype_name: str
     activations: bool
     qmax: float
 
     @property
+    def weight_dtype(self) -> np.dtype:
+        if self.weight_dtype_name == "int8":
+            return np.dtype(np.int8)
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, self.weight_dtype_name))
+
+    @property
     def is_int(self) -> bool:
-        return np.dtype(self.weight_dtype) == np.int8
+        return self.weight_dtype_name == "int8"
 
 
-_INT8 = np.dtype(np.int8)
-_FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 METHODS: Dict[str, QuantMethod] = {
-    "int8": QuantMethod("int8", _INT8, False, 127.0),
-    "fp8": QuantMethod("fp8", _FP8, False, 448.0),
-    "w8a8_int8": QuantMethod("w8a8_int8", _INT8, True, 127.0),
-    "w8a8_fp8": QuantMethod("w8a8_fp8", _FP8, True, 448.0),
+    "int8": QuantMethod("int8", "int8", False, 127.0),
+    "fp8": QuantMethod("fp8", "float8_e4m3fn", False, 448.0),
+    "w8a8_int8": QuantMethod("w8a8_int8", "int8", True, 127.0),
+    "w8a8_fp8": QuantMethod("w8a8_fp8", "float8_e4m3fn", True, 448.0),
 }
 assert tuple(METHODS) == QUANTIZATION_METHODS
 
