@@ -55,16 +55,20 @@ JAX_FREE = ["sgl_jax.srt.scheduler.schedule_batch", "sgl_jax.srt.forward_batch",
             "sgl_jax.srt.mem_cache.kv_memory"]
 
 
-def test_the_batch_descriptions_load_without_jax():
-    """What the contract cannot see: importing them runs their packages' __init__ too, and none loads JAX."""
-    code = ("import importlib, sys\n"
-            f"for name in {JAX_FREE!r}:\n"
-            "    importlib.import_module(name)\n"
-            "print(sorted(m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules))\n")
+def modules_loaded(imports: str, watched) -> list:
+    """The `watched` module names that a fresh interpreter has loaded after running `imports` (Python source),
+    with the repository's package first on the path."""
+    code = f"import sys\n{imports}\nprint(sorted(m for m in {tuple(watched)!r} if m in sys.modules))\n"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.path.join(REPO, "python")})
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "[]"
+    return eval(res.stdout)
+
+
+def test_the_batch_descriptions_load_without_jax():
+    """What the contract cannot see: importing them runs their packages' __init__ too, and none loads JAX."""
+    imports = "import importlib\n" + "".join(f"importlib.import_module({n!r})\n" for n in JAX_FREE)
+    assert modules_loaded(imports, ("jax", "jaxlib", "flax")) == []
 
 
 # what the HTTP process loads and the other processes must not
@@ -75,23 +79,12 @@ def test_the_server_entry_module_loads_nothing_at_import():
     """The scheduler and detokenizer processes are spawned, and a spawned child imports the parent's ``__main__``
     module (``sgl_jax.launch_server``) before it runs: importing it must not load the HTTP side (at the top, FastAPI,
     the routes and their protocol models cost each child ~1 s of a start-up on a 2-core CPU)."""
-    code = ("import sys\n"
-            "import sgl_jax.launch_server\n"
-            f"print(sorted(m for m in {HTTP_ONLY!r} + ('jax', 'transformers') if m in sys.modules))\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.path.join(REPO, "python")})
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "[]"
+    assert modules_loaded("import sgl_jax.launch_server", HTTP_ONLY + ("jax", "transformers")) == []
 
 
 def test_the_http_and_detokenizer_processes_load_no_jax_and_no_float8_types():
     """The HTTP process's and the detokenizer's modules load neither JAX nor ml_dtypes (its import alone takes
     ~0.75 s on a 2-core CPU, in each process that starts beside the scheduler's compiles): quantization methods name
     their float8 weight type and import ml_dtypes only when a weight is built."""
-    code = ("import sys\n"
-            "import sgl_jax.srt.entrypoints.http_server, sgl_jax.srt.tokenizer.detokenizer_manager\n"
-            "print(sorted(m for m in ('jax', 'jaxlib', 'flax', 'ml_dtypes') if m in sys.modules))\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.path.join(REPO, "python")})
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "[]"
+    imports = "import sgl_jax.srt.entrypoints.http_server, sgl_jax.srt.tokenizer.detokenizer_manager"
+    assert modules_loaded(imports, ("jax", "jaxlib", "flax", "ml_dtypes")) == []
