@@ -125,7 +125,7 @@ def param_shapes(model_config, tp: int) -> Dict[str, Tuple[Tuple[int, ...], int]
     cls = get_model_class(model_config.architecture)
     mesh = jax.sharding.AbstractMesh((1, tp), AXES)
     dtype = JNP_DTYPES[model_config.dtype]
-    abstract = nnx.eval_shape(lambda: cls(model_config, dtype=dtype, rngs=nnx.Rngs(0), mesh=mesh))
+    abstract = nnx.eval_shape(lambda: cls(model_config, dtype=dtype, rngs=None, mesh=mesh))  # (shapes only)
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         v = var.get_value()

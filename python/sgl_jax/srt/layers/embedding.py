@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sgl_jax.srt.layers.linear import initial_weight
 from sgl_jax.srt.quantization.methods import QuantScheme, dequantize_rows, get_method
 
 # a token table: its weight [vocab_size, hidden_size] in the model dtype, or (int8 / fp8 weight, float32 scales)
@@ -20,7 +21,7 @@ class Embedding(nnx.Module):
     Args:
         vocab_size, hidden_size: the table's shape (tokens, features).
         dtype: the parameter dtype, and the dtype of the rows looked up.
-        rngs: initializer randomness (normal, std 0.02); real weights are loaded over it.
+        rngs: initializer randomness (layers/linear.initial_weight; None: zeros).
         quantization: None, or a `QuantScheme` (quantization/methods.table_scheme: int8 in groups of g
             features): ``weight`` int8 [vocab_size, hidden_size] and ``weight_scale`` float32
             [vocab_size, hidden_size / g], filled by the loader (model_loader/loader.py) from the float table.
@@ -31,7 +32,7 @@ class Embedding(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.quantization = quantization
         if quantization is None:
-            self.weight = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, hidden_size), dtype) * 0.02)
+            self.weight = nnx.Param(initial_weight(rngs, (vocab_size, hidden_size), dtype))
             self.weight_scale = None
         else:
             g = quantization.group_size or hidden_size

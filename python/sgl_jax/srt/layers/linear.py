@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,16 @@ def _two_rows_on_cpu(x: jax.Array, dot):
     return y[:1].reshape(lead + y.shape[-1:])
 
 
+
+def initial_weight(rngs: Optional[nnx.Rngs], shape: Tuple[int, ...], dtype) -> jax.Array:
+    """A parameter's initial value [shape] in `dtype`: normal with std 0.02 from ``rngs.params()``; real weights are
+    loaded over it. `rngs` None: zeros, for a model built only for its shapes and shardings (the loader's
+    ``nnx.eval_shape``): there each draw's stream update made JAX look up the tracer's origin for an error message
+    it then dropped (flax's Variable.set_value reads ``.sharding``), ~1 s of a SmolLM2 load on a 2-core CPU."""
+    if rngs is None:
+        return jnp.zeros(shape, dtype)
+    return jax.random.normal(rngs.params(), shape, dtype) * 0.02
+
 class Linear(nnx.Module):
     """y = x @ W.T (+ b), with W stored as [out_features, in_features] like `torch.nn.Linear`.
 
@@ -56,7 +66,7 @@ class Linear(nnx.Module):
         in_features, out_features: sizes in elements.
         use_bias: add a [out_features] bias.
         dtype: parameter and compute dtype (the output's dtype; a quantized layer's bias stays in it).
-        rngs: initializer randomness (normal, std 0.02); real weights are loaded over it.
+        rngs: initializer randomness (`initial_weight`; None: zeros).
         quantization: a ``--quantization`` method name or a `QuantScheme` (quantization/methods.py); None: W in
             `dtype`. Quantized, W is int8 or float8_e4m3fn and ``weight_scale`` float32 holds its scales: [out] per
             output channel, or [out, in / group_size] per group of input features (GGUF blocks, HF FP8 blocks),
@@ -73,7 +83,7 @@ class Linear(nnx.Module):
                  rngs: nnx.Rngs, quantization: Union[str, QuantScheme, None] = None, lora: Optional[tuple] = None):
         scheme = self.quantization = as_scheme(quantization)
         if scheme is None:
-            self.weight = nnx.Param(jax.random.normal(rngs.params(), (out_features, in_features), dtype) * 0.02)
+            self.weight = nnx.Param(initial_weight(rngs, (out_features, in_features), dtype))
             self.weight_scale = None
         else:
             method = get_method(scheme.method)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sgl_jax.srt.distributed.sharding import expert_axes
-from sgl_jax.srt.layers.linear import Linear
+from sgl_jax.srt.layers.linear import Linear, initial_weight
 from sgl_jax.srt.quantization.methods import as_scheme, get_method
 
 
@@ -284,7 +284,7 @@ class StackedExperts(nnx.Module):
         self.quantized = scheme is not None
         for name, shape in zip(self.names, ((hidden, intermediate), (hidden, intermediate), (intermediate, hidden))):
             if scheme is None:
-                setattr(self, name, nnx.Param(jax.random.normal(rngs.params(), (num_experts, *shape), dtype) * 0.02))
+                setattr(self, name, nnx.Param(initial_weight(rngs, (num_experts, *shape), dtype)))
             else:
                 setattr(self, name, nnx.Param(jnp.zeros((num_experts, *shape), get_method(scheme.method).weight_dtype)))
                 setattr(self, name + "_scale", nnx.Param(jnp.ones((num_experts, shape[1]), jnp.float32)))

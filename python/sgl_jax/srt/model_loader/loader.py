@@ -447,7 +447,7 @@ def load_model(model_config, load_format: str = "auto", seed: int = 0, mesh: Opt
 def _load_model(model_config, load_format: str, seed: int, mesh: Optional[Mesh]):
     cls = get_model_class(model_config.architecture, getattr(model_config, "is_embedding", False))
     dtype = JNP_DTYPES[model_config.dtype]
-    abstract = nnx.eval_shape(lambda: cls(model_config, dtype=dtype, rngs=nnx.Rngs(0), mesh=mesh))
+    abstract = nnx.eval_shape(lambda: cls(model_config, dtype=dtype, rngs=None, mesh=mesh))  # (shapes only)
     graphdef, abstract_state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(abstract_state))
     by_name = {_path_name(path): (i, var) for i, (path, var) in enumerate(flat)}

@@ -273,7 +273,8 @@ class LlamaForCausalLM(nnx.Module):
     Args:
         model_config: `ModelConfig` (sizes, rope parameters; ``hf_config`` for the rest).
         dtype: parameter / activation dtype (jnp.float32 or jnp.bfloat16).
-        rngs: initializer randomness; real weights are loaded over the initial values.
+        rngs: initializer randomness; real weights are loaded over the initial values. None: zeros (the loader's
+            abstract model, built for its shapes: layers/linear.initial_weight).
         mesh: the device mesh (distributed/mesh.py); its ``tensor`` axis shards heads, MLP width and the
             vocabulary (specs in distributed/sharding.py). None: one device, no shard_map.
     """

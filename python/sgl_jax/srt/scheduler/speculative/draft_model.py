@@ -87,7 +87,7 @@ def param_bytes(model_config, tp_size: int = 1) -> int:
     loaded): what the draft model takes from the KV budget before the target's pool is sized."""
     cls = get_model_class(model_config.architecture)
     dtype = JNP_DTYPES[model_config.dtype]
-    abstract = nnx.eval_shape(lambda: cls(model_config, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: cls(model_config, dtype=dtype, rngs=None))  # (shapes only)
     total = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in jax.tree.leaves(nnx.state(abstract)))
     return total // max(tp_size, 1)
 
