@@ -27,7 +27,7 @@ class Embedding(nnx.Module):
             [vocab_size, hidden_size / g], filled by the loader (model_loader/loader.py) from the float table.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype=jnp.float32, rngs: nnx.Rngs,
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype=jnp.float32, rngs: Optional[nnx.Rngs],
                  quantization: Optional[QuantScheme] = None):
         self.dtype = jnp.dtype(dtype)
         self.quantization = quantization

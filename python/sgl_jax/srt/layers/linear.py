@@ -46,7 +46,6 @@ def _two_rows_on_cpu(x: jax.Array, dot):
     return y[:1].reshape(lead + y.shape[-1:])
 
 
-
 def initial_weight(rngs: Optional[nnx.Rngs], shape: Tuple[int, ...], dtype) -> jax.Array:
     """A parameter's initial value [shape] in `dtype`: normal with std 0.02 from ``rngs.params()``; real weights are
     loaded over it. `rngs` None: zeros, for a model built only for its shapes and shardings (the loader's
@@ -55,6 +54,7 @@ def initial_weight(rngs: Optional[nnx.Rngs], shape: Tuple[int, ...], dtype) -> j
     if rngs is None:
         return jnp.zeros(shape, dtype)
     return jax.random.normal(rngs.params(), shape, dtype) * 0.02
+
 
 class Linear(nnx.Module):
     """y = x @ W.T (+ b), with W stored as [out_features, in_features] like `torch.nn.Linear`.
@@ -80,7 +80,8 @@ class Linear(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, dtype=jnp.float32,
-                 rngs: nnx.Rngs, quantization: Union[str, QuantScheme, None] = None, lora: Optional[tuple] = None):
+                 rngs: Optional[nnx.Rngs], quantization: Union[str, QuantScheme, None] = None,
+                 lora: Optional[tuple] = None):
         scheme = self.quantization = as_scheme(quantization)
         if scheme is None:
             self.weight = nnx.Param(initial_weight(rngs, (out_features, in_features), dtype))

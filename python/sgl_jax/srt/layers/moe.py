@@ -278,7 +278,7 @@ class StackedExperts(nnx.Module):
     the scales multiply its rows (`experts_grouped`)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, names: Sequence[str], *, dtype,
-                 rngs: nnx.Rngs, quantization=None):
+                 rngs: Optional[nnx.Rngs], quantization=None):
         self.names = tuple(names)
         scheme = as_scheme(quantization)
         self.quantized = scheme is not None
