@@ -48,7 +48,7 @@ from sgl_jax.bench_utils import cpu_name, git_commit, write_report
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.mem_cache.kv_memory import kv_spec_for
-from sgl_jax.srt.model_executor.buckets import ShapeBuckets, derive_limits
+from sgl_jax.srt.model_executor.buckets import ShapeBuckets, derive_limits, powers_of_two
 from sgl_jax.srt.model_executor.compile_stats import compile_counts
 from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
@@ -58,14 +58,6 @@ from sgl_jax.srt.utils import configure_logging
 COLUMNS = ["T", "trace s", "XLA s", "load s", "step ms"]
 SET_COLUMNS = ["buckets", "programs", "trace + XLA s", "load s", "padded: uniform / log-uniform", "padded: worst",
                "cut: uniform / log-uniform", "cut: worst"]
-
-
-def powers_of_two(start: int, end: int) -> List[int]:
-    """start, 2 start, 4 start, ... up to the first >= end."""
-    out = [start]
-    while out[-1] < end:
-        out.append(out[-1] * 2)
-    return out
 
 
 def candidate_sets(tokens: Sequence[int]) -> List[Tuple[int, ...]]:

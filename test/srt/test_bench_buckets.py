@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from sgl_jax.bench_buckets import candidate_sets, cut_ms, padded_ms, powers_of_two, relative_cost, report_body
+from sgl_jax.bench_buckets import candidate_sets, cut_ms, padded_ms, relative_cost, report_body
+from sgl_jax.srt.model_executor.buckets import powers_of_two
 from srt_helpers import save_tiny_llama, server_env
 
 

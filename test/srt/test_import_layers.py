@@ -4,6 +4,7 @@ where a layer imports the scheduler, or the shape buckets import jax)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -62,7 +63,7 @@ def modules_loaded(imports: str, watched) -> list:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.path.join(REPO, "python")})
     assert res.returncode == 0, res.stderr
-    return eval(res.stdout)
+    return ast.literal_eval(res.stdout)
 
 
 def test_the_batch_descriptions_load_without_jax():

@@ -58,8 +58,9 @@ class ShapeBuckets:
         step (num_tokens - T tokens in their own bucket) computes fewer padded tokens but runs one more step. The
         cut is taken when it saves more tokens than the smallest bucket, the stand-in for a step's fixed cost:
         on this project's CPU machines a step's time is about a fixed ~60-80 tokens' worth plus its tokens
-        (reports/buckets-cpu-2026-12-05.md). The cut computing the fewest tokens wins, the larger one on a tie. A rule in tokens, not in measured times, so the
-        batches a workload gets do not depend on the machine's load. The rest may be cut again in its step."""
+        (reports/buckets-cpu-2026-12-05.md). The cut computing the fewest tokens wins, the larger one on a tie.
+        A rule in tokens, not in measured times, so the batches a workload gets do not depend on the machine's
+        load. The rest may be cut again in its step."""
         try:
             whole = self.extend_shape(num_tokens, 1)[0]
         except ValueError:
@@ -109,10 +110,15 @@ def default_token_paddings(max_extend_tokens: int, start: int = 64) -> List[int]
     while t < max_extend_tokens:
         out.append(t)
         t *= 4
-    t = start
-    while t < max_extend_tokens:
-        t *= 2
-    return out + [t] if not out or out[-1] != t else out
+    return out + [powers_of_two(start, max_extend_tokens)[-1]]  # (every one in `out` is below it)
+
+
+def powers_of_two(start: int, end: int) -> List[int]:
+    """start, 2 start, 4 start, ... up to the first >= end."""
+    out = [start]
+    while out[-1] < end:
+        out.append(out[-1] * 2)
+    return out
 
 
 def default_bs_paddings(max_running_requests: int) -> List[int]:

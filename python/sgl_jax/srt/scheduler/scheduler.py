@@ -116,8 +116,8 @@ CHECK_KV_INVARIANTS_ENV = "SGL_JAX_CHECK_KV_INVARIANTS"
 SUMMED_STATE_KEYS = ("num_running_reqs", "num_waiting_reqs", "req_slots_free", "memory_errors", "num_retracted_reqs",
                      "num_assigned_reqs", "num_score_handles", "num_expired_score_handles", "num_score_groups",
                      "num_sessions", "num_streaming_sessions", "req_slots_session_held", "num_mixed_steps",
-                     "num_bucket_cuts", "spec_verify_steps", "spec_drafted_rows", "spec_draft_tokens", "spec_accepted_tokens",
-                     "spec_kv_moves", "spec_unpaid_steps")
+                     "num_bucket_cuts", "spec_verify_steps", "spec_drafted_rows", "spec_draft_tokens",
+                     "spec_accepted_tokens", "spec_kv_moves", "spec_unpaid_steps")
 
 
 class Scheduler:
