@@ -3,7 +3,8 @@
 
 In process, on a tiny random Llama: a ModelRunner with its KV memory runs prefill and decode steps of requests with
 greedy, seeded and penalized sampling the way the scheduler runs them (the slot decode of DecodeRows, the overlap
-loop, a decode step with a vocabulary mask) under ``jax.transfer_guard("disallow")``; the tokens of
+loop, a decode step with a vocabulary mask, fused or split in forward and sampling as the overlap scheduler runs a
+grammar step) under ``jax.transfer_guard("disallow")``; the tokens of
 K = 1 and K = 4 equal the guard-free K = 1 loop without overlap; a planted implicit transfer (the packed inputs
 handed over as a host array) fails under the guard.
 
@@ -90,30 +91,36 @@ def prefill(runner, buckets, memory, reqs) -> None:
         r.output_ids.append(int(out.next_token_ids[i]))
 
 
-def masked_step(runner, buckets, memory, reqs) -> None:
-    """One decode step the way the scheduler runs a grammar step: the slot decode with a vocabulary mask (all
-    allowed) built after the step before was applied."""
+def masked_step(runner, buckets, memory, reqs, split: bool = False) -> None:
+    """One decode step the way the scheduler runs a grammar step: with --disable-overlap-schedule the slot decode
+    with a vocabulary mask (all allowed) built after the step before was applied; with overlap (`split`) the
+    forward of the host-built batch, then the sampling with the mask (scheduler/step_launch.py)."""
     batch = ScheduleBatch(reqs, ForwardMode.DECODE)
     assert batch.prepare_for_decode(memory)
-    worker_batch = batch.build_model_worker_batch(buckets, memory)
+    worker_batch = batch.build_model_worker_batch(buckets, memory, fill_vocab_mask=False)
     launched = batch.launched()
     mask = all_allowed_mask(worker_batch.rows_pad, runner.vocab_mask_width)
-    out = runner.launch_ranks([worker_batch], mask).resolve()[0]
+    if split:
+        out = runner.launch_sample(runner.launch_forward([worker_batch]), mask).resolve()[0]
+    else:
+        out = runner.launch_ranks([worker_batch], mask).resolve()[0]
     for i, r in enumerate(launched.reqs):
         commit_launched_row(launched, i)
         r.output_ids.append(int(out.next_token_ids[i]))
 
 
-def run(harness, num_steps: int, overlap: bool, guarded: bool, masked_first: bool = False) -> list:
-    """Every request's output tokens after prefill and STEPS decode tokens (num_steps per launch)."""
+def run(harness, num_steps: int, overlap: bool, guarded: bool, masked_first: bool = False,
+        split_first: bool = False) -> list:
+    """Every request's output tokens after prefill and STEPS decode tokens (num_steps per launch); the first decode
+    step with a vocabulary mask (`masked_first`), split in forward and sampling (`split_first`)."""
     runner, buckets, slots = harness
     memory = KVMemory.create(runner.kv_spec, num_request_slots=slots, context_len=256, disable_radix_cache=True)
     reqs = new_reqs()
     with host_copy.transfer_guard(guarded):
         prefill(runner, buckets, memory, reqs)
         left = STEPS
-        if masked_first:
-            masked_step(runner, buckets, memory, reqs)
+        if masked_first or split_first:
+            masked_step(runner, buckets, memory, reqs, split_first)
             left -= 1
         DecodeLoop(runner, memory, buckets, num_steps).run(reqs, left // num_steps, overlap)
     for r in reqs:
@@ -126,11 +133,13 @@ def test_decode_steps_make_no_implicit_transfer(harness):
     reference = run(harness, 1, overlap=False, guarded=False)
     assert all(len(t) == STEPS + 1 for t in reference)
     assert len(set(reference[1])) > 1  # the seeded row samples
-    for num_steps, overlap, masked in ((1, False, False), (1, True, False), (4, True, False), (4, False, False),
-                                       (1, True, True)):
-        assert run(harness, num_steps, overlap, guarded=True, masked_first=masked) == reference, (num_steps, overlap,
-                                                                                                   masked)
     runner = harness[0]
+    assert runner.grammar_split  # (the default flags: overlap on, a grammar backend)
+    for num_steps, overlap, masked, split in ((1, False, False, False), (1, True, False, False),
+                                              (4, True, False, False), (4, False, False, False),
+                                              (1, True, True, False), (1, True, False, True)):
+        assert run(harness, num_steps, overlap, guarded=True, masked_first=masked,
+                   split_first=split) == reference, (num_steps, overlap, masked, split)
     assert runner.num_compiles_after_warmup == 0
 
 

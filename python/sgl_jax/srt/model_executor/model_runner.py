@@ -188,6 +188,12 @@ class ModelRunner:
         self.slot_state = (jax.jit(lambda: new_slot_state(R, self.pages_per_seq), out_shardings=r)()
                            if self.slot_decode else None)
         self.decode_steps = int(server_args.num_continuous_decode_steps)  # K of the multi-step decode program
+        # the overlap scheduler launches a decode step with grammar rows as its forward, then its sampling once the
+        # step before is applied and the masks are filled: each decode bucket's forward and each decode row count's
+        # sampling are compiled too (`launch_grammar_forward`)
+        self.grammar_split = (self.generates and not self.is_encoder and type(self).fused_steps
+                              and server_args.grammar_backend != "none" and not server_args.disable_overlap_schedule
+                              and server_args.speculative_algorithm is None)
         self._all_allowed = {}  # S_pad -> device int32[S_pad, vocab_mask_width] of -1 (no grammar in the batch)
         self._row_layouts = {}  # (rows, K, ranks) -> the packed layout of DecodeRows (`_pack_rows`)
         # outputs fed back into the next call keep exactly the shardings they were created with, so a
@@ -704,6 +710,9 @@ class ModelRunner:
         dtype = np.dtype(JNP_DTYPES[self.model_config.dtype])
         programs, sampled = [], {}  # sampled: rows -> a shape whose sampling program has those rows
         for mode, t, s in shapes:
+            if mode == ForwardMode.DECODE and self.grammar_split:
+                programs.append((f"decode forward S={s}", self._lower_forward(mode, t, s)))
+                sampled.setdefault(s, (mode, t, s))
             if mode == ForwardMode.DECODE and self.slot_decode:
                 programs += [(f"decode S={s} K={k}", self._lower_decode(s, k))
                              for k in sorted({1, self.decode_steps})]

@@ -9,12 +9,15 @@ decode row whose input token step n is still sampling carries a placeholder that
 Only decode steps stay in flight past their iteration (a prefill step's result is applied at once, so the inputs
 taken in at the next iteration -- aborts, score releases, sessions -- never see a prefill whose result is pending),
 and step n+1 is chosen ahead of step n's result only when the next one is a decode step too: no rank has prefill
-work (waiting or chunk-prefilled requests) and no running request has a grammar (its vocabulary mask needs every
-earlier token accepted: the step is chosen once step n is applied, its masks filled then). Any other step is chosen
-after the result is applied (``Scheduler.drain``), as are retracts and the re-runs that isolate a faulty request.
-(Splitting a grammar step into a forward launched ahead and a sampling launched once its masks are filled would
-keep it overlapped, at the cost of a forward and a sampling program per decode bucket compiled at every start; a
-step is one program here.) Requests that finish by
+work (waiting or chunk-prefilled requests). Any other step is chosen after the result is applied
+(``Scheduler.drain``), as are retracts and the re-runs that isolate a faulty request.
+
+A request with a grammar needs every earlier token accepted before its vocabulary mask can be computed. A decode
+step with such rows runs as two programs (scheduler/step_launch.py): its forward is launched, step n is applied
+(the grammars accept their tokens), the masks are filled while the device runs that forward, and only then is its
+sampling launched, as SGLang's overlap worker waits for the masks before sampling. Each decode bucket's forward
+and each decode row count's sampling are compiled at start-up for it (`ModelRunner.grammar_split`); without them
+(``--grammar-backend none``) no request has a grammar. Requests that finish by
 length are left out of the step chosen ahead (`Req.done_by_length_ahead`); one that stops on a stop token or
 string runs one extra decode row, whose token is dropped and whose KV slot its release frees
 (`ScheduleBatch.drop_finished_rows`), as in SGLang.
@@ -49,12 +52,15 @@ class LaunchedStep:
         return all(b.forward_mode == ForwardMode.DECODE for b in self.batches if b is not None)
 
 
-def may_choose_ahead(inflight: Optional[LaunchedStep], ranks) -> bool:
+def may_choose_ahead(inflight: Optional[LaunchedStep], ranks, grammar_split: bool) -> bool:
     """Whether the next step may be chosen while `inflight` runs (see the module docstring); `ranks` the
-    `RankScheduler`s after this iteration's inputs were taken in."""
+    `RankScheduler`s after this iteration's inputs were taken in; `grammar_split`: whether a decode step with
+    grammar rows can launch its sampling after its forward (else such a step waits for the result)."""
     if inflight is None or not inflight.is_decode:
         return False
     for rank in ranks:
-        if rank.has_prefill_work() or any(r.grammar is not None for r in rank.running_batch.reqs):
+        if rank.has_prefill_work():
+            return False
+        if not grammar_split and any(r.grammar is not None for r in rank.running_batch.reqs):
             return False
     return True

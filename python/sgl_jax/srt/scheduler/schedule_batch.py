@@ -495,13 +495,14 @@ class ScheduleBatch:
         slots in a verify step."""
         return sum(self.row_tokens(r) for r in self.reqs)
 
-    def build_model_worker_batch(self, buckets: ShapeBuckets, memory,
-                                 padded_shape: Optional[tuple] = None) -> ModelWorkerBatch:
+    def build_model_worker_batch(self, buckets: ShapeBuckets, memory, padded_shape: Optional[tuple] = None,
+                                 fill_vocab_mask: bool = True) -> ModelWorkerBatch:
         """Host arrays for the step, padded to the bucket `buckets` picks (see ForwardBatch), or to
         ``padded_shape`` = (step mode, T_pad, S_pad) when the step of several DP ranks is larger (see
         `step_shape`; a decode batch is laid out the same in an EXTEND step: one query token each).
         `memory`: the rank's `KVMemory` (request rows, page size, and the page tables of layers that read another
-        pool: `KVMemory.layer_pool_fields`)."""
+        pool: `KVMemory.layer_pool_fields`). Without `fill_vocab_mask` the grammar rows are marked ``constrained``
+        and their masks left for `vocab_mask` (filled once the step before is applied: scheduler/overlap.py)."""
         reqs = self.reqs
         pool, page_size = memory.req_to_token_pool, memory.page_size
         S = len(reqs)
@@ -577,7 +578,7 @@ class ScheduleBatch:
             forward_mode=step_mode,
         )
         fb = dataclasses.replace(fb, **memory.layer_pool_fields(fb.page_indices, fb.out_cache_loc))
-        sampling = self._sampling_batch(input_ids, cu, rows, S_pad)
+        sampling = self._sampling_batch(input_ids, cu, rows, S_pad, fill_vocab_mask)
         return ModelWorkerBatch(forward_batch=fb, sampling=sampling, num_tokens=T, num_seqs=S)
 
     def build_decode_rows(self, memory, s_pad: int, num_steps: int = 1) -> DecodeRows:
@@ -612,16 +613,17 @@ class ScheduleBatch:
                 self.reqs[i].grammar.fill_vocab_mask(mask, i)
         return mask
 
-    def _sampling_batch(self, input_ids: np.ndarray, cu: np.ndarray, rows: np.ndarray, S_pad: int) -> SamplingBatch:
+    def _sampling_batch(self, input_ids: np.ndarray, cu: np.ndarray, rows: np.ndarray, S_pad: int,
+                        fill_vocab_mask: bool = True) -> SamplingBatch:
         """The step's sampling rows (see SamplingBatch): `input_ids` the step's tokens, `cu` the cumulative query
         lengths, `rows` each request's ReqToTokenPool row; grammar rows are marked ``constrained`` and their
-        masks filled now (`vocab_mask`)."""
+        masks filled now (`vocab_mask`) unless `fill_vocab_mask` is False."""
         reqs = self.reqs
         sps = [r.sampling_params for r in reqs]
         decode_rows = [self.is_decode_row(r) for r in reqs]
         samples = [self.samples(r) for r in reqs]
         constrained = [r.grammar is not None and s for r, s in zip(reqs, samples)]
-        vocab_mask = self.vocab_mask(S_pad, samples)
+        vocab_mask = self.vocab_mask(S_pad, samples) if fill_vocab_mask else None
         penalized = [p.uses_penalties() for p in sps]
         # a decode row's input is its newest output token: the penalty counts take it in (once)
         last_index = [r.num_output_total - 1 if d else -1 for r, d in zip(reqs, decode_rows)]

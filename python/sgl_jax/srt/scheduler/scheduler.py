@@ -69,6 +69,7 @@ from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
 from sgl_jax.srt.model_executor.host_copy import transfer_guard
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
+from sgl_jax.srt.model_executor.step_output import LaunchedForward
 from sgl_jax.srt.preflight import KVLimits, check_fits
 from sgl_jax.srt.sampling.sampling_params import clip_max_new_tokens
 from sgl_jax.srt.scheduler.lora_control import SchedulerLora, lora_uid, update_lora
@@ -427,7 +428,7 @@ class Scheduler:
             return None
         for rank in self.ranks:
             rank.admit_new = not self.control.holds_admission()
-        if not may_choose_ahead(self.inflight, self.ranks):
+        if not may_choose_ahead(self.inflight, self.ranks, self.model_runner.grammar_split):
             self.drain()
         choosing_ahead = self.inflight is not None
         num_steps = self.launcher.decode_steps_for()
@@ -477,6 +478,8 @@ class Scheduler:
         launched = [None if b is None else b.launched() for b in batches]
         self.num_overlapped_steps += self.inflight is not None
         self.drain()
+        if isinstance(pending, LaunchedForward):  # grammar rows: their masks need the step before applied
+            pending = self.launcher.sample(pending, launched)
         rec = LaunchedStep(launched, pending, t0, x)
         self.step_stats.launched()
         if self.overlap and rec.is_decode:  # (inputs taken in while it runs see every other step applied)
@@ -737,7 +740,8 @@ class Scheduler:
             rank.on_idle()
         shared = {"num_compiles_after_warmup": self.model_runner.num_compiles_after_warmup,
                   "overlap_schedule": self.overlap, "num_overlapped_steps": self.num_overlapped_steps,
-                  "num_multi_step_decodes": self.launcher.num_multi_steps, "step_stats": self.step_stats.state(),
+                  "num_multi_step_decodes": self.launcher.num_multi_steps,
+                  "num_grammar_split_steps": self.launcher.num_grammar_split_steps, "step_stats": self.step_stats.state(),
                   "warmup": self.model_runner.warmup_stats,
                   "prefill_step_budget": None if self.step_budget is None else self.step_budget.state(),
                   "moe": None if self.model_runner.moe_stats is None else self.model_runner.moe_stats.state(),

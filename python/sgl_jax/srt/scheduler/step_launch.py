@@ -11,6 +11,12 @@ Two ways, chosen per step:
 
 In each, the penalty rows of requests new to their slot are loaded first, and a STANDALONE draft model runs the
 step's forward too (scheduler/speculative/draft_model.py).
+
+A decode step with grammar rows on a runner that splits them (`ModelRunner.grammar_split`: the overlap scheduler
+is on) is launched in two: `launch` dispatches its forward from host-built batches whose masks are left out and
+returns the `LaunchedForward`; `sample` fills the masks and dispatches the sampling. The scheduler calls `sample`
+after applying the step before (its grammars have accepted their tokens by then), so the masks are computed while
+the forward runs (scheduler/overlap.py).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import List, Optional
 
 from sgl_jax.srt import fault_injection
 from sgl_jax.srt.forward_batch import ForwardMode
+from sgl_jax.srt.model_executor.step_output import LaunchedForward
 from sgl_jax.srt.sampling.sampling_batch import stack_vocab_masks
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, step_shape
 from sgl_jax.srt.scheduler.speculative.speculation import build_verify_batch
@@ -45,6 +52,7 @@ class StepLauncher:
         self.runner, self.ranks, self.buckets = runner, ranks, buckets
         self.slots_per_rank, self.draft_model = slots_per_rank, draft_model
         self.num_multi_steps = 0  # steps that ran more than one decode step in one program
+        self.num_grammar_split_steps = 0  # decode steps with grammar rows launched as forward, then sampling
 
     def decode_steps_for(self) -> int:
         """K for the next step: --num-continuous-decode-steps when the runner has slot state, no rank has prefill
@@ -59,14 +67,16 @@ class StepLauncher:
         return k
 
     def launch(self, batches: List[Optional[ScheduleBatch]]):
-        """Dispatch one step of every rank's batch (None: idle); returns its `PendingStep`. Grammar rows' masks are
-        filled now: the overlap scheduler chooses no step ahead of a result while a request has a grammar."""
+        """Dispatch one step of every rank's batch (None: idle); returns its `PendingStep`, or the
+        `LaunchedForward` of a decode step with grammar rows on a runner that splits them (`sample` launches its
+        sampling; see the module docstring). Other steps' grammar masks are filled now."""
         live = [(r, b) for r, b in enumerate(batches) if b is not None and b.reqs]
         fault_injection.check("forward", [req.rid for _, b in live for req in b.reqs])
         self._init_penalty_rows(live)
         shape = step_shape([b for _, b in live], self.buckets)
-        if (shape[0] == ForwardMode.DECODE and self.runner.slot_decode
-                and all(b.forward_mode == ForwardMode.DECODE for _, b in live)):
+        decode = shape[0] == ForwardMode.DECODE and all(b.forward_mode == ForwardMode.DECODE for _, b in live)
+        split = decode and self.runner.grammar_split and any(r.grammar is not None for _, b in live for r in b.reqs)
+        if decode and self.runner.slot_decode and not split:
             return self._launch_decode(batches, shape[2])
         worker_batches = [None] * len(batches)
         for r, batch in live:
@@ -74,15 +84,26 @@ class StepLauncher:
             if batch.forward_mode == ForwardMode.TARGET_VERIFY:
                 worker_batches[r] = build_verify_batch(batch, self.buckets, memory, shape)
             else:
-                worker_batches[r] = batch.build_model_worker_batch(self.buckets, memory, shape)
-        out = self.runner.launch_ranks(worker_batches)
+                worker_batches[r] = batch.build_model_worker_batch(self.buckets, memory, shape,
+                                                                   fill_vocab_mask=not split)
+        out = self.runner.launch_forward(worker_batches) if split else self.runner.launch_ranks(worker_batches)
         if self.draft_model is not None:
             self.draft_model.mirror(worker_batches)
+        self.num_grammar_split_steps += split
         return out
+
+    def sample(self, fwd: LaunchedForward, batches: List[Optional[ScheduleBatch]]):
+        """Fill the grammar masks of a split decode step's rows from their grammars' state now and dispatch its
+        sampling (`launch` returned `fwd` for `batches`); returns the step's `PendingStep`."""
+        masks = [None if b is None or not b.reqs else b.vocab_mask(fwd.s_pad, [True] * len(b.reqs)) for b in batches]
+        return self.runner.launch_sample(fwd, stack_vocab_masks(masks, fwd.s_pad))
 
     def run(self, batches: List[Optional[ScheduleBatch]]) -> list:
         """Run one step and wait for it: each rank's StepOutput (None when idle)."""
-        return self.launch(batches).resolve()
+        out = self.launch(batches)
+        if isinstance(out, LaunchedForward):
+            out = self.sample(out, batches)
+        return out.resolve()
 
     def _launch_decode(self, batches: List[Optional[ScheduleBatch]], s_pad: int):
         """A slot decode of every rank's DECODE batch (grammar masks filled now; K is 1 with grammars)."""
