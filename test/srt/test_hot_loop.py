@@ -91,17 +91,23 @@ def prefill(runner, buckets, memory, reqs) -> None:
         r.output_ids.append(int(out.next_token_ids[i]))
 
 
-def masked_step(runner, buckets, memory, reqs, split: bool = False) -> None:
+def masked_step(runner, buckets, memory, reqs, split: bool = False, allowed=None) -> None:
     """One decode step the way the scheduler runs a grammar step: with --disable-overlap-schedule the slot decode
-    with a vocabulary mask (all allowed) built after the step before was applied; with overlap (`split`) the
-    forward of the host-built batch, then the sampling with the mask (scheduler/step_launch.py)."""
+    with a vocabulary mask built after the step before was applied; with overlap (`split`) the slot decode
+    unmasked, then the sampling of its logits again with the mask (scheduler/step_launch.py). The mask allows every
+    token, or only the token ids `allowed` in every row."""
     batch = ScheduleBatch(reqs, ForwardMode.DECODE)
     assert batch.prepare_for_decode(memory)
     worker_batch = batch.build_model_worker_batch(buckets, memory, fill_vocab_mask=False)
     launched = batch.launched()
     mask = all_allowed_mask(worker_batch.rows_pad, runner.vocab_mask_width)
+    if allowed is not None:  # (rows marked constrained, as a grammar's are: the step applies their masks)
+        worker_batch.sampling.constrained[:len(reqs)] = True
+        mask[:] = 0
+        for t in allowed:
+            mask[:, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
     if split:
-        out = runner.launch_sample(runner.launch_forward([worker_batch]), mask).resolve()[0]
+        out = runner.launch_sample(runner.launch_decode_split([worker_batch]), mask).resolve()[0]
     else:
         out = runner.launch_ranks([worker_batch], mask).resolve()[0]
     for i, r in enumerate(launched.reqs):
@@ -110,9 +116,10 @@ def masked_step(runner, buckets, memory, reqs, split: bool = False) -> None:
 
 
 def run(harness, num_steps: int, overlap: bool, guarded: bool, masked_first: bool = False,
-        split_first: bool = False) -> list:
+        split_first: bool = False, allowed=None) -> list:
     """Every request's output tokens after prefill and STEPS decode tokens (num_steps per launch); the first decode
-    step with a vocabulary mask (`masked_first`), split in forward and sampling (`split_first`)."""
+    step with a vocabulary mask (`masked_first`; `split_first`: as the overlap scheduler splits it) allowing every
+    token or only `allowed`."""
     runner, buckets, slots = harness
     memory = KVMemory.create(runner.kv_spec, num_request_slots=slots, context_len=256, disable_radix_cache=True)
     reqs = new_reqs()
@@ -120,7 +127,7 @@ def run(harness, num_steps: int, overlap: bool, guarded: bool, masked_first: boo
         prefill(runner, buckets, memory, reqs)
         left = STEPS
         if masked_first or split_first:
-            masked_step(runner, buckets, memory, reqs, split_first)
+            masked_step(runner, buckets, memory, reqs, split_first, allowed)
             left -= 1
         DecodeLoop(runner, memory, buckets, num_steps).run(reqs, left // num_steps, overlap)
     for r in reqs:
@@ -140,6 +147,11 @@ def test_decode_steps_make_no_implicit_transfer(harness):
                                               (1, True, True, False), (1, True, False, True)):
         assert run(harness, num_steps, overlap, guarded=True, masked_first=masked,
                    split_first=split) == reference, (num_steps, overlap, masked, split)
+    # a mask that binds: the split step samples the masked logits as the slot decode with the mask does
+    allowed = (5, 7, 11)
+    fused = run(harness, 1, True, guarded=True, masked_first=True, allowed=allowed)
+    assert all(t[1] in allowed for t in fused) and fused != reference
+    assert run(harness, 1, True, guarded=True, split_first=True, allowed=allowed) == fused
     assert runner.num_compiles_after_warmup == 0
 
 

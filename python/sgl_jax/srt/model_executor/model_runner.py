@@ -188,12 +188,11 @@ class ModelRunner:
         self.slot_state = (jax.jit(lambda: new_slot_state(R, self.pages_per_seq), out_shardings=r)()
                            if self.slot_decode else None)
         self.decode_steps = int(server_args.num_continuous_decode_steps)  # K of the multi-step decode program
-        # the overlap scheduler launches a decode step with grammar rows as its forward, then its sampling once the
-        # step before is applied and the masks are filled: each decode bucket's forward and each decode row count's
-        # sampling are compiled too (`launch_grammar_forward`)
-        self.grammar_split = (self.generates and not self.is_encoder and type(self).fused_steps
-                              and server_args.grammar_backend != "none" and not server_args.disable_overlap_schedule
-                              and server_args.speculative_algorithm is None)
+        # the overlap scheduler launches a slot decode step with grammar rows unmasked, then samples it again once the
+        # step before is applied and the masks are filled: each decode row count's sampling is compiled too
+        # (`launch_decode_split`)
+        self.grammar_split = (self.slot_decode and server_args.grammar_backend != "none"
+                              and not server_args.disable_overlap_schedule)
         self._all_allowed = {}  # S_pad -> device int32[S_pad, vocab_mask_width] of -1 (no grammar in the batch)
         self._row_layouts = {}  # (rows, K, ranks) -> the packed layout of DecodeRows (`_pack_rows`)
         # outputs fed back into the next call keep exactly the shardings they were created with, so a
@@ -430,6 +429,11 @@ class ModelRunner:
         kv_slots' first dimension: 1, or --num-continuous-decode-steps), reading the rows' page tables and
         sampling parameters from the slot state (model_executor/slot_state.py). vocab_mask: int32[dp * S_pad, words]
         (K = 1 only) or None. Raises ValueError as `forward_ranks`, or when the runner has no slot state."""
+        outs, num_seqs, s_pad, times = self._dispatch_decode(rows, vocab_mask)
+        return self._pending(outs, num_seqs, None, s_pad, times, s_pad)
+
+    def _dispatch_decode(self, rows: Sequence[Optional[DecodeRows]], vocab_mask: Optional[np.ndarray]) -> tuple:
+        """Dispatch the slot decode program of `launch_decode`: (its outputs, real rows per rank, S_pad, times)."""
         if not self.slot_decode:
             raise ValueError("this runner decodes host-built batches only (no slot state)")
         real = self._check_ranks(rows)
@@ -446,8 +450,26 @@ class ModelRunner:
                                                             packed, mask, layout)
         t2 = time.perf_counter()
         times.h2d_s, times.dispatch_s = t1 - t0, t2 - t1
-        return self._pending(outs, [None if r is None else int(r.num_seqs[0]) for r in rows], None, s_pad, times,
-                             s_pad)
+        return outs, [None if r is None else int(r.num_seqs[0]) for r in rows], s_pad, times
+
+    def launch_decode_split(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> LaunchedForward:
+        """Dispatch a decode step whose grammar masks are not known yet (the overlap scheduler's grammar step,
+        scheduler/step_launch.py): the slot decode of the host-built DECODE batches' rows (`launch_decode`, K = 1)
+        with every token allowed, returned as a `LaunchedForward` whose `launch_sample` samples every row again
+        from the step's logits with the masks (the sampling program of S_pad rows, on the batches' own
+        SamplingBatch). The step's first draw is discarded: the second writes the future tokens again and counts
+        no penalty token twice (layers/sampler.count_last_tokens counts each once), so its tokens are those the
+        slot decode gives with the same masks. Raises ValueError as `launch_decode`."""
+        outs, num_seqs, s_pad, times = self._dispatch_decode(
+            [None if b is None else decode_rows_of(b) for b in batches], None)
+        _, logits, _, hidden, moe, aux = outs
+        stacked = self._step_batch(batches)
+        t0 = time.perf_counter()
+        buf, layout = pack((dataclasses.replace(stacked.sampling, vocab_mask=None), stacked.forward_batch))
+        head = self._put(buf[:step_programs.sampling_words(layout)])
+        times.h2d_s += time.perf_counter() - t0
+        return LaunchedForward(logits, hidden, moe, stacked.sampling, num_seqs, s_pad, s_pad, None, aux, times,
+                               (head, self._sampling_layout(layout)))
 
     def _pack_rows(self, rows: DecodeRows) -> tuple:
         """`packed_inputs.pack` of rank-stacked DecodeRows: `DecodeRows.build`'s buffer, or its fields concatenated
@@ -711,7 +733,6 @@ class ModelRunner:
         programs, sampled = [], {}  # sampled: rows -> a shape whose sampling program has those rows
         for mode, t, s in shapes:
             if mode == ForwardMode.DECODE and self.grammar_split:
-                programs.append((f"decode forward S={s}", self._lower_forward(mode, t, s)))
                 sampled.setdefault(s, (mode, t, s))
             if mode == ForwardMode.DECODE and self.slot_decode:
                 programs += [(f"decode S={s} K={k}", self._lower_decode(s, k))

@@ -13,11 +13,12 @@ work (waiting or chunk-prefilled requests). Any other step is chosen after the r
 (``Scheduler.drain``), as are retracts and the re-runs that isolate a faulty request.
 
 A request with a grammar needs every earlier token accepted before its vocabulary mask can be computed. A decode
-step with such rows runs as two programs (scheduler/step_launch.py): its forward is launched, step n is applied
-(the grammars accept their tokens), the masks are filled while the device runs that forward, and only then is its
-sampling launched, as SGLang's overlap worker waits for the masks before sampling. Each decode bucket's forward
-and each decode row count's sampling are compiled at start-up for it (`ModelRunner.grammar_split`); without them
-(``--grammar-backend none``) no request has a grammar. Requests that finish by
+step with such rows runs as two programs (scheduler/step_launch.py): its slot decode is launched with every token
+allowed, step n is applied (the grammars accept their tokens), the masks are filled while the device runs that
+step, and then the step's logits are sampled again with them, as SGLang's overlap worker waits for the masks before
+sampling. Each decode row count's sampling program is compiled at start-up for it (`ModelRunner.grammar_split`).
+A runner without slot state (a hybrid sliding-window pool) has no split: there a step with grammar rows is chosen
+after the result before it is applied. Requests that finish by
 length are left out of the step chosen ahead (`Req.done_by_length_ahead`); one that stops on a stop token or
 string runs one extra decode row, whose token is dropped and whose KV slot its release frees
 (`ScheduleBatch.drop_finished_rows`), as in SGLang.

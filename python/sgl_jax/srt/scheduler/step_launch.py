@@ -12,11 +12,11 @@ Two ways, chosen per step:
 In each, the penalty rows of requests new to their slot are loaded first, and a STANDALONE draft model runs the
 step's forward too (scheduler/speculative/draft_model.py).
 
-A decode step with grammar rows on a runner that splits them (`ModelRunner.grammar_split`: the overlap scheduler
-is on) is launched in two: `launch` dispatches its forward from host-built batches whose masks are left out and
-returns the `LaunchedForward`; `sample` fills the masks and dispatches the sampling. The scheduler calls `sample`
-after applying the step before (its grammars have accepted their tokens by then), so the masks are computed while
-the forward runs (scheduler/overlap.py).
+A decode step with grammar rows on a runner that splits them (`ModelRunner.grammar_split`: slot state, the overlap
+scheduler on) is launched in two: `launch` dispatches its slot decode with every token allowed and returns a
+`LaunchedForward` (`ModelRunner.launch_decode_split`); `sample` fills the masks and dispatches the sampling of the
+step's logits again with them. The scheduler calls `sample` after applying the step before (its grammars have
+accepted their tokens by then), so the masks are computed while the step's forward runs (scheduler/overlap.py).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class StepLauncher:
             else:
                 worker_batches[r] = batch.build_model_worker_batch(self.buckets, memory, shape,
                                                                    fill_vocab_mask=not split)
-        out = self.runner.launch_forward(worker_batches) if split else self.runner.launch_ranks(worker_batches)
+        out = self.runner.launch_decode_split(worker_batches) if split else self.runner.launch_ranks(worker_batches)
         if self.draft_model is not None:
             self.draft_model.mirror(worker_batches)
         self.num_grammar_split_steps += split
