@@ -7,6 +7,7 @@ itself) and with EAGLE3 and EAGLE (random heads, no radix cache; EAGLE drafting 
 (cache_aware):
 - greedy tokens identical to dp 1 over 16 prompts x 32 tokens sent at once (so every rank batches), output
   logprobs within 1e-3;
+- JSON-schema requests (grammar steps split under the overlap scheduler): dp 2 x tp 2 gives dp 1's greedy tokens;
 - round_robin: requests per rank differ by at most 1;
 - cache_aware: requests sharing a prefix land on the rank that caches it (>= 90% of the prefix served from
   cache), while different prefixes spread over the ranks;
@@ -17,6 +18,7 @@ itself) and with EAGLE3 and EAGLE (random heads, no radix cache; EAGLE drafting 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 
 import httpx
 import numpy as np
@@ -139,6 +141,36 @@ def test_dp2_tp2_no_compile_over_100_requests(dp2_tp2):
     assigned = [s["num_assigned_reqs"] for s in state]
     assert max(assigned) - min(assigned) <= 1, assigned
     wait_pool_idle(dp2_tp2.url)
+
+
+def json_tokens(url: str) -> list:
+    """Greedy token ids of 8 JSON-schema requests sent at once (16 tokens each at most)."""
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+                         "required": ["name", "n"]})
+
+    def one(text):
+        r = httpx.post(url + "/generate", timeout=300, json={"text": text, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 16, "json_schema": schema}})
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, PROMPTS[:8]))
+
+
+def test_dp2_tp2_grammar_steps_match_dp1(dp2_tp2, dp1):
+    """JSON-schema requests on 2 DP ranks of 2 tensor-parallel devices: their decode steps, launched ahead and
+    sampled again once the masks are filled (scheduler/step_launch.py), give dp 1's greedy tokens, with both ranks
+    decoding them."""
+    before = ranks(dp2_tp2.url)
+    tokens = json_tokens(dp2_tp2.url)
+    assert tokens == json_tokens(dp1.url)
+    after = ranks(dp2_tp2.url)
+    assert all(a["num_assigned_reqs"] > b["num_assigned_reqs"] for a, b in zip(after, before)), (before, after)
+    assert after[0]["num_grammar_split_steps"] - before[0]["num_grammar_split_steps"] >= 10
+    assert all(s["num_compiles_after_warmup"] == 0 for s in after), after
+    wait_pool_idle(dp2_tp2.url)
+    wait_pool_idle(dp1.url)
 
 
 def test_dp2_tp2_speculative_matches_dp1(dp2_tp2_ngram, reference):
