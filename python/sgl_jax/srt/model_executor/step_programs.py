@@ -27,7 +27,7 @@ from flax import nnx
 
 from sgl_jax.srt.forward_batch import ForwardBatch
 from sgl_jax.srt.layers.moe import expert_token_counts
-from sgl_jax.srt.layers.sampler import count_last_tokens, sample
+from sgl_jax.srt.layers.sampler import sample
 from sgl_jax.srt.model_executor.future_tokens import resolve_placeholders, write_future
 from sgl_jax.srt.model_executor.packed_inputs import unpack
 from sgl_jax.srt.model_executor.slot_state import decode_inputs, stops, write_rows
@@ -91,28 +91,6 @@ def _moe_outputs(spec: StepSpec, model, fb: ForwardBatch):
     counts = expert_token_counts(routed, fb.real_tokens(), spec.moe_experts)
     rows = jnp.transpose(routed[:, fb.logits_indices], (1, 0, 2)) if spec.routed else None
     return counts, rows
-
-
-def _sample_rows_unless(spec: StepSpec, logits, penalty_state, future, sampling, defer):
-    """`sample_rows`, or when `defer` (traced bool) no draw: zeros, no future token written. The penalties'
-    newest tokens are counted either way (a later sampling of the same rows counts none twice), outside the
-    ``lax.cond``, so the penalty state never passes through it (a conditional's state output is a copy of it: the
-    counts are [slots, vocab])."""
-    sampling = dataclasses.replace(sampling, last_token=resolve_placeholders(sampling.last_token, future))
-    penalty_state = count_last_tokens(penalty_state, sampling)
-
-    def draw():
-        ids, lse, _ = sample(logits, sampling, spec.eos_token_ids, penalty_state)  # (its own count: a no-op)
-        return ids, lse
-
-    def skip():
-        z = jnp.zeros((logits.shape[0],), jnp.float32)
-        return z.astype(jnp.int32), z
-
-    next_ids, lse = jax.lax.cond(defer, skip, draw)
-    future = write_future(future, sampling.slots, sampling.writes_future & ~defer, next_ids)
-    next_lp = jnp.take_along_axis(logits, next_ids[:, None], axis=-1)[:, 0] - lse
-    return penalty_state, future, next_ids, next_lp, lse
 
 
 def sample_rows(spec: StepSpec, logits, penalty_state, future, sampling):
@@ -193,8 +171,12 @@ def _decode_one(spec: StepSpec, param_leaves, kv_caches, penalty_state, future, 
     if defer is None:
         penalty_state, future, next_ids, next_lp, lse = sample_rows(spec, logits, penalty_state, future, sampling)
     else:
-        penalty_state, future, next_ids, next_lp, lse = _sample_rows_unless(spec, logits, penalty_state, future,
-                                                                            sampling, defer)
+        def skip(pen, fut):
+            z = jnp.zeros((logits.shape[0],), jnp.float32)
+            return pen, fut, z.astype(jnp.int32), z, z
+
+        penalty_state, future, next_ids, next_lp, lse = jax.lax.cond(
+            defer, skip, lambda pen, fut: sample_rows(spec, logits, pen, fut, sampling), penalty_state, future)
     stopped = live & stops(sampling, next_ids, spec.eos_token_ids)
     return kv_caches, penalty_state, future, slots, next_ids, next_lp, logits, lse, hidden, moe, stopped
 
