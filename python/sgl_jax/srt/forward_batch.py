@@ -171,10 +171,7 @@ class DecodeRows:
         that step k of the K steps writes (0, the padding sink: the row takes no step k -- it reaches
         max_new_tokens before). steps: int32[D * S_pad] output tokens the row has before this step (the sampling
         stream's index). constrained: bool[D * S_pad] the row's grammar mask applies (K is then 1).
-        num_seqs: int32[D] real rows per rank. defer_sampling: int32[D] 1 when the step samples nothing and
-        leaves it to a sampling program launched after it (the overlap scheduler's grammar step, K = 1;
-        `ModelRunner.launch_decode_split`), else 0 (every rank the same). The number of steps K is static (part of
-        the program).
+        num_seqs: int32[D] real rows per rank. The number of steps K is static (part of the program).
     """
 
     slots: Any
@@ -184,7 +181,6 @@ class DecodeRows:
     steps: Any
     constrained: Any
     num_seqs: Any
-    defer_sampling: Any
 
     @property
     def num_steps(self) -> int:
@@ -197,8 +193,7 @@ class DecodeRows:
 
     @classmethod
     def build(cls, slots: Sequence[int], input_ids: Sequence[int], positions: Sequence[int], kv_slots: np.ndarray,
-              steps: Sequence[int], constrained: Sequence[bool], s_pad: int,
-              defer_sampling: bool = False) -> "DecodeRows":
+              steps: Sequence[int], constrained: Sequence[bool], s_pad: int) -> "DecodeRows":
         """One rank's rows padded to `s_pad` (kv_slots int32[K, n] for n real rows; slots and placeholders
         rank-local). The int32 fields are views of one buffer in the fields' order (``packed``: what
         `packed_inputs.pack` gives for the rows, built without a concatenation; the decode step's one H2D copy)."""
@@ -206,14 +201,14 @@ class DecodeRows:
         if n > s_pad:
             raise ValueError(f"{n} decode rows do not fit a batch of {s_pad}")
         K = int(np.shape(kv_slots)[0])
-        buf = np.zeros((5 + K) * s_pad + 2, np.int32)
+        buf = np.zeros((5 + K) * s_pad + 1, np.int32)
         cols = buf[:(5 + K) * s_pad].reshape(5 + K, s_pad)  # slots, input_ids, positions, kv[K], steps, constrained
         cols[0, :n], cols[1, :n], cols[2, :n] = slots, input_ids, positions
         cols[3:3 + K, :n] = kv_slots
         cols[3 + K, :n], cols[4 + K, :n] = steps, constrained
-        buf[-2], buf[-1] = n, defer_sampling
+        buf[-1] = n
         rows = cls(slots=cols[0], input_ids=cols[1], positions=cols[2], kv_slots=cols[3:3 + K], steps=cols[3 + K],
-                   constrained=cols[4 + K] != 0, num_seqs=buf[-2:-1], defer_sampling=buf[-1:])
+                   constrained=cols[4 + K] != 0, num_seqs=buf[-1:])
         rows.packed = buf
         return rows
 
@@ -236,8 +231,7 @@ class DecodeRows:
         return DecodeRows(slots=slots.astype(np.int32), input_ids=ids, positions=cat("positions"),
                           kv_slots=cat("kv_slots"),
                           steps=cat("steps"), constrained=cat("constrained"),
-                          num_seqs=np.concatenate([np.asarray(r.num_seqs) for r in ranks]).astype(np.int32),
-                          defer_sampling=np.concatenate([np.asarray(r.defer_sampling) for r in ranks]).astype(np.int32))
+                          num_seqs=np.concatenate([np.asarray(r.num_seqs) for r in ranks]).astype(np.int32))
 
 
 _PER_RANK_SCALARS = ("num_seqs", "shared_prefix_len")

@@ -455,13 +455,13 @@ class ModelRunner:
     def launch_decode_split(self, batches: Sequence[Optional[ModelWorkerBatch]]) -> LaunchedForward:
         """Dispatch a decode step whose grammar masks are not known yet (the overlap scheduler's grammar step,
         scheduler/step_launch.py): the slot decode of the host-built DECODE batches' rows (`launch_decode`, K = 1)
-        marked to sample nothing (`DecodeRows.defer_sampling`), returned as a `LaunchedForward` whose `launch_sample`
-        samples every row from the step's logits with the masks (the sampling program of S_pad rows, on the
-        batches' own SamplingBatch: it counts the penalties' newest tokens and writes the future tokens as the slot
-        decode would), so its tokens are those the slot decode gives with the same masks. Raises ValueError as
-        `launch_decode`."""
+        with every token allowed, returned as a `LaunchedForward` whose `launch_sample` samples every row again
+        from the step's logits with the masks (the sampling program of S_pad rows, on the batches' own
+        SamplingBatch). The step's first draw is discarded: the second writes the future tokens again and counts
+        no penalty token twice (layers/sampler.count_last_tokens counts each once), so its tokens are those the
+        slot decode gives with the same masks. Raises ValueError as `launch_decode`."""
         outs, num_seqs, s_pad, times = self._dispatch_decode(
-            [None if b is None else decode_rows_of(b, defer_sampling=True) for b in batches], None)
+            [None if b is None else decode_rows_of(b) for b in batches], None)
         _, logits, _, hidden, moe, aux = outs
         stacked = self._step_batch(batches)
         t0 = time.perf_counter()
@@ -479,8 +479,7 @@ class ModelRunner:
         if buf is None:
             buf = np.concatenate([np.asarray(rows.slots), np.asarray(rows.input_ids), np.asarray(rows.positions),
                                   np.asarray(rows.kv_slots).reshape(-1), np.asarray(rows.steps),
-                                  np.asarray(rows.constrained).astype(np.int32), np.asarray(rows.num_seqs),
-                                  np.asarray(rows.defer_sampling)])
+                                  np.asarray(rows.constrained).astype(np.int32), np.asarray(rows.num_seqs)])
         layout = self._row_layouts.get(key)
         if layout is None:
             ref, layout = pack(rows)
@@ -825,13 +824,13 @@ class ModelRunner:
         return lower
 
 
-def decode_rows_of(batch: ModelWorkerBatch, defer_sampling: bool = False) -> DecodeRows:
+def decode_rows_of(batch: ModelWorkerBatch) -> DecodeRows:
     """The `DecodeRows` of a host-built DECODE batch of one rank (its real rows' slots, input tokens, positions, KV
     slots, step counts and grammar flags; K = 1)."""
     fb, sp, n = batch.forward_batch, batch.sampling, batch.num_seqs
     return DecodeRows.build(np.asarray(sp.slots)[:n], np.asarray(fb.input_ids)[:n], np.asarray(fb.positions)[:n],
                             np.asarray(fb.out_cache_loc)[:n][None], np.asarray(sp.steps)[:n],
-                            np.asarray(sp.constrained)[:n], batch.rows_pad, defer_sampling)
+                            np.asarray(sp.constrained)[:n], batch.rows_pad)
 
 
 def setup_jax(server_args) -> str:

@@ -6,9 +6,8 @@ one int32 buffer (model_executor/packed_inputs.py) and its sampled ids with thei
 (step_output.pack_tokens). A decode step of `DecodeRows` (`decode`) reads its page tables, sampling parameters and
 input tokens from the device (model_executor/slot_state.py) and may run K steps in one ``lax.while_loop``, each
 sampling on the device and stopping rows at their stop tokens, ending early once every row has stopped. The
-overlap scheduler's grammar steps are split in two (the slot decode told to sample nothing, then `sample_only` of
-its logits with masks the host filled while it ran), as are the extend steps (`forward_only`, then `sample_only`)
-and the draft runners' programs.
+overlap scheduler's grammar steps are split in two (`forward_only`, then `sample_only` with masks the host filled
+while the forward ran), as are the draft runners' programs.
 
 Every function here is traced under ``jax.jit`` by the model runner with a `StepSpec` bound (static: what the
 program closes over); the mutable device state -- KV buffers, penalty state, future tokens, slot state -- is passed
@@ -154,11 +153,9 @@ def sample_only(spec: StepSpec, logits, penalty_state, future, packed, vocab_mas
     return penalty_state, future, pack_tokens(next_ids, next_lp), lse
 
 
-def _decode_one(spec: StepSpec, param_leaves, kv_caches, penalty_state, future, slots, rows, vocab_mask, k, live,
-                defer=None):
+def _decode_one(spec: StepSpec, param_leaves, kv_caches, penalty_state, future, slots, rows, vocab_mask, k, live):
     """Step k of a slot decode over its live rows: (kv_caches, penalty_state, future, slots, next_ids, next_lp,
-    logits, lse, hidden, moe, stopped bool[n]). `defer` (traced bool, K = 1): sample nothing (zeros; the penalty
-    state and the future tokens as they were), a sampling program launched after it draws the tokens."""
+    logits, lse, hidden, moe, stopped bool[n])."""
     # step 0 reads the rows' input tokens (placeholders from the buffer); a later step the tokens the step before
     # sampled, which it wrote to the buffer
     later = future[jnp.clip(rows.slots, 0, future.shape[0] - 1)]
@@ -168,15 +165,7 @@ def _decode_one(spec: StepSpec, param_leaves, kv_caches, penalty_state, future, 
     fb, sampling, slots = decode_inputs(slots, rows, input_ids, k, live, spec.page_size, spec.with_lora)
     kv_caches, logits, hidden, moe, _ = forward(spec, param_leaves, kv_caches, future, fb)
     sampling = dataclasses.replace(sampling, vocab_mask=vocab_mask)
-    if defer is None:
-        penalty_state, future, next_ids, next_lp, lse = sample_rows(spec, logits, penalty_state, future, sampling)
-    else:
-        def skip(pen, fut):
-            z = jnp.zeros((logits.shape[0],), jnp.float32)
-            return pen, fut, z.astype(jnp.int32), z, z
-
-        penalty_state, future, next_ids, next_lp, lse = jax.lax.cond(
-            defer, skip, lambda pen, fut: sample_rows(spec, logits, pen, fut, sampling), penalty_state, future)
+    penalty_state, future, next_ids, next_lp, lse = sample_rows(spec, logits, penalty_state, future, sampling)
     stopped = live & stops(sampling, next_ids, spec.eos_token_ids)
     return kv_caches, penalty_state, future, slots, next_ids, next_lp, logits, lse, hidden, moe, stopped
 
@@ -194,7 +183,7 @@ def decode(spec: StepSpec, param_leaves, kv_caches, state, packed, vocab_mask, l
     if K == 1:
         kv_caches, penalty_state, future, slots, ids, lp, logits, lse, hidden, moe, _ = _decode_one(
             spec, param_leaves, kv_caches, penalty_state, future, slots, rows, vocab_mask, 0,
-            real & (rows.kv_slots[0] != 0), jnp.any(rows.defer_sampling != 0))
+            real & (rows.kv_slots[0] != 0))
         return kv_caches, (penalty_state, future, slots), (pack_tokens(ids, lp), logits, lse, None, moe, None)
 
     def body(carry):
