@@ -11,8 +11,9 @@ handed over as a host array) fails under the guard.
 On real servers (tiny Llama, SmolLM2's tokenizer): one with ``--num-continuous-decode-steps 4`` whose every step
 runs under the transfer guard (SGL_JAX_TEST_TRANSFER_GUARD) answers a workload of greedy, seeded, penalized,
 min_new_tokens, stop-token, stop-string, logprob, JSON-schema and streaming requests exactly as a server with the
-defaults does (ids, finish reasons, logprobs within 1e-4); multi-step decodes ran, and /metrics carries the step
-histograms. A decode row whose request slot is outside the runner's is refused (shown failing without the check).
+defaults and --grammar-overlap on does (ids, finish reasons, logprobs within 1e-4); multi-step decodes ran, /metrics
+carries the step histograms, and on the second server a JSON-schema request alone has every decode step but its
+first launched ahead (its grammar steps split: scheduler/overlap.py). A decode row whose request slot is outside the runner's is refused (shown failing without the check).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.scheduler.output import commit_launched_row
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.server_args import ServerArgs
-from srt_helpers import module_server, save_tiny_llama
+from srt_helpers import module_server, save_tiny_llama, wait_pool_idle
 
 KV_TOKENS = 4096
 STEPS = 12  # decode tokens per request after the first
@@ -53,7 +54,7 @@ def harness(tiny):
     model, tok = tiny
     sa = ServerArgs(model_path=model, tokenizer_path=tok, context_length=256, max_total_tokens=KV_TOKENS,
                     precompile_bs_paddings=[4], precompile_token_paddings=[64], chunked_prefill_size=64,
-                    num_continuous_decode_steps=4, disable_radix_cache=True, random_seed=0)
+                    num_continuous_decode_steps=4, disable_radix_cache=True, random_seed=0, grammar_overlap="on")
     setup_jax(sa)
     mc = ModelConfig.from_server_args(sa, "cpu")
     slots, buckets, _, _ = derive_limits(sa, mc, "cpu")
@@ -141,7 +142,7 @@ def test_decode_steps_make_no_implicit_transfer(harness):
     assert all(len(t) == STEPS + 1 for t in reference)
     assert len(set(reference[1])) > 1  # the seeded row samples
     runner = harness[0]
-    assert runner.grammar_split  # (the default flags: overlap on, a grammar backend)
+    assert runner.grammar_split  # (--grammar-overlap on, overlap on, a grammar backend)
     for num_steps, overlap, masked, split in ((1, False, False, False), (1, True, False, False),
                                               (4, True, False, False), (4, False, False, False),
                                               (1, True, True, False), (1, True, False, True)):
@@ -219,9 +220,11 @@ def run_workload(url: str, stops: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def default_tiny_server(tiny):
+    """The defaults but --grammar-overlap on (auto is off on a CPU device): its JSON-schema steps are launched
+    ahead and drawn again with their masks."""
     model, tok = tiny
     yield from module_server(["--model-path", model, "--tokenizer-path", tok, "--max-running-requests", "8",
-                              "--context-length", "256", "--max-total-tokens", "8192"])
+                              "--context-length", "256", "--max-total-tokens", "8192", "--grammar-overlap", "on"])
 
 
 @pytest.fixture(scope="module")
@@ -256,8 +259,20 @@ def test_multi_step_server_under_the_guard_matches_the_default(default_tiny_serv
     assert reference["batch"][5]["meta_info"]["completion_tokens"] >= 6  # (min_new_tokens before a stop token)
     info = httpx.get(multi_step_server.url + "/get_server_info", timeout=30).json()["internal_states"][0]
     assert info["num_multi_step_decodes"] > 0 and info["memory_errors"] == 0
-    assert httpx.get(default_tiny_server.url + "/get_server_info", timeout=30).json()[
-        "internal_states"][0]["num_multi_step_decodes"] == 0
+    assert info["num_grammar_split_steps"] == 0  # (--grammar-overlap auto: off on a CPU device)
+    state = httpx.get(default_tiny_server.url + "/get_server_info", timeout=30).json()["internal_states"][0]
+    assert state["num_multi_step_decodes"] == 0 and state["num_grammar_split_steps"] >= 10, state
+    # alone, every decode step of a JSON-schema request but its first (after the prefill, applied at once) is
+    # launched before the one before it is applied: its slot decode runs while the masks are filled
+    wait_pool_idle(default_tiny_server.url)
+    js = {"text": "Give a person as JSON:", "sampling_params": {"max_new_tokens": 24, "temperature": 0.7, "seed": 5,
+                                                                 "json_schema": json.dumps(SCHEMA)}}
+    r = httpx.post(default_tiny_server.url + "/generate", json=js, timeout=300)
+    after = wait_pool_idle(default_tiny_server.url)
+    tokens = r.json()["meta_info"]["completion_tokens"]
+    ahead = after["num_overlapped_steps"] - state["num_overlapped_steps"]
+    split = after["num_grammar_split_steps"] - state["num_grammar_split_steps"]
+    assert tokens >= 10 and ahead >= tokens - 2 and split >= tokens - 1, (tokens, ahead, split)
     metrics = httpx.get(multi_step_server.url + "/metrics", timeout=30).text
     for name in ("sglang:scheduler_step_host_seconds", "sglang:scheduler_step_device_wait_seconds",
                  "sglang:scheduler_steps_per_second"):

@@ -6,9 +6,9 @@ result can get wrong -- stops by EOS, stop token, stop string and length (1 to 6
 seeded temperature sampling with top-p / top-k, frequency / presence / repetition penalties with a logit bias --
 every row with output logprobs (top-3 and two fixed ids), next to a JSON-schema request (its vocabulary mask needs
 every earlier token) and a three-turn streaming session; then a 40-token seeded temperature request alone (every
-decode step of it may be launched ahead), the JSON-schema request alone (every decode step but its first is launched
-ahead: its forward runs while the step before is applied and its grammar mask filled, scheduler/overlap.py) and a
-stream aborted midway. Output ids and finish reasons
+decode step of it may be launched ahead), the JSON-schema request alone (on this CPU --grammar-overlap auto is off:
+none of its steps is launched ahead, its grammar mask needs the token of the step before; test_hot_loop and
+test_data_parallel run the split that launches them ahead, scheduler/overlap.py) and a stream aborted midway. Output ids and finish reasons
 must be equal, logprobs within 1e-4 (cached tokens depend on which concurrent part reaches the radix cache first;
 test_kv_cache_lifecycle compares them on a sequential workload); both servers end with their KV pools at rest, no memory
 error and no compile after warm-up, and only the default one reports steps launched ahead of the previous result.
@@ -147,11 +147,10 @@ def test_outputs_identical_with_and_without_overlap(default_server, sync_server)
     finish = [o["meta_info"]["finish_reason"]["type"] for o in reference["batch"]]
     assert "stop" in finish and "length" in finish  # both kinds of finish are exercised
     json.loads(reference["json"][0]["text"])
-    # alone, every decode step of the JSON request but its first (after the prefill, applied at once) is launched
-    # before the one before it is applied, each as a forward and then a sampling with the masks filled meanwhile
+    # alone, no decode step of the JSON request is launched before the one before it is applied (--grammar-overlap
+    # auto is off on a CPU device)
     tokens = reference["json_alone"][0]["meta_info"]["completion_tokens"]
-    ahead, split = json_ahead
-    assert tokens >= 10 and ahead >= tokens - 2 and split >= tokens - 1, (tokens, json_ahead)
+    assert tokens >= 10 and json_ahead == (0, 0), (tokens, json_ahead)
     for part in ("batch", "json", "session", "alone", "json_alone"):
         assert len(overlapped[part]) == len(reference[part])
         for a, b in zip(overlapped[part], reference[part]):

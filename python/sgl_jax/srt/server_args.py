@@ -90,7 +90,7 @@ _CHOICES = {
     "radix_eviction_policy": RADIX_EVICTION_POLICIES, "hicache_write_policy": HICACHE_WRITE_POLICIES,
     "lora_backend": LORA_BACKENDS,
     "lora_eviction_policy": ("lru",), "speculative_algorithm": SPECULATIVE_ALGORITHMS,
-    "speculative_ngram_match_type": NGRAM_MATCH_TYPES,
+    "speculative_ngram_match_type": NGRAM_MATCH_TYPES, "grammar_overlap": ("auto", "on", "off"),
 }
 _OPTIONAL_CHOICES = ("tool_call_parser", "reasoning_parser", "speculative_algorithm", "quantization")
 # positive ints; _POSITIVE_OR_NONE: positive when set
@@ -255,6 +255,15 @@ class ServerArgs:
         "llguidance",
         f"structured output (json_schema, regex, ebnf, response_format), one of "
         f"{list(GRAMMAR_BACKENDS)}; none: such requests answer 400")
+    grammar_overlap: str = flag(
+        "auto",
+        "whether the overlap scheduler launches a decode step with structured-output rows "
+        "ahead: its slot decode runs while the step before is applied, and its tokens are "
+        "drawn again once the grammar masks are filled (one more sampling program per decode "
+        "batch size at start-up); off: such a step waits for the result before it. auto: on "
+        "unless the device is the host's CPU, where the host's mask work and the device share "
+        "the cores and the second draw made JSON decoding slower "
+        "(reports/grammar-overlap-cpu-2026-12-06.notes.md)")
     tool_call_parser: Optional[str] = flag(
         None,
         f"how tool calls are read from chat output, one of {list(TOOL_CALL_PARSERS)}; "

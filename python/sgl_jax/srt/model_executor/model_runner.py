@@ -192,7 +192,9 @@ class ModelRunner:
         # step before is applied and the masks are filled: each decode row count's sampling is compiled too
         # (`launch_decode_split`)
         self.grammar_split = (self.slot_decode and server_args.grammar_backend != "none"
-                              and not server_args.disable_overlap_schedule)
+                              and not server_args.disable_overlap_schedule
+                              and grammar_overlap_on(server_args.grammar_overlap,
+                                                 self.mesh.devices.flat[0].platform))
         self._all_allowed = {}  # S_pad -> device int32[S_pad, vocab_mask_width] of -1 (no grammar in the batch)
         self._row_layouts = {}  # (rows, K, ranks) -> the packed layout of DecodeRows (`_pack_rows`)
         # outputs fed back into the next call keep exactly the shardings they were created with, so a
@@ -831,6 +833,11 @@ def decode_rows_of(batch: ModelWorkerBatch) -> DecodeRows:
     return DecodeRows.build(np.asarray(sp.slots)[:n], np.asarray(fb.input_ids)[:n], np.asarray(fb.positions)[:n],
                             np.asarray(fb.out_cache_loc)[:n][None], np.asarray(sp.steps)[:n],
                             np.asarray(sp.constrained)[:n], batch.rows_pad)
+
+
+def grammar_overlap_on(setting: str, platform: str) -> bool:
+    """--grammar-overlap: "on", "off", or "auto" (on unless `platform`, JAX's, is "cpu")."""
+    return setting == "on" or (setting == "auto" and platform != "cpu")
 
 
 def setup_jax(server_args) -> str:
