@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_checks.sh OUT_DIR [all] [tests] [kernel] [decode-tiles] [pages] [serving] [score] [score-native]
 #                         [overlap] [serving-no-overlap] [moe] [moe-probe] [moe-serving] [spec] [hotloop]
-#                         [hotloop-xla]
+#                         [hotloop-xla] [grammar-overlap]
 #
 #   all           (the default) tests, kernel, decode-tiles, serving and score, each under its own limit (240, 150,
 #                 120, 180 and 360 s); issue #38 asks for all of it within 9 minutes on an H100
@@ -55,6 +55,11 @@
 #                 bfloat16: bench_one_batch's step beside a server's, one and 16 concurrent requests); and
 #                 bench_one_batch at batch 1 on Llama-3.1-8B's shapes (its decode step against the weight-read
 #                 floor measured in the run)
+#   grammar-overlap  bench_structured_output (16 JSON-schema requests at once, then the same unconstrained) against
+#                 a server of Qwen3-0.6B's shapes (dummy weights, bfloat16) with --grammar-overlap on, then off: a
+#                 grammar step launched ahead and drawn again with its masks, against one that waits for the step
+#                 before (issue #69 item 4; on CPU auto turns it off). $GRAMMAR_MODEL replaces the model (a tiny one
+#                 for a dry run on CPU)
 #
 # The scoring and serving runs need a tokenizer: SmolLM2's HF directory in $TOKENIZER_PATH (its ids are valid
 # Qwen3 ids). With $GPU_CHECKS_ARCHIVE set, OUT_DIR is packed into that .tar.gz after every stage (so a run cut
@@ -159,8 +164,13 @@ out = json.load(urllib.request.urlopen(req, timeout=120))
 print("/generate answered:", json.dumps(out["meta_info"]["completion_tokens"]), "tokens,", repr(out["text"]))
 assert out["meta_info"]["completion_tokens"] == 8, out
 PY
-    JAX_PLATFORMS=cpu python3 -m sgl_jax.bench_serving --base-url "$url" --backend openai \
-        --workload "$workloads" --tokenizer "${TOKENIZER_PATH:-}" --report "$out/serving-$name-gpu.md" "$@"
+    if [ -n "${STRUCTURED_REQUESTS:-}" ]; then  # bench_structured_output instead of bench_serving's workloads
+        JAX_PLATFORMS=cpu python3 -m sgl_jax.bench_structured_output --base-url "$url" \
+            --num-requests "$STRUCTURED_REQUESTS" --report "$out/structured-output-$name-gpu.md"
+    else
+        JAX_PLATFORMS=cpu python3 -m sgl_jax.bench_serving --base-url "$url" --backend openai \
+            --workload "$workloads" --tokenizer "${TOKENIZER_PATH:-}" --report "$out/serving-$name-gpu.md" "$@"
+    fi
     local rc=$?
     kill $pid; wait $pid
     return $rc
@@ -236,6 +246,11 @@ for s in $stages; do
                      --warmup-steps 4 --precompile-bs-paddings 1 --precompile-token-paddings 512 \
                      --chunked-prefill-size 512 --report "$out/hot-loop-llama-3.1-8b-gpu.md" ;;
         hotloop-xla) stage hotloop-xla 240 hotloop_xla ;;
+        grammar-overlap) for m in on off; do
+                             SERVER_FLAGS="--grammar-overlap $m" STRUCTURED_REQUESTS=16 stage grammar-overlap-$m 150 \
+                                 serve_and_bench "grammar-overlap-$m" "${GRAMMAR_MODEL:-benchmark/configs/Qwen3-0.6B}" \
+                                 131072 none
+                         done ;;
         serving) stage serving 180 serve_and_bench qwen3-0.6b benchmark/configs/Qwen3-0.6B 131072 \
                      baseline,continuous_batching --num-requests-scale 0.5 ;;
         *) echo "unknown stage $s"; failed=1 ;;
