@@ -13,7 +13,8 @@ runs under the transfer guard (SGL_JAX_TEST_TRANSFER_GUARD) answers a workload o
 min_new_tokens, stop-token, stop-string, logprob, JSON-schema and streaming requests exactly as a server with the
 defaults and --grammar-overlap on does (ids, finish reasons, logprobs within 1e-4); multi-step decodes ran, /metrics
 carries the step histograms, and on the second server a JSON-schema request alone has every decode step but its
-first launched ahead (its grammar steps split: scheduler/overlap.py). A decode row whose request slot is outside the runner's is refused (shown failing without the check).
+first launched ahead (its grammar steps split: scheduler/overlap.py). A decode row whose request slot is outside
+the runner's is refused (shown failing without the check).
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ every row with output logprobs (top-3 and two fixed ids), next to a JSON-schema 
 every earlier token) and a three-turn streaming session; then a 40-token seeded temperature request alone (every
 decode step of it may be launched ahead), the JSON-schema request alone (on this CPU --grammar-overlap auto is off:
 none of its steps is launched ahead, its grammar mask needs the token of the step before; test_hot_loop and
-test_data_parallel run the split that launches them ahead, scheduler/overlap.py) and a stream aborted midway. Output ids and finish reasons
-must be equal, logprobs within 1e-4 (cached tokens depend on which concurrent part reaches the radix cache first;
-test_kv_cache_lifecycle compares them on a sequential workload); both servers end with their KV pools at rest, no memory
-error and no compile after warm-up, and only the default one reports steps launched ahead of the previous result.
+test_data_parallel run the split that launches them ahead, scheduler/overlap.py) and a stream aborted midway.
+Output ids and finish reasons must be equal, logprobs within 1e-4 (cached tokens depend on which concurrent part
+reaches the radix cache first; test_kv_cache_lifecycle compares them on a sequential workload); both servers end with
+their KV pools at rest, no memory error and no compile after warm-up, and only the default one reports steps launched
+ahead of the previous result.
 """
 
 from __future__ import annotations

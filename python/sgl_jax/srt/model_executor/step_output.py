@@ -138,7 +138,8 @@ class PendingStep:
 
 @dataclasses.dataclass
 class LaunchedForward:
-    """A step whose forward program is dispatched and whose sampling is not (`ModelRunner.launch_forward`).
+    """A step whose forward program is dispatched and whose sampling is not (`ModelRunner.launch_forward`), or a
+    slot decode whose tokens are drawn again once its grammar masks are filled (`ModelRunner.launch_decode_split`).
 
     logits: float32[dp * S_pad, V] on device (see StepOutput); hidden, moe: the forward's other outputs (see
     StepOutput); sampling: the rank-stacked SamplingBatch (host arrays; its vocab mask None when no row has a

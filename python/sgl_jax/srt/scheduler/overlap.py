@@ -19,9 +19,10 @@ step, and then the step's logits are sampled again with them, as SGLang's overla
 sampling. Each decode row count's sampling program is compiled at start-up for it (`ModelRunner.grammar_split`).
 Without the split -- --grammar-overlap off, or auto on a CPU device (there the host's mask work shares the cores
 with the device and the second draw costs more than the overlap gives), or a runner without slot state (a hybrid
-sliding-window pool) -- a step with grammar rows is chosen after the result before it is applied. Requests that finish by
-length are left out of the step chosen ahead (`Req.done_by_length_ahead`); one that stops on a stop token or
-string runs one extra decode row, whose token is dropped and whose KV slot its release frees
+sliding-window pool) -- a step with grammar rows is chosen after the result before it is applied.
+
+Requests that finish by length are left out of the step chosen ahead (`Req.done_by_length_ahead`); one that stops
+on a stop token or string runs one extra decode row, whose token is dropped and whose KV slot its release frees
 (`ScheduleBatch.drop_finished_rows`), as in SGLang.
 """
 

@@ -52,7 +52,7 @@ class StepLauncher:
         self.runner, self.ranks, self.buckets = runner, ranks, buckets
         self.slots_per_rank, self.draft_model = slots_per_rank, draft_model
         self.num_multi_steps = 0  # steps that ran more than one decode step in one program
-        self.num_grammar_split_steps = 0  # decode steps with grammar rows launched as forward, then sampling
+        self.num_grammar_split_steps = 0  # decode steps with grammar rows drawn again once their masks were filled
 
     def decode_steps_for(self) -> int:
         """K for the next step: --num-continuous-decode-steps when the runner has slot state, no rank has prefill
