@@ -301,6 +301,8 @@ def test_xla_compiler_options_reach_the_step_programs(tiny):
     for bad in ("[1]", "{\"a\": [1]}", "not json"):
         with pytest.raises(ValueError, match="--xla-compiler-options"):
             ServerArgs(model_path=model, tokenizer_path=tok, xla_compiler_options=bad)
+    with pytest.raises(ValueError, match="--grammar-overlap must be one of"):  # (auto, on, off)
+        ServerArgs(model_path=model, tokenizer_path=tok, grammar_overlap="maybe")
     sa = ServerArgs(model_path=model, tokenizer_path=tok, context_length=256, max_total_tokens=KV_TOKENS,
                     precompile_bs_paddings=[4], precompile_token_paddings=[64], chunked_prefill_size=64,
                     disable_radix_cache=True, random_seed=0,
