@@ -340,6 +340,29 @@ def test_model_step_writes_kv_in_place(smollm2_harness, smollm2_tokenizer):
     h.release(reqs)
 
 
+def test_a_program_traces_each_kind_of_layer_once(smollm2_harness):
+    """Lowering a step program traces SmolLM2's decoder layer once, not once per layer (models/llama.py
+    `_layer_program`: the 30 layers are one kind, so the other 29 reuse its jaxpr): start-up's tracing time."""
+    import jax
+
+    from sgl_jax.srt.models.llama import LlamaDecoderLayer
+
+    calls, original = [], LlamaDecoderLayer.__call__
+
+    def counting(self, *args):
+        calls.append(1)
+        return original(self, *args)
+
+    jax.clear_caches()  # (an earlier test may have traced the layer at this shape)
+    LlamaDecoderLayer.__call__ = counting
+    try:
+        smollm2_harness.runner._lower_step(ForwardMode.DECODE, 4, 4)()
+    finally:
+        LlamaDecoderLayer.__call__ = original
+    assert smollm2_harness.mc.num_hidden_layers == 30
+    assert len(calls) == 1, f"the layer was traced {len(calls)} times"
+
+
 def test_smollm2_paged_logit_parity_within_1e_3(hf_smollm2, smollm2_tokenizer):
     """page_size 16: prompts straddling page boundaries, decode crossing into new pages."""
     harness = RunnerHarness(None, page_size=16)

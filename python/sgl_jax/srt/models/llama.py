@@ -203,6 +203,22 @@ class LlamaModel(nnx.Module):
         self.norm = spec.norm_cls(model_config.hidden_size, eps=float(cfg.rms_norm_eps), dtype=dtype)
 
 
+def _run_layer(graphdef, state, x, fb, kv):
+    """One decoder layer from its split (`nnx.split`: graphdef, state) over x [T, hidden_size]: (x, kv, the
+    layer's sown intermediates after the call: an MoE block's ``routed_ids``)."""
+    layer = nnx.merge(graphdef, state)
+    x, kv = layer(x, fb, kv)
+    return x, kv, nnx.state(layer, nnx.Intermediate)
+
+
+# Traced once per layer kind and input shapes, then its jaxpr inlined at every layer (inline=True: the same
+# operations as the layers traced one by one, though XLA may fuse them in another order: SmolLM2's decode
+# logprobs moved by up to 2e-5 in float32; a call boundary left in the program moved bfloat16 much more). The graphdef (static: structure and static attributes such as the sliding window) is jit's cache key,
+# so layers that differ in anything but their parameter values trace apart. It cut a SmolLM2 server's tracing of
+# its 13 start-up programs from ~9.7 s to ~6 s (reports/startup-cpu-2026-12-06.notes.md).
+_layer_program = jax.jit(_run_layer, static_argnums=0, inline=True)
+
+
 def run_layers(model, x: jax.Array, fb: ForwardBatch, kv_caches: List[LayerKV]) -> Tuple[jax.Array, List[LayerKV]]:
     """Every decoder layer of `model` (``.layers``, ``.norm``) over embeddings x [T, hidden_size]; returns the
     final-norm hidden states [T, hidden_size] and the updated per-layer KV caches.
@@ -210,11 +226,16 @@ def run_layers(model, x: jax.Array, fb: ForwardBatch, kv_caches: List[LayerKV]) 
     When ``model.capture_layers`` (a sorted tuple of layer ids, set by the model runner for EAGLE-3) is not empty,
     the residual stream after each of those layers (before the final norm) is concatenated in layer order into
     [T, len(ids) * hidden_size] and sown as the ``aux_hidden_states`` intermediate (`sown_aux_hidden_states`):
-    SGLang's ``layers_to_capture``, where id l means the output of layer l."""
+    SGLang's ``layers_to_capture``, where id l means the output of layer l.
+
+    Each layer runs through `_layer_program`, so a program traces each kind of layer once, not once per layer."""
     capture = getattr(model, "capture_layers", ())
     aux, new_caches = [], []
     for i, (layer, kv) in enumerate(zip(model.layers, kv_caches)):
-        x, kv = layer(x, fb, kv)
+        graphdef, state = nnx.split(layer)
+        x, kv, sown = _layer_program(graphdef, state, x, fb, kv)
+        if sown:
+            nnx.update(layer, sown)
         new_caches.append(kv)
         if i in capture:
             aux.append(x)
