@@ -77,6 +77,46 @@ def test_gguf_tokenizer_matches_transformers_on_hundreds_of_strings(model):
     assert_same_tokenizer(ours, ref, texts)
 
 
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_load_tokenizer_of_a_gguf_dir_is_the_one_autotokenizer_loads(model):
+    """`load_tokenizer` loads a directory built from a GGUF with the class that saved it (`gguf_tokenizer_class`,
+    without AutoTokenizer's dispatch): the same class, vocabulary, special tokens, chat template, ids and text as
+    ``AutoTokenizer.from_pretrained`` of that directory; and without loading AutoTokenizer's module."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from sgl_jax.srt.configs.model_config import load_tokenizer
+    from sgl_jax.srt.model_loader.gguf_file import gguf_tokenizer_class
+    from sgl_jax.srt.server_args import ServerArgs
+
+    path = None if model == "smollm2" else find_packaged_gguf(GEMMA3_270M_PACKAGE)
+    hf_dir = prepare_gguf_hf_dir(resolve_model_path(path).gguf_file)
+    assert gguf_tokenizer_class(hf_dir) is not None
+    ours, ref = load_tokenizer(ServerArgs(model_path=path)), AutoTokenizer.from_pretrained(hf_dir)
+    assert type(ours) is type(ref)
+    assert ours.get_vocab() == ref.get_vocab()
+    assert ours.all_special_tokens == ref.all_special_tokens and ours.all_special_ids == ref.all_special_ids
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (ref.bos_token_id, ref.eos_token_id,
+                                                                          ref.pad_token_id)
+    chat = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Name a colour."}]
+    assert ours.chat_template and ours.chat_template == ref.chat_template
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert_same_tokenizer(ours, ref, corpus(30, 30))
+    assert ours("a b", add_special_tokens=True)["input_ids"] == ref("a b", add_special_tokens=True)["input_ids"]
+    # a server process that loads it never imports AutoTokenizer's module (its import table: ~1 s a process)
+    code = ("import sys; from sgl_jax.srt.configs.model_config import load_tokenizer; "
+            "from sgl_jax.srt.server_args import ServerArgs; "
+            f"load_tokenizer(ServerArgs(model_path={path!r})); "
+            "print('transformers.models.auto.tokenization_auto' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
 def copy_gguf_metadata(src: str, dst: str, **overrides) -> None:
     """A GGUF at `dst` with `src`'s metadata (`overrides`: string values replaced) and one tiny tensor: enough
     for the HF config and the tokenizer, which read metadata only."""

@@ -196,8 +196,11 @@ def tokenizer_path_for(server_args) -> str:
 def load_tokenizer(server_args):
     """The tokenizer every process uses: ``transformers.AutoTokenizer.from_pretrained`` of `tokenizer_path_for`
     with ``trust_remote_code`` and ``use_fast=(--tokenizer-mode != "slow")`` as SGLang passes them (no torch
-    needed), with the chat template of --chat-template when given. The revision was applied when the files were
-    fetched from the hub; a local directory has none.
+    needed), with the chat template of --chat-template when given. A directory built from a GGUF
+    (`gguf_file.prepare_gguf_hf_dir`) is loaded by the transformers class that saved it
+    (`gguf_file.gguf_tokenizer_class`): the same tokenizer without AutoTokenizer's import table and config
+    (~1 s of each process's start-up; 2-3 s more where torch is installed, which AutoConfig's import loads).
+    The revision was applied when the files were fetched from the hub; a local directory has none.
 
     Raises:
         FileNotFoundError: as `tokenizer_path_for`.
@@ -208,16 +211,21 @@ def load_tokenizer(server_args):
             gives an HF tokenizer instead.
     """
     import transformers
-    from transformers import AutoTokenizer
 
-    from sgl_jax.srt.model_loader.gguf_file import check_gguf_tokenizer_dir
+    from sgl_jax.srt.model_loader.gguf_file import check_gguf_tokenizer_dir, gguf_tokenizer_class
 
     path = tokenizer_path_for(server_args)
     if os.path.isdir(path):
         check_gguf_tokenizer_dir(path)
     slow = server_args.tokenizer_mode == "slow"
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=server_args.trust_remote_code,
-                                              use_fast=not slow)
+    saved_class = None if slow else gguf_tokenizer_class(path)
+    if saved_class is not None:  # (a directory we built: the class that saved it, without AutoTokenizer's dispatch)
+        tokenizer = saved_class.from_pretrained(path)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=server_args.trust_remote_code,
+                                                  use_fast=not slow)
     if slow and tokenizer.is_fast:
         raise ValueError(f"--tokenizer-mode slow: the tokenizer in {path} has no slow (Python) tokenizer class in "
                          f"transformers {transformers.__version__} (it loads as the fast {type(tokenizer).__name__}); "

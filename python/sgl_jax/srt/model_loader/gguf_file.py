@@ -267,6 +267,20 @@ def check_gguf_tokenizer_dir(path: str) -> None:
             raise UnsupportedGGUFTokenizer(f.read().strip())
 
 
+def gguf_tokenizer_class(path: str):
+    """The transformers tokenizer class that saved the tokenizer of `path` when `path` is a directory
+    `prepare_gguf_hf_dir` built (its ``gguf_source.txt`` and ``tokenizer_config.json``'s ``tokenizer_class``,
+    a class transformers exports); None for any other path (a hub or local HF tokenizer: AutoTokenizer's)."""
+    config = os.path.join(path, "tokenizer_config.json")
+    if not (os.path.isfile(os.path.join(path, "gguf_source.txt")) and os.path.isfile(config)):
+        return None
+    with open(config) as f:
+        name = json.load(f).get("tokenizer_class")
+    import transformers
+
+    return getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+
+
 def prepare_gguf_hf_dir(path: str) -> str:
     """An HF-style directory (config.json + tokenizer files) describing the GGUF file at `path`.
 
