@@ -119,8 +119,11 @@ def bounded(path: str, body: Any) -> Any:
         options = body.get("options")
         if options is None:
             body["options"] = options = {}
-        if isinstance(options, dict) and (options.get("num_predict") is None
-                                          or not 0 <= options["num_predict"] <= SMALL_LEN):
+        # a number outside [0, SMALL_LEN] (Ollama's -1: no limit) is clamped; any other type is left for the
+        # server's 4xx (a list here once crashed this helper: `0 <= []`)
+        num = options.get("num_predict") if isinstance(options, dict) else 0
+        if num is None or (isinstance(num, (int, float)) and not isinstance(num, bool)
+                           and not 0 <= num <= SMALL_LEN):
             options["num_predict"] = SMALL_LEN
     elif path == "/generate":
         sp = body.get("sampling_params")
