@@ -213,9 +213,10 @@ def _run_layer(graphdef, state, x, fb, kv):
 
 # Traced once per layer kind and input shapes, then its jaxpr inlined at every layer (inline=True: the same
 # operations as the layers traced one by one, though XLA may fuse them in another order: SmolLM2's decode
-# logprobs moved by up to 2e-5 in float32; a call boundary left in the program moved bfloat16 much more). The graphdef (static: structure and static attributes such as the sliding window) is jit's cache key,
-# so layers that differ in anything but their parameter values trace apart. It cut a SmolLM2 server's tracing of
-# its 13 start-up programs from ~9.7 s to ~6 s (reports/startup-cpu-2026-12-06.notes.md).
+# logprobs moved by up to 2e-5 in float32; a call boundary left in the program moved bfloat16 much more).
+# The graphdef (static: structure and static attributes such as the sliding window) is jit's cache key, so layers
+# that differ in anything but their parameter values trace apart. It cut bench_one_batch's tracing of SmolLM2's
+# 13 start-up programs from ~9.7 s to ~6 s (reports/startup-cpu-2026-12-06.notes.md).
 _layer_program = jax.jit(_run_layer, static_argnums=0, inline=True)
 
 
