@@ -254,6 +254,7 @@ def _cache_dir_for(path: str) -> str:
 
 
 UNSUPPORTED_TOKENIZER_FILE = "tokenizer_unsupported.txt"
+GGUF_SOURCE_FILE = "gguf_source.txt"  # in a directory prepare_gguf_hf_dir built: the GGUF's path
 
 
 def check_gguf_tokenizer_dir(path: str) -> None:
@@ -269,10 +270,10 @@ def check_gguf_tokenizer_dir(path: str) -> None:
 
 def gguf_tokenizer_class(path: str):
     """The transformers tokenizer class that saved the tokenizer of `path` when `path` is a directory
-    `prepare_gguf_hf_dir` built (its ``gguf_source.txt`` and ``tokenizer_config.json``'s ``tokenizer_class``,
+    `prepare_gguf_hf_dir` built (its `GGUF_SOURCE_FILE` and ``tokenizer_config.json``'s ``tokenizer_class``,
     a class transformers exports); None for any other path (a hub or local HF tokenizer: AutoTokenizer's)."""
     config = os.path.join(path, "tokenizer_config.json")
-    if not (os.path.isfile(os.path.join(path, "gguf_source.txt")) and os.path.isfile(config)):
+    if not (os.path.isfile(os.path.join(path, GGUF_SOURCE_FILE)) and os.path.isfile(config)):
         return None
     with open(config) as f:
         name = json.load(f).get("tokenizer_class")
@@ -319,7 +320,7 @@ def prepare_gguf_hf_dir(path: str) -> str:
                            ("generation_config.json", gguf_generation_config(config, tokenizer))):
         with open(os.path.join(tmp, name), "w") as f:
             json.dump(contents, f, indent=2)
-    with open(os.path.join(tmp, "gguf_source.txt"), "w") as f:
+    with open(os.path.join(tmp, GGUF_SOURCE_FILE), "w") as f:
         f.write(os.path.abspath(path) + "\n")
     try:
         os.rename(tmp, out)
