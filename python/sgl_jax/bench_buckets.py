@@ -12,6 +12,11 @@ from 64 to the default buckets' largest), one at a time on this machine::
 - ``XLA s``: compiling it with an empty compilation cache (a fresh directory per run);
 - ``load s``: loading it back from that cache after JAX's in-memory caches are cleared (a restart's cost; the
   run fails if a bucket is not read back from the cache);
+- ``HLO instr``, ``attention %``, ``YNN fusions``: what a load rebuilds (`program_composition`). XLA's CPU
+  executable in the cache holds the whole optimized HLO module beside its machine code, and loading it rebuilds
+  the module and one thunk per kernel; the YNN (YNNPACK) fusion thunks' loader finds each one's instruction by
+  scanning the module, so the load grows with instructions x YNN fusions, not with T
+  (reports/buckets-cpu-2026-12-06.notes.md);
 - ``step ms``: the device time of one all-padding step of the bucket (forward and sampling;
   `ModelRunner.device_seconds_per_step`, the median of ``--repeats`` blocks): the padded part of an extend step,
   which is what the bucket choice changes (the real tokens' attention is the same in every choice).
@@ -33,6 +38,7 @@ import argparse
 import dataclasses
 import datetime
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -55,7 +61,9 @@ from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import configure_logging
 
-COLUMNS = ["T", "trace s", "XLA s", "load s", "step ms"]
+COLUMNS = ["T", "trace s", "XLA s", "load s", "HLO instr", "attention %", "YNN fusions", "step ms"]
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = ", re.MULTILINE)
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 SET_COLUMNS = ["buckets", "programs", "trace + XLA s", "load s", "padded: uniform / log-uniform", "padded: worst",
                "cut: uniform / log-uniform", "cut: worst"]
 
@@ -105,14 +113,28 @@ def relative_cost(cost: List[float], reference: List[float]) -> dict:
             "worst": worst, "worst_n": worst_n}
 
 
+def program_composition(hlo_text: str) -> dict:
+    """What a compiled program's optimized HLO (``compiled.as_text()``) is made of: {"instructions": instruction
+    lines in every computation, fused ones included; "attention_instructions": those whose op_name metadata runs
+    through ``ragged_paged_attention`` (the kernel's named call); "named_instructions": those with any op_name (a
+    fused computation's parameters have none: the attention share is of these); "ynn_fusions": fusions XLA's CPU
+    backend hands to YNNPACK (backend_config kind ``__ynn_fusion``)}."""
+    lines = [m.group(0) + hlo_text[m.end():hlo_text.find("\n", m.end())] for m in _INSTRUCTION.finditer(hlo_text)]
+    names = [m.group(1) for m in map(_OP_NAME.search, lines) if m]
+    return {"instructions": len(lines), "named_instructions": len(names),
+            "attention_instructions": sum("ragged_paged_attention" in n for n in names),
+            "ynn_fusions": sum('"kind":"__ynn_fusion"' in line for line in lines)}
+
+
 def measure_bucket(runner: ModelRunner, name: str, lower, t: int, s: int, repeats: int) -> dict:
     """One extend bucket: trace, compile (empty cache), load (from the cache) and step time. See the module doc."""
     t0 = time.perf_counter()
     lowered = lower()
     traced = time.perf_counter() - t0
     t0 = time.perf_counter()
-    lowered.compile()
+    compiled = lowered.compile()
     xla = time.perf_counter() - t0
+    composition = program_composition(compiled.as_text())
     jax.clear_caches()  # the next compile of the same program is a restart's: read back from the persistent cache
     t0, before = time.perf_counter(), compile_counts()
     lower().compile()
@@ -122,7 +144,7 @@ def measure_bucket(runner: ModelRunner, name: str, lower, t: int, s: int, repeat
     runner.device_seconds_per_step(batch, 1)  # the call path's own first run
     step = statistics.median(runner.device_seconds_per_step(batch, 2) for _ in range(repeats))
     return {"name": name, "T": t, "S": s, "trace_s": traced, "xla_s": xla, "load_s": load, "step_ms": 1e3 * step,
-            "loaded_from_cache": loaded}
+            "loaded_from_cache": loaded, **composition}
 
 
 def set_rows(buckets: List[dict]) -> List[dict]:
@@ -141,11 +163,17 @@ def set_rows(buckets: List[dict]) -> List[dict]:
     return rows
 
 
+def bucket_row(b: dict) -> str:
+    """One bucket's row of the first table (COLUMNS)."""
+    share = 100 * b["attention_instructions"] / max(b["named_instructions"], 1)
+    return (f"| {b['T']} | {b['trace_s']:.2f} | {b['xla_s']:.1f} | {b['load_s']:.2f} | {b['instructions']} | "
+            f"{share:.0f} | {b['ynn_fusions']} | {b['step_ms']:.1f} |")
+
+
 def report_body(raw: dict) -> str:
     """The report's markdown, computed from `raw` (the .json) alone."""
     lines = [f"- {h}" for h in raw["header"]] + ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += [f"| {b['T']} | {b['trace_s']:.2f} | {b['xla_s']:.1f} | {b['load_s']:.2f} | {b['step_ms']:.1f} |"
-              for b in raw["buckets"]]
+    lines += [bucket_row(b) for b in raw["buckets"]]
     lines += ["", "Candidate sets: start-up cost (sums over their buckets) and step cost, the time of an extend "
               "batch of n tokens over that of the first set padded (every bucket, one step of the smallest bucket >= "
               "n), averaged over n = 1..max uniform and log-uniform, and its worst n. Padded: one step of the "
@@ -201,8 +229,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     rows = []
     for (name, lower), t in tqdm(list(zip(extends, buckets.token_paddings)), desc="bench_buckets", unit="bucket"):
         rows.append(measure_bucket(runner, name, lower, t, buckets.extend_bs(t), args.repeats))
-        r = rows[-1]
-        tqdm.write(f"| {t} | {r['trace_s']:.2f} | {r['xla_s']:.1f} | {r['load_s']:.2f} | {r['step_ms']:.1f} |")
+        tqdm.write(bucket_row(rows[-1]))
     shutil.rmtree(cache, ignore_errors=True)
     if any(r["loaded_from_cache"] != 1 for r in rows):
         sys.exit(f"a bucket was not read back from the compilation cache: {[r['loaded_from_cache'] for r in rows]}")

@@ -4,13 +4,14 @@ are each compiled with an empty cache, loaded back from it and timed, into a gen
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
 
 import pytest
 
-from sgl_jax.bench_buckets import candidate_sets, cut_ms, padded_ms, relative_cost, report_body
+from sgl_jax.bench_buckets import candidate_sets, cut_ms, padded_ms, program_composition, relative_cost, report_body
 from sgl_jax.srt.model_executor.buckets import powers_of_two
 from srt_helpers import save_tiny_llama, server_env
 
@@ -43,6 +44,29 @@ def test_padded_and_cut_costs():
     assert (rel["worst"], rel["worst_n"]) == (3.0, 1)
 
 
+def test_program_composition_counts_the_attention_and_the_ynn_fusions():
+    """A compiled program with a named ``ragged_paged_attention`` call: its instructions counted in every computation
+    (fused ones too), the attention's by their op_name, the matmuls in YNNPACK fusions (XLA's CPU default)."""
+    import jax
+    import jax.numpy as jnp
+
+    @functools.partial(jax.named_call, name="ragged_paged_attention")
+    def attention(q, k):
+        return jax.nn.softmax(q @ k.T) @ k
+
+    def program(x, w, k, attend: bool):
+        h = jnp.tanh(x @ w)
+        return (attention(h, k) if attend else h).sum()
+
+    args = (jnp.ones((8, 16)), jnp.ones((16, 16)), jnp.ones((8, 16)))
+    with_attention, without = (program_composition(jax.jit(program, static_argnums=3).lower(*args, a).compile()
+                                                   .as_text()) for a in (True, False))
+    assert with_attention["instructions"] > with_attention["named_instructions"] > with_attention[
+        "attention_instructions"] > 0
+    assert without["attention_instructions"] == 0 and 0 < without["instructions"] < with_attention["instructions"]
+    assert with_attention["ynn_fusions"] > without["ynn_fusions"] > 0  # (the attention's two matmuls add theirs)
+
+
 def test_bench_buckets_tiny(tmp_path_factory, tmp_path):
     model, tok = save_tiny_llama(tmp_path_factory.mktemp("model"))
     report = tmp_path / "buckets.md"
@@ -57,6 +81,7 @@ def test_bench_buckets_tiny(tmp_path_factory, tmp_path):
     for r in rows:
         assert r["xla_s"] > 0 and r["load_s"] > 0 and r["trace_s"] > 0 and r["step_ms"] > 0
         assert r["loaded_from_cache"] == 1
+        assert r["instructions"] > r["named_instructions"] > r["attention_instructions"] > 0 and r["ynn_fusions"] > 0
     md = report.read_text()
     assert "python -m sgl_jax.bench_buckets" in md and report_body(raw) in md
     assert "| 64, 128 | 2 |" in md and "| 128 | 1 |" in md
