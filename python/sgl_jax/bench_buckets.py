@@ -62,7 +62,7 @@ from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import configure_logging
 
 COLUMNS = ["T", "trace s", "XLA s", "load s", "HLO instr", "attention %", "YNN fusions", "step ms"]
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = ", re.MULTILINE)
+_INSTRUCTION_LINE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = .*$", re.MULTILINE)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 SET_COLUMNS = ["buckets", "programs", "trace + XLA s", "load s", "padded: uniform / log-uniform", "padded: worst",
                "cut: uniform / log-uniform", "cut: worst"]
@@ -119,7 +119,7 @@ def program_composition(hlo_text: str) -> dict:
     through ``ragged_paged_attention`` (the kernel's named call); "named_instructions": those with any op_name (a
     fused computation's parameters have none: the attention share is of these); "ynn_fusions": fusions XLA's CPU
     backend hands to YNNPACK (backend_config kind ``__ynn_fusion``)}."""
-    lines = [m.group(0) + hlo_text[m.end():hlo_text.find("\n", m.end())] for m in _INSTRUCTION.finditer(hlo_text)]
+    lines = _INSTRUCTION_LINE.findall(hlo_text)
     names = [m.group(1) for m in map(_OP_NAME.search, lines) if m]
     return {"instructions": len(lines), "named_instructions": len(names),
             "attention_instructions": sum("ragged_paged_attention" in n for n in names),
