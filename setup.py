@@ -1,11 +1,11 @@
 """Builds the optional C++ part of sgl-jax (the rest of the packaging is in pyproject.toml).
 
-One extension: the CPU decode attention kernel that XLA calls through JAX's FFI
-(python/sgl_jax/srt/kernels/ragged_paged_attention/csrc/paged_decode_cpu.cc, loaded by
+One extension: the CPU attention kernels (decode, extend, the bfloat16 KV write) that XLA calls through JAX's FFI
+(python/sgl_jax/srt/kernels/ragged_paged_attention/csrc/paged_{decode,extend}_cpu.cc, loaded by
 `sgl_jax.srt.kernels.ragged_paged_attention.cpu`). It is a plain shared library (no Python C API; named
 ``_paged_decode_cpu.ffi.<EXT_SUFFIX>`` so that nothing mistakes it for a module), compiled
 against the XLA FFI headers that jaxlib ships (a build requirement in pyproject.toml). It is optional: where it
-fails to build (no C++ compiler), the install still succeeds and decode attention on CPU runs in pure JAX.
+fails to build (no C++ compiler), the install still succeeds and attention on CPU runs in pure JAX.
 """
 
 import importlib.util
@@ -54,8 +54,9 @@ setup(
     ext_modules=[
         Extension(
             "sgl_jax.srt.kernels.ragged_paged_attention._paged_decode_cpu",
-            sources=[f"{KERNEL_DIR}/csrc/paged_decode_cpu.cc"],
-            depends=[f"{KERNEL_DIR}/csrc/paged_decode_cpu_core.h"],
+            sources=[f"{KERNEL_DIR}/csrc/paged_decode_cpu.cc", f"{KERNEL_DIR}/csrc/paged_extend_cpu.cc"],
+            depends=[f"{KERNEL_DIR}/csrc/{h}" for h in ("paged_decode_cpu_core.h", "paged_extend_cpu_core.h",
+                                                         "cpu_kernel_common.h", "fast_exp.h", "isa_clones.h")],
             language="c++",
             extra_compile_args=["-std=c++17", "-O3", "-fopenmp-simd", "-w"],
             optional=True,

@@ -117,20 +117,6 @@ def test_native_backend_runs_it_for_decode_only():
         assert r.stdout.strip().splitlines()[-1] == expect, r.stderr[-2000:]
 
 
-def test_native_backend_runs_it_for_draft_trees_at_page_size_1():
-    """A speculative verify step (tree_bits given) compiles to the kernel's custom call at page size 1 (each slot a
-    decode query: cpu.tree_attention_as_decode; test_ragged_paged_attention's dense tree reference checks its
-    numbers), and to the pure-JAX path at page size 16."""
-    rng = np.random.default_rng(1)
-    q = jnp.asarray(rng.standard_normal((4, 9, 64)).astype(np.float32))
-    bits = jnp.asarray([1, 3, 5, 11], jnp.int32)  # a root, two children, a grandchild under the first
-    for page_size, expect in ((1, True), (16, False)):
-        k, v, kl, pi = paged_batch(rng, [24], page_size, 3, 64, 1, jnp.float32)
-        args = (q, k, v, kl, pi, jnp.asarray([0, 4], jnp.int32), jnp.int32(1))
-        f = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.125, tree_bits=bits, backend="native"))
-        assert (cpu.TARGET in f.lower(*args).as_text()) == expect, page_size
-
-
 def test_a_sequence_gets_the_same_bits_in_any_batch():
     """Batch invariance: a sequence's output does not depend on what it is batched with (the context splits
     follow its own length only), which the KV cache tests' identical-output checks rely on."""

@@ -1,4 +1,6 @@
-"""The pure-JAX ragged paged attention against a direct numpy implementation of its contract."""
+"""Ragged paged attention (the native backend) against a direct numpy implementation of its contract: on CPU
+both implementations of an extend batch, the C++ kernel and the pure-JAX loops (`ref`, the native path of other
+platforms and the fallback), each test run with either (the `extend_impl` fixture)."""
 
 import zlib
 
@@ -12,6 +14,13 @@ from sgl_jax.srt.kernels.ragged_paged_attention.common import NO_TREE
 from sgl_jax.srt.speculative.draft_tree import tree_mask
 
 from rpa_batches import tree_bits_of
+
+
+@pytest.fixture(params=["cpu-kernel", "pure-jax"])
+def extend_impl(request, monkeypatch):
+    """Which implementation runs extend batches on CPU: the C++ kernel or ref's loops (read at trace time)."""
+    monkeypatch.setenv("SGL_JAX_CPU_EXTEND_KERNEL", "1" if request.param == "cpu-kernel" else "0")
+    return request.param
 
 
 def numpy_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
@@ -86,7 +95,7 @@ CASES = [
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("name,q_lens,kv_lens,decode_only", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa3"])
-def test_matches_reference(page_size, name, q_lens, kv_lens, decode_only, heads):
+def test_matches_reference(page_size, name, q_lens, kv_lens, decode_only, heads, extend_impl):
     H, KVH = heads
     D = 16
     rng = np.random.default_rng([page_size, zlib.crc32(name.encode()), H])  # fixed: no hash() of strings
@@ -103,7 +112,7 @@ def test_matches_reference(page_size, name, q_lens, kv_lens, decode_only, heads)
 
 
 @pytest.mark.parametrize("decode_only", [True, False])
-def test_sliding_window_and_soft_cap(decode_only):
+def test_sliding_window_and_soft_cap(decode_only, extend_impl):
     rng = np.random.default_rng(7)
     q_lens = [1, 1, 1] if decode_only else [20, 1, 600]  # 600: large query blocks (LONG_Q_BLOCK) too
     kv_lens = [50, 300, 9] if decode_only else [70, 300, 640]
@@ -161,7 +170,7 @@ def segment_layout(prefix_len, item_lens):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_segment_mask_matches_dense_reference(page_size):
+def test_segment_mask_matches_dense_reference(page_size, extend_impl):
     """Packed multi-item sequences (one whole, one as a later chunk that starts mid-item) next to an
     ordinary sequence: the segment-start representation equals the dense segment-id mask."""
     rng = np.random.default_rng(11 + page_size)
@@ -205,7 +214,7 @@ def shared_prefix_batch(rng, shared_len, own_lens, q_lens, page_size, H, KVH, D,
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("variant", ["plain", "window-softcap"])
-def test_shared_prefix_matches_reference(page_size, variant):
+def test_shared_prefix_matches_reference(page_size, variant, extend_impl):
     """Cascade attention over a shared prefix longer than one shared-prefix KV block, with more query rows
     than one shared-prefix query block, gives the same output as the per-sequence path and as numpy."""
     rng = np.random.default_rng(5 + page_size)
@@ -228,7 +237,7 @@ def test_shared_prefix_matches_reference(page_size, variant):
     assert not out[n:].any(), "padding rows must be zero"
 
 
-def test_shared_prefix_with_segments():
+def test_shared_prefix_with_segments(extend_impl):
     """A packed multi-item chunk whose earlier chunk (the query, then the start of the items) is cached:
     the shared prefix covers part of the query only and the segment mask still holds."""
     rng = np.random.default_rng(3)
@@ -250,11 +259,10 @@ def test_shared_prefix_with_segments():
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_draft_tree_mask_matches_dense_reference(page_size):
+def test_draft_tree_mask_matches_dense_reference(page_size, extend_impl):
     """Speculative verify rows: a bushy draft tree, a chain, a full 32-slot tree (bit 31 set) and an ordinary
     40-token extend (NO_TREE rows past 32 positions) in one batch; each tree slot sees the KV before its tree and
-    its ancestors only. At page size 1 on CPU the native backend runs the C++ decode kernel with a query per slot
-    (cpu.tree_attention_as_decode), at 16 the pure-JAX path."""
+    its ancestors only."""
     rng = np.random.default_rng(5 + page_size)
     H, KVH, D = 6, 2, 16
     bushy = np.array([-1, 0, 0, 1, 1, 2, 4])

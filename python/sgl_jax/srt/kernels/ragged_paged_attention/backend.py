@@ -1,9 +1,10 @@
 """Choosing the ragged paged attention implementation ("native" or "pallas"; the ``--attention-backend`` flag's
 "auto" is resolved to one of them by `server_args.resolve_attention_backend`).
 
-- native: the pure-JAX implementation (`ref`), which XLA compiles for any device; on CPU its decode batches
-  run the C++ kernel of `cpu` instead (built at install; `ref` where it is missing or switched off), and so do
-  speculative verify steps at page size 1 (each draft-tree slot as a decode query, `cpu.tree_attention_as_decode`).
+- native: the pure-JAX implementation (`ref`), which XLA compiles for any device; on CPU its decode batches and
+  its extend batches (prefill, mixed, speculative verify) run the C++ kernels of `cpu` instead (built at
+  install; `ref` where they are missing or switched off: SGL_JAX_CPU_DECODE_KERNEL=0 turns both off,
+  SGL_JAX_CPU_EXTEND_KERNEL=0 the extend one).
 - pallas: the Pallas kernel of the platform: Mosaic TPU (`tpu`) on TPU, Triton (`gpu`) on GPU; on CPU the
   TPU kernel in Pallas' interpreter (slow; for verifying the kernel end to end, not for serving).
 
@@ -35,10 +36,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
         if decode_only and _cpu_decode_kernel(q.dtype, k_pages.dtype):
             return cpu.decode_attention(q, k_pages, v_pages, kv_lens, page_indices, num_seqs, sm_scale=sm_scale,
                                         sliding_window=sliding_window, soft_cap=soft_cap)
-        if tree_bits is not None and k_pages.shape[1] == 1 and _cpu_decode_kernel(q.dtype, k_pages.dtype):
-            return cpu.tree_attention_as_decode(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                                tree_bits, sm_scale=sm_scale, sliding_window=sliding_window,
-                                                soft_cap=soft_cap)
+        if not decode_only and _cpu_extend_kernel(q.dtype, k_pages.dtype):
+            return cpu.extend_attention(*args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                        prefix_lens=prefix_lens, segment_starts=segment_starts, tree_bits=tree_bits)
         return ref.ragged_paged_attention(*args, shared_prefix_len=shared_prefix_len, **kwargs)
     if backend not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention backend {backend!r} (expected one of {list(IMPLEMENTATIONS)})")
@@ -58,9 +58,16 @@ def _cpu_decode_kernel(q_dtype, kv_dtype) -> bool:
     return jax.default_backend() == "cpu" and cpu.supports(q_dtype, kv_dtype) and cpu.enabled()
 
 
+def _cpu_extend_kernel(q_dtype, kv_dtype) -> bool:
+    """Whether a native extend call traced now runs `cpu.extend_attention` (as `_cpu_decode_kernel`, with the
+    extend kernel's own switch)."""
+    return jax.default_backend() == "cpu" and cpu.supports(q_dtype, kv_dtype) and cpu.extend_enabled()
+
+
 def describe(backend: str) -> str:
-    """The backend as reports and logs name it, e.g. "native (decode: C++ CPU kernel)" on CPU with the kernel
-    built, "native (decode: pure JAX)" without it."""
+    """The backend as reports and logs name it, e.g. "native (decode: C++ CPU kernel, extend: C++ CPU kernel)" on
+    CPU with the kernels built, "native (decode: pure JAX, extend: pure JAX)" without them."""
     if backend != "native" or jax.default_backend() != "cpu":
         return backend
-    return f"native (decode: {'C++ CPU kernel' if cpu.enabled() else 'pure JAX'})"
+    name = lambda on: "C++ CPU kernel" if on else "pure JAX"  # noqa: E731
+    return f"native (decode: {name(cpu.enabled())}, extend: {name(cpu.extend_enabled())})"

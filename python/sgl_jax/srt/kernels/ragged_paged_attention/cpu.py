@@ -1,5 +1,10 @@
-"""Decode attention and the bfloat16 KV write for XLA's CPU backend: C++ kernels (``csrc/paged_decode_cpu.cc``)
-called through JAX's FFI.
+"""Decode attention, extend attention and the bfloat16 KV write for XLA's CPU backend: C++ kernels
+(``csrc/paged_decode_cpu.cc``, ``csrc/paged_extend_cpu.cc``) called through JAX's FFI.
+
+Extend attention (`extend_attention`): the pure-JAX extend path is ~2,000 HLO instructions of nested loops, once
+per layer in a model's program (68% of an SmolLM2 extend program's named instructions); XLA's CPU backend took
+~15 s to compile such a program and 6-7.5 s to load it from the persistent cache. The kernel is one custom call
+per layer and runs register-tiled matmuls with an online softmax (reports/buckets-cpu-*.md).
 
 The KV write (`write_kv`): XLA's CPU backend runs a bfloat16 scatter in float32, converting the whole cache to
 float32 and back, so a step's write of T rows cost O(pool) (a decode step of a 2-layer model: 2.06 ms at an
@@ -34,7 +39,9 @@ logger = logging.getLogger(__name__)
 
 TARGET = "sgl_jax_paged_decode_cpu"
 WRITE_TARGET = "sgl_jax_paged_kv_write_cpu"
+EXTEND_TARGET = "sgl_jax_paged_extend_cpu"
 ENV_SWITCH = "SGL_JAX_CPU_DECODE_KERNEL"  # "0": use the pure-JAX decode path on CPU
+EXTEND_ENV_SWITCH = "SGL_JAX_CPU_EXTEND_KERNEL"  # "0": use the pure-JAX extend path on CPU
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -56,6 +63,7 @@ def _registered() -> bool:
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SglJaxPagedDecode), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.SglJaxPagedKVWrite), platform="cpu")
+        jax.ffi.register_ffi_target(EXTEND_TARGET, jax.ffi.pycapsule(lib.SglJaxPagedExtend), platform="cpu")
     except (OSError, AttributeError) as e:  # a library built for another platform or jaxlib
         logger.warning("CPU decode kernel %s did not load (%s); decode attention runs in pure JAX", path, e)
         return False
@@ -68,11 +76,18 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0" and _registered()
 
 
+def extend_enabled() -> bool:
+    """True when extend (prefill and mixed) attention on CPU runs the C++ kernel (`extend_attention`): the library
+    is built and loads, and neither ``SGL_JAX_CPU_EXTEND_KERNEL`` nor ``SGL_JAX_CPU_DECODE_KERNEL`` is "0"."""
+    return os.environ.get(EXTEND_ENV_SWITCH, "1") != "0" and enabled()
+
+
 def supports(q_dtype, kv_dtype) -> bool:
     """Whether the kernel takes these dtypes (float32 or bfloat16 queries and cache; others run `ref`)."""
     return jnp.dtype(q_dtype) in _DTYPES and jnp.dtype(kv_dtype) in _DTYPES
 
 
+@functools.partial(jax.named_call, name="ragged_paged_attention")  # op_name, as ref's
 def decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                      page_indices: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
                      sliding_window: Optional[int] = None, soft_cap: Optional[float] = None) -> jax.Array:
@@ -96,6 +111,49 @@ def decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_le
     return call(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
                 jnp.asarray(num_seqs, jnp.int32).reshape(()), sm_scale=np.float32(sm_scale),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+
+
+@functools.partial(jax.named_call, name="ragged_paged_attention")  # op_name, as ref's
+def extend_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
+                     page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
+                     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
+                     prefix_lens: Optional[jax.Array] = None, segment_starts: Optional[jax.Array] = None,
+                     tree_bits: Optional[jax.Array] = None) -> jax.Array:
+    """Extend (prefill, mixed, speculative verify) attention by the C++ kernel (``csrc/paged_extend_cpu.cc``); the
+    contract of `ref.ragged_paged_attention` without ``decode_only``.
+
+    One custom call per layer instead of ref's ~2,000 HLO instructions of loops: a model's extend program
+    shrinks to about a third, and so do its compile time and its load time from the persistent cache
+    (reports/buckets-cpu-*.md). ``shared_prefix_len`` is not taken: it is a promise that lets ref reorder its
+    work, and the kernel reads each sequence's keys through its own page row either way.
+
+    Args:
+        q: [T, num_heads, head_dim] float32 or bfloat16, the sequences' query tokens concatenated.
+        k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim] float32 or bfloat16 (one dtype).
+        kv_lens: int32[S]; page_indices: int32[S, pages_per_seq]; cu_q_lens: int32[S + 1]; num_seqs: int32
+            scalar or [1].
+        sm_scale, sliding_window, soft_cap: as `ref.ragged_paged_attention` (None: off).
+        prefix_lens: int32[S], segment_starts: int32[T] (multi-item scoring's segment mask; None: no segments);
+        tree_bits: int32[T] draft-tree bits (common.tree_visible; None: no tree rows).
+    Returns:
+        [T, num_heads, head_dim] in q.dtype; rows of no sequence are zero. Softmax in float32.
+    Raises:
+        RuntimeError: the kernel is not available (check `extend_enabled()` first).
+    """
+    from sgl_jax.srt.kernels.ragged_paged_attention.common import MAX_TREE_SLOTS, NO_TREE
+
+    if not _registered():
+        raise RuntimeError("the CPU extend kernel is not built; use ref.ragged_paged_attention")
+    T, S = q.shape[0], page_indices.shape[0]
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    prefix_lens = jnp.zeros((S,), jnp.int32) if prefix_lens is None else i32(prefix_lens)
+    segment_starts = jnp.zeros((T,), jnp.int32) if segment_starts is None else i32(segment_starts)
+    tree_bits = jnp.full((T,), NO_TREE, jnp.int32) if tree_bits is None else i32(tree_bits)
+    call = jax.ffi.ffi_call(EXTEND_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, k_pages, v_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens), i32(num_seqs).reshape(()),
+                prefix_lens, segment_starts, tree_bits, sm_scale=np.float32(sm_scale),
+                sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
+                max_tree_slots=np.int64(MAX_TREE_SLOTS))
 
 
 def writes_kv(kv_dtype) -> bool:
@@ -126,52 +184,3 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
                                            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
                             input_output_aliases={0: 0, 1: 1})
     return call(k_pages, v_pages, k.astype(k_pages.dtype), v.astype(v_pages.dtype), loc.astype(jnp.int32))
-
-
-def tree_attention_as_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
-                             page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, tree_bits: jax.Array,
-                             *, sm_scale: float, sliding_window: Optional[int] = None,
-                             soft_cap: Optional[float] = None) -> jax.Array:
-    """A speculative verify step's attention (queries that are draft-tree slots, `ref.ragged_paged_attention`'s
-    ``tree_bits``) by the decode kernel, at page size 1: every query token runs as a sequence of its own, whose keys
-    are its sequence's keys before the tree followed by its ancestors and itself (bit k of its tree bits: the slot
-    written at position ``base + k``, base = the sequence's keys before its queries), in depth order -- a page table
-    of its own, which page size 1 lets any slot fill. A query without tree bits (``NO_TREE``) sees the causal
-    prefix. The key positions the kernel sees are the slots' depths, so a sliding window is measured on the draft's
-    real positions. Multi-item segment masks do not apply (a verify step has none).
-
-    Args:
-        q: [T, H, D]; k_pages, v_pages: [pages, 1, KVH, D]; kv_lens int32[S]; page_indices int32[S, P]; cu_q_lens
-            int32[S + 1]; num_seqs int32 (scalar or [1]); tree_bits int32[T].
-    Returns:
-        [T, H, D] in q.dtype; padding rows (past cu_q_lens[num_seqs]) are zero.
-    Raises:
-        ValueError: a page size other than 1.
-    """
-    from sgl_jax.srt.kernels.ragged_paged_attention.common import MAX_TREE_SLOTS, NO_TREE
-
-    if k_pages.shape[1] != 1:
-        raise ValueError("tree_attention_as_decode needs page size 1")
-    T, S, P = q.shape[0], kv_lens.shape[0], page_indices.shape[1]
-    n = jnp.asarray(num_seqs, jnp.int32).reshape(())
-    t = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right"), 0, S - 1).astype(jnp.int32)
-    real = t < cu_q_lens[n]
-    j = t - cu_q_lens[seq]
-    base = kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq])
-    bits = tree_bits.astype(jnp.int32)
-    k = jnp.arange(MAX_TREE_SLOTS, dtype=jnp.int32)
-    has = (jnp.right_shift(bits[:, None], k[None, :]) & 1) == 1  # [T, slots]
-    count = jnp.sum(has, axis=1).astype(jnp.int32)
-    rank = jnp.cumsum(has, axis=1) - 1  # the depth of each ancestor slot
-    # anc[t, d] = the slot of query t's ancestor at depth d (d < count[t])
-    anc = jnp.zeros((T, MAX_TREE_SLOTS), jnp.int32).at[t[:, None], jnp.where(has, rank, MAX_TREE_SLOTS)].set(
-        jnp.broadcast_to(k, (T, MAX_TREE_SLOTS)), mode="drop")
-    rows = page_indices[seq]  # [T, P]
-    src = jnp.clip(base[:, None] + anc, 0, P - 1)
-    dst = jnp.where(k[None, :] < count[:, None], base[:, None] + k[None, :], P)  # past the table: dropped
-    rows = rows.at[t[:, None], dst].set(jnp.take_along_axis(rows, src, axis=1), mode="drop")
-    lens = jnp.where(bits == NO_TREE, base + j + 1, base + count)
-    lens = jnp.where(real, lens, 0).astype(jnp.int32)
-    return decode_attention(q, k_pages, v_pages, lens, rows, cu_q_lens[n], sm_scale=sm_scale,
-                            sliding_window=sliding_window, soft_cap=soft_cap)

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_kernel_common.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
@@ -39,32 +40,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using namespace sgl_jax_cpu;
+
 // Keys scored before their values are read (8 to 64 measured alike at pages 16-64; 8 best at page 1).
 constexpr int kChunk = 8;
 constexpr int64_t kSplitKeys = 1024;  // a sequence's context runs as one work item per this many keys
-
-inline float Bf16ToF32(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline uint16_t F32ToBf16(float f) {  // round to nearest even, as XLA converts
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-// A row of D values as float32: the row itself for float32 storage, else converted into `tmp`.
-inline const float* RowF32(const void* base, bool bf16, int64_t index, int64_t D, float* tmp) {
-  if (!bf16) return static_cast<const float*>(base) + index * D;
-  const uint16_t* src = static_cast<const uint16_t*>(base) + index * D;
-  for (int64_t d = 0; d < D; ++d) tmp[d] = Bf16ToF32(src[d]);
-  return tmp;
-}
 
 struct Problem {
   const void* q;
@@ -85,29 +65,12 @@ struct Partial {
   std::vector<float> m, l, acc;
 };
 
-namespace baseline {
-#include "paged_decode_cpu_core.h"
-}  // namespace baseline
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SGL_JAX_HAVE_AVX2_CLONE 1
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#define SGL_JAX_CORE_AVX2 1
-namespace avx2 {
-#include "paged_decode_cpu_core.h"
-}  // namespace avx2
-#undef SGL_JAX_CORE_AVX2
-#pragma GCC pop_options
-#endif
+#define SGL_JAX_CORE_HEADER "paged_decode_cpu_core.h"
+#include "isa_clones.h"
 
 // The inner loops for this CPU: the AVX2 + FMA build where the CPU has both (x86-64 with GCC), else baseline.
 void AttendRange(const Problem& p, int64_t s, int64_t lo, int64_t hi, Partial& out) {
-#ifdef SGL_JAX_HAVE_AVX2_CLONE
-  static const bool avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2_fma) return avx2::AttendRangeIsa(p, s, lo, hi, out);
-#endif
-  return baseline::AttendRangeIsa(p, s, lo, hi, out);
+  return CpuHasAvx2Fma() ? avx2::AttendRangeIsa(p, s, lo, hi, out) : baseline::AttendRangeIsa(p, s, lo, hi, out);
 }
 
 // Combines a sequence's splits and writes its H output rows.
@@ -139,35 +102,6 @@ void Finish(const Problem& p, int64_t s, const Partial* parts, int64_t n, void* 
     }
   }
 }
-
-// Runs fn(i) for i in [0, n) on the calling thread and up to `helpers` tasks of XLA's intra-op pool, and
-// returns when every i is done. Indices are claimed from a shared counter and the caller waits for the claimed
-// ones to finish, not for the helpers to start: a helper that starts late (the pool busy elsewhere, e.g. other
-// virtual devices' steps) finds nothing left and returns without touching fn, so the call never waits on the pool.
-template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t helpers, const Fn& fn) {
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::mutex mu;
-    std::condition_variable cv;
-    int64_t done = 0;
-  };
-  auto shared = std::make_shared<Shared>();
-  auto work = [shared, n, &fn] {  // fn is read only for a claimed index, i.e. while the caller still waits
-    for (int64_t i; (i = shared->next.fetch_add(1)) < n;) {
-      fn(i);
-      std::lock_guard<std::mutex> lock(shared->mu);
-      if (++shared->done == n) shared->cv.notify_all();
-    }
-  };
-  helpers = std::max<int64_t>(0, std::min(helpers, n - 1));
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done == n; });
-}
-
-bool IsF32OrBf16(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                            ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
