@@ -446,8 +446,8 @@ class ServerArgs:
         "auto",
         f"ragged paged attention implementation, one of {list(ATTENTION_BACKENDS)}; auto: the "
         "Pallas kernels on TPU (Mosaic) and NVIDIA GPUs (Triton; decode batches by the "
-        "flash-decoding kernel), native on CPU (pure JAX; decode batches run a C++ kernel built at "
-        "install); pallas on CPU runs the TPU kernel in Pallas' interpreter (slow, for "
+        "flash-decoding kernel), native on CPU (pure JAX; decode and extend batches run C++ kernels "
+        "built at install); pallas on CPU runs the TPU kernel in Pallas' interpreter (slow, for "
         "verification)")
     moe_backend: str = flag(
         "auto",
