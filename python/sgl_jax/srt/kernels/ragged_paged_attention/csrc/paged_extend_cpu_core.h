@@ -219,6 +219,14 @@ void AttendItemIsa(const ExtendProblem& p, const Item& it) {
       full &= c == nk && (mk.tree[r] == kNoTree || k1 <= mk.base);
     }
     if (!any) continue;
+    // Scores are computed for nk rounded up to whole 16-key tiles (zero keys past nk, whose scores are never
+    // read): every key's score then comes from the same register tile whatever nk is. nk depends on the item's
+    // other rows, and a key scored by a narrower tile or the plain loop (a separate multiply and add) differed in
+    // its last bit, so a row's output changed with the rows computed beside it (a radix-cache hit against a
+    // whole prefill).
+    const int64_t nk_tiles = std::min<int64_t>(BK, (nk + 15) / 16 * 16);
+    for (int64_t j = nk; j < nk_tiles; ++j)
+      for (int64_t d = 0; d < D; ++d) kt[d * BK + j] = 0.f;
     for (int64_t j = 0; j < nk; ++j) {  // this block's K (transposed) and V rows of KV head kh, as float32
       const int64_t k = k0 + j, page = table[k / p.page_size];
       if (page < 0 || page >= p.num_pages) {
@@ -232,20 +240,23 @@ void AttendItemIsa(const ExtendProblem& p, const Item& it) {
       const float* vr = RowF32(p.v, p.kv_bf16, index, D, vb.data() + j * D);
       if (vr != vb.data() + j * D) std::memcpy(vb.data() + j * D, vr, D * sizeof(float));
     }
-    Gemm(R, nk, D, x.data(), D, kt.data(), BK, s.data(), BK, false);
+    Gemm(R, nk_tiles, D, x.data(), D, kt.data(), BK, s.data(), BK, false);
     for (int64_t i = 0; i < R; ++i) {
       float* __restrict si = s.data() + i * BK;
       if (p.soft_cap > 0.f)
         for (int64_t j = 0; j < nk; ++j) si[j] = p.soft_cap * std::tanh(si[j] / p.soft_cap);
       if (!full) mk.Apply(i / G, k0, nk, si);
-      const float mx = std::max(m[i], RowMax(si, nk));
+      // The padding keys count as hidden, and the max and the exponentials run over whole tiles too: a key's
+      // exponential and its lane of the sum are then the same whatever nk is.
+      std::fill(si + nk, si + nk_tiles, -INFINITY);
+      const float mx = std::max(m[i], RowMax(si, nk_tiles));
       if (mx == -INFINITY) {  // nothing seen yet: the state stays empty
-        std::fill(si, si + nk, 0.f);
+        std::fill(si, si + nk_tiles, 0.f);
         scale[i] = 1.f;
         continue;
       }
       const float corr = m[i] == -INFINITY ? 0.f : FastExp(m[i] - mx);
-      const float sum = ExpRow(si, nk, mx);
+      const float sum = ExpRow(si, nk_tiles, mx);
       l[i] = l[i] * corr + sum;
       m[i] = mx;
       scale[i] = corr;
