@@ -16,7 +16,9 @@ from 64 to the default buckets' largest), one at a time on this machine::
   executable in the cache holds the whole optimized HLO module beside its machine code, and loading it rebuilds
   the module and one thunk per kernel; the YNN (YNNPACK) fusion thunks' loader finds each one's instruction by
   scanning the module, so the load grows with instructions x YNN fusions, not with T
-  (reports/buckets-cpu-2026-12-06.notes.md);
+  (reports/buckets-cpu-2026-12-06.notes.md). On CPU the extend attention is the C++ kernel's one custom call per
+  layer (``attention %`` about 2); ``SGL_JAX_CPU_EXTEND_KERNEL=0`` measures the pure-JAX loops it replaced
+  (68%, reports/extend-kernel-cpu-2026-12-06.notes.md);
 - ``step ms``: the device time of one all-padding step of the bucket (forward and sampling;
   `ModelRunner.device_seconds_per_step`, the median of ``--repeats`` blocks): the padded part of an extend step,
   which is what the bucket choice changes (the real tokens' attention is the same in every choice).
