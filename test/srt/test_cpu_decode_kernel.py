@@ -109,10 +109,16 @@ def test_native_backend_runs_it_for_decode_only():
 
     assert cpu.TARGET in hlo(True)
     assert cpu.TARGET not in hlo(False)
+    assert_switch_turns_it_off("SGL_JAX_CPU_DECODE_KERNEL", "_cpu_decode_kernel")
+
+
+def assert_switch_turns_it_off(variable: str, chooser: str):
+    """In a fresh process (the switch is read from the environment), `backend.<chooser>` says False with
+    ``<variable>=0`` and True with ``<variable>=1``."""
     code = ("import jax.numpy as jnp; from sgl_jax.srt.kernels.ragged_paged_attention import backend; "
-            "print(backend._cpu_decode_kernel(jnp.float32, jnp.float32))")
+            f"print(backend.{chooser}(jnp.float32, jnp.float32))")
     for switch, expect in (("0", "False"), ("1", "True")):
-        env = dict(os.environ, SGL_JAX_CPU_DECODE_KERNEL=switch, JAX_PLATFORMS="cpu")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", **{variable: switch})
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert r.stdout.strip().splitlines()[-1] == expect, r.stderr[-2000:]
 

@@ -4,10 +4,7 @@ replaces on CPU (`ref`; both are checked against numpy in test_ragged_paged_atte
 The kernel must be built (setup.py builds it at install): a missing kernel fails here, it never skips.
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +14,7 @@ import pytest
 from sgl_jax.srt.kernels.ragged_paged_attention import cpu, ragged_paged_attention, ref
 from sgl_jax.srt.kernels.ragged_paged_attention.common import NO_TREE
 
-from test_cpu_decode_kernel import paged_batch
+from test_cpu_decode_kernel import assert_switch_turns_it_off, paged_batch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -151,12 +148,7 @@ def test_native_backend_runs_it_for_extend_batches():
     assert cpu.EXTEND_TARGET in hlo() and cpu.TARGET not in hlo()
     assert cpu.EXTEND_TARGET in hlo(tree_bits=jnp.full((q.shape[0],), NO_TREE, jnp.int32))
     assert cpu.EXTEND_TARGET not in hlo(decode_only=True)
-    code = ("import jax, jax.numpy as jnp, re; from sgl_jax.srt.kernels.ragged_paged_attention import backend, ref;"
-            "print(backend._cpu_extend_kernel(jnp.float32, jnp.float32))")
-    for switch, expect in (("0", "False"), ("1", "True")):
-        env = dict(os.environ, SGL_JAX_CPU_EXTEND_KERNEL=switch, JAX_PLATFORMS="cpu")
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-        assert r.stdout.strip().splitlines()[-1] == expect, r.stderr[-2000:]
+    assert_switch_turns_it_off("SGL_JAX_CPU_EXTEND_KERNEL", "_cpu_extend_kernel")
     pure = jax.jit(lambda *a: ref.ragged_paged_attention(*a, sm_scale=0.125)).lower(*args).as_text()
     kernel = hlo()
     count = lambda text: len(re.findall(r"^\s*%\S+ = ", text, re.M))  # noqa: E731

@@ -137,7 +137,7 @@ inline void Gemm(int64_t M, int64_t N, int64_t K, const float* __restrict A, int
 // lo[r] <= k < hi[r], (k < prefix or k >= seg[r]) and, for a draft-tree row, k < base or bit (k - base) of its
 // tree bits is set (`ref.ragged_paged_attention`'s mask, term by term).
 struct RowMasks {
-  int64_t n, base, prefix, max_slots;
+  int64_t base, prefix, max_slots;
   std::vector<int64_t> lo, hi, seg;
   std::vector<int32_t> tree;
 
@@ -179,7 +179,6 @@ void AttendItemIsa(const ExtendProblem& p, const Item& it) {
   const int64_t n = it.rows, R = n * G;
   const int64_t kv_len = std::clamp<int64_t>(p.kv_lens[it.s], 0, p.P * p.page_size);
   RowMasks mk;
-  mk.n = n;
   mk.base = kv_len - it.q_len;
   mk.prefix = p.prefix_lens[it.s];
   mk.max_slots = p.max_tree_slots;
