@@ -60,6 +60,7 @@ from sgl_jax.srt.model_executor.buckets import ShapeBuckets, derive_limits, powe
 from sgl_jax.srt.model_executor.compile_stats import compile_counts
 from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
+from sgl_jax.srt.model_executor.warmup import as_lowered
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import configure_logging
 
@@ -131,7 +132,7 @@ def program_composition(hlo_text: str) -> dict:
 def measure_bucket(runner: ModelRunner, name: str, lower, t: int, s: int, repeats: int) -> dict:
     """One extend bucket: trace, compile (empty cache), load (from the cache) and step time. See the module doc."""
     t0 = time.perf_counter()
-    lowered = lower()
+    lowered = as_lowered(lower())
     traced = time.perf_counter() - t0
     t0 = time.perf_counter()
     compiled = lowered.compile()
@@ -139,7 +140,7 @@ def measure_bucket(runner: ModelRunner, name: str, lower, t: int, s: int, repeat
     composition = program_composition(compiled.as_text())
     jax.clear_caches()  # the next compile of the same program is a restart's: read back from the persistent cache
     t0, before = time.perf_counter(), compile_counts()
-    lower().compile()
+    as_lowered(lower()).compile()
     load = time.perf_counter() - t0
     loaded = (compile_counts() - before).cache_hits
     batch = runner.dummy_batch(ForwardMode.EXTEND, t, s)

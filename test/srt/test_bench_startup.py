@@ -54,7 +54,10 @@ def test_cold_start_compiles_and_the_restart_loads_everything(tiny, tmp_path):
             assert sum(p["seconds"] for p in got["phases"]) == pytest.approx(got["total_s"], abs=0.02), process
         assert phases["scheduler"]["total_s"] < phases["ready_s"]  # (the scheduler started after the server)
         note = {p["name"]: p["note"] for p in phases["scheduler"]["phases"]}["compiling"]
-        assert note.startswith(f"{start['warmup']['compiled']} compiled, {start['warmup']['loaded_from_cache']} "
-                               "loaded from the compilation cache")
+        w = start["warmup"]
+        assert note.startswith(f"{w['compiled']} compiled, {w['loaded_from_cache'] - w['executables_loaded']} loaded "
+                               f"from the compilation cache, {w['executables_loaded']} serialized executables loaded")
+    # the restart loaded the step programs' executables instead of tracing them (program_cache.py)
+    assert cold["warmup"]["executables_loaded"] == 0 < restart["warmup"]["executables_loaded"] < programs
     text = report.read_text()
     assert "| cold |" in text and "| restart 1 |" in text and "| compiling |" in text and "| tokenizer |" in text

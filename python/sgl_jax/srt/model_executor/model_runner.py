@@ -42,6 +42,7 @@ from sgl_jax.srt.model_executor.lora_weights import LoraSlotWriter
 from sgl_jax.srt.model_executor.memory_budget import FP8_KV_DTYPES, kv_cache_dtype
 from sgl_jax.srt.model_executor.future_tokens import new_future_tokens
 from sgl_jax.srt.model_executor.packed_inputs import pack
+from sgl_jax.srt.model_executor.program_cache import CachedProgram, ProgramCall, program_cache_for
 from sgl_jax.srt.model_executor.moe_stats import MoeStats
 from sgl_jax.srt.model_executor.slot_state import new_slot_state
 from sgl_jax.srt.model_executor.step_output import LaunchedForward, PendingStep, StepOutput, StepTimes
@@ -227,6 +228,10 @@ class ModelRunner:
                             out_shardings=(self._kv_sharding, r, r, hidden, moe, aux, r))
         self._sample = jit(functools.partial(step_programs.sample_only, self.step_spec), donate_argnums=(1, 2),
                            out_shardings=(r, r, r, r))
+        # the step programs run the executables warm-up loaded or compiled for their layouts (program_cache.py)
+        self._step, self._decode_one, self._decode_multi, self._forward, self._sample = (CachedProgram(f, 5) for f in (
+            self._step, self._decode_one, self._decode_multi, self._forward, self._sample))
+        self.program_cache = program_cache_for(server_args, model_config, self.step_spec, self.mesh.devices.flat)
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r)
         # the K/V move program's sizes: one per verify shape's T_pad (move_kv), sorted
         self._move_sizes = sorted(t for mode, t, _ in buckets.all_shapes() if mode == ForwardMode.TARGET_VERIFY)
@@ -771,7 +776,8 @@ class ModelRunner:
         Serving then finds each program in jit's in-memory cache; any later compile is counted in
         ``num_compiles_after_warmup`` (see compile_stats).
         """
-        self.warmup_stats = compile_programs(self.warmup_programs(), phases, prefix)
+        self.warmup_stats = compile_programs(self.warmup_programs(), phases, prefix, self.program_cache,
+                                             {d.id: d for d in self.mesh.devices.flat})
         self._compiled_after_warmup = compile_counts().programs
 
     def _padding_inputs(self, mode: ForwardMode, t_pad: int, s_pad: int) -> tuple:
@@ -785,7 +791,7 @@ class ModelRunner:
         """A thunk lowering the fused step program of one padded shape."""
         def lower():
             packed, layout, mask = self._padding_inputs(mode, t_pad, s_pad)
-            return self._step.lower(self._param_leaves, self.kv_caches, self._state, packed, mask, layout)
+            return ProgramCall(self._step, (self._param_leaves, self.kv_caches, self._state, packed, mask, layout))
         return lower
 
     def _lower_decode(self, s_pad: int, num_steps: int):
@@ -793,16 +799,17 @@ class ModelRunner:
         def lower():
             buf, layout = pack(DecodeRows.stack([DecodeRows.padding(s_pad, num_steps)] * self.dp_size,
                                                 self.num_request_slots))
-            return self._decode(num_steps).lower(self._param_leaves, self.kv_caches, self._state, self._put(buf),
-                                      self._all_allowed_mask(s_pad * self.dp_size), layout)
+            return ProgramCall(self._decode(num_steps), (self._param_leaves, self.kv_caches, self._state,
+                                                         self._put(buf), self._all_allowed_mask(s_pad * self.dp_size),
+                                                         layout))
         return lower
 
     def _lower_forward(self, mode: ForwardMode, t_pad: int, s_pad: int):
         """A thunk lowering the split forward program of one padded shape."""
         def lower():
             packed, layout, _ = self._padding_inputs(mode, t_pad, s_pad)
-            return self._forward.lower(self._param_leaves, self.kv_caches, self.slot_state, self.future_tokens,
-                                       packed, layout)
+            return ProgramCall(self._forward, (self._param_leaves, self.kv_caches, self.slot_state,
+                                               self.future_tokens, packed, layout))
         return lower
 
     def _lower_move(self, m: int):
@@ -821,8 +828,8 @@ class ModelRunner:
             width = self.logits_vocab if self.generates else 1
             logits = jax.ShapeDtypeStruct((rows, width), jnp.float32, sharding=self._replicated)
             head = jax.ShapeDtypeStruct((step_programs.sampling_words(layout),), jnp.int32, sharding=self._replicated)
-            return self._sample.lower(logits, self.penalty_state, self.future_tokens, head, mask,
-                                      self._sampling_layout(layout))
+            return ProgramCall(self._sample, (logits, self.penalty_state, self.future_tokens, head, mask,
+                                              self._sampling_layout(layout)))
         return lower
 
 

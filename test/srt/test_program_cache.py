@@ -1,0 +1,202 @@
+"""The executable cache (model_executor/program_cache.py): serialized step programs loaded without tracing.
+
+Real jitted programs on the CPU device, stored to and loaded from a temporary directory: a loaded executable serves
+its static argument without the function being traced again and computes what jit computes; the key follows
+everything a program is made from (the server flags but the listening ones, the environment, the step spec, the
+argument shapes, dtypes and shardings); a damaged file is a miss that compiles; other static arguments go to jit.
+The restart of a whole Engine (every step program loaded, the same tokens, no compile while serving) is in
+test_warm_start.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sgl_jax.srt.model_executor import program_cache
+from sgl_jax.srt.model_executor.compile_stats import compile_counts
+from sgl_jax.srt.model_executor.program_cache import CachedProgram, ProgramCache, ProgramCall, fingerprint
+from sgl_jax.srt.model_executor.warmup import compile_programs
+from sgl_jax.srt.server_args import ServerArgs
+
+TRACES = []  # one entry per trace of `_step`
+
+
+def _step(params, kv, x, scale):
+    """A step program's shape: parameters, a donated cache, inputs, a static argument."""
+    TRACES.append(scale)
+    kv = kv.at[: x.shape[0]].add(x * scale)
+    return kv, params["w"] @ kv[: x.shape[0]].T
+
+
+def _program():
+    return CachedProgram(jax.jit(_step, static_argnums=(3,), donate_argnums=(1,)), 3)
+
+
+def _args(n=4, scale=2):
+    return ({"w": jnp.arange(12.0).reshape(3, 4)}, jnp.zeros((8, 4)), jnp.ones((n, 4)), scale)
+
+
+DEVICES = {d.id: d for d in jax.devices()}
+
+
+@pytest.fixture(autouse=True)
+def no_jax_cache():
+    """Every compile here is XLA's own: the worker may have JAX's persistent cache on (a server test's set-up ran in
+    it), and an executable read back from it is not stored (test_only_what_xla_compiled_is_stored)."""
+    from jax._src import compilation_cache  # (reset_cache: JAX decides once per process whether its cache is used)
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    jax.clear_caches()  # (nor from JAX's memory: another test compiled the same program)
+    yield
+    jax.config.update("jax_enable_compilation_cache", was)
+    compilation_cache.reset_cache()
+
+
+def _warm(cache, program, args, name="step S=4"):
+    return compile_programs([(name, lambda: ProgramCall(program, args))], cache=cache, devices=DEVICES)
+
+
+def test_a_stored_executable_serves_its_layout_without_tracing(tmp_path):
+    cache = ProgramCache(str(tmp_path), "f" * 64)
+    first = _program()
+    stats = _warm(cache, first, _args())
+    assert stats["compiled"] == 1 and stats["executables_loaded"] == 0
+    assert len(list(tmp_path.glob("*.exe"))) == 1
+    kv_a, out_a = first(*_args())  # (the executable compiled at warm-up; jit itself traced once, for it)
+
+    TRACES.clear()
+    jax.clear_caches()  # a restart: JAX's in-memory traces and executables gone, a new jit function
+    second = _program()
+    warm_args, args = _args(), _args()  # (made first: array creation compiles small programs of its own)
+    before = compile_counts()
+    stats = _warm(cache, second, warm_args)
+    assert stats["executables_loaded"] == 1 and stats["loaded_from_cache"] == 1 and stats["trace_seconds"] == 0
+    kv_b, out_b = second(*args)
+    assert TRACES == [] and (compile_counts() - before).programs == 0  # never traced, nothing compiled
+    np.testing.assert_array_equal(np.asarray(out_b), np.asarray(out_a))
+    np.testing.assert_array_equal(np.asarray(kv_b), np.asarray(kv_a))
+    np.testing.assert_array_equal(np.asarray(out_b), np.asarray(jax.jit(_step, static_argnums=(3,))(*_args())[1]))
+
+    # another static argument is not in the table, and an argument type the executable refuses goes to jit too:
+    # each is traced and compiled as before
+    TRACES.clear()
+    second(*_args(scale=3))
+    params, kv, x, scale = _args()
+    out = second(params, kv, x.astype(jnp.bfloat16), scale)[1]
+    assert TRACES == [3, 2] and out.dtype == jnp.float32
+
+
+def test_a_damaged_file_is_a_miss_that_compiles(tmp_path, caplog):
+    cache = ProgramCache(str(tmp_path), "f" * 64)
+    _warm(cache, _program(), _args())
+    (path,) = tmp_path.glob("*.exe")
+    path.write_bytes(path.read_bytes()[:100])
+    TRACES.clear()
+    jax.clear_caches()
+    program = _program()
+    stats = _warm(cache, program, _args())
+    assert stats["executables_loaded"] == 0 and TRACES == [2]
+    assert "could not load" in caplog.text
+    out = program(*_args())[1]
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(_step, static_argnums=(3,))(*_args())[1]))
+    assert program.executables  # the executable compiled instead serves it
+
+
+def test_the_key_follows_the_arguments_name_and_static_argument(tmp_path):
+    cache, program = ProgramCache(str(tmp_path), "f" * 64), _program()
+    key = functools.partial(cache.key, "step S=4")
+    base = key(ProgramCall(program, _args()))
+    assert base == key(ProgramCall(program, _args()))
+    params, kv, x, scale = _args()
+    assert cache.key("step S=8", ProgramCall(program, _args())) != base
+    assert key(ProgramCall(program, (params, kv, x, 3))) != base
+    assert key(ProgramCall(program, (params, kv, jnp.ones((5, 4)), scale))) != base
+    assert key(ProgramCall(program, (params, kv, jnp.ones((4, 4), jnp.bfloat16), scale))) != base
+    assert key(ProgramCall(program, (params, jnp.zeros((16, 4)), x, scale))) != base
+    assert key(ProgramCall(program, ({"w": params["w"], "b": x}, kv, x, scale))) != base
+    assert ProgramCache(str(tmp_path), "e" * 64).key("step S=4", ProgramCall(program, _args())) != base
+
+
+def test_the_fingerprint_follows_the_flags_environment_and_step_spec(monkeypatch):
+    sa, devices = ServerArgs(random_seed=1, port=30000), jax.devices()
+    base = fingerprint(sa, "model config", "step spec", devices)
+    assert base == fingerprint(sa, "model config", "step spec", devices)
+    # where it listens and the seed of request seeds shape no program
+    assert fingerprint(dataclasses.replace(sa, port=31000, random_seed=7), "model config", "step spec",
+                       devices) == base
+    for change in (dict(page_size=16), dict(attention_backend="pallas"), dict(num_continuous_decode_steps=4),
+                   dict(xla_compiler_options='{"xla_cpu_enable_fast_math": true}'), dict(dtype="bfloat16")):
+        assert fingerprint(dataclasses.replace(sa, **change), "model config", "step spec", devices) != base, change
+    assert fingerprint(sa, "another model config", "step spec", devices) != base
+    assert fingerprint(sa, "model config", "another step spec", devices) != base
+    assert fingerprint(sa, "model config", "step spec", devices[:0]) != base
+    monkeypatch.setenv("SGL_JAX_CPU_EXTEND_KERNEL", "0")
+    assert fingerprint(sa, "model config", "step spec", devices) != base
+    monkeypatch.delenv("SGL_JAX_CPU_EXTEND_KERNEL")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    assert fingerprint(sa, "model config", "step spec", devices) != base
+
+
+def test_the_switch_and_the_code_fingerprint(monkeypatch, tmp_path):
+    sa = ServerArgs(compilation_cache_dir=str(tmp_path))
+    cache = program_cache.program_cache_for(sa, "model config", "step spec", jax.devices())
+    assert cache is not None and cache.directory == str(tmp_path / program_cache.DIR_NAME)
+    monkeypatch.setenv(program_cache.SWITCH_ENV, "0")
+    assert program_cache.program_cache_for(sa, "model config", "step spec", jax.devices()) is None
+    code = program_cache.code_fingerprint()
+    assert len(code) == 64 and code == program_cache.code_fingerprint()
+
+
+# A program with fusions XLA's CPU loader links by name (a gather feeding a matmul): stored only when compiled here.
+FROM_JAX_CACHE = r"""
+import os, sys, jax, jax.numpy as jnp, numpy as np
+root = sys.argv[1]
+jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jax"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from sgl_jax.srt.model_executor.program_cache import CachedProgram, ProgramCache, ProgramCall
+from sgl_jax.srt.model_executor.warmup import compile_programs
+
+def f(tab, idx, w, n):
+    return jnp.tanh(tab[idx].reshape(-1, 16) @ w).sum(0) * n, jnp.take_along_axis(tab[:64], idx[:, None] % 8, axis=1)
+
+args = (jnp.arange(4096.0).reshape(256, 16), jnp.arange(64) % 256, jnp.ones((16, 16)), 2)
+devices = {d.id: d for d in jax.devices()}
+def warm(where):
+    program = CachedProgram(jax.jit(f, static_argnums=(3,)), 3)
+    stats = compile_programs([("p", lambda: ProgramCall(program, args))], cache=ProgramCache(where, "f" * 64),
+                             devices=devices)
+    return program, stats
+program, first = warm(os.path.join(root, "a"))  # XLA compiles: stored
+expected = [np.asarray(o) for o in program(*args)]
+jax.clear_caches()
+_, hit = warm(os.path.join(root, "b"))  # JAX's cache has it: read back, not stored
+jax.clear_caches()
+program, loaded = warm(os.path.join(root, "a"))
+out = [np.asarray(o) for o in program(*args)]
+print("RESULT", first["compiled"], first["loaded_from_cache"], hit["compiled"], hit["loaded_from_cache"],
+      sorted(os.listdir(root)), len(os.listdir(os.path.join(root, "a"))), loaded["executables_loaded"],
+      all((a == b).all() for a, b in zip(out, expected)))
+"""
+
+
+def test_only_what_xla_compiled_is_stored(tmp_path):
+    """An executable JAX read back from its persistent cache is not stored (once loaded again, its first run fails:
+    "Function gather_bitcast_fusion not found"); one XLA compiled is, and runs when loaded again."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", FROM_JAX_CACHE, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    assert line == "RESULT 1 0 0 1 ['a', 'jax'] 1 1 True", line
