@@ -200,3 +200,27 @@ def test_only_what_xla_compiled_is_stored(tmp_path):
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     assert line == "RESULT 1 0 0 1 ['a', 'jax'] 1 1 True", line
+
+
+def test_a_program_without_static_argument_is_looked_up_by_its_key(tmp_path):
+    """The logprob-style programs: looked up by their input's rows (`key_of`), called with every argument."""
+    def head(params, rows):
+        TRACES.append(rows.shape[0])
+        return rows @ params["w"].T
+
+    def program():
+        return CachedProgram(jax.jit(head), key_of=lambda args: args[1].shape[0])
+
+    params, rows = {"w": jnp.arange(12.0).reshape(3, 4)}, jnp.ones((16, 4))
+    cache = ProgramCache(str(tmp_path), "f" * 64)
+    compile_programs([("head R=16", lambda: ProgramCall(program(), (params, rows)))], cache=cache, devices=DEVICES)
+    TRACES.clear()
+    jax.clear_caches()
+    loaded = program()
+    stats = compile_programs([("head R=16", lambda: ProgramCall(loaded, (params, rows)))], cache=cache,
+                             devices=DEVICES)
+    assert stats["executables_loaded"] == 1 and list(loaded.executables) == [16]
+    np.testing.assert_array_equal(np.asarray(loaded(params, rows)), np.asarray(rows @ params["w"].T))
+    assert TRACES == []
+    loaded(params, jnp.ones((8, 4)))  # another row count: jit
+    assert TRACES == [8]

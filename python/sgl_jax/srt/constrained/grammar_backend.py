@@ -180,9 +180,11 @@ class GrammarBackend:
         grammar llguidance rejects."""
         return self._executor.submit(self._compile, kind, text)
 
-    def warmup(self) -> None:
-        """Build the llguidance tokenizer now (start-up) instead of on the first structured request."""
-        self._executor.submit(self._tokenizer).result()
+    def warmup(self) -> "concurrent.futures.Future":
+        """Start building the llguidance tokenizer now (start-up) instead of on the first structured request, on the
+        backend's thread; the returned future is done when it is built (the scheduler waits for it after the model's
+        warm-up, which it overlaps)."""
+        return self._executor.submit(self._tokenizer)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -164,8 +164,8 @@ class ModelRunner:
         self._kv_layout = (spec, padded_kv_heads(model_config.num_key_value_heads, self.tp_size),
                            model_config.head_dim, dtype)
         self._kv_alloc_programs = {}  # pages -> its jitted allocation (compiled here, reused by allocate_kv)
-        with phases.phase("KV cache allocation"):  # (waited for: the phase is the zeroing, not its dispatch)
-            self.kv_caches = jax.block_until_ready(self.allocate_kv())
+        with phases.phase("KV cache allocation"):  # (dispatched: warm-up runs while the device zeroes the pool)
+            self.kv_caches = self.allocate_kv()
         kv_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / self.tp_size / self.dp_size
         logger.info("KV cache: %s, %s, per rank (%.2f GiB per device)", spec.describe(), self.kv_cache_dtype.name,
                     kv_bytes / 2**30)
@@ -232,14 +232,16 @@ class ModelRunner:
         self._step, self._decode_one, self._decode_multi, self._forward, self._sample = (CachedProgram(f, 5) for f in (
             self._step, self._decode_one, self._decode_multi, self._forward, self._sample))
         self.program_cache = program_cache_for(server_args, model_config, self.step_spec, self.mesh.devices.flat)
-        self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r)
+        self._init_penalty_row = CachedProgram(jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=r),
+                                               key_of=lambda args: None)  # (one program)
         # the K/V move program's sizes: one per verify shape's T_pad (move_kv), sorted
         self._move_sizes = sorted(t for mode, t, _ in buckets.all_shapes() if mode == ForwardMode.TARGET_VERIFY)
-        self._move_kv = jax.jit(functools.partial(move_kv_slots, mesh=self.mesh), donate_argnums=(0,),
-                                out_shardings=self._kv_sharding)
-        self._logprobs = jax.jit(self._logprobs_impl)
-        self._label_logprobs = jax.jit(self._label_logprobs_impl)
-        self._classify = jax.jit(self._classify_impl)
+        # the programs below are looked up by the rows of their second argument (the hidden rows, the move's slots)
+        self._move_kv = CachedProgram(jax.jit(functools.partial(move_kv_slots, mesh=self.mesh), donate_argnums=(0,),
+                                              out_shardings=self._kv_sharding), key_of=_second_arg_rows)
+        self._logprobs = CachedProgram(jax.jit(self._logprobs_impl), key_of=_second_arg_rows)
+        self._label_logprobs = CachedProgram(jax.jit(self._label_logprobs_impl), key_of=_second_arg_rows)
+        self._classify = CachedProgram(jax.jit(self._classify_impl), key_of=_second_arg_rows)
         self._compiled_after_warmup: Optional[int] = None
         self._num_compiles_after_warmup = 0
         self.faults = PlantedFaults.from_env()  # test hooks (fault_injection.py); none outside tests
@@ -727,11 +729,11 @@ class ModelRunner:
         return ModelWorkerBatch(forward_batch=fb, sampling=SamplingBatch.padding(rows), num_tokens=0, num_seqs=0)
 
     def warmup_programs(self) -> List[Tuple[str, object]]:
-        """(name, thunk returning the lowered program) of every program serving runs: each extend bucket's forward
-        and the sampling of each of their row counts (split: `launch_ranks`), each decode bucket's step (the slot
-        decode program, with --num-continuous-decode-steps K > 1 also its K-step loop; a host-built fused step
-        without slot state), each verify bucket's step, the K/V moves per verify shape, the LoRA slot writes, the host tier's KV copies, the logprob, label-logprob and
-        penalty-row programs."""
+        """(name, thunk returning a `ProgramCall` of a `CachedProgram`, or a lowered program) of every program serving
+        runs: each extend bucket's forward and the sampling of each of their row counts (split: `launch_ranks`), each
+        decode bucket's step (the slot decode program, with --num-continuous-decode-steps K > 1 also its K-step loop;
+        a host-built fused step without slot state), each verify bucket's step, the K/V moves per verify shape, the
+        LoRA slot writes, the host tier's KV copies, the logprob, label-logprob and penalty-row programs."""
         shapes = self.buckets.all_shapes()
         if not self.generates:  # (an embedding server's steps are all extends)
             shapes = [(mode, t, s) for mode, t, s in shapes if mode == ForwardMode.EXTEND]
@@ -756,17 +758,17 @@ class ModelRunner:
         if self.host_kv_copies is not None:
             programs += self.host_kv_copies.warmup_programs(lambda: self.kv_caches)
         if not self.generates:
-            return programs + [(f"classify R={r}", lambda r=r: self._classify.lower(
-                self.params, self._put(np.zeros((r, hidden_dim), dtype)))) for r in SCORE_ROW_PADDINGS
+            return programs + [(f"classify R={r}", lambda r=r: ProgramCall(self._classify, (
+                self.params, self._put(np.zeros((r, hidden_dim), dtype))))) for r in SCORE_ROW_PADDINGS
                 if self.num_labels]
-        programs.append((f"input logprobs R={LOGPROB_CHUNK_ROWS}", lambda: self._logprobs.lower(
-            self.params, self._put(np.zeros((LOGPROB_CHUNK_ROWS, hidden_dim), dtype)))))
-        programs.append(("penalty row", lambda: self._init_penalty_row.lower(self.penalty_state, *self._put((
+        programs.append((f"input logprobs R={LOGPROB_CHUNK_ROWS}", lambda: ProgramCall(self._logprobs, (
+            self.params, self._put(np.zeros((LOGPROB_CHUNK_ROWS, hidden_dim), dtype))))))
+        programs.append(("penalty row", lambda: ProgramCall(self._init_penalty_row, (self.penalty_state, *self._put((
             np.int32(0), np.zeros(self.max_context_len, np.int32), np.int32(0), np.int32(0),
-            np.zeros(self.model_config.vocab_size, np.float32))))))
+            np.zeros(self.model_config.vocab_size, np.float32)))))))
         for r in SCORE_ROW_PADDINGS:
-            programs.append((f"label logprobs R={r}", lambda r=r: self._label_logprobs.lower(
-                self.params, *self._put((np.zeros((r, hidden_dim), dtype), np.zeros(SCORE_LABEL_CHUNK, np.int32))))))
+            programs.append((f"label logprobs R={r}", lambda r=r: ProgramCall(self._label_logprobs, (
+                self.params, *self._put((np.zeros((r, hidden_dim), dtype), np.zeros(SCORE_LABEL_CHUNK, np.int32)))))))
         return programs
 
     def warmup(self, phases: Optional[StartupPhases] = None, prefix: str = "") -> None:
@@ -774,10 +776,12 @@ class ModelRunner:
         tracing and compiling recorded in `phases` (names starting with `prefix`) when given.
 
         Serving then finds each program in jit's in-memory cache; any later compile is counted in
-        ``num_compiles_after_warmup`` (see compile_stats).
+        ``num_compiles_after_warmup`` (see compile_stats). Warm-up ends once the KV pool, whose zeroing was dispatched
+        at start-up and overlaps it, is ready.
         """
         self.warmup_stats = compile_programs(self.warmup_programs(), phases, prefix, self.program_cache,
-                                             {d.id: d for d in self.mesh.devices.flat})
+                                             {d.id: d for d in self.mesh.devices.flat},
+                                             wait_for=lambda: jax.block_until_ready(self.kv_caches))
         self._compiled_after_warmup = compile_counts().programs
 
     def _padding_inputs(self, mode: ForwardMode, t_pad: int, s_pad: int) -> tuple:
@@ -816,7 +820,7 @@ class ModelRunner:
         """A thunk lowering the KV move program of `m` slots per rank (`move_kv`)."""
         def lower():
             z = self._put(np.zeros(self.dp_size * m, np.int32))
-            return self._move_kv.lower(self.kv_caches, z, z)
+            return ProgramCall(self._move_kv, (self.kv_caches, z, z))
         return lower
 
     def _lower_sample(self, mode: ForwardMode, t_pad: int, s_pad: int):
@@ -831,6 +835,11 @@ class ModelRunner:
             return ProgramCall(self._sample, (logits, self.penalty_state, self.future_tokens, head, mask,
                                               self._sampling_layout(layout)))
         return lower
+
+
+def _second_arg_rows(args: tuple) -> int:
+    """The rows of a call's second argument: the table key of the programs compiled per row count."""
+    return args[1].shape[0]
 
 
 def decode_rows_of(batch: ModelWorkerBatch) -> DecodeRows:

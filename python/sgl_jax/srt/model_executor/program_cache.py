@@ -1,8 +1,8 @@
-"""Compiled step programs kept on disk between starts, so that a restart skips tracing them.
+"""Compiled programs kept on disk between starts, so that a restart skips tracing them.
 
 JAX's persistent compilation cache saves XLA's compile, but its key is a hash of the lowered module, so every start
 still traces and lowers each program in Python first (SmolLM2's 13 warm-up programs: 4-6 s of a 15-18 s restart on
-2 cores). This module keeps each step program's compiled executable itself (``jax.experimental.serialize_executable``)
+2 cores). This module keeps each runner program's compiled executable (``jax.experimental.serialize_executable``)
 under a key computed without tracing: a hash of everything the program is made from (`fingerprint`: this package's
 sources and built kernels, jax and jaxlib, the XLA and JAX environment, the devices and the host CPU's features, the
 runner's step spec, model config and server flags) plus the program's name, its static argument and the shapes,
@@ -11,7 +11,7 @@ dtypes and shardings of its arguments (`ProgramCache.key`). A restart with the s
 are stored: one that JAX read back from its persistent cache serializes without the functions XLA's CPU loader
 linked into it, and fails at its first run once loaded again (jax 0.10.2).
 
-`CachedProgram` wraps one jitted step function: calls whose static argument has a loaded executable run it (the
+`CachedProgram` wraps one jitted function: calls whose static argument (or key) has a loaded executable run it (the
 same C++ dispatch as jit's); any other call, or one whose arguments' types the executable refuses, goes to the
 jitted function as before, so a signature never seen at warm-up compiles as it always did, and counts as a compile
 after warm-up (compile_stats).
@@ -29,7 +29,7 @@ import os
 import pickle
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import jax
 
@@ -110,26 +110,33 @@ def _arg_signature(args: tuple) -> str:
 
 
 class CachedProgram:
-    """A jitted function whose static argument (at `static_index`; the step programs' layout) selects an
-    executable loaded or compiled at warm-up. Calls take the jitted function's own arguments, static one included.
+    """A jitted function plus the executables warm-up loaded or compiled for it, looked up by its static argument
+    (at `static_index`: the step programs' layout, left out of the executable's call) or, for a function without
+    one, by `key_of(args)` (e.g. the row count of its input). Calls take the jitted function's own arguments.
 
     Attributes:
         fn: the ``jax.jit`` function (its `lower` is this object's `lower`).
-        executables: static argument -> ``jax.stages.Compiled`` (called without the static argument).
+        executables: lookup key -> ``jax.stages.Compiled``.
     """
 
-    __slots__ = ("fn", "static_index", "executables")
+    __slots__ = ("fn", "static_index", "key_of", "executables")
 
-    def __init__(self, fn, static_index: int):
-        self.fn, self.static_index, self.executables = fn, static_index, {}
+    def __init__(self, fn, static_index: Optional[int] = None, key_of: Optional[Callable[[tuple], Any]] = None):
+        if (static_index is None) == (key_of is None):
+            raise ValueError("give exactly one of static_index and key_of")
+        self.fn, self.static_index, self.key_of, self.executables = fn, static_index, key_of, {}
+
+    def lookup(self, args: tuple):
+        """The table key of a call with `args`."""
+        return args[self.static_index] if self.key_of is None else self.key_of(args)
 
     def __call__(self, *args):
-        exe = self.executables.get(args[self.static_index])
+        i = self.static_index
+        exe = self.executables.get(args[i] if i is not None else self.key_of(args))
         if exe is None:
             return self.fn(*args)
-        i = self.static_index
         try:
-            return exe(*args[:i], *args[i + 1:])
+            return exe(*args[:i], *args[i + 1:]) if i is not None else exe(*args)
         except TypeError:  # (checked before it runs: an argument type warm-up did not see goes to jit, as before)
             return self.fn(*args)
 
@@ -140,14 +147,15 @@ class CachedProgram:
 @dataclass
 class ProgramCall:
     """One warm-up program of a `CachedProgram`: its arguments as serving passes them (arrays or
-    ``jax.ShapeDtypeStruct``; the static one in place)."""
+    ``jax.ShapeDtypeStruct``; a static one in place)."""
 
     program: CachedProgram
     args: tuple
 
     @property
     def static(self):
-        return self.args[self.program.static_index]
+        """The call's table key (`CachedProgram.lookup`)."""
+        return self.program.lookup(self.args)
 
     def lower(self):
         return self.program.fn.lower(*self.args)

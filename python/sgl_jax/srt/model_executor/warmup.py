@@ -30,7 +30,8 @@ def as_lowered(item):
 
 def compile_programs(programs: List[Tuple[str, Callable[[], object]]], phases: Optional[StartupPhases] = None,
                      prefix: str = "", cache: Optional[ProgramCache] = None,
-                     devices: Optional[Dict[int, object]] = None) -> Dict[str, float]:
+                     devices: Optional[Dict[int, object]] = None,
+                     wait_for: Optional[Callable[[], object]] = None) -> Dict[str, float]:
     """Compile every (name, thunk) ahead of time (``jit(...).lower(...).compile()``: nothing runs), with a progress
     bar and one log line per program saying whether XLA compiled it, loaded it from the persistent compilation cache,
     or loaded its serialized executable. A thunk returns the lowered program, or a `ProgramCall` of a step program:
@@ -41,8 +42,11 @@ def compile_programs(programs: List[Tuple[str, Callable[[], object]]], phases: O
     wall seconds in all, seconds tracing and lowering (Python, one thread, while earlier programs compile), and the
     compile (or load) threads' seconds summed.
 
+    `wait_for`, when given, is called after the last program (it waits for device work that warm-up overlaps).
+
     With `phases`, two start-up phases: ``<prefix>tracing`` (the tracing seconds) and ``<prefix>compiling`` (the
-    rest of the wall time: XLA compiling or loading after the last trace), the latter noted with the counts."""
+    rest of the wall time: XLA compiling or loading after the last trace, and `wait_for`), the latter noted with the
+    counts."""
     t0, start = time.time(), compile_counts()
     workers = max(2, min(8, os.cpu_count() or 2))
     traced, xla, loaded = [], [], []
@@ -88,6 +92,8 @@ def compile_programs(programs: List[Tuple[str, Callable[[], object]]], phases: O
                                        item if isinstance(item, ProgramCall) else None, key))
         for f in futures:
             f.result()
+        if wait_for is not None:  # (device work dispatched before warm-up, e.g. the KV pool's zeroing)
+            wait_for()
     delta, wall = compile_counts() - start, time.time() - t0
     hits = delta.cache_hits + len(loaded)
     stats = {"programs": len(programs), "compiled": delta.compiled, "loaded_from_cache": hits,

@@ -218,11 +218,13 @@ class Scheduler:
             logger.info("Speculative decoding: %s, up to %d draft-tree slots per request",
                         server_args.speculative_algorithm, server_args.speculative_num_draft_tokens)
         phases.since_start("scheduler set-up")
+        grammar = self.grammar_queue.backend if self.model_runner.generates else None  # (embedding servers: none)
+        grammar_ready = grammar.warmup() if grammar is not None else None  # (built while the model warms up)
         if not server_args.disable_precompile:
             self._warmup()
-        if self.grammar_queue.backend is not None and self.model_runner.generates:  # (embedding servers: no grammar)
-            with phases.phase("grammar warm-up"):
-                self.grammar_queue.backend.warmup()
+        if grammar_ready is not None:
+            with phases.phase("grammar warm-up"):  # (what is left of it after the model's warm-up)
+                grammar_ready.result()
         if self.lora is not None:
             with phases.phase("LoRA adapters"):
                 self.lora.load_initial(server_args.lora_paths)
