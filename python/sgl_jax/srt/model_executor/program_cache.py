@@ -28,6 +28,7 @@ import logging
 import os
 import pickle
 import tempfile
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Optional
 
@@ -36,7 +37,7 @@ import jax
 logger = logging.getLogger(__name__)
 
 SWITCH_ENV = "SGL_JAX_EXECUTABLE_CACHE"  # "0": trace and compile (or load from JAX's cache) every start
-FORMAT = 1  # the files' layout; a change makes every older file a miss
+FORMAT = 2  # the files' layout (in their names: a change makes every older file a miss); 2: zlib-compressed
 DIR_NAME = "sgl_jax_executables"  # under --compilation-cache-dir
 # ServerArgs fields that cannot shape a program (where it listens, what it logs, the seed of request seeds): left
 # out of the fingerprint so that restarts on another port or seed find their programs. Every other field is in it.
@@ -169,7 +170,7 @@ class ProgramCache:
     """Serialized executables in `directory` (created on first store), keyed by `fingerprint` plus each program's
     name and `ProgramCall` signature.
 
-    Files are pickles: load only a directory you write yourself (as JAX's own cache)."""
+    Files are zlib-compressed pickles: load only a directory you write yourself (as JAX's own cache)."""
 
     def __init__(self, directory: str, fingerprint_hex: str):
         self.directory, self.fingerprint = directory, fingerprint_hex
@@ -182,7 +183,7 @@ class ProgramCache:
         return h.hexdigest()
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.directory, f"{key}.exe")
+        return os.path.join(self.directory, f"{key}.v{FORMAT}.exe")
 
     def has(self, key: str) -> bool:
         return os.path.exists(self._path(key))
@@ -194,7 +195,7 @@ class ProgramCache:
 
         try:
             with open(self._path(key), "rb") as f:
-                entry = pickle.load(f)
+                entry = pickle.loads(zlib.decompress(f.read()))
             if entry.get("format") != FORMAT:
                 return None
             exe_devices = [devices[i] for i in entry["devices"]]
@@ -213,8 +214,9 @@ class ProgramCache:
         try:
             blob, in_tree, out_tree = serialize(compiled)
             devices = [d.id for d in compiled.runtime_executable().local_devices()]
-            data = pickle.dumps({"format": FORMAT, "executable": blob, "in_tree": in_tree, "out_tree": out_tree,
-                                 "devices": devices})
+            # (zlib level 1: a 12.8 MB executable pickles to 2.2 MB in ~0.2 s and inflates in ~0.1 s)
+            data = zlib.compress(pickle.dumps({"format": FORMAT, "executable": blob, "in_tree": in_tree,
+                                               "out_tree": out_tree, "devices": devices}), 1)
             os.makedirs(self.directory, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
