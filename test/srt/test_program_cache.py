@@ -45,7 +45,6 @@ def _args(n=4, scale=2):
     return ({"w": jnp.arange(12.0).reshape(3, 4)}, jnp.zeros((8, 4)), jnp.ones((n, 4)), scale)
 
 
-DEVICES = {d.id: d for d in jax.devices()}
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +63,7 @@ def no_jax_cache():
 
 
 def _warm(cache, program, args, name="step S=4"):
-    return compile_programs([(name, lambda: ProgramCall(program, args))], cache=cache, devices=DEVICES)
+    return compile_programs([(name, lambda: ProgramCall(program, args))], cache=cache)
 
 
 def test_a_stored_executable_serves_its_layout_without_tracing(tmp_path):
@@ -172,11 +171,9 @@ def f(tab, idx, w, n):
     return jnp.tanh(tab[idx].reshape(-1, 16) @ w).sum(0) * n, jnp.take_along_axis(tab[:64], idx[:, None] % 8, axis=1)
 
 args = (jnp.arange(4096.0).reshape(256, 16), jnp.arange(64) % 256, jnp.ones((16, 16)), 2)
-devices = {d.id: d for d in jax.devices()}
 def warm(where):
     program = CachedProgram(jax.jit(f, static_argnums=(3,)), 3)
-    stats = compile_programs([("p", lambda: ProgramCall(program, args))], cache=ProgramCache(where, "f" * 64),
-                             devices=devices)
+    stats = compile_programs([("p", lambda: ProgramCall(program, args))], cache=ProgramCache(where, "f" * 64))
     return program, stats
 program, first = warm(os.path.join(root, "a"))  # XLA compiles: stored
 expected = [np.asarray(o) for o in program(*args)]
@@ -213,12 +210,11 @@ def test_a_program_without_static_argument_is_looked_up_by_its_key(tmp_path):
 
     params, rows = {"w": jnp.arange(12.0).reshape(3, 4)}, jnp.ones((16, 4))
     cache = ProgramCache(str(tmp_path), "f" * 64)
-    compile_programs([("head R=16", lambda: ProgramCall(program(), (params, rows)))], cache=cache, devices=DEVICES)
+    compile_programs([("head R=16", lambda: ProgramCall(program(), (params, rows)))], cache=cache)
     TRACES.clear()
     jax.clear_caches()
     loaded = program()
-    stats = compile_programs([("head R=16", lambda: ProgramCall(loaded, (params, rows)))], cache=cache,
-                             devices=DEVICES)
+    stats = compile_programs([("head R=16", lambda: ProgramCall(loaded, (params, rows)))], cache=cache)
     assert stats["executables_loaded"] == 1 and list(loaded.executables) == [16]
     np.testing.assert_array_equal(np.asarray(loaded(params, rows)), np.asarray(rows @ params["w"].T))
     assert TRACES == []

@@ -782,7 +782,6 @@ class ModelRunner:
         at start-up (and, on an asynchronous device, overlaps it), is ready.
         """
         self.warmup_stats = compile_programs(self.warmup_programs(), phases, prefix, self.program_cache,
-                                             {d.id: d for d in self.mesh.devices.flat},
                                              wait_for=lambda: jax.block_until_ready(self.kv_caches))
         self._compiled_after_warmup = compile_counts().programs
 

@@ -30,7 +30,7 @@ import pickle
 import tempfile
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import jax
 
@@ -154,7 +154,7 @@ class ProgramCall:
     args: tuple
 
     @property
-    def static(self):
+    def lookup_key(self):
         """The call's table key (`CachedProgram.lookup`)."""
         return self.program.lookup(self.args)
 
@@ -163,22 +163,23 @@ class ProgramCall:
 
     def use(self, compiled) -> None:
         """Serve this call's signature with `compiled` from now on."""
-        self.program.executables[self.static] = compiled
+        self.program.executables[self.lookup_key] = compiled
 
 
 class ProgramCache:
     """Serialized executables in `directory` (created on first store), keyed by `fingerprint` plus each program's
-    name and `ProgramCall` signature.
+    name and `ProgramCall` signature, loaded onto `devices` (the runner's mesh; None: all of JAX's devices).
 
     Files are zlib-compressed pickles: load only a directory you write yourself (as JAX's own cache)."""
 
-    def __init__(self, directory: str, fingerprint_hex: str):
+    def __init__(self, directory: str, fingerprint_hex: str, devices: Optional[Iterable] = None):
         self.directory, self.fingerprint = directory, fingerprint_hex
+        self.devices = {d.id: d for d in (jax.devices() if devices is None else devices)}
 
     def key(self, name: str, call: ProgramCall) -> str:
         """sha256 (hex) of the fingerprint, `name`, the static argument's repr and the arguments' signature."""
         h = hashlib.sha256(self.fingerprint.encode())
-        for part in (name, repr(call.static), _arg_signature(call.args)):
+        for part in (name, repr(call.lookup_key), _arg_signature(call.args)):
             h.update(hashlib.sha256(part.encode()).digest())
         return h.hexdigest()
 
@@ -188,9 +189,9 @@ class ProgramCache:
     def has(self, key: str) -> bool:
         return os.path.exists(self._path(key))
 
-    def load(self, key: str, devices: Dict[int, Any]) -> Optional[Any]:
-        """The executable stored under `key` as a ``jax.stages.Compiled`` on `devices` (id -> device), or None
-        (logged) when the file is unreadable, of another format, or names a device not in `devices`."""
+    def load(self, key: str) -> Optional[Any]:
+        """The executable stored under `key` as a ``jax.stages.Compiled`` on this cache's devices, or None (logged)
+        when the file is unreadable, of another format, or names a device that is not one of them."""
         from jax.experimental.serialize_executable import deserialize_and_load
 
         try:
@@ -198,7 +199,7 @@ class ProgramCache:
                 entry = pickle.loads(zlib.decompress(f.read()))
             if entry.get("format") != FORMAT:
                 return None
-            exe_devices = [devices[i] for i in entry["devices"]]
+            exe_devices = [self.devices[i] for i in entry["devices"]]
             return deserialize_and_load(entry["executable"], entry["in_tree"], entry["out_tree"],
                                         backend=exe_devices[0].client, execution_devices=exe_devices)
         except Exception as e:  # (a damaged or foreign file is a miss: the program is traced and compiled instead)
@@ -233,6 +234,7 @@ def program_cache_for(server_args, model_config, step_spec, devices) -> Optional
     says no or there is no compilation cache directory."""
     if not enabled() or not getattr(server_args, "compilation_cache_dir", None):
         return None
+    devices = list(devices)
     return ProgramCache(os.path.join(server_args.compilation_cache_dir, DIR_NAME),
-                        fingerprint(server_args, model_config, step_spec, devices))
+                        fingerprint(server_args, model_config, step_spec, devices), devices)
 

@@ -30,12 +30,11 @@ def as_lowered(item):
 
 def compile_programs(programs: List[Tuple[str, Callable[[], object]]], phases: Optional[StartupPhases] = None,
                      prefix: str = "", cache: Optional[ProgramCache] = None,
-                     devices: Optional[Dict[int, object]] = None,
                      wait_for: Optional[Callable[[], object]] = None) -> Dict[str, float]:
     """Compile every (name, thunk) ahead of time (``jit(...).lower(...).compile()``: nothing runs), with a progress
     bar and one log line per program saying whether XLA compiled it, loaded it from the persistent compilation cache,
     or loaded its serialized executable. A thunk returns the lowered program, or a `ProgramCall` of a step program:
-    with `cache` (program_cache.ProgramCache; `devices`: id -> device), a call whose executable is stored is loaded
+    with `cache` (program_cache.ProgramCache), a call whose executable is stored is loaded
     without tracing, and one XLA compiled here (not one read back from JAX's cache) is stored; either way the
     call's program runs that executable from then on. Returns {"programs", "compiled", "loaded_from_cache",
     "executables_loaded", "seconds", "trace_seconds", "xla_seconds"}: "loaded_from_cache" counts both kinds of load;
@@ -69,7 +68,7 @@ def compile_programs(programs: List[Tuple[str, Callable[[], object]]], phases: O
 
         def load_one(name, call, key):
             t1 = time.time()
-            compiled = cache.load(key, devices)
+            compiled = cache.load(key)
             if compiled is None:  # (unreadable: traced and compiled after all, here on the compile thread)
                 return compile_one(name, call.lower(), 0.0, call, key)
             call.use(compiled)
