@@ -25,7 +25,7 @@ from suite_durations import (pytest_addoption, pytest_runtest_logreport, pytest_
 UNIT_TEST_TIMEOUT_S = 120
 UNIT_TEST_FILES = ("test_detokenizer.py", "test_request_validation.py", "test_ragged_paged_attention.py",
                    "test_sampler.py", "test_tool_call_parser.py", "test_import_layers.py", "test_bench_sharding.py",
-                   "test_gguf_gemma3.py", "test_program_cache.py")
+                   "test_gguf_gemma3.py", "test_program_cache.py", "test_kv_allocation.py")
 
 
 # scripts/test.sh runs the suite on two pytest-xdist workers (`-n 2`) with the scheduler below: tests go out in

@@ -13,9 +13,10 @@ import pytest
 
 from srt_helpers import save_tiny_llama, server_env
 
+# (the KV pool is zeroed on a thread of its own from after the weights; its phase is the wait for it after warm-up)
 SCHEDULER_PHASES = ["process start and imports", "JAX set-up", "model config and tokenizer",
-                    "weights (read, place and shard)", "KV cache allocation", "scheduler set-up", "tracing",
-                    "compiling", "grammar warm-up", "other"]
+                    "weights (read, place and shard)", "scheduler set-up", "tracing", "compiling",
+                    "KV cache allocation", "grammar warm-up", "other"]
 SERVER_PHASES = ["process start and imports", "tokenizer", "waiting for the scheduler", "HTTP app", "other"]
 
 
@@ -59,5 +60,7 @@ def test_cold_start_compiles_and_the_restart_loads_everything(tiny, tmp_path):
                                f"from the compilation cache, {w['executables_loaded']} serialized executables loaded")
     # the restart loaded every program's executable instead of tracing it (program_cache.py)
     assert cold["warmup"]["executables_loaded"] == 0 and restart["warmup"]["executables_loaded"] == programs
+    # ... each loaded ahead, while the weights loaded (program_cache.start_prefetch)
+    assert restart["warmup"]["executables_loaded_ahead"] == programs
     text = report.read_text()
     assert "| cold |" in text and "| restart 1 |" in text and "| compiling |" in text and "| tokenizer |" in text

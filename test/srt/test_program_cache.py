@@ -220,3 +220,41 @@ def test_a_program_without_static_argument_is_looked_up_by_its_key(tmp_path):
     assert TRACES == []
     loaded(params, jnp.ones((8, 4)))  # another row count: jit
     assert TRACES == [8]
+
+
+def test_a_restart_loads_the_last_starts_executables_ahead(tmp_path):
+    """start_prefetch / end_prefetch: a start notes the keys warm-up used in a manifest named by its flags; the next
+    start with those flags loads them on threads of its own before warm-up asks, and warm-up takes them. Another
+    flag names another manifest; a listed key warm-up does not ask for is loaded for nothing, dropped, and
+    left out of the rewritten manifest."""
+    args = ServerArgs(compilation_cache_dir=str(tmp_path))
+    directory = tmp_path / program_cache.DIR_NAME
+    cache = ProgramCache(str(directory), "f" * 64)
+    assert program_cache.start_prefetch(args) == 0  # no manifest yet
+    assert _warm(cache, _program(), _args())["compiled"] == 1
+    assert program_cache.end_prefetch() == {"listed": 0, "taken": 0, "unused": 0, "used": 1}
+    (manifest,) = directory.glob("*.keys.json")
+
+    TRACES.clear()
+    jax.clear_caches()  # a restart
+    assert program_cache.start_prefetch(args) == 1
+    program = _program()
+    warm_args, args_ = _args(), _args()
+    stats = _warm(cache, program, warm_args)
+    assert stats["executables_loaded"] == 1 and stats["executables_loaded_ahead"] == 1 and TRACES == []
+    assert program_cache.end_prefetch() == {"listed": 1, "taken": 1, "unused": 0, "used": 1}
+    np.testing.assert_array_equal(np.asarray(program(*args_)[1]),
+                                  np.asarray(jax.jit(_step, static_argnums=(3,))(*_args())[1]))
+
+    # other flags: another manifest (none yet), nothing loaded ahead
+    assert program_cache.start_prefetch(ServerArgs(compilation_cache_dir=str(tmp_path), max_running_requests=7)) == 0
+    assert program_cache.end_prefetch()["listed"] == 0
+
+    # the same flags, but warm-up asks for another program: the listed one is dropped, the manifest now names the
+    # new one
+    old_keys = manifest.read_text()
+    assert program_cache.start_prefetch(args) == 1
+    stats = _warm(cache, _program(), _args(scale=3))
+    assert stats["compiled"] == 1 and stats["executables_loaded_ahead"] == 0
+    assert program_cache.end_prefetch() == {"listed": 1, "taken": 0, "unused": 1, "used": 1}
+    assert manifest.read_text() != old_keys and len(list(directory.glob("*.exe"))) == 2

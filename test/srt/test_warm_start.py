@@ -5,8 +5,8 @@ process, sharing one compilation-cache directory (JAX's cache and the step progr
 KV pool is auto-sized (no --max-total-tokens) and the free memory it follows moves between the starts by the amount
 issue #17 saw on this machine (a pool of 103,192 tokens the first time, 102,011 the second): the test hook
 SGL_JAX_TEST_AVAILABLE_MEMORY_BYTES stands in for MemAvailable so the move is exact. The second start must compile
-nothing, load every program from the cache (as serialized executables, untraced), serve without
-compiling, and generate the same tokens.
+nothing, load every program from the cache (as serialized executables, untraced, each loaded ahead of warm-up from
+the list the first start left), serve without compiling, and generate the same tokens.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def test_restart_with_moved_free_memory_loads_everything_from_cache(tmp_path):
     # every program's serialized executable loaded without tracing (program_cache.py)
     assert first["warmup"]["executables_loaded"] == 0 and w["executables_loaded"] == w["programs"], w
     assert w["trace_seconds"] == 0, w
+    # ... each loaded ahead, while the weights loaded: the first start noted their keys (program_cache.start_prefetch)
+    assert first["warmup"]["executables_loaded_ahead"] == 0 and w["executables_loaded_ahead"] == w["programs"], w
     assert first["after"] == second["after"] == 0  # nothing compiled while serving
     assert second["ids"] == first["ids"] and len(first["ids"]) == 8
 

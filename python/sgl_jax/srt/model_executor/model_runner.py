@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sgl_jax.srt.kernels.ragged_paged_attention.backend import describe as describe_attention
+from sgl_jax.srt.kernels.ragged_paged_attention.backend import describe as describe_attention, register_kernels
 from sgl_jax.srt.distributed.mesh import create_mesh, tp_size_of
 from sgl_jax.srt.distributed.multihost import init_distributed
 from sgl_jax.srt.distributed.sharding import KV_CACHE, RANK_ROWS, REPLICATED, check_tp, padded_kv_heads
@@ -38,11 +38,12 @@ from sgl_jax.srt.model_executor import host_copy, step_programs
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.model_executor.compile_stats import compile_counts
 from sgl_jax.srt.model_executor.host_kv import HostKVCopies
+from sgl_jax.srt.model_executor.kv_allocation import KVAllocation
 from sgl_jax.srt.model_executor.lora_weights import LoraSlotWriter
 from sgl_jax.srt.model_executor.memory_budget import FP8_KV_DTYPES, kv_cache_dtype
 from sgl_jax.srt.model_executor.future_tokens import new_future_tokens
 from sgl_jax.srt.model_executor.packed_inputs import pack
-from sgl_jax.srt.model_executor.program_cache import CachedProgram, ProgramCall, program_cache_for
+from sgl_jax.srt.model_executor.program_cache import CachedProgram, ProgramCall, program_cache_for, start_prefetch
 from sgl_jax.srt.model_executor.moe_stats import MoeStats
 from sgl_jax.srt.model_executor.slot_state import new_slot_state
 from sgl_jax.srt.model_executor.step_output import LaunchedForward, PendingStep, StepOutput, StepTimes
@@ -120,6 +121,8 @@ class ModelRunner:
         if self.tp_size > 1 or self.dp_size > 1:
             logger.info("Mesh: %d data-parallel ranks x %d tensor-parallel devices %s", self.dp_size, self.tp_size,
                         [d.id for d in self.mesh.devices.flat])
+        if not server_args.disable_precompile:  # the last start's executables, loaded while the weights load
+            start_prefetch(server_args, register_kernels)  # (warm-up takes them; the scheduler ends it)
         with phases.phase("weights (read, place and shard)"):
             self.graphdef, self.params = load_model(model_config, server_args.load_format,
                                                     server_args.random_seed, mesh=self.mesh)
@@ -163,12 +166,15 @@ class ModelRunner:
                              f"cache): pass --attention-backend native or --dtype {self.kv_cache_dtype.name}")
         self._kv_layout = (spec, padded_kv_heads(model_config.num_key_value_heads, self.tp_size),
                            model_config.head_dim, dtype)
-        self._kv_alloc_programs = {}  # pages -> its jitted allocation (compiled here, reused by allocate_kv)
-        # dispatched, not waited for: where the device zeroes the pool asynchronously warm-up overlaps it (XLA's CPU
-        # client runs this memset within the dispatch: on CPU the phase still holds it, 1.7 s for 4.2 GiB)
-        with phases.phase("KV cache allocation"):
-            self.kv_caches = self.allocate_kv()
-        kv_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / self.tp_size / self.dp_size
+        kv_heads, head_dim = self._kv_layout[1:3]
+        self._kv_allocation = KVAllocation(
+            [(self.dp_size * (spec.pool_pages(pool) + 1), self.page_size, kv_heads, head_dim)
+             for pool in spec.layer_pool], dtype, self._kv_sharding)
+        # zeroed on a thread of its own while the rest of start-up goes on (kv_allocation.py); the first read of
+        # `kv_caches` (warm-up's end) waits for it and records the phase "KV cache allocation" in `phases`
+        self._kv, self._startup_phases = None, phases
+        self._kv_allocation.start()
+        kv_bytes = self._kv_allocation.nbytes / self.tp_size / self.dp_size
         logger.info("KV cache: %s, %s, per rank (%.2f GiB per device)", spec.describe(), self.kv_cache_dtype.name,
                     kv_bytes / 2**30)
         # the host tier's copy programs (--enable-hierarchical-cache; model_executor/host_kv.py)
@@ -264,19 +270,28 @@ class ModelRunner:
     # ---- compiled functions
     def allocate_kv(self) -> list:
         """Zeroed (K, V) device buffers per layer, [dp * (pages + 1), page_size, kv_heads, head_dim] each, of the
-        pool the KV spec gives the layer (every rank's block holds its padding page 0), sharded by KV_CACHE. One
-        compiled allocation per buffer shape, kept: a later call (resume_memory_occupation) compiles nothing."""
-        spec, kv_heads, head_dim, dtype = self._kv_layout
-        programs = self._kv_alloc_programs
+        pool the KV spec gives the layer (every rank's block holds its padding page 0), sharded by KV_CACHE
+        (`kv_allocation.KVAllocation`: a later call, resume_memory_occupation's, compiles nothing)."""
+        return self._kv_allocation.allocate()
 
-        def zeros(pages):
-            if pages not in programs:
-                shape = (self.dp_size * (pages + 1), self.page_size, kv_heads, head_dim)
-                programs[pages] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self._kv_sharding)
-            return programs[pages]()
+    @property
+    def kv_caches(self) -> list:
+        """The KV pool's (K, V) device buffers per layer (see `allocate_kv`); None while released. The start-up
+        allocation runs on a thread of its own: the first read waits for it."""
+        if self._kv_allocation.pending:
+            self._kv, waited = self._kv_allocation.result()
+            self._startup_phases.add("KV cache allocation", waited, f"{self._kv_allocation.nbytes / 2**30:.1f} GiB "
+                                     f"zeroed in {self._kv_allocation.seconds:.1f} s on a thread of its own")
+        return self._kv
 
-        pages = [spec.pool_pages(pool) for pool in spec.layer_pool]
-        return [(zeros(n), zeros(n)) for n in pages]
+    @kv_caches.setter
+    def kv_caches(self, value) -> None:
+        self._kv = value
+
+    @property
+    def _kv_args(self) -> list:
+        """The KV buffers to lower a program against: their abstract shapes while the start-up allocation runs."""
+        return self._kv_allocation.abstract if self._kv_allocation.pending else self._kv
 
     @property
     def params(self):
@@ -778,11 +793,11 @@ class ModelRunner:
         tracing and compiling recorded in `phases` (names starting with `prefix`) when given.
 
         Serving then finds each program in jit's in-memory cache; any later compile is counted in
-        ``num_compiles_after_warmup`` (see compile_stats). Warm-up ends once the KV pool, whose zeroing was dispatched
-        at start-up (and, on an asynchronous device, overlaps it), is ready.
+        ``num_compiles_after_warmup`` (see compile_stats). The step programs are lowered against the KV pool's abstract
+        buffers while a thread of its own zeroes it (kv_allocation.py); warm-up ends once it is ready.
         """
-        self.warmup_stats = compile_programs(self.warmup_programs(), phases, prefix, self.program_cache,
-                                             wait_for=lambda: jax.block_until_ready(self.kv_caches))
+        self.warmup_stats = compile_programs(self.warmup_programs(), phases, prefix, self.program_cache)
+        self.kv_caches  # (waits for the start-up allocation of the pool, which warm-up overlapped)
         self._compiled_after_warmup = compile_counts().programs
 
     def _padding_inputs(self, mode: ForwardMode, t_pad: int, s_pad: int) -> tuple:
@@ -796,7 +811,7 @@ class ModelRunner:
         """A thunk lowering the fused step program of one padded shape."""
         def lower():
             packed, layout, mask = self._padding_inputs(mode, t_pad, s_pad)
-            return ProgramCall(self._step, (self._param_leaves, self.kv_caches, self._state, packed, mask, layout))
+            return ProgramCall(self._step, (self._param_leaves, self._kv_args, self._state, packed, mask, layout))
         return lower
 
     def _lower_decode(self, s_pad: int, num_steps: int):
@@ -804,7 +819,7 @@ class ModelRunner:
         def lower():
             buf, layout = pack(DecodeRows.stack([DecodeRows.padding(s_pad, num_steps)] * self.dp_size,
                                                 self.num_request_slots))
-            return ProgramCall(self._decode(num_steps), (self._param_leaves, self.kv_caches, self._state,
+            return ProgramCall(self._decode(num_steps), (self._param_leaves, self._kv_args, self._state,
                                                          self._put(buf), self._all_allowed_mask(s_pad * self.dp_size),
                                                          layout))
         return lower
@@ -813,7 +828,7 @@ class ModelRunner:
         """A thunk lowering the split forward program of one padded shape."""
         def lower():
             packed, layout, _ = self._padding_inputs(mode, t_pad, s_pad)
-            return ProgramCall(self._forward, (self._param_leaves, self.kv_caches, self.slot_state,
+            return ProgramCall(self._forward, (self._param_leaves, self._kv_args, self.slot_state,
                                                self.future_tokens, packed, layout))
         return lower
 
@@ -821,7 +836,7 @@ class ModelRunner:
         """A thunk lowering the KV move program of `m` slots per rank (`move_kv`)."""
         def lower():
             z = self._put(np.zeros(self.dp_size * m, np.int32))
-            return ProgramCall(self._move_kv, (self.kv_caches, z, z))
+            return ProgramCall(self._move_kv, (self._kv_args, z, z))
         return lower
 
     def _lower_sample(self, mode: ForwardMode, t_pad: int, s_pad: int):

@@ -16,23 +16,34 @@ same C++ dispatch as jit's); any other call, or one whose arguments' types the e
 jitted function as before, so a signature never seen at warm-up compiles as it always did, and counts as a compile
 after warm-up (compile_stats).
 
+A start also loads ahead (`start_prefetch`, called once the devices are known, before the model config and the
+weights): each start writes the keys it used to a manifest named by what is known that early (`start_key`: code,
+environment, devices, server flags); the next start with the same `start_key` deserializes those files on threads of
+their own while the model loads, and warm-up then finds them loaded. The manifest is a hint: a key it names that
+warm-up does not ask for is loaded for nothing and dropped, never used.
+
 Off with ``SGL_JAX_EXECUTABLE_CACHE=0``, and with several JAX processes (--nnodes > 1), whose executables span
 hosts. A file that fails to load is logged and treated as absent; the program is then traced and compiled.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
+import json
 import logging
 import os
 import pickle
 import tempfile
+import time
 import zlib
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import jax
+
+from sgl_jax.srt.utils import lower_thread_priority
 
 logger = logging.getLogger(__name__)
 
@@ -82,21 +93,41 @@ def _host_cpu_flags() -> str:
         return ""
 
 
+def _program_env() -> str:
+    return repr(sorted((k, v) for k, v in os.environ.items()
+                       if k.startswith(("JAX_", "XLA_", "SGL_JAX_")) and k not in NOT_PROGRAM_ENV))
+
+
+def _program_flags(server_args) -> str:
+    return repr(sorted((k, repr(v)) for k, v in vars(server_args).items() if k not in NOT_PROGRAM_FLAGS))
+
+
+def _devices(devices: Iterable) -> str:
+    return repr([(d.platform, d.device_kind, d.id, d.process_index) for d in devices])
+
+
+def _sha256(parts: Iterable[str]) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(hashlib.sha256(part.encode()).digest())
+    return h.hexdigest()
+
+
 def fingerprint(server_args, model_config, step_spec, devices: Iterable) -> str:
     """sha256 (hex) of what a runner's programs are made from besides their arguments: `code_fingerprint`, the
     environment variables that JAX, XLA and this package read (``JAX_*``, ``XLA_*``, ``SGL_JAX_*``, but
     NOT_PROGRAM_ENV), `devices` (platform, kind, id, process), the host CPU's flags, `step_spec` (the static part
     of every step program, the model's graph included), `model_config` and every ServerArgs field but
     NOT_PROGRAM_FLAGS. Each part is its repr; a part whose repr changed makes a miss, never a wrong program."""
-    env = sorted((k, v) for k, v in os.environ.items()
-                 if k.startswith(("JAX_", "XLA_", "SGL_JAX_")) and k not in NOT_PROGRAM_ENV)
-    flags = sorted((k, repr(v)) for k, v in vars(server_args).items() if k not in NOT_PROGRAM_FLAGS)
-    devs = [(d.platform, d.device_kind, d.id, d.process_index) for d in devices]
-    h = hashlib.sha256()
-    for part in (code_fingerprint(), repr(env), repr(devs), _host_cpu_flags(), repr(step_spec), repr(model_config),
-                 repr(flags)):
-        h.update(hashlib.sha256(part.encode()).digest())
-    return h.hexdigest()
+    return _sha256((code_fingerprint(), _program_env(), _devices(devices), _host_cpu_flags(), repr(step_spec),
+                    repr(model_config), _program_flags(server_args)))
+
+
+def start_key(server_args, devices: Iterable) -> str:
+    """sha256 (hex) of what is known of a start before its model is read: `fingerprint`'s parts less the step spec
+    and the model config (the model is named by the flags). It names the manifest of keys `start_prefetch` loads."""
+    return _sha256(("start", code_fingerprint(), _program_env(), _devices(devices), _host_cpu_flags(),
+                    _program_flags(server_args)))
 
 
 def _arg_signature(args: tuple) -> str:
@@ -108,6 +139,24 @@ def _arg_signature(args: tuple) -> str:
         parts.append(f"{getattr(leaf, 'shape', ())}|{getattr(leaf, 'dtype', type(leaf).__name__)}|{sharding}|"
                      f"{getattr(leaf, 'weak_type', False)}")
     return "\n".join(parts)
+
+
+def read_executable(path: str, devices: Dict[int, Any]) -> Optional[Any]:
+    """The ``jax.stages.Compiled`` stored at `path` (`ProgramCache.store`), loaded onto `devices` (id -> device),
+    or None (logged) when the file is unreadable, of another format, or names a device not in `devices`."""
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.loads(zlib.decompress(f.read()))
+        if entry.get("format") != FORMAT:
+            return None
+        exe_devices = [devices[i] for i in entry["devices"]]
+        return deserialize_and_load(entry["executable"], entry["in_tree"], entry["out_tree"],
+                                    backend=exe_devices[0].client, execution_devices=exe_devices)
+    except Exception as e:  # (a damaged or foreign file is a miss: the program is traced and compiled instead)
+        logger.warning("Executable cache: could not load %s (%s: %s); compiling instead", path, type(e).__name__, e)
+        return None
 
 
 class CachedProgram:
@@ -175,6 +224,7 @@ class ProgramCache:
     def __init__(self, directory: str, fingerprint_hex: str, devices: Optional[Iterable] = None):
         self.directory, self.fingerprint = directory, fingerprint_hex
         self.devices = {d.id: d for d in (jax.devices() if devices is None else devices)}
+        self.loaded_ahead = 0  # `load`s answered by an executable `start_prefetch` had loaded
 
     def key(self, name: str, call: ProgramCall) -> str:
         """sha256 (hex) of the fingerprint, `name`, the static argument's repr and the arguments' signature."""
@@ -190,22 +240,18 @@ class ProgramCache:
         return os.path.exists(self._path(key))
 
     def load(self, key: str) -> Optional[Any]:
-        """The executable stored under `key` as a ``jax.stages.Compiled`` on this cache's devices, or None (logged)
-        when the file is unreadable, of another format, or names a device that is not one of them."""
-        from jax.experimental.serialize_executable import deserialize_and_load
-
-        try:
-            with open(self._path(key), "rb") as f:
-                entry = pickle.loads(zlib.decompress(f.read()))
-            if entry.get("format") != FORMAT:
-                return None
-            exe_devices = [self.devices[i] for i in entry["devices"]]
-            return deserialize_and_load(entry["executable"], entry["in_tree"], entry["out_tree"],
-                                        backend=exe_devices[0].client, execution_devices=exe_devices)
-        except Exception as e:  # (a damaged or foreign file is a miss: the program is traced and compiled instead)
-            logger.warning("Executable cache: could not load %s (%s: %s); compiling instead", self._path(key),
-                           type(e).__name__, e)
-            return None
+        """The executable stored under `key` as a ``jax.stages.Compiled`` on this cache's devices (the one
+        `start_prefetch` loaded ahead, when it did), or None (logged) when the file is unreadable, of another format,
+        or names a device that is not one of them."""
+        ahead = _prefetch.take(self.directory, key) if _prefetch is not None else None
+        compiled = ahead.result() if ahead is not None else None  # (None: it failed there too, and was logged)
+        if compiled is not None and {d.id for d in compiled.runtime_executable().local_devices()} <= set(self.devices):
+            self.loaded_ahead += 1
+        else:
+            compiled = read_executable(self._path(key), self.devices)
+        if compiled is not None and _prefetch is not None:
+            _prefetch.used(self.directory, key)
+        return compiled
 
     def store(self, key: str, compiled) -> bool:
         """Write `compiled` under `key` (atomically: a temporary file renamed). Returns False (logged at debug) for an
@@ -223,6 +269,8 @@ class ProgramCache:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, self._path(key))
+            if _prefetch is not None:
+                _prefetch.used(self.directory, key)
             return True
         except Exception as e:
             logger.debug("Executable cache: not stored (%s: %s)", type(e).__name__, e)
@@ -238,3 +286,96 @@ def program_cache_for(server_args, model_config, step_spec, devices) -> Optional
     return ProgramCache(os.path.join(server_args.compilation_cache_dir, DIR_NAME),
                         fingerprint(server_args, model_config, step_spec, devices), devices)
 
+
+
+@dataclass
+class Prefetch:
+    """Executables loaded ahead of warm-up (`start_prefetch`), and the keys this start used (`end_prefetch`
+    writes them for the next start).
+
+    Attributes:
+        directory: the executables' directory.
+        manifest: the path of the key list this start reads and rewrites (``<start_key>.keys.json``).
+        listed: the keys the manifest named, in its order.
+        futures: key -> its load (a Future of a ``jax.stages.Compiled`` or None) not yet taken.
+        keys_used: the keys warm-up loaded or stored this start, in its order.
+    """
+
+    directory: str
+    manifest: str
+    listed: List[str]
+    futures: Dict[str, concurrent.futures.Future] = field(default_factory=dict)
+    keys_used: List[str] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+
+    def take(self, directory: str, key: str) -> Optional[concurrent.futures.Future]:
+        """The load of `key` begun ahead (removed from `futures`), or None."""
+        return self.futures.pop(key, None) if directory == self.directory else None
+
+    def used(self, directory: str, key: str) -> None:
+        if directory == self.directory and key not in self.keys_used:
+            self.keys_used.append(key)
+
+
+_prefetch: Optional[Prefetch] = None  # this process's start (the scheduler's), between start_ and end_prefetch
+
+
+def start_prefetch(server_args, register_kernels: Callable[[], object] = lambda: None) -> int:
+    """Begin loading, on threads of their own (at a low priority), the executables the last start with this
+    `start_key` used (its manifest): warm-up's `ProgramCache.load` then takes them instead of reading the files.
+    Call it once the devices are known and before the weights load, with `register_kernels` registering the
+    custom-call kernels the executables name (an executable that calls one loads only once it is registered).
+    Loading holds the GIL for part of its time: begun during the model config's imports it slowed them 1.8-2.5x,
+    during the weights' reading and the KV pool's zeroing (numpy, XLA) it costs little. Returns how many loads
+    began (0: no manifest, cache off, no compilation cache directory, or a start already prefetching)."""
+    global _prefetch
+    if _prefetch is not None or not enabled() or not getattr(server_args, "compilation_cache_dir", None):
+        return 0  # (a second runner of the process, e.g. a draft model's, shares the first one's)
+    devices = jax.devices()
+    directory = os.path.join(server_args.compilation_cache_dir, DIR_NAME)
+    manifest = os.path.join(directory, f"{start_key(server_args, devices)}.keys.json")
+    try:
+        with open(manifest) as f:
+            listed = [k for k in json.load(f) if isinstance(k, str)]
+    except (OSError, ValueError, TypeError):
+        listed = []
+    _prefetch = session = Prefetch(directory, manifest, listed)
+    if not listed:
+        return 0
+    register_kernels()
+    by_id = {d.id: d for d in devices}
+    # at a low priority: the start's own work (model config, weights) goes first, the loads take what it leaves
+    pool = concurrent.futures.ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="prefetch",
+                                                 initializer=lower_thread_priority)
+    for key in listed:
+        session.futures[key] = pool.submit(read_executable, os.path.join(directory, f"{key}.v{FORMAT}.exe"), by_id)
+    pool.shutdown(wait=False)  # (its threads end with the last load)
+    logger.info("Executable cache: loading %d executables ahead (the last start's with these flags)", len(listed))
+    return len(listed)
+
+
+def end_prefetch() -> Optional[dict]:
+    """End this process's `start_prefetch`: drop the loads warm-up did not take (cancelled where not begun), write
+    the keys warm-up used as the manifest when they differ from it, and return {"listed", "taken", "unused",
+    "used"} (None without a `start_prefetch`)."""
+    global _prefetch
+    session, _prefetch = _prefetch, None
+    if session is None:
+        return None
+    for f in session.futures.values():
+        f.cancel()
+    unused = len(session.futures)
+    if session.keys_used and session.keys_used != session.listed:
+        try:
+            os.makedirs(session.directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=session.directory, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(session.keys_used, f)
+            os.replace(tmp, session.manifest)
+        except OSError as e:
+            logger.debug("Executable cache: manifest not written (%s)", e)
+    stats = {"listed": len(session.listed), "taken": len(session.listed) - unused, "unused": unused,
+             "used": len(session.keys_used)}
+    if session.listed:
+        logger.info("Executable cache: %d of %d executables loaded ahead were used", stats["taken"], stats["listed"])
+    return stats

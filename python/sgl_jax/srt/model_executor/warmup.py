@@ -29,24 +29,22 @@ def as_lowered(item):
 
 
 def compile_programs(programs: List[Tuple[str, Callable[[], object]]], phases: Optional[StartupPhases] = None,
-                     prefix: str = "", cache: Optional[ProgramCache] = None,
-                     wait_for: Optional[Callable[[], object]] = None) -> Dict[str, float]:
+                     prefix: str = "", cache: Optional[ProgramCache] = None) -> Dict[str, float]:
     """Compile every (name, thunk) ahead of time (``jit(...).lower(...).compile()``: nothing runs), with a progress
     bar and one log line per program saying whether XLA compiled it, loaded it from the persistent compilation cache,
     or loaded its serialized executable. A thunk returns the lowered program, or a `ProgramCall` of a step program:
     with `cache` (program_cache.ProgramCache), a call whose executable is stored is loaded
     without tracing, and one XLA compiled here (not one read back from JAX's cache) is stored; either way the
     call's program runs that executable from then on. Returns {"programs", "compiled", "loaded_from_cache",
-    "executables_loaded", "seconds", "trace_seconds", "xla_seconds"}: "loaded_from_cache" counts both kinds of load;
+    "executables_loaded", "executables_loaded_ahead", "seconds", "trace_seconds", "xla_seconds"}:
+    "loaded_from_cache" counts both kinds of load; "executables_loaded_ahead" those of "executables_loaded" that
+    program_cache.start_prefetch had loaded before warm-up asked;
     wall seconds in all, seconds tracing and lowering (Python, one thread, while earlier programs compile), and the
     compile (or load) threads' seconds summed.
 
-    `wait_for`, when given, is called after the last program (it waits for device work that warm-up overlaps).
-
     With `phases`, two start-up phases: ``<prefix>tracing`` (the tracing seconds) and ``<prefix>compiling`` (the
-    rest of the wall time: XLA compiling or loading after the last trace, and `wait_for`), the latter noted with the
-    counts."""
-    t0, start = time.time(), compile_counts()
+    rest of the wall time: XLA compiling or loading after the last trace), the latter noted with the counts."""
+    t0, start, ahead = time.time(), compile_counts(), cache.loaded_ahead if cache is not None else 0
     workers = max(2, min(8, os.cpu_count() or 2))
     traced, xla, loaded = [], [], []
     with tqdm(total=len(programs), desc="Compiling buckets", unit="shape") as bar, \
@@ -91,12 +89,12 @@ def compile_programs(programs: List[Tuple[str, Callable[[], object]]], phases: O
                                        item if isinstance(item, ProgramCall) else None, key))
         for f in futures:
             f.result()
-        if wait_for is not None:  # (device work dispatched before warm-up, e.g. the KV pool's zeroing)
-            wait_for()
     delta, wall = compile_counts() - start, time.time() - t0
     hits = delta.cache_hits + len(loaded)
     stats = {"programs": len(programs), "compiled": delta.compiled, "loaded_from_cache": hits,
-             "executables_loaded": len(loaded), "seconds": round(wall, 2), "trace_seconds": round(sum(traced), 2),
+             "executables_loaded": len(loaded),
+             "executables_loaded_ahead": cache.loaded_ahead - ahead if cache is not None else 0,
+             "seconds": round(wall, 2), "trace_seconds": round(sum(traced), 2),
              "xla_seconds": round(sum(xla) + sum(loaded), 2)}
     logger.info("Warm-up: %d programs in %.1f s (%d compiled, %d loaded from the compilation cache, %d serialized "
                 "executables loaded; tracing %.1f s, XLA %.1f s over %d threads)", len(programs), wall,

@@ -64,6 +64,15 @@ def _cpu_extend_kernel(q_dtype, kv_dtype) -> bool:
     return jax.default_backend() == "cpu" and cpu.supports(q_dtype, kv_dtype) and cpu.extend_enabled()
 
 
+def register_kernels() -> None:
+    """Register this platform's custom-call kernels with XLA now (on CPU, the C++ kernels, where built and not
+    switched off; elsewhere nothing: Pallas kernels need no registration). A serialized executable that calls a
+    kernel loads only once it is registered (program_cache.start_prefetch)."""
+    if jax.default_backend() == "cpu":
+        cpu.enabled()
+        cpu.extend_enabled()
+
+
 def describe(backend: str) -> str:
     """The backend as reports and logs name it, e.g. "native (decode: C++ CPU kernel, extend: C++ CPU kernel)" on
     CPU with the kernels built, "native (decode: pure JAX, extend: pure JAX)" without them."""
