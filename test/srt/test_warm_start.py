@@ -110,3 +110,23 @@ def test_compute_max_total_tokens_on_a_device_uses_the_allocator_figures(monkeyp
     tokens = memory_budget.compute_max_total_tokens(ServerArgs(), mc, 16 * 2**30, "gpu")
     budget = int(0.8 * 60 * 1024) - 16 * 1024  # MiB: 0.8 of the limit, less what is in use = 32,768 tokens
     assert tokens == stable_pool_tokens(budget, 1) == 32768
+
+
+def test_the_kv_budget_before_the_weights_load(monkeypatch):
+    """compute_max_total_tokens with weight_bytes None (ModelRunner asks before loading the weights, to zero the
+    KV pool while they load): on CPU and with --max-total-tokens the budget does not subtract the weights and is
+    given; on TPU/GPU it is what they leave, and the caller is told to ask again once they are loaded."""
+    from types import SimpleNamespace
+
+    from sgl_jax.srt.model_executor import memory_budget
+    from sgl_jax.srt.server_args import ServerArgs
+
+    monkeypatch.setenv(memory_budget.TEST_AVAILABLE_MEMORY_ENV, str(10 * 2**30))
+    monkeypatch.setattr(memory_budget, "kv_bytes_per_token", lambda *a, **k: 2**20)
+    mc = SimpleNamespace()
+    cpu = memory_budget.compute_max_total_tokens(ServerArgs(), mc, None, "cpu")
+    assert cpu == memory_budget.compute_max_total_tokens(ServerArgs(), mc, 5 * 2**30, "cpu") == stable_pool_tokens(
+        int(0.2 * 10 * 1024), 1)
+    assert memory_budget.compute_max_total_tokens(ServerArgs(max_total_tokens=4096), mc, None, "gpu") == 4096
+    with pytest.raises(memory_budget.NeedsWeightBytes):
+        memory_budget.compute_max_total_tokens(ServerArgs(), mc, None, "gpu")

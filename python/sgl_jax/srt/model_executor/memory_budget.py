@@ -74,20 +74,28 @@ def _available_memory_bytes(platform: str) -> int:
     raise RuntimeError("cannot determine available memory; pass --max-total-tokens")
 
 
-def compute_max_total_tokens(server_args, model_config, weight_bytes: int, platform: str,
+class NeedsWeightBytes(Exception):
+    """`compute_max_total_tokens` was asked before the weights loaded (``weight_bytes`` None) where the KV budget
+    is what the weights leave (TPU/GPU without --max-total-tokens): ask again once they are loaded."""
+
+
+def compute_max_total_tokens(server_args, model_config, weight_bytes: Optional[int], platform: str,
                              reserve: Tuple[int, int] = (0, 0)) -> int:
     """KV pool size in tokens: --max-total-tokens, or what --mem-fraction-static leaves after weights
-    (`weight_bytes`: on one device; every device of the mesh holds the same share; called once they are loaded).
+    (`weight_bytes`: on one device; every device of the mesh holds the same share; None before they are loaded:
+    enough on CPU and with --max-total-tokens, where the budget does not subtract them, else `NeedsWeightBytes`).
 
     Defaults for the fraction: 0.8 on TPU/GPU (of the device's memory, weights included, less what is already in
     use: `device_kv_budget_bytes`), 0.2 on CPU (of available host memory, split among the mesh's virtual
     devices, which share it). `reserve`: (weight bytes, KV bytes per token) on one device of another model whose
     K/V sits in the same slots (STANDALONE's draft model): its weights come out of the budget first and each token
     costs its K/V too.
-    Raises ValueError when the budget holds no KV at all.
+    Raises ValueError when the budget holds no KV at all, NeedsWeightBytes as said.
     """
     if server_args.max_total_tokens is not None:
         return int(server_args.max_total_tokens)
+    if weight_bytes is None and platform != "cpu":
+        raise NeedsWeightBytes()
     frac = server_args.mem_fraction_static or (0.2 if platform == "cpu" else 0.8)
     if platform == "cpu":  # virtual CPU devices share the host's memory: each gets its share of the budget
         budget = int(_available_memory_bytes(platform) * frac) // (server_args.tp_size * server_args.dp_size)

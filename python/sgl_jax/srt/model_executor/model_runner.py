@@ -40,7 +40,7 @@ from sgl_jax.srt.model_executor.compile_stats import compile_counts
 from sgl_jax.srt.model_executor.host_kv import HostKVCopies
 from sgl_jax.srt.model_executor.kv_allocation import KVAllocation
 from sgl_jax.srt.model_executor.lora_weights import LoraSlotWriter
-from sgl_jax.srt.model_executor.memory_budget import FP8_KV_DTYPES, kv_cache_dtype
+from sgl_jax.srt.model_executor.memory_budget import FP8_KV_DTYPES, NeedsWeightBytes, kv_cache_dtype
 from sgl_jax.srt.model_executor.future_tokens import new_future_tokens
 from sgl_jax.srt.model_executor.packed_inputs import pack
 from sgl_jax.srt.model_executor.program_cache import CachedProgram, ProgramCall, program_cache_for, start_prefetch
@@ -86,7 +86,9 @@ class ModelRunner:
         max_context_len: tokens per sequence (sizes the page table width).
         kv_spec_fn: weight bytes -> the `KVCacheSpec` of one rank's KV buffers (mem_cache/kv_memory.plan_kv_cache:
             pools, their usable tokens, the pool of each layer; page 0 of every pool is added on top as the
-            padding sink). Called once the weights are loaded, so it can size the pools from what is left.
+            padding sink). Called with None before the weights load: the spec then (its pool zeroed while they
+            load) unless it raises memory_budget.NeedsWeightBytes, when it is called again once they are loaded,
+            to size the pools from what is left.
         num_request_slots: ReqToTokenPool rows of one rank.
         aux_layers: layer ids whose outputs every forward also returns (`StepOutput.aux`: an EAGLE-3 head's input,
             `models.llama.run_layers`); empty: none.
@@ -123,6 +125,13 @@ class ModelRunner:
                         [d.id for d in self.mesh.devices.flat])
         if not server_args.disable_precompile:  # the last start's executables, loaded while the weights load
             start_prefetch(server_args, register_kernels)  # (warm-up takes them; the scheduler ends it)
+        self._startup_phases, self.max_context_len = phases, max_context_len
+        # the KV pool is zeroed while the weights load where its size does not follow theirs (CPU, --max-total-tokens;
+        # `kv_spec_fn(None)` raises NeedsWeightBytes elsewhere)
+        try:
+            early_spec = self._start_kv(kv_spec_fn(None))
+        except NeedsWeightBytes:
+            early_spec = None
         with phases.phase("weights (read, place and shard)"):
             self.graphdef, self.params = load_model(model_config, server_args.load_format,
                                                     server_args.random_seed, mesh=self.mesh)
@@ -151,38 +160,12 @@ class ModelRunner:
             logger.info("LoRA: %d adapter slots of rank %d for %s, %.1f MiB per device (in the weights' budget)",
                         model_config.lora.slots, model_config.lora.rank, ", ".join(model_config.lora.targets),
                         self.lora_writer.slot_bytes * model_config.lora.slots / 2**20)
-        self.kv_spec = spec = kv_spec_fn(weight_bytes)
-        if spec.page_size != self.page_size or len(spec.layer_pool) != model_config.num_hidden_layers:
-            raise ValueError(f"the KV spec ({spec}) does not match --page-size {self.page_size} and "
-                             f"{model_config.num_hidden_layers} layers")
-        self.max_total_tokens = spec.pool_tokens[0]  # tokens of a rank's first (full-attention) pool
-        self.pages_per_seq = math.ceil(max_context_len / self.page_size)
-        dtype = kv_cache_dtype(model_config, server_args.kv_cache_dtype)
-        self.kv_cache_dtype = jnp.dtype(dtype)
-        if (self.attention_backend == "pallas" and self.kv_cache_dtype != jnp.dtype(JNP_DTYPES[model_config.dtype])
-                and server_args.kv_cache_dtype not in FP8_KV_DTYPES):  # (fp8 pages are widened in the kernels)
-            raise ValueError(f"--kv-cache-dtype {server_args.kv_cache_dtype} differs from the model's dtype "
-                             f"({model_config.dtype}); the pallas attention kernels need them equal (or an fp8 "
-                             f"cache): pass --attention-backend native or --dtype {self.kv_cache_dtype.name}")
-        self._kv_layout = (spec, padded_kv_heads(model_config.num_key_value_heads, self.tp_size),
-                           model_config.head_dim, dtype)
-        kv_heads, head_dim = self._kv_layout[1:3]
-        self._kv_allocation = KVAllocation(
-            [(self.dp_size * (spec.pool_pages(pool) + 1), self.page_size, kv_heads, head_dim)
-             for pool in spec.layer_pool], dtype, self._kv_sharding)
-        # zeroed on a thread of its own while the rest of start-up goes on (kv_allocation.py); the first read of
-        # `kv_caches` (warm-up's end) waits for it and records the phase "KV cache allocation" in `phases`
-        self._kv, self._startup_phases = None, phases
-        self._kv_allocation.start()
-        kv_bytes = self._kv_allocation.nbytes / self.tp_size / self.dp_size
-        logger.info("KV cache: %s, %s, per rank (%.2f GiB per device)", spec.describe(), self.kv_cache_dtype.name,
-                    kv_bytes / 2**30)
+        spec = early_spec if early_spec is not None else self._start_kv(kv_spec_fn(weight_bytes))
         # the host tier's copy programs (--enable-hierarchical-cache; model_executor/host_kv.py)
         self.host_kv_copies = HostKVCopies(self.mesh, self._kv_sharding, self.dp_size, len(spec.layer_pool),
                                            *self._kv_layout[1:]) if server_args.enable_hierarchical_cache else None
         eos = model_config.eos_token_ids or [model_config.vocab_size]  # out of range -> no-op mask
         self.eos_token_ids = jnp.asarray(eos, jnp.int32)
-        self.max_context_len = max_context_len
         self.vocab_mask_width = vocab_mask_words(model_config.vocab_size)
         R = self.dp_size * num_request_slots
         r = self._replicated
@@ -266,6 +249,40 @@ class ModelRunner:
         """Logits columns (the LM head's rows), from the abstract logprob program."""
         return jax.eval_shape(self._logprobs_impl, self.params, jax.ShapeDtypeStruct(
             (1, self.model_config.hidden_size), JNP_DTYPES[self.model_config.dtype])).shape[-1]
+
+    def _start_kv(self, spec):
+        """Check the KV spec (`kv_spec_fn`'s) against the flags and the model, set the pool's attributes and begin
+        zeroing it on a thread of its own (kv_allocation.py); the first read of `kv_caches` waits for it and records
+        the phase "KV cache allocation". Returns `spec`.
+
+        Raises:
+            ValueError: the spec's page size or layer count differs from --page-size and the model's, or the pallas
+                kernels cannot read the --kv-cache-dtype.
+        """
+        server_args, model_config = self.server_args, self.model_config
+        self.kv_spec = spec
+        if spec.page_size != self.page_size or len(spec.layer_pool) != model_config.num_hidden_layers:
+            raise ValueError(f"the KV spec ({spec}) does not match --page-size {self.page_size} and "
+                             f"{model_config.num_hidden_layers} layers")
+        self.max_total_tokens = spec.pool_tokens[0]  # tokens of a rank's first (full-attention) pool
+        self.pages_per_seq = math.ceil(self.max_context_len / self.page_size)
+        dtype = kv_cache_dtype(model_config, server_args.kv_cache_dtype)
+        self.kv_cache_dtype = jnp.dtype(dtype)
+        if (self.attention_backend == "pallas" and self.kv_cache_dtype != jnp.dtype(JNP_DTYPES[model_config.dtype])
+                and server_args.kv_cache_dtype not in FP8_KV_DTYPES):  # (fp8 pages are widened in the kernels)
+            raise ValueError(f"--kv-cache-dtype {server_args.kv_cache_dtype} differs from the model's dtype "
+                             f"({model_config.dtype}); the pallas attention kernels need them equal (or an fp8 "
+                             f"cache): pass --attention-backend native or --dtype {self.kv_cache_dtype.name}")
+        kv_heads, head_dim = padded_kv_heads(model_config.num_key_value_heads, self.tp_size), model_config.head_dim
+        self._kv_layout = (spec, kv_heads, head_dim, dtype)
+        self._kv_allocation = KVAllocation(
+            [(self.dp_size * (spec.pool_pages(pool) + 1), self.page_size, kv_heads, head_dim)
+             for pool in spec.layer_pool], dtype, self._kv_sharding)
+        self._kv = None
+        self._kv_allocation.start()
+        logger.info("KV cache: %s, %s, per rank (%.2f GiB per device)", spec.describe(), self.kv_cache_dtype.name,
+                    self._kv_allocation.nbytes / self.tp_size / self.dp_size / 2**30)
+        return spec
 
     # ---- compiled functions
     def allocate_kv(self) -> list:
