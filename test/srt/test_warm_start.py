@@ -53,7 +53,7 @@ def _start(model_dir, tok_dir, cache_dir, pool_tokens: int) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def test_restart_with_moved_free_memory_loads_everything_from_cache(tmp_path):
+def test_restarts_with_moved_free_memory_load_everything_from_cache(tmp_path):
     model_dir, tok_dir = save_tiny_llama(tmp_path / "model")
     cache = tmp_path / "jax_cache"
     first = _start(model_dir, tok_dir, cache, 103_192)
@@ -69,6 +69,13 @@ def test_restart_with_moved_free_memory_loads_everything_from_cache(tmp_path):
     assert first["warmup"]["executables_loaded_ahead"] == 0 and w["executables_loaded_ahead"] == w["programs"], w
     assert first["after"] == second["after"] == 0  # nothing compiled while serving
     assert second["ids"] == first["ids"] and len(first["ids"]) == 8
+
+    # free memory moved below the rounding boundary (97,000 tokens rounds down to 90,112): the pool the last start
+    # chose is kept (within 1/16 of the budget: memory_budget.keeps_previous), so nothing compiles
+    third = _start(model_dir, tok_dir, cache, 97_000)
+    w3 = third["warmup"]
+    assert third["max_total_tokens"] == 98_304 and w3["compiled"] == 0, (third["max_total_tokens"], w3)
+    assert w3["executables_loaded_ahead"] == w3["programs"] and third["ids"] == first["ids"], w3
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -130,3 +137,27 @@ def test_the_kv_budget_before_the_weights_load(monkeypatch):
     assert memory_budget.compute_max_total_tokens(ServerArgs(max_total_tokens=4096), mc, None, "gpu") == 4096
     with pytest.raises(memory_budget.NeedsWeightBytes):
         memory_budget.compute_max_total_tokens(ServerArgs(), mc, None, "gpu")
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_the_last_starts_pool_is_kept_while_the_budget_stays_near_it(monkeypatch, platform):
+    """compute_max_total_tokens(previous=...): the pool the last start chose is kept while the budget is within
+    1/16 of it (on TPU/GPU only when it still fits); further off, the budget's own rounding decides."""
+    from types import SimpleNamespace
+
+    from sgl_jax.srt.model_executor import memory_budget
+    from sgl_jax.srt.server_args import ServerArgs
+
+    monkeypatch.setattr(memory_budget, "kv_bytes_per_token", lambda *a, **k: 2**20)  # 1 MiB per token
+
+    def pool(budget_tokens, previous):
+        monkeypatch.setenv(memory_budget.TEST_AVAILABLE_MEMORY_ENV, str(budget_tokens * 2**20 * 5))  # 0.2 of it
+        frac = None if platform == "cpu" else 0.2
+        return memory_budget.compute_max_total_tokens(ServerArgs(mem_fraction_static=frac), SimpleNamespace(), 0,
+                                                      platform, previous=previous)
+
+    assert pool(97_000, None) == 90_112  # (the rounding alone)
+    assert pool(97_000, 98_304) == (98_304 if platform == "cpu" else 90_112)  # above the budget: CPU only
+    assert pool(101_000, 98_304) == 98_304  # within 1/16 and fitting: kept everywhere
+    assert pool(110_000, 98_304) == 106_496  # more than 1/16 off: the budget's rounding
+    assert not memory_budget.keeps_previous(98_305, 101_000, 16, "cpu")  # not whole pages: not kept

@@ -299,14 +299,17 @@ class Prefetch:
         listed: the keys the manifest named, in its order.
         futures: key -> its load (a Future of a ``jax.stages.Compiled`` or None) not yet taken.
         keys_used: the keys warm-up loaded or stored this start, in its order.
+        pool_tokens_before, pool_tokens: the auto-sized KV pool (tokens) of the last start and of this one
+            (`remember_pool_tokens`), kept in the manifest beside the keys.
     """
 
     directory: str
     manifest: str
     listed: List[str]
+    pool_tokens_before: Optional[int] = None  # the KV pool the last start chose (memory_budget: kept when it fits)
     futures: Dict[str, concurrent.futures.Future] = field(default_factory=dict)
     keys_used: List[str] = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)
+    pool_tokens: Optional[int] = None  # this start's
 
     def take(self, directory: str, key: str) -> Optional[concurrent.futures.Future]:
         """The load of `key` begun ahead (removed from `futures`), or None."""
@@ -336,10 +339,12 @@ def start_prefetch(server_args, register_kernels: Callable[[], object] = lambda:
     manifest = os.path.join(directory, f"{start_key(server_args, devices)}.keys.json")
     try:
         with open(manifest) as f:
-            listed = [k for k in json.load(f) if isinstance(k, str)]
-    except (OSError, ValueError, TypeError):
-        listed = []
-    _prefetch = session = Prefetch(directory, manifest, listed)
+            record = json.load(f)
+        listed = [k for k in record["keys"] if isinstance(k, str)]
+        before = record.get("kv_pool_tokens")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        listed, before = [], None
+    _prefetch = session = Prefetch(directory, manifest, listed, before if isinstance(before, int) else None)
     if not listed:
         return 0
     register_kernels()
@@ -356,8 +361,8 @@ def start_prefetch(server_args, register_kernels: Callable[[], object] = lambda:
 
 def end_prefetch() -> Optional[dict]:
     """End this process's `start_prefetch`: drop the loads warm-up did not take (cancelled where not begun), write
-    the keys warm-up used as the manifest when they differ from it, and return {"listed", "taken", "unused",
-    "used"} (None without a `start_prefetch`)."""
+    the keys warm-up used and the KV pool's size as the manifest when they differ from it, and return {"listed",
+    "taken", "unused", "used"} (None without a `start_prefetch`)."""
     global _prefetch
     session, _prefetch = _prefetch, None
     if session is None:
@@ -365,12 +370,12 @@ def end_prefetch() -> Optional[dict]:
     for f in session.futures.values():
         f.cancel()
     unused = len(session.futures)
-    if session.keys_used and session.keys_used != session.listed:
+    if session.keys_used and (session.keys_used, session.pool_tokens) != (session.listed, session.pool_tokens_before):
         try:
             os.makedirs(session.directory, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=session.directory, suffix=".tmp")
             with os.fdopen(fd, "w") as f:
-                json.dump(session.keys_used, f)
+                json.dump({"keys": session.keys_used, "kv_pool_tokens": session.pool_tokens}, f)
             os.replace(tmp, session.manifest)
         except OSError as e:
             logger.debug("Executable cache: manifest not written (%s)", e)
@@ -379,3 +384,17 @@ def end_prefetch() -> Optional[dict]:
     if session.listed:
         logger.info("Executable cache: %d of %d executables loaded ahead were used", stats["taken"], stats["listed"])
     return stats
+
+
+def pool_tokens_before() -> Optional[int]:
+    """The auto-sized KV pool (tokens) the last start with this `start_key` chose (None: none noted, or no
+    `start_prefetch` in this process)."""
+    return _prefetch.pool_tokens_before if _prefetch is not None else None
+
+
+def remember_pool_tokens(tokens: int) -> int:
+    """Note this start's KV pool size (tokens) for `end_prefetch`'s manifest (no-op without a `start_prefetch`);
+    returns `tokens`."""
+    if _prefetch is not None:
+        _prefetch.pool_tokens = tokens
+    return tokens

@@ -69,7 +69,7 @@ from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
 from sgl_jax.srt.model_executor.host_copy import transfer_guard
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
-from sgl_jax.srt.model_executor.program_cache import end_prefetch
+from sgl_jax.srt.model_executor.program_cache import end_prefetch, pool_tokens_before, remember_pool_tokens
 from sgl_jax.srt.model_executor.step_output import LaunchedForward
 from sgl_jax.srt.preflight import KVLimits, check_fits
 from sgl_jax.srt.sampling.sampling_params import clip_max_new_tokens
@@ -163,8 +163,8 @@ class Scheduler:
         reserve = (0, 0) if draft_mc is None else draft_reserve(server_args, draft_mc)
         self.model_runner = ModelRunner(
             server_args, mc, buckets=self.buckets, max_context_len=self.context_len,
-            kv_spec_fn=lambda weight_bytes: kv_spec_for(
-                server_args, mc, compute_max_total_tokens(server_args, mc, weight_bytes, platform, reserve)),
+            kv_spec_fn=lambda weight_bytes: kv_spec_for(server_args, mc, remember_pool_tokens(compute_max_total_tokens(
+                server_args, mc, weight_bytes, platform, reserve, previous=pool_tokens_before()))),
             num_request_slots=self.max_running_requests, aux_layers=aux_layers, phases=phases,
         )
         with phases.phase("draft model") if draft_mc is not None else contextlib.nullcontext():
