@@ -11,8 +11,8 @@ timed to its first /health 200 and its first chat answer, with the phases the se
 2. The same server stopped and started again --restarts times on the same DIR (every program now comes from the
    persistent compilation cache).
 3. For every start, /get_server_info's ``startup_phases``: the scheduler process's phases (process start and
-   imports, JAX set-up, model config and tokenizer, weights, KV cache allocation, tracing, compiling, grammar
-   warm-up, ...) and the HTTP process's (`sgl_jax.srt.startup_phases`), and the warm-up's compile counts.
+   imports, JAX set-up, model config and tokenizer, weights, scheduler set-up, tracing, compiling, KV cache
+   allocation, grammar warm-up, ...) and the HTTP process's (`sgl_jax.srt.startup_phases`), and the warm-up's compile counts.
 
 The goals in the table are issue #70's for the default model and flags on a 2-core machine: ready within 45 s
 cold and 10 s on restart.
