@@ -16,11 +16,11 @@ same C++ dispatch as jit's); any other call, or one whose arguments' types the e
 jitted function as before, so a signature never seen at warm-up compiles as it always did, and counts as a compile
 after warm-up (compile_stats).
 
-A start also loads ahead (`start_prefetch`, called once the devices are known, before the model config and the
-weights): each start writes the keys it used to a manifest named by what is known that early (`start_key`: code,
-environment, devices, server flags); the next start with the same `start_key` deserializes those files on threads of
-their own while the model loads, and warm-up then finds them loaded. The manifest is a hint: a key it names that
-warm-up does not ask for is loaded for nothing and dropped, never used.
+A start also loads ahead (`start_prefetch`, called once the devices are known, before the weights load): each start
+writes the keys it used (and its auto-sized KV pool) to a manifest named by what is known that early (`start_key`:
+code, environment, devices, server flags); the next start with the same `start_key` deserializes those files on
+threads of their own while its weights load, and warm-up then finds them loaded. The manifest is a hint: a key it
+names that warm-up does not ask for is loaded for nothing and dropped, never used.
 
 Off with ``SGL_JAX_EXECUTABLE_CACHE=0``, and with several JAX processes (--nnodes > 1), whose executables span
 hosts. A file that fails to load is logged and treated as absent; the program is then traced and compiled.
@@ -36,7 +36,6 @@ import logging
 import os
 import pickle
 import tempfile
-import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional
@@ -287,7 +286,6 @@ def program_cache_for(server_args, model_config, step_spec, devices) -> Optional
                         fingerprint(server_args, model_config, step_spec, devices), devices)
 
 
-
 @dataclass
 class Prefetch:
     """Executables loaded ahead of warm-up (`start_prefetch`), and the keys this start used (`end_prefetch`
@@ -328,8 +326,8 @@ def start_prefetch(server_args, register_kernels: Callable[[], object] = lambda:
     `start_key` used (its manifest): warm-up's `ProgramCache.load` then takes them instead of reading the files.
     Call it once the devices are known and before the weights load, with `register_kernels` registering the
     custom-call kernels the executables name (an executable that calls one loads only once it is registered).
-    Loading holds the GIL for part of its time: begun during the model config's imports it slowed them 1.8-2.5x,
-    during the weights' reading and the KV pool's zeroing (numpy, XLA) it costs little. Returns how many loads
+    Loading holds the GIL for part of its time: begun during the model config's imports it made them about 2x
+    slower; beside the weights' reading and the KV pool's zeroing (numpy, XLA) it costs less. Returns how many loads
     began (0: no manifest, cache off, no compilation cache directory, or a start already prefetching)."""
     global _prefetch
     if _prefetch is not None or not enabled() or not getattr(server_args, "compilation_cache_dir", None):
