@@ -43,22 +43,3 @@ def test_process_start_time_is_the_child_process_start():
     first, started = map(float, subprocess.check_output([sys.executable, "-c", code], text=True).split())
     assert before - 0.02 <= started <= first + 0.02  # (/proc's clock ticks: 10 ms)
     assert process_started_at() < before
-
-
-def test_background_start_up_work_runs_at_a_lower_priority():
-    """utils.call_at_low_priority: the tokenizer loads of the HTTP and detokenizer processes run on a thread whose
-    nice value is BACKGROUND_NICENESS above the caller's (Linux: per thread), give back their result or raise their
-    error, and leave the caller's own priority as it was."""
-    import os
-    import threading
-
-    from sgl_jax.srt.utils import BACKGROUND_NICENESS, call_at_low_priority
-
-    def nice():
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    mine = nice()
-    assert call_at_low_priority(nice) == min(19, mine + BACKGROUND_NICENESS)
-    assert nice() == mine
-    with pytest.raises(ValueError, match="bad tokenizer"):
-        call_at_low_priority(lambda: (_ for _ in ()).throw(ValueError("bad tokenizer")))

@@ -76,41 +76,6 @@ def prepare_child_process(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
-BACKGROUND_NICENESS = 10  # start-up work off the scheduler's critical path (tokenizer loads, executables loaded ahead)
-
-
-def lower_thread_priority(niceness: int = BACKGROUND_NICENESS) -> None:
-    """Lower the calling thread's CPU priority by `niceness` (Linux schedules threads one by one:
-    ``setpriority(PRIO_PROCESS, thread id)``; raising a nice value needs no privilege, lowering it back does, so
-    call it on a thread that ends with its work). Elsewhere a no-op."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
-    except (AttributeError, OSError):
-        pass
-
-
-def call_at_low_priority(fn, niceness: int = BACKGROUND_NICENESS):
-    """``fn()`` run on a thread of its own at `lower_thread_priority`, waited for: start-up work that other
-    processes' start-up needs the cores for more (on a 2-core host the scheduler's imports and weights). Returns
-    what `fn` returns; raises what it raises."""
-    out = {}
-
-    def run():
-        lower_thread_priority(niceness)
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # (re-raised on the caller's thread)
-            out["error"] = e
-
-    t = threading.Thread(target=run, name="low-priority", daemon=True)
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
 def kill_processes(processes, timeout: float = 5.0) -> None:
     """Stop multiprocessing children (`STOP_SIGNAL`, then SIGKILL after `timeout` seconds) and reap them."""
     for p in processes:

@@ -21,7 +21,7 @@ from sgl_jax.srt.io_struct import SchedulerInfo, SchedulerStartupError
 from sgl_jax.srt.port_args import PortArgs
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.startup_phases import StartupPhases, describe_phases
-from sgl_jax.srt.utils import call_at_low_priority, kill_processes
+from sgl_jax.srt.utils import kill_processes
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +89,9 @@ def launch_with_tokenizer(server_args: ServerArgs, phases: StartupPhases) -> Tup
     """`launch_subprocesses`, loading the tokenizer for the TokenizerManager (`load_tokenizer`) while the scheduler
     starts: (port_args, scheduler_info, processes, tokenizer). Records the phases ``tokenizer`` and ``waiting for
     the scheduler`` in `phases`. Raises as `launch_subprocesses` and `load_tokenizer`."""
-    def load():  # (at a low priority: the scheduler's start needs the cores more)
+    def load():
         with phases.phase("tokenizer"):
-            return call_at_low_priority(lambda: load_tokenizer(server_args))
+            return load_tokenizer(server_args)
 
     launched = launch_subprocesses(server_args, load)
     phases.since_start("waiting for the scheduler")

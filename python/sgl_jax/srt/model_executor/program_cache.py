@@ -42,8 +42,6 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import jax
 
-from sgl_jax.srt.utils import lower_thread_priority
-
 logger = logging.getLogger(__name__)
 
 SWITCH_ENV = "SGL_JAX_EXECUTABLE_CACHE"  # "0": trace and compile (or load from JAX's cache) every start
@@ -322,7 +320,7 @@ _prefetch: Optional[Prefetch] = None  # this process's start (the scheduler's), 
 
 
 def start_prefetch(server_args, register_kernels: Callable[[], object] = lambda: None) -> int:
-    """Begin loading, on threads of their own (at a low priority), the executables the last start with this
+    """Begin loading, on threads of their own, the executables the last start with this
     `start_key` used (its manifest): warm-up's `ProgramCache.load` then takes them instead of reading the files.
     Call it once the devices are known and before the weights load, with `register_kernels` registering the
     custom-call kernels the executables name (an executable that calls one loads only once it is registered).
@@ -347,9 +345,8 @@ def start_prefetch(server_args, register_kernels: Callable[[], object] = lambda:
         return 0
     register_kernels()
     by_id = {d.id: d for d in devices}
-    # at a low priority: the start's own work (model config, weights) goes first, the loads take what it leaves
-    pool = concurrent.futures.ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="prefetch",
-                                                 initializer=lower_thread_priority)
+    # (not at a lower priority: warm-up waits for these loads, and a lowered thread starves on a busy host)
+    pool = concurrent.futures.ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="prefetch")
     for key in listed:
         session.futures[key] = pool.submit(read_executable, os.path.join(directory, f"{key}.v{FORMAT}.exe"), by_id)
     pool.shutdown(wait=False)  # (its threads end with the last load)

@@ -20,7 +20,7 @@ import zmq
 from sgl_jax.srt.configs.model_config import load_tokenizer
 from sgl_jax.srt import fault_injection
 from sgl_jax.srt.io_struct import BatchStrOut, BatchTokenIDOut, DecodeConfig, StrOut, TokenOut
-from sgl_jax.srt.utils import call_at_low_priority, configure_logging, prepare_child_process
+from sgl_jax.srt.utils import configure_logging, prepare_child_process
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class DetokenizerManager:
     """
 
     def __init__(self, server_args, port_args):
-        self.tokenizer = call_at_low_priority(lambda: load_tokenizer(server_args))  # (the scheduler's start first)
+        self.tokenizer = load_tokenizer(server_args)
         ctx = zmq.Context(2)
         self.recv_from_scheduler = ctx.socket(zmq.PULL)
         self.recv_from_scheduler.bind(port_args.detokenizer_ipc_name)
