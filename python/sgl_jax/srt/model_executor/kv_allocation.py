@@ -9,6 +9,7 @@ and the loading of executables go on meanwhile, lowered against the buffers' abs
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -44,7 +45,7 @@ class KVAllocation:
     @property
     def nbytes(self) -> int:
         """Bytes of all the buffers, over every device of the sharding."""
-        return sum(2 * self.dtype.itemsize * _size(s) for s in self.shapes)
+        return sum(2 * self.dtype.itemsize * math.prod(s) for s in self.shapes)
 
     @property
     def abstract(self) -> List[Tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
@@ -80,9 +81,3 @@ class KVAllocation:
         finally:
             self._pending = None
 
-
-def _size(shape: Shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -138,6 +138,22 @@ def _arg_signature(args: tuple) -> str:
     return "\n".join(parts)
 
 
+def executable_path(directory: str, key: str) -> str:
+    """Where the executable stored under `key` lies in `directory` (the layout FORMAT is in the name)."""
+    return os.path.join(directory, f"{key}.v{FORMAT}.exe")
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in its directory (created if absent), renamed over it:
+    a reader sees the old file or the new one, never part of one. Raises OSError."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def read_executable(path: str, devices: Dict[int, Any]) -> Optional[Any]:
     """The ``jax.stages.Compiled`` stored at `path` (`ProgramCache.store`), loaded onto `devices` (id -> device),
     or None (logged) when the file is unreadable, of another format, or names a device not in `devices`."""
@@ -231,7 +247,7 @@ class ProgramCache:
         return h.hexdigest()
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.directory, f"{key}.v{FORMAT}.exe")
+        return executable_path(self.directory, key)
 
     def has(self, key: str) -> bool:
         return os.path.exists(self._path(key))
@@ -261,11 +277,7 @@ class ProgramCache:
             # (zlib level 1: a 12.8 MB executable pickles to 2.2 MB in ~0.2 s and inflates in ~0.1 s)
             data = zlib.compress(pickle.dumps({"format": FORMAT, "executable": blob, "in_tree": in_tree,
                                                "out_tree": out_tree, "devices": devices}), 1)
-            os.makedirs(self.directory, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self._path(key))
+            _write_atomically(self._path(key), data)
             if _prefetch is not None:
                 _prefetch.used(self.directory, key)
             return True
@@ -348,7 +360,7 @@ def start_prefetch(server_args, register_kernels: Callable[[], object] = lambda:
     # (not at a lower priority: warm-up waits for these loads, and a lowered thread starves on a busy host)
     pool = concurrent.futures.ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="prefetch")
     for key in listed:
-        session.futures[key] = pool.submit(read_executable, os.path.join(directory, f"{key}.v{FORMAT}.exe"), by_id)
+        session.futures[key] = pool.submit(read_executable, executable_path(directory, key), by_id)
     pool.shutdown(wait=False)  # (its threads end with the last load)
     logger.info("Executable cache: loading %d executables ahead (the last start's with these flags)", len(listed))
     return len(listed)
@@ -367,11 +379,8 @@ def end_prefetch() -> Optional[dict]:
     unused = len(session.futures)
     if session.keys_used and (session.keys_used, session.pool_tokens) != (session.listed, session.pool_tokens_before):
         try:
-            os.makedirs(session.directory, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=session.directory, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"keys": session.keys_used, "kv_pool_tokens": session.pool_tokens}, f)
-            os.replace(tmp, session.manifest)
+            _write_atomically(session.manifest, json.dumps(
+                {"keys": session.keys_used, "kv_pool_tokens": session.pool_tokens}).encode())
         except OSError as e:
             logger.debug("Executable cache: manifest not written (%s)", e)
     stats = {"listed": len(session.listed), "taken": len(session.listed) - unused, "unused": unused,
