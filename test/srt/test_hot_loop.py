@@ -30,7 +30,7 @@ from sgl_jax.bench_decode_loops import DecodeLoop
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch import DecodeRows, ForwardMode
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
-from sgl_jax.srt.model_executor import host_copy
+from sgl_jax.srt.model_executor import host_copy, program_cache
 from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.sampling.sampling_batch import all_allowed_mask
@@ -62,7 +62,7 @@ def harness(tiny):
     runner = ModelRunner(sa, mc, buckets=buckets, max_context_len=mc.context_len, num_request_slots=slots,
                          kv_spec_fn=lambda _: kv_spec_for(sa, mc, KV_TOKENS))
     runner.warmup()
-    assert runner.slot_decode
+    assert runner.slot_decode and not program_cache.prefetching()
     return runner, buckets, slots
 
 
@@ -314,3 +314,15 @@ def test_xla_compiler_options_reach_the_step_programs(tiny):
                          kv_spec_fn=lambda _: kv_spec_for(sa, mc, KV_TOKENS))
     with pytest.raises(Exception, match="xla_gpu_command_buffer_update_mode"):
         runner.warmup()
+    # the loading ahead a runner began ends with its warm-up, failed or not, and with its build when that fails
+    # (left begun, a later runner of the process shared it and noted its keys for another start's flags)
+    assert not program_cache.prefetching()
+
+    def refuse(weight_bytes):
+        assert program_cache.prefetching()  # (begun before the pool is sized)
+        raise ValueError("no room")
+
+    with pytest.raises(ValueError, match="no room"):
+        ModelRunner(sa, mc, buckets=buckets, max_context_len=mc.context_len, num_request_slots=slots,
+                    kv_spec_fn=refuse)
+    assert not program_cache.prefetching()

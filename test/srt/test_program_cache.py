@@ -230,6 +230,7 @@ def test_a_restart_loads_the_last_starts_executables_ahead(tmp_path):
     args = ServerArgs(compilation_cache_dir=str(tmp_path))
     directory = tmp_path / program_cache.DIR_NAME
     cache = ProgramCache(str(directory), "f" * 64)
+    assert not program_cache.prefetching()  # (no runner of this process left one begun)
     assert program_cache.start_prefetch(args) == 0  # no manifest yet
     assert _warm(cache, _program(), _args())["compiled"] == 1
     assert program_cache.end_prefetch() == {"listed": 0, "taken": 0, "unused": 0, "used": 1}
@@ -258,3 +259,9 @@ def test_a_restart_loads_the_last_starts_executables_ahead(tmp_path):
     assert stats["compiled"] == 1 and stats["executables_loaded_ahead"] == 0
     assert program_cache.end_prefetch() == {"listed": 1, "taken": 0, "unused": 1, "used": 1}
     assert manifest.read_text() != old_keys and len(list(directory.glob("*.exe"))) == 2
+
+    # a start that failed notes nothing: the manifest stays as the last good start wrote it
+    new_keys = manifest.read_text()
+    assert program_cache.start_prefetch(args) == 1
+    _warm(cache, _program(), _args(scale=5))
+    assert program_cache.end_prefetch(record=False)["used"] == 1 and manifest.read_text() == new_keys

@@ -43,7 +43,8 @@ from sgl_jax.srt.model_executor.lora_weights import LoraSlotWriter
 from sgl_jax.srt.model_executor.memory_budget import FP8_KV_DTYPES, NeedsWeightBytes, kv_cache_dtype
 from sgl_jax.srt.model_executor.future_tokens import new_future_tokens
 from sgl_jax.srt.model_executor.packed_inputs import pack
-from sgl_jax.srt.model_executor.program_cache import CachedProgram, ProgramCall, program_cache_for, start_prefetch
+from sgl_jax.srt.model_executor.program_cache import (CachedProgram, ProgramCall, end_prefetch, prefetching,
+                                                      program_cache_for, start_prefetch)
 from sgl_jax.srt.model_executor.moe_stats import MoeStats
 from sgl_jax.srt.model_executor.slot_state import new_slot_state
 from sgl_jax.srt.model_executor.step_output import LaunchedForward, PendingStep, StepOutput, StepTimes
@@ -123,9 +124,25 @@ class ModelRunner:
         if self.tp_size > 1 or self.dp_size > 1:
             logger.info("Mesh: %d data-parallel ranks x %d tensor-parallel devices %s", self.dp_size, self.tp_size,
                         [d.id for d in self.mesh.devices.flat])
-        if not server_args.disable_precompile:  # the last start's executables, loaded while the weights load
-            start_prefetch(server_args, register_kernels)  # (warm-up takes them; the scheduler ends it)
         self._startup_phases, self.max_context_len = phases, max_context_len
+        # the last start's executables, loaded while the weights load; the runner that began the loading ends it in
+        # its warm-up (a draft model's runner, built second, shares it), or here when it fails to build
+        self._ends_prefetch = not server_args.disable_precompile and not prefetching()
+        if self._ends_prefetch:
+            start_prefetch(server_args, register_kernels)
+        try:
+            self._load(server_args, model_config, kv_spec_fn, num_request_slots, phases)
+            self._build_programs(server_args, model_config, buckets)
+        except BaseException:
+            if self._ends_prefetch:
+                end_prefetch(record=False)
+            raise
+        self.faults = PlantedFaults.from_env()  # test hooks (fault_injection.py); none outside tests
+        self.warmup_stats: Dict[str, float] = {}  # what warm-up compiled and loaded (see warmup)
+
+    def _load(self, server_args, model_config, kv_spec_fn, num_request_slots: int, phases: StartupPhases) -> None:
+        """`__init__`'s first half: the weights (the KV pool zeroed beside them where its size does not follow
+        theirs), what the model says about itself, the KV pool and the per-slot state."""
         # the KV pool is zeroed while the weights load where its size does not follow theirs (CPU, --max-total-tokens;
         # `kv_spec_fn(None)` raises NeedsWeightBytes elsewhere)
         try:
@@ -192,8 +209,12 @@ class ModelRunner:
         # outputs fed back into the next call keep exactly the shardings they were created with, so a
         # program compiled at warm-up is the one serving uses (a new input sharding would compile again)
         # hidden states stay with their rank, unless ranks span hosts (then every host reads them all)
-        hidden = NamedSharding(self.mesh, P("data", None)) if jax.process_count() == 1 else r
-        self._hidden_sharding = hidden
+        self._hidden_sharding = NamedSharding(self.mesh, P("data", None)) if jax.process_count() == 1 else r
+
+    def _build_programs(self, server_args, model_config, buckets: ShapeBuckets) -> None:
+        """`__init__`'s second half: the step programs and the small ones, each a `CachedProgram` warm-up compiles
+        or loads (nothing is traced here)."""
+        r, hidden = self._replicated, self._hidden_sharding
         self.step_spec = StepSpec(
             graphdef=self.graphdef, param_treedef=self._param_treedef, attention_backend=self.attention_backend,
             generates=self.generates, aux_layers=self.aux_layers,
@@ -235,8 +256,6 @@ class ModelRunner:
         self._classify = CachedProgram(jax.jit(self._classify_impl), key_of=_second_arg_rows)
         self._compiled_after_warmup: Optional[int] = None
         self._num_compiles_after_warmup = 0
-        self.faults = PlantedFaults.from_env()  # test hooks (fault_injection.py); none outside tests
-        self.warmup_stats: Dict[str, float] = {}  # what warm-up compiled and loaded (see warmup)
 
     def _decode(self, num_steps: int):
         """The slot decode program of `num_steps` steps (`step_programs.decode`; K = 1 keeps its logits)."""
@@ -813,8 +832,15 @@ class ModelRunner:
         ``num_compiles_after_warmup`` (see compile_stats). The step programs are lowered against the KV pool's abstract
         buffers while a thread of its own zeroes it (kv_allocation.py); warm-up ends once it is ready.
         """
-        self.warmup_stats = compile_programs(self.warmup_programs(), phases, prefix, self.program_cache)
-        self.kv_caches  # (waits for the start-up allocation of the pool, which warm-up overlapped)
+        done = False
+        try:
+            self.warmup_stats = compile_programs(self.warmup_programs(), phases, prefix, self.program_cache)
+            self.kv_caches  # (waits for the start-up allocation of the pool, which warm-up overlapped)
+            done = True
+        finally:  # the loading ahead this runner began ends: the keys used noted for the next start unless it failed
+            if self._ends_prefetch:
+                self._ends_prefetch = False
+                end_prefetch(record=done)
         self._compiled_after_warmup = compile_counts().programs
 
     def _padding_inputs(self, mode: ForwardMode, t_pad: int, s_pad: int) -> tuple:

@@ -328,7 +328,7 @@ class Prefetch:
             self.keys_used.append(key)
 
 
-_prefetch: Optional[Prefetch] = None  # this process's start (the scheduler's), between start_ and end_prefetch
+_prefetch: Optional[Prefetch] = None  # this process's start, between start_ and end_prefetch (its runner's)
 
 
 def start_prefetch(server_args, register_kernels: Callable[[], object] = lambda: None) -> int:
@@ -366,10 +366,16 @@ def start_prefetch(server_args, register_kernels: Callable[[], object] = lambda:
     return len(listed)
 
 
-def end_prefetch() -> Optional[dict]:
+def prefetching() -> bool:
+    """Whether a `start_prefetch` of this process has not ended yet (its runner's warm-up ends it)."""
+    return _prefetch is not None
+
+
+def end_prefetch(record: bool = True) -> Optional[dict]:
     """End this process's `start_prefetch`: drop the loads warm-up did not take (cancelled where not begun), write
-    the keys warm-up used and the KV pool's size as the manifest when they differ from it, and return {"listed",
-    "taken", "unused", "used"} (None without a `start_prefetch`)."""
+    the keys warm-up used and the KV pool's size as the manifest when they differ from it (unless `record` is
+    False: a start that failed), and return {"listed", "taken", "unused", "used"} (None without a
+    `start_prefetch`)."""
     global _prefetch
     session, _prefetch = _prefetch, None
     if session is None:
@@ -377,7 +383,7 @@ def end_prefetch() -> Optional[dict]:
     for f in session.futures.values():
         f.cancel()
     unused = len(session.futures)
-    if session.keys_used and (session.keys_used, session.pool_tokens) != (session.listed, session.pool_tokens_before):
+    if record and session.keys_used and (session.keys_used, session.pool_tokens) != (session.listed, session.pool_tokens_before):
         try:
             _write_atomically(session.manifest, json.dumps(
                 {"keys": session.keys_used, "kv_pool_tokens": session.pool_tokens}).encode())

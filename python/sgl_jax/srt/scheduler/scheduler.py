@@ -69,7 +69,7 @@ from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
 from sgl_jax.srt.model_executor.host_copy import transfer_guard
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
-from sgl_jax.srt.model_executor.program_cache import end_prefetch, pool_tokens_before, remember_pool_tokens
+from sgl_jax.srt.model_executor.program_cache import pool_tokens_before, remember_pool_tokens
 from sgl_jax.srt.model_executor.step_output import LaunchedForward
 from sgl_jax.srt.preflight import KVLimits, check_fits
 from sgl_jax.srt.sampling.sampling_params import clip_max_new_tokens
@@ -247,7 +247,6 @@ class Scheduler:
                 rank.speculator.costs = costs
         if self.draft_model is not None:
             self.draft_model.runner.restart_compile_count()
-        end_prefetch()  # (the executables loaded ahead: kept where warm-up used them; the keys used noted)
 
     def _open_sockets(self, port_args) -> None:
         """The ZMQ sockets: requests in from the TokenizerManager, tokens out to the DetokenizerManager, control
