@@ -10,7 +10,8 @@ ModelRunner.launch_decode / launch_ranks: bench_decode_loops.DecodeLoop)::
         --result-filename results.jsonl --report one_batch.md --profile traces/
 
 Every ServerArgs flag works (``--model-path``, ``--dtype``, ``--page-size``, ``--max-total-tokens``,
-``--num-continuous-decode-steps`` ...). Compilation is excluded: ModelRunner.warmup() compiles every bucket first,
+``--num-continuous-decode-steps`` ...); ``--temperature``, ``--top-p`` and ``--top-k`` set every request's sampling
+(default: temperature 1, no filter). Compilation is excluded: ModelRunner.warmup() compiles every bucket first,
 and ``--warmup-steps`` untimed decode steps run before the ``--output-len`` timed ones. A step's time includes its
 host work as the scheduler pays it; ``host ms`` is that part (build, h2d, dispatch and apply of
 bench_decode_loops.py). ``device ms`` is the device's own time per step: the last launch re-run back to back with
@@ -247,6 +248,7 @@ class OneBatchRunner:
         self.loop = DecodeLoop(runner, self.memory, buckets, sa.num_continuous_decode_steps)
         self.warmup_iters = -(-args.warmup_steps // sa.num_continuous_decode_steps)  # launches of K steps
         self.profile_dir, self.profile_steps = args.profile, args.profile_steps
+        self.sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
 
     def _step(self, batch: ScheduleBatch) -> Tuple[list, float]:
         """Build and run one prepared step, then commit its KV and take the sampled tokens as the scheduler does.
@@ -282,7 +284,8 @@ class OneBatchRunner:
         """B requests of L random token ids (seeded by the row), sampled with per-request seeds."""
         rng = np.random.default_rng([seed, bs, input_len])
         ids = rng.integers(0, self.mc.vocab_size, size=(bs, input_len)).tolist()
-        sp = SamplingParams(max_new_tokens=self.warmup_iters * self.loop.num_steps + output_len + 1, ignore_eos=True)
+        sp = SamplingParams(max_new_tokens=self.warmup_iters * self.loop.num_steps + output_len + 1, ignore_eos=True,
+                            **self.sampling)
         return [Req(f"bench-{bs}-{input_len}-{i}", p, sp, eos_token_ids=self.mc.eos_token_ids, seed=seed + i)
                 for i, p in enumerate(ids)]
 
@@ -436,6 +439,9 @@ def parse_args(argv: List[str]) -> Tuple[ServerArgs, argparse.Namespace]:
     parser.add_argument("--input-len", type=int, nargs="+", default=[1500], help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=16, help="decode steps timed")
     parser.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before the timed ones")
+    parser.add_argument("--temperature", type=float, default=1.0, help="every request's temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (1: off)")
+    parser.add_argument("--top-k", type=int, default=-1, help="every request's top_k (-1: off)")
     parser.add_argument("--run-name", default="default")
     parser.add_argument("--result-filename", help="JSONL file: one line per row is appended")
     parser.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace (TensorBoard's xplane and a "
@@ -500,7 +506,8 @@ def main(argv: Optional[List[str]] = None) -> None:
               f"per step: {cost.weight_bytes / 1e6:.1f} MB of weights read, {2 * cost.token_params / 1e6:.1f} "
               f"MFLOP per token + {2 * cost.head_params / 1e6:.1f} MFLOP lm-head per sequence (per device)",
               f"floors at the machine rates measured in this run; F: compute-bound, B: bandwidth-bound; x floor = "
-              f"measured / floor; decode: median of {args.output_len} steps after {args.warmup_steps} warm-up"]
+              f"measured / floor; decode: median of {args.output_len} steps after {args.warmup_steps} warm-up",
+              f"sampling: temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}, a seed per request"]
     print("\n".join(header + [f"machine rates {bench.rates.describe()}", "", "| " + " | ".join(COLUMNS) + " |",
                               "|" + "---|" * len(COLUMNS)]), flush=True)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

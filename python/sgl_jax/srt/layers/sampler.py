@@ -122,30 +122,137 @@ def _typical_keep(scaled: jax.Array, typical_p: jax.Array) -> jax.Array:
     return shift <= jnp.take_along_axis(sorted_shift, last[:, None], axis=-1)
 
 
-def _sample_filtered(logits: jax.Array, temperature: jax.Array, meta: SamplingBatch) -> jax.Array:
-    """Sample from softmax(logits / temperature) after top-k / top-p / min-p / typical-p filtering (sorts each row
-    once; a second sort only when a row uses typical_p). The kept set goes back to vocabulary order and the draw
-    is `draw`'s, as for unfiltered rows, so a row that filters nothing draws the same token in either branch (its
-    token does not depend on the other rows of the batch)."""
+# Candidate counts tried, in order, before the threshold search over whole rows (`_sample_filtered`). On a 2-core
+# CPU XLA sorts a 49,152-entry row in ~13 ms (a speculative verify step of 256 top-p rows spent 3.3 s there);
+# lax.top_k of 128 of them costs ~0.15 ms, and the threshold search (`_kept_by_threshold`) ~1.5 ms. A filtering
+# step of 16 top-p 0.95 rows at temperature 0.8 took 11 ms (logits drawn at standard deviation 6: the candidates
+# hold the set) and 27 ms (at 2: the search) against the sort's ~225 ms.
+CANDIDATE_TIERS = (128,)
+SORT_FREE = True  # False: every filtering step sorts whole rows (the reference the tests compare with)
+
+
+def _kept_candidates(sorted_scaled: jax.Array, lse: jax.Array, meta: SamplingBatch, V: int):
+    """(keep bool[S, K], fits bool[S]) for each row's K most likely tokens, most likely first (`sorted_scaled`:
+    their temperature-scaled logits; `lse`: float32[S], the log-sum-exp of the whole scaled row): the top-k, top-p
+    and min-p sets, and whether the row keeps no token beyond these K (so its kept set is exact): top_k <= K, or
+    the K tokens' mass already reaches top_p, or the K-th one falls below min_p. K = V always fits."""
+    K = sorted_scaled.shape[1]
+    probs = jnp.exp(sorted_scaled - lse[:, None])
+    rank = jnp.arange(K)[None, :]
+    top_k = jnp.where(meta.params["top_k"] > 0, meta.params["top_k"], V)
+    keep = rank < top_k[:, None]
+    mass = jnp.cumsum(probs, axis=-1)
+    keep &= (mass - probs) < meta.params["top_p"][:, None]
+    min_prob = meta.params["min_p"] * probs[:, 0]
+    keep &= probs >= min_prob[:, None]
+    keep = keep.at[:, 0].set(True)  # (the most likely token survives top-k, top-p and min-p)
+    if K == V:
+        return keep, jnp.ones(keep.shape[:1], bool)
+    fits = (top_k <= K) | (mass[:, -1] >= meta.params["top_p"]) | (probs[:, -1] < min_prob)
+    return keep, fits
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """int32 keys ordered as the float32 values `x` are (-0.0 taken as 0.0): a search over keys is one over values."""
+    i = jax.lax.bitcast_convert_type(x + 0.0, jnp.int32)
+    return jnp.where(i < 0, i ^ 0x7FFFFFFF, i)
+
+
+def _key_value(key: jax.Array) -> jax.Array:
+    """The float32 value of an `_order_key` key."""
+    return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), jnp.float32)
+
+
+def _boundary(scaled: jax.Array, weight: jax.Array, target: jax.Array) -> jax.Array:
+    """float32[S]: per row the largest value v of `scaled` [S, V] whose entries >= v weigh (`weight` summed) at
+    least `target` [S]: the value of the boundary token in the row's descending order. A search over the values'
+    `_order_key`s, 32 halvings of [min, max + 1] (one pass over the row each); the row's minimum when even the
+    whole row falls short (a rounded mass below a top_p near 1)."""
+    lo, hi = _order_key(jnp.min(scaled, axis=-1)), _order_key(jnp.max(scaled, axis=-1)) + 1
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without int32 overflow
+        meets = jnp.sum(jnp.where(scaled >= _key_value(mid)[:, None], weight, 0.0), axis=-1) >= target
+        return jnp.where(meets, mid, lo), jnp.where(meets, hi, mid)
+
+    return _key_value(jax.lax.fori_loop(0, 32, halve, (lo, hi))[0])
+
+
+def _kept_by_threshold(scaled: jax.Array, lse: jax.Array, meta: SamplingBatch, V: int) -> jax.Array:
+    """bool[S, V] (vocabulary order): the top-k, top-p and min-p sets `_kept_candidates` computes on sorted rows,
+    found without sorting: each set's boundary value by `_boundary`, every token above it kept, and the tokens tied
+    with it kept in id order (the sort's order) while the set's rule still admits them. The most likely token (the
+    first on ties) always stays."""
+    probs = jnp.exp(scaled - lse[:, None])
+    top_p, min_p = meta.params["top_p"], meta.params["min_p"]
+    top_k = jnp.where(meta.params["top_k"] > 0, jnp.minimum(meta.params["top_k"], V), V)
+
+    def by_top_p():
+        v = _boundary(scaled, probs, top_p)
+        tie = scaled == v[:, None]
+        mass_above = jnp.sum(jnp.where(scaled > v[:, None], probs, 0.0), axis=-1, keepdims=True)
+        mass_before = mass_above + (jnp.cumsum(tie, axis=-1) - 1) * jnp.exp(v - lse)[:, None]
+        return (scaled > v[:, None]) | (tie & (mass_before < top_p[:, None])) | (top_p >= 1.0)[:, None]
+
+    def by_top_k():
+        v = _boundary(scaled, jnp.ones_like(scaled), top_k.astype(jnp.float32))
+        tie = scaled == v[:, None]
+        above = jnp.sum(scaled > v[:, None], axis=-1, keepdims=True)
+        return (scaled > v[:, None]) | (tie & (jnp.cumsum(tie, axis=-1) <= top_k[:, None] - above))
+
+    everything = lambda: jnp.ones(scaled.shape, bool)  # noqa: E731
+    keep = jax.lax.cond(jnp.any(top_p < 1.0), by_top_p, everything)
+    keep &= jax.lax.cond(jnp.any(top_k < V), by_top_k, everything)
+    keep &= probs >= (min_p * jnp.exp(jnp.max(scaled, axis=-1) - lse))[:, None]
+    return keep | (jnp.arange(V)[None, :] == first_argmax(scaled)[:, None])
+
+
+def _sample_filtered(logits: jax.Array, temperature: jax.Array, meta: SamplingBatch, skip: jax.Array) -> jax.Array:
+    """Sample from softmax(logits / temperature) after top-k / top-p / min-p / typical-p filtering. The kept set
+    goes back to vocabulary order and the draw is `draw`'s, as for unfiltered rows, so a row that filters nothing
+    draws the same token in either branch (its token does not depend on the other rows of the batch).
+
+    The kept sets come from each row's CANDIDATE_TIERS most likely tokens (lax.top_k) when every filtering row's
+    set lies inside them (`_kept_candidates`), the next tier when not, and a threshold search over whole rows last
+    (`_kept_by_threshold`); a row that uses typical_p sorts whole rows (as SORT_FREE False does for every row). Each
+    way keeps the same tokens, up to float rounding of the masses: the sort's order with its ties (the lower id
+    first, as top_k's). `skip`: bool[S], rows whose token is not taken from here (greedy ones)."""
     S, V = logits.shape
     scaled = logits / temperature[:, None]
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    rank = jnp.arange(V)[None, :]
-    top_k = jnp.where(meta.params["top_k"] > 0, meta.params["top_k"], V)[:, None]
-    keep = rank < top_k
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < meta.params["top_p"][:, None]
-    keep &= probs >= meta.params["min_p"][:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)  # (the most likely token survives top-k, top-p and min-p)
-    typical_p = meta.params["typical_p"]
-    keep &= jax.lax.cond(jnp.any(typical_p < 1.0),
-                         lambda: jnp.take_along_axis(_typical_keep(scaled, typical_p), order, axis=-1),
-                         lambda: jnp.ones((S, V), bool))
-    keep = keep | (~jnp.any(keep, axis=-1, keepdims=True) & (rank == 0))  # never an empty set
-    keep_by_id = jnp.zeros((S, V), bool).at[jnp.arange(S)[:, None], order].set(keep)
-    return draw(jnp.where(keep_by_id, logits, NEG_INF), uniforms(meta), temperature)
+    lse = jax.nn.logsumexp(scaled, axis=-1)
+    top_k = meta.params["top_k"]
+    filters = ~skip & ((meta.params["top_p"] < 1.0) | ((top_k > 0) & (top_k < V)) | (meta.params["min_p"] > 0.0)
+                       | (meta.params["typical_p"] < 1.0))
+    rows = jnp.arange(S)[:, None]
+
+    def draw_kept(keep, ids=None):  # (ids None: `keep` is in vocabulary order already)
+        keep_by_id = keep if ids is None else jnp.zeros((S, V), bool).at[rows, ids].set(keep)
+        return draw(jnp.where(keep_by_id | ~filters[:, None], logits, NEG_INF), uniforms(meta), temperature)
+
+    def whole_rows():
+        order = jnp.argsort(-scaled, axis=-1)
+        keep, _ = _kept_candidates(jnp.take_along_axis(scaled, order, axis=-1), lse, meta, V)
+        typical_p = meta.params["typical_p"]
+        keep &= jax.lax.cond(jnp.any(typical_p < 1.0),
+                             lambda: jnp.take_along_axis(_typical_keep(scaled, typical_p), order, axis=-1),
+                             lambda: jnp.ones((S, V), bool))
+        keep = keep | (~jnp.any(keep, axis=-1, keepdims=True) & (jnp.arange(V) == 0)[None, :])  # never empty
+        return draw_kept(keep, order)
+
+    def tier(k, otherwise):
+        def run():
+            values, ids = jax.lax.top_k(scaled, k)
+            keep, fits = _kept_candidates(values, lse, meta, V)
+            return jax.lax.cond(jnp.all(fits | ~filters), lambda: draw_kept(keep, ids), otherwise)
+        return run
+
+    if not SORT_FREE:
+        return whole_rows()
+    chain = lambda: draw_kept(_kept_by_threshold(scaled, lse, meta, V))  # noqa: E731
+    for k in sorted((k for k in CANDIDATE_TIERS if k < V), reverse=True):
+        chain = tier(k, chain)
+    return jax.lax.cond(jnp.any(filters & (meta.params["typical_p"] < 1.0)), whole_rows, chain)
 
 
 @dataclasses.dataclass
@@ -276,7 +383,7 @@ def sample(logits: jax.Array, meta: SamplingBatch, eos_token_ids: jax.Array, sta
         [
             lambda: greedy,
             lambda: draw(logits, uniforms(meta), temperature),
-            lambda: _sample_filtered(logits, temperature, meta),
+            lambda: _sample_filtered(logits, temperature, meta, greedy_rows),
         ],
     )
     next_ids = jnp.where(greedy_rows, greedy, sampled).astype(jnp.int32)
