@@ -456,6 +456,8 @@ def parse_args(argv: List[str]) -> Tuple[ServerArgs, argparse.Namespace]:
             parser.error(f"--{name.replace('_', '-')} values must be >= 1")
     if args.output_len < 1 or args.warmup_steps < 0:
         parser.error("--output-len must be >= 1, --warmup-steps >= 0")
+    if not (0.0 <= args.temperature < float("inf")) or not (0.0 < args.top_p <= 1.0) or not -1 <= args.top_k < 2**31:
+        parser.error("--temperature must be a finite value >= 0, --top-p in (0, 1], --top-k -1 (off) or >= 0")
     if args.random_seed is None:
         args.random_seed = 0  # random prompts and dummy weights reproducible by default
     try:

@@ -126,3 +126,17 @@ def test_moe_floors_count_active_parameters(tmp_path):
     weights = (2 * (attention + norms + router) + 64 + 49152 * 64) * 4 + 2 * experts * 4 * reached
     step_bytes = one["decode_step_bytes"]  # the weights' share plus the KV read (c tokens) and written (1)
     assert step_bytes - weights == pytest.approx(2 * 2 * 2 * 16 * 4 * (c + 1), abs=1.0), (step_bytes, weights)
+
+
+def test_sampling_flags_are_checked(capsys):
+    """--temperature, --top-p and --top-k are checked when the flags are read: a value out of range exits with
+    argparse's error naming the flags; valid ones reach every request's sampling."""
+    from sgl_jax.bench_one_batch import parse_args
+
+    for bad in (["--temperature", "-1"], ["--temperature", "inf"], ["--top-p", "0"], ["--top-p", "1.5"],
+                ["--top-k", "-2"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+        assert "--temperature must be a finite value >= 0, --top-p in (0, 1]" in capsys.readouterr().err
+    _, args = parse_args(["--temperature", "0.8", "--top-p", "0.95", "--top-k", "20"])
+    assert (args.temperature, args.top_p, args.top_k) == (0.8, 0.95, 20)
