@@ -208,7 +208,7 @@ def _kept_by_threshold(scaled: jax.Array, lse: jax.Array, meta: SamplingBatch, V
     return keep | (jnp.arange(V)[None, :] == first_argmax(scaled)[:, None])
 
 
-def _sample_filtered(logits: jax.Array, temperature: jax.Array, meta: SamplingBatch, skip: jax.Array) -> jax.Array:
+def _sample_filtered(logits: jax.Array, temperature: jax.Array, meta: SamplingBatch, filters: jax.Array) -> jax.Array:
     """Sample from softmax(logits / temperature) after top-k / top-p / min-p / typical-p filtering. The kept set
     goes back to vocabulary order and the draw is `draw`'s, as for unfiltered rows, so a row that filters nothing
     draws the same token in either branch (its token does not depend on the other rows of the batch).
@@ -217,13 +217,11 @@ def _sample_filtered(logits: jax.Array, temperature: jax.Array, meta: SamplingBa
     set lies inside them (`_kept_candidates`), the next tier when not, and a threshold search over whole rows last
     (`_kept_by_threshold`); a row that uses typical_p sorts whole rows (as SORT_FREE False does for every row). Each
     way keeps the same tokens, up to float rounding of the masses: the sort's order with its ties (the lower id
-    first, as top_k's). `skip`: bool[S], rows whose token is not taken from here (greedy ones)."""
+    first, as top_k's). `filters`: bool[S], the rows whose token is taken from here and whose kept set is cut
+    (`sample`'s: not greedy, and some filter on); the others keep every token."""
     S, V = logits.shape
     scaled = logits / temperature[:, None]
     lse = jax.nn.logsumexp(scaled, axis=-1)
-    top_k = meta.params["top_k"]
-    filters = ~skip & ((meta.params["top_p"] < 1.0) | ((top_k > 0) & (top_k < V)) | (meta.params["min_p"] > 0.0)
-                       | (meta.params["typical_p"] < 1.0))
     rows = jnp.arange(S)[:, None]
 
     def draw_kept(keep, ids=None):  # (ids None: `keep` is in vocabulary order already)
@@ -375,7 +373,8 @@ def sample(logits: jax.Array, meta: SamplingBatch, eos_token_ids: jax.Array, sta
     top_k = meta.params["top_k"]
     needs_filter = ((meta.params["top_p"] < 1.0) | ((top_k > 0) & (top_k < V)) | (meta.params["min_p"] > 0.0)
                     | (meta.params["typical_p"] < 1.0))
-    branch = jnp.where(jnp.all(greedy_rows), 0, jnp.where(jnp.any(needs_filter & ~greedy_rows), 2, 1))
+    filters = needs_filter & ~greedy_rows
+    branch = jnp.where(jnp.all(greedy_rows), 0, jnp.where(jnp.any(filters), 2, 1))
 
     temperature = jnp.where(greedy_rows, 1.0, meta.params["temperature"])
     sampled = jax.lax.switch(
@@ -383,7 +382,7 @@ def sample(logits: jax.Array, meta: SamplingBatch, eos_token_ids: jax.Array, sta
         [
             lambda: greedy,
             lambda: draw(logits, uniforms(meta), temperature),
-            lambda: _sample_filtered(logits, temperature, meta, greedy_rows),
+            lambda: _sample_filtered(logits, temperature, meta, filters),
         ],
     )
     next_ids = jnp.where(greedy_rows, greedy, sampled).astype(jnp.int32)
