@@ -20,7 +20,7 @@ from 64 to the default buckets' largest), one at a time on this machine::
   layer (``attention %`` about 2); ``SGL_JAX_CPU_EXTEND_KERNEL=0`` measures the pure-JAX loops it replaced
   (68%, reports/extend-kernel-cpu-2026-12-06.notes.md);
 - ``step ms``: the device time of one all-padding step of the bucket (forward and sampling;
-  `ModelRunner.device_seconds_per_step`, the median of ``--repeats`` blocks): the padded part of an extend step,
+  `device_timing.device_seconds_per_step`, the median of ``--repeats`` blocks): the padded part of an extend step,
   which is what the bucket choice changes (the real tokens' attention is the same in every choice).
 
 Then, for candidate sets of buckets (each ending with the largest, which the chunk needs), the start-up cost
@@ -58,6 +58,7 @@ from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.mem_cache.kv_memory import kv_spec_for
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets, derive_limits, powers_of_two
 from sgl_jax.srt.model_executor.compile_stats import compile_counts
+from sgl_jax.srt.model_executor.device_timing import device_seconds_per_step
 from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.model_executor.warmup import as_lowered
@@ -144,8 +145,8 @@ def measure_bucket(runner: ModelRunner, name: str, lower, t: int, s: int, repeat
     load = time.perf_counter() - t0
     loaded = (compile_counts() - before).cache_hits
     batch = runner.dummy_batch(ForwardMode.EXTEND, t, s)
-    runner.device_seconds_per_step(batch, 1)  # the call path's own first run
-    step = statistics.median(runner.device_seconds_per_step(batch, 2) for _ in range(repeats))
+    device_seconds_per_step(runner, batch, 1)  # the call path's own first run
+    step = statistics.median(device_seconds_per_step(runner, batch, 2) for _ in range(repeats))
     return {"name": name, "T": t, "S": s, "trace_s": traced, "xla_s": xla, "load_s": load, "step_ms": 1e3 * step,
             "loaded_from_cache": loaded, **composition}
 

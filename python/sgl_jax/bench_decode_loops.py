@@ -14,7 +14,7 @@ launched before, whose input tokens the device took from its own future-token bu
   on the host (their copy starts at launch);
 - apply: the tokens appended, the KV counted as written (`commit_launched_row`), the memory's after-step work.
 
-The device's own time per step is measured apart (`ModelRunner.device_seconds_per_decode`: the same program
+The device's own time per step is measured apart (`device_timing.device_seconds_per_decode`: the same program
 re-run back to back); with overlap, what the host adds is visible as the part of an iteration the device is idle.
 """
 

@@ -15,7 +15,7 @@ Every ServerArgs flag works (``--model-path``, ``--dtype``, ``--page-size``, ``-
 and ``--warmup-steps`` untimed decode steps run before the ``--output-len`` timed ones. A step's time includes its
 host work as the scheduler pays it; ``host ms`` is that part (build, h2d, dispatch and apply of
 bench_decode_loops.py). ``device ms`` is the device's own time per step: the last launch re-run back to back with
-nothing read in between (`ModelRunner.device_seconds_per_decode` / `device_seconds_per_step`; the median of
+nothing read in between (`device_timing.device_seconds_per_decode` / `device_seconds_per_step`; the median of
 DEVICE_BLOCKS such blocks); ``busy %`` =
 device ms / decode p50 ms, the share of a decode loop the device is busy (on CPU the "device" is the same cores,
 so both shares compete). The overlap columns rerun the row (the same prompts and seeds, prefilled again) with the
@@ -85,6 +85,7 @@ from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
 from sgl_jax.srt.forward_batch import DecodeRows, ForwardMode
 from sgl_jax.srt.kernels.ragged_paged_attention.backend import describe as describe_attention
+from sgl_jax.srt.model_executor.device_timing import device_seconds_per_decode, device_seconds_per_step
 from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
@@ -364,13 +365,12 @@ class OneBatchRunner:
                 "compiles_after_warmup": compiles, "trace": overlap.get("trace")}
 
     def device_seconds(self, repeats: int, blocks: int = DEVICE_BLOCKS) -> float:
-        """The device's time per launch of the loop's last inputs (`ModelRunner.device_seconds_per_decode`, or
+        """The device's time per launch of the loop's last inputs (`device_timing.device_seconds_per_decode`, or
         `device_seconds_per_step` on a runner without slot state): the median of `blocks` blocks of `repeats`
         launches back to back, so that one block slowed by the machine moves it no more than a slow iteration moves
         the loops' medians."""
-        time_block = (self.runner.device_seconds_per_decode if self.runner.slot_decode
-                      else self.runner.device_seconds_per_step)
-        return float(np.median([time_block(self.loop.last_inputs, repeats) for _ in range(blocks)]))
+        time_block = device_seconds_per_decode if self.runner.slot_decode else device_seconds_per_step
+        return float(np.median([time_block(self.runner, self.loop.last_inputs, repeats) for _ in range(blocks)]))
 
 
 def overlap_columns(overlap: dict, sync_step_s: float, device_step_s: float, num_steps: int = 1) -> dict:

@@ -28,6 +28,7 @@ from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
+from sgl_jax.srt.model_executor.runner_programs import lower_step
 from sgl_jax.srt.model_executor.warmup import as_lowered
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import ServerArgs
@@ -330,7 +331,7 @@ def test_model_step_writes_kv_in_place(smollm2_harness, smollm2_tokenizer):
     and V every step: 120 such copies), and the buffers survive a prefill and a decode step."""
     h = smollm2_harness
     r = h.runner
-    hlo = as_lowered(r._lower_step(ForwardMode.DECODE, 4, 4)()).compile().as_text()  # (serving's exact inputs)
+    hlo = as_lowered(lower_step(r, ForwardMode.DECODE, 4, 4)()).compile().as_text()  # (serving's exact inputs)
     cache_shape = "f32[" + ",".join(map(str, r.kv_caches[0][0].shape)) + "]"
     copies = [ln for ln in hlo.splitlines() if f"{cache_shape}" in ln and " copy(" in ln]
     assert not copies, f"{len(copies)} copies of the KV cache per step, e.g. {copies[0].strip()[:200]}"
@@ -357,7 +358,7 @@ def test_a_program_traces_each_kind_of_layer_once(smollm2_harness):
     jax.clear_caches()  # (an earlier test may have traced the layer at this shape)
     LlamaDecoderLayer.__call__ = counting
     try:
-        as_lowered(smollm2_harness.runner._lower_step(ForwardMode.DECODE, 4, 4)())
+        as_lowered(lower_step(smollm2_harness.runner, ForwardMode.DECODE, 4, 4)())
     finally:
         LlamaDecoderLayer.__call__ = original
     assert smollm2_harness.mc.num_hidden_layers == 30

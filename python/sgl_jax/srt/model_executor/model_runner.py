@@ -43,8 +43,10 @@ from sgl_jax.srt.model_executor.lora_weights import LoraSlotWriter
 from sgl_jax.srt.model_executor.memory_budget import FP8_KV_DTYPES, NeedsWeightBytes, kv_cache_dtype
 from sgl_jax.srt.model_executor.future_tokens import new_future_tokens
 from sgl_jax.srt.model_executor.packed_inputs import pack
-from sgl_jax.srt.model_executor.program_cache import (CachedProgram, ProgramCall, end_prefetch, prefetching,
-                                                      program_cache_for, start_prefetch)
+from sgl_jax.srt.model_executor.program_cache import (CachedProgram, end_prefetch, prefetching, program_cache_for,
+                                                      start_prefetch)
+from sgl_jax.srt.model_executor.runner_programs import (LOGPROB_CHUNK_ROWS, SCORE_LABEL_CHUNK, SCORE_ROW_PADDINGS,
+                                                         serving_programs)
 from sgl_jax.srt.model_executor.moe_stats import MoeStats
 from sgl_jax.srt.model_executor.slot_state import new_slot_state
 from sgl_jax.srt.model_executor.step_output import LaunchedForward, PendingStep, StepOutput, StepTimes
@@ -59,9 +61,6 @@ from sgl_jax.srt.startup_phases import StartupPhases
 
 logger = logging.getLogger(__name__)
 
-LOGPROB_CHUNK_ROWS = 128  # rows per call when computing full-vocabulary input-token logprobs
-SCORE_ROW_PADDINGS = (16, 128)  # rows per call when computing label logprobs for scoring
-SCORE_LABEL_CHUNK = 16  # label ids per call
 
 
 def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
@@ -594,49 +593,6 @@ class ModelRunner:
         return self._pending((tokens, fwd.logits, lse, fwd.hidden, fwd.moe, fwd.aux), fwd.num_seqs, fwd.batch,
                              fwd.t_pad, fwd.times, fwd.s_pad)
 
-    def device_seconds_per_step(self, batch: ModelWorkerBatch, repeats: int, sample: bool = True) -> float:
-        """Seconds the device takes per step of `batch` (rank 0), host work excluded: its inputs are put on the device
-        once, the step (forward and sampling in one program; the forward alone without `sample`) is dispatched
-        `repeats` times back to back without reading a result, then waited for once. Re-running a step rewrites the
-        same KV slots with the same values; its sampled ids are dropped (benchmarks only: the penalty rows of its
-        sequences count its tokens again). Times the programs for speculation's batch rule
-        (scheduler/speculative/spec_costs.py)."""
-        stacked = self._step_batch([batch] + [None] * (self.dp_size - 1))
-        packed, layout = self._step_inputs(stacked, StepTimes())
-        mask = self._vocab_mask(batch.rows_pad * self.dp_size, stacked.sampling.vocab_mask)
-        jax.block_until_ready(self.kv_caches)
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            if sample and self.fused_steps and batch.forward_batch.forward_mode != ForwardMode.EXTEND:
-                self.kv_caches, self._state, out = self._step(self._param_leaves, self.kv_caches, self._state,
-                                                              packed, mask, layout)
-            else:
-                self.kv_caches, self.slot_state, out, *_, head = self._forward(
-                    self._param_leaves, self.kv_caches, self.slot_state, self.future_tokens, packed, layout)
-                if sample:
-                    self.penalty_state, self.future_tokens, out, _ = self._sample(
-                        out, self.penalty_state, self.future_tokens, head, mask, self._sampling_layout(layout))
-        jax.block_until_ready((self.kv_caches, out))
-        return (time.perf_counter() - t0) / repeats
-
-    def device_seconds_per_decode(self, rows: DecodeRows, repeats: int) -> float:
-        """Seconds the device takes per call of the decode program of rank 0's `rows` (K steps each), as
-        `device_seconds_per_step` times a host-built step: the inputs copied once, `repeats` calls back to back,
-        one wait. The rows' KV slots and their page-table entries are rewritten with the same values; each call
-        reads the future tokens the one before wrote (benchmarks only)."""
-        stacked = DecodeRows.stack([rows] + [DecodeRows.padding(rows.rows_pad, rows.num_steps)] * (self.dp_size - 1),
-                                   self.num_request_slots)
-        buf, layout = pack(stacked)
-        packed, mask = self._put(buf), self._all_allowed_mask(rows.rows_pad * self.dp_size)
-        jax.block_until_ready(self.kv_caches)
-        t0 = time.perf_counter()
-        program = self._decode(rows.num_steps)
-        for _ in range(repeats):
-            self.kv_caches, self._state, out = program(self._param_leaves, self.kv_caches, self._state, packed, mask,
-                                                       layout)
-        jax.block_until_ready((self.kv_caches, out))
-        return (time.perf_counter() - t0) / repeats
-
     def move_kv(self, moves: Sequence[Tuple[np.ndarray, np.ndarray]]) -> None:
         """Copy K/V between slots of every layer, on device after the steps launched before (speculative
         decoding: the accepted draft slots of a verify step to the positions they end at, `layers.attention.
@@ -782,47 +738,9 @@ class ModelRunner:
         return ModelWorkerBatch(forward_batch=fb, sampling=SamplingBatch.padding(rows), num_tokens=0, num_seqs=0)
 
     def warmup_programs(self) -> List[Tuple[str, object]]:
-        """(name, thunk returning a `ProgramCall` of a `CachedProgram`, or a lowered program) of every program serving
-        runs: each extend bucket's forward and the sampling of each of their row counts (split: `launch_ranks`), each
-        decode bucket's step (the slot decode program, with --num-continuous-decode-steps K > 1 also its K-step loop;
-        a host-built fused step without slot state), each verify bucket's step, the K/V moves per verify shape, the
-        LoRA slot writes, the host tier's KV copies, the logprob, label-logprob and penalty-row programs."""
-        shapes = self.buckets.all_shapes()
-        if not self.generates:  # (an embedding server's steps are all extends)
-            shapes = [(mode, t, s) for mode, t, s in shapes if mode == ForwardMode.EXTEND]
-        hidden_dim = self.model_config.hidden_size
-        dtype = np.dtype(JNP_DTYPES[self.model_config.dtype])
-        programs, sampled = [], {}  # sampled: rows -> a shape whose sampling program has those rows
-        for mode, t, s in shapes:
-            if mode == ForwardMode.DECODE and self.grammar_split:
-                sampled.setdefault(s, (mode, t, s))
-            if mode == ForwardMode.DECODE and self.slot_decode:
-                programs += [(f"decode S={s} K={k}", self._lower_decode(s, k))
-                             for k in sorted({1, self.decode_steps})]
-            elif mode == ForwardMode.EXTEND:
-                programs.append((f"extend T={t} S={s}", self._lower_forward(mode, t, s)))
-                sampled.setdefault(s, (mode, t, s))
-            else:
-                programs.append((f"{mode.name.lower()} T={t} S={s}", self._lower_step(mode, t, s)))
-        programs += [(f"sampling S={rows}", self._lower_sample(*shape)) for rows, shape in sorted(sampled.items())]
-        programs += [(f"KV move M={t}", self._lower_move(t)) for mode, t, _ in shapes
-                     if mode == ForwardMode.TARGET_VERIFY]
-        programs += self.lora_writer.warmup_programs() if self.lora_writer is not None else []
-        if self.host_kv_copies is not None:
-            programs += self.host_kv_copies.warmup_programs(lambda: self.kv_caches)
-        if not self.generates:
-            return programs + [(f"classify R={r}", lambda r=r: ProgramCall(self._classify, (
-                self.params, self._put(np.zeros((r, hidden_dim), dtype))))) for r in SCORE_ROW_PADDINGS
-                if self.num_labels]
-        programs.append((f"input logprobs R={LOGPROB_CHUNK_ROWS}", lambda: ProgramCall(self._logprobs, (
-            self.params, self._put(np.zeros((LOGPROB_CHUNK_ROWS, hidden_dim), dtype))))))
-        programs.append(("penalty row", lambda: ProgramCall(self._init_penalty_row, (self.penalty_state, *self._put((
-            np.int32(0), np.zeros(self.max_context_len, np.int32), np.int32(0), np.int32(0),
-            np.zeros(self.model_config.vocab_size, np.float32)))))))
-        for r in SCORE_ROW_PADDINGS:
-            programs.append((f"label logprobs R={r}", lambda r=r: ProgramCall(self._label_logprobs, (
-                self.params, *self._put((np.zeros((r, hidden_dim), dtype), np.zeros(SCORE_LABEL_CHUNK, np.int32)))))))
-        return programs
+        """(name, thunk returning a `ProgramCall`, or a lowered program) of every program serving runs
+        (`runner_programs.serving_programs`); the draft runners add or replace theirs."""
+        return serving_programs(self)
 
     def warmup(self, phases: Optional[StartupPhases] = None, prefix: str = "") -> None:
         """Compile every program of `warmup_programs` ahead of time (warmup.compile_programs: nothing runs), its
@@ -842,59 +760,6 @@ class ModelRunner:
                 self._ends_prefetch = False
                 end_prefetch(record=done)
         self._compiled_after_warmup = compile_counts().programs
-
-    def _padding_inputs(self, mode: ForwardMode, t_pad: int, s_pad: int) -> tuple:
-        """(packed inputs on device, layout, vocab mask) of an all-padding step of every rank: serving's exact
-        inputs (shardings included), so the compiled program is the one jit finds when serving."""
-        stacked = self._step_batch([self.dummy_batch(mode, t_pad, s_pad)] * self.dp_size)
-        packed, layout = self._step_inputs(stacked, StepTimes())
-        return packed, layout, self._all_allowed_mask(stacked.forward_batch.logits_indices.shape[0])
-
-    def _lower_step(self, mode: ForwardMode, t_pad: int, s_pad: int):
-        """A thunk lowering the fused step program of one padded shape."""
-        def lower():
-            packed, layout, mask = self._padding_inputs(mode, t_pad, s_pad)
-            return ProgramCall(self._step, (self._param_leaves, self._kv_args, self._state, packed, mask, layout))
-        return lower
-
-    def _lower_decode(self, s_pad: int, num_steps: int):
-        """A thunk lowering the slot decode program of `s_pad` rows per rank and `num_steps` steps."""
-        def lower():
-            buf, layout = pack(DecodeRows.stack([DecodeRows.padding(s_pad, num_steps)] * self.dp_size,
-                                                self.num_request_slots))
-            return ProgramCall(self._decode(num_steps), (self._param_leaves, self._kv_args, self._state,
-                                                         self._put(buf), self._all_allowed_mask(s_pad * self.dp_size),
-                                                         layout))
-        return lower
-
-    def _lower_forward(self, mode: ForwardMode, t_pad: int, s_pad: int):
-        """A thunk lowering the split forward program of one padded shape."""
-        def lower():
-            packed, layout, _ = self._padding_inputs(mode, t_pad, s_pad)
-            return ProgramCall(self._forward, (self._param_leaves, self._kv_args, self.slot_state,
-                                               self.future_tokens, packed, layout))
-        return lower
-
-    def _lower_move(self, m: int):
-        """A thunk lowering the KV move program of `m` slots per rank (`move_kv`)."""
-        def lower():
-            z = self._put(np.zeros(self.dp_size * m, np.int32))
-            return ProgramCall(self._move_kv, (self._kv_args, z, z))
-        return lower
-
-    def _lower_sample(self, mode: ForwardMode, t_pad: int, s_pad: int):
-        """A thunk lowering the split sampling program of one padded shape (its rows: S_pad, T_pad in a verify
-        step)."""
-        def lower():
-            _, layout, mask = self._padding_inputs(mode, t_pad, s_pad)
-            rows = self.dp_size * (t_pad if mode == ForwardMode.TARGET_VERIFY else s_pad)
-            width = self.logits_vocab if self.generates else 1
-            logits = jax.ShapeDtypeStruct((rows, width), jnp.float32, sharding=self._replicated)
-            head = jax.ShapeDtypeStruct((step_programs.sampling_words(layout),), jnp.int32, sharding=self._replicated)
-            return ProgramCall(self._sample, (logits, self.penalty_state, self.future_tokens, head, mask,
-                                              self._sampling_layout(layout)))
-        return lower
-
 
 def _second_arg_rows(args: tuple) -> int:
     """The rows of a call's second argument: the table key of the programs compiled per row count."""

@@ -40,6 +40,7 @@ from flax import nnx
 from sgl_jax.srt.forward_batch import ForwardMode, ModelWorkerBatch
 from sgl_jax.srt.model_executor.model_runner import ModelRunner
 from sgl_jax.srt.model_executor.packed_inputs import unpack
+from sgl_jax.srt.model_executor.runner_programs import lower_forward, lower_move, lower_sample
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES
 
 
@@ -75,15 +76,15 @@ class DraftModelRunner(ModelRunner):
         """Every step shape's forward, the sampling of DECODE shapes, and with top-k > 1 the top-k and the K/V moves
         of each verify shape."""
         shapes = self.buckets.all_shapes()
-        programs = [(f"draft {mode.name.lower()} T={t} S={s}", self._lower_forward(mode, t, s))
+        programs = [(f"draft {mode.name.lower()} T={t} S={s}", lower_forward(self, mode, t, s))
                     for mode, t, s in shapes]
-        programs += [(f"draft sampling S={s}", self._lower_sample(mode, t, s)) for mode, t, s in shapes
+        programs += [(f"draft sampling S={s}", lower_sample(self, mode, t, s)) for mode, t, s in shapes
                      if mode == ForwardMode.DECODE]
         if self.topk > 1:
             for mode, t, _ in shapes:
                 if mode == ForwardMode.TARGET_VERIFY:
                     programs += [(f"draft top-{self.topk} T={t}", self._lower_top(t)),
-                                 (f"draft KV move M={t}", self._lower_move(t))]
+                                 (f"draft KV move M={t}", lower_move(self, t))]
         return programs
 
     def _lower_top(self, t_pad: int):
@@ -269,7 +270,7 @@ class EagleRunner(ModelRunner):
                 programs.append((f"draft decode T={t} S={s}", self._lower(mode, t, s, False)))
             if mode == ForwardMode.TARGET_VERIFY and self.topk > 1:
                 programs.append((f"draft tree T={t} S={s}", self._lower_tree(t, s)))
-                programs.append((f"draft KV move M={t}", self._lower_move(t)))
+                programs.append((f"draft KV move M={t}", lower_move(self, t)))
         return programs
 
     def _lower(self, mode: ForwardMode, t_pad: int, s_pad: int, project: bool):

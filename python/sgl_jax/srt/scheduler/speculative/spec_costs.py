@@ -31,6 +31,7 @@ from typing import Dict, List, Tuple
 
 from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
+from sgl_jax.srt.model_executor.device_timing import device_seconds_per_step
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class StepCosts:
 
 def measure_step_costs(runner, buckets: ShapeBuckets, mirror=None) -> StepCosts:
     """Time the target's compiled decode and verify programs at every batch-size padding on all-padding batches
-    (`ModelRunner.dummy_batch`: nothing but the padding page is written; `ModelRunner.device_seconds_per_step`).
+    (`ModelRunner.dummy_batch`: nothing but the padding page is written; `device_timing.device_seconds_per_step`).
     Each program runs once untimed, then the programs of a padding take turns for TIMED_REPEATS rounds and each
     keeps its fastest run: a burst of other work on the machine then slows both programs' runs alike instead of
     skewing their ratio, which the rule decides by. `mirror`: a STANDALONE draft model's runner, which runs every
@@ -99,11 +100,11 @@ def measure_step_costs(runner, buckets: ShapeBuckets, mirror=None) -> StepCosts:
                     for mode, shape, into in ((ForwardMode.DECODE, buckets.decode_shape(s), decode),
                                               (ForwardMode.TARGET_VERIFY, buckets.verify_shape(s), verify))]
         for _, r, batch, sample in programs:
-            r.device_seconds_per_step(batch, 1, sample)
+            device_seconds_per_step(r, batch, 1, sample)
         fastest = [float("inf")] * len(programs)
         for _ in range(TIMED_REPEATS):
             for i, (_, r, batch, sample) in enumerate(programs):
-                fastest[i] = min(fastest[i], 1000.0 * r.device_seconds_per_step(batch, 1, sample))
+                fastest[i] = min(fastest[i], 1000.0 * device_seconds_per_step(r, batch, 1, sample))
         for (into, *_), ms in zip(programs, fastest):
             into[s] = into.get(s, 0.0) + ms
     costs = StepCosts(decode, verify)
