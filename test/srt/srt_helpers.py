@@ -241,13 +241,15 @@ class ServerProcess:
     def stop_checked(self, headers: Optional[dict] = None) -> None:
         """The teardown of every test server that is still up: `check_clean` (pool back to free + cached, the
         exact ownership and idle checks clean, no compile after warm-up), then a stop with exit 0 and no child
-        process left."""
+        process left. The log file is removed once all of that holds (kept, in the temporary directory, when not)."""
         try:
             check_clean(self.url, headers)
         finally:
             code = self.stop()
         assert code == 0, f"server exited with {code}:\n{self.log_text()[-3000:]}"
         assert not alive_after(self.children), "child processes left behind"
+        self.log.close()
+        os.unlink(self.log.name)
 
 
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> int:
