@@ -7,9 +7,11 @@ under a key computed without tracing: a hash of everything the program is made f
 sources and built kernels, jax and jaxlib, the XLA and JAX environment, the devices and the host CPU's features, the
 runner's step spec, model config and server flags) plus the program's name, its static argument and the shapes,
 dtypes and shardings of its arguments (`ProgramCache.key`). A restart with the same key deserializes the executable
-(~0.1-0.5 s on 2 cores, on the compile threads) and never traces it. Only executables XLA compiled in this process
-are stored: one that JAX read back from its persistent cache serializes without the functions XLA's CPU loader
-linked into it, and fails at its first run once loaded again (jax 0.10.2).
+(~0.1-0.5 s on 2 cores, on the compile threads) and never traces it. An executable XLA compiled in this process is
+stored as `jax.experimental.serialize_executable` writes it. One that JAX read back from its persistent cache is
+not re-serialized (that copy lacks the functions XLA's CPU loader linked into it: once loaded again it fails or
+computes wrong values, jax 0.10.2): it is stored with the bytes of JAX's own cache entry instead (`watch_cache_hits`
+notes the entry's key per compiling thread), so that a start on a warm JAX cache stores its programs too.
 
 `CachedProgram` wraps one jitted function: calls whose static argument (or key) has a loaded executable run it (the
 same C++ dispatch as jit's); any other call, or one whose arguments' types the executable refuses, goes to the
@@ -36,6 +38,7 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional
@@ -154,6 +157,78 @@ def _write_atomically(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+_hits = threading.local()  # the JAX cache key of the last compile of this thread that JAX's cache answered
+
+
+def watch_cache_hits() -> None:
+    """Note, per thread, the key of each compile JAX's persistent cache answers (`last_cache_hit`), by wrapping
+    ``jax._src.compiler.log_persistent_cache_hit`` (called with it on every hit). Idempotent; does nothing where
+    that function is absent (another jax): such executables are then simply not stored."""
+    try:
+        from jax._src import compiler
+    except ImportError:
+        return
+    logged = getattr(compiler, "log_persistent_cache_hit", None)
+    if logged is None or getattr(logged, "_notes_hits", False):
+        return
+
+    def log_persistent_cache_hit(module_name, cache_key, *args, **kwargs):
+        _hits.key = cache_key
+        return logged(module_name, cache_key, *args, **kwargs)
+
+    log_persistent_cache_hit._notes_hits = True
+    compiler.log_persistent_cache_hit = log_persistent_cache_hit
+
+
+def forget_cache_hit() -> None:
+    """Clear this thread's `last_cache_hit` (before a compile)."""
+    _hits.key = None
+
+
+def last_cache_hit() -> Optional[str]:
+    """The JAX cache key of this thread's last compile that JAX's persistent cache answered since
+    `forget_cache_hit` (None: none, or `watch_cache_hits` not in place)."""
+    return getattr(_hits, "key", None)
+
+
+def _jax_cache_entry(compiled, jax_cache_key: str) -> Optional[bytes]:
+    """The serialized XLA executable JAX's persistent cache holds under `jax_cache_key` (the bytes JAX itself
+    deserializes on a hit), or None when the entry is gone."""
+    from jax._src import compilation_cache
+
+    cache = compilation_cache._get_cache(compiled.runtime_executable().client)
+    raw = cache.get(jax_cache_key) if cache is not None else None
+    if raw is None:
+        return None
+    return compilation_cache.extract_executable_and_time(compilation_cache.decompress_executable(raw))[0]
+
+
+def _serialize(compiled, executable_bytes: Optional[bytes] = None) -> tuple:
+    """(blob, in_tree, out_tree) as ``jax.experimental.serialize_executable.serialize`` gives them, with the XLA
+    executable written as `executable_bytes` when given (JAX's cache entry) instead of serialized from `compiled`.
+    Raises what serialize raises for an executable it cannot write (closed-over constants)."""
+    import io
+
+    from jax._src.lib import _jax, xla_client
+    from jax.experimental.serialize_executable import _JaxPjrtPickler, serialize
+
+    if executable_bytes is None:
+        return serialize(compiled)
+    if compiled._params.const_args:
+        raise NotImplementedError("serialize_executables with const_args")
+
+    class FromJaxCache(_JaxPjrtPickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, (xla_client.LoadedExecutable, _jax.Executable)):
+                return ("exec", executable_bytes)
+            return super().persistent_id(obj)
+
+    args_info_flat, in_tree = jax.tree_util.tree_flatten(compiled.args_info)
+    with io.BytesIO() as f:
+        FromJaxCache(f).dump((compiled._executable._unloaded_executable, args_info_flat, compiled._no_kwargs))
+        return f.getvalue(), in_tree, compiled.out_tree
+
+
 def read_executable(path: str, devices: Dict[int, Any]) -> Optional[Any]:
     """The ``jax.stages.Compiled`` stored at `path` (`ProgramCache.store`), loaded onto `devices` (id -> device),
     or None (logged) when the file is unreadable, of another format, or names a device not in `devices`."""
@@ -238,6 +313,7 @@ class ProgramCache:
         self.directory, self.fingerprint = directory, fingerprint_hex
         self.devices = {d.id: d for d in (jax.devices() if devices is None else devices)}
         self.loaded_ahead = 0  # `load`s answered by an executable `start_prefetch` had loaded
+        watch_cache_hits()  # (so that warm-up can store what JAX's cache answers)
 
     def key(self, name: str, call: ProgramCall) -> str:
         """sha256 (hex) of the fingerprint, `name`, the static argument's repr and the arguments' signature."""
@@ -266,13 +342,16 @@ class ProgramCache:
             _prefetch.used(self.directory, key)
         return compiled
 
-    def store(self, key: str, compiled) -> bool:
-        """Write `compiled` under `key` (atomically: a temporary file renamed). Returns False (logged at debug) for an
-        executable JAX cannot serialize (one with closed-over constants) or a directory that cannot be written."""
-        from jax.experimental.serialize_executable import serialize
-
+    def store(self, key: str, compiled, jax_cache_key: Optional[str] = None) -> bool:
+        """Write `compiled` under `key` (atomically: a temporary file renamed): XLA's executable serialized from
+        `compiled`, or, for one JAX's persistent cache answered, the bytes of that cache's entry `jax_cache_key`.
+        Returns False (logged at debug) for an executable JAX cannot serialize (one with closed-over constants), a
+        cache entry that is gone, or a directory that cannot be written."""
         try:
-            blob, in_tree, out_tree = serialize(compiled)
+            executable_bytes = None if jax_cache_key is None else _jax_cache_entry(compiled, jax_cache_key)
+            if jax_cache_key is not None and executable_bytes is None:
+                return False
+            blob, in_tree, out_tree = _serialize(compiled, executable_bytes)
             devices = [d.id for d in compiled.runtime_executable().local_devices()]
             # (zlib level 1: a 12.8 MB executable pickles to 2.2 MB in ~0.2 s and inflates in ~0.1 s)
             data = zlib.compress(pickle.dumps({"format": FORMAT, "executable": blob, "in_tree": in_tree,

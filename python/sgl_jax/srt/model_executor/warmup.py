@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from tqdm import tqdm
 
 from sgl_jax.srt.model_executor.compile_stats import compile_counts, describe
-from sgl_jax.srt.model_executor.program_cache import ProgramCache, ProgramCall
+from sgl_jax.srt.model_executor.program_cache import ProgramCache, ProgramCall, forget_cache_hit, last_cache_hit
 from sgl_jax.srt.startup_phases import StartupPhases
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ def compile_programs(programs: List[Tuple[str, Callable[[], object]]], phases: O
     bar and one log line per program saying whether XLA compiled it, loaded it from the persistent compilation cache,
     or loaded its serialized executable. A thunk returns the lowered program, or a `ProgramCall` of a step program:
     with `cache` (program_cache.ProgramCache), a call whose executable is stored is loaded
-    without tracing, and one XLA compiled here (not one read back from JAX's cache) is stored; either way the
+    without tracing, and one traced here is stored (compiled by XLA, or read back from JAX's persistent cache: then
+    from JAX's own entry, `ProgramCache.store`); either way the
     call's program runs that executable from then on. Returns {"programs", "compiled", "loaded_from_cache",
     "executables_loaded", "executables_loaded_ahead", "seconds", "trace_seconds", "xla_seconds"}:
     "loaded_from_cache" counts both kinds of load; "executables_loaded_ahead" those of "executables_loaded" that
@@ -51,15 +52,18 @@ def compile_programs(programs: List[Tuple[str, Callable[[], object]]], phases: O
             concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
         def compile_one(name, lowered, traced_s, call=None, key=None):
             t1, before = time.time(), compile_counts(this_thread=True)
+            forget_cache_hit()
             compiled = lowered.compile()
             xla.append(time.time() - t1)
             counts = compile_counts(this_thread=True) - before
             if call is not None:
                 call.use(compiled)
-                # only what XLA compiled here: an executable loaded from JAX's cache serializes without the
-                # functions XLA's CPU loader linked (measured: "Function ..._fusion not found" at its first run)
+                # what XLA compiled here is serialized; what JAX's cache answered is stored from JAX's own entry
+                # (re-serialized it lacks the functions XLA's CPU loader linked: program_cache's docstring)
                 if key is not None and counts.cache_hits == 0:
                     cache.store(key, compiled)
+                elif key is not None and counts.cache_hits == 1 and last_cache_hit() is not None:
+                    cache.store(key, compiled, jax_cache_key=last_cache_hit())
             logger.info("Bucket %s: %s in %.1f s (traced in %.1f s)", name, describe(counts), time.time() - t1,
                         traced_s)
             bar.update()
