@@ -147,6 +147,35 @@ def test_the_fingerprint_follows_the_flags_environment_and_step_spec(monkeypatch
     assert fingerprint(sa, "model config", "step spec", devices) != base
 
 
+def test_a_model_directory_is_named_by_its_contents_less_the_weights(tmp_path):
+    """A copy of a model directory elsewhere (a test's temporary directory, a moved checkpoint) has the fingerprint
+    and start key of the original, and so does one whose weights alone differ (they are the programs' arguments);
+    one whose config or tokenizer differs has others."""
+    devices = jax.devices()
+
+    def model_dir(where, tokenizer=b'{"vocab": 1}', weights=b"w1"):
+        d = tmp_path / where
+        (d / "sub").mkdir(parents=True)
+        (d / "config.json").write_bytes(b'{"hidden_size": 64}')
+        (d / "sub" / "tokenizer.json").write_bytes(tokenizer)
+        (d / "model.safetensors").write_bytes(weights)
+        return str(d)
+
+    def keys(path, tokenizer_path=None):
+        sa = ServerArgs(model_path=path, tokenizer_path=tokenizer_path or path)
+        config = f"ModelConfig(resolved=ResolvedModel(model_path={path!r}))"  # the model config names its path
+        return fingerprint(sa, config, "step spec", devices), program_cache.start_key(sa, devices)
+
+    base = keys(model_dir("a"))
+    assert keys(model_dir("b/elsewhere")) == base
+    assert keys(model_dir("c", weights=b"other weights")) == base
+    changed = keys(model_dir("d", tokenizer=b'{"vocab": 2}'))
+    assert changed[0] != base[0] and changed[1] != base[1]
+    assert keys(model_dir("e"), tokenizer_path=model_dir("f", tokenizer=b'{"vocab": 2}')) != base
+    # a hub id or a file is named as given
+    assert keys("org/model")[0] != keys("org/other")[0]
+
+
 def test_the_switch_and_the_code_fingerprint(monkeypatch, tmp_path):
     sa = ServerArgs(compilation_cache_dir=str(tmp_path))
     cache = program_cache.program_cache_for(sa, "model config", "step spec", jax.devices())

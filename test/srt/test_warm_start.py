@@ -6,13 +6,15 @@ KV pool is auto-sized (no --max-total-tokens) and the free memory it follows mov
 issue #17 saw on this machine (a pool of 103,192 tokens the first time, 102,011 the second): the test hook
 SGL_JAX_TEST_AVAILABLE_MEMORY_BYTES stands in for MemAvailable so the move is exact. The second start must compile
 nothing, load every program from the cache (as serialized executables, untraced, each loaded ahead of warm-up from
-the list the first start left), serve without compiling, and generate the same tokens.
+the list the first start left), serve without compiling, and generate the same tokens. A third start from a copy of
+the model directory in another place does the same.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -70,9 +72,12 @@ def test_restarts_with_moved_free_memory_load_everything_from_cache(tmp_path):
     assert first["after"] == second["after"] == 0  # nothing compiled while serving
     assert second["ids"] == first["ids"] and len(first["ids"]) == 8
 
-    # free memory moved below the rounding boundary (97,000 tokens rounds down to 90,112): the pool the last start
-    # chose is kept (within 1/16 of the budget: memory_budget.keeps_previous), so nothing compiles
-    third = _start(model_dir, tok_dir, cache, 97_000)
+    # a copy of the model directory elsewhere (program_cache names a model directory by its contents less the
+    # weights, not by its path), and free memory moved below the rounding boundary (97,000 tokens rounds down to
+    # 90,112): the pool the last start chose is kept (within 1/16 of the budget: memory_budget.keeps_previous), so
+    # nothing compiles and every executable is loaded ahead
+    copy_dir = shutil.copytree(model_dir, tmp_path / "elsewhere" / "model")
+    third = _start(str(copy_dir), tok_dir, cache, 97_000)
     w3 = third["warmup"]
     assert third["max_total_tokens"] == 98_304 and w3["compiled"] == 0, (third["max_total_tokens"], w3)
     assert w3["executables_loaded_ahead"] == w3["programs"] and third["ids"] == first["ids"], w3
