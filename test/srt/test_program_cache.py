@@ -186,6 +186,24 @@ def test_the_switch_and_the_code_fingerprint(monkeypatch, tmp_path):
     assert len(code) == 64 and code == program_cache.code_fingerprint()
 
 
+def test_the_code_fingerprint_names_built_kernels_and_hashes_sources(tmp_path):
+    """Two builds of the same sources share the code fingerprint (a fresh clone's kernel library differs in bytes:
+    its build directory is in the debug information); a changed source, or a kernel built or not, does not."""
+    def tree(where, so=b"build 1", cc=b"int f();", built=True):
+        root = tmp_path / where
+        (root / "kernels" / "csrc").mkdir(parents=True)
+        (root / "kernels" / "cpu.py").write_bytes(b"TARGET = 'f'")
+        (root / "kernels" / "csrc" / "f.cc").write_bytes(cc)
+        if built:
+            (root / "kernels" / "_f.ffi.cpython-311-x86_64-linux-gnu.so").write_bytes(so)
+        return program_cache.tree_fingerprint(str(root))
+
+    base = tree("a")
+    assert tree("b", so=b"build 2 elsewhere") == base
+    assert tree("c", cc=b"int f(int);") != base
+    assert tree("d", built=False) != base
+
+
 # A program with fusions XLA's CPU loader links by name (a gather feeding a matmul): stored when XLA compiles it here
 # (in "a"), and when JAX's cache answers it (in "b", from JAX's own entry); each runs when loaded again.
 FROM_JAX_CACHE = r"""

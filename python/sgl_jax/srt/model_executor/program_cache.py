@@ -4,7 +4,7 @@ JAX's persistent compilation cache saves XLA's compile, but its key is a hash of
 still traces and lowers each program in Python first (SmolLM2's 13 warm-up programs: 4-6 s of a 15-18 s restart on
 2 cores). This module keeps each runner program's compiled executable (``jax.experimental.serialize_executable``)
 under a key computed without tracing: a hash of everything the program is made from (`fingerprint`: this package's
-sources and built kernels, jax and jaxlib, the XLA and JAX environment, the devices and the host CPU's features, the
+sources (Python and C++) and built kernels' names, jax and jaxlib, the XLA and JAX environment, the devices and the host CPU's features, the
 runner's step spec, model config and server flags; a model or tokenizer directory by its files less the weights,
 not by its path) plus the program's name, its static argument and the shapes,
 dtypes and shardings of its arguments (`ProgramCache.key`). A restart with the same key deserializes the executable
@@ -65,23 +65,37 @@ def enabled() -> bool:
     return os.environ.get(SWITCH_ENV, "1") != "0" and jax.process_count() == 1
 
 
-@functools.lru_cache(maxsize=1)
-def code_fingerprint() -> str:
-    """sha256 (hex) of this package's source and built files (``*.py`` and the C++ kernels' shared libraries,
-    relative paths and bytes), jax's and jaxlib's versions: a program's code. Computed once per process (~20 ms)."""
-    import jaxlib
+SOURCE_SUFFIXES = (".py", ".cc", ".h")  # hashed by their bytes
+BUILT_SUFFIXES = (".so",)  # hashed by their names alone
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the sgl_jax package
-    h = hashlib.sha256(f"jax {jax.__version__} jaxlib {jaxlib.__version__}".encode())
+
+def tree_fingerprint(root: str) -> str:
+    """sha256 (hex) of the source files under `root` (SOURCE_SUFFIXES: relative paths and bytes) and of the names
+    of its built libraries (BUILT_SUFFIXES). A built kernel is named, not hashed: an executable calls it by its
+    registered name at run time and holds none of its code, and its bytes differ between builds of the same source
+    (the build directory is in its debug information), so hashing them made every fresh clone miss."""
+    h = hashlib.sha256()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
         for name in sorted(filenames):
-            if name.endswith((".py", ".so")):
-                path = os.path.join(dirpath, name)
+            path = os.path.join(dirpath, name)
+            if name.endswith(SOURCE_SUFFIXES):
                 h.update(os.path.relpath(path, root).encode())
                 with open(path, "rb") as f:
                     h.update(hashlib.sha256(f.read()).digest())
+            elif name.endswith(BUILT_SUFFIXES):
+                h.update(b"built " + os.path.relpath(path, root).encode())
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """sha256 (hex) of jax's and jaxlib's versions and this package's `tree_fingerprint` (its Python and C++ sources,
+    the names of its built kernels): a program's code. Computed once per process (~20 ms)."""
+    import jaxlib
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the sgl_jax package
+    return _sha256((f"jax {jax.__version__} jaxlib {jaxlib.__version__}", tree_fingerprint(root)))
 
 
 def _host_cpu_flags() -> str:
