@@ -96,6 +96,33 @@ def test_a_stored_executable_serves_its_layout_without_tracing(tmp_path):
     assert TRACES == [3, 2] and out.dtype == jnp.float32
 
 
+def test_the_least_recently_used_executables_are_evicted_over_the_limit(tmp_path, monkeypatch):
+    """Over the limit, the oldest executables (by modification time, which a load renews) are deleted down to 3/4
+    of it; dead temporary files go too; a fresh one, the manifests and anything under the limit stay."""
+    now = 1_000_000.0
+    for i in range(10):  # 10 executables of 100 bytes, used at now - 1000 + i
+        path = tmp_path / f"{i:02d}.v{program_cache.FORMAT}.exe"
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (now - 1000 + i, now - 1000 + i))
+    for name, age in (("dead.tmp", 2 * program_cache.STALE_TMP_SECONDS), ("writing.tmp", 5), ("k.keys.json", 9e9)):
+        (tmp_path / name).write_bytes(b"y")
+        os.utime(tmp_path / name, (now - age, now - age))
+    assert program_cache.evict(str(tmp_path), limit=1000, now=now) == 1  # at the limit: only the dead write
+    monkeypatch.setenv(program_cache.MAX_BYTES_ENV, "800")
+    assert program_cache.evict(str(tmp_path), now=now) == 400  # 1,000 > 800: down to 600
+    assert sorted(p.name for p in tmp_path.iterdir()) == (
+        [f"{i:02d}.v{program_cache.FORMAT}.exe" for i in range(4, 10)] + ["k.keys.json", "writing.tmp"])
+    monkeypatch.setenv(program_cache.MAX_BYTES_ENV, "0")  # no limit
+    assert program_cache.evict(str(tmp_path), now=now) == 0 and len(list(tmp_path.glob("*.exe"))) == 6
+
+    # a load renews the file's time, so that what a start uses is the last to go
+    cache = ProgramCache(str(tmp_path / "real"), "f" * 64)
+    _warm(cache, _program(), _args())
+    (path,) = (tmp_path / "real").glob("*.exe")
+    os.utime(path, (now, now))
+    assert cache.load(path.name.split(".")[0]) is not None and path.stat().st_mtime > now + 1e8
+
+
 def test_a_damaged_file_is_a_miss_that_compiles(tmp_path, caplog):
     cache = ProgramCache(str(tmp_path), "f" * 64)
     _warm(cache, _program(), _args())

@@ -40,6 +40,7 @@ import os
 import pickle
 import tempfile
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional
@@ -51,12 +52,19 @@ logger = logging.getLogger(__name__)
 SWITCH_ENV = "SGL_JAX_EXECUTABLE_CACHE"  # "0": trace and compile (or load from JAX's cache) every start
 FORMAT = 2  # the files' layout (in their names: a change makes every older file a miss); 2: zlib-compressed
 DIR_NAME = "sgl_jax_executables"  # under --compilation-cache-dir
+# the directory's size above which the least recently used executables are deleted (bytes; "0": never), checked at
+# the end of each start's warm-up (`evict`)
+MAX_BYTES_ENV = "SGL_JAX_EXECUTABLE_CACHE_MAX_BYTES"
+DEFAULT_MAX_BYTES = 2 << 30
+EVICT_TO_FRACTION = 0.75  # an eviction deletes down to this share of the limit, so that it runs seldom
+STALE_TMP_SECONDS = 3600  # a temporary file this old is a write that died
 # ServerArgs fields that cannot shape a program (where it listens, what it logs, the seed of request seeds): left
 # out of the fingerprint so that restarts on another port or seed find their programs. Every other field is in it.
 NOT_PROGRAM_FLAGS = frozenset({"host", "port", "random_seed", "log_level", "log_requests", "api_key",
                                "admin_api_key", "served_model_name", "watchdog_timeout"})
-# environment variables that move only the KV pool's size (the pool's shape is in every key through the arguments)
-NOT_PROGRAM_ENV = frozenset({"SGL_JAX_TEST_AVAILABLE_MEMORY_BYTES"})
+# environment variables that move only the KV pool's size (the pool's shape is in every key through the arguments),
+# or this cache's size limit
+NOT_PROGRAM_ENV = frozenset({"SGL_JAX_TEST_AVAILABLE_MEMORY_BYTES", "SGL_JAX_EXECUTABLE_CACHE_MAX_BYTES"})
 
 
 def enabled() -> bool:
@@ -314,11 +322,64 @@ def read_executable(path: str, devices: Dict[int, Any]) -> Optional[Any]:
         if entry.get("format") != FORMAT:
             return None
         exe_devices = [devices[i] for i in entry["devices"]]
-        return deserialize_and_load(entry["executable"], entry["in_tree"], entry["out_tree"],
-                                    backend=exe_devices[0].client, execution_devices=exe_devices)
+        compiled = deserialize_and_load(entry["executable"], entry["in_tree"], entry["out_tree"],
+                                        backend=exe_devices[0].client, execution_devices=exe_devices)
+        try:
+            os.utime(path)  # (its modification time is its last use: `evict` deletes the least recently used)
+        except OSError:
+            pass
+        return compiled
+    except FileNotFoundError:  # (evicted since a manifest named it: a plain miss)
+        logger.debug("Executable cache: %s is gone; compiling instead", path)
+        return None
     except Exception as e:  # (a damaged or foreign file is a miss: the program is traced and compiled instead)
         logger.warning("Executable cache: could not load %s (%s: %s); compiling instead", path, type(e).__name__, e)
         return None
+
+
+def max_bytes() -> int:
+    """``SGL_JAX_EXECUTABLE_CACHE_MAX_BYTES`` (bytes; 0: no limit), else DEFAULT_MAX_BYTES (2 GiB). Raises
+    ValueError for a value that is not an integer."""
+    return int(os.environ.get(MAX_BYTES_ENV, DEFAULT_MAX_BYTES))
+
+
+def evict(directory: str, limit: Optional[int] = None, now: Optional[float] = None) -> int:
+    """Keep `directory`'s executables under `limit` bytes (None: `max_bytes`; 0: no limit): when they exceed it,
+    delete the least recently used (oldest modification time: a load renews it) until they fill EVICT_TO_FRACTION
+    of it. Temporary files of writes older than STALE_TMP_SECONDS are deleted too. Another process may delete or
+    write files meanwhile: a file gone is skipped. Returns the bytes deleted."""
+    limit = max_bytes() if limit is None else limit
+    now = time.time() if now is None else now
+    files, freed = [], 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            st = entry.stat()
+            if entry.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_SECONDS:
+                os.unlink(entry.path)
+                freed += st.st_size
+            elif entry.name.endswith(".exe"):
+                files.append((st.st_mtime, st.st_size, entry.path))
+        except OSError:
+            continue
+    total = sum(size for _, size, _ in files)
+    if limit <= 0 or total <= limit:
+        return freed
+    target, evicted = int(limit * EVICT_TO_FRACTION), 0
+    for _, size, path in sorted(files):
+        if total <= target:
+            break
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        total, freed, evicted = total - size, freed + size, evicted + 1
+    logger.info("Executable cache: deleted the %d least recently used executables (%.0f MB) to stay under %.0f MB",
+                evicted, freed / 1e6, limit / 1e6)
+    return freed
 
 
 class CachedProgram:
@@ -542,6 +603,11 @@ def end_prefetch(record: bool = True) -> Optional[dict]:
                 {"keys": session.keys_used, "kv_pool_tokens": session.pool_tokens}).encode())
         except OSError as e:
             logger.debug("Executable cache: manifest not written (%s)", e)
+    if record and session.keys_used:
+        try:
+            evict(session.directory)
+        except ValueError as e:
+            logger.warning("Executable cache: %s is not a number of bytes (%s); nothing evicted", MAX_BYTES_ENV, e)
     stats = {"listed": len(session.listed), "taken": len(session.listed) - unused, "unused": unused,
              "used": len(session.keys_used)}
     if session.listed:
