@@ -49,7 +49,53 @@ def _safetensors_files(model_dir: str):
 
 def _iterate_safetensors(model_dir: str) -> Iterator[Tuple[str, object]]:
     for path in _safetensors_files(model_dir):
-        yield from safetensors_tensors(path)
+        yield from mapped_safetensors(path)
+
+
+# safetensors dtypes -> numpy's (bfloat16 and fp8 as ml_dtypes' types)
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                       "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_,
+                       "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+class MappedTensor:
+    """A tensor of an open safetensors file, read only where it is indexed: ``t[index]`` reads that slice from the
+    file's memory map (safetensors' ``get_slice``), ``np.asarray(t)`` the whole tensor. `_Placer.place` reads each
+    device's shard of it alone, so a sharded parameter never exists whole on the host. Valid while its file is
+    open (`mapped_safetensors` yields each tensor inside it).
+
+    Attributes:
+        name: the tensor's name in the file; shape, dtype, ndim: as a numpy array's.
+    """
+
+    def __init__(self, f, path: str, name: str):
+        self._file, self._path, self.name = f, path, name
+        self._slice = f.get_slice(name)
+        self.shape = tuple(int(d) for d in self._slice.get_shape())
+        self._kind = self._slice.get_dtype()
+        self.dtype = np.dtype(_SAFETENSORS_DTYPES.get(self._kind, np.float32))
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, index) -> np.ndarray:
+        """The slice at `index` (a tuple of slices, one per axis, or ``()`` / ``...``) as a host array."""
+        if self._kind in _FP8_DTYPES:  # (safetensors' numpy reader has no fp8 type: read through the bytes)
+            return np.array(_get_tensor(self._file, self._path, self.name)[index])
+        return self._slice[index] if self.shape else self._slice[()]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self[...] if self.shape else self[()]
+        return whole if dtype is None else whole.astype(dtype, copy=False)
+
+
+def mapped_safetensors(path: str) -> Iterator[Tuple[str, MappedTensor]]:
+    """(name, `MappedTensor`) of every tensor of safetensors file `path`, the file open while each is consumed.
+    Raises what safetensors raises for a file that is not one."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="numpy") as f:
+        for name in f.keys():
+            yield name, MappedTensor(f, path, name)
 
 
 def safetensors_tensors(path: str) -> Iterator[Tuple[str, np.ndarray]]:
@@ -167,8 +213,16 @@ class _Placer:
         return tuple(shape)
 
     def place(self, name: str, arr, dtype=None) -> jax.Array:
-        """`arr` (host) as parameter `name` on the devices, in `dtype` (None: the model dtype)."""
-        host = np.asarray(arr).astype(self.dtype if dtype is None else dtype, copy=False)
+        """`arr` (a host array or a `MappedTensor`) as parameter `name` on the devices, in `dtype` (None: the model
+        dtype). A `MappedTensor` is read shard by shard, each device's slice alone and converted alone
+        (``jax.make_array_from_callback``), except k/v projections whose heads are replicated past tp."""
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        if isinstance(arr, MappedTensor) and not (name.endswith(_KV_PROJ) and self.padded_kv_heads != self.kv_heads):
+            sharding = self.sharding(name, arr.shape)
+            if sharding is not None:
+                return jax.make_array_from_callback(arr.shape, sharding,
+                                                    lambda index: arr[index].astype(dtype, copy=False))
+        host = np.asarray(arr).astype(dtype, copy=False)
         if name.endswith(_KV_PROJ):
             host = replicate_kv_rows(host, self.kv_heads, self.padded_kv_heads)
         if self.mesh is None:
