@@ -202,6 +202,18 @@ def test_a_model_directory_is_named_by_its_contents_less_the_weights(tmp_path):
     # a hub id or a file is named as given
     assert keys("org/model")[0] != keys("org/other")[0]
 
+    # --lora-paths' adapter directories too, in each of the flag's three forms
+    base_model = model_dir("m")
+
+    def with_adapter(item):
+        sa = ServerArgs(model_path=base_model, lora_paths=[item])
+        return fingerprint(sa, "config", "step spec", devices), program_cache.start_key(sa, devices)
+
+    for i, form in enumerate(("a={}", "{}", '{{"lora_name": "a", "lora_path": "{}"}}')):
+        same = [with_adapter(form.format(model_dir(f"l{i}/{where}"))) for where in ("x", "y/z")]
+        other = with_adapter(form.format(model_dir(f"l{i}/o", tokenizer=b"{}")))
+        assert same[0] == same[1] != other, form
+
 
 def test_the_switch_and_the_code_fingerprint(monkeypatch, tmp_path):
     sa = ServerArgs(compilation_cache_dir=str(tmp_path))

@@ -116,8 +116,8 @@ def _host_cpu_flags() -> str:
         return ""
 
 
-# flags that name a model or tokenizer directory: such a directory is named in the fingerprint by its contents less
-# the weights (`_directory_digest`), not by its path, so that a copy elsewhere (a test's temporary directory, a
+# flags that name a model or tokenizer directory (and --lora-paths' adapters): such a directory is named in the
+# fingerprint by its contents less the weights (`_directory_digest`), not by its path, so that a copy elsewhere (a test's temporary directory, a
 # moved checkpoint) finds the programs of the original. Weights are the programs' arguments (their shapes, dtypes and
 # tree are in every key through `_arg_signature`), never part of a program.
 MODEL_DIR_FLAGS = ("model_path", "tokenizer_path", "speculative_draft_model_path")
@@ -149,12 +149,24 @@ def _directory_digest(path: str) -> str:
     return h.hexdigest()
 
 
+def _lora_path_of(item: str) -> str:
+    """The adapter path of one ``--lora-paths`` item: ``name=path``, a bare path, or JSON with ``lora_path``."""
+    if item.lstrip().startswith("{"):
+        try:
+            return str(json.loads(item).get("lora_path", ""))
+        except (ValueError, AttributeError):
+            return ""
+    return item.split("=", 1)[1] if "=" in item else item
+
+
 def _model_directories(server_args) -> Dict[str, str]:
-    """{path: "<directory sha256:..>"} for each MODEL_DIR_FLAGS value that is an existing directory, under both its
-    given and its absolute spelling (the model config holds the absolute one)."""
+    """{path: "<directory sha256:..>"} for each MODEL_DIR_FLAGS value and ``--lora-paths`` adapter that is an
+    existing directory, under both its given and its absolute spelling (the model config holds the absolute one)."""
+    values = [getattr(server_args, flag_name, None) for flag_name in MODEL_DIR_FLAGS]
+    values += [_lora_path_of(item) for item in (getattr(server_args, "lora_paths", None) or [])
+               if isinstance(item, str)]
     names: Dict[str, str] = {}
-    for flag_name in MODEL_DIR_FLAGS:
-        value = getattr(server_args, flag_name, None)
+    for value in values:
         if isinstance(value, str) and value and os.path.isdir(value):
             token = f"<directory sha256:{_directory_digest(value)}>"
             for spelling in (value, os.path.abspath(value)):
