@@ -207,6 +207,25 @@ def test_gguf_blocks_hold_exactly_the_gguf_librarys_values(type_name):
     np.testing.assert_array_equal(ours.reshape(w.shape), dequantize(raw, qtype).reshape(w.shape))
 
 
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("shape", [(16, 96), (3, 4, 64), (256,)])
+def test_gguf_blocks_dequantize_bit_identical_to_the_gguf_library(type_name, shape):
+    """dequantize_blocks (the loader's path for these types, ~4x faster) gives gguf.quants.dequantize's float32
+    values bit for bit, for tensors of any rank (stacked experts are 3-D, norms 1-D)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from sgl_jax.srt.model_loader.gguf_blocks import dequantize_blocks
+
+    qtype = GGMLQuantizationType[type_name]
+    w = np.random.default_rng(1).normal(size=shape).astype(np.float32) * 3 + 0.5
+    raw = quantize(w, qtype)
+    ours = dequantize_blocks(raw.reshape(-1).view(np.uint8), type_name, shape)
+    ref = np.asarray(dequantize(raw, qtype), np.float32).reshape(shape)
+    assert ours.dtype == np.float32 and ours.shape == shape
+    np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+
 # SmolLM2's Q4_1 GGUF served with --quantization gguf against the same file dequantized, both float32: max |logprob
 # difference| over the vocabulary at every position of the two prompts below. Measured 1.1e-4 (the weights are
 # identical; the dot sums each block's products apart, then the blocks; 1.3e-3 on two prompts of arbitrary token

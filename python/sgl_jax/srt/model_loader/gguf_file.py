@@ -29,7 +29,7 @@ from typing import Iterator, Optional, Tuple
 import numpy as np
 
 from sgl_jax.srt.chat_templates import BUILTIN_CHAT_TEMPLATES
-from sgl_jax.srt.model_loader.gguf_blocks import BLOCK_DTYPES, GroupQuantized, read_blocks
+from sgl_jax.srt.model_loader.gguf_blocks import BLOCK_DTYPES, GROUP, GroupQuantized, dequantize_blocks, read_blocks
 from sgl_jax.srt.model_loader.gguf_reader import open_gguf
 from sgl_jax.srt.quantization.checkpoint import GGUF_LINEAR_SUFFIXES
 
@@ -385,6 +385,8 @@ def iterate_gguf_tensors(path: str, reader=None, keep_blocks: bool = False) -> I
             continue
         if keep_blocks and t.name.endswith(GGUF_LINEAR_SUFFIXES) and t.tensor_type.name in BLOCK_DTYPES:
             arr = read_blocks(t.data, t.tensor_type.name, t.shape)
+        elif t.tensor_type.name in BLOCK_DTYPES and t.shape[-1] % GROUP == 0:
+            arr = dequantize_blocks(t.data, t.tensor_type.name, t.shape)  # (the library's values, ~4x faster)
         else:
             arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(t.shape)
         if "_exps." in t.name:  # stacked experts [E, out, in] -> the model's [E, in, out]
