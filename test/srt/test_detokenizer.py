@@ -1,8 +1,12 @@
-"""Incremental detokenization with the real SmolLM2 tokenizer: UTF-8 safety and stop strings."""
+"""Incremental detokenization with the real SmolLM2 tokenizer: UTF-8 safety, stop strings, and the direct Rust
+decode it uses (the text tokenizer.decode gives)."""
 
 import pytest
 
-from sgl_jax.srt.tokenizer.detokenizer_manager import IncrementalDetokenizer, stop_holdback
+import copy
+import random
+
+from sgl_jax.srt.tokenizer.detokenizer_manager import IncrementalDetokenizer, stop_holdback, text_decoder
 from sgl_jax.srt.io_struct import DecodeConfig
 
 TEXT = "Café au lait ☕, 日本語のテキスト, emoji 🎉🚀 and ½ — done."
@@ -55,3 +59,23 @@ def test_matched_stop_token_is_not_in_the_text(smollm2_tokenizer):
 ])
 def test_stop_holdback(text, stops, expected):
     assert stop_holdback(text, stops) == expected
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_direct_decode_gives_what_tokenizer_decode_gives(smollm2_tokenizer, skip_special_tokens):
+    """text_decoder calls the Rust tokenizer's decode directly (2x less detokenizer time a step): on runs of random
+    ids, special tokens, byte pieces of multibyte characters and the text above, with and without
+    skip_special_tokens, its text equals tokenizer.decode's; a tokenizer that cleans up spaces keeps the wrapper."""
+    tok = smollm2_tokenizer
+    rng = random.Random(0)
+    runs = [[rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 12))] for _ in range(300)]
+    special = sorted(set(tok.all_special_ids))
+    runs += [special, special + tok.encode(TEXT)[:7], tok.encode(TEXT), tok.encode(TEXT)[3:4], []]
+    config = DecodeConfig(skip_special_tokens=skip_special_tokens)
+    decode = text_decoder(tok, config)
+    assert decode.__closure__ is not None and not any(c.cell_contents is tok for c in decode.__closure__)  # direct
+    for ids in runs:
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=skip_special_tokens), ids
+    cleaning = copy.copy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    assert any(c.cell_contents is cleaning for c in text_decoder(cleaning, config).__closure__)  # the wrapper
