@@ -199,6 +199,11 @@ def test_a_model_directory_is_named_by_its_contents_less_the_weights(tmp_path):
     changed = keys(model_dir("d", tokenizer=b'{"vocab": 2}'))
     assert changed[0] != base[0] and changed[1] != base[1]
     assert keys(model_dir("e"), tokenizer_path=model_dir("f", tokenizer=b'{"vocab": 2}')) != base
+    # a file's digest is remembered by path, size and mtime: one rewritten in place (same size) is read anew
+    rewritten = tmp_path / "a" / "sub" / "tokenizer.json"
+    rewritten.write_bytes(b'{"vocab": 3}')
+    os.utime(rewritten, ns=(1, 1))
+    assert keys(str(tmp_path / "a")) not in (base, changed)
     # a hub id or a file is named as given
     assert keys("org/model")[0] != keys("org/other")[0]
 

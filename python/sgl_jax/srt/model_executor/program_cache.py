@@ -4,10 +4,10 @@ JAX's persistent compilation cache saves XLA's compile, but its key is a hash of
 still traces and lowers each program in Python first (SmolLM2's 13 warm-up programs: 4-6 s of a 15-18 s restart on
 2 cores). This module keeps each runner program's compiled executable (``jax.experimental.serialize_executable``)
 under a key computed without tracing: a hash of everything the program is made from (`fingerprint`: this package's
-sources (Python and C++) and built kernels' names, jax and jaxlib, the XLA and JAX environment, the devices and the host CPU's features, the
-runner's step spec, model config and server flags; a model or tokenizer directory by its files less the weights,
-not by its path) plus the program's name, its static argument and the shapes,
-dtypes and shardings of its arguments (`ProgramCache.key`). A restart with the same key deserializes the executable
+sources (Python and C++) and built kernels' names, jax and jaxlib, the XLA and JAX environment, the devices and the
+host CPU's features, the runner's step spec, model config and server flags; a model or tokenizer directory by its
+files less the weights, not by its path) plus the program's name, its static argument and the shapes, dtypes and
+shardings of its arguments (`ProgramCache.key`). A restart with the same key deserializes the executable
 (~0.1-0.5 s on 2 cores, on the compile threads) and never traces it. An executable XLA compiled in this process is
 stored as `jax.experimental.serialize_executable` writes it. One that JAX read back from its persistent cache is
 not re-serialized (that copy lacks the functions XLA's CPU loader linked into it: once loaded again it fails or
@@ -117,9 +117,9 @@ def _host_cpu_flags() -> str:
 
 
 # flags that name a model or tokenizer directory (and --lora-paths' adapters): such a directory is named in the
-# fingerprint by its contents less the weights (`_directory_digest`), not by its path, so that a copy elsewhere (a test's temporary directory, a
-# moved checkpoint) finds the programs of the original. Weights are the programs' arguments (their shapes, dtypes and
-# tree are in every key through `_arg_signature`), never part of a program.
+# fingerprint by its contents less the weights (`_directory_digest`), not by its path, so that a copy elsewhere (a
+# test's temporary directory, a moved checkpoint) finds the programs of the original. Weights are the programs'
+# arguments (their shapes, dtypes and tree are in every key through `_arg_signature`), never part of a program.
 MODEL_DIR_FLAGS = ("model_path", "tokenizer_path", "speculative_draft_model_path")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5", ".ckpt", ".pkl")
 DIGEST_MAX_FILE_BYTES = 256 << 20  # a larger non-weight file is named by its size alone
@@ -138,15 +138,23 @@ def _directory_digest(path: str) -> str:
             full = os.path.join(dirpath, name)
             h.update(os.path.relpath(full, path).encode() + b"\0")
             try:
-                size = os.path.getsize(full)
-                if size > DIGEST_MAX_FILE_BYTES:
-                    h.update(f"size {size}".encode())
+                st = os.stat(full)
+                if st.st_size > DIGEST_MAX_FILE_BYTES:
+                    h.update(f"size {st.st_size}".encode())
                     continue
-                with open(full, "rb") as f:
-                    h.update(hashlib.sha256(f.read()).digest())
+                h.update(_file_digest(full, st.st_size, st.st_mtime_ns))
             except OSError:
                 h.update(b"unreadable")
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=256)
+def _file_digest(path: str, size: int, mtime_ns: int) -> bytes:
+    """sha256 of file `path`'s bytes, remembered by (path, size, mtime): a start digests its model directory for
+    both `start_key` and `fingerprint` (and a draft model's again); a rewritten file is read anew. Raises OSError."""
+    del size, mtime_ns  # the cache key only
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).digest()
 
 
 def _lora_path_of(item: str) -> str:
@@ -609,7 +617,8 @@ def end_prefetch(record: bool = True) -> Optional[dict]:
     for f in session.futures.values():
         f.cancel()
     unused = len(session.futures)
-    if record and session.keys_used and (session.keys_used, session.pool_tokens) != (session.listed, session.pool_tokens_before):
+    changed = (session.keys_used, session.pool_tokens) != (session.listed, session.pool_tokens_before)
+    if record and session.keys_used and changed:
         try:
             _write_atomically(session.manifest, json.dumps(
                 {"keys": session.keys_used, "kv_pool_tokens": session.pool_tokens}).encode())

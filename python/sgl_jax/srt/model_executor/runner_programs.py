@@ -97,9 +97,9 @@ def lower_decode(runner, s_pad: int, num_steps: int):
     def lower():
         buf, layout = pack(DecodeRows.stack([DecodeRows.padding(s_pad, num_steps)] * runner.dp_size,
                                             runner.num_request_slots))
+        mask = runner._all_allowed_mask(s_pad * runner.dp_size)
         return ProgramCall(runner._decode(num_steps), (runner._param_leaves, runner._kv_args, runner._state,
-                                                       runner._put(buf), runner._all_allowed_mask(s_pad * runner.dp_size),
-                                                       layout))
+                                                       runner._put(buf), mask, layout))
     return lower
 
 

@@ -65,7 +65,8 @@ def _model(spec: StepSpec, param_leaves):
 def forward(spec: StepSpec, param_leaves, kv_caches, future, fb: ForwardBatch):
     """The model over one step's ForwardBatch: (kv_caches, logits float32[S, V] gathered at each sequence's last
     token (an embedding server's: zeros [S, 1]), hidden [T, hidden], the MoE outputs (`_moe_outputs`), the aux
-    hidden states [T, n * hidden] of `aux_layers` (else None: no output)). Placeholders of tokens the previous step sampled are read from `future`."""
+    hidden states [T, n * hidden] of `aux_layers` (else None: no output)). Placeholders of tokens the previous step
+    sampled are read from `future`."""
     model = _model(spec, param_leaves)
     fb = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec.rank_rows), fb)  # (rows by rank)
     fb = dataclasses.replace(fb, attention_backend=spec.attention_backend,
@@ -173,8 +174,8 @@ def _decode_one(spec: StepSpec, param_leaves, kv_caches, penalty_state, future, 
 def decode(spec: StepSpec, param_leaves, kv_caches, state, packed, vocab_mask, layout):
     """K decode steps of `DecodeRows` (K = its kv_slots' first dimension; see the module docstring). Returns
     (kv_caches, state, (tokens int32[2, S] (K = 1) or [2, K, S], logits and lse (None when K > 1), None (a decode
-    step's hidden states serve nothing), moe, None)); the tokens of a row after it stopped, or past its KV slots, are garbage the
-    host drops."""
+    step's hidden states serve nothing), moe, None)); the tokens of a row after it stopped, or past its KV slots, are
+    garbage the host drops."""
     penalty_state, future, slots = state
     rows = unpack(packed, layout)
     n, K = rows.slots.shape[0], rows.kv_slots.shape[0]

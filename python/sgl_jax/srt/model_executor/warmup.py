@@ -62,8 +62,8 @@ def compile_programs(programs: List[Tuple[str, Callable[[], object]]], phases: O
                 # (re-serialized it lacks the functions XLA's CPU loader linked: program_cache's docstring)
                 if key is not None and counts.cache_hits == 0:
                     cache.store(key, compiled)
-                elif key is not None and counts.cache_hits == 1 and last_cache_hit() is not None:
-                    cache.store(key, compiled, jax_cache_key=last_cache_hit())
+                elif key is not None and counts.cache_hits == 1 and (jax_key := last_cache_hit()) is not None:
+                    cache.store(key, compiled, jax_cache_key=jax_key)
             logger.info("Bucket %s: %s in %.1f s (traced in %.1f s)", name, describe(counts), time.time() - t1,
                         traced_s)
             bar.update()
