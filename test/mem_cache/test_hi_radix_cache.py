@@ -124,7 +124,7 @@ def make_machine(page_size: int, policy: str):
             owners = np.zeros(self.alloc.num_pages + 1, int)
             np.add.at(owners, self.alloc.free_page_ids(), 1)
             host_owners = np.zeros(c.host.num_pages, int)
-            np.add.at(host_owners, c.host._free, 1)
+            np.add.at(host_owners, c.host.free_list.ids(), 1)
             for node in c.nodes():
                 tokens = self._path_tokens(node)
                 kv = kv_of(tokens)[len(tokens) - len(node.key):]
@@ -209,11 +209,11 @@ def test_host_checks_catch_planted_faults():
     clean = cache_with_host_prefix()
     assert host_problems(clean) == [] and lock_problems(clean, []) == []
     leaked = cache_with_host_prefix()
-    leaked.host._free = leaked.host._free[1:]  # a free host page dropped from the free list
+    leaked.host.free_list.take(1)  # a free host page taken off the free list and owned by nobody
     assert any("leaked" in p for p in host_problems(leaked))
     twice = cache_with_host_prefix()
     node = twice.nodes()[0]
-    twice.host._free = np.concatenate([twice.host._free, node.host_value[:1]])  # a node's page also free
+    twice.host.free_list.push_unchecked(node.host_value[:1] // twice.host.page_size)  # a node's page also free
     assert any("owned twice" in p for p in host_problems(twice))
     lost = cache_with_host_prefix()
     node = lost.nodes()[0]

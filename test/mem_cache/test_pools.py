@@ -6,6 +6,7 @@ import pytest
 from sgl_jax.srt.scheduler.schedule_batch import Req
 from sgl_jax.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.chunk_cache import ChunkCache
+from sgl_jax.srt.mem_cache.hi_radix_cache import HostSlots
 from sgl_jax.srt.mem_cache.common import release_kv_cache
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
@@ -65,23 +66,49 @@ def test_the_free_list_is_a_fifo_queue_across_wraps():
         assert a.available_pages() == len(ref) and a.free_page_ids().tolist() == list(ref)
 
 
-def test_alloc_and_free_cost_the_pages_they_move_not_the_pool():
+def _device_pool(num_pages: int):
+    a = PagedTokenToKVPoolAllocator(num_pages, 1)
+    return (lambda: a.alloc_pages(200)), a.free_pages
+
+
+def _host_pool(num_pages: int):
+    h = HostSlots(num_pages, 1)
+    return (lambda: h.alloc(200)), h.free
+
+
+@pytest.mark.parametrize("pool", [_device_pool, _host_pool], ids=["device", "host"])
+def test_alloc_and_free_cost_the_pages_they_move_not_the_pool(pool):
     """An alloc + free of 200 pages costs about the same in a pool of 8M pages as in one of 4,000 (the free list
-    was re-concatenated at every free: 20 ms each in the large pool). Timed against the small pool in this run."""
+    was re-concatenated at every free: 20 ms each in the large pool), for the device KV allocator and the host
+    tier's pages alike (one PageFreeList). Timed against the small pool in this run."""
     import time
 
     def cycle_seconds(num_pages: int) -> float:
-        a = PagedTokenToKVPoolAllocator(num_pages, 1)
-        a.free_pages(a.alloc_pages(200))  # (numpy's first unique call compiles and imports)
+        alloc, free = pool(num_pages)
+        free(alloc())  # (numpy's first unique call compiles and imports)
         t0 = time.perf_counter()
         for _ in range(50):
-            held = [a.alloc_pages(200) for _ in range(4)]
+            held = [alloc() for _ in range(4)]
             for pages in held:
-                a.free_pages(pages)
+                free(pages)
         return time.perf_counter() - t0
 
     small, large = min(cycle_seconds(4_000) for _ in range(3)), min(cycle_seconds(8_000_000) for _ in range(3))
     assert large < 10 * small + 0.05, (large, small)
+
+
+def test_host_pages_are_a_fifo_queue_and_a_double_free_fails():
+    """The host tier's pages come and go in the same FIFO order as the device allocator's; a page freed twice is a
+    ValueError that gives nothing back."""
+    h = HostSlots(8, 2)
+    first, second = h.alloc(4), h.alloc(2)
+    assert first.tolist() == [0, 1, 2, 3] and second.tolist() == [4, 5]
+    h.free(first)
+    assert h.alloc(2).tolist() == [6, 7] and h.alloc(4).tolist() == [0, 1, 2, 3] and h.alloc(2) is None
+    h.free(second)
+    with pytest.raises(ValueError, match="host KV page freed twice"):
+        h.free(second)
+    assert h.available_size() == 2
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -7,6 +7,8 @@ from typing import Optional
 
 import numpy as np
 
+from sgl_jax.srt.mem_cache.free_list import PageFreeList
+
 
 class PagedTokenToKVPoolAllocator:
     """Hands out KV pages of `page_size` token slots.
@@ -24,14 +26,7 @@ class PagedTokenToKVPoolAllocator:
             raise ValueError(f"KV pool of {num_tokens} tokens is smaller than one page ({page_size})")
         self.page_size = page_size
         self.num_pages = num_tokens // page_size
-        # the free list, a FIFO queue in a ring buffer: free pages are _ring[(_head + i) % capacity] for
-        # i < _count; pages are taken at the head and given back at the tail, so a call costs O(pages it moves),
-        # not O(pool) (an 8.4M-page pool's free of 200 pages took 20 ms when the list was re-concatenated)
-        self._ring = np.zeros(self.num_pages + 1, dtype=np.int32)  # (+1: room for plant_double_free's extra)
-        self._ring[:self.num_pages] = np.arange(1, self.num_pages + 1, dtype=np.int32)
-        self._head, self._count = 0, self.num_pages
-        self._is_free = np.ones(self.num_pages + 1, dtype=bool)
-        self._is_free[0] = False
+        self._free = PageFreeList(np.arange(1, self.num_pages + 1, dtype=np.int32), self.num_pages + 1, "KV page")
 
     @property
     def size(self) -> int:
@@ -40,39 +35,18 @@ class PagedTokenToKVPoolAllocator:
 
     def available_size(self) -> int:
         """Free capacity in tokens."""
-        return self._count * self.page_size
+        return len(self._free) * self.page_size
 
     def available_pages(self) -> int:
-        return self._count
-
-    def _ring_span(self, start: int, n: int) -> np.ndarray:
-        """Ring positions start, start + 1, ... (n of them, wrapping)."""
-        return (start + np.arange(n, dtype=np.int64)) % len(self._ring)
+        return len(self._free)
 
     def free_page_ids(self) -> np.ndarray:
         """A copy of the free list, head first (for accounting checks)."""
-        return self._ring[self._ring_span(self._head, self._count)]
+        return self._free.ids()
 
     def alloc_pages(self, n: int) -> Optional[np.ndarray]:
         """n free pages (int32[n], the longest free first), or None if fewer are free (nothing is taken then)."""
-        if n > self._count:
-            return None
-        end = self._head + n
-        if end <= len(self._ring):
-            pages = self._ring[self._head:end].copy()
-        else:
-            pages = self._ring[self._ring_span(self._head, n)]
-        self._head, self._count = end % len(self._ring), self._count - n
-        self._is_free[pages] = False
-        return pages
-
-    def _push(self, pages: np.ndarray) -> None:
-        tail = (self._head + self._count) % len(self._ring)
-        if tail + len(pages) <= len(self._ring):
-            self._ring[tail:tail + len(pages)] = pages
-        else:
-            self._ring[self._ring_span(tail, len(pages))] = pages
-        self._count += len(pages)
+        return self._free.take(n)
 
     def free_pages(self, pages: np.ndarray) -> None:
         """Return pages to the free list (at its tail). Raises ValueError on page 0, out-of-range, or double free."""
@@ -81,16 +55,14 @@ class PagedTokenToKVPoolAllocator:
             return
         if pages.min() < 1 or pages.max() > self.num_pages:
             raise ValueError(f"freeing invalid KV pages {pages[(pages < 1) | (pages > self.num_pages)][:5]}")
-        if len(np.unique(pages)) != len(pages) or self._is_free[pages].any():
-            raise ValueError("KV page freed twice")
-        self._is_free[pages] = True
-        self._push(pages)
+        self._free.give(pages)
 
     def plant_double_free(self) -> None:
         """Test hook (fault_injection.DOUBLE_FREE_ENV): put the last free page on the free list once more, as a
         double free that got past `free_pages` would; the ownership checks must then report a page owned twice."""
-        if self._count and self._count < len(self._ring):
-            self._push(self._ring[[(self._head + self._count - 1) % len(self._ring)]])
+        last = self._free.last()
+        if last is not None:
+            self._free.push_unchecked(last)
 
     def pages_needed(self, have_tokens: int, want_tokens: int) -> int:
         """New pages to grow a sequence's KV from have_tokens to want_tokens slots."""

@@ -32,6 +32,7 @@ from typing import List, Optional, Protocol
 import numpy as np
 
 from sgl_jax.srt.mem_cache.base_prefix_cache import TokenIds
+from sgl_jax.srt.mem_cache.free_list import PageFreeList
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache, TreeNode, _common_len
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator
 from sgl_jax.srt.server_args import HICACHE_WRITE_POLICIES
@@ -67,32 +68,26 @@ class HostSlots:
     def __init__(self, num_tokens: int, page_size: int):
         self.page_size = page_size
         self.num_pages = num_tokens // page_size
-        self._free = np.arange(self.num_pages, dtype=np.int32)
-        self._is_free = np.ones(self.num_pages, bool)
+        self.free_list = PageFreeList(np.arange(self.num_pages, dtype=np.int32), self.num_pages, "host KV page")
 
     @property
     def size(self) -> int:
         return self.num_pages * self.page_size
 
     def available_size(self) -> int:
-        return len(self._free) * self.page_size
+        return len(self.free_list) * self.page_size
 
     def alloc(self, num_tokens: int) -> Optional[np.ndarray]:
         """Slots for `num_tokens` (a multiple of page_size), or None when too few pages are free."""
-        n = num_tokens // self.page_size
-        if n > len(self._free):
+        pages = self.free_list.take(num_tokens // self.page_size)
+        if pages is None:
             return None
-        pages, self._free = self._free[:n], self._free[n:]
-        self._is_free[pages] = False
         return (pages[:, None] * self.page_size + np.arange(self.page_size, dtype=np.int32)).reshape(-1)
 
     def free(self, slots: np.ndarray) -> None:
         """Give slots back. Raises ValueError on a page freed twice."""
         pages = (np.asarray(slots, np.int32)[::self.page_size] // self.page_size).astype(np.int32)
-        if len(np.unique(pages)) != len(pages) or self._is_free[pages].any():
-            raise ValueError("host KV page freed twice")
-        self._is_free[pages] = True
-        self._free = np.concatenate([self._free, pages])
+        self.free_list.give(pages)
 
 
 class HiTreeNode(TreeNode):

@@ -145,7 +145,7 @@ def host_problems(tree_cache) -> List[str]:
     problems, ps = [], host.page_size
     nodes = tree_cache.nodes()
     copies = [np.asarray(n.host_value) for n in nodes if n.host_value is not None]
-    owned = [np.asarray(host._free, np.int64)] + [c[::ps].astype(np.int64) // ps for c in copies]
+    owned = [host.free_list.ids().astype(np.int64)] + [c[::ps].astype(np.int64) // ps for c in copies]
     counts = np.bincount(np.concatenate(owned), minlength=host.num_pages) if host.num_pages else np.zeros(0)
     if len(counts) > host.num_pages or (counts > 1).any():
         problems.append(f"host KV pages owned twice: {np.nonzero(counts > 1)[0][:8].tolist()}")
