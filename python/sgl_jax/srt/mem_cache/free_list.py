@@ -40,7 +40,10 @@ class PageFreeList:
 
     def ids(self) -> np.ndarray:
         """A copy of the free pages, head (next handed out) first: int32[len(self)] (for accounting checks)."""
-        return self._ring[self._span(self._head, self._count)]
+        end = self._head + self._count
+        if end <= len(self._ring):
+            return self._ring[self._head:end].copy()
+        return np.concatenate([self._ring[self._head:], self._ring[:end - len(self._ring)]])
 
     def take(self, n: int) -> Optional[np.ndarray]:
         """The n pages at the head (int32[n]), marked taken; None (nothing taken) when fewer than n are free."""
