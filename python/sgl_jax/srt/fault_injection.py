@@ -22,6 +22,23 @@ from typing import Iterable
 
 FAULT_INJECTION_ENV = "SGL_JAX_TEST_FAULT_INJECTION"
 STAGES = ("schedule", "forward", "sample", "detokenize", "draft")
+
+# The scheduler loop's test hooks (scheduler/scheduler.py), each off unless its variable is set.
+# raise inside the scheduler loop at this forward step (checks crash reporting end to end).
+CRASH_AT_STEP_ENV = "SGL_JAX_TEST_CRASH_AT_STEP"
+# sleep (hang) inside the scheduler loop's step at this forward step (checks the watchdog).
+HANG_AT_STEP_ENV = "SGL_JAX_TEST_HANG_AT_STEP"
+# add this many seconds to every step (a slow device: the watchdog must time steps, not requests).
+STEP_DELAY_ENV = "SGL_JAX_TEST_STEP_DELAY_S"
+# when "1", retract the latest half of the running requests every few decode steps
+# (SGLang's SGLANG_TEST_RETRACT is accepted too).
+TEST_RETRACT_ENV = "SGL_JAX_TEST_RETRACT"
+# when "1", every step (its launch and the application of its result) runs under
+# jax.transfer_guard("disallow"): an implicit host <-> device transfer fails the step (tests of the hot loop).
+TRANSFER_GUARD_ENV = "SGL_JAX_TEST_TRANSFER_GUARD"
+# when "1", check every rank's page ownership exactly after every step (mem_cache/kv_invariants.py);
+# a violation counts in memory_errors. Costs a pass over the pools per step: for tests, not for serving.
+CHECK_KV_INVARIANTS_ENV = "SGL_JAX_CHECK_KV_INVARIANTS"
 _ENABLED = os.environ.get(FAULT_INJECTION_ENV) == "1"
 
 

@@ -40,6 +40,8 @@ import zmq
 from sgl_jax.srt.configs.model_config import ModelConfig, load_tokenizer
 from sgl_jax.srt.constrained.grammar_backend import GrammarBackend
 from sgl_jax.srt.errors import RequestError
+from sgl_jax.srt.fault_injection import (CHECK_KV_INVARIANTS_ENV, CRASH_AT_STEP_ENV, HANG_AT_STEP_ENV, STEP_DELAY_ENV,
+                                         TEST_RETRACT_ENV, TRANSFER_GUARD_ENV)
 from sgl_jax.srt.startup_phases import StartupPhases
 from sgl_jax.srt.forward_batch import ForwardMode
 from sgl_jax.srt.io_struct import (
@@ -85,6 +87,7 @@ from sgl_jax.srt.scheduler.overlap import LaunchedStep, may_choose_ahead
 from sgl_jax.srt.scheduler.rank import RankConfig, RankScheduler
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch, finish_abort
 from sgl_jax.srt.scheduler.scoring import SchedulerScoring
+from sgl_jax.srt.scheduler.server_state import merge_rank_states
 from sgl_jax.srt.scheduler.sessions import Session, SessionController, SessionError, check_turn
 from sgl_jax.srt.scheduler.speculative.draft_model import draft_reserve
 from sgl_jax.srt.scheduler.speculative.drafters import draft_model_config, new_drafter
@@ -99,27 +102,6 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
 GRAMMAR_POLL_MS = 2  # while only grammars compile: how long the loop waits for input before checking them
-# Test hook: raise inside the scheduler loop at this forward step (checks crash reporting end to end).
-CRASH_AT_STEP_ENV = "SGL_JAX_TEST_CRASH_AT_STEP"
-# Test hook: sleep (hang) inside the scheduler loop's step at this forward step (checks the watchdog).
-HANG_AT_STEP_ENV = "SGL_JAX_TEST_HANG_AT_STEP"
-# Test hook: add this many seconds to every step (a slow device: the watchdog must time steps, not requests).
-STEP_DELAY_ENV = "SGL_JAX_TEST_STEP_DELAY_S"
-# Test hook: when "1", retract the latest half of the running requests every few decode steps
-# (SGLang's SGLANG_TEST_RETRACT is accepted too).
-TEST_RETRACT_ENV = "SGL_JAX_TEST_RETRACT"
-# Test hook: when "1", every step (its launch and the application of its result) runs under
-# jax.transfer_guard("disallow"): an implicit host <-> device transfer fails the step (tests of the hot loop).
-TRANSFER_GUARD_ENV = "SGL_JAX_TEST_TRANSFER_GUARD"
-# Test hook: when "1", check every rank's page ownership exactly after every step (mem_cache/kv_invariants.py);
-# a violation counts in memory_errors. Costs a pass over the pools per step: for tests, not for serving.
-CHECK_KV_INVARIANTS_ENV = "SGL_JAX_CHECK_KV_INVARIANTS"
-# per-rank entries of the internal state that the server-wide state sums (besides the KV accounting's)
-SUMMED_STATE_KEYS = ("num_running_reqs", "num_waiting_reqs", "req_slots_free", "memory_errors", "num_retracted_reqs",
-                     "num_assigned_reqs", "num_score_handles", "num_expired_score_handles", "num_score_groups",
-                     "num_sessions", "num_streaming_sessions", "req_slots_session_held", "num_mixed_steps",
-                     "num_bucket_cuts", "spec_verify_steps", "spec_drafted_rows", "spec_draft_tokens",
-                     "spec_accepted_tokens", "spec_kv_moves", "spec_unpaid_steps")
 
 
 class Scheduler:
@@ -143,6 +125,32 @@ class Scheduler:
                      if server_args.nnodes > 1 else None)
         with phases.phase("JAX set-up"):
             platform = setup_jax(server_args)
+        self._load_model(platform)
+        self.page_size = server_args.page_size
+        self.dp_size = server_args.dp_size
+        self.load_balance_method = server_args.load_balance_method
+        self.rng = random.Random(server_args.random_seed)
+        self.tick_now = time.time()  # the clock of the loop iteration (node 0's on every node)
+        self._open_sockets(port_args)
+        self.step_time_model = StepTimeModel()
+        budget_ms = server_args.max_prefill_step_ms
+        self.step_budget = (PrefillStepBudget(budget_ms, self.buckets, server_args.page_size, self.step_time_model)
+                            if budget_ms > 0 and self.chunk_size else None)
+        self._init_ranks()
+        self.grammar_queue = GrammarQueue(None if server_args.grammar_backend == "none"
+                                          else GrammarBackend(self.tokenizer, self.model_config.vocab_size))
+        self.launcher = StepLauncher(self.model_runner, self.ranks, self.buckets, self.max_running_requests,
+                                     self.draft_model)
+        self._init_loop_state()
+        phases.since_start("scheduler set-up")
+        self._prepare_to_serve()
+        phases.since_start("other")
+        self.startup_report = phases.to_json()  # (at ready: `info` sends it)
+
+    def _load_model(self, platform: str) -> None:
+        """The model config and tokenizer, the serving limits and buckets (`derive_limits`), the model runner (its
+        KV pool sized from what the weights leave), the draft model and the LoRA adapters' manager."""
+        server_args, phases = self.server_args, self.startup
         with phases.phase("model config and tokenizer"):
             self.model_config = ModelConfig.from_server_args(server_args, platform)
             self.tokenizer = load_tokenizer(server_args)
@@ -173,16 +181,10 @@ class Scheduler:
         self.lora = None if mc.lora is None else SchedulerLora(
             mc.lora, server_args.max_loaded_loras, self.model_runner.lora_writer, self.live_reqs, self.running_reqs,
             server_args.download_dir, lambda uid: sum(rank.memory.drop_namespace(uid) for rank in self.ranks))
-        self.page_size = server_args.page_size
-        self.dp_size = server_args.dp_size
-        self.load_balance_method = server_args.load_balance_method
-        self.rng = random.Random(server_args.random_seed)
-        self.tick_now = time.time()  # the clock of the loop iteration (node 0's on every node)
-        self._open_sockets(port_args)
-        self.step_time_model = StepTimeModel()
-        budget_ms = server_args.max_prefill_step_ms
-        self.step_budget = (PrefillStepBudget(budget_ms, self.buckets, server_args.page_size, self.step_time_model)
-                            if budget_ms > 0 and self.chunk_size else None)
+
+    def _init_ranks(self) -> None:
+        """The data-parallel ranks (`_new_rank`: each with its speculator), the KV limits, the streaming sessions."""
+        server_args, mc = self.server_args, self.model_config
         self.speculating = server_args.speculative_algorithm is not None
         self.num_spec_unified_steps = 0  # steps whose DP ranks' batches changed mode to share one (unify_step)
         speculators = new_speculators(server_args, self.context_len, self.dp_size,
@@ -204,10 +206,11 @@ class Scheduler:
         # a leading BOS of a session turn's new ids is dropped only when the tokenizer adds one itself
         bos = getattr(self.tokenizer, "bos_token_id", None)
         self.session_bos_id = bos if bos is not None and self.tokenizer.encode("a")[:1] == [bos] else None
-        self.grammar_queue = GrammarQueue(None if server_args.grammar_backend == "none"
-                                          else GrammarBackend(self.tokenizer, mc.vocab_size))
-        self.launcher = StepLauncher(self.model_runner, self.ranks, self.buckets, self.max_running_requests,
-                                     self.draft_model)
+
+    def _init_loop_state(self) -> None:
+        """The event loop's state: overlap (off with --disable-overlap-schedule or speculation), the step in flight,
+        the step statistics."""
+        server_args = self.server_args
         self.overlap = not server_args.disable_overlap_schedule and not self.speculating
         self.inflight: Optional[LaunchedStep] = None  # the launched step whose result is not applied yet
         self.last_applied_at = 0.0  # time.perf_counter() when the last step's result was applied
@@ -218,7 +221,11 @@ class Scheduler:
         if self.speculating:
             logger.info("Speculative decoding: %s, up to %d draft-tree slots per request",
                         server_args.speculative_algorithm, server_args.speculative_num_draft_tokens)
-        phases.since_start("scheduler set-up")
+
+    def _prepare_to_serve(self) -> None:
+        """Warm-up (every program compiled or loaded, the grammar backend's warm-up beside it), the initial LoRA
+        adapters, the engine controls; each in its start-up phase."""
+        server_args, phases = self.server_args, self.startup
         grammar = self.grammar_queue.backend if self.model_runner.generates else None  # (embedding servers: none)
         grammar_ready = grammar.warmup() if grammar is not None else None  # (built while the model warms up)
         if not server_args.disable_precompile:
@@ -230,8 +237,6 @@ class Scheduler:
             with phases.phase("LoRA adapters"):
                 self.lora.load_initial(server_args.lora_paths)
         self.control = EngineControl(self)  # weight updates, memory release, pause, profiling
-        phases.since_start("other")
-        self.startup_report = phases.to_json()  # (at ready: `info` sends it)
 
     def _warmup(self) -> None:
         """Compile every program serving runs (the draft model's first), then measure speculation's step costs
@@ -755,15 +760,7 @@ class Scheduler:
                       "spec_draft_model_failed": self.draft_model.failed} if self.draft_model else {}),
                   **self.info().to_json()}
         per_rank = [{**rank.internal_state(), **shared} for rank in self.ranks]
-        state = {k: v for k, v in per_rank[0].items() if k != "dp_rank"}
-        summed = SUMMED_STATE_KEYS + tuple(self.ranks[0].kv_accounting())  # every accounting entry is a count
-        for key in summed:
-            if key in state:  # (the speculative-decoding counts exist only with --speculative-algorithm)
-                state[key] = sum(p[key] for p in per_rank)
-        state["new_token_ratio"] = min(p["new_token_ratio"] for p in per_rank)
-        state["sessions"] = [s for p in per_rank for s in p["sessions"]]
-        state["dp_ranks"] = per_rank
-        return state
+        return merge_rank_states(per_rank, tuple(self.ranks[0].kv_accounting()))
 
     def flush_cache(self) -> FlushCacheReqOutput:
         """Empty every rank's prefix cache; refused while any request is running, chunking or waiting, or a
@@ -777,7 +774,6 @@ class Scheduler:
         for rank in self.ranks:
             rank.memory.flush()
         return FlushCacheReqOutput(True, "Cache flushed.")
-
 
     # ------------------------------------------------------------ sessions
     def open_session(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
