@@ -64,6 +64,7 @@ def check(stage: str, rids: Iterable[str]) -> None:
 LEAK_PAGES_ENV = "SGL_JAX_TEST_LEAK_PAGES"  # N: at the first finished request, N free pages are taken and dropped
 DOUBLE_FREE_ENV = "SGL_JAX_TEST_DOUBLE_FREE"  # 1: at the first finished request, a free page is freed again
 DOUBLE_LOCK_ENV = "SGL_JAX_TEST_DOUBLE_LOCK"  # 1: the first prefix-cache node an admission locks is locked twice
+LEAK_STATE_ENV = "SGL_JAX_TEST_LEAK_STATE"  # 1: at the first finished request, a per-request state slot is dropped
 COMPILE_ENV = "SGL_JAX_TEST_COMPILE_WHILE_SERVING"  # 1: the first step after warm-up compiles a new program
 
 
@@ -73,15 +74,17 @@ class PlantedFaults:
     leak_pages: pages to leak at the first finished request (owned by nobody afterwards); double_free: put a
     free page on the free list a second time at the first finished request (owned twice); double_lock: lock the
     first matched cached prefix twice (it stays locked when its request ends); compile_while_serving: compile a
-    program the warm-up never saw, at the first step after it.
+    program the warm-up never saw, at the first step after it; leak_state: drop a slot of the first per-request
+    state pool at the first finished request (owned by nobody afterwards).
     """
 
     def __init__(self, leak_pages: int = 0, double_free: bool = False, double_lock: bool = False,
-                 compile_while_serving: bool = False):
+                 compile_while_serving: bool = False, leak_state: bool = False):
         self.leak_pages = leak_pages
         self.double_free = double_free
         self.double_lock = double_lock
         self.compile_while_serving = compile_while_serving
+        self.leak_state = leak_state
         self._fired = set()
 
     @classmethod
@@ -89,11 +92,12 @@ class PlantedFaults:
         """The faults the environment asks for (none in a server that is not under test)."""
         env = os.environ
         return cls(leak_pages=int(env.get(LEAK_PAGES_ENV, "0") or 0), double_free=env.get(DOUBLE_FREE_ENV) == "1",
-                   double_lock=env.get(DOUBLE_LOCK_ENV) == "1", compile_while_serving=env.get(COMPILE_ENV) == "1")
+                   double_lock=env.get(DOUBLE_LOCK_ENV) == "1", compile_while_serving=env.get(COMPILE_ENV) == "1",
+                   leak_state=env.get(LEAK_STATE_ENV) == "1")
 
     def fire(self, name: str) -> bool:
         """True the first time the fault `name` ("leak_pages", "double_free", "double_lock",
-        "compile_while_serving") is asked for and is on; False afterwards or when it is off."""
+        "compile_while_serving", "leak_state") is asked for and is on; False afterwards or when it is off."""
         if not getattr(self, name) or name in self._fired:
             return False
         self._fired.add(name)

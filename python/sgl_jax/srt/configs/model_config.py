@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from sgl_jax.srt.chat_templates import resolve_chat_template
 from sgl_jax.srt.lora.registry import LoraShape, resolve_lora_shape
@@ -322,6 +322,9 @@ class ModelConfig:
     # --lora-backend; None: no LoRA
     lora: Optional[LoraShape] = None
     lora_backend: str = "dense"
+    # per-request state beyond KV: (name, device bytes per request on one device) pairs, from the model class's
+    # ``request_states`` (mem_cache/req_state.py); () when a request's state is all KV
+    req_states: Tuple[Tuple[str, int], ...] = ()
 
     def lora_slots_of(self, module: str) -> Optional[tuple]:
         """(slots, rank, backend) of module `module`'s LoRA slots (`layers.linear.Linear`'s ``lora``); None when
@@ -428,6 +431,8 @@ class ModelConfig:
             is_embedding=bool(server_args.is_embedding),
             lora=resolve_lora_shape(server_args),
             lora_backend=server_args.lora_backend,
+            req_states=tuple(getattr(model_cls, "request_states", lambda *a: ())(hf_config, dtype,
+                                                                                 server_args.tp_size)),
         )
 
 

@@ -7,6 +7,9 @@ positions [cache_protected_len, kv_allocated_len) of its ReqToTokenPool row. Wit
 either free or mapped from exactly one full page that is not free. Each holder also keeps
 ``cache_protected_len`` page-aligned and ``kv_committed_len <= kv_allocated_len``.
 
+Every slot of a per-request state pool (req_state.py) is owned once, by its free list or by one taken request slot
+(`req_state_problems`).
+
 With a host tier (HiRadixCache) every host page is owned once too, by the host pool's free list or one node's host
 copy (`host_problems`); nodes on host only hold no device page and no lock.
 
@@ -162,6 +165,34 @@ def host_problems(tree_cache) -> List[str]:
     return problems
 
 
+def req_state_problems(pool) -> List[str]:
+    """The per-request state pools' ownership (`req_state`): every state slot owned once, by its pool's free list
+    or by one taken request slot of `pool` (a ReqToTokenPool), and no free request slot holding one.
+
+    Returns:
+        One message per violated invariant, naming the pool and the slots.
+    """
+    problems: List[str] = []
+    free_rows = np.zeros(pool.size, bool)
+    free_rows[list(pool._free)] = True
+    for k, state in enumerate(pool.state_pools):
+        mine = pool.state_slots[k]
+        if (mine[free_rows] != -1).any():
+            rows = np.nonzero(free_rows & (mine != -1))[0][:8].tolist()
+            problems.append(f"{state.name} state: free request slots {rows} hold state slots")
+        held = mine[~free_rows]
+        if (held < 0).any() or (held >= state.size).any():
+            problems.append(f"{state.name} state: a taken request slot holds no valid state slot")
+            held = held[(held >= 0) & (held < state.size)]
+        counts = np.bincount(np.concatenate([state.free_slot_ids(), held]).astype(np.int64), minlength=state.size)
+        if (counts > 1).any():
+            problems.append(f"{state.name} state slots owned twice: {np.nonzero(counts > 1)[0][:8].tolist()}")
+        if (counts == 0).any():
+            problems.append(f"{state.name} state slots owned by nobody (leaked): "
+                            f"{np.nonzero(counts == 0)[0][:8].tolist()}")
+    return problems
+
+
 def check_kv_invariants(allocator, tree_cache, pool, holders: Iterable) -> List[str]:
     """The violated invariants (an empty list when the accounting is exact): page ownership, request slots and
     prefix locks (`lock_problems`).
@@ -197,6 +228,7 @@ def check_kv_invariants(allocator, tree_cache, pool, holders: Iterable) -> List[
     free_slots = set(pool._free)
     if rows & free_slots:
         problems.append(f"request slots {sorted(rows & free_slots)} are held and free")
+    problems += req_state_problems(pool)
     if len(free_slots) + len(rows) != pool.size:
         problems.append(f"request slots: {len(free_slots)} free + {len(rows)} held != {pool.size}")
     pages = np.concatenate(owned).astype(np.int64)

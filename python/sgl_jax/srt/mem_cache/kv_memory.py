@@ -34,6 +34,7 @@ from sgl_jax.srt.mem_cache.common import alloc_with_evict, evict_for_pages, rele
 from sgl_jax.srt.mem_cache.hi_radix_cache import HostTier
 from sgl_jax.srt.mem_cache.kv_invariants import check_kv_invariants
 from sgl_jax.srt.mem_cache.registry import cache_kind_for, create_prefix_cache
+from sgl_jax.srt.mem_cache.req_state import ReqStatePool, ReqStateSpec
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.session_kv import SessionKV, trim_kv
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator, split_hybrid_budget
@@ -58,6 +59,7 @@ class KVCacheSpec:
     pool_tokens: Tuple[int, ...]
     layer_pool: Tuple[int, ...]
     sliding_window: Optional[int] = None
+    req_states: Tuple[ReqStateSpec, ...] = ()  # per-request state beyond KV (req_state.py), a slot per request
 
     @property
     def num_pools(self) -> int:
@@ -72,7 +74,8 @@ class KVCacheSpec:
         names = ("full", "SWA")
         parts = [f"{names[p]} pool {self.pool_tokens[p]} tokens for {self.layer_pool.count(p)} layers"
                  for p in range(self.num_pools)]
-        return ", ".join(parts) + f", pages of {self.page_size}"
+        states = "".join(f", {s.name} state of {s.bytes_per_request} B per request" for s in self.req_states)
+        return ", ".join(parts) + f", pages of {self.page_size}" + states
 
 
 def plan_kv_cache(budget_tokens: int, page_size: int, num_layers: int, swa_layer_ids: Iterable[int], *,
@@ -107,10 +110,12 @@ def kv_spec_for(server_args, model_config, budget_tokens: int) -> KVCacheSpec:
     --disable-hybrid-swa-memory, --swa-full-tokens-ratio). With --enable-hierarchical-cache every layer reads one
     pool (the host tier copies whole pages of every layer; a hybrid SWA pool's pages have no host copy)."""
     hybrid = not (server_args.disable_hybrid_swa_memory or getattr(server_args, "enable_hierarchical_cache", False))
-    return plan_kv_cache(budget_tokens, server_args.page_size, model_config.num_hidden_layers,
+    spec = plan_kv_cache(budget_tokens, server_args.page_size, model_config.num_hidden_layers,
                          model_config.swa_layer_ids, sliding_window=model_config.sliding_window,
                          hybrid_swa_memory=hybrid,
                          swa_full_tokens_ratio=server_args.swa_full_tokens_ratio)
+    states = tuple(ReqStateSpec(name, int(size)) for name, size in getattr(model_config, "req_states", ()))
+    return dataclasses.replace(spec, req_states=states) if states else spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +179,8 @@ class KVMemory:
             ValueError: the kind cannot serve the spec, or "hiradix" without `host_tier` (`registry`)."""
         if swa_release is None:
             swa_release = os.environ.get(DISABLE_SWA_RELEASE_ENV) != "1"
-        pool = ReqToTokenPool(num_request_slots, context_len)
+        pool = ReqToTokenPool(num_request_slots, context_len,
+                              [ReqStatePool(state, num_request_slots) for state in spec.req_states])
         ps = spec.page_size
         if spec.num_pools > 1:
             allocator = SWAPagedAllocator(spec.pool_tokens[FULL_POOL], spec.pool_tokens[SWA_POOL], ps)
@@ -372,6 +378,8 @@ class KVMemory:
             self.allocator.alloc_pages(min(self.faults.leak_pages, self.allocator.available_pages()))
         if self.faults.fire("double_free"):
             self.allocator.plant_double_free()
+        if self.req_to_token_pool.state_pools and self.faults.fire("leak_state"):
+            self.req_to_token_pool.state_pools[0].plant_leak()
 
     def new_session_kv(self) -> SessionKV:
         """The KV holder of a new streaming session on this rank."""
@@ -428,6 +436,10 @@ class KVMemory:
             acc.update({"host_kv_tokens_total": c.host_size(), "host_kv_tokens_free": c.host_available_size(),
                         "host_kv_tokens_cached": c.host_used_size(), "host_hit_tokens": c.num_host_hit_tokens,
                         "host_written_tokens": c.num_host_written_tokens})
+        for state in self.req_to_token_pool.state_pools:  # (per-request state: slots, not tokens)
+            free = state.available_size()
+            acc.update({f"{state.name}_state_slots_total": state.size, f"{state.name}_state_slots_free": free,
+                        f"{state.name}_state_slots_in_use": state.size - free})
         if self.hybrid:
             swa_evictable, swa_protected = self._swa_cached()
             swa_held = sum(kv.held_swa_tokens(ps) for kv in sessions)
@@ -480,6 +492,10 @@ class KVMemory:
         if "host_kv_tokens_total" in acc and acc["host_kv_tokens_free"] + acc["host_kv_tokens_cached"] != \
                 acc["host_kv_tokens_total"]:
             problems.append("host KV accounting: " + str({k: v for k, v in acc.items() if k.startswith("host_kv")}))
+        for state in pool.state_pools:  # (a session between turns keeps its row, and with it its state)
+            if acc[f"{state.name}_state_slots_in_use"] != len(holders):
+                problems.append(f"{state.name} state slots: {acc[f'{state.name}_state_slots_in_use']} in use with "
+                                f"{len(holders)} held by sessions")
         if self.hybrid and acc["swa_tokens_in_use"] != 0:
             problems.append("SWA KV accounting: " + str({k: v for k, v in acc.items() if k.startswith("swa_")}))
         return problems

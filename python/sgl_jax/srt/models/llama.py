@@ -292,6 +292,9 @@ class LlamaForCausalLM(nnx.Module):
             ``tie_word_embeddings``.
         mlp_name: the attribute (and checkpoint name) of each layer's MLP; `build_mlp` builds it.
 
+    Per-request state beyond KV (`request_states`): none here; a linear-attention model declares its recurrent
+    and convolution states, each a slot per request that the scheduler's KV memory owns (mem_cache/req_state.py).
+
     Args:
         model_config: `ModelConfig` (sizes, rope parameters; ``hf_config`` for the rest).
         dtype: parameter / activation dtype (jnp.float32 or jnp.bfloat16).
@@ -317,6 +320,14 @@ class LlamaForCausalLM(nnx.Module):
     scale_embeddings = False
     tied_head_default = False
     mlp_name = "mlp"
+
+    @classmethod
+    def request_states(cls, hf_config, dtype: str, tp_size: int) -> Tuple[Tuple[str, int], ...]:
+        """The per-request state beyond KV a request of this model carries: ``(name, bytes per request on one
+        device)`` pairs for `hf_config` in `dtype` ("float32", "bfloat16") sharded `tp_size` ways
+        (``ModelConfig.req_states``; mem_cache/req_state.py). The decoder stack's state is all KV: ()."""
+        del hf_config, dtype, tp_size
+        return ()
 
     def __init__(self, model_config, *, dtype=jnp.float32, rngs: nnx.Rngs, mesh: Optional[Mesh] = None):
         cfg = model_config.hf_config

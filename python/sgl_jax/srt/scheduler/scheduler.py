@@ -169,6 +169,8 @@ class Scheduler:
                     platform, self.context_len)
         draft_mc, aux_layers = draft_model_config(server_args, mc, self.context_len, platform)
         reserve = (0, 0) if draft_mc is None else draft_reserve(server_args, draft_mc)
+        # per-request state beyond KV: a slot per request slot, set aside before the KV pool is sized
+        reserve = (reserve[0] + sum(size for _, size in mc.req_states) * self.max_running_requests, reserve[1])
         self.model_runner = ModelRunner(
             server_args, mc, buckets=self.buckets, max_context_len=self.context_len,
             kv_spec_fn=lambda weight_bytes: kv_spec_for(server_args, mc, remember_pool_tokens(compute_max_total_tokens(
