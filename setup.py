@@ -1,7 +1,8 @@
 """Builds the optional C++ part of sgl-jax (the rest of the packaging is in pyproject.toml).
 
-One extension: the CPU attention kernels (decode, extend, the bfloat16 KV write) that XLA calls through JAX's FFI
-(python/sgl_jax/srt/kernels/ragged_paged_attention/csrc/paged_{decode,extend}_cpu.cc, loaded by
+One extension: the CPU attention kernels (decode, extend, the bfloat16 KV write) and the KV pool's unwritten
+buffers that XLA calls through JAX's FFI (python/sgl_jax/srt/kernels/ragged_paged_attention/csrc/
+paged_{decode,extend}_cpu.cc, fresh_buffer_cpu.cc, loaded by
 `sgl_jax.srt.kernels.ragged_paged_attention.cpu`). It is a plain shared library (no Python C API; named
 ``_paged_decode_cpu.ffi.<EXT_SUFFIX>`` so that nothing mistakes it for a module), compiled
 against the XLA FFI headers that jaxlib ships (a build requirement in pyproject.toml). It is optional: where it
@@ -54,7 +55,8 @@ setup(
     ext_modules=[
         Extension(
             "sgl_jax.srt.kernels.ragged_paged_attention._paged_decode_cpu",
-            sources=[f"{KERNEL_DIR}/csrc/paged_decode_cpu.cc", f"{KERNEL_DIR}/csrc/paged_extend_cpu.cc"],
+            sources=[f"{KERNEL_DIR}/csrc/paged_decode_cpu.cc", f"{KERNEL_DIR}/csrc/paged_extend_cpu.cc",
+                     f"{KERNEL_DIR}/csrc/fresh_buffer_cpu.cc"],
             depends=[f"{KERNEL_DIR}/csrc/{h}" for h in ("paged_decode_cpu_core.h", "paged_extend_cpu_core.h",
                                                          "cpu_kernel_common.h", "fast_exp.h", "isa_clones.h")],
             language="c++",

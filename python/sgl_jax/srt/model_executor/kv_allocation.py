@@ -1,22 +1,53 @@
 """The paged KV pool's device buffers: allocated and zeroed on a background thread while start-up goes on.
 
-Zeroing the pool is a memset of every byte of it (4.2 GiB, 1.7 s, for SmolLM2's default pool on a 2-core CPU,
-where XLA's CPU client runs it within the dispatch). The allocation programs are compiled on the caller's thread
-(so that compile counts stay where warm-up reads them) and run on a thread of their own: weights, warm-up's tracing
-and the loading of executables go on meanwhile, lowered against the buffers' abstract shapes (`abstract`).
+Zeroing the pool is a memset of every byte of it (4.2 GiB, 1.4-1.7 s, for SmolLM2's default pool on a 2-core
+CPU alone, ~4 s beside a restart's other work). The allocation programs are compiled on the caller's thread (so that
+compile counts stay where warm-up reads them) and run on a thread of their own: weights, warm-up's tracing and the
+loading of executables go on meanwhile, lowered against the buffers' abstract shapes (`abstract`).
+
+On one CPU device, a buffer of at least FRESH_MIN_BYTES is not memset: it is allocated by a custom call that writes
+nothing (kernels/ragged_paged_attention/cpu.fresh_buffer). glibc serves an allocation that large from a fresh
+anonymous mapping, whose pages the kernel zeroes on first touch, so the buffer is zero as `jnp.zeros` makes it, in
+milliseconds, and each page is paid for when serving first writes it (`fresh_pages_ok` says when;
+``SGL_JAX_KV_ZERO_FILL=1`` memsets every buffer).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
+import platform
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
+from sgl_jax.srt.kernels.ragged_paged_attention import cpu as cpu_kernels
+
 Shape = Tuple[int, ...]
+ZERO_FILL_ENV = "SGL_JAX_KV_ZERO_FILL"  # "1": memset every KV buffer (no fresh mappings)
+# twice glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB): an allocation this
+# large is always its own fresh mapping, never recycled heap memory
+FRESH_MIN_BYTES = 64 << 20
+
+
+def fresh_pages_ok(shape: Shape, dtype, sharding, environ=os.environ) -> bool:
+    """Whether a KV buffer of `shape` x `dtype` under `sharding` may come from `cpu.fresh_buffer` (zero without a
+    memset): one CPU device, at least FRESH_MIN_BYTES, glibc, the custom call built, and nothing in `environ` that
+    changes how large allocations are served (``SGL_JAX_KV_ZERO_FILL=1``, glibc's mmap tunables, a preloaded
+    malloc)."""
+    devices = list(sharding.device_set)
+    if len(devices) != 1 or devices[0].platform != "cpu":
+        return False
+    if math.prod(shape) * jnp.dtype(dtype).itemsize < FRESH_MIN_BYTES:
+        return False
+    if environ.get(ZERO_FILL_ENV) == "1" or "malloc" in environ.get("LD_PRELOAD", ""):
+        return False
+    if "mmap" in environ.get("GLIBC_TUNABLES", "") or any(k.startswith("MALLOC_MMAP_") for k in environ):
+        return False
+    return platform.libc_ver()[0] == "glibc" and cpu_kernels.fresh_buffer_available()
 
 
 class KVAllocation:
@@ -28,17 +59,24 @@ class KVAllocation:
         dtype: the cache's dtype.
         sharding: the buffers' ``jax.sharding.NamedSharding`` (KV_CACHE on the runner's mesh).
 
-    One compiled zeroing program per distinct shape, compiled here and kept: a later `allocate`
-    (resume_memory_occupation) compiles nothing.
+    One compiled program per distinct shape, compiled here and kept: a later `allocate` (resume_memory_occupation)
+    compiles nothing. ``fresh_shapes``: the shapes allocated as fresh zero pages (`fresh_pages_ok`), the others are
+    memset.
     """
 
     def __init__(self, shapes: Sequence[Shape], dtype, sharding):
         self.shapes, self.dtype, self.sharding = list(shapes), jnp.dtype(dtype), sharding
         self._programs: Dict[Shape, object] = {}
+        self.fresh_shapes = set()
         for shape in self.shapes:
-            if shape not in self._programs:
-                self._programs[shape] = jax.jit(lambda s=shape: jnp.zeros(s, self.dtype),
-                                                out_shardings=sharding).lower().compile()
+            if shape in self._programs:
+                continue
+            if fresh_pages_ok(shape, self.dtype, sharding):
+                self.fresh_shapes.add(shape)
+                make = lambda s=shape: cpu_kernels.fresh_buffer(s, self.dtype)  # noqa: E731
+            else:
+                make = lambda s=shape: jnp.zeros(s, self.dtype)  # noqa: E731
+            self._programs[shape] = jax.jit(make, out_shardings=sharding).lower().compile()
         self._pending: Optional[concurrent.futures.Future] = None
         self.seconds = 0.0  # wall seconds the last allocation took (on whichever thread ran it)
 

@@ -315,8 +315,10 @@ class ModelRunner:
         allocation runs on a thread of its own: the first read waits for it."""
         if self._kv_allocation.pending:
             self._kv, waited = self._kv_allocation.result()
+            how = ("as fresh zero pages" if self._kv_allocation.fresh_shapes == set(self._kv_allocation.shapes)
+                   else "zeroed")
             self._startup_phases.add("KV cache allocation", waited, f"{self._kv_allocation.nbytes / 2**30:.1f} GiB "
-                                     f"zeroed in {self._kv_allocation.seconds:.1f} s on a thread of its own")
+                                     f"{how} in {self._kv_allocation.seconds:.1f} s on a thread of its own")
         return self._kv
 
     @kv_caches.setter

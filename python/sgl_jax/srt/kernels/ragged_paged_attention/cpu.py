@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 TARGET = "sgl_jax_paged_decode_cpu"
 WRITE_TARGET = "sgl_jax_paged_kv_write_cpu"
 EXTEND_TARGET = "sgl_jax_paged_extend_cpu"
+FRESH_TARGET = "sgl_jax_fresh_buffer_cpu"
 ENV_SWITCH = "SGL_JAX_CPU_DECODE_KERNEL"  # "0": use the pure-JAX decode path on CPU
 EXTEND_ENV_SWITCH = "SGL_JAX_CPU_EXTEND_KERNEL"  # "0": use the pure-JAX extend path on CPU
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -64,10 +65,26 @@ def _registered() -> bool:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SglJaxPagedDecode), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.SglJaxPagedKVWrite), platform="cpu")
         jax.ffi.register_ffi_target(EXTEND_TARGET, jax.ffi.pycapsule(lib.SglJaxPagedExtend), platform="cpu")
+        if hasattr(lib, "SglJaxFreshBuffer"):  # (a library built before it had one: the pool is zero-filled)
+            jax.ffi.register_ffi_target(FRESH_TARGET, jax.ffi.pycapsule(lib.SglJaxFreshBuffer), platform="cpu")
     except (OSError, AttributeError) as e:  # a library built for another platform or jaxlib
         logger.warning("CPU decode kernel %s did not load (%s); decode attention runs in pure JAX", path, e)
         return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def fresh_buffer_available() -> bool:
+    """True when `fresh_buffer` can run: the kernel library is built with ``csrc/fresh_buffer_cpu.cc`` and loads."""
+    return _registered() and hasattr(ctypes.cdll.LoadLibrary(str(library_path())), "SglJaxFreshBuffer")
+
+
+def fresh_buffer(shape, dtype) -> jax.Array:
+    """Inside a jitted function on a CPU device: a `shape` x `dtype` buffer as XLA's allocator hands it out, never
+    written (``csrc/fresh_buffer_cpu.cc``). Its bytes are zero only where the allocation is a fresh anonymous
+    mapping (glibc: far above its mmap threshold, which model_executor/kv_allocation.py sees to); otherwise they
+    are whatever the memory held. Requires `fresh_buffer_available`."""
+    return jax.ffi.ffi_call(FRESH_TARGET, jax.ShapeDtypeStruct(tuple(shape), dtype))()
 
 
 def enabled() -> bool:
