@@ -71,7 +71,7 @@ def test_a_second_allocation_compiles_nothing_and_errors_reach_the_collector():
     assert not failing.pending
 
 
-BIG = (64 * 1024 + 1, 1, 2, 128)  # 64 MiB + a page of float32: at FRESH_MIN_BYTES, a buffer of its own mapping
+BIG = (64 * 1024 + 1, 1, 2, 128)  # 64 MiB + a page of float32: at FRESH_MIN_BYTES, and not whole pages
 
 
 def _dirty_the_heap(shape, value=7.0):
@@ -81,11 +81,11 @@ def _dirty_the_heap(shape, value=7.0):
     del junk
 
 
-def test_a_large_buffer_is_fresh_zero_pages_without_a_memset():
-    """A buffer of at least FRESH_MIN_BYTES on one CPU device comes from the custom call that writes nothing, and is
-    zero even after buffers of its size holding other values were freed; a donated step writes it in place. It is
-    allocated in a small fraction of a memset's time, measured in the same run. SGL_JAX_KV_ZERO_FILL=1, a small
-    buffer, or a mesh of two devices memsets instead."""
+def test_a_large_buffer_is_zeroed_without_a_memset():
+    """A buffer of at least FRESH_MIN_BYTES on one CPU device comes from the custom call that gives its pages back
+    instead of writing them, and is zero even after buffers of its size holding other values were freed; a donated
+    step writes it in place. It is allocated in a small fraction of a memset's time, measured in the same run.
+    SGL_JAX_KV_ZERO_FILL=1, a small buffer, or a mesh of two devices memsets instead."""
     from sgl_jax.srt.kernels.ragged_paged_attention import cpu
     from sgl_jax.srt.model_executor import kv_allocation as ka
 
@@ -109,7 +109,6 @@ def test_a_large_buffer_is_fresh_zero_pages_without_a_memset():
     assert fresh_s < zeroed_s / 4, (fresh_s, zeroed_s)
 
     assert not ka.fresh_pages_ok(BIG, jnp.float32, sharding, {ka.ZERO_FILL_ENV: "1"})
-    assert not ka.fresh_pages_ok(BIG, jnp.float32, sharding, {"MALLOC_MMAP_THRESHOLD_": str(1 << 30)})
     assert not ka.fresh_pages_ok(SHAPES[0], jnp.float32, sharding, {})
     assert ka.fresh_pages_ok(BIG, jnp.float32, sharding, {})
     if len(jax.devices()) > 1:
@@ -117,18 +116,24 @@ def test_a_large_buffer_is_fresh_zero_pages_without_a_memset():
         assert not ka.fresh_pages_ok(BIG, jnp.float32, two, {})
 
 
-def test_the_zero_check_sees_recycled_memory():
-    """The check above can fail: below the threshold, the same custom call hands back recycled heap memory that
-    still holds the freed buffers' values (what FRESH_MIN_BYTES exists for)."""
+@pytest.mark.parametrize("shape", [(64, 1024), (3, 1000), BIG], ids=["whole-pages", "partial-pages", "large"])
+def test_recycled_memory_is_zeroed_and_the_check_sees_it_otherwise(shape):
+    """Memory the allocator recycles holds the freed buffers' values: the custom call left as allocated
+    (``zero=False``, the planted fault) hands them back at small sizes, and the zero check catches it; the call as
+    the pool runs it (its pages given back, partial pages memset) returns zeros at every size after the same
+    dirtying."""
     from sgl_jax.srt.kernels.ragged_paged_attention import cpu
 
-    small = (64, 1024)
-    make = jax.jit(lambda: cpu.fresh_buffer(small, jnp.float32)).lower().compile()
+    raw = jax.jit(lambda: cpu.fresh_buffer(shape, jnp.float32, zero=False)).lower().compile()
+    zeroed = jax.jit(lambda: cpu.fresh_buffer(shape, jnp.float32)).lower().compile()
     dirty = 0
     for _ in range(4):
-        _dirty_the_heap(small)
-        dirty += sum(bool(np.asarray(make()).any()) for _ in range(4))
-    assert dirty > 0
+        _dirty_the_heap(shape)
+        dirty += sum(bool(np.asarray(raw()).any()) for _ in range(4))
+        _dirty_the_heap(shape)
+        assert not any(np.asarray(zeroed()).any() for _ in range(4))
+    if shape != BIG:  # (a large buffer may be a fresh mapping each time: zero even as allocated)
+        assert dirty > 0
 
 
 def _timed(allocate) -> float:

@@ -5,11 +5,10 @@ CPU alone, ~4 s beside a restart's other work). The allocation programs are comp
 compile counts stay where warm-up reads them) and run on a thread of their own: weights, warm-up's tracing and the
 loading of executables go on meanwhile, lowered against the buffers' abstract shapes (`abstract`).
 
-On one CPU device, a buffer of at least FRESH_MIN_BYTES is not memset: it is allocated by a custom call that writes
-nothing (kernels/ragged_paged_attention/cpu.fresh_buffer). glibc serves an allocation that large from a fresh
-anonymous mapping, whose pages the kernel zeroes on first touch, so the buffer is zero as `jnp.zeros` makes it, in
-milliseconds, and each page is paid for when serving first writes it (`fresh_pages_ok` says when;
-``SGL_JAX_KV_ZERO_FILL=1`` memsets every buffer).
+On one CPU device, a buffer of at least FRESH_MIN_BYTES is not memset: a custom call (kernels/ragged_paged_attention/
+cpu.fresh_buffer) gives its whole pages back to the kernel (madvise MADV_DONTNEED), after which anonymous private
+memory reads as zero and is zero-filled page by page as serving first writes it. So the pool is zero as `jnp.zeros`
+makes it, in milliseconds (`fresh_pages_ok` says when; ``SGL_JAX_KV_ZERO_FILL=1`` memsets every buffer).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
-import platform
+import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -27,27 +26,21 @@ import jax.numpy as jnp
 from sgl_jax.srt.kernels.ragged_paged_attention import cpu as cpu_kernels
 
 Shape = Tuple[int, ...]
-ZERO_FILL_ENV = "SGL_JAX_KV_ZERO_FILL"  # "1": memset every KV buffer (no fresh mappings)
-# twice glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB): an allocation this
-# large is always its own fresh mapping, never recycled heap memory
+ZERO_FILL_ENV = "SGL_JAX_KV_ZERO_FILL"  # "1": memset every KV buffer (no pages given back)
+# smaller buffers are memset (little to save there); the pool's bulk is in large ones (SmolLM2: 60 of 75 MB)
 FRESH_MIN_BYTES = 64 << 20
 
 
 def fresh_pages_ok(shape: Shape, dtype, sharding, environ=os.environ) -> bool:
-    """Whether a KV buffer of `shape` x `dtype` under `sharding` may come from `cpu.fresh_buffer` (zero without a
-    memset): one CPU device, at least FRESH_MIN_BYTES, glibc, the custom call built, and nothing in `environ` that
-    changes how large allocations are served (``SGL_JAX_KV_ZERO_FILL=1``, glibc's mmap tunables, a preloaded
-    malloc)."""
+    """Whether a KV buffer of `shape` x `dtype` under `sharding` comes from `cpu.fresh_buffer` (zeroed by giving its
+    pages back instead of a memset): one CPU device on Linux, at least FRESH_MIN_BYTES, the custom call built, and
+    not ``SGL_JAX_KV_ZERO_FILL=1`` in `environ`."""
     devices = list(sharding.device_set)
-    if len(devices) != 1 or devices[0].platform != "cpu":
+    if len(devices) != 1 or devices[0].platform != "cpu" or sys.platform != "linux":
         return False
     if math.prod(shape) * jnp.dtype(dtype).itemsize < FRESH_MIN_BYTES:
         return False
-    if environ.get(ZERO_FILL_ENV) == "1" or "malloc" in environ.get("LD_PRELOAD", ""):
-        return False
-    if "mmap" in environ.get("GLIBC_TUNABLES", "") or any(k.startswith("MALLOC_MMAP_") for k in environ):
-        return False
-    return platform.libc_ver()[0] == "glibc" and cpu_kernels.fresh_buffer_available()
+    return environ.get(ZERO_FILL_ENV) != "1" and cpu_kernels.fresh_buffer_available()
 
 
 class KVAllocation:

@@ -79,12 +79,12 @@ def fresh_buffer_available() -> bool:
     return _registered() and hasattr(ctypes.cdll.LoadLibrary(str(library_path())), "SglJaxFreshBuffer")
 
 
-def fresh_buffer(shape, dtype) -> jax.Array:
-    """Inside a jitted function on a CPU device: a `shape` x `dtype` buffer as XLA's allocator hands it out, never
-    written (``csrc/fresh_buffer_cpu.cc``). Its bytes are zero only where the allocation is a fresh anonymous
-    mapping (glibc: far above its mmap threshold, which model_executor/kv_allocation.py sees to); otherwise they
-    are whatever the memory held. Requires `fresh_buffer_available`."""
-    return jax.ffi.ffi_call(FRESH_TARGET, jax.ShapeDtypeStruct(tuple(shape), dtype))()
+def fresh_buffer(shape, dtype, zero: bool = True) -> jax.Array:
+    """Inside a jitted function on a CPU device: a zeroed `shape` x `dtype` buffer whose whole pages are not written
+    but given back to the kernel (``csrc/fresh_buffer_cpu.cc``: madvise MADV_DONTNEED, so they read as zero and are
+    zero-filled on first touch; the partial pages at its ends are memset). `zero` False leaves the buffer as the
+    allocator handed it out, old bytes and all (tests only). Requires `fresh_buffer_available`."""
+    return jax.ffi.ffi_call(FRESH_TARGET, jax.ShapeDtypeStruct(tuple(shape), dtype))(zero=bool(zero))
 
 
 def enabled() -> bool:
