@@ -65,6 +65,7 @@ LEAK_PAGES_ENV = "SGL_JAX_TEST_LEAK_PAGES"  # N: at the first finished request, 
 DOUBLE_FREE_ENV = "SGL_JAX_TEST_DOUBLE_FREE"  # 1: at the first finished request, a free page is freed again
 DOUBLE_LOCK_ENV = "SGL_JAX_TEST_DOUBLE_LOCK"  # 1: the first prefix-cache node an admission locks is locked twice
 LEAK_STATE_ENV = "SGL_JAX_TEST_LEAK_STATE"  # 1: at the first finished request, a per-request state slot is dropped
+LEAK_ROWS_ENV = "SGL_JAX_TEST_LEAK_ROWS"  # 1: at the first finished request, a per-request row page is dropped
 COMPILE_ENV = "SGL_JAX_TEST_COMPILE_WHILE_SERVING"  # 1: the first step after warm-up compiles a new program
 
 
@@ -75,16 +76,18 @@ class PlantedFaults:
     free page on the free list a second time at the first finished request (owned twice); double_lock: lock the
     first matched cached prefix twice (it stays locked when its request ends); compile_while_serving: compile a
     program the warm-up never saw, at the first step after it; leak_state: drop a slot of the first per-request
-    state pool at the first finished request (owned by nobody afterwards).
+    state pool at the first finished request (owned by nobody afterwards); leak_rows: drop a page of the first
+    per-request row pool the same way.
     """
 
     def __init__(self, leak_pages: int = 0, double_free: bool = False, double_lock: bool = False,
-                 compile_while_serving: bool = False, leak_state: bool = False):
+                 compile_while_serving: bool = False, leak_state: bool = False, leak_rows: bool = False):
         self.leak_pages = leak_pages
         self.double_free = double_free
         self.double_lock = double_lock
         self.compile_while_serving = compile_while_serving
         self.leak_state = leak_state
+        self.leak_rows = leak_rows
         self._fired = set()
 
     @classmethod
@@ -93,11 +96,12 @@ class PlantedFaults:
         env = os.environ
         return cls(leak_pages=int(env.get(LEAK_PAGES_ENV, "0") or 0), double_free=env.get(DOUBLE_FREE_ENV) == "1",
                    double_lock=env.get(DOUBLE_LOCK_ENV) == "1", compile_while_serving=env.get(COMPILE_ENV) == "1",
-                   leak_state=env.get(LEAK_STATE_ENV) == "1")
+                   leak_state=env.get(LEAK_STATE_ENV) == "1", leak_rows=env.get(LEAK_ROWS_ENV) == "1")
 
     def fire(self, name: str) -> bool:
         """True the first time the fault `name` ("leak_pages", "double_free", "double_lock",
-        "compile_while_serving", "leak_state") is asked for and is on; False afterwards or when it is off."""
+        "compile_while_serving", "leak_state", "leak_rows") is asked for and is on; False afterwards or when it is
+        off."""
         if not getattr(self, name) or name in self._fired:
             return False
         self._fired.add(name)

@@ -325,6 +325,9 @@ class ModelConfig:
     # per-request state beyond KV: (name, device bytes per request on one device) pairs, from the model class's
     # ``request_states`` (mem_cache/req_state.py); () when a request's state is all KV
     req_states: Tuple[Tuple[str, int], ...] = ()
+    # per-request rows: (name, device bytes per row on one device, rows per request) triples, from the model class's
+    # ``request_rows`` (a vision tower's embeddings; mem_cache/req_state.py); () for none
+    req_rows: Tuple[Tuple[str, int, int], ...] = ()
 
     def lora_slots_of(self, module: str) -> Optional[tuple]:
         """(slots, rank, backend) of module `module`'s LoRA slots (`layers.linear.Linear`'s ``lora``); None when
@@ -433,6 +436,7 @@ class ModelConfig:
             lora_backend=server_args.lora_backend,
             req_states=tuple(getattr(model_cls, "request_states", lambda *a: ())(hf_config, dtype,
                                                                                  server_args.tp_size)),
+            req_rows=tuple(getattr(model_cls, "request_rows", lambda *a: ())(hf_config, dtype, server_args.tp_size)),
         )
 
 

@@ -36,7 +36,8 @@ def alloc_with_evict(allocator, tree_cache, row: np.ndarray, have: int, want: in
 
 def release_kv_cache(req, tree_cache, is_insert: bool = True) -> None:
     """Free everything `req` holds: its KV (handed to `tree_cache` by `cache_manager.cache_finished_req`,
-    which lets the cache keep it or frees it), its prefix lock, and its ReqToTokenPool slot. The only code
+    which lets the cache keep it or frees it), its prefix lock, its per-request rows, and its ReqToTokenPool slot
+    (with its state slots). The only code
     path that does so -- for finished, aborted and retracted requests alike. A turn of a streaming session
     (``req.session_kv``) leaves its KV to the session instead (`session_kv.SessionKV.on_release`), and a
     session's KV is released here too when it closes.
@@ -50,6 +51,7 @@ def release_kv_cache(req, tree_cache, is_insert: bool = True) -> None:
     """
     if req.kv_released or req.req_pool_idx is None:
         return
+    tree_cache.req_to_token_pool.free_rows(req.req_pool_idx)  # (rows serve one turn: a session keeps none)
     session = getattr(req, "session_kv", None)
     if session is not None and session.on_release(req, tree_cache, is_insert):
         return  # a streaming session's turn: the session keeps the KV (or takes its row back)

@@ -8,7 +8,7 @@ either free or mapped from exactly one full page that is not free. Each holder a
 ``cache_protected_len`` page-aligned and ``kv_committed_len <= kv_allocated_len``.
 
 Every slot of a per-request state pool (req_state.py) is owned once, by its free list or by one taken request slot
-(`req_state_problems`).
+(`req_state_problems`); so is every page of a per-request row pool (`req_row_problems`).
 
 With a host tier (HiRadixCache) every host page is owned once too, by the host pool's free list or one node's host
 copy (`host_problems`); nodes on host only hold no device page and no lock.
@@ -174,7 +174,7 @@ def req_state_problems(pool) -> List[str]:
     """
     problems: List[str] = []
     free_rows = np.zeros(pool.size, bool)
-    free_rows[list(pool._free)] = True
+    free_rows[pool.free_slot_ids()] = True
     for k, state in enumerate(pool.state_pools):
         mine = pool.state_slots[k]
         if (mine[free_rows] != -1).any():
@@ -190,6 +190,38 @@ def req_state_problems(pool) -> List[str]:
         if (counts == 0).any():
             problems.append(f"{state.name} state slots owned by nobody (leaked): "
                             f"{np.nonzero(counts == 0)[0][:8].tolist()}")
+    return problems
+
+
+def req_row_problems(pool) -> List[str]:
+    """The per-request row pools' ownership (`req_state.ReqRowsPool`): every page owned once, by its pool's free
+    list or by one taken request slot of `pool` (a ReqToTokenPool), each slot holding the pages of its rows, and no
+    free request slot holding any.
+
+    Returns:
+        One message per violated invariant, naming the pool and the pages or slots.
+    """
+    problems: List[str] = []
+    free_rows = np.zeros(pool.size, bool)
+    free_rows[pool.free_slot_ids()] = True
+    for k, rows in enumerate(pool.row_pools):
+        counts = pool.row_counts[k]
+        if (counts[free_rows] != 0).any():
+            slots = np.nonzero(free_rows & (counts != 0))[0][:8].tolist()
+            problems.append(f"{rows.name} rows: free request slots {slots} hold pages")
+        held = [pool.row_pages[k][r] for r in np.nonzero(counts)[0]]
+        wrong = [int(r) for r in np.nonzero(counts)[0] if len(pool.row_pages[k][r]) != rows.spec.pages(counts[r])]
+        if wrong:
+            problems.append(f"{rows.name} rows: request slots {wrong[:8]} hold a page count unlike their rows'")
+        pages = np.concatenate([rows.free_page_ids()] + held).astype(np.int64)
+        if len(pages) and (pages.min() < 0 or pages.max() >= rows.size):
+            problems.append(f"{rows.name} rows: a page id outside the pool")
+            pages = pages[(pages >= 0) & (pages < rows.size)]
+        owners = np.bincount(pages, minlength=rows.size)
+        if (owners > 1).any():
+            problems.append(f"{rows.name} pages owned twice: {np.nonzero(owners > 1)[0][:8].tolist()}")
+        if (owners == 0).any():
+            problems.append(f"{rows.name} pages owned by nobody (leaked): {np.nonzero(owners == 0)[0][:8].tolist()}")
     return problems
 
 
@@ -225,10 +257,10 @@ def check_kv_invariants(allocator, tree_cache, pool, holders: Iterable) -> List[
                             "out of order")
         start = -(-h.cache_protected_len // ps) * ps
         owned.append(pool.req_to_token[h.req_pool_idx, start:h.kv_allocated_len:ps] // ps)
-    free_slots = set(pool._free)
+    free_slots = set(pool.free_slot_ids())
     if rows & free_slots:
         problems.append(f"request slots {sorted(rows & free_slots)} are held and free")
-    problems += req_state_problems(pool)
+    problems += req_state_problems(pool) + req_row_problems(pool)
     if len(free_slots) + len(rows) != pool.size:
         problems.append(f"request slots: {len(free_slots)} free + {len(rows)} held != {pool.size}")
     pages = np.concatenate(owned).astype(np.int64)

@@ -34,7 +34,7 @@ from sgl_jax.srt.mem_cache.common import alloc_with_evict, evict_for_pages, rele
 from sgl_jax.srt.mem_cache.hi_radix_cache import HostTier
 from sgl_jax.srt.mem_cache.kv_invariants import check_kv_invariants
 from sgl_jax.srt.mem_cache.registry import cache_kind_for, create_prefix_cache
-from sgl_jax.srt.mem_cache.req_state import ReqStatePool, ReqStateSpec
+from sgl_jax.srt.mem_cache.req_state import ReqRowsPool, ReqRowsSpec, ReqStatePool, ReqStateSpec
 from sgl_jax.srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.session_kv import SessionKV, trim_kv
 from sgl_jax.srt.mem_cache.swa_allocator import SWAPagedAllocator, split_hybrid_budget
@@ -60,6 +60,7 @@ class KVCacheSpec:
     layer_pool: Tuple[int, ...]
     sliding_window: Optional[int] = None
     req_states: Tuple[ReqStateSpec, ...] = ()  # per-request state beyond KV (req_state.py), a slot per request
+    req_rows: Tuple[ReqRowsSpec, ...] = ()  # per-request rows (req_state.py: a vision tower's embeddings)
 
     @property
     def num_pools(self) -> int:
@@ -75,7 +76,9 @@ class KVCacheSpec:
         parts = [f"{names[p]} pool {self.pool_tokens[p]} tokens for {self.layer_pool.count(p)} layers"
                  for p in range(self.num_pools)]
         states = "".join(f", {s.name} state of {s.bytes_per_request} B per request" for s in self.req_states)
-        return ", ".join(parts) + f", pages of {self.page_size}" + states
+        rows = "".join(f", {r.name} rows of {r.bytes_per_row} B, {r.rows_per_request} per request"
+                       for r in self.req_rows)
+        return ", ".join(parts) + f", pages of {self.page_size}" + states + rows
 
 
 def plan_kv_cache(budget_tokens: int, page_size: int, num_layers: int, swa_layer_ids: Iterable[int], *,
@@ -115,7 +118,8 @@ def kv_spec_for(server_args, model_config, budget_tokens: int) -> KVCacheSpec:
                          hybrid_swa_memory=hybrid,
                          swa_full_tokens_ratio=server_args.swa_full_tokens_ratio)
     states = tuple(ReqStateSpec(name, int(size)) for name, size in getattr(model_config, "req_states", ()))
-    return dataclasses.replace(spec, req_states=states) if states else spec
+    rows = tuple(ReqRowsSpec(name, int(size), int(n)) for name, size, n in getattr(model_config, "req_rows", ()))
+    return dataclasses.replace(spec, req_states=states, req_rows=rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +184,8 @@ class KVMemory:
         if swa_release is None:
             swa_release = os.environ.get(DISABLE_SWA_RELEASE_ENV) != "1"
         pool = ReqToTokenPool(num_request_slots, context_len,
-                              [ReqStatePool(state, num_request_slots) for state in spec.req_states])
+                              [ReqStatePool(state, num_request_slots) for state in spec.req_states],
+                              [ReqRowsPool(r, r.pages(r.rows_per_request) * num_request_slots) for r in spec.req_rows])
         ps = spec.page_size
         if spec.num_pools > 1:
             allocator = SWAPagedAllocator(spec.pool_tokens[FULL_POOL], spec.pool_tokens[SWA_POOL], ps)
@@ -232,6 +237,18 @@ class KVMemory:
         tokens (`running`: (req, future tokens) pairs)."""
         return KVBudget(self, running, chunk_size)
 
+    def rows_problem(self, rows_needed: Dict[str, int]) -> Optional[str]:
+        """Why a request needing `rows_needed` ({row pool name: rows}) could never be admitted on this rank (a name
+        no row pool has, or more pages than the pool holds), for a 400 at intake; None when it can."""
+        pools = {p.name: p for p in self.req_to_token_pool.row_pools}
+        for name, rows in rows_needed.items():
+            if name not in pools:
+                return f"this model has no per-request rows named {name!r} (it has {sorted(pools)})"
+            if pools[name].spec.pages(int(rows)) > pools[name].size:
+                return (f"{rows} {name} rows need {pools[name].spec.pages(int(rows))} pages; the pool holds "
+                        f"{pools[name].size}")
+        return None
+
     def allocate_extend(self, req) -> None:
         """Give `req` a request slot (first time: with its matched prefix; a streaming session's turn: the
         session's row) and KV slots for its next ``extend_input_len`` tokens, evicting cached KV if needed.
@@ -251,6 +268,9 @@ class KVMemory:
             pool.write(req.req_pool_idx, 0, req.prefix_indices)
             req.kv_allocated_len = req.kv_committed_len = req.cache_protected_len = req.swa_evicted_len = n
             req.kv_released = False
+        if req.rows_needed and not pool.row_counts[:, req.req_pool_idx].any():  # (a retracted request's return too)
+            if not pool.alloc_rows(req.req_pool_idx, req.rows_needed):
+                raise RuntimeError("a per-request row pool is full; admission should have prevented this")
         assert req.kv_allocated_len == req.kv_committed_len
         end = req.kv_committed_len + req.extend_input_len
         slots = alloc_with_evict(self.allocator, self.tree_cache, self.row(req), req.kv_allocated_len, end)
@@ -380,6 +400,8 @@ class KVMemory:
             self.allocator.plant_double_free()
         if self.req_to_token_pool.state_pools and self.faults.fire("leak_state"):
             self.req_to_token_pool.state_pools[0].plant_leak()
+        if self.req_to_token_pool.row_pools and self.faults.fire("leak_rows"):
+            self.req_to_token_pool.row_pools[0].plant_leak()
 
     def new_session_kv(self) -> SessionKV:
         """The KV holder of a new streaming session on this rank."""
@@ -423,7 +445,8 @@ class KVMemory:
         streaming sessions between turns (whole pages past their cached prefix), in use (running requests,
         scoring handles); with hybrid SWA memory the same for the SWA pool (``swa_*``); with a host tier its pool
         (``host_kv_tokens_total / _free / _cached``) and the tokens it loaded back instead of recomputing and copied
-        to the host so far (``host_hit_tokens``, ``host_written_tokens``)."""
+        to the host so far (``host_hit_tokens``, ``host_written_tokens``); each per-request state pool's slots
+        (``<name>_state_slots_total / _free / _in_use``) and each row pool's pages (``<name>_pages_*``)."""
         a, c, ps = self.allocator, self.tree_cache, self.page_size
         evictable, protected = c.evictable_size(), c.protected_size()
         held = sum(kv.held_tokens(ps) for kv in sessions)
@@ -440,6 +463,10 @@ class KVMemory:
             free = state.available_size()
             acc.update({f"{state.name}_state_slots_total": state.size, f"{state.name}_state_slots_free": free,
                         f"{state.name}_state_slots_in_use": state.size - free})
+        for rows in self.req_to_token_pool.row_pools:  # (per-request rows: pages of rows, not tokens)
+            free = rows.available_size()
+            acc.update({f"{rows.name}_pages_total": rows.size, f"{rows.name}_pages_free": free,
+                        f"{rows.name}_pages_in_use": rows.size - free})
         if self.hybrid:
             swa_evictable, swa_protected = self._swa_cached()
             swa_held = sum(kv.held_swa_tokens(ps) for kv in sessions)
@@ -496,6 +523,9 @@ class KVMemory:
             if acc[f"{state.name}_state_slots_in_use"] != len(holders):
                 problems.append(f"{state.name} state slots: {acc[f'{state.name}_state_slots_in_use']} in use with "
                                 f"{len(holders)} held by sessions")
+        for rows in pool.row_pools:  # (a session between turns holds none)
+            if acc[f"{rows.name}_pages_in_use"] != 0:
+                problems.append(f"{rows.name} pages: {acc[f'{rows.name}_pages_in_use']} in use with nothing running")
         if self.hybrid and acc["swa_tokens_in_use"] != 0:
             problems.append("SWA KV accounting: " + str({k: v for k, v in acc.items() if k.startswith("swa_")}))
         return problems
@@ -509,7 +539,8 @@ class KVBudget:
     uncached prompt plus its estimate. With hybrid SWA memory the SWA pool is budgeted for each request's peak
     SWA use, ``window + interval + 2 pages`` (interval: the tokens one step adds, a chunk or the whole prompt;
     never more than the request's final length), minus the SWA pages it already holds. Free plus evictable
-    cached pages count as available.
+    cached pages count as available. Each admitted request also takes the pages of its per-request rows
+    (``req.rows_needed``) from what its row pools have free.
 
     Args:
         memory: the rank's `KVMemory`.
@@ -524,6 +555,7 @@ class KVBudget:
         self.ps = ps = memory.page_size
         full_free = a.full_available_pages() if memory.hybrid else a.available_pages()
         self.rem_pages = full_free + c.evictable_size() // ps - sum(self._pages(f) for _, f in running)
+        self.rem_row_pages = {p.name: p.available_size() for p in memory.req_to_token_pool.row_pools}
         self.rem_swa_pages = 0
         if memory.window:
             swa_evictable, _ = memory._swa_cached()
@@ -575,10 +607,25 @@ class KVBudget:
             fits = fits and swa_need <= self.rem_swa_pages - m.swa_moved // self.ps
         if m.session is not None:  # its first extend's pages must be there now (its window is already held)
             fits = fits and a.pages_needed(m.length, m.length + n) <= self.available_pages_now()
+        row_need = self._row_pages(req)
+        fits = fits and all(p <= self.rem_row_pages[name] for name, p in row_need.items())
         if fits:
             self.rem_pages -= need + m.moved // self.ps
             self.rem_swa_pages -= swa_need + m.swa_moved // self.ps
+            for name, p in row_need.items():
+                self.rem_row_pages[name] -= p
         return fits
+
+    def _row_pages(self, req) -> Dict[str, int]:
+        """The row pages `req` takes at its extend (``req.rows_needed``), per row pool name.
+
+        Raises:
+            ValueError: `req` names a row pool this rank does not have."""
+        pools = {p.name: p.spec for p in self.memory.req_to_token_pool.row_pools}
+        unknown = set(req.rows_needed) - set(pools)
+        if unknown:
+            raise ValueError(f"no per-request row pool named {sorted(unknown)}")
+        return {name: pools[name].pages(int(rows)) for name, rows in req.rows_needed.items()}
 
     def reserve_chunk(self, req, n: int, future: int) -> bool:
         """Take the pages of the next `n`-token chunk of a request being prefilled in chunks (its whole remaining

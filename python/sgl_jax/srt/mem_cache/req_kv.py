@@ -12,7 +12,8 @@ pages freed (out of every future query's window; their full KV stays). Streaming
 cache_protected_len stay the session's (never handed to the prefix cache); ``swa_keep`` (lo, hi): page-aligned
 positions whose SWA KV SWA release spares while the turn runs (the session's window at the turn's start);
 ``swa_evicted_hi``: positions [hi, swa_evicted_hi) already freed. ``kv_released``: set by release_kv_cache, so a
-second release is a no-op.
+second release is a no-op. ``rows_needed``: rows of each per-request row pool (by name, mem_cache/req_state.py:
+a vision tower's embedding rows) the request takes with its row at its extend; {} for none.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def init_req_kv(req) -> None:
     req.kv_private = False
     req.swa_keep = None
     req.swa_evicted_hi = 0
+    req.rows_needed = {}
     forget_kv(req)
 
 

@@ -292,8 +292,9 @@ class LlamaForCausalLM(nnx.Module):
             ``tie_word_embeddings``.
         mlp_name: the attribute (and checkpoint name) of each layer's MLP; `build_mlp` builds it.
 
-    Per-request state beyond KV (`request_states`): none here; a linear-attention model declares its recurrent
-    and convolution states, each a slot per request that the scheduler's KV memory owns (mem_cache/req_state.py).
+    Per-request state beyond KV (`request_states`, `request_rows`): none here; a linear-attention model declares its
+    recurrent and convolution states, each a slot per request, and a vision-language model its image embeddings,
+    rows per request, which the scheduler's KV memory owns (mem_cache/req_state.py).
 
     Args:
         model_config: `ModelConfig` (sizes, rope parameters; ``hf_config`` for the rest).
@@ -326,6 +327,15 @@ class LlamaForCausalLM(nnx.Module):
         """The per-request state beyond KV a request of this model carries: ``(name, bytes per request on one
         device)`` pairs for `hf_config` in `dtype` ("float32", "bfloat16") sharded `tp_size` ways
         (``ModelConfig.req_states``; mem_cache/req_state.py). The decoder stack's state is all KV: ()."""
+        del hf_config, dtype, tp_size
+        return ()
+
+    @classmethod
+    def request_rows(cls, hf_config, dtype: str, tp_size: int) -> Tuple[Tuple[str, int, int], ...]:
+        """The variable-size per-request state of this model: ``(name, bytes per row on one device, rows per request
+        the memory budget sets aside)`` triples for `hf_config` in `dtype` sharded `tp_size` ways
+        (``ModelConfig.req_rows``; mem_cache/req_state.py), e.g. a vision tower's embedding rows, one per image
+        token. A text-only decoder has none: ()."""
         del hf_config, dtype, tp_size
         return ()
 

@@ -67,6 +67,7 @@ from sgl_jax.srt.io_struct import (
     UnloadLoRAAdapterReqInput,
 )
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
+from sgl_jax.srt.mem_cache.req_state import reserve_bytes
 from sgl_jax.srt.model_executor.buckets import derive_limits
 from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
 from sgl_jax.srt.model_executor.host_copy import transfer_guard
@@ -169,8 +170,8 @@ class Scheduler:
                     platform, self.context_len)
         draft_mc, aux_layers = draft_model_config(server_args, mc, self.context_len, platform)
         reserve = (0, 0) if draft_mc is None else draft_reserve(server_args, draft_mc)
-        # per-request state beyond KV: a slot per request slot, set aside before the KV pool is sized
-        reserve = (reserve[0] + sum(size for _, size in mc.req_states) * self.max_running_requests, reserve[1])
+        # per-request state beyond KV (slots, rows), set aside before the KV pool is sized
+        reserve = (reserve[0] + reserve_bytes(mc.req_states, mc.req_rows, self.max_running_requests), reserve[1])
         self.model_runner = ModelRunner(
             server_args, mc, buckets=self.buckets, max_context_len=self.context_len,
             kv_spec_fn=lambda weight_bytes: kv_spec_for(server_args, mc, remember_pool_tokens(compute_max_total_tokens(
