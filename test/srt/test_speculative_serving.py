@@ -69,11 +69,13 @@ def generate(url: str, **body) -> dict:
 
 
 SEEDS = 8  # seeded samples of the copy prompt (the page-1 NGRAM server's; the others run 4)
+PENALIZED_TOKENS = 24  # the penalized copy request's tokens
 
 
 def copy_requests(url: str, stop: str, seeds: int = SEEDS) -> list:
     """The copy-heavy requests: the passage repeated greedily (its draft tokens are accepted), cut by
-    max_new_tokens 37, by a stop string, and with top-2 logprobs; then in one batch a ~600-token prompt (chunked
+    max_new_tokens 37, by a stop string, and with top-2 logprobs; with a frequency penalty (no drafts: its decode
+    steps are the ones the overlap scheduler runs ahead with NGRAM); then in one batch a ~600-token prompt (chunked
     prefill beside verify steps) and `seeds` seeded samples of the passage (temperature 0.8, top-p 0.95)."""
     greedy = {"temperature": 0, "max_new_tokens": 90}
     sampled = [{"temperature": 0.8, "top_p": 0.95, "seed": seed, "max_new_tokens": 24} for seed in range(seeds)]
@@ -81,6 +83,8 @@ def copy_requests(url: str, stop: str, seeds: int = SEEDS) -> list:
             generate(url, text=COPY_PROMPT, sampling_params={**greedy, "max_new_tokens": 37}),
             generate(url, text=COPY_PROMPT, sampling_params={**greedy, "stop": [stop]}),
             generate(url, text=COPY_PROMPT, sampling_params=greedy, return_logprob=True, top_logprobs_num=2),
+            generate(url, text=COPY_PROMPT, sampling_params={**greedy, "max_new_tokens": PENALIZED_TOKENS,
+                                                             "frequency_penalty": 0.5}),
             *generate(url, text=[LONG_PROMPT] + [COPY_PROMPT] * seeds,
                       sampling_params=[{**greedy, "max_new_tokens": 40}] + sampled)]
 
@@ -172,12 +176,13 @@ def check_copies(copies: list, reference_copies: list, stop: str, drafts_accepte
     reference's exactly, total variation 0 -- while drafts are accepted, unless not `drafts_accepted`: a random
     draft model's). `batch_rule`: the step costs of a server running the rule (`check_batch_rule_drafts`).
     `copies` may have fewer samples than the reference (its first ones)."""
-    samples = copies[5:]
-    assert len(copies) == 5 + len(samples) and len(samples) >= 4
+    samples = copies[6:]
+    assert len(copies) == 6 + len(samples) and len(samples) >= 4
     for a, b in zip(copies, reference_copies):
         compare(a, b)
         assert a["text"] == b["text"]
-    assert copies[4]["meta_info"]["prompt_tokens"] > 512  # (three chunks)
+    assert copies[4]["meta_info"]["spec_draft_token_num"] == 0  # (penalties: no drafts)
+    assert copies[5]["meta_info"]["prompt_tokens"] > 512  # (three chunks)
     assert len({tuple(o["output_ids"]) for o in samples}) > len(samples) // 2  # they differ: sampled, not greedy
     assert copies[1]["meta_info"]["finish_reason"]["type"] == "length"
     assert copies[2]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
@@ -207,7 +212,9 @@ def test_outputs_identical_with_and_without_speculation(spec_server, reference):
     speculated, _ = run_workload(spec_server.url)
     copies = copy_requests(spec_server.url, stop)
     state = check_clean(spec_server.url)
-    assert not state["overlap_schedule"]  # (speculation turns it off)
+    # NGRAM keeps the overlap scheduler on: the penalized request's decode steps, which cannot verify, ran ahead
+    assert state["overlap_schedule"]
+    assert state["num_overlapped_steps"] - before["num_overlapped_steps"] >= PENALIZED_TOKENS - 4, state
     check_workload(speculated, reference_parts)
     check_copies(copies, reference_copies, stop)
     assert speculated["json_alone"][0]["meta_info"]["spec_draft_token_num"] == 0  # a grammar: no drafts

@@ -130,7 +130,13 @@ def test_batch_rule_decodes_batches_whose_drafts_do_not_pay():
     the batch decodes, no draft slot taken -- while at 1.2x (a GPU at batch 1) it does; drafting time counts against
     it."""
     memory, spec, a, b = _setup()
+    assert spec.may_verify([a, b])  # (without costs every batch drafts: a step of it may verify)
+    # the overlap scheduler's test (scheduler/overlap.py): at 8x, not even both requests' whole budgets (2 + 5 + 5
+    # tokens) would pay, so the next step may run ahead; at 4x they would, so the step waits for its drafts
+    spec.costs = StepCosts({1: 10.0, 2: 10.0}, {1: 12.0, 2: 80.0})
+    assert not spec.may_verify([a, b]) and spec.num_unpaid_steps == 0
     spec.costs = StepCosts({1: 10.0, 2: 10.0}, {1: 12.0, 2: 40.0})
+    assert spec.may_verify([a, b])
     dec = ScheduleBatch([a, b], ForwardMode.DECODE)
     assert dec.prepare_for_decode(memory)
     free1 = memory.free_tokens()
@@ -138,6 +144,12 @@ def test_batch_rule_decodes_batches_whose_drafts_do_not_pay():
     assert memory.free_tokens() == free1 and a.kv_allocated_len == a.seqlen  # no draft slot was taken
     assert spec.expected_tokens(2, [(a, 6)]) == 2 + 5  # a has not drafted yet: its whole draft
     spec.costs = StepCosts({1: 10.0, 2: 10.0}, {1: 12.0, 2: 12.0})
+    assert spec.may_verify([a, b])
+    for r in (a, b):  # (a request with penalties never drafts)
+        r.sampling_params.frequency_penalty = 0.5
+    assert not spec.may_verify([a, b])
+    for r in (a, b):
+        r.sampling_params.frequency_penalty = 0.0
     verify = spec.verify_batch(dec, memory)
     assert verify.forward_mode == ForwardMode.TARGET_VERIFY and list(verify.drafts) == [id(a)]
     assert 2 in spec.costs.draft_ms  # the n-gram lookups' time, observed at S_pad 2

@@ -21,6 +21,13 @@ Without the split -- --grammar-overlap off, or auto on a CPU device (there the h
 with the device and the second draw costs more than the overlap gives), or a runner without slot state (a hybrid
 sliding-window pool) -- a step with grammar rows is chosen after the result before it is applied.
 
+While speculating with NGRAM, a step chosen ahead is a decode step: its drafts would need step n's tokens. So the
+next step is chosen ahead only when no rank would verify whatever step n gives (`Speculator.may_verify`: the batch
+rule finds no draft paying, or no request may draft) -- a large batch on a machine where verify steps cost several
+decode steps; otherwise step n is applied first and the next step drafts from its tokens. A verify step itself is
+applied at once (its accepted lengths decide the next step's positions). A draft model (STANDALONE, EAGLE, EAGLE3)
+runs every step of the target and drafts from its results, so the overlap scheduler is off with one.
+
 Requests that finish by length are left out of the step chosen ahead (`Req.done_by_length_ahead`); one that stops
 on a stop token or string runs one extra decode row, whose token is dropped and whose KV slot its release frees
 (`ScheduleBatch.drop_finished_rows`), as in SGLang.
@@ -63,6 +70,8 @@ def may_choose_ahead(inflight: Optional[LaunchedStep], ranks, grammar_split: boo
         return False
     for rank in ranks:
         if rank.has_prefill_work():
+            return False
+        if rank.speculator is not None and rank.speculator.may_verify(rank.running_batch.reqs):
             return False
         if not grammar_split and any(r.grammar is not None for r in rank.running_batch.reqs):
             return False

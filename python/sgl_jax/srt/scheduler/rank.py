@@ -124,6 +124,9 @@ class RankHooks(Protocol):
         """Apply the step in flight, if any (the overlap scheduler's sync point; every rank's part); returns whether
         there was one."""
 
+    def step_in_flight(self) -> bool:
+        """Whether a launched step's result is not applied yet (the overlap scheduler chose this step ahead)."""
+
 
 class RankScheduler:
     """The scheduling state and policy of one DP rank.
@@ -314,8 +317,10 @@ class RankScheduler:
                 batch = batch.subset(ahead)
             if batch.is_empty():
                 return None
-            if batch.prepare_for_decode(self.memory, num_steps):
-                return batch if self.speculator is None else self.speculator.verify_batch(batch, self.memory)
+            if batch.prepare_for_decode(self.memory, num_steps):  # (drafts need the step in flight's tokens)
+                if self.speculator is None or self.hooks.step_in_flight():
+                    return batch
+                return self.speculator.verify_batch(batch, self.memory)
             if self.hooks.drain():
                 continue
             self.retract(1)

@@ -211,15 +211,16 @@ class Scheduler:
         self.session_bos_id = bos if bos is not None and self.tokenizer.encode("a")[:1] == [bos] else None
 
     def _init_loop_state(self) -> None:
-        """The event loop's state: overlap (off with --disable-overlap-schedule or speculation), the step in flight,
-        the step statistics."""
+        """The event loop's state: overlap (off with --disable-overlap-schedule or a draft model's speculation:
+        overlap.py), the step in flight, the step statistics."""
         server_args = self.server_args
-        self.overlap = not server_args.disable_overlap_schedule and not self.speculating
+        self.overlap = not server_args.disable_overlap_schedule and self.draft_model is None
         self.inflight: Optional[LaunchedStep] = None  # the launched step whose result is not applied yet
         self.last_applied_at = 0.0  # time.perf_counter() when the last step's result was applied
         self.num_overlapped_steps = 0  # steps launched while the step before was still running
         self.step_stats = StepStats()  # host / device-wait time per step, step rate (Prometheus histograms)
-        why = "--disable-overlap-schedule" if server_args.disable_overlap_schedule else "--speculative-algorithm"
+        why = "--disable-overlap-schedule" if server_args.disable_overlap_schedule else \
+            f"--speculative-algorithm {server_args.speculative_algorithm}: its draft model runs every step"
         logger.info("Overlap scheduler: %s", "on" if self.overlap else f"off ({why})")
         if self.speculating:
             logger.info("Speculative decoding: %s, up to %d draft-tree slots per request",
@@ -338,6 +339,9 @@ class Scheduler:
 
     def sessions_on_rank(self, rank: int) -> list:
         return self.sessions.on_rank(rank)
+
+    def step_in_flight(self) -> bool:
+        return self.inflight is not None
 
     def drain(self) -> bool:
         """Wait for the step in flight and apply its result (every rank's part); returns whether there was one.

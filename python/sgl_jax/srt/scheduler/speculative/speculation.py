@@ -29,8 +29,9 @@ request has a draft (SGLang's n-gram worker; Leviathan et al. 2023, Miao et al. 
 
 Requests that use penalties or logit_bias, or follow a grammar, decode without drafts: their row in a verify step is
 a one-slot tree (the root), sampled exactly as in a decode step, so their output is what it is without
-speculation. The overlap scheduler is off while speculating: the next step needs this one's accepted length
-(SGLang's first speculative worker does the same).
+speculation. The overlap scheduler chooses a step ahead only when no rank would verify whatever the step in flight
+gives (`may_verify`; scheduler/overlap.py): a verify step needs the tokens before it, and the step after it needs its
+accepted lengths (SGLang's first speculative worker turns overlap off).
 
 A verify step's shape is keyed by its sequences (T = S_pad x draft slots), so one drafting request in a large batch
 pads the whole step to that many tokens. A batch therefore drafts only when the tokens it is expected to give pay for
@@ -230,6 +231,21 @@ class Speculator:
         if self.costs is not None:
             self.costs.observe_draft(num_seqs, 1000.0 * seconds)
 
+    def _budgets(self, reqs: Sequence[Req]) -> List[Tuple[Req, int]]:
+        """(request, draft slots) of the requests of `reqs` that may draft at least one token this step."""
+        budgets = [(req, self._budget(req)) for req in reqs if may_draft(req)]
+        return [(req, b) for req, b in budgets if b >= 2]
+
+    def may_verify(self, reqs: Sequence[Req]) -> bool:
+        """Whether a decode step of `reqs` might verify, whatever its drafts turn out to be: some request may draft
+        and the batch rule finds drafting its whole budget paying (`verify_batch`'s first test, without counting).
+        With a draft model: True (it decides per step)."""
+        if self.cache is None:
+            return True
+        budgets = self._budgets(reqs)
+        return bool(budgets) and (self.costs is None or
+                                  self.costs.pays(len(reqs), self.expected_tokens(len(reqs), budgets)))
+
     def verify_batch(self, batch: ScheduleBatch, memory) -> ScheduleBatch:
         """The step for a decode batch whose requests each have their root's KV slot (`prepare_for_decode`): a
         TARGET_VERIFY batch with the drafts found and their KV slots taken, or `batch` itself when nothing was
@@ -238,8 +254,7 @@ class Speculator:
         if self.cache is None:
             return batch
         n = len(batch.reqs)
-        budgets = [(req, self._budget(req)) for req in batch.reqs if may_draft(req)]
-        budgets = [(req, b) for req, b in budgets if b >= 2]
+        budgets = self._budgets(batch.reqs)
         if not self.batch_pays(n, budgets):  # not even if every request drafted its whole budget
             return batch
         t0 = time.perf_counter()
