@@ -93,7 +93,7 @@ from sgl_jax.srt.scheduler.sessions import Session, SessionController, SessionEr
 from sgl_jax.srt.scheduler.speculative.draft_model import draft_reserve
 from sgl_jax.srt.scheduler.speculative.drafters import draft_model_config, new_drafter
 from sgl_jax.srt.scheduler.speculative.spec_costs import batch_rule_on, measure_step_costs
-from sgl_jax.srt.scheduler.speculative.speculation import SpecCounts, new_speculators, unify_step
+from sgl_jax.srt.scheduler.speculative.speculation import SpecCounts, move_accepted_kv, new_speculators, unify_step
 from sgl_jax.srt.scheduler.step_budget import PrefillStepBudget, StepTimeModel, step_cost_features
 from sgl_jax.srt.scheduler.step_launch import StepLauncher
 from sgl_jax.srt.scheduler.step_stats import StepStats
@@ -504,15 +504,8 @@ class Scheduler:
 
     # ------------------------------------------------------------ fault isolation
     def move_accepted_kv(self) -> None:
-        """Dispatch the K/V moves of the verify steps just applied (`Speculator.take_moves`), before any later
-        step's forward reads the positions they fill."""
-        if not self.speculating:
-            return
-        moves = [rank.speculator.take_moves() for rank in self.ranks]
-        if any(len(src) for src, _ in moves):
-            self.model_runner.move_kv(moves)
-            if self.draft_model is not None:
-                self.draft_model.move_kv(moves)
+        if self.speculating:
+            move_accepted_kv([rank.speculator for rank in self.ranks], self.model_runner, self.draft_model)
 
     def forward_isolating_faults(self, batches: List[Optional[ScheduleBatch]]) -> list:
         """Each rank's step output (None for idle ranks and emptied batches); when the step fails, the requests

@@ -369,12 +369,25 @@ class Speculator:
         """Totals for the internal state: verify steps, the requests' drafts verified in them (a request with a
         draft in a verify step: the mean accepted length is (accepted + drafted rows) / drafted rows), draft tokens
         verified, accepted, accepted slots whose K/V moved (a path off the tree's first branch), decode batches that
-        decoded normally because drafting did not pay, and the batch rule's step costs (`StepCosts.table`)."""
+        decoded normally because drafting did not pay (chosen after the step before was applied; one chosen ahead
+        of it because no draft could pay, `may_verify`, counts in the scheduler's num_overlapped_steps), and the
+        batch rule's step costs (`StepCosts.table`)."""
         return {"spec_verify_steps": self.num_verify_steps, "spec_drafted_rows": self.num_drafted_rows,
                 "spec_draft_tokens": self.num_draft_tokens_total,
                 "spec_accepted_tokens": self.num_accepted_tokens_total, "spec_kv_moves": self.num_kv_moves,
                 "spec_unpaid_steps": self.num_unpaid_steps,
                 "spec_step_costs_ms": None if self.costs is None else self.costs.table()}
+
+
+def move_accepted_kv(speculators: Sequence[Speculator], runner, draft_model=None) -> None:
+    """Dispatch the K/V moves of the verify steps just applied (`Speculator.take_moves`, one speculator per rank)
+    on the target's `runner` and the draft model's (a STANDALONE drafter's `move_kv`; None: none), before any later
+    step's forward reads the positions they fill."""
+    moves = [s.take_moves() for s in speculators]
+    if any(len(src) for src, _ in moves):
+        runner.move_kv(moves)
+        if draft_model is not None:
+            draft_model.move_kv(moves)
 
 
 def unify_step(batches: List[Optional[ScheduleBatch]],
