@@ -54,6 +54,9 @@ def library_path() -> Optional[Path]:
     return found[0] if found else None
 
 
+_FRESH_REGISTERED: list = []  # [True] once `_registered` registered FRESH_TARGET
+
+
 @functools.lru_cache(maxsize=None)
 def _registered() -> bool:
     path = library_path()
@@ -67,6 +70,7 @@ def _registered() -> bool:
         jax.ffi.register_ffi_target(EXTEND_TARGET, jax.ffi.pycapsule(lib.SglJaxPagedExtend), platform="cpu")
         if hasattr(lib, "SglJaxFreshBuffer"):  # (a library built before it had one: the pool is zero-filled)
             jax.ffi.register_ffi_target(FRESH_TARGET, jax.ffi.pycapsule(lib.SglJaxFreshBuffer), platform="cpu")
+            _FRESH_REGISTERED.append(True)
     except (OSError, AttributeError) as e:  # a library built for another platform or jaxlib
         logger.warning("CPU decode kernel %s did not load (%s); decode attention runs in pure JAX", path, e)
         return False
@@ -76,7 +80,7 @@ def _registered() -> bool:
 @functools.lru_cache(maxsize=None)
 def fresh_buffer_available() -> bool:
     """True when `fresh_buffer` can run: the kernel library is built with ``csrc/fresh_buffer_cpu.cc`` and loads."""
-    return _registered() and hasattr(ctypes.cdll.LoadLibrary(str(library_path())), "SglJaxFreshBuffer")
+    return _registered() and bool(_FRESH_REGISTERED)
 
 
 def fresh_buffer(shape, dtype, zero: bool = True) -> jax.Array:
