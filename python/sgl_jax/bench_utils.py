@@ -259,7 +259,8 @@ class LaunchedServer:
     """``python -m sgl_jax.launch_server ARGS`` on a free port until closed (context manager), in its own session
     (process group) and in `env` (None: this process's environment); its log goes to a temp file, whose tail any
     start-up failure raises (RuntimeError). Leaving the context without an exception checks the stop: exit status
-    0 and no process of its group left (RuntimeError otherwise, after killing what is left).
+    0 and no process of its group left (RuntimeError otherwise, after killing what is left); the log file is removed
+    after such a clean stop and kept otherwise.
 
     /health is polled every `poll_s` seconds; ``started_at`` (``time.perf_counter()`` at the launch) and
     ``ready_s`` (seconds from the launch to the first 200) time the start-up."""
@@ -296,6 +297,9 @@ class LaunchedServer:
         code, left = self.stop()
         if exc_type is None and (code != 0 or left):
             raise RuntimeError(f"server exited with {code}, processes of its group left: {left}\n{self.log_tail()}")
+        if exc_type is None:  # (a clean stop: the log goes; after a failure it stays in the temporary directory)
+            self.log.close()
+            os.unlink(self.log.name)
 
     def log_tail(self, n: int = 3000) -> str:
         with open(self.log.name) as f:

@@ -33,8 +33,12 @@ def test_cold_start_compiles_and_the_restart_loads_everything(tiny, tmp_path):
            "--report", str(report), "--", "--model-path", model, "--tokenizer-path", tok, "--context-length", "256",
            "--precompile-bs-paddings", "4", "--precompile-token-paddings", "64", "--chunked-prefill-size", "64",
            "--max-total-tokens", "2048"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=server_env({"JAX_PLATFORMS": "cpu"}), timeout=600)
+    tmp = tmp_path / "tmp"  # (the bench's temporary directory: its servers' logs)
+    tmp.mkdir()
+    env = server_env({"JAX_PLATFORMS": "cpu", "TMPDIR": str(tmp)})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(tmp.glob("sgl_jax_bench_server_*.log"))  # the servers stopped cleanly: their logs are gone
     raw = json.loads(report.with_suffix(".json").read_text())
     cold, restart = raw["starts"]
     assert (cold["name"], restart["name"]) == ("cold", "restart 1")
