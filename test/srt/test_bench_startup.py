@@ -6,8 +6,11 @@ This is the suite's cold start: a start-up that compiles while serving, or a cac
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -33,12 +36,16 @@ def test_cold_start_compiles_and_the_restart_loads_everything(tiny, tmp_path):
            "--report", str(report), "--", "--model-path", model, "--tokenizer-path", tok, "--context-length", "256",
            "--precompile-bs-paddings", "4", "--precompile-token-paddings", "64", "--chunked-prefill-size", "64",
            "--max-total-tokens", "2048"]
-    tmp = tmp_path / "tmp"  # (the bench's temporary directory: its servers' logs)
-    tmp.mkdir()
-    env = server_env({"JAX_PLATFORMS": "cpu", "TMPDIR": str(tmp)})
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not list(tmp.glob("sgl_jax_bench_server_*.log"))  # the servers stopped cleanly: their logs are gone
+    # the bench's own temporary directory (its servers' logs), short: ZMQ's IPC paths under it must stay within
+    # 107 characters, which pytest's tmp_path under xdist is not
+    tmp = Path(tempfile.mkdtemp(prefix="sgl_bst_", dir="/tmp"))
+    try:
+        env = server_env({"JAX_PLATFORMS": "cpu", "TMPDIR": str(tmp)})
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert not list(tmp.glob("sgl_jax_bench_server_*.log"))  # the servers stopped cleanly: their logs are gone
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     raw = json.loads(report.with_suffix(".json").read_text())
     cold, restart = raw["starts"]
     assert (cold["name"], restart["name"]) == ("cold", "restart 1")
