@@ -115,16 +115,24 @@ def test_decode_rows_packed_buffer_is_the_packed_layout():
         [5, 1, 7, 0], [11, -2, 13, 0], [40, 41, 42, 0], [3, 4, 5, 0]]
 
 
+@pytest.mark.parametrize("n_reqs", [3, 12])
 @pytest.mark.parametrize("page", [1, 4, 16])
-def test_multi_step_decode_slots_continue_each_page(page):
+def test_multi_step_decode_slots_continue_each_page(page, n_reqs):
     """`allocate_decode` with counts (a K-step decode's slots, --num-continuous-decode-steps) gives every position
     of every request the slot one-position-at-a-time allocation would: each position in its request's page for
     that position (the last partly filled page continued first), at its offset in the page, no page held by two
     requests, and exactly the new pages taken. At page 16 the first K = 4 block of these prompts fits in the pages
-    they have (no new page at all: an IndexError before the fix, seen on a GPU, whose default page is 16)."""
+    they have (no new page at all: an IndexError before the fix, seen on a GPU, whose default page is 16).
+    3 requests take `write_positions_each`'s way, 12 `write_positions_batched`'s (more than FEW_REQUESTS)."""
+    from sgl_jax.srt.mem_cache.kv_memory import FEW_REQUESTS
+
+    assert 3 <= FEW_REQUESTS < 12
     spec = plan_kv_cache(1024, page, 2, [])
-    memory = KVMemory.create(spec, num_request_slots=SLOTS, context_len=CONTEXT, disable_radix_cache=True)
+    memory = KVMemory.create(spec, num_request_slots=max(SLOTS, n_reqs), context_len=CONTEXT,
+                             disable_radix_cache=True)
     reqs = rank_reqs(0)
+    reqs += [Req(f"more.{i}", list(range(1 + i, 6 + 2 * i)), reqs[i % 3].sampling_params, eos_token_ids=[2], seed=i)
+             for i in range(n_reqs - len(reqs))]
     for q in reqs:
         q.extend_input_len = len(q.origin_input_ids)
     batch = ScheduleBatch(reqs, ForwardMode.EXTEND)

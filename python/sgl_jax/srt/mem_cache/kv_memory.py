@@ -312,35 +312,24 @@ class KVMemory:
     def _allocate_positions(self, reqs: Sequence, counts: Sequence[int]) -> bool:
         """`allocate_decode` with counts: request i's positions up to seqlen_ahead - 1 + counts[i], all requests'
         new pages taken at once (each continues its last partly filled page first, as `alloc_token_slots` does)."""
-        todo = [(r, r.seqlen_ahead - 1 + n) for r, n in zip(reqs, counts)]
-        todo = [(r, e) for r, e in todo if r.kv_allocated_len < e]
+        ps = self.allocator.page_size
+        todo = [(r, r.kv_allocated_len, r.seqlen_ahead - 1 + n) for r, n in zip(reqs, counts)]
+        todo = [(r, have, want, -(-want // ps) - -(-have // ps)) for r, have, want in todo if have < want]
         if not todo:
             return True
-        ps = self.allocator.page_size
-        have = np.fromiter((r.kv_allocated_len for r, _ in todo), np.int64, len(todo))
-        want = np.fromiter((e for _, e in todo), np.int64, len(todo))
-        rows = np.fromiter((r.req_pool_idx for r, _ in todo), np.int64, len(todo))
-        have_pages = -(-have // ps)
-        need = -(-want // ps) - have_pages
-        if not evict_for_pages(self.allocator, self.tree_cache, int(need.sum())):
+        total = sum(t[3] for t in todo)
+        if not evict_for_pages(self.allocator, self.tree_cache, total):
             return False
-        pages = self.allocator.alloc_pages(int(need.sum()))
+        pages = self.allocator.alloc_pages(total)
         if pages is None:  # (eviction freed the pages just above)
             raise RuntimeError("KV pages vanished between eviction and allocation")
         table = self.req_to_token_pool.req_to_token
-        n = want - have
-        which = np.repeat(np.arange(len(todo)), n)  # the request of each new position
-        pos = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + have[which]
-        page_idx = pos // ps
-        last = table[rows, np.maximum(have_pages - 1, 0) * ps] // ps  # each request's last page (if any)
-        first_new = np.cumsum(need) - need  # its first page in `pages`
-        in_last = page_idx < have_pages[which]  # (a position in the request's last, partly filled page)
-        page = last[which]
-        if len(pages):  # (none when every position fits in the pages the requests have)
-            page = np.where(in_last, page, pages[np.where(in_last, 0, first_new[which] + page_idx - have_pages[which])])
-        table[rows[which], pos] = (page * ps + pos % ps).astype(table.dtype)
-        for (r, end) in todo:
-            r.kv_allocated_len = end
+        if len(todo) <= FEW_REQUESTS:
+            write_positions_each(table, todo, pages, ps)
+        else:
+            write_positions_batched(table, todo, pages, ps)
+        for r, _, want, _ in todo:
+            r.kv_allocated_len = want
         return True
 
     def allocate_drafts(self, req, n: int) -> bool:
@@ -639,3 +628,46 @@ class KVBudget:
         if self.memory.window:
             self.rem_swa_pages -= max(0, self._swa_peak_pages(req, n, future) - own_swa_pages(req, self.ps))
         return True
+
+
+FEW_REQUESTS = 8  # up to this many requests, `_allocate_positions` writes each one's slots in turn (issue #69)
+
+
+def write_positions_each(table: np.ndarray, todo: list, pages: np.ndarray, ps: int) -> None:
+    """Write the KV slots of new positions into `table` (int32[slots, context], `req_to_token`), one request at a
+    time: a few numpy calls each, the cheaper way for a few requests (a small batch's multi-step decode).
+
+    todo: [(req, have, want, new pages)] per request: positions have .. want - 1 get slots, those in its last
+    partly filled page first (continuing that page's slots), the rest in its share of `pages` (int32, the requests'
+    new pages in todo's order), in order. Same result as `write_positions_batched`."""
+    off = 0
+    for r, have, want, need in todo:
+        row = table[r.req_pool_idx]
+        split = min(want, -(-have // ps) * ps)  # (positions before it are in the last partly filled page)
+        if split > have:
+            row[have:split] = row[have - 1] + np.arange(1, split - have + 1, dtype=row.dtype)
+        if need:
+            new = pages[off:off + need]
+            off += need
+            row[split:want] = new if ps == 1 else (new[:, None] * ps + np.arange(ps)).reshape(-1)[:want - split]
+
+
+def write_positions_batched(table: np.ndarray, todo: list, pages: np.ndarray, ps: int) -> None:
+    """`write_positions_each` for every request at once (a fixed number of numpy calls, for many requests)."""
+    n_req = len(todo)
+    have = np.fromiter((t[1] for t in todo), np.int64, n_req)
+    want = np.fromiter((t[2] for t in todo), np.int64, n_req)
+    need = np.fromiter((t[3] for t in todo), np.int64, n_req)
+    rows = np.fromiter((t[0].req_pool_idx for t in todo), np.int64, n_req)
+    have_pages = -(-have // ps)
+    n = want - have
+    which = np.repeat(np.arange(n_req), n)  # the request of each new position
+    pos = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + have[which]
+    page_idx = pos // ps
+    last = table[rows, np.maximum(have_pages - 1, 0) * ps] // ps  # each request's last page (if any)
+    first_new = np.cumsum(need) - need  # its first page in `pages`
+    in_last = page_idx < have_pages[which]  # (a position in the request's last, partly filled page)
+    page = last[which]
+    if len(pages):  # (none when every position fits in the pages the requests have)
+        page = np.where(in_last, page, pages[np.where(in_last, 0, first_new[which] + page_idx - have_pages[which])])
+    table[rows[which], pos] = (page * ps + pos % ps).astype(table.dtype)
