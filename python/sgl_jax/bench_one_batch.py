@@ -12,8 +12,10 @@ ModelRunner.launch_decode / launch_ranks: bench_decode_loops.DecodeLoop)::
 Every ServerArgs flag works (``--model-path``, ``--dtype``, ``--page-size``, ``--max-total-tokens``,
 ``--num-continuous-decode-steps`` ...); ``--temperature``, ``--top-p`` and ``--top-k`` set every request's sampling
 (default: temperature 1, no filter). Compilation is excluded: ModelRunner.warmup() compiles every bucket first,
-and ``--warmup-steps`` untimed decode steps run before the ``--output-len`` timed ones. A step's time includes its
-host work as the scheduler pays it; ``host ms`` is that part (build, h2d, dispatch and apply of
+and ``--warmup-steps`` untimed decode steps run before the ``--output-len`` timed ones; each row's timed loops run
+``--decode-repeats`` passes (default 5; the prompts prefilled again, the same seeds) and their medians are over the
+iterations of all passes (with K = 8, 64 output tokens are 8 launches: one pass alone is a few ms). A step's time
+includes its host work as the scheduler pays it; ``host ms`` is that part (build, h2d, dispatch and apply of
 bench_decode_loops.py). ``device ms`` is the device's own time per step: the last launch re-run back to back with
 nothing read in between (`device_timing.device_seconds_per_decode` / `device_seconds_per_step`; the median of
 DEVICE_BLOCKS such blocks); ``busy %`` =
@@ -200,6 +202,7 @@ def plan_prefill(prompt_lens: List[int], budget: int, max_seqs: int, page: int) 
 
 
 DEVICE_BLOCKS = 5  # blocks of back-to-back launches the device time is the median of (`device_seconds`)
+DECODE_REPEATS = 5  # default passes of each row's timed decode loops (--decode-repeats)
 
 
 class OneBatchRunner:
@@ -249,6 +252,7 @@ class OneBatchRunner:
         self.loop = DecodeLoop(runner, self.memory, buckets, sa.num_continuous_decode_steps)
         self.warmup_iters = -(-args.warmup_steps // sa.num_continuous_decode_steps)  # launches of K steps
         self.profile_dir, self.profile_steps = args.profile, args.profile_steps
+        self.repeats = args.decode_repeats
         self.sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
 
     def _step(self, batch: ScheduleBatch) -> Tuple[list, float]:
@@ -314,8 +318,9 @@ class OneBatchRunner:
 
     def run_row(self, bs: int, input_len: int, output_len: int, seed: int) -> dict:
         """Prefill B x L random prompts, run the warm-up decode steps, time `output_len` decode steps (output_len / K
-        launches of K steps), free all; then the same with the overlap loop (unless --disable-overlap-schedule),
-        whose output tokens must be the same."""
+        launches of K steps), free all, --decode-repeats times; then as many passes of the overlap loop (unless
+        --disable-overlap-schedule), whose output tokens must be the same. The loops' medians are over the
+        iterations of all their passes (a batch of 1 with K = 8 launches 8 times a pass)."""
         K = self.loop.num_steps
         iterations = max(1, output_len // K)
         compiles = self.runner.num_compiles_after_warmup  # None: not counted (--disable-precompile)
@@ -329,15 +334,25 @@ class OneBatchRunner:
         # the device's own time per launch: the last one re-run back to back (same KV slots)
         device_s = self.device_seconds(iterations)
         self.release(reqs)
+        tokens = [r.output_ids for r in reqs]
+        same = True  # every pass's tokens equal the first's
+        for _ in range(self.repeats - 1):
+            again = self.new_reqs(bs, input_len, output_len, seed)
+            sync += self.decode_pass(again, iterations, False)
+            same &= [r.output_ids for r in again] == tokens
+            self.release(again)
         overlap = {}
         if not self.server_args.disable_overlap_schedule and iterations >= 2:
-            again = self.new_reqs(bs, input_len, output_len, seed)
             trace = None if self.profile_dir is None else os.path.join(self.profile_dir, f"bs{bs}-in{input_len}")
-            times = self.decode_pass(again, iterations, True, trace)
-            overlap = {"times": times, "tokens_identical": [r.output_ids for r in again] == [r.output_ids for r in reqs]}
+            times = []
+            for i in range(self.repeats):
+                again = self.new_reqs(bs, input_len, output_len, seed)
+                times += self.decode_pass(again, iterations, True, trace if i == 0 else None)
+                same &= [r.output_ids for r in again] == tokens
+                self.release(again)
+            overlap = {"times": times, "tokens_identical": same}
             if trace is not None:  # the device's own busy share, from its stream events (None on CPU)
                 overlap["trace"] = bench_trace.summarize(bench_trace.load_events(bench_trace.find_trace(trace)))
-            self.release(again)
         if compiles is not None:
             compiles = self.runner.num_compiles_after_warmup - compiles
         p_floor = sum(f[0] for f in prefill_floors)
@@ -362,7 +377,8 @@ class OneBatchRunner:
                 **overlap_columns(overlap, med, per_step, K),
                 "decode_floor_ms": 1e3 * d_floor[0], "decode_bound": d_floor[1],
                 "decode_x_floor": med / d_floor[0], "decode_step_flops": d_floor[2], "decode_step_bytes": d_floor[3],
-                "compiles_after_warmup": compiles, "trace": overlap.get("trace")}
+                "compiles_after_warmup": compiles, "trace": overlap.get("trace"), "decode_repeats": self.repeats,
+                "decode_iterations_timed": len(sync), "overlap_iterations_timed": len(overlap.get("times", []))}
 
     def device_seconds(self, repeats: int, blocks: int = DEVICE_BLOCKS) -> float:
         """The device's time per launch of the loop's last inputs (`device_timing.device_seconds_per_decode`, or
@@ -439,6 +455,9 @@ def parse_args(argv: List[str]) -> Tuple[ServerArgs, argparse.Namespace]:
     parser.add_argument("--input-len", type=int, nargs="+", default=[1500], help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=16, help="decode steps timed")
     parser.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before the timed ones")
+    parser.add_argument("--decode-repeats", type=int, default=DECODE_REPEATS,
+                        help="passes of each row's timed decode loops (prompts prefilled again, the same seeds); "
+                             "the loops' medians are over all their iterations")
     parser.add_argument("--temperature", type=float, default=1.0, help="every request's temperature (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (1: off)")
     parser.add_argument("--top-k", type=int, default=-1, help="every request's top_k (-1: off)")
@@ -454,8 +473,8 @@ def parse_args(argv: List[str]) -> Tuple[ServerArgs, argparse.Namespace]:
     for name in ("batch_size", "input_len"):
         if min(getattr(args, name)) < 1:
             parser.error(f"--{name.replace('_', '-')} values must be >= 1")
-    if args.output_len < 1 or args.warmup_steps < 0:
-        parser.error("--output-len must be >= 1, --warmup-steps >= 0")
+    if args.output_len < 1 or args.warmup_steps < 0 or args.decode_repeats < 1:
+        parser.error("--output-len and --decode-repeats must be >= 1, --warmup-steps >= 0")
     if not (0.0 <= args.temperature < float("inf")) or not (0.0 < args.top_p <= 1.0) or not -1 <= args.top_k < 2**31:
         parser.error("--temperature must be a finite value >= 0, --top-p in (0, 1], --top-k -1 (off) or >= 0")
     if args.random_seed is None:
@@ -508,7 +527,8 @@ def main(argv: Optional[List[str]] = None) -> None:
               f"per step: {cost.weight_bytes / 1e6:.1f} MB of weights read, {2 * cost.token_params / 1e6:.1f} "
               f"MFLOP per token + {2 * cost.head_params / 1e6:.1f} MFLOP lm-head per sequence (per device)",
               f"floors at the machine rates measured in this run; F: compute-bound, B: bandwidth-bound; x floor = "
-              f"measured / floor; decode: median of {args.output_len} steps after {args.warmup_steps} warm-up",
+              f"measured / floor; decode: median of {args.decode_repeats} x {args.output_len} steps, each pass after "
+              f"{args.warmup_steps} warm-up",
               f"sampling: temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}, a seed per request"]
     print("\n".join(header + [f"machine rates {bench.rates.describe()}", "", "| " + " | ".join(COLUMNS) + " |",
                               "|" + "---|" * len(COLUMNS)]), flush=True)

@@ -42,7 +42,7 @@ def run_bench(tiny, tmp_path, *args: str) -> list:
 def test_bench_one_batch_tiny(tiny, tmp_path):
     report = tmp_path / "report.md"
     rows = run_bench(tiny, tmp_path, "--precompile-token-paddings", "64", "128", "--batch-size", "1", "3",
-                     "--input-len", "40", "--output-len", "3", "--warmup-steps", "1",
+                     "--input-len", "40", "--output-len", "3", "--warmup-steps", "1", "--decode-repeats", "2",
                      "--compilation-cache-dir", str(tmp_path / "cache"))
     assert [(r["batch_size"], r["input_len"]) for r in rows] == [(1, 40), (3, 40)]
     one, three = rows
@@ -58,6 +58,8 @@ def test_bench_one_batch_tiny(tiny, tmp_path):
         assert r["decode_bound"] == "B" and r["kv_dtype"] == "float32"
         # the overlap scheduler's loop over the same row: the same tokens, its own step time and busy share
         assert r["tokens_identical"] is True and r["decode_overlap_median_ms"] > 0
+        # two passes of each loop: 3 timed launches without overlap, 2 with (its first launch applies nothing)
+        assert (r["decode_repeats"], r["decode_iterations_timed"], r["overlap_iterations_timed"]) == (2, 6, 4)
         assert r["overlap_speedup"] == pytest.approx(r["decode_median_ms"] / r["decode_overlap_median_ms"], rel=1e-9)
         assert r["decode_busy_share_overlap"] == pytest.approx(r["decode_device_ms"] / r["decode_overlap_median_ms"],
                                                                rel=1e-9)
