@@ -326,3 +326,32 @@ def test_xla_compiler_options_reach_the_step_programs(tiny):
         ModelRunner(sa, mc, buckets=buckets, max_context_len=mc.context_len, num_request_slots=slots,
                     kv_spec_fn=refuse)
     assert not program_cache.prefetching()
+
+
+def test_multi_step_program_gets_the_cpu_xla_options(tiny, monkeypatch):
+    """The K-step decode program (--num-continuous-decode-steps K > 1) is compiled with CPU_MULTI_STEP_XLA_OPTIONS
+    on a CPU device (under --xla-compiler-options, which win), the one-step programs without them: with a value XLA
+    refuses planted in those options, the warm-up of a runner with K = 4 fails with XLA's error naming the option,
+    and one with K = 1 compiles."""
+    from sgl_jax.srt.model_executor import step_programs
+
+    assert step_programs.multi_step_xla_options({}, "cpu") == step_programs.CPU_MULTI_STEP_XLA_OPTIONS
+    assert step_programs.multi_step_xla_options({"xla_cpu_enable_concurrency_optimized_scheduler": True}, "cpu") == {
+        "xla_cpu_enable_concurrency_optimized_scheduler": True}
+    assert step_programs.multi_step_xla_options({"a": 1}, "gpu") == {"a": 1}
+    monkeypatch.setattr(step_programs, "CPU_MULTI_STEP_XLA_OPTIONS",
+                        {"xla_cpu_enable_concurrency_optimized_scheduler": "not-a-bool"})
+    model, tok = tiny
+    for k in (1, 4):
+        sa = ServerArgs(model_path=model, tokenizer_path=tok, context_length=256, max_total_tokens=KV_TOKENS,
+                        precompile_bs_paddings=[4], precompile_token_paddings=[64], chunked_prefill_size=64,
+                        disable_radix_cache=True, random_seed=0, num_continuous_decode_steps=k)
+        mc = ModelConfig.from_server_args(sa, "cpu")
+        slots, buckets, _, _ = derive_limits(sa, mc, "cpu")
+        runner = ModelRunner(sa, mc, buckets=buckets, max_context_len=mc.context_len, num_request_slots=slots,
+                             kv_spec_fn=lambda _: kv_spec_for(sa, mc, KV_TOKENS))
+        if k == 1:
+            runner.warmup()
+        else:
+            with pytest.raises(Exception, match="xla_cpu_enable_concurrency_optimized_scheduler"):
+                runner.warmup()

@@ -233,8 +233,10 @@ class ModelRunner:
         decode = functools.partial(step_programs.decode, self.step_spec)
         self._decode_one = jit(decode, donate_argnums=(1, 2),
                                out_shardings=(self._kv_sharding, r, (r, r, r, None, moe, None)))
-        self._decode_multi = jit(decode, donate_argnums=(1, 2),  # (K > 1: no logits, expert counts only)
-                                 out_shardings=(self._kv_sharding, r, (r, None, None, None, moe and (r, None), None)))
+        multi = step_programs.multi_step_xla_options(xla or {}, self.mesh.devices.flat[0].platform) or None
+        self._decode_multi = jax.jit(decode, static_argnums=(5,), compiler_options=multi, donate_argnums=(1, 2),
+                                     out_shardings=(self._kv_sharding, r, (r, None, None, None, moe and (r, None),
+                                                                          None)))  # (K > 1: no logits, counts only)
         self._forward = jit(functools.partial(step_programs.forward_only, self.step_spec), donate_argnums=(1, 2),
                             out_shardings=(self._kv_sharding, r, r, hidden, moe, aux, r))
         self._sample = jit(functools.partial(step_programs.sample_only, self.step_spec), donate_argnums=(1, 2),

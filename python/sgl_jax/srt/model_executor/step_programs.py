@@ -34,6 +34,22 @@ from sgl_jax.srt.model_executor.step_output import pack_tokens
 from sgl_jax.srt.models.llama import sown_aux_hidden_states
 
 
+# XLA options of the K-step decode program (--num-continuous-decode-steps K > 1) on a CPU device. XLA:CPU's default
+# concurrency-optimized schedule hands the loop body's independent ops to its worker threads (~4.5 thread wake-ups
+# per launch against ~1.3 without it, counted from /proc per thread at batch 1); on a machine with 2 cores those
+# threads take the core the host needs to build the next launch, and the overlapped loop ran 0.57-0.68 ms a launch
+# in 2 of 4 runs against 0.40 ms device time (4 of 4 at 0.33-0.46 ms without it). The one-step program keeps it: its
+# device time was 15-20% longer at batch 16 and 64 without it. (reports/hot-loop-cpu-2026-12-07d.notes.md)
+CPU_MULTI_STEP_XLA_OPTIONS = {"xla_cpu_enable_concurrency_optimized_scheduler": False}
+
+
+def multi_step_xla_options(xla: dict, platform: str) -> dict:
+    """The compiler options (XLA DebugOptions fields, jax.jit's ``compiler_options``) of the K-step decode program:
+    --xla-compiler-options (`xla`) over CPU_MULTI_STEP_XLA_OPTIONS on a CPU device (`platform`, JAX's name), `xla`
+    alone elsewhere."""
+    return {**CPU_MULTI_STEP_XLA_OPTIONS, **xla} if platform == "cpu" else dict(xla)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepSpec:
     """What the step programs close over. graphdef / param_treedef: the model's (params come in as flat leaves);
