@@ -80,16 +80,16 @@ def test_a_streaming_session_keeps_its_state_between_turns(monkeypatch):
 
 
 def test_request_slots_and_state_slots_run_out_together():
-    pools = [ReqStatePool(STATES[0], 2), ReqStatePool(STATES[1], 3)]
+    pools = [ReqStatePool(STATES[0], 3), ReqStatePool(STATES[1], 2)]
     pool = ReqToTokenPool(3, 16, pools)
     assert pool.alloc() is not None and pool.alloc() is not None
-    assert pool.alloc() is None  # the recurrent pool has no slot left: nothing is taken
-    assert pool.available_size() == 1 and pools[1].available_size() == 1
+    assert pool.alloc() is None  # the conv pool has no slot left: the recurrent slot taken first is given back
+    assert pool.available_size() == 1 and [p.available_size() for p in pools] == [1, 0]
     pool.free(2)
-    assert pool.state_slots[:, 2].tolist() == [-1, -1] and [p.available_size() for p in pools] == [1, 2]
+    assert pool.state_slots[:, 2].tolist() == [-1, -1] and [p.available_size() for p in pools] == [2, 1]
     with pytest.raises(ValueError, match="slot 2 freed twice"):
         pool.free(2)
-    assert [p.available_size() for p in pools] == [1, 2]
+    assert [p.available_size() for p in pools] == [2, 1]
 
 
 def test_random_allocs_and_frees_keep_every_slot_owned_once():

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -52,18 +53,12 @@ class ReqToTokenPool:
         then)."""
         if not self._free:
             return None
-        idx = self._free[-1]
-        taken = []
-        for k, pool in enumerate(self.state_pools):
-            slot = pool.alloc()
-            if slot is None:
-                for j, s in taken:
-                    self.state_pools[j].free(s)
-                return None
-            taken.append((k, slot))
-        for k, slot in taken:
-            self.state_slots[k, idx] = slot
-        return self._free.pop()
+        slots = _take_all([(pool.alloc, pool.free) for pool in self.state_pools])
+        if slots is None:
+            return None
+        idx = self._free.pop()
+        self.state_slots[:, idx] = slots
+        return idx
 
     def free(self, idx: int) -> None:
         """Return slot `idx` and its state slots. Raises ValueError on a double free."""
@@ -88,20 +83,13 @@ class ReqToTokenPool:
             raise ValueError(f"no per-request row pool named {sorted(unknown)}")
         if self.row_counts[:, idx].any():
             raise ValueError(f"request slot {idx} holds rows already")
-        taken = []
-        for k, pool in enumerate(self.row_pools):
-            rows = int(rows_needed.get(pool.name, 0))
-            if rows <= 0:
-                continue
-            pages = pool.alloc(rows)
-            if pages is None:
-                for j, p in taken:
-                    self.row_pools[j].free(p)
-                return False
-            taken.append((k, pages))
-        for k, pages in taken:
-            self.row_pages[k][idx] = pages
-            self.row_counts[k, idx] = int(rows_needed[self.row_pools[k].name])
+        wanted = [(k, pool, int(rows_needed.get(pool.name, 0))) for k, pool in enumerate(self.row_pools)]
+        wanted = [(k, pool, rows) for k, pool, rows in wanted if rows > 0]
+        pages = _take_all([(functools.partial(pool.alloc, rows), pool.free) for _, pool, rows in wanted])
+        if pages is None:
+            return False
+        for (k, _, rows), taken in zip(wanted, pages):
+            self.row_pages[k][idx], self.row_counts[k, idx] = taken, rows
         return True
 
     def free_rows(self, idx: int) -> None:
@@ -118,3 +106,17 @@ class ReqToTokenPool:
         n = int(self.row_counts[k, idx])
         j = np.arange(n, dtype=np.int32)
         return self.row_pages[k][idx][j // pr] * pr + j % pr
+
+
+def _take_all(takes: Sequence[Tuple[Callable[[], Any], Callable[[Any], None]]]) -> Optional[list]:
+    """Take from several pools, all or nothing: call each ``take`` in turn and return their results; when one
+    returns None, give back what the ones before it took (each result to its ``give``) and return None."""
+    got = []
+    for take, give in takes:
+        x = take()
+        if x is None:
+            for (_, give_back), y in zip(takes, got):
+                give_back(y)
+            return None
+        got.append(x)
+    return got
