@@ -130,7 +130,7 @@ def test_admission_waits_for_rows_and_a_later_chunk_takes_none(monkeypatch):
     for r in (c, d):
         finish(memory, r)
     assert memory.idle_problems([]) == []
-    with pytest.raises(ValueError, match=r"no per-request row pool named \['audio'\]"):
+    with pytest.raises(ValueError, match=r"no per-request rows named 'audio' \(it has \['vision'\]\)"):
         bad = new_req(list(range(40, 60)), "bad", rows=0)
         bad.rows_needed = {"audio": 4}
         try_admit(memory, bad)

@@ -240,13 +240,14 @@ class KVMemory:
     def rows_problem(self, rows_needed: Dict[str, int]) -> Optional[str]:
         """Why a request needing `rows_needed` ({row pool name: rows}) could never be admitted on this rank (a name
         no row pool has, or more pages than the pool holds), for a 400 at intake; None when it can."""
-        pools = {p.name: p for p in self.req_to_token_pool.row_pools}
-        for name, rows in rows_needed.items():
-            if name not in pools:
-                return f"this model has no per-request rows named {name!r} (it has {sorted(pools)})"
-            if pools[name].spec.pages(int(rows)) > pools[name].size:
-                return (f"{rows} {name} rows need {pools[name].spec.pages(int(rows))} pages; the pool holds "
-                        f"{pools[name].size}")
+        try:
+            pages = self.req_to_token_pool.row_pages_needed(rows_needed)
+        except ValueError as e:
+            return str(e)
+        sizes = {p.name: p.size for p in self.req_to_token_pool.row_pools}
+        for name, n in pages.items():
+            if n > sizes[name]:
+                return f"{rows_needed[name]} {name} rows need {n} pages; the pool holds {sizes[name]}"
         return None
 
     def allocate_extend(self, req) -> None:
@@ -610,11 +611,7 @@ class KVBudget:
 
         Raises:
             ValueError: `req` names a row pool this rank does not have."""
-        pools = {p.name: p.spec for p in self.memory.req_to_token_pool.row_pools}
-        unknown = set(req.rows_needed) - set(pools)
-        if unknown:
-            raise ValueError(f"no per-request row pool named {sorted(unknown)}")
-        return {name: pools[name].pages(int(rows)) for name, rows in req.rows_needed.items()}
+        return self.memory.req_to_token_pool.row_pages_needed(req.rows_needed)
 
     def reserve_chunk(self, req, n: int, future: int) -> bool:
         """Take the pages of the next `n`-token chunk of a request being prefilled in chunks (its whole remaining

@@ -78,9 +78,7 @@ class ReqToTokenPool:
         """Give taken request slot `idx` the pages of ``rows_needed[name]`` rows of each row pool named there (pools
         it does not name: none). False, with nothing taken, when a pool has too few free pages. Raises ValueError
         when `idx` holds rows already or a name is no row pool's."""
-        unknown = set(rows_needed) - {p.name for p in self.row_pools}
-        if unknown:
-            raise ValueError(f"no per-request row pool named {sorted(unknown)}")
+        self.row_pages_needed(rows_needed)  # (the names checked)
         if self.row_counts[:, idx].any():
             raise ValueError(f"request slot {idx} holds rows already")
         wanted = [(k, pool, int(rows_needed.get(pool.name, 0))) for k, pool in enumerate(self.row_pools)]
@@ -91,6 +89,18 @@ class ReqToTokenPool:
         for (k, _, rows), taken in zip(wanted, pages):
             self.row_pages[k][idx], self.row_counts[k, idx] = taken, rows
         return True
+
+    def row_pages_needed(self, rows_needed: Dict[str, int]) -> Dict[str, int]:
+        """The pages ``rows_needed`` ({row pool name: rows}) takes in each row pool it names.
+
+        Raises:
+            ValueError: a name is no row pool's (the message names it and the pools there are)."""
+        pools = {p.name: p.spec for p in self.row_pools}
+        unknown = set(rows_needed) - set(pools)
+        if unknown:
+            raise ValueError(f"this model has no per-request rows named {', '.join(map(repr, sorted(unknown)))} "
+                             f"(it has {sorted(pools)})")
+        return {name: pools[name].pages(int(rows)) for name, rows in rows_needed.items()}
 
     def free_rows(self, idx: int) -> None:
         """Give back the row pages request slot `idx` holds (none: nothing to do)."""
