@@ -84,6 +84,7 @@ from sgl_jax.bench_utils import MachineRates, git_commit, measure_machine_rates,
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.scheduler.schedule_batch import Req, ScheduleBatch
 from sgl_jax.srt.model_executor.buckets import derive_limits
+from sgl_jax.srt.model_executor.cpu_threads import yield_to_launcher
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
 from sgl_jax.srt.forward_batch import DecodeRows, ForwardMode
 from sgl_jax.srt.kernels.ragged_paged_attention.backend import describe as describe_attention
@@ -249,6 +250,7 @@ class OneBatchRunner:
         self.cost = model_cost(runner)
         if not sa.disable_precompile:
             runner.warmup()
+        yield_to_launcher(platform, sa.num_continuous_decode_steps)  # (as the scheduler does after its warm-up)
         self.loop = DecodeLoop(runner, self.memory, buckets, sa.num_continuous_decode_steps)
         self.warmup_iters = -(-args.warmup_steps // sa.num_continuous_decode_steps)  # launches of K steps
         self.profile_dir, self.profile_steps = args.profile, args.profile_steps

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 
 import httpx
 import numpy as np
@@ -355,3 +356,60 @@ def test_multi_step_program_gets_the_cpu_xla_options(tiny, monkeypatch):
         else:
             with pytest.raises(Exception, match="xla_cpu_enable_concurrency_optimized_scheduler"):
                 runner.warmup()
+
+
+def thread_policies(pid: int) -> dict:
+    """{thread name: set of scheduling policies (sched(7) numbers, /proc stat field 41)} of process `pid`."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                policy = int(f.read().rsplit(")", 1)[1].split()[38])
+        except FileNotFoundError:
+            continue
+        out.setdefault(name, set()).add(policy)
+    return out
+
+
+def test_other_threads_yield_to_the_launcher_on_cpu_with_one_step_decode():
+    """`cpu_threads.yield_to_launcher` gives every other thread of the process SCHED_BATCH on a CPU device with
+    --num-continuous-decode-steps 1 (the calling thread keeps SCHED_OTHER), and nothing on another platform or with
+    K > 1. Real threads, real policies (os.sched_getscheduler)."""
+    import threading
+
+    from sgl_jax.srt.model_executor.cpu_threads import other_thread_ids, yield_to_launcher
+
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, daemon=True)
+    worker.start()
+    tid = worker.native_id
+    others = [t for t in other_thread_ids() if os.sched_getscheduler(t) == os.SCHED_OTHER]  # (put back after)
+    try:
+        assert tid in others
+        assert yield_to_launcher("gpu", 1) == 0 and yield_to_launcher("cpu", 4) == 0
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        assert yield_to_launcher("cpu", 1) >= 1
+        assert os.sched_getscheduler(tid) == os.SCHED_BATCH and os.sched_getscheduler(0) == os.SCHED_OTHER
+    finally:
+        for t in others:
+            try:
+                os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
+            except OSError:
+                pass
+        stop.set()
+        worker.join()
+
+
+def test_the_servers_xla_threads_yield_with_one_step_decode(default_tiny_server, multi_step_server):
+    """The scheduler process calls it after its warm-up: XLA's Eigen threads are SCHED_BATCH in the default server
+    (K = 1) and keep SCHED_OTHER in the K = 4 server; the log says so in one line."""
+    def eigen_policies(server) -> set:
+        found = [thread_policies(pid) for pid in server.children]
+        return set().union(*(p.get("tf_XLAEigen", set()) for p in found))
+
+    assert eigen_policies(default_tiny_server) == {os.SCHED_BATCH}
+    assert eigen_policies(multi_step_server) == {os.SCHED_OTHER}
+    assert "set to SCHED_BATCH" in default_tiny_server.log_text()
+    assert "set to SCHED_BATCH" not in multi_step_server.log_text()

@@ -69,6 +69,7 @@ from sgl_jax.srt.io_struct import (
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
 from sgl_jax.srt.mem_cache.req_state import reserve_bytes
 from sgl_jax.srt.model_executor.buckets import derive_limits
+from sgl_jax.srt.model_executor.cpu_threads import yield_to_launcher
 from sgl_jax.srt.model_executor.memory_budget import compute_max_total_tokens
 from sgl_jax.srt.model_executor.host_copy import transfer_guard
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, setup_jax
@@ -256,6 +257,8 @@ class Scheduler:
                 rank.speculator.costs = costs
         if self.draft_model is not None:
             self.draft_model.runner.restart_compile_count()
+        platform = self.model_runner.mesh.devices.flat[0].platform
+        yield_to_launcher(platform, self.server_args.num_continuous_decode_steps)
 
     def _open_sockets(self, port_args) -> None:
         """The ZMQ sockets: requests in from the TokenizerManager, tokens out to the DetokenizerManager, control
