@@ -54,33 +54,32 @@ def library_path() -> Optional[Path]:
     return found[0] if found else None
 
 
-_FRESH_REGISTERED: list = []  # [True] once `_registered` registered FRESH_TARGET
-
-
 @functools.lru_cache(maxsize=None)
-def _registered() -> bool:
+def _registered() -> frozenset:
+    """The FFI targets this process registered from the kernel library, once (empty when it is not built or does
+    not load: the callers then run pure JAX)."""
     path = library_path()
     if path is None:
         logger.info("CPU decode kernel not built (no _paged_decode_cpu.ffi.*); decode attention runs in pure JAX")
-        return False
+        return frozenset()
     try:
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SglJaxPagedDecode), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.SglJaxPagedKVWrite), platform="cpu")
         jax.ffi.register_ffi_target(EXTEND_TARGET, jax.ffi.pycapsule(lib.SglJaxPagedExtend), platform="cpu")
+        targets = {TARGET, WRITE_TARGET, EXTEND_TARGET}
         if hasattr(lib, "SglJaxFreshBuffer"):  # (a library built before it had one: the pool is zero-filled)
             jax.ffi.register_ffi_target(FRESH_TARGET, jax.ffi.pycapsule(lib.SglJaxFreshBuffer), platform="cpu")
-            _FRESH_REGISTERED.append(True)
+            targets.add(FRESH_TARGET)
     except (OSError, AttributeError) as e:  # a library built for another platform or jaxlib
         logger.warning("CPU decode kernel %s did not load (%s); decode attention runs in pure JAX", path, e)
-        return False
-    return True
+        return frozenset()
+    return frozenset(targets)
 
 
-@functools.lru_cache(maxsize=None)
 def fresh_buffer_available() -> bool:
     """True when `fresh_buffer` can run: the kernel library is built with ``csrc/fresh_buffer_cpu.cc`` and loads."""
-    return _registered() and bool(_FRESH_REGISTERED)
+    return FRESH_TARGET in _registered()
 
 
 def fresh_buffer(shape, dtype, zero: bool = True) -> jax.Array:
@@ -94,7 +93,7 @@ def fresh_buffer(shape, dtype, zero: bool = True) -> jax.Array:
 def enabled() -> bool:
     """True when decode attention on CPU runs the C++ kernel: it is built and loads, and
     ``SGL_JAX_CPU_DECODE_KERNEL`` is not "0"."""
-    return os.environ.get(ENV_SWITCH, "1") != "0" and _registered()
+    return os.environ.get(ENV_SWITCH, "1") != "0" and bool(_registered())
 
 
 def extend_enabled() -> bool:
