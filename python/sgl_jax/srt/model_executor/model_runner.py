@@ -117,8 +117,9 @@ class ModelRunner:
         self.num_request_slots = num_request_slots
         self._replicated = NamedSharding(self.mesh, REPLICATED)
         self._kv_sharding = NamedSharding(self.mesh, KV_CACHE)
+        self.platform = self.mesh.devices.flat[0].platform  # JAX's name of the runner's devices ("cpu", "gpu", "tpu")
         # tokens start their host copy at launch, except on CPU (host memory already; the start cost ~15 us a step)
-        self._copy_ahead = self.mesh.devices.flat[0].platform != "cpu"
+        self._copy_ahead = self.platform != "cpu"
         self._rank_rows = NamedSharding(self.mesh, RANK_ROWS)
         if self.tp_size > 1 or self.dp_size > 1:
             logger.info("Mesh: %d data-parallel ranks x %d tensor-parallel devices %s", self.dp_size, self.tp_size,
@@ -201,8 +202,7 @@ class ModelRunner:
         # (`launch_decode_split`)
         self.grammar_split = (self.slot_decode and server_args.grammar_backend != "none"
                               and not server_args.disable_overlap_schedule
-                              and grammar_overlap_on(server_args.grammar_overlap,
-                                                 self.mesh.devices.flat[0].platform))
+                              and grammar_overlap_on(server_args.grammar_overlap, self.platform))
         self._all_allowed = {}  # S_pad -> device int32[S_pad, vocab_mask_width] of -1 (no grammar in the batch)
         self._row_layouts = {}  # (rows, K, ranks) -> the packed layout of DecodeRows (`_pack_rows`)
         # outputs fed back into the next call keep exactly the shardings they were created with, so a
@@ -233,10 +233,11 @@ class ModelRunner:
         decode = functools.partial(step_programs.decode, self.step_spec)
         self._decode_one = jit(decode, donate_argnums=(1, 2),
                                out_shardings=(self._kv_sharding, r, (r, r, r, None, moe, None)))
-        multi = step_programs.multi_step_xla_options(xla or {}, self.mesh.devices.flat[0].platform) or None
-        self._decode_multi = jax.jit(decode, static_argnums=(5,), compiler_options=multi, donate_argnums=(1, 2),
-                                     out_shardings=(self._kv_sharding, r, (r, None, None, None, moe and (r, None),
-                                                                          None)))  # (K > 1: no logits, counts only)
+        jit_multi = functools.partial(  # (the K-step program's own XLA options on CPU)
+            jit, compiler_options=step_programs.multi_step_xla_options(xla or {}, self.platform) or None)
+        self._decode_multi = jit_multi(decode, donate_argnums=(1, 2),  # (K > 1: no logits, expert counts only)
+                                       out_shardings=(self._kv_sharding, r, (r, None, None, None, moe and (r, None),
+                                                                            None)))
         self._forward = jit(functools.partial(step_programs.forward_only, self.step_spec), donate_argnums=(1, 2),
                             out_shardings=(self._kv_sharding, r, r, hidden, moe, aux, r))
         self._sample = jit(functools.partial(step_programs.sample_only, self.step_spec), donate_argnums=(1, 2),

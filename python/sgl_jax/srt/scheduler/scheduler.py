@@ -245,7 +245,8 @@ class Scheduler:
 
     def _warmup(self) -> None:
         """Compile every program serving runs (the draft model's first), then measure speculation's step costs
-        when the batch rule is on; each in its start-up phases (tracing, compiling)."""
+        when the batch rule is on; each in its start-up phases (tracing, compiling). Then, XLA's threads existing,
+        the other threads of the process yield to this one on a CPU device (`cpu_threads.yield_to_launcher`)."""
         if self.draft_model is not None:
             self.draft_model.runner.warmup(self.startup, "draft ")
         self.model_runner.warmup(self.startup)
@@ -257,8 +258,7 @@ class Scheduler:
                 rank.speculator.costs = costs
         if self.draft_model is not None:
             self.draft_model.runner.restart_compile_count()
-        platform = self.model_runner.mesh.devices.flat[0].platform
-        yield_to_launcher(platform, self.server_args.num_continuous_decode_steps)
+        yield_to_launcher(self.model_runner.platform, self.server_args.num_continuous_decode_steps)
 
     def _open_sockets(self, port_args) -> None:
         """The ZMQ sockets: requests in from the TokenizerManager, tokens out to the DetokenizerManager, control
