@@ -19,7 +19,7 @@ from sgl_jax.srt.entrypoints.openai.utils import (
     session_params_of,
     usage,
 )
-from sgl_jax.srt.entrypoints.routes.common import SSE_DONE, gather_or_cancel, json_response, merge_streams, sse
+from sgl_jax.srt.entrypoints.routes.common import SSE_DONE, gather_or_cancel, json_response, merge_stream_batches, sse
 from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 
 Wait = Callable[[Awaitable], Awaitable[Optional[object]]]  # awaits work, None when the client went away
@@ -156,25 +156,28 @@ async def create_completion(tm: TokenizerManager, req: CompletionRequest, wait: 
         completion_tokens = [0] * len(prepared)
         cached: dict = {}
         try:
-            async for i, r in merge_streams([tm.generate_request(p, admitted=True) for p in prepared]):
-                meta = r["meta_info"]
-                delta = r["text"][sent_text[i]:]
-                if req.echo and not started[i]:
-                    delta = prompt_of(i) + delta
-                started[i] = True
-                sent_text[i] = len(r["text"])
-                logprobs = None
-                if req.logprobs is not None:
-                    full = _legacy_logprobs(meta, req.echo, top_n, 0)
-                    logprobs = {k: (v[sent_lp[i]:] if v is not None else None) for k, v in full.items()}
-                    sent_lp[i] = len(full["tokens"])
-                prompt_tokens[i // req.n] = meta["prompt_tokens"]
-                cached[i // req.n] = meta["cached_tokens"]
-                completion_tokens[i] = meta["completion_tokens"]
-                choice = {"index": i, "text": delta, "logprobs": logprobs,
-                          "finish_reason": finish_reason_str(meta["finish_reason"])}
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [choice]})
+            async for pairs in merge_stream_batches([tm.generate_request(p, admitted=True) for p in prepared]):
+                chunks = []  # (the events that arrived together go out as one write)
+                for i, r in pairs:
+                    meta = r["meta_info"]
+                    delta = r["text"][sent_text[i]:]
+                    if req.echo and not started[i]:
+                        delta = prompt_of(i) + delta
+                    started[i] = True
+                    sent_text[i] = len(r["text"])
+                    logprobs = None
+                    if req.logprobs is not None:
+                        full = _legacy_logprobs(meta, req.echo, top_n, 0)
+                        logprobs = {k: (v[sent_lp[i]:] if v is not None else None) for k, v in full.items()}
+                        sent_lp[i] = len(full["tokens"])
+                    prompt_tokens[i // req.n] = meta["prompt_tokens"]
+                    cached[i // req.n] = meta["cached_tokens"]
+                    completion_tokens[i] = meta["completion_tokens"]
+                    choice = {"index": i, "text": delta, "logprobs": logprobs,
+                              "finish_reason": finish_reason_str(meta["finish_reason"])}
+                    chunks.append(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                       "choices": [choice]}))
+                yield b"".join(chunks)
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                            "choices": [], "usage": usage(sum(prompt_tokens.values()), sum(completion_tokens),

@@ -5,6 +5,7 @@ gathering the streams of a request's prompts)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import AsyncIterator, List, Optional, Tuple
 
 import orjson
@@ -84,14 +85,26 @@ def sse(obj) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
 
 
-async def merge_streams(gens: List[AsyncIterator[dict]]) -> AsyncIterator[Tuple[int, dict]]:
-    """Interleave several async generators, yielding (index, item) as items arrive.
+async def merge_stream_batches(gens: List[AsyncIterator[dict]]) -> AsyncIterator[List[Tuple[int, dict]]]:
+    """Interleave several async generators, yielding what has arrived since the last yield: a list of one or more
+    (index, item) pairs in arrival order. A consumer that falls behind (its client reads slowly, or the event loop
+    is busy) so gets one list for many events and can write them as one chunk, not one write per event (a batch
+    of 16 streams sends 16 events a decode step).
 
-    Closing the merged iterator (the client went away) cancels the tasks that drive the sources; each
-    source then ends inside its own task (so its cleanup -- aborting its request -- runs there). Nothing is
-    awaited during that cleanup: the response's cancel scope would cancel the wait, and `aclose` on a
-    generator another task is running raises, which is what logged a traceback per disconnect.
+    One generator is iterated in the caller's task (one list per item; closed with the iterator), which saves a
+    task switch and a queue round trip per event; its updates that arrive while the consumer is busy are merged
+    by the generator itself (TokenizerManager.generate_request: one response for every output pending). Several
+    run in tasks of their own. Closing the merged iterator (the client went away) then cancels those tasks; each
+    source ends inside its own task (so its cleanup -- aborting its request -- runs there). Nothing is awaited
+    during that cleanup: the response's cancel scope would cancel the wait, and `aclose` on a generator another
+    task is running raises, which is what logged a traceback per disconnect. An exception a source raises is
+    raised here once the pairs that arrived before it are yielded.
     """
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0]) as gen:
+            async for item in gen:
+                yield [(0, item)]
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -107,16 +120,32 @@ async def merge_streams(gens: List[AsyncIterator[dict]]) -> AsyncIterator[Tuple[
     remaining = len(gens)
     try:
         while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+            arrived = [await queue.get()]
+            while not queue.empty():
+                arrived.append(queue.get_nowait())
+            out = []
+            for i, item in arrived:
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    if out:
+                        yield out
+                    raise item
+                else:
+                    out.append((i, item))
+            if out:
+                yield out
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def merge_streams(gens: List[AsyncIterator[dict]]) -> AsyncIterator[Tuple[int, dict]]:
+    """`merge_stream_batches` one (index, item) pair at a time, as items arrive."""
+    async with contextlib.aclosing(merge_stream_batches(gens)) as batches:
+        async for batch in batches:
+            for pair in batch:
+                yield pair
 
 
 async def gather_or_cancel(coros) -> list:

@@ -13,7 +13,7 @@ from pydantic import Field
 from sgl_jax.srt.entrypoints.field_types import LenientModel, TokenId
 from sgl_jax.srt.entrypoints.native_protocol import GenerateRequest
 from sgl_jax.srt.entrypoints.openai.utils import check_n
-from sgl_jax.srt.entrypoints.routes.common import SSE_DONE, gather_or_cancel, json_response, merge_streams, sse
+from sgl_jax.srt.entrypoints.routes.common import SSE_DONE, gather_or_cancel, json_response, merge_stream_batches, sse
 from sgl_jax.srt.entrypoints.routes.common import new_router, tokenizer_manager, until_disconnect
 from sgl_jax.srt.tokenizer.tokenizer_manager import GenerateReqInput, RequestError, TokenizerManager
 from sgl_jax.version import __version__
@@ -166,10 +166,8 @@ async def generate(req: GenerateRequest, request: Request, tm: TokenizerManager 
 
     async def stream():
         try:
-            async for i, r in merge_streams([tm.generate_request(p, admitted=True) for p in prepared]):
-                if batch:
-                    r = {**r, "index": i}
-                yield sse(r)
+            async for pairs in merge_stream_batches([tm.generate_request(p, admitted=True) for p in prepared]):
+                yield b"".join(sse({**r, "index": i} if batch else r) for i, r in pairs)  # (one write for them all)
         except RequestError as e:
             yield sse({"error": {"message": e.message, "code": e.status_code}})
         yield SSE_DONE
