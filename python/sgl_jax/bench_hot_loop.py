@@ -14,7 +14,8 @@ measured in one run (issue #69).
    and request set-up cancel out. Median over --repeats, each repeat with fresh prompts (no prefix cache hit); each
    batch starts on an idle server whose idle-time KV check is done (`settle`).
    Measured twice: non-streaming requests (the scheduler sends nothing until a request finishes) and streaming ones
-   (every token goes through the detokenizer and the HTTP process as an SSE event).
+   (every token goes through the detokenizer and the HTTP process as an SSE event; this client splits the
+   stream's bytes and parses each event with orjson, since it shares the machine's cores with the server).
 3. ``x bench`` = the server's step / bench_one_batch's overlapped step; the server's own step histograms
    (scheduler/step_stats.py) are summarised beside it.
 
@@ -36,6 +37,7 @@ from typing import List, Optional
 
 import httpx
 import numpy as np
+import orjson
 
 from sgl_jax.bench_utils import LaunchedServer, cpu_name, fetch_server_info, publish_result, wait_idle_info
 
@@ -56,7 +58,7 @@ def bench_rows(args, server_flags: List[str]) -> List[dict]:
             return [json.loads(line) for line in f]
 
 
-def _generate(url: str, prompts: List[List[int]], n: int, stream: bool) -> None:
+def generate_batch(url: str, prompts: List[List[int]], n: int, stream: bool) -> None:
     """One /generate of every prompt (a batch: SGLang's list of ``input_ids``), `n` tokens each."""
     body = {"input_ids": prompts, "stream": stream,
             "sampling_params": {"max_new_tokens": n, "ignore_eos": True, "temperature": 0}}
@@ -65,20 +67,23 @@ def _generate(url: str, prompts: List[List[int]], n: int, stream: bool) -> None:
         r.raise_for_status()
         assert [x["meta_info"]["completion_tokens"] for x in r.json()] == [n] * len(prompts)
         return
-    done = {}
+    done, buf = {}, b""
     with httpx.stream("POST", url + "/generate", json=body, timeout=600) as resp:
         resp.raise_for_status()
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                done[event.get("index", 0)] = event["meta_info"]["completion_tokens"]
+        for chunk in resp.iter_bytes():  # (split and parsed here with orjson: this client shares the machine)
+            buf += chunk
+            *events, buf = buf.split(b"\n\n")
+            for e in events:
+                if e.startswith(b"data: {"):
+                    event = orjson.loads(e[6:])
+                    done[event.get("index", 0)] = event["meta_info"]["completion_tokens"]
     assert done == {i: n for i in range(len(prompts))}
 
 
 def timed_batch(url: str, prompts: List[List[int]], n: int, stream: bool) -> float:
     """Seconds for len(prompts) concurrent requests of `n` tokens each (one batch /generate) to all finish."""
     t0 = time.perf_counter()
-    _generate(url, prompts, n, stream)
+    generate_batch(url, prompts, n, stream)
     return time.perf_counter() - t0
 
 

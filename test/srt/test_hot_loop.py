@@ -413,3 +413,14 @@ def test_the_servers_xla_threads_yield_with_one_step_decode(default_tiny_server,
     assert eigen_policies(multi_step_server) == {os.SCHED_OTHER}
     assert "set to SCHED_BATCH" in default_tiny_server.log_text()
     assert "set to SCHED_BATCH" not in multi_step_server.log_text()
+
+
+def test_the_benchmarks_stream_client_reads_batched_events(default_tiny_server):
+    """bench_hot_loop's streaming client (the response's bytes split into events, each parsed by orjson) on a real
+    batch stream, whose events the server writes several to a chunk: it counts every prompt's tokens (its check
+    fails when an event of a chunk is lost)."""
+    from sgl_jax.bench_hot_loop import generate_batch
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+    generate_batch(default_tiny_server.url, prompts, 6, stream=True)
+    generate_batch(default_tiny_server.url, prompts, 6, stream=False)
