@@ -5,8 +5,11 @@ measured in one run (issue #69).
 [--tokenizer-path DIR] [--input-len 192] [--batch-size 1 16] [--server-tokens 32 160] [--repeats 3]
 [--report NAME.md] [-- SERVER_FLAGS...]``
 
-1. ``python -m sgl_jax.bench_one_batch`` (a subprocess) with the server flags, --batch-size and --input-len: each
-   row's step with the overlap loop (``decode_overlap_median_ms``) and without, and the device's own time.
+1. ``python -m sgl_jax.bench_one_batch`` (a subprocess) with the server flags and --batch-size, decoding what the
+   server's step below decodes: greedy (--temperature 0), at the same contexts: prompts of --input-len + N1 tokens,
+   N2 - N1 decode steps (a step's device time grows with its context: at batch 1 on a 2-core CPU, 0.16 ms over
+   contexts 192-256 against 0.24-0.25 ms over 288-352 in two runs); each row's step with the overlap loop
+   (``decode_overlap_median_ms``) and without, and the device's own time.
 2. A server of the same model and flags (``python -m sgl_jax.launch_server``). For each batch size B: B concurrent
    requests of --input-len random ``input_ids`` (seeded; ``ignore_eos``) sent as one batch ``/generate`` (so that
    both runs admit them in the same steps), first with max_new_tokens N1,
@@ -44,13 +47,22 @@ from sgl_jax.bench_utils import LaunchedServer, cpu_name, fetch_server_info, pub
 DEFAULT_MODEL = "benchmark/configs/tiny-llama-vocab512"
 
 
+def bench_contexts(input_len: int, server_tokens) -> tuple:
+    """(input_len, output_len) of the bench_one_batch run whose decode steps see the contexts of the server's
+    differential step: prompts of `input_len` + N1 tokens, N2 - N1 steps (`server_tokens` = (N1, N2))."""
+    n1, n2 = server_tokens
+    return input_len + n1, n2 - n1
+
+
 def bench_rows(args, server_flags: List[str]) -> List[dict]:
-    """bench_one_batch's rows (a subprocess, its JSONL)."""
+    """bench_one_batch's rows (a subprocess, its JSONL), at the server's contexts (`bench_contexts`)."""
+    input_len, output_len = bench_contexts(args.input_len, args.server_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = os.path.join(tmp, "rows.jsonl")
         cmd = [sys.executable, "-m", "sgl_jax.bench_one_batch", "--model-path", args.model_path, "--load-format",
-               args.load_format, "--batch-size", *map(str, args.batch_size), "--input-len", str(args.input_len),
-               "--output-len", str(args.output_len), "--warmup-steps", "4", "--result-filename", jsonl, *server_flags]
+               args.load_format, "--batch-size", *map(str, args.batch_size), "--input-len", str(input_len),
+               "--output-len", str(output_len), "--temperature", "0", "--warmup-steps", "4", "--result-filename", jsonl,
+               *server_flags]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"bench_one_batch failed:\n{proc.stderr[-3000:]}")
@@ -130,9 +142,10 @@ def run_benchmark(args, server_flags: List[str]) -> dict:
     tokenizer = args.tokenizer_path or resolve_model_path(None).hf_dir
     serve = ["--model-path", args.model_path, "--load-format", args.load_format, "--tokenizer-path", tokenizer,
              "--random-seed", "0", "--log-level", "warning", *server_flags]
+    bench_in, bench_out = bench_contexts(args.input_len, args.server_tokens)
     result = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "model": args.model_path,
               "input_len": args.input_len, "server_tokens": list(args.server_tokens), "server_flags": server_flags,
-              "bench_rows": rows, "server": []}
+              "bench_input_len": bench_in, "bench_output_len": bench_out, "bench_rows": rows, "server": []}
     rng = np.random.default_rng(0)
     with LaunchedServer(serve, 1800) as server:
         info = fetch_server_info(server.url)
@@ -154,9 +167,13 @@ def run_benchmark(args, server_flags: List[str]) -> dict:
 def format_table(result: dict) -> str:
     """The report's table, computed from the result alone."""
     by_bs = {r["batch_size"]: r for r in result["bench_rows"]}
+    _, n2 = result["server_tokens"]
+    bench_in, bench_out = bench_contexts(result["input_len"], result["server_tokens"])
     lines = [f"Model `{result['model']}`, {result['input_len']}-token prompts (random ids), greedy, ignore_eos; "
              f"server flags `{' '.join(result['server_flags']) or '(defaults)'}`; {result['cpu']}. Server step = "
-             f"(wall(N2) - wall(N1)) / (N2 - N1) of B concurrent requests, N = {result['server_tokens']}.", "",
+             f"(wall(N2) - wall(N1)) / (N2 - N1) of B concurrent requests, N = {result['server_tokens']}: its "
+             f"contexts are {bench_in}-{result['input_len'] + n2} tokens, and bench_one_batch's rows decode there "
+             f"too, greedy (--input-len {bench_in} --output-len {bench_out} --temperature 0).", "",
              "| B | bench step ms (overlap) | bench step ms (no overlap) | device ms | server step ms | x bench | "
              "server step ms (streaming) | x bench |", "|---|---|---|---|---|---|---|---|"]
     for s in result["server"]:
@@ -181,7 +198,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--tokenizer-path", default=None)
     p.add_argument("--input-len", type=int, default=192)
-    p.add_argument("--output-len", type=int, default=64, help="bench_one_batch's timed decode steps")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 16])
     p.add_argument("--server-tokens", type=int, nargs=2, default=[32, 160], metavar=("N1", "N2"))
     p.add_argument("--repeats", type=int, default=3)
