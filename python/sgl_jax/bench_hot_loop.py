@@ -54,9 +54,9 @@ def bench_contexts(input_len: int, server_tokens) -> tuple:
     return input_len + n1, n2 - n1
 
 
-def bench_rows(args, server_flags: List[str]) -> List[dict]:
-    """bench_one_batch's rows (a subprocess, its JSONL), at the server's contexts (`bench_contexts`)."""
-    input_len, output_len = bench_contexts(args.input_len, args.server_tokens)
+def bench_rows(args, server_flags: List[str], input_len: int, output_len: int) -> List[dict]:
+    """bench_one_batch's rows (a subprocess, its JSONL) of `input_len`-token prompts decoded `output_len` steps,
+    greedy (`bench_contexts` gives the server's)."""
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = os.path.join(tmp, "rows.jsonl")
         cmd = [sys.executable, "-m", "sgl_jax.bench_one_batch", "--model-path", args.model_path, "--load-format",
@@ -138,11 +138,11 @@ def histogram_median(h: dict) -> Optional[float]:
 def run_benchmark(args, server_flags: List[str]) -> dict:
     from sgl_jax.srt.configs.model_config import resolve_model_path
 
-    rows = bench_rows(args, server_flags)
+    bench_in, bench_out = bench_contexts(args.input_len, args.server_tokens)
+    rows = bench_rows(args, server_flags, bench_in, bench_out)
     tokenizer = args.tokenizer_path or resolve_model_path(None).hf_dir
     serve = ["--model-path", args.model_path, "--load-format", args.load_format, "--tokenizer-path", tokenizer,
              "--random-seed", "0", "--log-level", "warning", *server_flags]
-    bench_in, bench_out = bench_contexts(args.input_len, args.server_tokens)
     result = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "model": args.model_path,
               "input_len": args.input_len, "server_tokens": list(args.server_tokens), "server_flags": server_flags,
               "bench_input_len": bench_in, "bench_output_len": bench_out, "bench_rows": rows, "server": []}
@@ -167,12 +167,11 @@ def run_benchmark(args, server_flags: List[str]) -> dict:
 def format_table(result: dict) -> str:
     """The report's table, computed from the result alone."""
     by_bs = {r["batch_size"]: r for r in result["bench_rows"]}
-    _, n2 = result["server_tokens"]
-    bench_in, bench_out = bench_contexts(result["input_len"], result["server_tokens"])
+    bench_in, bench_out = result["bench_input_len"], result["bench_output_len"]
     lines = [f"Model `{result['model']}`, {result['input_len']}-token prompts (random ids), greedy, ignore_eos; "
              f"server flags `{' '.join(result['server_flags']) or '(defaults)'}`; {result['cpu']}. Server step = "
              f"(wall(N2) - wall(N1)) / (N2 - N1) of B concurrent requests, N = {result['server_tokens']}: its "
-             f"contexts are {bench_in}-{result['input_len'] + n2} tokens, and bench_one_batch's rows decode there "
+             f"contexts are {bench_in}-{bench_in + bench_out} tokens, and bench_one_batch's rows decode there "
              f"too, greedy (--input-len {bench_in} --output-len {bench_out} --temperature 0).", "",
              "| B | bench step ms (overlap) | bench step ms (no overlap) | device ms | server step ms | x bench | "
              "server step ms (streaming) | x bench |", "|---|---|---|---|---|---|---|---|"]
