@@ -3,7 +3,7 @@ measured in one run (issue #69).
 
 ``python -m sgl_jax.bench_hot_loop [--model-path benchmark/configs/tiny-llama-vocab512] [--load-format dummy]
 [--tokenizer-path DIR] [--input-len 192] [--batch-size 1 16] [--server-tokens 32 160] [--repeats 3]
-[--report NAME.md] [-- SERVER_FLAGS...]``
+[--instances 1] [--report NAME.md] [-- SERVER_FLAGS...]``
 
 1. ``python -m sgl_jax.bench_one_batch`` (a subprocess) with the server flags and --batch-size, decoding what the
    server's step below decodes: greedy (--temperature 0), at the same contexts: prompts of --input-len + N1 tokens,
@@ -21,6 +21,11 @@ measured in one run (issue #69).
    stream's bytes and parses each event with orjson, since it shares the machine's cores with the server).
 3. ``x bench`` = the server's step / bench_one_batch's overlapped step; the server's own step histograms
    (scheduler/step_stats.py) are summarised beside it.
+4. With ``--instances N``, steps 1 and 2 run N times, one after the other (bench, server, bench, server...), each
+   time a new process: on a 2-core CPU the same code's batch-1 step differs by 10-25% from one process to the next
+   while the repeats inside one agree within a few percent (reports/hot-loop-cpu-2026-12-07l.notes.md), so one
+   process per side measures that process more than the code. Each time is then the median over the instances'
+   medians, and the table lists every instance's ``x bench``.
 
 Without --tokenizer-path the server uses SmolLM2's tokenizer (the default model's), whose ids below a small vocabulary
 are valid for any model.
@@ -135,18 +140,16 @@ def histogram_median(h: dict) -> Optional[float]:
     return None
 
 
-def run_benchmark(args, server_flags: List[str]) -> dict:
+def server_entries(args, server_flags: List[str], rng: np.random.Generator) -> dict:
+    """One server instance (step 2 of the module docstring): {"server": per batch size its plain and streaming
+    step times, "step_stats": the server's step histograms, "compiles_after_warmup": programs compiled after its
+    warm-up}."""
     from sgl_jax.srt.configs.model_config import resolve_model_path
 
-    bench_in, bench_out = bench_contexts(args.input_len, args.server_tokens)
-    rows = bench_rows(args, server_flags, bench_in, bench_out)
     tokenizer = args.tokenizer_path or resolve_model_path(None).hf_dir
     serve = ["--model-path", args.model_path, "--load-format", args.load_format, "--tokenizer-path", tokenizer,
              "--random-seed", "0", "--log-level", "warning", *server_flags]
-    result = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "model": args.model_path,
-              "input_len": args.input_len, "server_tokens": list(args.server_tokens), "server_flags": server_flags,
-              "bench_input_len": bench_in, "bench_output_len": bench_out, "bench_rows": rows, "server": []}
-    rng = np.random.default_rng(0)
+    out = {"server": []}
     with LaunchedServer(serve, 1800) as server:
         info = fetch_server_info(server.url)
         vocab = min(info["scheduler_info"]["vocab_size"], 512)
@@ -157,11 +160,80 @@ def run_benchmark(args, server_flags: List[str]) -> dict:
             for stream in (False, True):
                 entry["stream" if stream else "plain"] = server_step_ms(
                     server.url, bs, args.input_len, vocab, args.server_tokens, args.repeats, stream, rng)
-            result["server"].append(entry)
+            out["server"].append(entry)
         final = wait_idle_info(lambda: fetch_server_info(server.url))
-        result["step_stats"] = final["internal_states"][0]["step_stats"]
-        result["compiles_after_warmup"] = final["internal_states"][0]["num_compiles_after_warmup"]
+        out["step_stats"] = final["internal_states"][0]["step_stats"]
+        out["compiles_after_warmup"] = final["internal_states"][0]["num_compiles_after_warmup"]
+    return out
+
+
+ROW_TIMES = ("decode_overlap_median_ms", "decode_median_ms", "decode_device_ms")
+
+
+def combine_instances(instances: List[dict]) -> dict:
+    """The result's rows over `instances` (each {"bench_rows", "server"} of one bench_one_batch process and one
+    server): each bench row's times (`ROW_TIMES`) and each server step's ``median_ms`` the median over the
+    instances' values (a row's other fields are the first instance's; an overlap time that is None anywhere stays
+    None). Raises ValueError when the instances' batch sizes differ."""
+    if len({tuple(r["batch_size"] for r in i["bench_rows"]) for i in instances}) != 1 or len(
+            {tuple(e["batch_size"] for e in i["server"]) for i in instances}) != 1:
+        raise ValueError("the instances measured different batch sizes")
+    rows = []
+    for k, row in enumerate(instances[0]["bench_rows"]):
+        row = dict(row)
+        for key in ROW_TIMES:
+            vals = [i["bench_rows"][k].get(key) for i in instances]
+            row[key] = None if any(v is None for v in vals) else float(np.median(vals))
+        rows.append(row)
+    server = []
+    for k, entry in enumerate(instances[0]["server"]):
+        entry = {"batch_size": entry["batch_size"]}
+        for mode in ("plain", "stream"):
+            meds = [i["server"][k][mode]["median_ms"] for i in instances]
+            entry[mode] = {"median_ms": float(np.median(meds)), "instance_medians_ms": meds}
+        server.append(entry)
+    return {"bench_rows": rows, "server": server}
+
+
+def run_benchmark(args, server_flags: List[str]) -> dict:
+    bench_in, bench_out = bench_contexts(args.input_len, args.server_tokens)
+    result = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "model": args.model_path,
+              "input_len": args.input_len, "server_tokens": list(args.server_tokens), "server_flags": server_flags,
+              "bench_input_len": bench_in, "bench_output_len": bench_out}
+    rng = np.random.default_rng(0)
+    instances = []
+    for n in range(args.instances):
+        if args.instances > 1:
+            print(f"instance {n + 1} of {args.instances}: bench_one_batch, then a server", flush=True)
+        inst = {"bench_rows": bench_rows(args, server_flags, bench_in, bench_out)}
+        inst.update(server_entries(args, server_flags, rng))
+        instances.append(inst)
+    if args.instances == 1:
+        result.update(instances[0])
+        return result
+    result.update(combine_instances(instances))
+    result["step_stats"] = instances[-1]["step_stats"]  # (the last server's: one server's histograms)
+    result["compiles_after_warmup"] = max(i["compiles_after_warmup"] for i in instances)
+    result["instances"] = instances
     return result
+
+
+def instance_ratios(result: dict) -> List[str]:
+    """Lines giving every instance's ``x bench`` per batch size (plain / streaming), for a result with
+    ``instances``; [] for one instance."""
+    if "instances" not in result:
+        return []
+    lines = [f"Each time above is the median over {len(result['instances'])} instances (a bench_one_batch process "
+             "and a server each, one after the other); each instance's x bench (plain / streaming):", ""]
+    for k, entry in enumerate(result["server"]):
+        cells = []
+        for inst in result["instances"]:
+            b = inst["bench_rows"][k]
+            ref = b["decode_overlap_median_ms"] or b["decode_median_ms"]
+            s = inst["server"][k]
+            cells.append(f"{s['plain']['median_ms'] / ref:.2f} / {s['stream']['median_ms'] / ref:.2f}")
+        lines.append(f"- B = {entry['batch_size']}: " + ", ".join(cells))
+    return lines + [""]
 
 
 def format_table(result: dict) -> str:
@@ -183,8 +255,9 @@ def format_table(result: dict) -> str:
                      f"{plain:.3f} | {plain / ref:.2f} | {stream:.3f} | {stream / ref:.2f} |")
     st = result["step_stats"]
     med = {k: histogram_median(st[k]) for k in ("host_seconds", "device_wait_seconds", "steps_per_second")}
-    lines += ["", f"Server loop over the whole run (scheduler/step_stats.py, the bucket holding the median): host "
-              f"<= {med['host_seconds']} s, device wait <= {med['device_wait_seconds']} s a step, <= "
+    run = "the last instance's run" if "instances" in result else "the whole run"
+    lines += ["", *instance_ratios(result), f"Server loop over {run} (scheduler/step_stats.py, the bucket holding the "
+              f"median): host <= {med['host_seconds']} s, device wait <= {med['device_wait_seconds']} s a step, <= "
               f"{med['steps_per_second']} steps/s; programs compiled after warm-up: {result['compiles_after_warmup']}."]
     return "\n".join(lines)
 
@@ -200,9 +273,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 16])
     p.add_argument("--server-tokens", type=int, nargs=2, default=[32, 160], metavar=("N1", "N2"))
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--instances", type=int, default=1,
+                   help="bench_one_batch processes and servers, one after the other; times are medians over them")
     p.add_argument("--output-file", default=None)
     p.add_argument("--report", default=None)
     a = p.parse_args(ours)
+    if a.instances < 1:
+        p.error("--instances: at least 1")
     result = run_benchmark(a, server_flags)
     publish_result("sgl_jax.bench_hot_loop", argv, result, "The hot loop: bench_one_batch beside the server",
                    format_table, a.output_file, a.report)

@@ -424,3 +424,40 @@ def test_the_benchmarks_stream_client_reads_batched_events(default_tiny_server):
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
     generate_batch(default_tiny_server.url, prompts, 6, stream=True)
     generate_batch(default_tiny_server.url, prompts, 6, stream=False)
+
+
+def test_the_benchmarks_instances_combine_by_median():
+    """bench_hot_loop --instances: each bench time and each server step is the median over the instances (a None
+    overlap time anywhere stays None), every instance's x bench is listed, and instances of different batch sizes
+    are refused; a one-instance result renders as before (no instance lines)."""
+    from sgl_jax.bench_hot_loop import combine_instances, format_table
+
+    def inst(overlap, plain, stream, device=0.1):
+        row = {"batch_size": 1, "decode_overlap_median_ms": overlap, "decode_median_ms": 0.3,
+               "decode_device_ms": device}
+        return {"bench_rows": [row], "server": [{"batch_size": 1, "plain": {"median_ms": plain},
+                                                 "stream": {"median_ms": stream}}],
+                "step_stats": {}, "compiles_after_warmup": 0}
+
+    instances = [inst(0.2, 0.4, 0.8), inst(0.1, 0.2, 0.3), inst(0.16, 0.9, 0.5, device=0.5)]
+    got = combine_instances(instances)
+    row, srv = got["bench_rows"][0], got["server"][0]
+    assert (row["decode_overlap_median_ms"], row["decode_device_ms"]) == (0.16, 0.1)
+    assert (srv["plain"]["median_ms"], srv["stream"]["median_ms"]) == (0.4, 0.5)
+    assert srv["plain"]["instance_medians_ms"] == [0.4, 0.2, 0.9]
+    assert combine_instances([inst(None, 0.4, 0.8), inst(0.1, 0.2, 0.3)])["bench_rows"][0][
+        "decode_overlap_median_ms"] is None
+    other = inst(0.1, 0.2, 0.3)
+    other["server"][0]["batch_size"] = 16
+    with pytest.raises(ValueError, match="different batch sizes"):
+        combine_instances([inst(0.1, 0.2, 0.3), other])
+
+    hist = {"buckets": [0.001], "counts": [1]}
+    base = {"model": "m", "input_len": 192, "server_flags": [], "cpu": "c", "server_tokens": [32, 160],
+            "bench_input_len": 224, "bench_output_len": 128, "compiles_after_warmup": 0,
+            "step_stats": {k: hist for k in ("host_seconds", "device_wait_seconds", "steps_per_second")}}
+    table = format_table({**base, **got, "instances": instances})
+    assert "| 1 | 0.160 | 0.300 | 0.100 | 0.400 | 2.50 | 0.500 | 3.12 |" in table
+    assert "- B = 1: 2.00 / 4.00, 2.00 / 3.00, 5.62 / 3.12" in table and "median over 3 instances" in table
+    single = format_table({**base, **{k: instances[0][k] for k in ("bench_rows", "server")}})
+    assert "instances" not in single and "| 1 | 0.200 | 0.300 | 0.100 | 0.400 | 2.00 | 0.800 | 4.00 |" in single
