@@ -218,6 +218,12 @@ def run_benchmark(args, server_flags: List[str]) -> dict:
     return result
 
 
+def bench_ref_ms(row: dict) -> float:
+    """The bench step a server step is compared with (``x bench``): a bench row's overlapped step, or its step
+    without overlap when the row has none."""
+    return row["decode_overlap_median_ms"] or row["decode_median_ms"]
+
+
 def instance_ratios(result: dict) -> List[str]:
     """Lines giving every instance's ``x bench`` per batch size (plain / streaming), for a result with
     ``instances``; [] for one instance."""
@@ -228,8 +234,7 @@ def instance_ratios(result: dict) -> List[str]:
     for k, entry in enumerate(result["server"]):
         cells = []
         for inst in result["instances"]:
-            b = inst["bench_rows"][k]
-            ref = b["decode_overlap_median_ms"] or b["decode_median_ms"]
+            ref = bench_ref_ms(inst["bench_rows"][k])
             s = inst["server"][k]
             cells.append(f"{s['plain']['median_ms'] / ref:.2f} / {s['stream']['median_ms'] / ref:.2f}")
         lines.append(f"- B = {entry['batch_size']}: " + ", ".join(cells))
@@ -249,7 +254,7 @@ def format_table(result: dict) -> str:
              "server step ms (streaming) | x bench |", "|---|---|---|---|---|---|---|---|"]
     for s in result["server"]:
         b = by_bs[s["batch_size"]]
-        ref = b["decode_overlap_median_ms"] or b["decode_median_ms"]
+        ref = bench_ref_ms(b)
         plain, stream = s["plain"]["median_ms"], s["stream"]["median_ms"]
         lines.append(f"| {s['batch_size']} | {ref:.3f} | {b['decode_median_ms']:.3f} | {b['decode_device_ms']:.3f} | "
                      f"{plain:.3f} | {plain / ref:.2f} | {stream:.3f} | {stream / ref:.2f} |")
