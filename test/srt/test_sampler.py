@@ -160,3 +160,33 @@ def test_bitmask_layout_matches_llguidance():
     meta = dataclasses.replace(meta, vocab_mask=mask, constrained=np.ones(3, bool))
     got = np.asarray(adjust_logits(jnp.asarray(logits), new_penalty_state(1, V), meta))
     np.testing.assert_array_equal(got, ref)
+
+
+def unfused_constants(hlo_text: str) -> int:
+    """Constant instructions outside fused computations in an optimized HLO module's text: the constant buffers
+    XLA's CPU runtime allocates at every execution of the program (the count its buffer assignment gives)."""
+    import re
+
+    fused = set(re.findall(r"fusion\(.*?calls=%?([\w.\-]+)", hlo_text))
+    comp, n = None, 0
+    for line in hlo_text.split("\n"):
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if m and not line.startswith(" "):
+            comp = m.group(1)
+        elif comp not in fused and re.match(r"^\s*(?:ROOT )?%?[\w.\-]+ = \S+ constant\(", line):
+            n += 1
+    return n
+
+
+def test_the_sampling_program_keeps_its_constant_buffers_few():
+    """Each constant buffer of a program outside its fusions is allocated at every execution by XLA's CPU runtime
+    (~1 us apiece on the scheduler's thread next to XLA's own: a quarter of a batch-1 decode step's host time,
+    issue #69). The sampler draws its uniforms once, outside the branches: 60 such constants at S = 4, V = 512
+    (77 with a threefry draw inside each branch that draws). A later change that adds some raises the bound
+    here with a measurement in its note."""
+    S, V = 4, 512
+    meta = SamplingBatch.build([SamplingParams(temperature=0.0)], {"seeds": [1], "steps": [0], "slots": [0]}, S)
+    meta = jax.tree.map(jnp.asarray, dataclasses.replace(meta, vocab_mask=jnp.zeros((S, V // 32), jnp.int32)))
+    text = jax.jit(sample).lower(jnp.zeros((S, V)), meta, jnp.array([2], jnp.int32),
+                                 new_penalty_state(8, V)).compile().as_text()
+    assert 0 < unfused_constants(text) <= 60

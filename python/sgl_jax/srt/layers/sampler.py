@@ -208,7 +208,8 @@ def _kept_by_threshold(scaled: jax.Array, lse: jax.Array, meta: SamplingBatch, V
     return keep | (jnp.arange(V)[None, :] == first_argmax(scaled)[:, None])
 
 
-def _sample_filtered(logits: jax.Array, temperature: jax.Array, meta: SamplingBatch, filters: jax.Array) -> jax.Array:
+def _sample_filtered(logits: jax.Array, temperature: jax.Array, meta: SamplingBatch, filters: jax.Array,
+                     u: jax.Array) -> jax.Array:
     """Sample from softmax(logits / temperature) after top-k / top-p / min-p / typical-p filtering. The kept set
     goes back to vocabulary order and the draw is `draw`'s, as for unfiltered rows, so a row that filters nothing
     draws the same token in either branch (its token does not depend on the other rows of the batch).
@@ -218,7 +219,8 @@ def _sample_filtered(logits: jax.Array, temperature: jax.Array, meta: SamplingBa
     (`_kept_by_threshold`); a row that uses typical_p sorts whole rows (as SORT_FREE False does for every row). Each
     way keeps the same tokens, up to float rounding of the masses: the sort's order with its ties (the lower id
     first, as top_k's). `filters`: bool[S], the rows whose token is taken from here and whose kept set is cut
-    (`sample`'s: not greedy, and some filter on); the others keep every token."""
+    (`sample`'s: not greedy, and some filter on); the others keep every token. `u`: float32[S], each row's uniform
+    (`uniforms`), drawn once by `sample` for both branches that draw."""
     S, V = logits.shape
     scaled = logits / temperature[:, None]
     lse = jax.nn.logsumexp(scaled, axis=-1)
@@ -226,7 +228,7 @@ def _sample_filtered(logits: jax.Array, temperature: jax.Array, meta: SamplingBa
 
     def draw_kept(keep, ids=None):  # (ids None: `keep` is in vocabulary order already)
         keep_by_id = keep if ids is None else jnp.zeros((S, V), bool).at[rows, ids].set(keep)
-        return draw(jnp.where(keep_by_id | ~filters[:, None], logits, NEG_INF), uniforms(meta), temperature)
+        return draw(jnp.where(keep_by_id | ~filters[:, None], logits, NEG_INF), u, temperature)
 
     def whole_rows():
         order = jnp.argsort(-scaled, axis=-1)
@@ -377,12 +379,16 @@ def sample(logits: jax.Array, meta: SamplingBatch, eos_token_ids: jax.Array, sta
     branch = jnp.where(jnp.all(greedy_rows), 0, jnp.where(jnp.any(filters), 2, 1))
 
     temperature = jnp.where(greedy_rows, 1.0, meta.params["temperature"])
+    # one copy of the threefry draw outside the branches, not one in each draw site: XLA's CPU runtime allocates
+    # every constant buffer of a program (threefry's rolled loops hold several) at each execution, ~1 us apiece in
+    # the scheduler (issue #69); the numbers drawn are the same
+    u = uniforms(meta)
     sampled = jax.lax.switch(
         branch,
         [
             lambda: greedy,
-            lambda: draw(logits, uniforms(meta), temperature),
-            lambda: _sample_filtered(logits, temperature, meta, filters),
+            lambda: draw(logits, u, temperature),
+            lambda: _sample_filtered(logits, temperature, meta, filters, u),
         ],
     )
     next_ids = jnp.where(greedy_rows, greedy, sampled).astype(jnp.int32)
