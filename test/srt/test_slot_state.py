@@ -162,3 +162,59 @@ def test_multi_step_decode_slots_continue_each_page(page, n_reqs):
     for q in reqs:
         memory.release(q)
     assert memory.free_tokens() == memory.size
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_few_request_decode_steps_equal_the_batched_way(page, monkeypatch):
+    """A small batch's decode step (`KVMemory.allocate_decode`'s scalar way for up to FEW_REQUESTS requests, and
+    `build_decode_rows`' `DecodeRows.from_rows` for up to FEW_DECODE_ROWS rows) takes the same pages, writes the
+    same slots and packs the same rows as the numpy way the larger batches take: 3 requests, 9 one-step decodes
+    from prompts of 5, 7 and 9 tokens (page 4: each crosses a page boundary at least twice)."""
+    from sgl_jax.srt.mem_cache import kv_memory
+    from sgl_jax.srt.scheduler import schedule_batch
+
+    spec = plan_kv_cache(256, page, 2, [])
+    runs = {}
+    for way in ("few", "batched"):
+        if way == "batched":
+            monkeypatch.setattr(kv_memory, "FEW_REQUESTS", 0)
+            monkeypatch.setattr(schedule_batch, "FEW_DECODE_ROWS", 0)
+        memory = KVMemory.create(spec, num_request_slots=SLOTS, context_len=CONTEXT, disable_radix_cache=True)
+        reqs = rank_reqs(0)
+        for q in reqs:
+            q.extend_input_len = len(q.origin_input_ids)
+        ScheduleBatch(reqs, ForwardMode.EXTEND).prepare_for_extend(memory)
+        packed, free = [], []
+        for step in range(9):
+            for q in reqs:
+                q.kv_committed_len = q.kv_allocated_len
+                q.output_ids.append(7 + step)
+            batch = ScheduleBatch(reqs, ForwardMode.DECODE)
+            assert batch.prepare_for_decode(memory)
+            rows = batch.build_decode_rows(memory, 4)
+            packed.append(rows.packed.copy())
+            assert rows.constrained.dtype == np.bool_
+            free.append(memory.allocator.free_page_ids())
+        table = memory.req_to_token_pool.req_to_token
+        runs[way] = (packed, free, [table[q.req_pool_idx, :q.kv_allocated_len].copy() for q in reqs],
+                     [q.kv_allocated_len for q in reqs])
+        # every page the requests hold goes back at once: a page held twice, or one the free list still marks
+        # free (its double-free check), raises here
+        memory.allocator.free_pages(np.concatenate([np.unique(t // page) for t in runs[way][2]]))
+    (p1, f1, t1, n1), (p2, f2, t2, n2) = runs["few"], runs["batched"]
+    assert n1 == n2 == [q + 9 for q in (5, 7, 9)]
+    for a, b in zip(p1 + f1 + t1, p2 + f2 + t2):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_decode_rows_from_rows_equal_build():
+    """`DecodeRows.from_rows` (a one-step decode's rows as tuples) gives `DecodeRows.build`'s buffer and fields."""
+    rows = [(5, 11, 40, 90, 3, False), (1, -2, 41, 91, 4, True), (7, 13, 42, 92, 5, False)]
+    a = DecodeRows.from_rows(rows, 4)
+    cols = list(zip(*rows))
+    b = DecodeRows.build(cols[0], cols[1], cols[2], np.array([cols[3]]), cols[4], cols[5], 4)
+    np.testing.assert_array_equal(a.packed, b.packed)
+    for name in ("slots", "input_ids", "positions", "kv_slots", "steps", "constrained", "num_seqs"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    with pytest.raises(ValueError, match="do not fit"):
+        DecodeRows.from_rows(rows, 2)

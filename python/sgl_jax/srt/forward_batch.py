@@ -207,6 +207,27 @@ class DecodeRows:
         cols[3:3 + K, :n] = kv_slots
         cols[3 + K, :n], cols[4 + K, :n] = steps, constrained
         buf[-1] = n
+        return cls._over(buf, K, s_pad)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[tuple], s_pad: int) -> "DecodeRows":
+        """`build` of a one-step decode (K = 1) from each real row's (slot, input_id, position, kv_slot, steps,
+        constrained) tuple, written with scalar stores: for a few rows, cheaper than `build`'s column copies (a
+        batch-1 decode step's host work; issue #69). Raises ValueError when the rows do not fit `s_pad`."""
+        n = len(rows)
+        if n > s_pad:
+            raise ValueError(f"{n} decode rows do not fit a batch of {s_pad}")
+        buf = np.zeros(6 * s_pad + 1, np.int32)
+        for i, row in enumerate(rows):
+            for j, value in enumerate(row):
+                buf[j * s_pad + i] = value
+        buf[-1] = n
+        return cls._over(buf, 1, s_pad)
+
+    @classmethod
+    def _over(cls, buf: np.ndarray, K: int, s_pad: int) -> "DecodeRows":
+        """The rows whose int32 fields are views of `buf` (int32[(5 + K) * s_pad + 1], the packed layout)."""
+        cols = buf[:(5 + K) * s_pad].reshape(5 + K, s_pad)
         rows = cls(slots=cols[0], input_ids=cols[1], positions=cols[2], kv_slots=cols[3:3 + K], steps=cols[3 + K],
                    constrained=cols[4 + K] != 0, num_seqs=buf[-1:])
         rows.packed = buf

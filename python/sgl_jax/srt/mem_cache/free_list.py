@@ -55,7 +55,11 @@ class PageFreeList:
         else:
             pages = self._ring[self._span(self._head, n)]
         self._head, self._count = end % len(self._ring), self._count - n
-        self._is_free[pages] = False
+        if n <= 8:  # (a decode step's few pages: scalar stores, no numpy index iterator for an int32 index)
+            for page in pages.tolist():
+                self._is_free[page] = False
+        else:
+            self._is_free[pages] = False
         return pages
 
     def give(self, pages: np.ndarray) -> None:

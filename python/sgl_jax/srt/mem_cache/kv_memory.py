@@ -291,6 +291,8 @@ class KVMemory:
         todo = [(r, e) for r, e in ((r, r.seqlen_ahead) for r in reqs) if r.kv_allocated_len < e]
         if not todo:
             return True
+        if len(todo) <= FEW_REQUESTS:
+            return self._allocate_few(todo)
         n = len(todo)
         pos = np.fromiter((e for _, e in todo), np.int64, n) - 1
         rows = np.fromiter((r.req_pool_idx for r, _ in todo), np.int64, n)
@@ -307,6 +309,29 @@ class KVMemory:
             raise RuntimeError("KV pages vanished between eviction and allocation")
         table[rows, pos] = slots
         for req, end in todo:
+            req.kv_allocated_len = end
+        return True
+
+    def _allocate_few(self, todo: list) -> bool:
+        """`allocate_decode` of a few requests ([(req, seqlen_ahead)], each missing only its last position's slot)
+        with Python scalars: a decode step of a small batch then makes no numpy index iterator (each a multi-KB
+        allocation; in the scheduler next to XLA's threads such allocations cost several times their cost alone)."""
+        ps = self.allocator.page_size
+        starts = [(e - 1) % ps == 0 for _, e in todo]
+        need = sum(starts)
+        if not evict_for_pages(self.allocator, self.tree_cache, need):
+            return False
+        pages = self.allocator.alloc_pages(need) if need else np.zeros(0, np.int32)
+        if pages is None:  # (eviction freed the pages just above)
+            raise RuntimeError("KV pages vanished between eviction and allocation")
+        pages = pages.tolist()
+        table, k = self.req_to_token_pool.req_to_token, 0
+        for (req, end), start in zip(todo, starts):
+            row, pos = req.req_pool_idx, end - 1
+            if start:
+                table[row, pos], k = pages[k] * ps, k + 1
+            else:  # (the next slot of the page holding the position before)
+                table[row, pos] = table[row, pos - 1] + 1
             req.kv_allocated_len = end
         return True
 

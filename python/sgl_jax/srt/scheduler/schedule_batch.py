@@ -19,6 +19,7 @@ from sgl_jax.srt.forward_batch import DecodeRows, ForwardBatch, ForwardMode, Mod
 from sgl_jax.srt.sampling.sampling_batch import STOP_IDS_WIDTH, SamplingBatch, all_allowed_mask
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
+FEW_DECODE_ROWS = 8  # up to this many rows, a one-step decode's rows are written as scalars (`DecodeRows.from_rows`)
 
 # ---------------------------------------------------------------- finish reasons (SGLang's JSON shapes)
 @dataclasses.dataclass
@@ -587,11 +588,15 @@ class ScheduleBatch:
         `memory`: the rank's `KVMemory` (request rows)."""
         reqs = self.reqs
         n = len(reqs)
+        table = memory.req_to_token_pool.req_to_token
+        if num_steps == 1 and n <= FEW_DECODE_ROWS:  # (scalars: no numpy index iterator; issue #69)
+            return DecodeRows.from_rows([(r.req_pool_idx, last_input_token(r), r.seqlen_ahead - 1,
+                                          table[r.req_pool_idx, r.seqlen_ahead - 1], r.num_output_total,
+                                          r.grammar is not None) for r in reqs], s_pad)
         # one pass over the requests (the step's hot path): slot, position, input token, outputs so far, grammar
         cols = np.array([(r.req_pool_idx, r.seqlen_ahead - 1, last_input_token(r), r.num_output_total,
                           r.grammar is not None) for r in reqs], np.int64).reshape(n, 5).T
         rows, pos = cols[0], cols[1]
-        table = memory.req_to_token_pool.req_to_token
         if num_steps == 1:
             kv = table[rows, pos][None]
         else:
