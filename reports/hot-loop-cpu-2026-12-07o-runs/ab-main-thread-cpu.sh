@@ -1,0 +1,20 @@
+#!/bin/bash
+# usage: TOKENIZER=<SmolLM2 tokenizer dir> PYTHON=<venv python> ab-main-thread-cpu.sh ROUNDS; base = a worktree of the
+# commit before the change at /tmp/wt_base (with the built kernel .so copied in), new = /work/main
+# usage: ab.sh rounds ; alternates base (/tmp/wt_base) and new (/work/main)
+for r in $(seq $1); do
+for v in base new; do
+  root=/work/main; [ $v = base ] && root=/tmp/wt_base
+  pkill -f sgl_jax.launch_server; sleep 2
+  (ROOT=$root TOKENIZER=$TOKENIZER nohup $(dirname "$0")/ab-serve.sh > /tmp/ab-server.$v.log 2>&1 &)
+  for i in $(seq 90); do curl -s 127.0.0.1:31000/health >/dev/null && break; sleep 2; done
+  ${PYTHON:-python} $(dirname "$0")/ab-client-loop.py 5 > /dev/null
+  P=$(pgrep -f spawn_main | head -1)
+  for k in 1 2; do
+    a=$(awk '{print $1}' /proc/$P/task/$P/schedstat)
+    out=$(${PYTHON:-python} $(dirname "$0")/ab-client-loop.py 20)
+    b=$(awk '{print $1}' /proc/$P/task/$P/schedstat)
+    echo "$v round$r.$k main-cpu/token $(( (b - a) / 6000 / 1000 )) us :: $out"
+  done
+done; done
+pkill -f sgl_jax.launch_server
