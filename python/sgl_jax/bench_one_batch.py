@@ -306,7 +306,8 @@ class OneBatchRunner:
         t, s = self.buckets.decode_shape(bs)
         idle = [None] * (self.runner.dp_size - 1)
         if self.runner.slot_decode:
-            self.runner.launch_decode([DecodeRows.padding(s, self.loop.num_steps)] + idle).resolve()
+            filtering = bool(SamplingParams(**self.sampling).filters())  # (the program the rows will run)
+            self.runner.launch_decode([DecodeRows.padding(s, self.loop.num_steps, filtering)] + idle).resolve()
         else:
             self.runner.forward(self.runner.dummy_batch(ForwardMode.DECODE, t, s))
 

@@ -6,7 +6,8 @@ greedy, seeded and penalized sampling the way the scheduler runs them (the slot 
 loop, a decode step with a vocabulary mask, fused or split in forward and sampling as the overlap scheduler runs a
 grammar step) under ``jax.transfer_guard("disallow")``; the tokens of
 K = 1 and K = 4 equal the guard-free K = 1 loop without overlap; a planted implicit transfer (the packed inputs
-handed over as a host array) fails under the guard.
+handed over as a host array) fails under the guard. Steps whose rows filter nothing run the decode program without
+the sampler's filters and draw the filtering program's tokens; a min_p 0.99 row among them draws its greedy tokens.
 
 On real servers (tiny Llama, SmolLM2's tokenizer): one with ``--num-continuous-decode-steps 4`` whose every step
 runs under the transfer guard (SGL_JAX_TEST_TRANSFER_GUARD) answers a workload of greedy, seeded, penalized,
@@ -28,6 +29,7 @@ import numpy as np
 import pytest
 
 from sgl_jax.bench_decode_loops import DecodeLoop
+from sgl_jax.srt import forward_batch
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch import DecodeRows, ForwardMode
 from sgl_jax.srt.mem_cache.kv_memory import KVMemory, kv_spec_for
@@ -52,7 +54,14 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def harness(tiny):
-    """(runner, buckets, slots) of the tiny Llama: 4 request slots, K = 4 (its K = 1 programs too)."""
+    """(runner, buckets, slots) of the tiny Llama: 4 request slots, K = 4 (its K = 1 programs too); its one decode
+    bucket, S = 4, has the programs without the sampler's filters too (forward_batch.UNFILTERED_DECODE_ROWS)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(forward_batch, "UNFILTERED_DECODE_ROWS", 4)
+        yield from _harness(tiny)
+
+
+def _harness(tiny):
     model, tok = tiny
     sa = ServerArgs(model_path=model, tokenizer_path=tok, context_length=256, max_total_tokens=KV_TOKENS,
                     precompile_bs_paddings=[4], precompile_token_paddings=[64], chunked_prefill_size=64,
@@ -64,7 +73,7 @@ def harness(tiny):
                          kv_spec_fn=lambda _: kv_spec_for(sa, mc, KV_TOKENS))
     runner.warmup()
     assert runner.slot_decode and not program_cache.prefetching()
-    return runner, buckets, slots
+    yield runner, buckets, slots
 
 
 def new_reqs() -> list:
@@ -119,13 +128,13 @@ def masked_step(runner, buckets, memory, reqs, split: bool = False, allowed=None
 
 
 def run(harness, num_steps: int, overlap: bool, guarded: bool, masked_first: bool = False,
-        split_first: bool = False, allowed=None) -> list:
+        split_first: bool = False, allowed=None, reqs=None) -> list:
     """Every request's output tokens after prefill and STEPS decode tokens (num_steps per launch); the first decode
     step with a vocabulary mask (`masked_first`; `split_first`: as the overlap scheduler splits it) allowing every
-    token or only `allowed`."""
+    token or only `allowed`. `reqs`: `new_reqs()` unless given."""
     runner, buckets, slots = harness
     memory = KVMemory.create(runner.kv_spec, num_request_slots=slots, context_len=256, disable_radix_cache=True)
-    reqs = new_reqs()
+    reqs = new_reqs() if reqs is None else reqs
     with host_copy.transfer_guard(guarded):
         prefill(runner, buckets, memory, reqs)
         left = STEPS
@@ -156,6 +165,38 @@ def test_decode_steps_make_no_implicit_transfer(harness):
     assert all(t[1] in allowed for t in fused) and fused != reference
     assert run(harness, 1, True, guarded=True, split_first=True, allowed=allowed) == fused
     assert runner.num_compiles_after_warmup == 0
+
+
+def unfiltered_reqs(top_row: dict) -> list:
+    """Greedy, seeded temperature and penalized requests (none filters) and a fourth with `top_row`'s parameters,
+    on the second's prompt."""
+    params = [SamplingParams(max_new_tokens=STEPS + 1, temperature=0.0),
+              SamplingParams(max_new_tokens=STEPS + 1, temperature=0.9),
+              SamplingParams(max_new_tokens=STEPS + 1, temperature=0.7, repetition_penalty=1.2),
+              SamplingParams(max_new_tokens=STEPS + 1, **top_row)]
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5], [100, 200, 300, 400], [9, 8, 7, 6, 5]]
+    return [Req(f"u{i}", p, sp, eos_token_ids=[], seed=23 + i) for i, (p, sp) in enumerate(zip(prompts, params))]
+
+
+def test_steps_without_filters_run_the_unfiltered_program(harness, monkeypatch):
+    """A decode step whose rows filter nothing (greedy, temperature, penalties) runs the program without the
+    sampler's top-k / top-p / min-p / typical-p branch (DecodeRows.filtering; issue #69) and draws the tokens the
+    filtering program draws (K = 1 and K = 4). A row with min_p 0.99 at temperature 1 keeps only its most likely
+    token: its seeded draws are the greedy tokens of its prompt, which only the filtering program gives."""
+    runner = harness[0]
+    launched = []
+    over = DecodeRows._over  # (every DecodeRows a step launches is made here: `build`, `from_rows`)
+    monkeypatch.setattr(DecodeRows, "_over", classmethod(lambda cls, *a: launched.append(over(*a)) or launched[-1]))
+    lean = {k: run(harness, k, True, guarded=True, reqs=unfiltered_reqs({"temperature": 0.0})) for k in (1, 4)}
+    assert launched and not any(r.filtering for r in launched)
+    assert lean[1] == lean[4] and len(set(lean[1][1])) > 1  # (the temperature rows sample)
+    nucleus = run(harness, 1, True, guarded=True, reqs=unfiltered_reqs({"temperature": 1.0, "min_p": 0.99}))
+    assert launched[-1].filtering
+    greedy = run(harness, 1, True, guarded=True, reqs=unfiltered_reqs({"temperature": 0.0}))[3]
+    assert nucleus[3] == greedy and nucleus[:3] == lean[1][:3]
+    monkeypatch.setattr(SamplingParams, "filters", lambda self: True)  # every step on the filtering program
+    assert {k: run(harness, k, True, guarded=True, reqs=unfiltered_reqs({"temperature": 0.0})) for k in (1, 4)} == lean
+    assert launched[-1].filtering and runner.num_compiles_after_warmup == 0
 
 
 def test_planted_implicit_transfer_fails_under_the_guard(harness, monkeypatch):

@@ -157,6 +157,15 @@ class ModelWorkerBatch:
         return self.num_tokens if self.forward_batch.forward_mode == ForwardMode.TARGET_VERIFY else self.num_seqs
 
 
+# Decode buckets of at most this many rows per rank also get a program whose sampler leaves the filters out
+# (`DecodeRows.filtering`): a user alone, whose step is the shortest and whose launch costs most in proportion. On a
+# 2-core CPU the program saved the scheduler's thread ~80 us of CPU per token at batch 1 (issue #69: the constant
+# buffers XLA's CPU runtime allocates at each execution), a quarter of the step; each such program costs start-up
+# another decode program's compile (4.7-8.8 s cold there, ~0.5 s loaded from the cache).
+# (reports/hot-loop-cpu-2026-12-07r.notes.md)
+UNFILTERED_DECODE_ROWS = 1
+
+
 @dataclasses.dataclass
 class DecodeRows:
     """The host inputs of a decode step that reads its sequences' page tables and sampling parameters from the
@@ -172,6 +181,9 @@ class DecodeRows:
         max_new_tokens before). steps: int32[D * S_pad] output tokens the row has before this step (the sampling
         stream's index). constrained: bool[D * S_pad] the row's grammar mask applies (K is then 1).
         num_seqs: int32[D] real rows per rank. The number of steps K is static (part of the program).
+    filtering: static: some row samples with top-k / top-p / min-p / typical-p (`SamplingParams.filters`), or S_pad
+        has no program without them (`has_unfiltered_program`; set so by the constructors); the other steps run a decode program whose
+        sampler leaves the filters out (layers/sampler.sample).
     """
 
     slots: Any
@@ -181,6 +193,7 @@ class DecodeRows:
     steps: Any
     constrained: Any
     num_seqs: Any
+    filtering: bool = static_field(True)
 
     @property
     def num_steps(self) -> int:
@@ -193,10 +206,11 @@ class DecodeRows:
 
     @classmethod
     def build(cls, slots: Sequence[int], input_ids: Sequence[int], positions: Sequence[int], kv_slots: np.ndarray,
-              steps: Sequence[int], constrained: Sequence[bool], s_pad: int) -> "DecodeRows":
+              steps: Sequence[int], constrained: Sequence[bool], s_pad: int, filtering: bool = True) -> "DecodeRows":
         """One rank's rows padded to `s_pad` (kv_slots int32[K, n] for n real rows; slots and placeholders
-        rank-local). The int32 fields are views of one buffer in the fields' order (``packed``: what
-        `packed_inputs.pack` gives for the rows, built without a concatenation; the decode step's one H2D copy)."""
+        rank-local; `filtering`: the field, True without `has_unfiltered_program` whatever given). The int32 fields are
+        views of one buffer in the fields' order (``packed``: what `packed_inputs.pack` gives for the rows, built
+        without a concatenation; the decode step's one H2D copy)."""
         n = len(slots)
         if n > s_pad:
             raise ValueError(f"{n} decode rows do not fit a batch of {s_pad}")
@@ -207,10 +221,10 @@ class DecodeRows:
         cols[3:3 + K, :n] = kv_slots
         cols[3 + K, :n], cols[4 + K, :n] = steps, constrained
         buf[-1] = n
-        return cls._over(buf, K, s_pad)
+        return cls._over(buf, K, s_pad, filtering)
 
     @classmethod
-    def from_rows(cls, rows: Sequence[tuple], s_pad: int) -> "DecodeRows":
+    def from_rows(cls, rows: Sequence[tuple], s_pad: int, filtering: bool = True) -> "DecodeRows":
         """`build` of a one-step decode (K = 1) from each real row's (slot, input_id, position, kv_slot, steps,
         constrained) tuple, written with scalar stores: for a few rows, cheaper than `build`'s column copies (a
         batch-1 decode step's host work; issue #69). Raises ValueError when the rows do not fit `s_pad`."""
@@ -222,25 +236,33 @@ class DecodeRows:
             for j, value in enumerate(row):
                 buf[j * s_pad + i] = value
         buf[-1] = n
-        return cls._over(buf, 1, s_pad)
+        return cls._over(buf, 1, s_pad, filtering)
 
     @classmethod
-    def _over(cls, buf: np.ndarray, K: int, s_pad: int) -> "DecodeRows":
+    def _over(cls, buf: np.ndarray, K: int, s_pad: int, filtering: bool) -> "DecodeRows":
         """The rows whose int32 fields are views of `buf` (int32[(5 + K) * s_pad + 1], the packed layout)."""
         cols = buf[:(5 + K) * s_pad].reshape(5 + K, s_pad)
         rows = cls(slots=cols[0], input_ids=cols[1], positions=cols[2], kv_slots=cols[3:3 + K], steps=cols[3 + K],
-                   constrained=cols[4 + K] != 0, num_seqs=buf[-1:])
+                   constrained=cols[4 + K] != 0, num_seqs=buf[-1:],
+                   filtering=bool(filtering) or not cls.has_unfiltered_program(s_pad))
         rows.packed = buf
         return rows
 
+    @staticmethod
+    def has_unfiltered_program(s_pad: int) -> bool:
+        """Whether decode steps of `s_pad` rows per rank have a program without the sampler's filters
+        (UNFILTERED_DECODE_ROWS, read at each call)."""
+        return s_pad <= UNFILTERED_DECODE_ROWS
+
     @classmethod
-    def padding(cls, s_pad: int, num_steps: int = 1) -> "DecodeRows":
+    def padding(cls, s_pad: int, num_steps: int = 1, filtering: bool = False) -> "DecodeRows":
         """An all-padding rank (idle, or warm-up)."""
-        return cls.build([], [], [], np.zeros((num_steps, 0), np.int32), [], [], s_pad)
+        return cls.build([], [], [], np.zeros((num_steps, 0), np.int32), [], [], s_pad, filtering)
 
     @staticmethod
     def stack(ranks: List["DecodeRows"], slots_per_rank: int) -> "DecodeRows":
-        """D ranks' rows (one S_pad and K each) as one: slots and placeholders moved to the stacked request slots.
+        """D ranks' rows (one S_pad and K each) as one: slots and placeholders moved to the stacked request slots;
+        filtering when any rank's is.
 
         Raises:
             ValueError: the ranks' S_pad or K differ."""
@@ -252,7 +274,8 @@ class DecodeRows:
         return DecodeRows(slots=slots.astype(np.int32), input_ids=ids, positions=cat("positions"),
                           kv_slots=cat("kv_slots"),
                           steps=cat("steps"), constrained=cat("constrained"),
-                          num_seqs=np.concatenate([np.asarray(r.num_seqs) for r in ranks]).astype(np.int32))
+                          num_seqs=np.concatenate([np.asarray(r.num_seqs) for r in ranks]).astype(np.int32),
+                          filtering=any(r.filtering for r in ranks))
 
 
 _PER_RANK_SCALARS = ("num_seqs", "shared_prefix_len")

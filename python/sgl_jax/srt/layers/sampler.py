@@ -343,7 +343,8 @@ def adjust_logits(logits: jax.Array, state: PenaltyState, meta: SamplingBatch) -
     return jax.lax.cond(jnp.any(meta.constrained), lambda x: _mask_vocab(x, meta), lambda x: x, logits)
 
 
-def sample(logits: jax.Array, meta: SamplingBatch, eos_token_ids: jax.Array, state: PenaltyState):
+def sample(logits: jax.Array, meta: SamplingBatch, eos_token_ids: jax.Array, state: PenaltyState,
+           filtering: bool = True):
     """Pick the next token of every row.
 
     Args:
@@ -351,6 +352,11 @@ def sample(logits: jax.Array, meta: SamplingBatch, eos_token_ids: jax.Array, sta
         meta: per-row parameters (see SamplingBatch).
         eos_token_ids: int32[E] ids masked for rows with ``suppress_eos``.
         state: the penalty state (see PenaltyState); updated with each row's newest output token.
+        filtering: trace the top-k / top-p / min-p / typical-p branch (`_sample_filtered`). False leaves it out of
+            the program, for steps whose caller knows no row filters (`SamplingParams.filters` of each row false):
+            a row that filters would then draw from its whole distribution. Every other row draws the same token
+            either way. (XLA's CPU runtime allocates each constant buffer of a program at every execution, taken
+            branch or not; the branch held ~40 of a decode step's ~70: issue #69.)
     Returns:
         (next_token_ids int32[S], lse float32[S], state) where lse is the log-sum-exp of each row's raw logits, so
         ``logits - lse[:, None]`` is the log-softmax of the raw logits (before penalties, masks, temperature and
@@ -383,13 +389,9 @@ def sample(logits: jax.Array, meta: SamplingBatch, eos_token_ids: jax.Array, sta
     # every constant buffer of a program (threefry's rolled loops hold several) at each execution, ~1 us apiece in
     # the scheduler (issue #69); the numbers drawn are the same
     u = uniforms(meta)
-    sampled = jax.lax.switch(
-        branch,
-        [
-            lambda: greedy,
-            lambda: draw(logits, u, temperature),
-            lambda: _sample_filtered(logits, temperature, meta, filters, u),
-        ],
-    )
+    branches = [lambda: greedy, lambda: draw(logits, u, temperature)]
+    if filtering:
+        branches.append(lambda: _sample_filtered(logits, temperature, meta, filters, u))
+    sampled = jax.lax.switch(jnp.minimum(branch, len(branches) - 1), branches)
     next_ids = jnp.where(greedy_rows, greedy, sampled).astype(jnp.int32)
     return next_ids, lse, state

@@ -55,6 +55,7 @@ from sgl_jax.srt.model_executor.warmup import compile_programs
 from sgl_jax.srt.fault_injection import PlantedFaults
 from sgl_jax.srt.forward_batch import DecodeRows, ForwardBatch, ForwardMode, ModelWorkerBatch, stack_ranks
 from sgl_jax.srt.sampling.sampling_batch import SamplingBatch, all_allowed_mask, stack_vocab_masks, vocab_mask_words
+from sgl_jax.srt.sampling.sampling_params import sampling_filters
 from sgl_jax.srt.model_loader.loader import JNP_DTYPES, load_model
 from sgl_jax.srt.server_args import resolve_attention_backend
 from sgl_jax.srt.startup_phases import StartupPhases
@@ -540,7 +541,7 @@ class ModelRunner:
     def _pack_rows(self, rows: DecodeRows) -> tuple:
         """`packed_inputs.pack` of rank-stacked DecodeRows: `DecodeRows.build`'s buffer, or its fields concatenated
         in the layout's order (the layout, per shape, from `pack` the first time, checked against the buffer then)."""
-        key = (np.shape(rows.slots)[0], rows.num_steps, np.shape(rows.num_seqs)[0])
+        key = (np.shape(rows.slots)[0], rows.num_steps, np.shape(rows.num_seqs)[0], rows.filtering)
         buf = getattr(rows, "packed", None)  # (DecodeRows.build's: its fields are views of it)
         if buf is None:
             buf = np.concatenate([np.asarray(rows.slots), np.asarray(rows.input_ids), np.asarray(rows.positions),
@@ -773,11 +774,12 @@ def _second_arg_rows(args: tuple) -> int:
 
 def decode_rows_of(batch: ModelWorkerBatch) -> DecodeRows:
     """The `DecodeRows` of a host-built DECODE batch of one rank (its real rows' slots, input tokens, positions, KV
-    slots, step counts and grammar flags; K = 1)."""
+    slots, step counts and grammar flags; K = 1; filtering when a real row's parameters filter)."""
     fb, sp, n = batch.forward_batch, batch.sampling, batch.num_seqs
+    params = {name: np.asarray(sp.params[name])[:n] for name in ("temperature", "top_p", "top_k", "min_p", "typical_p")}
     return DecodeRows.build(np.asarray(sp.slots)[:n], np.asarray(fb.input_ids)[:n], np.asarray(fb.positions)[:n],
                             np.asarray(fb.out_cache_loc)[:n][None], np.asarray(sp.steps)[:n],
-                            np.asarray(sp.constrained)[:n], batch.rows_pad)
+                            np.asarray(sp.constrained)[:n], batch.rows_pad, bool(np.any(sampling_filters(**params))))
 
 
 def grammar_overlap_on(setting: str, platform: str) -> bool:

@@ -30,7 +30,8 @@ def serving_programs(runner) -> List[Tuple[str, object]]:
     """(name, thunk returning a `ProgramCall` of a `CachedProgram`, or a lowered program) of every program serving
     runs on `runner` (a `ModelRunner`): each extend bucket's forward and the sampling of each of their row counts
     (split: `ModelRunner.launch_ranks`), each decode bucket's step (the slot decode program, with
-    --num-continuous-decode-steps K > 1 also its K-step loop; a host-built fused step without slot state), each
+    --num-continuous-decode-steps K > 1 also its K-step loop; each with the sampler's filters and, where
+    `DecodeRows.has_unfiltered_program`, without; a host-built fused step without slot state), each
     verify bucket's step, the K/V moves per verify shape, the LoRA slot writes, the host tier's KV copies, the
     logprob, label-logprob and penalty-row programs (an embedding server: its extends and classify programs)."""
     shapes = runner.buckets.all_shapes()
@@ -41,7 +42,10 @@ def serving_programs(runner) -> List[Tuple[str, object]]:
         if mode == ForwardMode.DECODE and runner.grammar_split:
             sampled.setdefault(s, (mode, t, s))
         if mode == ForwardMode.DECODE and runner.slot_decode:
-            programs += [(f"decode S={s} K={k}", lower_decode(runner, s, k)) for k in sorted({1, runner.decode_steps})]
+            for k in sorted({1, runner.decode_steps}):
+                programs.append((f"decode S={s} K={k}", lower_decode(runner, s, k, True)))
+                if DecodeRows.has_unfiltered_program(s):
+                    programs.append((f"decode S={s} K={k} unfiltered", lower_decode(runner, s, k, False)))
         elif mode == ForwardMode.EXTEND:
             programs.append((f"extend T={t} S={s}", lower_forward(runner, mode, t, s)))
             sampled.setdefault(s, (mode, t, s))
@@ -92,10 +96,11 @@ def lower_step(runner, mode: ForwardMode, t_pad: int, s_pad: int):
     return lower
 
 
-def lower_decode(runner, s_pad: int, num_steps: int):
-    """A thunk lowering the slot decode program of `s_pad` rows per rank and `num_steps` steps."""
+def lower_decode(runner, s_pad: int, num_steps: int, filtering: bool):
+    """A thunk lowering the slot decode program of `s_pad` rows per rank and `num_steps` steps, its sampling with
+    top-k / top-p / min-p / typical-p filters or without (`filtering`: DecodeRows.filtering)."""
     def lower():
-        buf, layout = pack(DecodeRows.stack([DecodeRows.padding(s_pad, num_steps)] * runner.dp_size,
+        buf, layout = pack(DecodeRows.stack([DecodeRows.padding(s_pad, num_steps, filtering)] * runner.dp_size,
                                             runner.num_request_slots))
         mask = runner._all_allowed_mask(s_pad * runner.dp_size)
         return ProgramCall(runner._decode(num_steps), (runner._param_leaves, runner._kv_args, runner._state,

@@ -109,15 +109,15 @@ def _moe_outputs(spec: StepSpec, model, fb: ForwardBatch):
     return counts, rows
 
 
-def sample_rows(spec: StepSpec, logits, penalty_state, future, sampling):
-    """Sample every row (layers/sampler.sample) and write the sampled tokens to the future buffer: (penalty_state,
-    future, next_ids int32[S], next_lp float32[S] (the raw logits' log-softmax at the token), lse float32[S]).
-    An embedding server samples nothing: zeros."""
+def sample_rows(spec: StepSpec, logits, penalty_state, future, sampling, filtering: bool = True):
+    """Sample every row (layers/sampler.sample; `filtering`: its argument) and write the sampled tokens to the future
+    buffer: (penalty_state, future, next_ids int32[S], next_lp float32[S] (the raw logits' log-softmax at the token),
+    lse float32[S]). An embedding server samples nothing: zeros."""
     if not spec.generates:
         z = jnp.zeros((logits.shape[0],), jnp.float32)
         return penalty_state, future, z.astype(jnp.int32), z, z
     sampling = dataclasses.replace(sampling, last_token=resolve_placeholders(sampling.last_token, future))
-    next_ids, lse, penalty_state = sample(logits, sampling, spec.eos_token_ids, penalty_state)
+    next_ids, lse, penalty_state = sample(logits, sampling, spec.eos_token_ids, penalty_state, filtering)
     future = write_future(future, sampling.slots, sampling.writes_future, next_ids)
     next_lp = jnp.take_along_axis(logits, next_ids[:, None], axis=-1)[:, 0] - lse
     return penalty_state, future, next_ids, next_lp, lse
@@ -182,13 +182,16 @@ def _decode_one(spec: StepSpec, param_leaves, kv_caches, penalty_state, future, 
     fb, sampling, slots = decode_inputs(slots, rows, input_ids, k, live, spec.page_size, spec.with_lora)
     kv_caches, logits, hidden, moe, _ = forward(spec, param_leaves, kv_caches, future, fb)
     sampling = dataclasses.replace(sampling, vocab_mask=vocab_mask)
-    penalty_state, future, next_ids, next_lp, lse = sample_rows(spec, logits, penalty_state, future, sampling)
+    penalty_state, future, next_ids, next_lp, lse = sample_rows(spec, logits, penalty_state, future, sampling,
+                                                                rows.filtering)
     stopped = live & stops(sampling, next_ids, spec.eos_token_ids)
     return kv_caches, penalty_state, future, slots, next_ids, next_lp, logits, lse, hidden, moe, stopped
 
 
 def decode(spec: StepSpec, param_leaves, kv_caches, state, packed, vocab_mask, layout):
-    """K decode steps of `DecodeRows` (K = its kv_slots' first dimension; see the module docstring). Returns
+    """K decode steps of `DecodeRows` (K = its kv_slots' first dimension; see the module docstring), sampling with
+    top-k / top-p / min-p / typical-p filters when the rows' static ``filtering`` says so (a program of its own
+    without them: smaller, and cheaper to launch). Returns
     (kv_caches, state, (tokens int32[2, S] (K = 1) or [2, K, S], logits and lse (None when K > 1), None (a decode
     step's hidden states serve nothing), moe, None)); the tokens of a row after it stopped, or past its KV slots, are
     garbage the host drops."""

@@ -152,10 +152,24 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items() if float(v) != 0.0} or None
 
+    def filters(self) -> bool:
+        """Whether the request samples from a filtered distribution (`sampling_filters` of its fields): its decode
+        steps need the sampler's filtering branch (forward_batch.DecodeRows.filtering)."""
+        return sampling_filters(self.temperature, self.top_p, self.top_k, self.min_p, self.typical_p)
+
     def uses_penalties(self) -> bool:
         """Whether sampling needs the request's token history or bias (the penalty state on device)."""
         return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias))
+
+
+def sampling_filters(temperature, top_p, top_k, min_p, typical_p):
+    """Whether rows sample with top-k, top-p, min-p or typical-p filtering: not greedy (temperature > 0 and top_k
+    not 1) and some filter on (top_p < 1, top_k > 1, min_p > 0, typical_p < 1). Elementwise: numbers give a bool,
+    numpy arrays a bool array. The host's side of layers/sampler.sample's ``filters``, never narrower: a top_k at or
+    above the vocabulary (which `SamplingParams.normalize` makes -1) and parameters that round to "off" in float32
+    count as filtering here."""
+    return (temperature > 0) & (top_k != 1) & ((top_p < 1) | (top_k > 1) | (min_p > 0) | (typical_p < 1))
 
 
 class ContextLengthExceeded(ValueError):

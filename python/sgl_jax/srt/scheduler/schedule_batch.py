@@ -584,15 +584,17 @@ class ScheduleBatch:
 
     def build_decode_rows(self, memory, s_pad: int, num_steps: int = 1) -> DecodeRows:
         """The `DecodeRows` of this DECODE batch (a slot decode reads the rest from the device), padded to `s_pad`
-        rows, for `num_steps` steps (the step's K; a row that samples fewer gets KV slot 0 for the rest).
+        rows, for `num_steps` steps (the step's K; a row that samples fewer gets KV slot 0 for the rest), filtering
+        when a request's sampling filters (`SamplingParams.filters`).
         `memory`: the rank's `KVMemory` (request rows)."""
         reqs = self.reqs
         n = len(reqs)
         table = memory.req_to_token_pool.req_to_token
+        filtering = any(r.sampling_params.filters() for r in reqs)
         if num_steps == 1 and n <= FEW_DECODE_ROWS:  # (scalars: no numpy index iterator; issue #69)
             return DecodeRows.from_rows([(r.req_pool_idx, last_input_token(r), r.seqlen_ahead - 1,
                                           table[r.req_pool_idx, r.seqlen_ahead - 1], r.num_output_total,
-                                          r.grammar is not None) for r in reqs], s_pad)
+                                          r.grammar is not None) for r in reqs], s_pad, filtering)
         # one pass over the requests (the step's hot path): slot, position, input token, outputs so far, grammar
         cols = np.array([(r.req_pool_idx, r.seqlen_ahead - 1, last_input_token(r), r.num_output_total,
                           r.grammar is not None) for r in reqs], np.int64).reshape(n, 5).T
@@ -603,7 +605,7 @@ class ScheduleBatch:
             k = np.arange(num_steps)[:, None]
             limit = np.fromiter((self.decode_steps.get(id(r), 1) for r in reqs), np.int64, n)
             kv = np.where(k < limit[None], table[rows[None], np.minimum(pos[None] + k, table.shape[1] - 1)], 0)
-        return DecodeRows.build(rows, cols[2], pos, kv, cols[3], cols[4], s_pad)
+        return DecodeRows.build(rows, cols[2], pos, kv, cols[3], cols[4], s_pad, filtering)
 
     def vocab_mask(self, s_pad: int, samples: Sequence[bool]) -> Optional[np.ndarray]:
         """int32[s_pad, words]: the grammar bitmask of each row that samples (`samples`, per row) and whose
