@@ -123,10 +123,10 @@ def test_multi_step_decode_slots_continue_each_page(page, n_reqs):
     that position (the last partly filled page continued first), at its offset in the page, no page held by two
     requests, and exactly the new pages taken. At page 16 the first K = 4 block of these prompts fits in the pages
     they have (no new page at all: an IndexError before the fix, seen on a GPU, whose default page is 16).
-    3 requests take `write_positions_each`'s way, 12 `write_positions_batched`'s (more than FEW_REQUESTS)."""
-    from sgl_jax.srt.mem_cache.kv_memory import FEW_REQUESTS
+    3 requests take `write_positions_each`'s way, 12 `write_positions_batched`'s (more than FEW_ROWS)."""
+    from sgl_jax.srt.mem_cache.kv_memory import FEW_ROWS
 
-    assert 3 <= FEW_REQUESTS < 12
+    assert 3 <= FEW_ROWS < 12
     spec = plan_kv_cache(1024, page, 2, [])
     memory = KVMemory.create(spec, num_request_slots=max(SLOTS, n_reqs), context_len=CONTEXT,
                              disable_radix_cache=True)
@@ -166,8 +166,8 @@ def test_multi_step_decode_slots_continue_each_page(page, n_reqs):
 
 @pytest.mark.parametrize("page", [1, 4])
 def test_few_request_decode_steps_equal_the_batched_way(page, monkeypatch):
-    """A small batch's decode step (`KVMemory.allocate_decode`'s scalar way for up to FEW_REQUESTS requests, and
-    `build_decode_rows`' `DecodeRows.from_rows` for up to FEW_DECODE_ROWS rows) takes the same pages, writes the
+    """A small batch's decode step (`KVMemory.allocate_decode`'s scalar way for up to FEW_ROWS requests, and
+    `build_decode_rows`' `DecodeRows.from_rows` for up to FEW_ROWS rows) takes the same pages, writes the
     same slots and packs the same rows as the numpy way the larger batches take: 3 requests, 9 one-step decodes
     from prompts of 5, 7 and 9 tokens (page 4: each crosses a page boundary at least twice)."""
     from sgl_jax.srt.mem_cache import kv_memory
@@ -177,8 +177,8 @@ def test_few_request_decode_steps_equal_the_batched_way(page, monkeypatch):
     runs = {}
     for way in ("few", "batched"):
         if way == "batched":
-            monkeypatch.setattr(kv_memory, "FEW_REQUESTS", 0)
-            monkeypatch.setattr(schedule_batch, "FEW_DECODE_ROWS", 0)
+            monkeypatch.setattr(kv_memory, "FEW_ROWS", 0)
+            monkeypatch.setattr(schedule_batch, "FEW_ROWS", 0)
         memory = KVMemory.create(spec, num_request_slots=SLOTS, context_len=CONTEXT, disable_radix_cache=True)
         reqs = rank_reqs(0)
         for q in reqs:

@@ -10,6 +10,11 @@ from typing import Optional
 
 import numpy as np
 
+# Up to this many rows (a step's requests, a decode step's pages), the host's per-step bookkeeping writes scalars one
+# by one instead of indexing numpy arrays with index arrays: numpy's index iterator costs more than a few scalar stores
+# (issue #69). Read by `PageFreeList.take`, KVMemory's decode allocation and ScheduleBatch.build_decode_rows.
+FEW_ROWS = 8
+
 
 class PageFreeList:
     """Free page ids (int32), oldest free first, with a per-page free flag that catches a double free.
@@ -55,7 +60,7 @@ class PageFreeList:
         else:
             pages = self._ring[self._span(self._head, n)]
         self._head, self._count = end % len(self._ring), self._count - n
-        if n <= 8:  # (a decode step's few pages: scalar stores, no numpy index iterator for an int32 index)
+        if n <= FEW_ROWS:  # (a decode step's few pages)
             for page in pages.tolist():
                 self._is_free[page] = False
         else:

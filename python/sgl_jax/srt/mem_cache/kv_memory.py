@@ -31,6 +31,7 @@ from sgl_jax.srt.mem_cache.base_prefix_cache import MatchResult
 from sgl_jax.srt.mem_cache.cache_manager import cache_unfinished_req, match_req, own_swa_pages, \
     release_swa_out_of_window
 from sgl_jax.srt.mem_cache.common import alloc_with_evict, evict_for_pages, release_kv_cache
+from sgl_jax.srt.mem_cache.free_list import FEW_ROWS
 from sgl_jax.srt.mem_cache.hi_radix_cache import HostTier
 from sgl_jax.srt.mem_cache.kv_invariants import check_kv_invariants
 from sgl_jax.srt.mem_cache.registry import cache_kind_for, create_prefix_cache
@@ -291,7 +292,7 @@ class KVMemory:
         todo = [(r, e) for r, e in ((r, r.seqlen_ahead) for r in reqs) if r.kv_allocated_len < e]
         if not todo:
             return True
-        if len(todo) <= FEW_REQUESTS:
+        if len(todo) <= FEW_ROWS:
             return self._allocate_few(todo)
         n = len(todo)
         pos = np.fromiter((e for _, e in todo), np.int64, n) - 1
@@ -350,7 +351,7 @@ class KVMemory:
         if pages is None:  # (eviction freed the pages just above)
             raise RuntimeError("KV pages vanished between eviction and allocation")
         table = self.req_to_token_pool.req_to_token
-        if len(todo) <= FEW_REQUESTS:
+        if len(todo) <= FEW_ROWS:
             write_positions_each(table, todo, pages, ps)
         else:
             write_positions_batched(table, todo, pages, ps)
@@ -648,9 +649,6 @@ class KVBudget:
         if self.memory.window:
             self.rem_swa_pages -= max(0, self._swa_peak_pages(req, n, future) - own_swa_pages(req, self.ps))
         return True
-
-
-FEW_REQUESTS = 8  # up to this many requests, `_allocate_positions` writes each one's slots in turn (issue #69)
 
 
 def write_positions_each(table: np.ndarray, todo: list, pages: np.ndarray, ps: int) -> None:

@@ -13,13 +13,13 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from sgl_jax.srt.mem_cache.base_prefix_cache import live_namespace
+from sgl_jax.srt.mem_cache.free_list import FEW_ROWS
 from sgl_jax.srt.mem_cache.req_kv import forget_kv, init_req_kv
 from sgl_jax.srt.model_executor.buckets import ShapeBuckets
 from sgl_jax.srt.forward_batch import DecodeRows, ForwardBatch, ForwardMode, ModelWorkerBatch
 from sgl_jax.srt.sampling.sampling_batch import STOP_IDS_WIDTH, SamplingBatch, all_allowed_mask
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
-FEW_DECODE_ROWS = 8  # up to this many rows, a one-step decode's rows are written as scalars (`DecodeRows.from_rows`)
 
 # ---------------------------------------------------------------- finish reasons (SGLang's JSON shapes)
 @dataclasses.dataclass
@@ -591,10 +591,10 @@ class ScheduleBatch:
         n = len(reqs)
         table = memory.req_to_token_pool.req_to_token
         filtering = any(r.sampling_params.filters() for r in reqs)
-        if num_steps == 1 and n <= FEW_DECODE_ROWS:  # (scalars: no numpy index iterator; issue #69)
-            return DecodeRows.from_rows([(r.req_pool_idx, last_input_token(r), r.seqlen_ahead - 1,
-                                          table[r.req_pool_idx, r.seqlen_ahead - 1], r.num_output_total,
-                                          r.grammar is not None) for r in reqs], s_pad, filtering)
+        if num_steps == 1 and n <= FEW_ROWS:  # (scalars: no numpy index iterator; issue #69)
+            return DecodeRows.from_rows([(r.req_pool_idx, last_input_token(r), (pos := r.seqlen_ahead - 1),
+                                          table[r.req_pool_idx, pos], r.num_output_total, r.grammar is not None)
+                                         for r in reqs], s_pad, filtering)
         # one pass over the requests (the step's hot path): slot, position, input token, outputs so far, grammar
         cols = np.array([(r.req_pool_idx, r.seqlen_ahead - 1, last_input_token(r), r.num_output_total,
                           r.grammar is not None) for r in reqs], np.int64).reshape(n, 5).T
