@@ -590,7 +590,7 @@ class ScheduleBatch:
         reqs = self.reqs
         n = len(reqs)
         table = memory.req_to_token_pool.req_to_token
-        filtering = any(r.sampling_params.filters() for r in reqs)
+        filtering = not DecodeRows.has_unfiltered_program(s_pad) or any(r.sampling_params.filters() for r in reqs)
         if num_steps == 1 and n <= FEW_ROWS:  # (scalars: no numpy index iterator; issue #69)
             return DecodeRows.from_rows([(r.req_pool_idx, last_input_token(r), (pos := r.seqlen_ahead - 1),
                                           table[r.req_pool_idx, pos], r.num_output_total, r.grammar is not None)
